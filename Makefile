@@ -1,0 +1,36 @@
+# `make test` and `make serve` create .venv when missing and install the project into it (idempotent, quick when done).
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed-stamp
+
+.PHONY: venv test test-fast lint serve clean system-deps
+
+# torch first, pinned to the CPU wheel this machine carries; the project itself only asks for torch>=2.6 so GPU users keep their build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Debian packages the sandbox tests need (bubblewrap for namespaces, zstd for snapshot export). Skipped when not root or already present.
+system-deps:
+	@if ! command -v bwrap >/dev/null 2>&1 && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd >/dev/null; fi
+
+test: venv system-deps
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow and not sandbox and not distributed"
+
+lint: venv
+	.venv/bin/ruff check openk3 tests benchmarks
+
+serve: venv
+	.venv/bin/openk3 serve
+
+clean:
+	rm -rf .venv build *.egg-info

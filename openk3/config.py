@@ -1,0 +1,378 @@
+"""Model configuration: one frozen dataclass that describes K3, Kimi-Linear and the small test/demo models.
+
+Every optional K3 feature is a field whose "off" value gives Kimi-Linear back (no AttnRes, experts at full width,
+softplus KDA gate, low-rank KDA output gate, no MLA output gate, SiLU). `param_count()` derives the parameter totals
+from the fields alone, so the planner can reason about a 2.8T model without allocating it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+
+class LayerKind(str, enum.Enum):
+    KDA = "kda"
+    MLA = "mla"
+
+
+class KDAGate(str, enum.Enum):
+    SOFTPLUS = "softplus"  # Kimi Linear: g = -exp(A) * softplus(f + dt_bias)
+    LOWER_BOUND = "lower_bound"  # K3 "safe gate": g = lb * sigmoid(exp(A) * (f + dt_bias))
+
+
+class Activation(str, enum.Enum):
+    SILU = "silu"
+    SITU = "situ"
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ModelConfig.{field_name}={value!r} is invalid: expected {allowed}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        _fail(name, value, "a positive integer")
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    gate: KDAGate = KDAGate.SOFTPLUS
+    gate_lower_bound: float | None = None
+    full_rank_output_gate: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("kda.num_heads", self.num_heads)
+        _positive("kda.head_dim", self.head_dim)
+        _positive("kda.conv_kernel", self.conv_kernel)
+        if self.gate == KDAGate.LOWER_BOUND and (self.gate_lower_bound is None or self.gate_lower_bound >= 0):
+            _fail("kda.gate_lower_bound", self.gate_lower_bound, "a negative float when gate='lower_bound'")
+
+    @property
+    def proj_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("mla.q_lora_rank", self.q_lora_rank)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached token per MLA layer: normalised c_kv plus the shared k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int
+    num_shared_experts: int = 1
+    latent_size: int | None = None  # routed_expert_hidden_size; None = experts at full width (Kimi Linear)
+    latent_norm: bool = False
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("moe.num_experts", self.num_experts)
+        _positive("moe.moe_intermediate_size", self.moe_intermediate_size)
+        if not 0 < self.num_experts_per_token <= self.num_experts:
+            _fail("moe.num_experts_per_token", self.num_experts_per_token, f"1..{self.num_experts}")
+        if self.num_shared_experts < 0:
+            _fail("moe.num_shared_experts", self.num_shared_experts, ">= 0")
+        if self.latent_size is not None:
+            _positive("moe.latent_size", self.latent_size)
+        if self.latent_norm and self.latent_size is None:
+            _fail("moe.latent_norm", True, "False when latent_size is None")
+
+
+class ParamCount(NamedTuple):
+    total: int
+    active: int  # per token: input embedding excluded, lm_head included, top-k routed experts only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    mla_layers: tuple[int, ...]  # 0-based indices of the gated-MLA layers; every other layer is KDA
+    kda: KDAConfig
+    mla: MLAConfig
+    moe: MoEConfig
+    intermediate_size: int  # dense MLP of the first `first_k_dense_replace` layers
+    first_k_dense_replace: int = 1
+    hidden_act: Activation = Activation.SILU
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    attn_res_block_size: int | None = None  # decoder layers per AttnRes block; None = plain residuals
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    expert_quantization: str | None = None  # "mxfp4" for K3's packed routed experts
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        _positive("vocab_size", self.vocab_size)
+        _positive("hidden_size", self.hidden_size)
+        _positive("num_hidden_layers", self.num_hidden_layers)
+        _positive("intermediate_size", self.intermediate_size)
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mla_layers) or len(set(self.mla_layers)) != len(self.mla_layers):
+            _fail("mla_layers", self.mla_layers, f"distinct layer indices in 0..{self.num_hidden_layers - 1}")
+        if tuple(sorted(self.mla_layers)) != tuple(self.mla_layers):
+            _fail("mla_layers", self.mla_layers, "sorted ascending")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            _fail("first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")
+        if self.attn_res_block_size is not None:
+            _positive("attn_res_block_size", self.attn_res_block_size)
+        if not self.rms_norm_eps > 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "> 0")
+        if self.expert_quantization not in (None, "mxfp4"):
+            _fail("expert_quantization", self.expert_quantization, "None or 'mxfp4'")
+        if self.expert_quantization == "mxfp4":
+            width = self.moe.latent_size or self.hidden_size
+            for dim_name, dim in (("expert input width", width), ("moe_intermediate_size", self.moe.moe_intermediate_size)):
+                if dim % 32:
+                    _fail("expert_quantization", "mxfp4", f"{dim_name} ({dim}) to be a multiple of 32")
+
+    # ---- layer schedule ------------------------------------------------------------------------------------------
+
+    def layer_kind(self, i: int) -> LayerKind:
+        return LayerKind.MLA if i in self.mla_layers else LayerKind.KDA
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.mla_layers)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- parameter accounting (no allocation) --------------------------------------------------------------------
+
+    def kda_layer_params(self) -> int:
+        d, k = self.hidden_size, self.kda
+        p = k.proj_dim
+        n = 3 * p * d  # q, k, v
+        n += 3 * p * k.conv_kernel  # depthwise short convs, no bias
+        n += k.head_dim * d + p * k.head_dim  # forget gate low rank f_a, f_b
+        n += k.num_heads + p  # A_log, dt_bias
+        n += k.num_heads * d  # b_proj
+        n += p * d if k.full_rank_output_gate else k.head_dim * d + p * k.head_dim  # output gate
+        n += k.head_dim  # o_norm
+        n += d * p  # o_proj
+        return n
+
+    def mla_layer_params(self) -> int:
+        d, m = self.hidden_size, self.mla
+        h = m.num_heads
+        if m.q_lora_rank is None:
+            n = h * m.qk_head_dim * d
+        else:
+            n = m.q_lora_rank * d + m.q_lora_rank + h * m.qk_head_dim * m.q_lora_rank
+        n += m.latent_dim * d + m.kv_lora_rank
+        n += h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+        if m.output_gate:
+            n += h * m.v_head_dim * d
+        n += d * h * m.v_head_dim
+        return n
+
+    def routed_expert_params(self) -> int:
+        width = self.moe.latent_size or self.hidden_size
+        return 3 * width * self.moe.moe_intermediate_size
+
+    def moe_layer_fixed_params(self) -> int:
+        """Everything in an MoE layer except the routed experts: router, shared experts, latent projections."""
+        d, e = self.hidden_size, self.moe
+        n = e.num_experts * d + e.num_experts  # router weight + selection bias
+        n += 3 * d * e.moe_intermediate_size * e.num_shared_experts
+        if e.latent_size is not None:
+            n += 2 * d * e.latent_size + (e.latent_size if e.latent_norm else 0)
+        return n
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def attn_res_params_per_layer(self) -> int:
+        return 0 if self.attn_res_block_size is None else 4 * self.hidden_size
+
+    def param_count(self) -> ParamCount:
+        d = self.hidden_size
+        per_layer_common = 2 * d + self.attn_res_params_per_layer()  # two RMSNorms + AttnRes queries and norms
+        total = active = 0
+        for i in range(self.num_hidden_layers):
+            mixer = self.mla_layer_params() if self.layer_kind(i) == LayerKind.MLA else self.kda_layer_params()
+            total += mixer + per_layer_common
+            active += mixer + per_layer_common
+            if self.is_moe_layer(i):
+                fixed = self.moe_layer_fixed_params()
+                total += fixed + self.moe.num_experts * self.routed_expert_params()
+                active += fixed + self.moe.num_experts_per_token * self.routed_expert_params()
+            else:
+                total += self.dense_mlp_params()
+                active += self.dense_mlp_params()
+        tail = d + (0 if self.attn_res_block_size is None else 2 * d)  # final norm + output AttnRes mixer
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        embed = self.vocab_size * d
+        total += tail + head + embed
+        active += tail + (head if head else embed)
+        return ParamCount(total=total, active=active)
+
+    # ---- HF config.json ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
+        from openk3.config_hf import config_from_hf
+
+        return config_from_hf(source)
+
+    def to_hf(self) -> dict[str, Any]:
+        from openk3.config_hf import config_to_hf
+
+        return config_to_hf(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf(), indent=2) + "\n")
+
+
+# ---- presets -----------------------------------------------------------------------------------------------------
+
+
+def _k3_schedule(num_layers: int) -> tuple[int, ...]:
+    """MLA iff (i + 1) % 4 == 0 or i is the last layer (K3 ends on an MLA layer)."""
+    return tuple(i for i in range(num_layers) if (i + 1) % 4 == 0 or i == num_layers - 1)
+
+
+def k3() -> ModelConfig:
+    """The released Kimi K3 text backbone (shared/spec/model.md section 1)."""
+    return ModelConfig(
+        name="k3",
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=93,
+        mla_layers=_k3_schedule(93),
+        kda=KDAConfig(num_heads=96, head_dim=128, conv_kernel=4, gate=KDAGate.LOWER_BOUND, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        moe=MoEConfig(
+            num_experts=896,
+            num_experts_per_token=16,
+            moe_intermediate_size=3072,
+            num_shared_experts=2,
+            latent_size=3584,
+            latent_norm=True,
+            routed_scaling_factor=1.0,
+        ),
+        intermediate_size=33792,
+        first_k_dense_replace=1,
+        hidden_act=Activation.SITU,
+        attn_res_block_size=12,
+        expert_quantization="mxfp4",
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+    )
+
+
+def kimi_linear_48b() -> ModelConfig:
+    """Kimi-Linear-48B-A3B, K3's open predecessor: softplus gate, plain residuals, full-width experts, SiLU."""
+    return ModelConfig(
+        name="kimi_linear_48b",
+        vocab_size=163840,
+        hidden_size=2304,
+        num_hidden_layers=27,
+        mla_layers=(3, 7, 11, 15, 19, 23, 26),
+        kda=KDAConfig(num_heads=32, head_dim=128, conv_kernel=4),
+        mla=MLAConfig(num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024, num_shared_experts=1, routed_scaling_factor=2.446),
+        intermediate_size=9216,
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+    )
+
+
+def tiny(vocab_size: int = 4096) -> ModelConfig:
+    """The embedded demo model (~12M parameters) with every K3 feature on."""
+    return ModelConfig(
+        name="tiny",
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_hidden_layers=8,
+        mla_layers=_k3_schedule(8),
+        kda=KDAConfig(num_heads=4, head_dim=64, conv_kernel=4, gate=KDAGate.LOWER_BOUND, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, output_gate=True),
+        moe=MoEConfig(
+            num_experts=16,
+            num_experts_per_token=4,
+            moe_intermediate_size=128,
+            num_shared_experts=2,
+            latent_size=128,
+            latent_norm=True,
+        ),
+        intermediate_size=768,
+        hidden_act=Activation.SITU,
+        attn_res_block_size=4,
+        expert_quantization="mxfp4",
+        max_position_embeddings=8192,
+    )
+
+
+def debug() -> ModelConfig:
+    """A few small layers with every K3 feature on, for unit tests (runs in milliseconds)."""
+    return ModelConfig(
+        name="debug",
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=5,
+        mla_layers=_k3_schedule(5),
+        kda=KDAConfig(num_heads=2, head_dim=16, conv_kernel=4, gate=KDAGate.LOWER_BOUND, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
+        moe=MoEConfig(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1, latent_size=32, latent_norm=True),
+        intermediate_size=128,
+        hidden_act=Activation.SITU,
+        attn_res_block_size=2,
+        max_position_embeddings=4096,
+    )
+
+
+PRESETS = {"debug": debug, "tiny": tiny, "kimi_linear_48b": kimi_linear_48b, "k3": k3}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None

@@ -1,0 +1,115 @@
+"""The only types that cross the serve <-> model seam: one step's packed batch and the cache tensors it reads and writes.
+
+Legend: T tokens in the step (all sequences laid end to end), N sequences, P pages per sequence (max), S state slots,
+L_kda / L_mla layers of each kind, H heads, K = V = KDA head dim, C = 3 * H * K conv channels, W conv kernel,
+NP pages in the pool, PS tokens per page, R = kv_lora_rank + qk_rope_head_dim (the MLA latent width).
+
+Contract: the model reads the cache state of sequence i from `state_slots[i]` and pages `page_table[i]`, writes the
+state after the step back into the same slot and the new tokens' latents into the pages covering positions
+`[context_lens[i], context_lens[i] + new_tokens_i)`. It never allocates or frees slots and pages: the cache manager does,
+and it must have zeroed nothing in particular -- a sequence with `context_lens[i] == 0` starts from a zero state whatever the
+slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openk3.config import LayerKind, ModelConfig
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions
+    cu_seqlens: torch.Tensor  # [N + 1] int64, sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1]
+    context_lens: torch.Tensor  # [N] int64, tokens already in the cache before this step
+    state_slots: torch.Tensor | None = None  # [N] int64, KDA state slot per sequence (None: no cache)
+    page_table: torch.Tensor | None = None  # [N, P] int64 MLA page ids (None: no cache)
+    logits_indices: torch.Tensor | None = None  # [M] token rows whose logits are wanted (None: all)
+    is_decode: bool = False  # every sequence contributes exactly one token: the runner picks decode ops
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.state_slots is not None
+
+    @staticmethod
+    def from_tokens(input_ids: torch.Tensor) -> ForwardBatch:
+        """A cache-free batch of equal-length sequences [B, L] (training and reference forwards)."""
+        b, seq_len = input_ids.shape
+        device = input_ids.device
+        return ForwardBatch(
+            input_ids=input_ids.reshape(-1),
+            positions=torch.arange(seq_len, device=device).repeat(b),
+            cu_seqlens=torch.arange(0, (b + 1) * seq_len, seq_len, device=device, dtype=torch.int64),
+            context_lens=torch.zeros(b, dtype=torch.int64, device=device),
+        )
+
+    @staticmethod
+    def for_step(
+        token_lists: list[list[int]], context_lens: list[int], state_slots: list[int], page_table: torch.Tensor, only_last_logits: bool = True
+    ) -> ForwardBatch:
+        """Pack the new tokens of several cached sequences into one step (what the runner builds each iteration)."""
+        device = page_table.device
+        lens = [len(t) for t in token_lists]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        positions = [c + j for c, n in zip(context_lens, lens) for j in range(n)]
+        return ForwardBatch(
+            input_ids=torch.tensor([t for toks in token_lists for t in toks], dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
+            state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
+            page_table=page_table,
+            logits_indices=torch.tensor(cu[1:], dtype=torch.int64, device=device) - 1 if only_last_logits else None,
+            is_decode=all(n == 1 for n in lens),
+        )
+
+
+@dataclass
+class CacheTensors:
+    """Preallocated pools. The model mutates their contents in place; their shapes never change."""
+
+    kda_state: list[torch.Tensor]  # per KDA layer [S, H, K, V] fp32
+    conv_state: list[torch.Tensor]  # per KDA layer [S, C, W - 1], q | k | v channels
+    mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R]
+    page_size: int
+
+    @staticmethod
+    def allocate(
+        config: ModelConfig,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> CacheTensors:
+        kda = config.kda
+        n_kda = sum(1 for k in config.layer_kinds if k == LayerKind.KDA)
+        n_mla = config.num_hidden_layers - n_kda
+        return CacheTensors(
+            kda_state=[torch.zeros(num_slots, kda.num_heads, kda.head_dim, kda.head_dim, dtype=torch.float32, device=device) for _ in range(n_kda)],
+            conv_state=[torch.zeros(num_slots, 3 * kda.proj_dim, kda.conv_kernel - 1, dtype=dtype, device=device) for _ in range(n_kda)],
+            mla_latent=[torch.zeros(num_pages, page_size, config.mla.latent_dim, dtype=dtype, device=device) for _ in range(n_mla)],
+            page_size=page_size,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.kda_state[0].shape[0] if self.kda_state else 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.mla_latent[0].shape[0] if self.mla_latent else 0

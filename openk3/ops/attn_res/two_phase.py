@@ -1,0 +1,59 @@
+"""Attention Residuals, two-phase evaluation: an exact reorganisation of the one-shot mixer.
+
+Legend: B completed blocks (nb), Q pseudo-queries of one AttnRes block, N tokens, D hidden width.
+
+Within an AttnRes block the completed blocks do not change; only the current partial sum does. Phase 1 therefore scores all
+Q pseudo-queries of the block against the B completed blocks at once (one batched einsum, the blocks read once) and keeps,
+per query and token, the softmax-weighted mean over the blocks and its log-sum-exp. Phase 2, once per sublayer, adds the single
+extra source (the partial sum) with an online-softmax update:
+lse' = logaddexp(lse, l), out' = out * exp(lse - lse') + prefix * exp(l - lse').
+This equals softmax over all B + 1 sources because softmax normalisation factors through the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from openk3.ops.attn_res.naive import check_query, rms_keys
+
+
+class BlockPartial(NamedTuple):
+    out_QND: torch.Tensor  # fp32 softmax-weighted mean over the completed blocks, per pseudo-query
+    lse_QN: torch.Tensor  # fp32 log-sum-exp of those logits
+
+
+def attn_res_phase1(blocks_BND: torch.Tensor, queries_QD: torch.Tensor, norm_weights_QD: torch.Tensor, eps: float) -> BlockPartial:
+    if blocks_BND.dim() != 3 or blocks_BND.shape[0] < 1:
+        raise ValueError(f"attn_res_phase1: blocks shape {tuple(blocks_BND.shape)}, expected [nb >= 1, N, D]")
+    width = blocks_BND.shape[-1]
+    if queries_QD.dim() != 2 or queries_QD.shape[1] != width or queries_QD.shape[0] < 1:
+        raise ValueError(f"attn_res_phase1: queries shape {tuple(queries_QD.shape)}, expected [Q >= 1, {width}]")
+    if norm_weights_QD.shape != queries_QD.shape:
+        raise ValueError(f"attn_res_phase1: norm_weights shape {tuple(norm_weights_QD.shape)}, expected {tuple(queries_QD.shape)}")
+    v32 = blocks_BND.float()
+    q32 = norm_weights_QD.float() * queries_QD.float()
+    logits_QBN = torch.einsum("bnd,qd->qbn", rms_keys(v32, eps), q32)
+    lse_QN = torch.logsumexp(logits_QBN, dim=1)
+    p_QBN = torch.exp(logits_QBN - lse_QN.unsqueeze(1))
+    out_QND = torch.einsum("qbn,bnd->qnd", p_QBN, v32)
+    return BlockPartial(out_QND, lse_QN)
+
+
+def attn_res_merge(
+    partial: BlockPartial, q: int, prefix_ND: torch.Tensor, query_D: torch.Tensor, norm_weight_D: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Mix pseudo-query q's block partial with the current partial sum; returns [N, D] in prefix's dtype."""
+    num_q, n_tok, width = partial.out_QND.shape
+    if not 0 <= q < num_q:
+        raise ValueError(f"attn_res_merge: q={q} out of range, expected 0..{num_q - 1}")
+    if prefix_ND.shape != (n_tok, width):
+        raise ValueError(f"attn_res_merge: prefix shape {tuple(prefix_ND.shape)}, expected ({n_tok}, {width}) to match phase 1")
+    check_query("merge", query_D, norm_weight_D, width)
+    p32 = prefix_ND.float()
+    logit_N = rms_keys(p32, eps) @ (norm_weight_D.float() * query_D.float())
+    lse_N = partial.lse_QN[q]
+    new_lse_N = torch.logaddexp(lse_N, logit_N)
+    out_ND = partial.out_QND[q] * torch.exp(lse_N - new_lse_N).unsqueeze(-1) + p32 * torch.exp(logit_N - new_lse_N).unsqueeze(-1)
+    return out_ND.to(prefix_ND.dtype)

@@ -1,0 +1,214 @@
+"""Router and routed experts: grouped == naive, selection-only bias, bank access pattern, input errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from openk3.config import Activation
+from openk3.ops.activation import glu
+from openk3.ops.moe import (
+    DenseExpertBank,
+    ExpertWeights,
+    MoEExpertsFn,
+    moe_experts_grouped,
+    moe_experts_naive,
+    moe_experts_op,
+    sigmoid_topk_route,
+)
+
+ACTS = {kind.value: functools.partial(glu, kind=kind) for kind in Activation}
+
+
+class CountingBank:
+    """Wraps a bank and records which experts were requested, in order."""
+
+    def __init__(self, inner: DenseExpertBank) -> None:
+        self.inner = inner
+        self.requested: list[int] = []
+
+    @property
+    def num_experts(self) -> int:
+        return self.inner.num_experts
+
+    def expert(self, e: int, dtype: torch.dtype) -> ExpertWeights:
+        self.requested.append(e)
+        return self.inner.expert(e, dtype)
+
+
+def _bank(e: int, d: int, i: int, seed: int) -> DenseExpertBank:
+    g = torch.Generator().manual_seed(seed)
+    return DenseExpertBank(
+        torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, d, i, generator=g) / i**0.5
+    )
+
+
+def _routing(t: int, e: int, k: int, seed: int, experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct random experts per token drawn from the first `experts` ids (so the rest get zero tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = experts or e
+    idx = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.int64)
+    return idx, torch.rand(t, k, generator=g)
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("t,e,k,used", [(1, 4, 1, 4), (9, 8, 2, 5), (33, 6, 6, 6), (20, 16, 4, 7), (64, 5, 3, 5)])
+def test_grouped_matches_naive_fp32(act: str, t: int, e: int, k: int, used: int) -> None:
+    d, i = 24, 16
+    bank = _bank(e, d, i, seed=t + e)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)) * 3
+    idx, w = _routing(t, e, k, seed=k, experts=used)
+    want = moe_experts_naive(x, idx, w, bank, ACTS[act])
+    got = moe_experts_grouped(x, idx, w, bank, ACTS[act])
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_naive_matches_per_token_transcription(act: str) -> None:
+    t, e, k, d, i = 6, 5, 3, 8, 12
+    bank = _bank(e, d, i, seed=2)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(3))
+    idx, w = _routing(t, e, k, seed=4)
+    want = torch.zeros(t, d, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            w1, w3, w2 = (m.double() for m in bank.expert(int(idx[tok, j]), torch.float32))
+            h = ACTS[act]((w1 @ x[tok].double()).unsqueeze(0), (w3 @ x[tok].double()).unsqueeze(0)).squeeze(0)
+            want[tok] += float(w[tok, j]) * (w2 @ h)
+    torch.testing.assert_close(moe_experts_naive(x, idx, w, bank, ACTS[act]).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_grouped_matches_naive_bf16(act: str) -> None:
+    t, e, k, d, i = 40, 8, 4, 64, 32
+    bank = _bank(e, d, i, seed=5)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(6)).bfloat16()
+    idx, w = _routing(t, e, k, seed=7, experts=6)
+    want = moe_experts_naive(x, idx, w, bank, ACTS[act])
+    got = moe_experts_grouped(x, idx, w, bank, ACTS[act])
+    assert got.dtype == torch.bfloat16
+    # Same bf16 matmuls on the same rows, fp32 accumulation in a different order: at most a rounding step apart.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    ref = moe_experts_naive(x.float(), idx, w, bank, ACTS[act])
+    torch.testing.assert_close(got.float(), ref, rtol=5e-2, atol=5e-2)
+
+
+def test_only_experts_with_tokens_are_requested() -> None:
+    e = 10
+    bank = _bank(e, 8, 8, seed=1)
+    idx = torch.tensor([[7, 2], [2, 9], [7, 9]])
+    w = torch.ones(3, 2)
+    x = torch.randn(3, 8)
+    counting = CountingBank(bank)
+    moe_experts_grouped(x, idx, w, counting, ACTS["silu"])
+    assert counting.requested == [2, 7, 9]
+    naive_counting = CountingBank(bank)
+    moe_experts_naive(x, idx, w, naive_counting, ACTS["silu"])
+    assert naive_counting.requested == [2, 7, 9]
+
+
+def test_no_tokens_and_zero_weights() -> None:
+    bank = CountingBank(_bank(4, 8, 8, seed=1))
+    empty = moe_experts_grouped(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), bank, ACTS["situ"])
+    assert empty.shape == (0, 8) and bank.requested == []
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    assert torch.equal(moe_experts_grouped(x, idx, torch.zeros(3, 2), bank, ACTS["situ"]), torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("impl", ["naive", "fast", "auto"])
+def test_dispatch_by_name(impl: str) -> None:
+    want = moe_experts_naive if impl == "naive" else moe_experts_grouped
+    assert moe_experts_op(impl) is want
+
+
+def test_dispatch_unknown_name() -> None:
+    with pytest.raises(ValueError, match="'triton'.*naive, fast, auto"):
+        moe_experts_op("triton")
+
+
+@pytest.mark.parametrize("fn", [moe_experts_naive, moe_experts_grouped])
+def test_bad_shapes_raise(fn: MoEExpertsFn) -> None:
+    bank = _bank(4, 8, 6, seed=0)
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    w = torch.ones(3, 2)
+    act = ACTS["silu"]
+    with pytest.raises(ValueError, match=r"x shape \(3, 1, 8\)"):
+        fn(x.unsqueeze(1), idx, w, bank, act)
+    with pytest.raises(ValueError, match="topk_idx shape"):
+        fn(x, idx[:2], w[:2], bank, act)
+    with pytest.raises(ValueError, match="topk_weight shape"):
+        fn(x, idx, w[:, :1], bank, act)
+    with pytest.raises(ValueError, match="integer dtype"):
+        fn(x, idx.float(), w, bank, act)
+    with pytest.raises(ValueError, match=r"expert ids span 0\.\.4, expected 0\.\.3"):
+        fn(x, idx + (idx == 3).long(), w, bank, act)
+    with pytest.raises(ValueError, match="expected 0..3"):
+        fn(x, idx - 1, w, bank, act)
+    with pytest.raises(ValueError, match=r"expert 0 weights .* input width 12"):
+        fn(torch.randn(3, 12), idx, w, bank, act)
+
+
+def test_router_bias_changes_selection_not_weights() -> None:
+    # Two tokens, four experts; logits chosen directly through an identity router weight.
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, -0.5, 1.5, 0.0]])
+    weight = torch.eye(4)
+    s = torch.sigmoid(x)
+    plain = sigmoid_topk_route(x, weight, None, k=2, renormalize=True, scaling=1.0)
+    assert plain.topk_idx.tolist() == [[0, 1], [2, 0]]
+    bias = torch.tensor([0.0, -1.0, 0.0, 1.0])
+    out = sigmoid_topk_route(x, weight, bias, k=2, renormalize=True, scaling=1.0)
+    assert out.topk_idx.dtype == torch.int64 and out.topk_weight.dtype == torch.float32
+    assert out.topk_idx.tolist() == [[3, 0], [3, 2]]
+    sel = s.gather(1, out.topk_idx)
+    torch.testing.assert_close(out.topk_weight, sel / sel.sum(-1, keepdim=True))
+    torch.testing.assert_close(out.scores, s)
+    biased = (s + bias).gather(1, out.topk_idx)
+    assert not torch.allclose(out.topk_weight, biased / biased.sum(-1, keepdim=True))
+
+
+def test_router_scaling_and_no_renormalize() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(7, 12, generator=g), torch.randn(9, 12, generator=g), 0.1 * torch.randn(9, generator=g)
+    s = torch.sigmoid(x @ weight.t())
+    renorm = sigmoid_topk_route(x, weight, bias, k=3, renormalize=True, scaling=2.446)
+    torch.testing.assert_close(renorm.topk_weight.sum(-1), torch.full((7,), 2.446))
+    raw = sigmoid_topk_route(x, weight, bias, k=3, renormalize=False, scaling=2.5)
+    assert torch.equal(raw.topk_idx, renorm.topk_idx)
+    torch.testing.assert_close(raw.topk_weight, s.gather(1, raw.topk_idx) * 2.5)
+    assert torch.equal(raw.topk_idx, torch.topk(s + bias, 3, dim=-1).indices)
+
+
+def test_router_bf16_input_scores_in_fp32() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(5, 16, generator=g), torch.randn(6, 16, generator=g)
+    out = sigmoid_topk_route(x.bfloat16(), weight.bfloat16(), None, k=6, renormalize=True, scaling=1.0)
+    assert out.scores.dtype == torch.float32
+    torch.testing.assert_close(out.scores, torch.sigmoid(x.bfloat16().float() @ weight.bfloat16().float().t()))
+    assert sorted(out.topk_idx[0].tolist()) == list(range(6))
+
+
+def test_router_bad_arguments_raise() -> None:
+    x, weight = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="k=6, expected 1..5"):
+        sigmoid_topk_route(x, weight, None, k=6, renormalize=True, scaling=1.0)
+    with pytest.raises(ValueError, match="k=0"):
+        sigmoid_topk_route(x, weight, None, k=0, renormalize=True, scaling=1.0)
+    with pytest.raises(ValueError, match=r"bias shape \(4,\), expected \(5,\)"):
+        sigmoid_topk_route(x, weight, torch.zeros(4), k=2, renormalize=True, scaling=1.0)
+    with pytest.raises(ValueError, match="weight shape"):
+        sigmoid_topk_route(x, weight[:, :3], None, k=2, renormalize=True, scaling=1.0)
+
+
+def test_router_then_experts_end_to_end() -> None:
+    g = torch.Generator().manual_seed(2)
+    t, e, k, d = 50, 16, 4, 32
+    x = torch.randn(t, d, generator=g)
+    route = sigmoid_topk_route(x, torch.randn(e, d, generator=g), torch.randn(e, generator=g), k, True, 1.0)
+    bank = _bank(e, d, 24, seed=3)
+    want = moe_experts_naive(x, route.topk_idx, route.topk_weight, bank, ACTS["situ"])
+    torch.testing.assert_close(moe_experts_grouped(x, route.topk_idx, route.topk_weight, bank, ACTS["situ"]), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,23 @@
+"""Kimi Delta Attention ops. Prefill is chosen by name (naive = the per-token definition, fast/auto = chunkwise);
+decode (one token per sequence) is kda_decode, chosen explicitly by the runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from openk3.ops.kda.chunk import kda_chunk
+from openk3.ops.kda.decode import kda_decode
+from openk3.ops.kda.gate import kda_gate
+from openk3.ops.kda.naive import kda_recurrent
+
+_PREFILL = {"naive": kda_recurrent, "fast": kda_chunk, "auto": kda_chunk}
+
+
+def kda_prefill_op(impl: str) -> Callable:
+    """The KDA prefill function for impl in {naive, fast, auto}."""
+    if impl not in _PREFILL:
+        raise ValueError(f"kda_prefill_op: impl={impl!r} is invalid: expected one of {sorted(_PREFILL)}")
+    return _PREFILL[impl]
+
+
+__all__ = ["kda_chunk", "kda_decode", "kda_gate", "kda_prefill_op", "kda_recurrent"]

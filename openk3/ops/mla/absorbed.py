@@ -1,0 +1,62 @@
+"""MLA attention in absorbed form: attend directly over the cached latents (the decode fast path).
+
+Legend: N sequences, H heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim, Lr kv_lora_rank, R = Lr + Dr,
+NP pages in the pool, PS tokens per page, P pages per sequence, S = P * PS gathered key slots.
+W_UK is folded into the query (q~ = W_UK^T q_nope, in R^Lr) and W_UV applied after the weighted latent sum, so per step
+the work is O(context x (Lr + Dr)) per head instead of expanding K/V for every cached token. W_UV cannot be folded into
+W_o in K3 because the output gate sits between them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.ops.mla.naive import causal_mask
+
+
+def mla_absorbed(
+    q_nope_tHD: torch.Tensor,
+    q_pe_tHR: torch.Tensor,
+    c_kv_sL: torch.Tensor,
+    k_pe_sR: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+    q_offset: int,
+) -> torch.Tensor:
+    """Same contract as `mla_expanded` (one sequence, causal with q_offset). Returns [t, H, Dv]."""
+    t, s = q_nope_tHD.shape[0], c_kv_sL.shape[0]
+    q_lat_tHL = torch.einsum("thd,hdl->thl", q_nope_tHD.float(), w_uk_HDL.float())
+    c = c_kv_sL.float()
+    scores_Hts = torch.einsum("thl,sl->hts", q_lat_tHL, c) + torch.einsum("thr,sr->hts", q_pe_tHR.float(), k_pe_sR.float())
+    scores_Hts = (scores_Hts * scale).masked_fill(~causal_mask(t, s, q_offset, scores_Hts.device), float("-inf"))
+    u_tHL = torch.einsum("hts,sl->thl", torch.softmax(scores_Hts, dim=-1), c)
+    return torch.einsum("thl,hdl->thd", u_tHL, w_uv_HDL.float()).to(q_nope_tHD.dtype)
+
+
+def mla_decode_paged(
+    q_nope_NHD: torch.Tensor,
+    q_pe_NHR: torch.Tensor,
+    latent_pool: torch.Tensor,
+    page_table_NP: torch.Tensor,
+    kv_lens_N: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending its first kv_lens[n] cached latents (the new token's latent included).
+
+    latent_pool [NP, PS, R]; page_table [N, P] (entries past a sequence's length may hold any page id: masked out).
+    Returns [N, H, Dv].
+    """
+    lr = w_uk_HDL.shape[-1]
+    n, num_pages = page_table_NP.shape
+    ps = latent_pool.shape[1]
+    gathered_NSR = latent_pool[page_table_NP.reshape(-1)].reshape(n, num_pages * ps, -1).float()
+    c_NSL, k_pe_NSR = gathered_NSR[..., :lr], gathered_NSR[..., lr:]
+    q_lat_NHL = torch.einsum("nhd,hdl->nhl", q_nope_NHD.float(), w_uk_HDL.float())
+    scores_NHS = torch.einsum("nhl,nsl->nhs", q_lat_NHL, c_NSL) + torch.einsum("nhr,nsr->nhs", q_pe_NHR.float(), k_pe_NSR)
+    valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
+    scores_NHS = (scores_NHS * scale).masked_fill(~valid_NS[:, None, :], float("-inf"))
+    u_NHL = torch.einsum("nhs,nsl->nhl", torch.softmax(scores_NHS, dim=-1), c_NSL)
+    return torch.einsum("nhl,hdl->nhd", u_NHL, w_uv_HDL.float()).to(q_nope_NHD.dtype)

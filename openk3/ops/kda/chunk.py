@@ -19,27 +19,27 @@ import torch
 
 from openk3.ops.kda.naive import check_kda_inputs
 
-SUB_CHUNK = 16
-# Bound on the [.., s, s, K] diagonal-block decay tensor per slab of chunks, so a long prefill does not need O(T*s*K) extra memory.
-SLAB_ELEMENTS = 1 << 23
-
 
 def _to_chunks(x: torch.Tensor, cu_seqlens: torch.Tensor | None, N: int, n: int, C: int) -> torch.Tensor:
-    """[B, T, H, D] or [B, T, H] -> zero-padded fp32 chunk-major [n, N*H, C, D or 1], contiguous so per-chunk slices are too.
+    """[B, T, H, D] or [B, T, H] -> fp32 chunk-major [n * N * H, C, D or 1], zero-padded at each sequence's tail.
 
     Zero padding is a no-op for the state (k = beta = g = 0), so a padded tail leaves each sequence's final state exact."""
     x = x.float()
     if x.dim() == 3:
         x = x.unsqueeze(-1)
     B, T, H, D = x.shape
-    if cu_seqlens is None:
-        out = x.new_zeros(B, n * C, H, D)
-        out[:, :T] = x
-    else:
+    if cu_seqlens is not None:
         seq_id, pos = _token_index(cu_seqlens, T)
-        out = x.new_zeros(N, n * C, H, D)
-        out[seq_id, pos] = x[0]
-    return out.view(N, n, C, H, D).permute(1, 0, 3, 2, 4).reshape(n, N * H, C, D)
+        padded = x.new_zeros(N, n * C, H, D)
+        padded[seq_id, pos] = x[0]
+        return padded.view(N, n, C, H, D).permute(1, 0, 3, 2, 4).reshape(n * N * H, C, D)
+    out = x.new_empty(n, B, H, C, D)
+    full = T // C
+    out[:full] = x[:, : full * C].view(B, full, C, H, D).permute(1, 0, 3, 2, 4)
+    if full < n:
+        out[full:].zero_()
+        out[full, :, :, : T - full * C] = x[:, full * C :].permute(0, 2, 1, 3)
+    return out.view(n * B * H, C, D)
 
 
 def _token_index(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,32 +51,27 @@ def _token_index(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.
     return seq_id, pos
 
 
-def _intra_chunk(q, k, G, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, G [M, C, K] -> (Akk strictly lower, Aqk lower incl. diagonal), each [M, C, C]."""
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, G [M, C, K] -> (Akk strictly lower, Aqk lower incl. diagonal), each [M, C, C].
+
+    Every pair j < r lies in the two halves of exactly one dyadic block; there exp(G_r - G_j) = exp(G_r - G_p) exp(G_p - G_j) with p
+    the first row of the lower half, both factors <= 1, so one batched matmul per level is exact for any decay."""
     M, C, K = k.shape
-    nb = C // s
     Akk = k.new_zeros(M, C, C)
     Aqk = k.new_zeros(M, C, C)
-    tri = torch.ones(s, s, dtype=torch.bool, device=k.device).tril()
-    Gb = G.view(M, nb, s, K)
-    D = (Gb[:, :, :, None, :] - Gb[:, :, None, :, :]).masked_fill_(~tri[:, :, None], float("-inf")).exp_()  # [M, nb, r, j, K]
-    D.mul_(k.view(M, nb, 1, s, K))
-    rhs = torch.stack((k.view(M, nb, s, K), q.view(M, nb, s, K)), dim=-1)  # [M, nb, r, K, 2]
-    diag = torch.matmul(D, rhs)  # [M, nb, r, j, 2]
-    strict = tri.logical_and(~torch.eye(s, dtype=torch.bool, device=k.device))
-    for b in range(nb):
-        lo, hi = b * s, (b + 1) * s
-        Akk[:, lo:hi, lo:hi] = diag[:, b, :, :, 0] * strict
-        Aqk[:, lo:hi, lo:hi] = diag[:, b, :, :, 1] * tri
-    for b in range(1, nb):
-        p, hi = b * s, (b + 1) * s
-        Gp = G[:, p : p + 1]
-        row_decay = (G[:, p:hi] - Gp).exp()  # exp(G_r - G_p) <= 1
-        cols = k[:, :p] * (Gp - G[:, :p]).exp()  # k_j exp(G_p - G_j), each factor <= 1
-        rows = torch.cat((k[:, p:hi] * row_decay, q[:, p:hi] * row_decay), dim=1)  # [M, 2s, K]
-        block = torch.matmul(rows, cols.transpose(1, 2))  # [M, 2s, p]
-        Akk[:, p:hi, :p] = block[:, :s]
-        Aqk[:, p:hi, :p] = block[:, s:]
+    torch.diagonal(Aqk, dim1=1, dim2=2).copy_((q * k).sum(-1))
+    b = C // 2
+    while b >= 1:
+        nP = C // (2 * b)
+        Gv = G.view(M, nP, 2, b, K)
+        Gp = Gv[:, :, 1, :1]  # [M, nP, 1, K]
+        row_decay = (Gv[:, :, 1] - Gp).exp_()
+        cols = (k.view(M, nP, 2, b, K)[:, :, 0] * (Gp - Gv[:, :, 0]).exp_()).transpose(-1, -2)  # [M, nP, K, b]
+        for A, x in ((Akk, k), (Aqk, q)):
+            rows = x.view(M, nP, 2, b, K)[:, :, 1] * row_decay
+            diag_blocks = torch.diagonal(A.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3)  # [M, 2b, 2b, nP] view into A
+            diag_blocks[:, b:, :b] = torch.matmul(rows, cols).permute(0, 2, 3, 1)
+        b //= 2
     return Akk, Aqk
 
 
@@ -93,48 +88,39 @@ def kda_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] fp32; equal to naive.kda_recurrent up to fp32 rounding."""
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if chunk_size <= 0:
-        raise ValueError(f"kda_chunk: chunk_size={chunk_size} is invalid: expected a positive int")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    s = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    if C <= 0 or C & (C - 1):
+        raise ValueError(f"kda_chunk: chunk_size={chunk_size} is invalid: expected a power of two")
     scale = K**-0.5 if scale is None else scale
     longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     n = max(1, -(-longest // C))
     P = n * C
-    # Chunk-major [n, N*H, C, *] so every per-chunk slice below is contiguous.
-    qc, kc, vc, gc, bc = (_to_chunks(x, cu_seqlens, N, n, C) for x in (q, k, v, g, beta))
     M = N * H
+    # Chunk-major [n, N*H, C, *] so every per-chunk slice in the state loop is contiguous.
+    qc, kc, vc, gc, bc = (_to_chunks(x, cu_seqlens, N, n, C) for x in (q, k, v, g, beta))
     qc.mul_(scale)
 
-    # Everything that does not depend on the incoming state, batched over (chunks, N, H) in slabs of chunks.
-    G = gc.cumsum_(dim=2)
-    Aqk = qc.new_empty(n, M, C, C)
-    QW = qc.new_empty(n, M, 2 * C, K)  # rows [q exp(G); W]: one matmul with S gives both read-out and W S
-    U = vc.new_empty(n, M, C, V)
-    KdT = kc.new_empty(n, M, K, C)  # (exp(G_C - G) k)^T
-    slab = max(1, SLAB_ELEMENTS // (M * C * s * K))
-    for c0 in range(0, n, slab):
-        c1 = min(n, c0 + slab)
-        qs, ks, vs, Gs, bs = (x[c0:c1].reshape(-1, C, x.shape[-1]) for x in (qc, kc, vc, G, bc))
-        Akk, Aqk_s = _intra_chunk(qs, ks, Gs, s)
-        eG = Gs.exp()
-        rhs = torch.cat((ks * eG, vs), dim=-1).mul_(bs)
-        WU = torch.linalg.solve_triangular(Akk.mul_(bs), rhs, upper=False, unitriangular=True)
-        Aqk[c0:c1] = Aqk_s.view(c1 - c0, M, C, C)
-        QW[c0:c1, :, :C] = (qs * eG).view(c1 - c0, M, C, K)
-        QW[c0:c1, :, C:] = WU[..., :K].view(c1 - c0, M, C, K)
-        U[c0:c1] = WU[..., K:].view(c1 - c0, M, C, V)
-        KdT[c0:c1] = (ks * (Gs[:, -1:] - Gs).exp()).transpose(1, 2).reshape(c1 - c0, M, K, C)
-    decay = G[:, :, -1, :, None].exp()  # [n, M, K, 1]
-
+    # Everything that does not depend on the incoming state, batched over (chunks, N, H).
+    G = gc.cumsum_(dim=1)
+    Akk, Aqk = _intra_chunk(qc, kc, G)
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    # T = (I + diag(beta) Akk)^-1 diag(beta): the explicit inverse is cheaper than a solve with K + V right-hand sides.
+    Tm = torch.linalg.solve_triangular(Akk.mul_(bc).add_(eye), eye.expand(n * M, C, C), upper=False, unitriangular=True)
+    Tm.mul_(bc.transpose(1, 2))
+    eG = G.exp()
+    Qd = (qc * eG).view(n, M, C, K)
+    W = torch.bmm(Tm, kc * eG).view(n, M, C, K)
+    U = torch.bmm(Tm, vc).view(n, M, C, V)
+    KdT = (kc * (G[:, -1:] - G).exp_()).transpose(1, 2).reshape(n, M, K, C)  # (exp(G_C - G) k)^T
+    decay = eG[:, -1, :, None].view(n, M, K, 1)
+    Aqk = Aqk.view(n, M, C, C)
     S = qc.new_zeros(M, K, V) if initial_state is None else initial_state.float().reshape(M, K, V).clone()
     O = vc.new_empty(n, M, C, V)
     for i in range(n):
-        QS_WS = torch.bmm(QW[i], S)
-        Vp = U[i] - QS_WS[:, C:]
-        torch.baddbmm(QS_WS[:, :C], Aqk[i], Vp, out=O[i])
+        Vp = U[i] - torch.bmm(W[i], S)
+        torch.baddbmm(torch.bmm(Qd[i], S), Aqk[i], Vp, out=O[i])
         S = torch.baddbmm(S * decay[i], KdT[i], Vp)
     S = S.view(N, H, K, V)
 

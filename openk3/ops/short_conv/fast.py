@@ -1,0 +1,55 @@
+"""Causal depthwise short convolution, vectorised: one grouped F.conv1d over the state-prefixed inputs.
+
+Legend and conventions as in naive.py: x [B, T, C], weight [C, W] or [C, 1, W], state [N, C, W-1] of pre-conv inputs, oldest first.
+Packed sequences (cu_seqlens) are laid out in one buffer as [state_0, x_0, state_1, x_1, ...]; a valid (unpadded) convolution over it
+never mixes sequences at the positions we read, because each token's window of W reaches back only into its own W-1 state slots.
+The decode step is already one vectorised expression, so causal_conv1d_update is the reference one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.short_conv.naive import activate, causal_conv1d_update, check_conv_inputs, conv_weight
+
+__all__ = ["causal_conv1d", "causal_conv1d_update"]
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns y [B, T, C] in x.dtype and final_state [N, C, W-1] (in initial_state's dtype if given, else x's)."""
+    C = x.shape[-1]
+    w = conv_weight(weight, C)
+    W = w.shape[1]
+    N = check_conv_inputs(x, W, initial_state, cu_seqlens)
+    activate(x.new_zeros(()), activation)
+    B, T, _ = x.shape
+    state_dtype = x.dtype if initial_state is None else initial_state.dtype
+    x32 = x.float()
+    if cu_seqlens is None:
+        state = x32.new_zeros(B, W - 1, C) if initial_state is None else initial_state.float().transpose(1, 2)
+        buf = torch.cat((state, x32), dim=1)  # [B, W-1+T, C]
+        y = F.conv1d(buf.transpose(1, 2), w[:, None, :], groups=C).transpose(1, 2)  # [B, T, C]
+        final = buf[:, T:].transpose(1, 2)
+        return activate(y, activation).to(x.dtype), final.to(state_dtype).contiguous()
+
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    seq_id = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
+    tok_pos = torch.arange(T, device=x.device) + (seq_id + 1) * (W - 1)  # buffer slot of each token
+    slots = torch.arange(W - 1, device=x.device)
+    state_pos = (cu[:-1] + torch.arange(N, device=x.device) * (W - 1))[:, None] + slots  # [N, W-1]
+    buf = x32.new_zeros(T + N * (W - 1), C)
+    buf[tok_pos] = x32[0]
+    if initial_state is not None:
+        buf[state_pos] = initial_state.float().transpose(1, 2)
+    conv = F.conv1d(buf.t()[None], w[:, None, :], groups=C)[0]  # [C, len - (W-1)]; column i ends at buffer slot i + W-1
+    y = conv[:, tok_pos - (W - 1)].t()[None]
+    final = buf[state_pos + lengths[:, None]].transpose(1, 2)  # the W-1 slots ending at each sequence's last token
+    return activate(y, activation).to(x.dtype), final.to(state_dtype).contiguous()

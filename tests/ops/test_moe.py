@@ -119,6 +119,15 @@ def test_no_tokens_and_zero_weights() -> None:
     assert torch.equal(moe_experts_grouped(x, idx, torch.zeros(3, 2), bank, ACTS["situ"]), torch.zeros(3, 8))
 
 
+def test_int32_expert_ids() -> None:
+    bank = _bank(4, 8, 8, seed=2)
+    x = torch.randn(5, 8)
+    idx, w = _routing(5, 4, 2, seed=3)
+    want = moe_experts_naive(x, idx, w, bank, ACTS["silu"])
+    for fn in (moe_experts_naive, moe_experts_grouped):
+        torch.testing.assert_close(fn(x, idx.int(), w, bank, ACTS["silu"]), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["naive", "fast", "auto"])
 def test_dispatch_by_name(impl: str) -> None:
     want = moe_experts_naive if impl == "naive" else moe_experts_grouped

@@ -3,7 +3,7 @@
 Legend: T tokens, D expert input width, I expert intermediate width, E experts, k experts per token.
 
 y[t] = sum_j w[t, j] * W2_e act(W1_e x_t, W3_e x_t) with e = topk_idx[t, j]. Expert matmuls run in x's dtype (as served);
-the weighted sum accumulates in fp32 and is cast back once, so the order of experts does not change the bf16 result.
+the weighted sum accumulates in fp32 and is cast back once, so a bf16 result is rounded once, not once per expert.
 """
 
 from __future__ import annotations

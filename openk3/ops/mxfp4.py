@@ -43,7 +43,7 @@ class MXFP4Tensor(NamedTuple):
     scales: torch.Tensor  # uint8 E8M0 [..., n/block]
 
 
-def _scale_mode(scale_mode: str | ScaleMode) -> ScaleMode:
+def parse_scale_mode(scale_mode: str | ScaleMode) -> ScaleMode:
     try:
         return ScaleMode(scale_mode)
     except ValueError:
@@ -92,7 +92,7 @@ def _rounding_boundaries(device: torch.device) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, block: int = MX_BLOCK, scale_mode: str | ScaleMode = "floor") -> MXFP4Tensor:
     """Quantise along the last dimension. Returns (packed uint8 [..., n/2], scales uint8 E8M0 [..., n/block])."""
-    mode = _scale_mode(scale_mode)
+    mode = parse_scale_mode(scale_mode)
     _check_values(x, block)
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = xb.abs().amax(dim=-1)  # NaN propagates
@@ -152,7 +152,7 @@ def dequantize_naive(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def quantize_block_reference(values: Sequence[float], scale_mode: str | ScaleMode = "floor") -> tuple[int, list[int]]:
     """One block, scalar Python (fp64 holds every fp32 input and quotient exactly): (E8M0 scale byte, codes)."""
-    mode = _scale_mode(scale_mode)
+    mode = parse_scale_mode(scale_mode)
     if any(not math.isfinite(v) for v in values):
         return E8M0_NAN, [8 if math.copysign(1.0, v) < 0 else 0 for v in values]
     amax = max(abs(v) for v in values)

@@ -1,0 +1,192 @@
+"""LLMEngine: the loop that ties scheduler, runner and detokeniser together, one step at a time.
+
+`add_request` tokenises and queues (n > 1 fans out into n child requests with seeds seed + i, as vLLM does); `step` schedules,
+runs the model, appends the sampled tokens and applies the stop rules; `abort` ends a request anywhere in its life.
+Stop rules, in vLLM's order: length (max_tokens or max_model_len) first, then -- once min_tokens are out -- stop tokens (EOS
+unless ignore_eos, and stop_token_ids; their text is left out), then stop strings found in the newly detokenised text (the text is
+cut before the stop string unless include_stop_str_in_output; a stop string wins over length). Single-threaded: the caller
+(LLM, or the async frontend's loop) owns the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
+from openk3.serve.runner import ModelRunner
+from openk3.serve.sampler import Sampler
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by what the cache holds
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None  # None: as many as fit in cache_memory_bytes
+    cache_memory_bytes: int = 256 * 2**20
+    cache_dtype: torch.dtype | None = None  # None: the model's parameter dtype
+    seed: int = 0  # of the generator shared by unseeded requests
+    check_integrity_when_idle: bool = True
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+
+
+def _param(model: torch.nn.Module) -> torch.Tensor | None:
+    return next(iter(model.parameters()), None)
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...], include: bool) -> tuple[str, int] | None:
+    """The first stop string (in the caller's order) that ends in the new text, and where to cut the text."""
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1:
+            return stop, idx + len(stop) if include else idx
+    return None
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        p = _param(model)
+        self.device = p.device if p is not None else torch.device("cpu")
+        cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
+        cfg = self.config
+        num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs, cache_dtype
+        )
+        self.cache = CacheManager(self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device)
+        capacity = num_pages * cfg.page_size
+        self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
+        if self.max_model_len > capacity:
+            raise ValueError(
+                f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: "
+                f"{num_pages} pages x {cfg.page_size} tokens = {capacity}"
+            )
+        self.scheduler = Scheduler(cfg.scheduler, self.cache)
+        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._children: dict[str, list[str]] = {}
+        self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> list[str]:
+        """Queue a prompt (text or token ids); returns the ids of the child requests (one unless params.n > 1)."""
+        params = params or SamplingParams()
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: expected at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum model length of {self.max_model_len}")
+        children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        now = time.monotonic()
+        for i, child_id in enumerate(children):
+            child_params = params if params.n == 1 else params.for_child(i)
+            req = Request(child_id, list(ids), child_params, eos_token_id=self._eos, parent_id=request_id, index=i, arrival_time=now)
+            self._detok[child_id] = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+            self.scheduler.add_request(req)
+        self._children[request_id] = children
+        return children
+
+    def abort(self, request_id: str) -> None:
+        """End a request (the caller's id: all its children) wherever it is; frees its pages and slot at once."""
+        for child_id in self._children.pop(request_id, [request_id]):
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            self._detok.pop(child_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        if not self.has_unfinished():
+            if self.cache.num_free_pages != self.cache.num_pages or self.cache.num_free_slots != self.cache.state_pool.num_slots:
+                raise AssertionError("engine is idle but cache pages or slots are still held")
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_tokens >= self.max_model_len or (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens):
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_output_tokens >= p.min_tokens and token in req.stop_token_ids:
+            req.stop_reason = None if token == self._eos and token not in p.stop_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _process_token(self, req: Request, token: int) -> RequestStatus | None:
+        now = time.monotonic()
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        req.timings.last_token = now
+        status = self._stop_status(req, token)
+        p = req.sampling_params
+        detok = self._detok[req.request_id]
+        if status == RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
+            delta = ""
+        else:
+            delta = detok.add(token)
+        if status is not None:
+            delta += detok.flush()
+        req.output_text += delta
+        if p.stop and req.num_output_tokens > p.min_tokens and delta:
+            found = find_stop_string(req.output_text, len(delta), p.stop, p.include_stop_str_in_output)
+            if found is not None:
+                req.stop_reason, cut = found
+                req.output_text = req.output_text[:cut]
+                status = RequestStatus.FINISHED_STOPPED
+        return status
+
+    def _output_of(self, req: Request) -> RequestOutput:
+        completion, metrics = completion_of(req)
+        return RequestOutput(
+            request_id=req.parent_id or req.request_id,
+            prompt_token_ids=tuple(req.prompt_token_ids),
+            outputs=(completion,),
+            finished=req.is_finished,
+            metrics=(metrics,),
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns an output (cumulative text and tokens) for each request that received a token or ended."""
+        out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"scheduler made no progress: {self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running, "
+                f"{self.cache.num_free_pages} free pages, {self.cache.num_free_slots} free slots"
+            )
+        result = self.runner.execute(out)
+        outputs = []
+        for req in self.scheduler.update_from_output(out, result):
+            status = self._process_token(req, req.output_token_ids[-1])
+            if status is not None:
+                self.scheduler.finish(req.request_id, status)
+                req.timings.finished = time.monotonic()
+                self._detok.pop(req.request_id, None)
+                self._forget_child(req)
+            outputs.append(self._output_of(req))
+        if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
+            self.check_integrity()
+        return outputs
+
+    def _forget_child(self, req: Request) -> None:
+        parent = req.parent_id or req.request_id
+        children = self._children.get(parent)
+        if children is not None and all(c not in self.scheduler.requests for c in children):
+            del self._children[parent]

@@ -1,0 +1,138 @@
+"""Sampler: one call turns the logits of every request that samples this step into tokens (vLLM's order and meanings).
+
+Order: min_tokens mask (stop tokens forbidden until min_tokens are out) -> penalties (repetition over prompt and output,
+frequency and presence over output) -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p -> draw.
+Drawing is the exponential race argmax(p / q), q ~ Exp(1): a seeded request draws q from its own generator, so its tokens do
+not depend on what else is in the batch; unseeded rows share the sampler's generator. Logprobs are of the model's raw
+distribution (before penalties and temperature), as vLLM returns them by default.
+Legend: M rows (requests sampling this step), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from openk3.serve.request import TokenLogprobs
+from openk3.serve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _counts(token_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[M, V] occurrence counts; ragged lists padded with an extra column that is dropped."""
+    width = max((len(t) for t in token_lists), default=0)
+    ids = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.int64)
+    for i, toks in enumerate(token_lists):
+        if toks:
+            ids[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab].to(device)
+
+
+def apply_penalties(logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab, device = logits_MV.shape[1], logits_MV.device
+    out_counts = _counts([r.output_token_ids for r in rows], vocab, device)
+    prompt_seen = _counts([r.prompt_token_ids for r in rows], vocab, device) > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=torch.float32, device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32, device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32, device=device)[:, None]
+    seen = prompt_seen | (out_counts > 0)
+    penalised = torch.where(logits_MV > 0, logits_MV / rep, logits_MV * rep)
+    logits_MV = torch.where(seen, penalised, logits_MV)
+    return logits_MV - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside min_p, then top_k [M] (V keeps all), then top_p [M]; at least one token always survives."""
+    neg_inf = torch.finfo(logits_MV.dtype).min
+    probs = logits_MV.softmax(-1)
+    keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
+    logits_MV = logits_MV.masked_fill(~keep, neg_inf)
+    sorted_logits, order = logits_MV.sort(-1, descending=True)
+    rank = torch.arange(logits_MV.shape[1], device=logits_MV.device)[None, :]
+    drop_sorted = rank >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop_sorted, neg_inf)
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of the strictly better tokens
+    drop_sorted = drop_sorted | (mass_before >= top_p[:, None])
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits_MV.masked_fill(drop, neg_inf)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+
+    def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        m, vocab = logits_MV.shape
+        if m != len(rows):
+            raise ValueError(f"Sampler: {m} logit rows for {len(rows)} requests")
+        if m == 0:
+            return SamplerOutput([], [])
+        logits_MV = logits_MV.float()
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits_MV.log_softmax(-1) if any(want_logprobs) else None
+        device = logits_MV.device
+
+        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        masked = [(i, t) for i in early for t in rows[i].stop_token_ids if t < vocab]
+        if masked:
+            logits_MV = logits_MV.clone()
+            idx = torch.tensor(masked, dtype=torch.int64, device=device)
+            logits_MV[idx[:, 0], idx[:, 1]] = float("-inf")
+
+        pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if pen:
+            logits_MV = logits_MV.clone()
+            logits_MV[pen] = apply_penalties(logits_MV[pen], [rows[i] for i in pen])
+
+        tokens = logits_MV.argmax(-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            sub = logits_MV[rand] / torch.tensor([rows[i].params.temperature for i in rand], device=device)[:, None]
+            top_k = torch.tensor([rows[i].params.top_k or vocab for i in rand], device=device)
+            top_p = torch.tensor([rows[i].params.top_p for i in rand], dtype=torch.float32, device=device)
+            min_p = torch.tensor([rows[i].params.min_p for i in rand], dtype=torch.float32, device=device)
+            probs = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p).softmax(-1)
+            q = torch.empty(len(rand), vocab)
+            shared = [j for j, i in enumerate(rand) if rows[i].generator is None]
+            if shared:
+                q[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.generator)
+            for j, i in enumerate(rand):
+                gen = rows[i].generator
+                if gen is not None:
+                    q[j] = torch.empty(vocab).exponential_(generator=gen)
+            tokens[rand] = (probs / q.to(device)).argmax(-1)
+
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * m
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                k = r.params.logprobs
+                if k is None:
+                    continue
+                top = raw_logprobs[i].topk(k) if k else None
+                logprobs[i] = TokenLogprobs(
+                    token_id=token_list[i],
+                    logprob=float(raw_logprobs[i, token_list[i]]),
+                    top=tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else (),
+                )
+        return SamplerOutput(token_list, logprobs)

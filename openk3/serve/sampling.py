@@ -1,0 +1,99 @@
+"""SamplingParams: what a caller may ask of one generation, with vLLM's names, defaults and meanings.
+
+Validated once here so that the scheduler, sampler and engine can trust every field; a bad value raises ValueError naming the field,
+the value and the allowed range (the API layer turns it into an HTTP 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and vLLM draws the same line.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None (or vLLM's 0 / -1) keeps every token
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until the context length runs out
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (the sampled token's is always included)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept the list/str spellings callers use and store immutable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
+            object.__setattr__(self, "top_k", None)
+
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            _fail("temperature", self.temperature, "a float >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "a float in (0, 1]")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            _fail("top_k", self.top_k, "None, 0 or -1 (disabled) or an integer >= 1")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "a float in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "None or an integer")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "None or an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            _fail("stop", self.stop, "non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "non-negative integer token ids")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            _fail("logprobs", self.logprobs, "None or an integer >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                _fail(name, value, "a float in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
+            _fail("repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of the index-th of n samples: one sample each, and distinct seeds so seeded samples differ (vLLM: seed + index)."""
+        return self.replace(n=1, seed=None if self.seed is None else self.seed + index)

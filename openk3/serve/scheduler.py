@@ -1,0 +1,234 @@
+"""The rule: every request owns `num_computed_tokens`, and each step gives each scheduled request the tokens it still lacks
+(`num_tokens - num_computed_tokens`, prompt and outputs alike) within the step's token budget -- prefill, chunked prefill,
+recompute after preemption and decode are all this one rule.
+
+Order of a step: running requests first (oldest first), each capped by the budget and `long_prefill_token_threshold`; when pages
+run out the newest running request is preempted (its pages and slot freed, back to the front of the waiting queue, recomputed
+from token 0 later). Then, if nothing was preempted, waiting requests are admitted in FIFO order while a slot, pages, budget and
+`max_num_seqs` allow. What goes to the runner is a diff: requests it has not seen (all their tokens, slot and pages), page ids
+added to the ones it knows, the tokens to compute per request, and the ids it must forget.
+Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.request import Request, RequestStatus, TokenLogprobs
+from openk3.serve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int | None = None  # most tokens one request gets per step (the prefill chunk size)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name}={value!r} is invalid: expected an integer >= 1")
+        t = self.long_prefill_token_threshold
+        if t is not None and (not isinstance(t, int) or t < 1):
+            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} is invalid: expected None or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (first admission, or again after preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    slot: int
+    page_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_page_ids: tuple[int, ...]
+    num_computed_tokens: int  # the runner's copy must agree
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: Mapping[str, int]  # request id -> tokens this step, in batch order
+    forget_request_ids: frozenset[str]  # finished, aborted or preempted since the last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_token_ids: Mapping[str, int]  # only requests whose computed tokens caught up this step
+    logprobs: Mapping[str, TokenLogprobs]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._forget: set[str] = set()
+        self.num_preemptions_total = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold is not None:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+        self._forget.add(req.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
+            while new_pages is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
+            if new_pages is None:
+                continue  # req itself was preempted; running[i] is now the next request (or the loop ends)
+            scheduled[req.request_id] = n
+            cached.append(CachedRequestData(req.request_id, tuple(new_pages), req.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        now = time.monotonic()
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = self._chunk(req, budget)
+            if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                break  # FIFO: later requests wait behind the head rather than overtaking it
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = now
+            self.running.append(req)
+            new.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    token_ids=tuple(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    stop_token_ids=req.stop_token_ids,
+                    generator=req.generator,
+                    slot=self.cache.slot(req.request_id),
+                    page_ids=tuple(self.cache.page_ids(req.request_id)),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+            scheduled[req.request_id] = n
+            budget -= n
+
+        forget, self._forget = frozenset(self._forget), set()
+        return SchedulerOutput(tuple(new), tuple(cached), scheduled, forget)
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns the requests that received a token, in batch order."""
+        got_token = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            req.num_computed_tokens += n
+            token = result.sampled_token_ids.get(req_id)
+            if token is None:
+                continue
+            assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its computed tokens caught up"
+            req.output_token_ids.append(token)
+            if req_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[req_id])
+            got_token.append(req)
+        return got_token
+
+    def finish(self, req_id: str, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) wherever it is and free its cache; unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"Scheduler.finish: status {status} is not a finished status")
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._forget.add(req_id)
+        else:
+            self.waiting.remove(req)
+        if self.cache.holds(req_id):
+            self.cache.free(req_id)
+        req.status = status
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        for req in self.running:
+            if req.status != RequestStatus.RUNNING or not self.cache.holds(req.request_id):
+                held = self.cache.holds(req.request_id)
+                raise AssertionError(f"Scheduler: running request {req.request_id} has status {req.status}, holds cache: {held}")
+            if not 0 <= req.num_computed_tokens < req.num_tokens:
+                raise AssertionError(f"Scheduler: running request {req.request_id} computed {req.num_computed_tokens} of {req.num_tokens}")
+        for req in self.waiting:
+            if self.cache.holds(req.request_id) or req.num_computed_tokens != 0:
+                raise AssertionError(f"Scheduler: waiting request {req.request_id} holds cache or has computed tokens")
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        if sorted(ids) != sorted(self.requests):
+            raise AssertionError("Scheduler: running + waiting differ from the known requests")

@@ -1,0 +1,156 @@
+"""Tokenizers the engine can use, and incremental detokenisation.
+
+`Tokenizer` is the interface: encode, decode, eos/bos ids, vocab size. `HFTokenizer` wraps a `tokenizer.json` through the
+`tokenizers` package; `ByteTokenizer` is the offline fallback: ids 0..255 are the raw bytes, then a few specials, and any other
+id the model's vocabulary has is a reserved token with no text. `IncrementalDetokenizer` turns a growing token list into text
+deltas that never end inside a UTF-8 character: it decodes a short window of recent tokens and holds the text back while the
+window ends in a replacement character (an incomplete byte sequence), the scheme vLLM uses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+    def __init__(self, vocab_size: int = 256 + len(SPECIALS)) -> None:
+        if vocab_size < 256:
+            raise ValueError(f"ByteTokenizer.vocab_size={vocab_size} is invalid: expected >= 256 (one id per byte)")
+        self._vocab_size = vocab_size
+        # Specials only exist where the vocabulary has room for them.
+        self._specials = {256 + i: s for i, s in enumerate(self.SPECIALS) if 256 + i < vocab_size}
+        self._by_name = {s: i for i, s in self._specials.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._by_name.get("<|eos|>")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._by_name.get("<|bos|>")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for t in token_ids:
+            if not 0 <= t < self._vocab_size:
+                raise ValueError(f"ByteTokenizer.decode: token id {t} outside the vocabulary 0..{self._vocab_size - 1}")
+            if t < 256:
+                out.append(t)
+            elif not skip_special_tokens and t in self._specials:
+                out.extend(self._specials[t].encode())
+        return out.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (and, when present beside it, `tokenizer_config.json` for the eos/bos names)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {file}")
+        self._tok = _Tok.from_file(str(file))
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self._eos = self._special_id(config.get("eos_token"))
+        self._bos = self._special_id(config.get("bos_token"))
+
+    def _special_id(self, entry: str | dict | None) -> int | None:
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return None if entry is None else self._tok.token_to_id(entry)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:
+    """The checkpoint's tokenizer.json when it has one, else the byte tokenizer sized to the model's vocabulary."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file() or (path.is_file() and path.name.endswith(".json")):
+        return HFTokenizer(path)
+    return ByteTokenizer(vocab_size)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted in deltas that are always whole characters.
+
+    prefix_offset..read_offset is a window of tokens already emitted, decoded again with the new tokens so that tokenizers
+    whose text depends on the neighbour (leading spaces, byte fallback) render the new tokens as they would in the full text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids or [])[-5:]  # a few prompt tokens give the first output its context
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the new text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """The held-back text at the end of generation (an incomplete character comes out as a replacement character)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]

@@ -5,9 +5,10 @@ Legend: T tokens, k slots per token, P = T * k (token, slot) pairs, D expert inp
 A stable sort of the flattened expert ids makes each expert's pairs one contiguous slice; x rows are gathered in that order,
 so each expert runs one dense matmul over its slice instead of a masked pass over all T tokens, and experts without tokens are
 never asked for their weights (a packed MXFP4 bank then dequantises only what is used). Each slice's routing-weighted output is
-index_add'ed straight into the fp32 [T, D] result, so no [P, D] buffer is ever allocated (a fresh 2 MB buffer per call costs
-more in page faults on CPU than the combine itself). On GPUs index_add_ uses atomics, so the fp32 sum over a token's k experts
-is not bitwise reproducible run to run; the naive path is.
+added straight into the fp32 [T, D] result, so no [P, D] buffer is ever allocated (a fresh 2 MB buffer per call costs more in
+page faults on CPU than the combine itself). The add is index_put_(accumulate=True), not index_add_: on CPU, torch's index_add_
+enters a multi-threaded region even for one row, and on a machine whose cores are busy each call then waits out a scheduler
+time slice (measured 75 ms for one row with 2 threads on the shared dev box, against 3 us for index_put_).
 """
 
 from __future__ import annotations
@@ -36,6 +37,6 @@ def moe_experts_grouped(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
             continue
         end = start + count
         out = expert_forward(x_PD[start:end], bank.expert(e, x_TD.dtype), act, e)
-        y32.index_add_(0, token_P[start:end], out.float() * weight_P[start:end].unsqueeze(1))
+        y32.index_put_((token_P[start:end],), out.float() * weight_P[start:end].unsqueeze(1), accumulate=True)
         start = end
     return y32.to(x_TD.dtype)

@@ -1,0 +1,293 @@
+"""NamespaceBackend: the host daemon's sandboxes, snapshots and layers (the object model of docs/sandbox.md).
+
+Objects: Layer (layers.py: immutable, refcounted, content-addressed), Snapshot (a SnapshotInfo: a list of layer digests, a
+few hundred bytes), Sandbox (instance.py: a layer stack + upper + cgroups + init + limits + deadline). A sandbox holds one
+reference to each layer of its stack, a snapshot one to each of its layers.
+
+Snapshot (kind="fs") of a live sandbox: freeze its cgroup, copy the overlay upper (its change set, usually small) into scratch
+space, thaw, then content-address the copy; the snapshot is the sandbox's stack plus that layer, squashed into one layer when
+deeper than `max_layers`. Restore: kill the sandbox's processes, remount the overlay over the snapshot's stack with an empty
+upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+
+from openk3.sandbox import cgroups, rootfs, syscalls
+from openk3.sandbox.host import probe
+from openk3.sandbox.instance import Instance
+from openk3.sandbox.layers import LayerStore
+from openk3.sandbox.proc import shell_quote
+from openk3.sandbox.protocol import (
+    Conflict,
+    ExecResult,
+    InvalidArgument,
+    Limits,
+    NotFound,
+    SandboxStats,
+    SnapshotInfo,
+    SnapshotKind,
+    Unsupported,
+)
+
+FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendConfig:
+    state_dir: str = "/run/openk3-sandbox"
+    cache_dir: str = dataclasses.field(default_factory=rootfs.default_cache_dir)
+    store_bytes: int = 8 * 2**30
+    max_layers: int = 32
+    default_ttl_s: float = 3600.0
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+
+
+@dataclasses.dataclass
+class _Meta:
+    layers: tuple[str, ...]
+    limits: Limits
+    env: dict[str, str]
+    workdir: str
+    services: tuple[str, ...]
+    expires_at: float
+    ttl_s: float
+
+
+class NamespaceBackend:
+    def __init__(self, config: BackendConfig | None = None) -> None:
+        config = config or BackendConfig()
+        features = probe()
+        if features.unavailable_reason:
+            raise Unsupported(f"namespace sandboxes unavailable on this host: {features.unavailable_reason}")
+        self.config = config
+        self.layout = features.layout
+        self.bwrap = features.bwrap
+        self.base = rootfs.ensure_base(config.cache_dir)
+        self.instance_name = "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(config.state_dir)).hex[:10]
+        self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
+        self.state = os.path.realpath(config.state_dir)
+        self._recover()
+        os.makedirs(self.state, exist_ok=True)
+        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={config.store_bytes},mode=0700")
+        syscalls.make_private(self.state)
+        os.makedirs(os.path.join(self.state, "sbx"))
+        self.store = LayerStore(os.path.join(self.state, "layers"))
+        self._lock = threading.Lock()
+        self._boxes: dict[str, Instance] = {}
+        self._meta: dict[str, _Meta] = {}
+        self._snapshots: dict[str, SnapshotInfo] = {}
+        self._closed = False
+
+    def _recover(self) -> None:
+        """Leftovers of a crashed daemon on the same state dir: its processes, mounts and cgroups go first."""
+        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
+            tree_root = os.path.join(root, self.cg_prefix)
+            if os.path.isdir(tree_root) and root == self.layout.control_root:
+                cgroups.kill_under(tree_root, self.layout.v2_root is not None)
+        for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
+            syscalls.umount(point, detach=True)
+        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
+            cgroups.remove_tree(os.path.join(root, self.cg_prefix))
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}{uuid.uuid4().hex[:12]}@{self.config.host}"
+
+    def _box(self, sid: str) -> Instance:
+        with self._lock:
+            if sid not in self._boxes:
+                raise NotFound(f"sandbox_id={sid!r}: no such sandbox on host {self.config.host}")
+            return self._boxes[sid]
+
+    def snapshot_info(self, snapshot_id: str) -> SnapshotInfo:
+        with self._lock:
+            if snapshot_id not in self._snapshots:
+                raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
+            return self._snapshots[snapshot_id]
+
+    def create(self, image: str | None = None, limits: Limits | None = None, env: dict[str, str] | None = None,
+               workdir: str = "/root", ttl_s: float | None = None, services: tuple[str, ...] = ()) -> str:
+        """A new sandbox over the base rootfs (image=None) or over an fs snapshot's layers (image=snapshot id)."""
+        if self._closed:
+            raise Conflict("backend is closed")
+        limits = limits or Limits()
+        layers: tuple[str, ...] = ()
+        if image is not None:
+            snap = self.snapshot_info(image)
+            if snap.kind is not SnapshotKind.FS:
+                raise InvalidArgument(f"image={image!r}: a {snap.kind.value} snapshot cannot seed a namespace sandbox")
+            layers = snap.layers
+        sid = self._new_id("sb-")
+        short = sid.split("@")[0]
+        self.store.incref(layers)
+        box = None
+        cg = None
+        try:
+            cg = cgroups.CgroupSet(self.layout, self.cg_prefix, short)
+            cg.set_limits(limits.memory_bytes, limits.pids, limits.cpus)
+            box = Instance(sid, os.path.join(self.state, "sbx", short), self.base, [self.store.get(d).path for d in layers],
+                           limits, cg, dict(env or {}), workdir, self.bwrap)
+            box.start_init()
+        except BaseException:
+            if box is not None:
+                box.teardown()
+            elif cg is not None:
+                cg.remove()
+            self.store.decref(layers)
+            raise
+        ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
+        with self._lock:
+            self._boxes[sid] = box
+            self._meta[sid] = _Meta(layers, limits, dict(env or {}), workdir, tuple(services), time.time() + ttl, ttl)
+        self._start_services(sid)
+        return sid
+
+    def _start_services(self, sid: str) -> None:
+        for command in self._meta[sid].services:
+            self.exec(sid, f"nohup sh -c {shell_quote(command)} >/dev/null 2>&1 &", timeout_s=5.0)
+
+    def exec(self, sid: str, cmd: str | list[str], timeout_s: float = 60.0, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: bytes | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
+        if not 0 < timeout_s <= 86400:
+            raise InvalidArgument(f"timeout_s={timeout_s}: expected 0 < timeout_s <= 86400")
+        if max_output_bytes < 0:
+            raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected >= 0")
+        if isinstance(cmd, list) and not cmd:
+            raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
+        return self._box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
+
+    def snapshot(self, sid: str) -> SnapshotInfo:
+        box = self._box(sid)
+        with box.lock:
+            box.cg.freeze()
+            try:
+                upper = os.path.join(box.dir, "u")
+                staged = self.store.stage_copy(upper) if os.listdir(upper) else None
+            finally:
+                box.cg.freeze(frozen=False)
+            base_layers = self._meta[sid].layers
+            self.store.incref(base_layers)
+        layers = base_layers
+        if staged is not None:
+            layers = base_layers + (self.store.adopt(staged).digest,)
+        if len(layers) > self.config.max_layers:
+            squashed = self.store.add_squash(list(layers)).digest
+            self.store.decref(layers)
+            layers = (squashed,)
+        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid,
+                            created_at=time.time(), captures=FS_CAPTURES)
+        with self._lock:
+            self._snapshots[info.snapshot_id] = info
+        return info
+
+    def restore(self, sid: str, snapshot_id: str) -> None:
+        snap = self.snapshot_info(snapshot_id)
+        if snap.kind is not SnapshotKind.FS:
+            raise InvalidArgument(f"snapshot_id={snapshot_id!r}: a {snap.kind.value} snapshot cannot restore a sandbox")
+        box = self._box(sid)
+        self.store.incref(snap.layers)
+        with box.lock:
+            old = self._meta[sid].layers
+            box.stop_all()
+            box.unmount_root()
+            box.mount_root([self.store.get(d).path for d in snap.layers])
+            self._meta[sid].layers = snap.layers
+            box.start_init()
+        self.store.decref(old)
+        self._start_services(sid)
+
+    def fork(self, source: str, n: int) -> list[str]:
+        """n sandboxes from a sandbox's current files (snapshotted once) or from an fs snapshot; each gets its own upper."""
+        if not 1 <= n <= 1024:
+            raise InvalidArgument(f"n={n}: expected 1..1024")
+        own = source.startswith("sb-")
+        snap = self.snapshot(source) if own else self.snapshot_info(source)
+        meta = self._meta[source] if own else None
+        try:
+            kw = {} if meta is None else {"limits": meta.limits, "env": meta.env, "workdir": meta.workdir,
+                                          "ttl_s": meta.ttl_s, "services": meta.services}
+            return [self.create(snap.snapshot_id, **kw) for _ in range(n)]
+        finally:
+            if own:
+                self.delete_snapshot(snap.snapshot_id)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        with self._lock:
+            snap = self._snapshots.pop(snapshot_id, None)
+        if snap is None:
+            raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
+        self.store.decref(snap.layers)
+
+    def destroy(self, sid: str) -> None:
+        with self._lock:
+            box = self._boxes.pop(sid, None)
+            meta = self._meta.pop(sid, None)
+        if box is None or meta is None:
+            raise NotFound(f"sandbox_id={sid!r}: no such sandbox on host {self.config.host}")
+        try:
+            box.teardown()
+        finally:
+            self.store.decref(meta.layers)
+
+    def stats(self, sid: str) -> SandboxStats:
+        box = self._box(sid)
+        meta = self._meta[sid]
+        return SandboxStats(sandbox_id=sid, memory_bytes=box.cg.memory_bytes(), pids=box.cg.pid_count(),
+                            cpu_usage_s=box.cg.cpu_usage_s(), disk_used_bytes=box.disk_used(),
+                            disk_limit_bytes=meta.limits.disk_bytes, layer_depth=len(meta.layers), alive=box.alive(),
+                            expires_at=meta.expires_at)
+
+    def heartbeat(self, sid: str, ttl_s: float | None = None) -> float:
+        self._box(sid)
+        with self._lock:
+            meta = self._meta[sid]
+            meta.ttl_s = meta.ttl_s if ttl_s is None else ttl_s
+            meta.expires_at = time.time() + meta.ttl_s
+            return meta.expires_at
+
+    def reap_expired(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        with self._lock:
+            expired = [sid for sid, m in self._meta.items() if m.expires_at <= now]
+        for sid in expired:
+            try:
+                self.destroy(sid)
+            except NotFound:
+                continue
+        return expired
+
+    def sandboxes(self) -> list[str]:
+        with self._lock:
+            return sorted(self._boxes)
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        with self._lock:
+            return sorted(self._snapshots.values(), key=lambda s: s.created_at)
+
+    def merged_root(self, sid: str) -> str:
+        return self._box(sid).merged
+
+    def close(self) -> None:
+        """Destroy every sandbox and snapshot, unmount the store and remove the daemon's cgroup subtree."""
+        self._closed = True
+        for sid in self.sandboxes():
+            self.destroy(sid)
+        for snap in self.snapshots():
+            self.delete_snapshot(snap.snapshot_id)
+        self.store.check_integrity()
+        syscalls.umount(self.state)
+        shutil.rmtree(self.state, ignore_errors=True)
+        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
+            cgroups.remove_tree(os.path.join(root, self.cg_prefix))
+            try:
+                os.rmdir(os.path.join(root, "openk3-sandbox"))
+            except OSError:
+                pass  # another daemon instance still has sandboxes there
+

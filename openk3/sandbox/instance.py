@@ -1,0 +1,174 @@
+"""One namespace sandbox: its tmpfs, overlay root, cgroups and persistent init under bwrap.
+
+Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` (the disk quota) holding `u` (overlay
+upper), `w` (overlay work dir) and `m` (the merged root). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup
+namespaces and no network, running `sleep infinity` behind bwrap's pid-1 reaper; commands join its namespaces with nsenter.
+Contract: the caller (backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+from openk3.sandbox import proc, syscalls
+from openk3.sandbox.cgroups import CgroupSet
+from openk3.sandbox.protocol import ExecResult, Limits, SandboxError
+
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
+INIT_COMMAND = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
+
+
+class Instance:
+    def __init__(self, sid: str, dir: str, base: str, layer_paths: list[str], limits: Limits, cg: CgroupSet,
+                 env: dict[str, str], workdir: str, bwrap: str) -> None:
+        self.sid = sid
+        self.dir = dir
+        self.base = base
+        self.limits = limits
+        self.cg = cg
+        self.env = {**BASE_ENV, **env}
+        self.workdir = workdir
+        self.bwrap = bwrap
+        self.lock = threading.RLock()
+        self.init: subprocess.Popen[bytes] | None = None
+        self.init_pid: int | None = None
+        self._leaf_lock = threading.Lock()
+        self._next_leaf = 0
+        self.lingering: set[str] = set()
+        self.mounted = False
+        self.mount_root(layer_paths)
+
+    @property
+    def merged(self) -> str:
+        return os.path.join(self.dir, "m")
+
+    def mount_root(self, layer_paths: list[str]) -> None:
+        """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs."""
+        os.makedirs(self.dir, exist_ok=True)
+        syscalls.mount("tmpfs", self.dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
+                       f"size={self.limits.disk_bytes},mode=0755")
+        try:
+            for d in ("u", "w", "m"):
+                os.mkdir(os.path.join(self.dir, d))
+            lower = ":".join([*reversed(layer_paths), self.base])
+            opts = f"lowerdir={lower},upperdir={self.dir}/u,workdir={self.dir}/w,redirect_dir=off,metacopy=off,index=off"
+            syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
+        except OSError:
+            syscalls.umount(self.dir, detach=True)
+            raise
+        self.mounted = True
+
+    def unmount_root(self) -> None:
+        if not self.mounted:
+            return
+        syscalls.umount(self.merged)
+        syscalls.umount(self.dir)
+        self.mounted = False
+
+    def new_leaf(self) -> str:
+        with self._leaf_lock:
+            self._next_leaf += 1
+            return f"x{self._next_leaf}"
+
+    def start_init(self) -> None:
+        info_r, info_w = os.pipe()
+        argv = proc.cgroup_trampoline(self.cg.procs_files("init")) + [
+            self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind", self.merged, "/",
+            "--proc", "/proc", "--dev", "/dev", "--new-session", "--info-fd", str(info_w), "--chdir", "/", "--", *INIT_COMMAND,
+        ]
+        try:
+            self.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         pass_fds=(info_w,), env=self.env)
+        finally:
+            os.close(info_w)
+        assert self.init.stdout is not None
+        first = self.init.stdout.readline()
+        with os.fdopen(info_r, "rb") as f:
+            info = f.read()
+        if first != b"ready\n":
+            rest = first + self.init.stdout.read() if self.init.poll() is not None else first
+            self.init.stdout.close()
+            raise SandboxError(f"sandbox {self.sid}: init failed to start: {rest.decode(errors='replace').strip()}")
+        self.init.stdout.close()
+        self.init_pid = int(json.loads(info)["child-pid"])
+
+    def alive(self) -> bool:
+        return self.init is not None and self.init.poll() is None
+
+    def stop_all(self) -> None:
+        """Kill every process of the sandbox (init included) and reap the init."""
+        self.cg.kill()
+        if self.init is not None:
+            self.init.wait()
+            self.init = None
+            self.init_pid = None
+        if not self.cg.wait_empty():
+            raise SandboxError(f"sandbox {self.sid}: processes survived SIGKILL: {self.cg.pids()}")
+        for leaf in list(self.lingering):
+            if self.cg.remove_child(leaf):
+                self.lingering.discard(leaf)
+
+    def ensure_init(self) -> int:
+        with self.lock:
+            if not self.alive():
+                # Someone killed pid 1 from inside (kill -9 -1); files survive, so start a fresh init.
+                self.stop_all()
+                self.start_init()
+            assert self.init_pid is not None
+            return self.init_pid
+
+    def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None) -> list[str]:
+        return (proc.cgroup_trampoline(self.cg.procs_files(leaf)) + proc.enter_argv(self.ensure_init())
+                + proc.command_argv(cmd, cwd or self.workdir))
+
+    def finish_leaf(self, leaf: str) -> None:
+        """Drop an exec's cgroup, or remember it while background children it left (nohup, daemons) still run."""
+        if not self.cg.remove_child(leaf):
+            self.lingering.add(leaf)
+        for old in list(self.lingering):
+            if self.cg.remove_child(old):
+                self.lingering.discard(old)
+
+    def exec(self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None,
+             max_output_bytes: int) -> ExecResult:
+        leaf = self.new_leaf()
+        argv = self.enter_argv(leaf, cmd, cwd)
+        leaf_path = os.path.join(self.cg.control, leaf)
+        ooms = self.cg.oom_kills()
+
+        def kill_tree() -> None:
+            self.cg.kill(leaf_path)
+
+        try:
+            got = proc.run_captured(argv, {**self.env, **env}, stdin, timeout_s, max_output_bytes, kill_tree)
+            if got.timed_out:
+                self.cg.wait_empty(leaf_path, timeout_s=1.0)
+        finally:
+            self.finish_leaf(leaf)
+        return ExecResult(exit_code=got.returncode, stdout=got.stdout, stderr=got.stderr, timed_out=got.timed_out,
+                          oom_killed=self.cg.oom_kills() > ooms, duration_ms=got.duration_ms, truncated=got.truncated)
+
+    def disk_used(self) -> int:
+        st = os.statvfs(self.dir)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def teardown(self) -> None:
+        """Everything this instance holds on the host, in reverse order of creation: processes, mounts, cgroups."""
+        with self.lock:
+            self.stop_all()
+            self.unmount_root()
+            os.rmdir(self.dir)
+            deadline = time.monotonic() + 2.0
+            while True:
+                try:
+                    self.cg.remove()
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.001)

@@ -1,0 +1,131 @@
+"""Immutable, refcounted, content-addressed layers on the daemon's tmpfs store.
+
+Contract: a layer directory never changes after `add_*` returns; its name is its digest (see tree.tree_digest), so two
+snapshots with the same change set share one directory. Every holder (a sandbox's stack, a snapshot) takes one reference per
+layer with `incref` and gives it back with `decref`; the directory is deleted when the count reaches zero. All methods are
+thread-safe (one lock; copying happens outside it into a private temporary directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import uuid
+
+from openk3.sandbox import tree
+from openk3.sandbox.protocol import InvalidArgument, NotFound
+
+DIGEST_DIR_CHARS = 32  # enough to be unique, short enough to stack 32+ lowerdirs in one 4 KiB mount option string
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    digest: str
+    path: str
+    files: int
+    bytes: int
+
+
+class LayerStore:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.tmp = os.path.join(root, ".tmp")
+        os.makedirs(self.tmp, exist_ok=True)
+        self._lock = threading.Lock()
+        self._layers: dict[str, Layer] = {}
+        self._refs: dict[str, int] = {}
+
+    def _scratch(self) -> str:
+        return os.path.join(self.tmp, uuid.uuid4().hex)
+
+    def _adopt(self, staged: str, digest: str | None = None) -> Layer:
+        """Give a fully written scratch directory its content address (or drop it when that layer already exists)."""
+        digest = digest or tree.tree_digest(staged)
+        with self._lock:
+            if digest in self._layers:
+                shutil.rmtree(staged)
+                self._refs[digest] += 1
+                return self._layers[digest]
+            files, size = tree.tree_size(staged)
+            final = os.path.join(self.root, digest[:DIGEST_DIR_CHARS])
+            os.rename(staged, final)
+            layer = Layer(digest=digest, path=final, files=files, bytes=size)
+            self._layers[digest] = layer
+            self._refs[digest] = 1
+            return layer
+
+    def stage_copy(self, src: str) -> str:
+        """Copy `src` (a frozen upper directory) into scratch space; the caller thaws, then calls `adopt`."""
+        staged = self._scratch()
+        tree.copy_tree(src, staged)
+        return staged
+
+    def adopt(self, staged: str) -> Layer:
+        """Content-address a staged copy; returned with one reference taken."""
+        return self._adopt(staged)
+
+    def add_squash(self, digests: list[str]) -> Layer:
+        staged = self._scratch()
+        tree.squash([self.get(d).path for d in digests], staged)
+        return self._adopt(staged)
+
+    def add_archive(self, data: bytes, expected_digest: str | None = None) -> Layer:
+        staged = self._scratch()
+        try:
+            tree.import_tar_zst(data, staged)
+        except (ValueError, OSError) as e:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise InvalidArgument(f"layer archive: {e}") from e
+        digest = tree.tree_digest(staged)
+        if expected_digest is not None and digest != expected_digest:
+            shutil.rmtree(staged)
+            raise InvalidArgument(f"layer archive: content digest {digest} does not match the expected {expected_digest}")
+        return self._adopt(staged, digest)
+
+    def export(self, digest: str) -> bytes:
+        return tree.export_tar_zst(self.get(digest).path)
+
+    def get(self, digest: str) -> Layer:
+        with self._lock:
+            if digest not in self._layers:
+                raise NotFound(f"layer {digest!r}: not in this host's store")
+            return self._layers[digest]
+
+    def has(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._layers
+
+    def incref(self, digests: list[str] | tuple[str, ...]) -> None:
+        with self._lock:
+            for d in digests:
+                if d not in self._layers:
+                    raise NotFound(f"layer {d!r}: not in this host's store")
+            for d in digests:
+                self._refs[d] += 1
+
+    def decref(self, digests: list[str] | tuple[str, ...]) -> None:
+        doomed = []
+        with self._lock:
+            for d in digests:
+                self._refs[d] -= 1
+                if self._refs[d] == 0:
+                    doomed.append(self._layers.pop(d))
+                    del self._refs[d]
+        for layer in doomed:
+            shutil.rmtree(layer.path)
+
+    def refcounts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._refs)
+
+    def check_integrity(self) -> None:
+        """Every known layer has a directory and a positive count; no stray directories besides scratch space."""
+        with self._lock:
+            for d, layer in self._layers.items():
+                assert self._refs[d] > 0, f"layer {d}: refcount {self._refs[d]}"
+                assert os.path.isdir(layer.path), f"layer {d}: directory {layer.path} missing"
+            names = {os.path.basename(layer.path) for layer in self._layers.values()}
+            stray = set(os.listdir(self.root)) - names - {".tmp"}
+            assert not stray, f"stray layer directories: {sorted(stray)}"

@@ -1,0 +1,145 @@
+"""Types shared by the sandbox backend, the HTTP server and the client.
+
+Every value crossing the API is a frozen dataclass of plain fields, so the server can turn it into JSON with `asdict` and the
+client can rebuild it with `from_dict` without a schema library on the client side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class SnapshotKind(str, enum.Enum):
+    # "fs": the file tree and its metadata; running processes are not captured, restore restarts the init.
+    FS = "fs"
+    # "process": the memory of a Python-native environment served by a fork server (see forkserver.py).
+    PROCESS = "process"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-sandbox resource limits; None means "no limit beyond the host's"."""
+
+    memory_bytes: int | None = 512 * 2**20
+    pids: int | None = 256
+    cpus: float | None = 1.0
+    disk_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes is not None and self.memory_bytes < 4 * 2**20:
+            raise InvalidArgument(f"limits.memory_bytes={self.memory_bytes}: expected None or >= 4 MiB")
+        if self.pids is not None and self.pids < 4:
+            raise InvalidArgument(f"limits.pids={self.pids}: expected None or >= 4")
+        if self.cpus is not None and not 0.01 <= self.cpus <= 1024:
+            raise InvalidArgument(f"limits.cpus={self.cpus}: expected None or 0.01..1024")
+        if self.disk_bytes < 1 * 2**20:
+            raise InvalidArgument(f"limits.disk_bytes={self.disk_bytes}: expected >= 1 MiB")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    oom_killed: bool
+    duration_ms: float
+    truncated: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: str
+    kind: SnapshotKind
+    layers: tuple[str, ...]  # content digests, bottom first (fs snapshots)
+    source: str  # sandbox or process-environment id it was taken from
+    created_at: float
+    captures: str  # human-readable statement of what the snapshot holds
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxStats:
+    sandbox_id: str
+    memory_bytes: int | None
+    pids: int | None
+    cpu_usage_s: float | None
+    disk_used_bytes: int
+    disk_limit_bytes: int
+    layer_depth: int
+    alive: bool
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DirEntry:
+    name: str
+    kind: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+    mode: int
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses, enums, tuples and bytes into JSON values; bytes travel as latin-1 strings inside {"b": ...}."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, bytes):
+        return {"b": value.decode("latin-1")}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_jsonable(v) for k, v in value.items()}
+    return value
+
+
+def from_jsonable(cls: type, data: dict[str, Any]) -> Any:
+    """Inverse of `to_jsonable` for the flat dataclasses above."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        v = data[f.name]
+        if isinstance(v, dict) and set(v) == {"b"}:
+            v = v["b"].encode("latin-1")
+        elif f.name == "kind" and cls is SnapshotInfo:
+            v = SnapshotKind(v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+class SandboxError(Exception):
+    """Base of every error the sandbox API raises on purpose; `status` is the HTTP status the server maps it to."""
+
+    status = 500
+
+
+class InvalidArgument(SandboxError):
+    status = 400
+
+
+class NotFound(SandboxError):
+    status = 404
+
+
+class Conflict(SandboxError):
+    status = 409
+
+
+class QuotaExceeded(SandboxError):
+    status = 507
+
+
+class Busy(SandboxError):
+    status = 503
+
+
+class Unsupported(SandboxError):
+    status = 501
+
+
+ERRORS_BY_NAME: dict[str, type[SandboxError]] = {
+    c.__name__: c for c in (SandboxError, InvalidArgument, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)
+}

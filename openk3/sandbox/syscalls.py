@@ -1,0 +1,70 @@
+"""Thin ctypes wrappers for the few Linux calls Python lacks: mount, umount2 and openat2.
+
+Mounting through libc instead of spawning mount(8) keeps create/restore at a few milliseconds; openat2 with RESOLVE_IN_ROOT
+lets the host read and write a sandbox's tree with the sandbox's own view of symlinks and `..`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+LIBC.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+LIBC.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+LIBC.syscall.restype = ctypes.c_long
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 0x2
+
+SYS_OPENAT2 = 437  # same number on every architecture that has it (x86_64, aarch64, riscv64)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+class OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    rc = LIBC.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags, data.encode() if data else None)
+    _check(rc, f"mount {fstype or ''} on {target}")
+
+
+def umount(target: str, detach: bool = False) -> None:
+    _check(LIBC.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
+
+
+def make_private(target: str) -> None:
+    # The state root must not propagate our per-sandbox mounts into other mount namespaces (or theirs into ours).
+    mount("none", target, None, MS_PRIVATE)
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+    how = OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    fd = LIBC.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    _check(fd, f"openat2 {path!r}")
+    return int(fd)
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Mount points at or below `prefix` in this process's mount namespace (octal escapes decoded)."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
+                found.append(point)
+    return found

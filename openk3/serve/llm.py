@@ -1,0 +1,136 @@
+"""LLM: the offline API -- build or load a model, generate for a list of prompts, get texts, token ids, finish reasons, timings.
+
+`model` is a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors, tokenizer.json when it has one), or an
+already built module with a `.config`. A preset with no shipped checkpoint is built with seeded random weights and the byte
+tokenizer, and says so with a warning: its text is noise, but every code path is the real one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from openk3.config import PRESETS, preset
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.request import RequestOutput
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+Prompt = str | list[int]
+
+
+def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[torch.nn.Module, Tokenizer]:
+    from openk3.model import K3ForCausalLM, load_model
+
+    name = str(model)
+    shipped = ASSETS / name
+    if name in PRESETS and (shipped / "config.json").is_file():
+        model = shipped
+    elif name in PRESETS:
+        warnings.warn(
+            f"model {name!r}: no checkpoint is shipped for this preset, using seeded random weights (seed {seed}) and the byte tokenizer",
+            stacklevel=3,
+        )
+        config = preset(name)
+        net = K3ForCausalLM(config)
+        net.init_weights(seed)
+        net = net.to(device=device, dtype=dtype).eval()
+        return net, ByteTokenizer(config.vocab_size)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={name!r} is neither a preset ({sorted(PRESETS)}) nor a folder with config.json")
+    net = load_model(path, dtype=dtype, device=device)
+    return net, load_tokenizer(path, net.config.vocab_size)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module = "tiny",
+        tokenizer: Tokenizer | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        cache_memory_bytes: int = 256 * 2**20,
+    ) -> None:
+        if isinstance(model, torch.nn.Module):
+            net = model
+            tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
+        else:
+            net, tok = build_model(model, dtype, device, seed)
+            tok = tokenizer or tok
+        config = EngineConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            page_size=page_size,
+            num_pages=num_pages,
+            cache_memory_bytes=cache_memory_bytes,
+            seed=seed,
+        )
+        self.engine = LLMEngine(net, tok, config)
+        self.tokenizer = tok
+        self._ids = itertools.count()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order, each with its n completions in index order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; expected one or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+            done: dict[str, list[RequestOutput]] = {}
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done.setdefault(out.request_id, []).append(out)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        results = []
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            parts = sorted(done[request_id], key=lambda o: o.outputs[0].index)
+            results.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=parts[0].prompt_token_ids,
+                    outputs=tuple(o.outputs[0] for o in parts),
+                    finished=True,
+                    metrics=tuple(o.metrics[0] for o in parts),
+                    prompt=prompt if isinstance(prompt, str) else None,
+                )
+            )
+        return results

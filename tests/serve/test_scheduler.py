@@ -1,0 +1,162 @@
+"""The scheduler alone (exact steps with a fake runner) and through the engine with the cache-using fake model."""
+
+import pytest
+
+from openk3.config import debug
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.request import Request, RequestStatus
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from openk3.serve.tokenizer import ByteTokenizer
+from tests.serve.serve_fakes import FakeModel, reference_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=100)
+
+
+def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[str]:
+    """What a runner would report: a token for each request whose computed tokens catch up this step."""
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        if req.num_computed_tokens + n == req.num_tokens:
+            sampled[rid] = token
+    return [r.request_id for r in sched.update_from_output(out, RunnerOutput(sampled, {}))]
+
+
+def make(pages: int, slots: int, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), CacheManager(debug(), num_pages=pages, page_size=4, num_slots=slots))
+
+
+def test_chunked_prefill_budget_and_diff_exact() -> None:
+    s = make(10, 3, max_num_batched_tokens=8, max_num_seqs=2, long_prefill_token_threshold=6)
+    for rid, n in (("A", 10), ("B", 3), ("C", 2)):
+        s.add_request(Request(rid, list(range(1, n + 1)), GREEDY))
+
+    out = s.schedule()
+    assert dict(out.num_scheduled_tokens) == {"A": 6, "B": 2}  # A capped by the chunk size, B by the budget, C by max_num_seqs
+    assert [(n.request_id, n.slot, n.page_ids, n.num_computed_tokens) for n in out.new_requests] == [("A", 0, (0, 1), 0), ("B", 1, (2,), 0)]
+    assert out.cached_requests == () and out.forget_request_ids == frozenset()
+    assert fake_run(s, out) == []  # nobody caught up yet
+
+    out = s.schedule()
+    assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 1}
+    assert [(c.request_id, c.new_page_ids, c.num_computed_tokens) for c in out.cached_requests] == [("A", (3,), 6), ("B", (), 2)]
+    assert fake_run(s, out) == ["A", "B"]
+
+    out = s.schedule()
+    assert dict(out.num_scheduled_tokens) == {"A": 1, "B": 1}  # decode is the same rule: one token behind
+    fake_run(s, out)
+    s.finish("B", RequestStatus.FINISHED_STOPPED)
+    assert s.cache.num_free_pages == 10 - 3  # only A's 3 pages (11 tokens computed) are held now
+    out = s.schedule()
+    # A decodes while C prefills: one mixed step; the runner is told to forget B
+    assert dict(out.num_scheduled_tokens) == {"A": 1, "C": 2}
+    assert out.forget_request_ids == frozenset({"B"})
+    assert [n.page_ids for n in out.new_requests] == [(4,)]  # B's page 2 went to the back of the free queue
+    s.check_integrity()
+    for rid in ("A", "C"):
+        s.finish(rid, RequestStatus.FINISHED_ABORTED)
+    s.check_integrity()
+    assert s.cache.num_free_pages == 10 and s.cache.num_free_slots == 3
+
+
+def test_preemption_frees_newest_and_recomputes() -> None:
+    s = make(4, 2, max_num_batched_tokens=64, max_num_seqs=2)
+    s.add_request(Request("old", [1] * 7, GREEDY))
+    s.add_request(Request("new", [2] * 7, GREEDY))
+    fake_run(s, s.schedule())  # each holds 2 pages (7 tokens + the sampled one fit in 8)
+    out = s.schedule()
+    assert dict(out.num_scheduled_tokens) == {"old": 1, "new": 1}
+    fake_run(s, out)
+    out = s.schedule()  # both need a third page for token 9; only "old" gets it, "new" is preempted
+    assert dict(out.num_scheduled_tokens) == {"old": 1}
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert new.num_tokens == 9 and new.num_preemptions == 1 and s.num_preemptions_total == 1
+    assert out.forget_request_ids == frozenset({"new"})
+    s.check_integrity()
+    fake_run(s, out)
+    s.finish("old", RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()  # resumed: all 9 tokens (prompt + outputs) recomputed as one prefill, sent as a new request
+    assert dict(out.num_scheduled_tokens) == {"new": 9}
+    assert out.new_requests[0].token_ids == (2,) * 7 + (7, 7)
+    s.check_integrity()
+
+
+def engine(**cfg) -> LLMEngine:
+    base = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    base.update(cfg)
+    return LLMEngine(FakeModel(), ByteTokenizer(256), EngineConfig(**base))
+
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2], [6, 6, 6, 6]]
+
+
+def run_all(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.token_ids)
+        eng.scheduler.check_integrity()
+    eng.check_integrity()
+    assert eng.cache.num_free_pages == eng.cache.num_pages and eng.cache.num_free_slots == eng.cache.state_pool.num_slots
+    assert eng.runner.num_known <= eng.config.max_num_seqs
+    return done
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 5, 16])
+@pytest.mark.parametrize("budget", [4, 7, 64])
+def test_any_chunking_and_budget_gives_the_reference_tokens(chunk, budget) -> None:
+    eng = engine(max_num_batched_tokens=budget, long_prefill_token_threshold=chunk)
+    done = run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=9))
+    assert [done[str(i)] for i in range(len(PROMPTS))] == [reference_greedy(p, 9) for p in PROMPTS]
+    calls = eng.model.calls
+    assert all(int(b.cu_seqlens[-1]) <= budget and b.num_seqs <= 4 for b in calls)
+    assert all(int(b.seq_lens.max()) <= (chunk or budget) for b in calls)
+    if budget == 64 and chunk == 3:  # a step that decodes some requests while prefilling another
+        assert any(not b.is_decode and int(b.seq_lens.min()) == 1 for b in calls)
+
+
+def test_preemption_under_page_pressure_keeps_tokens_exact() -> None:
+    eng = engine(num_pages=12, max_model_len=40, max_num_seqs=4)
+    done = run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=20))
+    assert eng.scheduler.num_preemptions_total > 0
+    assert [done[str(i)] for i in range(len(PROMPTS))] == [reference_greedy(p, 20) for p in PROMPTS]
+
+
+def test_abort_anywhere_frees_everything() -> None:
+    eng = engine(max_num_seqs=2, max_num_batched_tokens=8, long_prefill_token_threshold=4)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30))
+    eng.step()
+    eng.abort("0")  # running, mid prefill
+    eng.abort("3")  # still waiting
+    eng.step()
+    eng.step()
+    eng.abort("2")  # running
+    eng.scheduler.check_integrity()
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert set(done) == {"1"} and list(done["1"].token_ids) == reference_greedy(PROMPTS[1], 30)
+    eng.check_integrity()
+    assert eng.cache.num_free_pages == eng.cache.num_pages and eng.cache.num_free_slots == eng.cache.state_pool.num_slots
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=0)
+    with pytest.raises(ValueError, match="max_model_len=1000"):
+        engine(num_pages=10, max_model_len=1000)
+    eng = engine()
+    with pytest.raises(ValueError, match="longer than the maximum model length of 128"):
+        eng.add_request("x", [1] * 129)
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request("y", [300])

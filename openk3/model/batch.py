@@ -65,7 +65,7 @@ class ForwardBatch:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        positions = [c + j for c, n in zip(context_lens, lens) for j in range(n)]
+        positions = [c + j for c, n in zip(context_lens, lens, strict=True) for j in range(n)]
         return ForwardBatch(
             input_ids=torch.tensor([t for toks in token_lists for t in toks], dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

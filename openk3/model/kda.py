@@ -1,0 +1,122 @@
+"""Kimi Delta Attention layer (both the Kimi-Linear and the K3 parameterisation).
+
+Legend: T packed tokens of the step, N sequences, D hidden, H heads, K = V = head_dim, P = H * K, W conv kernel,
+S state slots. Parameter names are the checkpoint's (`q_proj`, `q_conv1d`, `f_a_proj`, `A_log`, `dt_bias`, `b_proj`,
+`g_proj` or `g_a_proj`/`g_b_proj`, `o_norm`, `o_proj`).
+
+Cache contract (see model/batch.py): the layer reads the conv windows and the recurrent state of each sequence from its
+slot (zeros when the sequence has no context yet) and writes the state after the step back into the same slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.config import KDAGate, ModelConfig
+from openk3.model.batch import ForwardBatch
+from openk3.model.layers import RMSNorm
+from openk3.ops.kda import kda_prefill_op
+from openk3.ops.kda.decode import kda_decode
+from openk3.ops.kda.gate import kda_gate
+from openk3.ops.norm import l2_norm, rms_norm
+from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update
+
+
+@dataclass(frozen=True)
+class KDALayerCache:
+    state_SHKV: torch.Tensor  # fp32 recurrent states, one per slot
+    conv_SCW: torch.Tensor  # conv windows (last W-1 pre-conv inputs of q | k | v)
+
+
+def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The slots' contents, with sequences that start fresh (no context) reading zeros whatever the slot holds."""
+    assert batch.state_slots is not None
+    states = pool[batch.state_slots]
+    fresh = (batch.context_lens == 0).view(-1, *([1] * (states.dim() - 1)))
+    return torch.where(fresh, torch.zeros((), dtype=states.dtype, device=states.device), states)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kda_impl: str = "auto", conv_impl: str = "auto") -> None:
+        super().__init__()
+        c = config.kda
+        d, p = config.hidden_size, c.proj_dim
+        self.num_heads, self.head_dim, self.conv_kernel = c.num_heads, c.head_dim, c.conv_kernel
+        self.gate_kind, self.gate_lower_bound = c.gate, c.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        self.q_proj = nn.Linear(d, p, bias=False)
+        self.k_proj = nn.Linear(d, p, bias=False)
+        self.v_proj = nn.Linear(d, p, bias=False)
+        self.q_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
+        self.k_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
+        self.v_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
+        self.f_a_proj = nn.Linear(d, c.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(c.head_dim, p, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(c.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(p))
+        self.b_proj = nn.Linear(d, c.num_heads, bias=False)
+        self.full_rank_output_gate = c.full_rank_output_gate
+        if c.full_rank_output_gate:
+            self.g_proj = nn.Linear(d, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, c.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(c.head_dim, p, bias=False)
+        self.o_norm = RMSNorm(c.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(p, d, bias=False)
+        self.kda_prefill = kda_prefill_op(kda_impl)
+        self.conv_prefill = causal_conv1d_op(conv_impl)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Spec init: A_log = log U(1, 16) for the softplus gate (0 for the lower-bound gate); dt = exp(U(log 1e-3, log 1e-1))."""
+        if self.gate_kind == KDAGate.SOFTPLUS:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0, generator=generator).log())
+        else:
+            self.A_log.zero_()
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+
+    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
+        t = x_TD.shape[0]
+        h, k = self.num_heads, self.head_dim
+        qkv_TC = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
+        decode = batch.is_decode and cache is not None
+
+        if decode:
+            assert cache is not None and batch.state_slots is not None
+            qkv_TC, conv_state = causal_conv1d_update(qkv_TC, self.conv_weight(), _slot_states(cache.conv_SCW, batch), activation="silu")
+        else:
+            init_conv = _slot_states(cache.conv_SCW, batch) if cache is not None else None
+            y, conv_state = self.conv_prefill(qkv_TC[None], self.conv_weight(), init_conv, batch.cu_seqlens, activation="silu")
+            qkv_TC = y[0]
+        q, kk, v = qkv_TC.view(t, 3, h, k).unbind(1)
+        q, kk = l2_norm(q), l2_norm(kk)
+
+        g_THK = kda_gate(self.f_b_proj(self.f_a_proj(x_TD)).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
+        beta_TH = torch.sigmoid(self.b_proj(x_TD).float())
+
+        if decode:
+            assert cache is not None
+            o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
+        else:
+            init_state = _slot_states(cache.state_SHKV, batch) if cache is not None else None
+            o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init_state, batch.cu_seqlens)
+            o_THV = o[0]
+        if cache is not None:
+            assert batch.state_slots is not None
+            cache.conv_SCW[batch.state_slots] = conv_state.to(cache.conv_SCW.dtype)
+            cache.state_SHKV[batch.state_slots] = new_state
+
+        gate = self.g_proj(x_TD) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x_TD))
+        # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)
+        o32 = rms_norm(o_THV.float(), self.o_norm.weight, self.eps) * torch.sigmoid(gate.view(t, h, k).float())
+        return self.o_proj(o32.to(x_TD.dtype).reshape(t, h * k))
+

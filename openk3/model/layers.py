@@ -1,0 +1,39 @@
+"""Small building blocks shared by the layers: RMSNorm and the gated (SiLU/SiTU) MLP. Legend: [T, D] packed tokens.
+
+Attribute names match the checkpoint (`weight`, `gate_proj`, `up_proj`, `down_proj`) so state-dict keys need no renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.config import Activation
+from openk3.ops.activation import glu
+from openk3.ops.norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x), up(x))): the dense first-layer MLP and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, act: Activation, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = act
+        self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = glu(self.gate_proj(x), self.up_proj(x), self.act, self.situ_beta, self.situ_linear_beta)
+        return self.down_proj(h)

@@ -1,0 +1,97 @@
+"""Gated Multi-head Latent Attention (NoPE), the full-attention layer of the hybrid.
+
+Legend: T packed tokens, N sequences, D hidden, H heads, Dn/Dr/Dv qk_nope/qk_rope/v head dims, Lr kv_lora_rank,
+R = Lr + Dr latent width, NP pages, PS page size. Parameter names are the checkpoint's.
+
+Only the latent [c_kv (post-norm) | k_pe] is cached: R values per token per layer. Prefill expands K/V per sequence;
+decode attends in latent space over the pages (absorbed form). The K3 output gate sigmoid(W_g x) multiplies the per-head
+attention output before o_proj; Kimi Linear has no gate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.batch import ForwardBatch
+from openk3.model.layers import RMSNorm
+from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
+
+
+def write_latents(pool_PSR: torch.Tensor, page_table: torch.Tensor, batch: ForwardBatch, latent_TR: torch.Tensor) -> None:
+    """Scatter the step's new latents into their pages: token at position p of sequence i goes to page_table[i, p // PS]."""
+    page_size = pool_PSR.shape[1]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch.num_seqs, device=latent_TR.device), batch.seq_lens)
+    pages = page_table[seq_of_token, batch.positions // page_size]
+    pool_PSR[pages, batch.positions % page_size] = latent_TR.to(pool_PSR.dtype)
+
+
+def read_latents(pool_PSR: torch.Tensor, pages_P: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached latents of one sequence, [length, R]."""
+    page_size = pool_PSR.shape[1]
+    n_pages = (length + page_size - 1) // page_size
+    return pool_PSR[pages_P[:n_pages]].reshape(n_pages * page_size, -1)[:length]
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: ModelConfig, prefill_impl: str = "auto") -> None:
+        super().__init__()
+        m = config.mla
+        d = config.hidden_size
+        self.num_heads, self.nope, self.rope, self.v_dim, self.lora = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.scale = m.qk_head_dim**-0.5
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, m.num_heads * m.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, MLA_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, bias=False)
+        self.q_lora = m.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(d, m.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.output_gate = m.output_gate
+        if m.output_gate:
+            self.g_proj = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
+        self.prefill = mla_prefill_op(prefill_impl)
+
+    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
+        t, h = x_TD.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if self.q_lora else self.q_proj(x_TD)
+        q_nope, q_pe = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.lora, self.rope], dim=-1)
+        latent_TR = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, h, self.nope, self.v_dim)
+
+        if latent_pool is not None:
+            assert batch.page_table is not None
+            write_latents(latent_pool, batch.page_table, batch, latent_TR)
+        if batch.is_decode and latent_pool is not None:
+            assert batch.page_table is not None
+            out_THV = mla_decode_paged(q_nope, q_pe, latent_pool, batch.page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
+        else:
+            out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, w_uk, w_uv)
+
+        if self.output_gate:
+            out_THV = out_THV * torch.sigmoid(self.g_proj(x_TD).float()).view(t, h, self.v_dim).to(out_THV.dtype)
+        return self.o_proj(out_THV.reshape(t, h * self.v_dim).to(x_TD.dtype))
+
+    def _prefill(self, q_nope, q_pe, latent_TR, batch: ForwardBatch, latent_pool, w_uk, w_uv) -> torch.Tensor:
+        """Per sequence: its queries against its whole context (cached latents read back from the pages, or this step's)."""
+        outs = []
+        cu = batch.cu_seqlens.tolist()
+        ctx = batch.context_lens.tolist()
+        for i in range(batch.num_seqs):
+            lo, hi = cu[i], cu[i + 1]
+            if latent_pool is not None:
+                assert batch.page_table is not None
+                lat = read_latents(latent_pool, batch.page_table[i], ctx[i] + hi - lo)
+            else:
+                lat = latent_TR[lo:hi]
+            c, kpe = lat.split([self.lora, self.rope], dim=-1)
+            outs.append(self.prefill(q_nope[lo:hi], q_pe[lo:hi], c, kpe, w_uk, w_uv, self.scale, ctx[i]))
+        return torch.cat(outs, dim=0)

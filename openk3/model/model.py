@@ -1,0 +1,156 @@
+"""K3ForCausalLM: embed -> hybrid decoder layers (KDA / gated MLA, dense or LatentMoE MLP) -> AttnRes output mixer -> norm -> head.
+
+Legend: T packed tokens of the step, D hidden, V vocab, M rows whose logits are wanted.
+One forward serves training (no cache), full prefill, chunked prefill and decode: everything about the step is in the
+`ForwardBatch`, and the cache pools are passed explicitly (`CacheTensors`). Parameter names follow the K3 checkpoint
+(`model.layers.{i}.self_attn.*`, `block_sparse_moe.*`, `mlp.*`, `*_res_proj`, `lm_head`), so `state_dict()` keys are the
+official names except for the routed experts, which are stacked per layer (weights.py maps both ways).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.config import LayerKind, ModelConfig
+from openk3.model.attn_res import mix, new_mixer
+from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.kda import KDALayerCache, KimiDeltaAttention
+from openk3.model.layers import GatedMLP, RMSNorm
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import ExpertBackend, LatentMoE, LocalExperts
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """Implementations chosen by name (rule 1): "naive" is the reference, "fast" the optimised path, "auto" the best here."""
+
+    kda: str = "auto"
+    conv: str = "auto"
+    mla: str = "auto"
+    moe: str = "auto"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, ops: OpChoice) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.index, self.kind = index, config.layer_kind(index)
+        self.self_attn: nn.Module = (
+            GatedMLA(config, ops.mla) if self.kind == LayerKind.MLA else KimiDeltaAttention(config, ops.kda, ops.conv)
+        )
+        self.is_moe = config.is_moe_layer(index)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(config, LocalExperts(ops.moe))
+        else:
+            self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.situ_beta, config.situ_linear_beta)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.attn_res = config.attn_res_block_size is not None
+        if self.attn_res:
+            self.self_attention_res_proj, self.self_attention_res_norm = new_mixer(d, eps)
+            self.mlp_res_proj, self.mlp_res_norm = new_mixer(d, eps)
+
+    def feed_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x_TD) if self.is_moe else self.mlp(x_TD)
+
+    def attention(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, cache_index: int) -> torch.Tensor:
+        h = self.input_layernorm(x_TD)
+        if self.kind == LayerKind.MLA:
+            return self.self_attn(h, batch, cache.mla_latent[cache_index] if cache is not None else None)
+        layer_cache = KDALayerCache(cache.kda_state[cache_index], cache.conv_state[cache_index]) if cache is not None else None
+        return self.self_attn(h, batch, layer_cache)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpChoice) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_proj, self.output_attn_res_norm = new_mixer(config.hidden_size, config.rms_norm_eps)
+        # position of each layer inside its kind's cache list (KDA layers and MLA layers are numbered separately)
+        kinds = config.layer_kinds
+        self.cache_index = [sum(1 for j in range(i) if kinds[j] == kinds[i]) for i in range(config.num_hidden_layers)]
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        if self.config.attn_res_block_size is None:
+            for layer in self.layers:
+                h = h + layer.attention(h, batch, cache, self.cache_index[layer.index])
+                h = h + layer.feed_forward(layer.post_attention_layernorm(h))
+            return self.norm(h)
+        return self.norm(self._forward_attn_res(h, batch, cache, self.config.attn_res_block_size))
+
+    def _forward_attn_res(self, embed_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, block_size: int) -> torch.Tensor:
+        """The spec's layer loop: `blocks` holds finished block outputs (b_0 = the embedding), `partial` the running sum of the
+        current block. A sublayer's input is the AttnRes mix of both; its output is added to `partial`."""
+        blocks: list[torch.Tensor] = []
+        partial: torch.Tensor | None = embed_TD
+        for layer in self.layers:
+            assert partial is not None
+            x = mix(blocks, partial, layer.self_attention_res_proj, layer.self_attention_res_norm) if blocks else partial
+            if layer.index % block_size == 0:
+                blocks.append(partial)
+                partial = None
+            a = layer.attention(x, batch, cache, self.cache_index[layer.index])
+            partial = a if partial is None else partial + a
+            y = mix(blocks, partial, layer.mlp_res_proj, layer.mlp_res_norm)
+            partial = partial + layer.feed_forward(layer.post_attention_layernorm(y))
+        assert partial is not None
+        return mix(blocks, partial, self.output_attn_res_proj, self.output_attn_res_norm)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpChoice | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops or OpChoice()
+        self.model = K3Model(config, self.ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor:
+        """Logits [M, V] for the rows in `batch.logits_indices` (all T rows when None)."""
+        h = self.model(batch, cache)
+        if batch.logits_indices is not None:
+            h = h[batch.logits_indices]
+        return self.lm_head(h)
+
+    def forward_tokens(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
+        """Cache-free forward of equal-length sequences: logits [B, L, V] (training and reference checks)."""
+        b, seq_len = input_ids_BL.shape
+        return self.forward(ForwardBatch.from_tokens(input_ids_BL)).view(b, seq_len, -1)
+
+    def set_expert_backend(self, backend: ExpertBackend) -> None:
+        """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.backend = backend
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Deterministic random init (spec conventions): normal(0, std) matrices, unit norms, zero AttnRes queries and router
+        bias, KDA gate parameters as in the KDA paper. Used for tests and as the trainer's starting point."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("_res_proj.weight"):
+                p.zero_()
+            elif "norm" in name.rsplit(".", 2)[-2] or leaf in ("A_log", "dt_bias"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.reset_gate_parameters(g)
+            if layer.is_moe:
+                layer.block_sparse_moe.gate.e_score_correction_bias.zero_()

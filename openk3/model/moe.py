@@ -1,0 +1,101 @@
+"""Stable LatentMoE: sigmoid router with a selection-only bias, latent down/up projections around the routed experts,
+a latent RMSNorm after the weighted sum, and full-width shared experts. With `latent_size=None` it is Kimi-Linear's MoE.
+
+Legend: T tokens, D hidden, Dl expert width (latent width, or D without latent), E experts, k experts per token,
+I expert intermediate width.
+
+The routed-expert computation goes through an `ExpertBackend`: the single seam where expert parallelism (openk3.dist)
+attaches. The default backend runs every expert locally from the layer's expert bank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.layers import GatedMLP, RMSNorm
+from openk3.ops.activation import glu
+from openk3.ops.moe import moe_experts_op
+from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
+from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
+
+
+class ExpertBackend(Protocol):
+    def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        """Return sum_j w[t, j] * expert_{idx[t, j]}(z[t]) for every token, [T, Dl]."""
+        ...
+
+
+class LocalExperts:
+    """All experts on this device; `impl` picks the MoE op ("naive" loop or "fast" grouped)."""
+
+    def __init__(self, impl: str = "auto") -> None:
+        self.op = moe_experts_op(impl)
+
+    def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        return self.op(z_TD, routing.topk_idx, routing.topk_weight, layer.experts.bank(), layer.expert_act)
+
+
+class Router(nn.Module):
+    """`weight` [E, D] and `e_score_correction_bias` [E], both fp32 (the checkpoint keeps them in fp32)."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
+class DenseExperts(nn.Module):
+    """Routed experts in full precision, stacked: w1, w3 [E, I, Dl], w2 [E, Dl, I]."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, width))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, width))
+        self.w2 = nn.Parameter(torch.empty(num_experts, width, intermediate))
+
+    def bank(self) -> ExpertBank:
+        return DenseExpertBank(self.w1, self.w3, self.w2)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, config: ModelConfig, backend: ExpertBackend | None = None) -> None:
+        super().__init__()
+        e, d = config.moe, config.hidden_size
+        width = e.latent_size or d
+        self.top_k, self.renormalize, self.scaling = e.num_experts_per_token, e.renormalize, e.routed_scaling_factor
+        self.gate = Router(d, e.num_experts)
+        self.experts: nn.Module = DenseExperts(e.num_experts, width, e.moe_intermediate_size)
+        self.expert_act = functools.partial(glu, kind=config.hidden_act, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+        self.latent = e.latent_size is not None
+        if self.latent:
+            assert e.latent_size is not None
+            self.routed_expert_down_proj = nn.Linear(d, e.latent_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(e.latent_size, d, bias=False)
+            self.routed_expert_norm = RMSNorm(e.latent_size, config.rms_norm_eps) if e.latent_norm else None
+        self.shared_experts = (
+            GatedMLP(d, e.moe_intermediate_size * e.num_shared_experts, config.hidden_act, config.situ_beta, config.situ_linear_beta)
+            if e.num_shared_experts
+            else None
+        )
+        self.backend: ExpertBackend = backend or LocalExperts()
+
+    def route(self, x_TD: torch.Tensor) -> RouterOutput:
+        return sigmoid_topk_route(x_TD, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        routing = self.route(x_TD)
+        z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        y = self.backend(self, z, routing)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_TD)
+        return y
+

@@ -1,0 +1,154 @@
+"""Checkpoint loading and saving: HF-style folders (config.json + model.safetensors or a sharded index), safetensors only.
+
+Accepted tensor names: the official K3/Kimi-Linear names (with or without the multimodal `language_model.` prefix) and
+what transformers' Kimi-Linear port writes (A_log as [1, 1, H, 1]; the dense first layer under `block_sparse_moe.`).
+Routed experts arrive one tensor per expert (`experts.{e}.w1.weight`) and are stacked per layer here ([E, I, D]).
+Every problem is reported with the tensor's name, its shape and the expected shape; nothing is loaded half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from openk3.config import ModelConfig
+from openk3.model.model import K3ForCausalLM, OpChoice
+
+EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
+KEEP_FP32 = ("block_sparse_moe.gate.weight", "e_score_correction_bias", "self_attn.dt_bias", "self_attn.A_log")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: the message names every offending tensor."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise CheckpointError(f"{path} holds only pickle checkpoints (.bin/.pt); openk3 loads safetensors only")
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def canonical_name(name: str, config: ModelConfig) -> str:
+    """Map any accepted spelling onto this model's state-dict key (experts still per expert)."""
+    if name.startswith("language_model."):
+        name = name[len("language_model.") :]
+    m = re.match(r"^model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight$", name)
+    if m and not config.is_moe_layer(int(m.group(1))):
+        name = f"model.layers.{m.group(1)}.mlp.{m.group(2)}.weight"
+    if re.search(r"_res_(proj|norm)$", name):
+        name += ".weight"
+    return name
+
+
+def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape."""
+    config = model.config
+    expected = dict(model.state_dict())
+    filled: set[str] = set()
+    expert_seen: dict[str, set[int]] = {}
+    problems: list[str] = []
+    with torch.no_grad():
+        for raw_name, tensor in tensors:
+            name = canonical_name(raw_name, config)
+            m = EXPERT_RE.match(name)
+            if m:
+                key = f"{m.group(1)}.{m.group(3)}"
+                if key not in expected:
+                    problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
+                    continue
+                e = int(m.group(2))
+                target = expected[key]
+                if not 0 <= e < target.shape[0] or tuple(tensor.shape) != tuple(target.shape[1:]):
+                    problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape[1:])} (expert < {target.shape[0]})")
+                    continue
+                target[e].copy_(tensor)
+                expert_seen.setdefault(key, set()).add(e)
+                continue
+            if name not in expected:
+                problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
+                continue
+            target = expected[name]
+            if name.endswith("self_attn.A_log") and tensor.numel() == target.numel():
+                tensor = tensor.reshape(target.shape)  # transformers stores [1, 1, H, 1]
+            if tuple(tensor.shape) != tuple(target.shape):
+                problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                continue
+            target.copy_(tensor)
+            filled.add(name)
+    for key, seen in expert_seen.items():
+        missing = sorted(set(range(expected[key].shape[0])) - seen)
+        if missing:
+            problems.append(f"missing experts {missing[:8]}{'...' if len(missing) > 8 else ''} of {key} (expected {expected[key].shape[0]})")
+        filled.add(key)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name in sorted(set(expected) - filled - tied):
+        problems.append(f"missing tensor {name}, expected shape {tuple(expected[name].shape)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: OpChoice | None = None,
+) -> K3ForCausalLM:
+    """Build the model described by `path/config.json` and load its safetensors weights (the public entry point)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} has no config.json")
+    config = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config, ops)
+    model = model.to_empty(device=device)
+    load_state_dict_into(model, iter_checkpoint(path))
+    cast_model(model, dtype)
+    return model.eval()
+
+
+def cast_model(model: K3ForCausalLM, dtype: torch.dtype) -> None:
+    """Cast to `dtype`, keeping the router, its bias and the KDA gate parameters in fp32 as the checkpoint does."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.is_floating_point():
+            p.data = p.data.to(torch.float32 if name.endswith(KEEP_FP32) else dtype)
+
+
+def export_state_dict(model: K3ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under the official checkpoint names (experts split per expert)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        m = re.match(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$", name)
+        if m:
+            for e in range(tensor.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = tensor[e].contiguous()
+        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
+            out[name] = tensor.contiguous()
+    return out
+
+
+def save_model(model: K3ForCausalLM, path: str | Path) -> None:
+    """Write config.json + model.safetensors in the layout `load_model` (and the official loaders) read."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save(path / "config.json")
+    save_file(export_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,115 @@
+"""The whole model: cache-free forward == prefill + decode through the cache, chunked prefill, packed batches, configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.config import Activation, KDAGate, debug, k3, kimi_linear_48b
+from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM, OpChoice
+
+from .conftest import build
+
+PAGE = 4
+
+
+def pages_for(n_seqs: int, pages_per_seq: int) -> torch.Tensor:
+    # interleaved, non-contiguous page ids, so that a page-table bug cannot hide behind an identity layout
+    ids = torch.arange(n_seqs * pages_per_seq).view(pages_per_seq, n_seqs).t().contiguous()
+    return ids.flip(1)
+
+
+def run_chunks(model: K3ForCausalLM, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+    """Feed one sequence through the cache in the given chunk sizes; return the logits of every position."""
+    cache = CacheTensors.allocate(model.config, num_slots=3, num_pages=16, page_size=PAGE)
+    table = pages_for(1, 16)
+    out, pos = [], 0
+    for n in chunks:
+        batch = ForwardBatch.for_step([tokens[pos : pos + n]], [pos], [2], table, only_last_logits=False)
+        out.append(model(batch, cache))
+        pos += n
+    assert pos == len(tokens)
+    return torch.cat(out)
+
+
+def test_prefill_then_decode_equals_full_forward(debug_model: K3ForCausalLM) -> None:
+    tokens = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = debug_model.forward_tokens(tokens)[0]
+        stepwise = run_chunks(debug_model, tokens[0].tolist(), [9] + [1] * 14)
+    torch.testing.assert_close(stepwise, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[23], [1] * 23, [5, 7, 11], [16, 7]])
+def test_chunked_prefill_equals_one_shot(debug_model: K3ForCausalLM, chunks: list[int]) -> None:
+    tokens = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = debug_model.forward_tokens(torch.tensor([tokens]))[0]
+        got = run_chunks(debug_model, tokens, chunks)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_packed_batch_equals_separate_runs(debug_model: K3ForCausalLM) -> None:
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 12, 1)]
+    cache = CacheTensors.allocate(debug_model.config, num_slots=4, num_pages=24, page_size=PAGE)
+    table = pages_for(3, 8)
+    with torch.no_grad():
+        # dirty slots: a fresh sequence must read zeros whatever its slot holds
+        for s in cache.kda_state + cache.conv_state:
+            s.normal_()
+        logits = debug_model(ForwardBatch.for_step(seqs, [0, 0, 0], [3, 0, 1], table), cache)
+        for i, s in enumerate(seqs):
+            alone = debug_model.forward_tokens(torch.tensor([s]))[0, -1]
+            torch.testing.assert_close(logits[i], alone, atol=1e-4, rtol=0)
+        # one decode step for all three continues each sequence correctly
+        nxt = [[7], [8], [9]]
+        step = debug_model(ForwardBatch.for_step(nxt, [len(s) for s in seqs], [3, 0, 1], table), cache)
+        for i, s in enumerate(seqs):
+            alone = debug_model.forward_tokens(torch.tensor([s + nxt[i]]))[0, -1]
+            torch.testing.assert_close(step[i], alone, atol=1e-4, rtol=0)
+
+
+def test_naive_ops_match_fast_ops() -> None:
+    fast = build(debug())
+    naive = K3ForCausalLM(debug(), OpChoice(kda="naive", conv="naive", mla="naive", moe="naive"))
+    naive.load_state_dict(fast.state_dict())
+    tokens = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # different fp32 summation orders (chunked vs per-token KDA, SDPA vs einsum) drift by ~1e-5 per layer; logits reach ~3.4 here
+        torch.testing.assert_close(naive.forward_tokens(tokens), fast.forward_tokens(tokens), atol=2e-4, rtol=1e-4)
+
+
+def test_kimi_linear_features_switch_off() -> None:
+    cfg = debug().replace(
+        attn_res_block_size=None,
+        hidden_act=Activation.SILU,
+        kda=debug().kda.__class__(num_heads=2, head_dim=16, gate=KDAGate.SOFTPLUS),
+        mla=debug().mla.__class__(num_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        moe=debug().moe.__class__(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_scaling_factor=2.446),
+    )
+    model = build(cfg)
+    names = set(model.state_dict())
+    assert not any("_res_" in n or "routed_expert" in n or n.endswith("self_attn.g_proj.weight") for n in names)
+    assert "model.layers.0.self_attn.g_a_proj.weight" in names and "model.layers.4.self_attn.q_proj.weight" in names
+    tokens = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model.forward_tokens(tokens)[0]
+        steps = run_chunks(model, tokens[0].tolist(), [6] + [1] * 11)
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("preset", [k3, kimi_linear_48b])
+def test_full_size_model_builds_on_meta_and_matches_param_count(preset) -> None:
+    config = preset()
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    assert n == config.param_count().total
+
+
+def test_k3_param_count_matches_spec() -> None:
+    total, active = k3().param_count()
+    assert f"{total / 1e12:.4g}" == "2.779" and f"{active / 1e9:.4g}" == "104.2"
+    total, active = kimi_linear_48b().param_count()
+    assert 47e9 < total < 50e9 and 2.8e9 < active < 3.3e9

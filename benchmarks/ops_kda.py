@@ -1,0 +1,114 @@
+"""KDA prefill: tokens/s of openk3's chunked kda_chunk against the per-token recurrence and transformers' pure-PyTorch KDA paths.
+
+Run (after `make venv`, which installs the project):
+    .venv/bin/python benchmarks/ops_kda.py [--T 4096] [--heads 4] [--dim 128] [--threads 2] [--repeats 3] [--gate lower_bound|softplus]
+Every implementation runs in this process on the same inputs (B=1, fp32, q/k L2-normalised, g from kda_gate). Speed-ups are printed
+only if kda_chunk matches kda_recurrent (the definition) within 1e-4 on the output and the final state; transformers' outputs are
+checked against the same reference and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from openk3.config import KDAGate
+from openk3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from openk3.ops.norm import l2_norm
+
+TOLERANCE = 1e-4
+
+
+def make_inputs(T: int, H: int, D: int, gate: KDAGate) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q = l2_norm(torch.randn(1, T, H, D, generator=gen))
+    k = l2_norm(torch.randn(1, T, H, D, generator=gen))
+    v = torch.randn(1, T, H, D, generator=gen)
+    f = torch.randn(1, T, H, D, generator=gen)
+    dt_bias = torch.randn(H * D, generator=gen)
+    if gate == KDAGate.SOFTPLUS:
+        g = kda_gate(f, torch.empty(H).uniform_(1, 16, generator=gen).log(), dt_bias, gate)
+    else:
+        g = kda_gate(f, torch.zeros(H), dt_bias, gate, lower_bound=-5.0)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=gen))
+    return q, k, v, g, beta
+
+
+def best_seconds(fn: Callable[[], tuple], repeats: int) -> tuple[float, tuple]:
+    best, out = float("inf"), ()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {torch.get_num_threads()} torch threads"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128, help="dk = dv")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (best is reported)")
+    parser.add_argument("--gate", default="lower_bound", choices=[g.value for g in KDAGate])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"machine: {machine()}; torch {torch.__version__}; commit {commit}")
+    print(f"B=1 T={args.T} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate}\n")
+
+    inputs = make_inputs(args.T, args.heads, args.dim, KDAGate(args.gate))
+    warm = tuple(x[:, :256] for x in inputs)
+    runs: dict[str, Callable[[tuple], tuple]] = {
+        "openk3 kda_chunk": lambda x: kda_chunk(*x),
+        "openk3 kda_recurrent (reference)": lambda x: kda_recurrent(*x),
+    }
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as kl
+
+        runs["transformers recurrent_kimi_delta_attention"] = lambda x: kl.recurrent_kimi_delta_attention(*x, initial_state=None, output_final_state=True)
+        runs["transformers chunk_kimi_delta_attention"] = lambda x: kl.chunk_kimi_delta_attention(*x, initial_state=None, output_final_state=True)
+    except ImportError as err:
+        print(f"transformers' kimi_linear not available ({err}); its rows are skipped\n")
+
+    seconds, outputs = {}, {}
+    for name, fn in runs.items():
+        fn(warm)
+        seconds[name], outputs[name] = best_seconds(lambda fn=fn: fn(inputs), args.repeats)
+
+    o_ref, s_ref = outputs["openk3 kda_recurrent (reference)"]
+    errors = {name: max((o - o_ref).abs().max().item(), (s - s_ref).abs().max().item()) for name, (o, s) in outputs.items()}
+    ours = seconds["openk3 kda_chunk"]
+    print("| implementation | seconds | tokens/s | kda_chunk speed-up | max abs err vs reference |")
+    print("|---|---:|---:|---:|---:|")
+    for name in runs:
+        print(f"| {name} | {seconds[name]:.3f} | {args.T / seconds[name]:,.0f} | {seconds[name] / ours:.1f}x | {errors[name]:.1e} |")
+    if errors["openk3 kda_chunk"] >= TOLERANCE:
+        print(f"\nREFUSED: kda_chunk differs from the reference by {errors['openk3 kda_chunk']:.2e} >= {TOLERANCE}; no speed-up is claimed")
+        return 1
+    print()
+    for name in runs:
+        if name != "openk3 kda_chunk":
+            print(f"kda_chunk vs {name}: {seconds[name] / ours:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,7 +43,7 @@ class DecoderLayer(nn.Module):
         )
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(config, LocalExperts(ops.moe))
+            self.block_sparse_moe = LatentMoE(config, index, LocalExperts(ops.moe))
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.situ_beta, config.situ_linear_beta)
         self.input_layernorm = RMSNorm(d, eps)

@@ -63,8 +63,9 @@ class DenseExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, config: ModelConfig, backend: ExpertBackend | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, backend: ExpertBackend | None = None) -> None:
         super().__init__()
+        self.layer_index = layer_index  # lets an expert-parallel backend find this layer's expert shard
         e, d = config.moe, config.hidden_size
         width = e.latent_size or d
         self.top_k, self.renormalize, self.scaling = e.num_experts_per_token, e.renormalize, e.routed_scaling_factor

@@ -109,35 +109,55 @@ def quantize(x: torch.Tensor, block: int = MX_BLOCK, scale_mode: str | ScaleMode
     return MXFP4Tensor(packed, scales)
 
 
-def _scale_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """E8M0 byte -> 2^(byte - 127), NaN at 0xFF; every entry is exact in fp32 and bf16 (2^-127 is a subnormal in both)."""
-    exps = torch.arange(256, dtype=torch.float64) - E8M0_BIAS
-    values = torch.ldexp(torch.ones(256, dtype=torch.float64), exps)
-    values[E8M0_NAN] = math.nan
-    return values.to(device=device, dtype=dtype)
+class DecodeTables(NamedTuple):
+    """The fast decode's lookup tables for one compute dtype and device: build once with decode_tables, reuse freely."""
+
+    byte_pairs: torch.Tensor  # [256] byte -> (even element, odd element) as one int32 (bf16 pair) or int64 (fp32 pair)
+    scale_values: torch.Tensor  # [256] E8M0 byte -> 2^(byte - 127), NaN at 0xFF
 
 
 def _element_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def decode_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> DecodeTables:
+    """Tables for decoding to `dtype` (computed in bf16 or fp32; every table entry and product is exact in both)."""
+    compute = _compute_dtype(dtype)
+    elements = _element_values(compute, torch.device(device))
+    # Each byte's two elements are gathered as one integer twice the element width: half the gathers on CPU.
+    pair_dtype = torch.int32 if compute == torch.bfloat16 else torch.int64
+    pairs = torch.stack((elements.repeat(16), elements.repeat_interleave(16)), dim=-1).view(pair_dtype).reshape(256)
+    # 2^-127 is a subnormal in fp32 and in bf16, still exact
+    scales = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
+    scales[E8M0_NAN] = math.nan
+    return DecodeTables(pairs, scales.to(device=device, dtype=compute))
+
+
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tables: DecodeTables | None = None
+) -> torch.Tensor:
     """Decode to `dtype`: one gather per byte yields both elements, then one multiply by the block scale.
 
     The products code value x 2^k are exact in fp32 and bf16 (at most 3 significant bits), so computing directly in
     those dtypes equals decoding in fp64 and rounding once; other dtypes go through fp32 and round once.
+    Pass `tables` (from decode_tables with the same dtype and device) to skip rebuilding them on every call.
     """
     block = _check_packed(packed, scales)
-    compute = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-    elements = _element_values(compute, packed.device)
-    # byte b -> (value of its low nibble, value of its high nibble) = (even element, odd element); each pair is gathered
-    # as one integer twice the element width, which halves the gather cost on CPU.
-    pair_dtype = torch.int32 if compute == torch.bfloat16 else torch.int64
-    byte_values = torch.stack((elements.repeat(16), elements.repeat_interleave(16)), dim=-1).view(pair_dtype).reshape(256)
-    pairs = byte_values.index_select(0, packed.reshape(-1).int()).view(compute)
-    values = pairs.reshape(*scales.shape, block)
-    scale = _scale_values(compute, packed.device).index_select(0, scales.reshape(-1).int()).reshape(*scales.shape, 1)
-    return (values * scale).reshape(*packed.shape[:-1], 2 * packed.shape[-1]).to(dtype)
+    compute = _compute_dtype(dtype)
+    if tables is None:
+        tables = decode_tables(dtype, packed.device)
+    elif tables.scale_values.dtype != compute or tables.scale_values.device != packed.device:
+        raise ValueError(
+            f"mxfp4 dequantize: tables for {tables.scale_values.dtype} on {tables.scale_values.device}, "
+            f"expected decode_tables({dtype}, {packed.device})"
+        )
+    values = tables.byte_pairs.index_select(0, packed.reshape(-1).int()).view(compute).reshape(*scales.shape, block)
+    scale = tables.scale_values.index_select(0, scales.reshape(-1).int()).reshape(*scales.shape, 1)
+    return values.mul_(scale).reshape(*packed.shape[:-1], 2 * packed.shape[-1]).to(dtype)
 
 
 def dequantize_naive(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -110,6 +110,11 @@ def test_fast_dequantize_matches_naive_on_every_byte(dtype: torch.dtype) -> None
     assert fast.dtype == dtype and fast.shape == (256, 512)
     assert torch.equal(fast.isnan(), naive.isnan()) and torch.equal(fast[~fast.isnan()], naive[~naive.isnan()])
     assert torch.equal(fast.signbit()[~fast.isnan()], naive.signbit()[~naive.isnan()])
+    tables = mxfp4.decode_tables(dtype)
+    assert torch.equal(mxfp4.dequantize(packed, scales, dtype, tables).nan_to_num(), fast.nan_to_num())
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="tables for"):
+        mxfp4.dequantize(packed, scales, dtype, mxfp4.decode_tables(other))
 
 
 def test_errors_name_the_problem() -> None:

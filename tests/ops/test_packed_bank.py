@@ -38,9 +38,9 @@ def test_expert_decodes_only_that_expert(monkeypatch: pytest.MonkeyPatch) -> Non
     bank = pb.PackedMXFP4ExpertBank.from_dense(*dense_experts())
     shapes = []
 
-    def recording(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def recording(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, tables: mxfp4.DecodeTables) -> torch.Tensor:
         shapes.append(tuple(packed.shape))
-        return mxfp4.dequantize(packed, scales, dtype)
+        return mxfp4.dequantize(packed, scales, dtype, tables)
 
     monkeypatch.setattr(pb, "dequantize", recording)
     bank.expert(3, torch.bfloat16)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertWeights
-from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, ScaleMode, dequantize, mxfp4_nbytes, quantize
+from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, ScaleMode, decode_tables, dequantize, mxfp4_nbytes, quantize
 
 PROJECTIONS = ("w1", "w3", "w2")
 
@@ -64,7 +64,8 @@ class PackedMXFP4ExpertBank:
         return 2 * self.w1.packed.shape[2]
 
     def expert(self, e: int, dtype: torch.dtype) -> ExpertWeights:
-        return ExpertWeights(*(dequantize(t.packed[e], t.scales[e], dtype) for t in (self.w1, self.w3, self.w2)))
+        tables = decode_tables(dtype, self.w1.packed.device)
+        return ExpertWeights(*(dequantize(t.packed[e], t.scales[e], dtype, tables) for t in (self.w1, self.w3, self.w2)))
 
     @property
     def nbytes(self) -> int:

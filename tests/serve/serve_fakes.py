@@ -81,3 +81,22 @@ def reference_greedy(prompt: list[int], num_tokens: int, vocab: int = 256) -> li
         out.append(nxt)
         tokens.append(nxt)
     return out
+
+
+class ScriptedModel(nn.Module):
+    """Greedy output follows a fixed script by position: the token after position p is script[p + 1] (one-hot logits of 10).
+
+    The prompt is meant to be a prefix of the script, so the expected output is simply the rest of the script.
+    """
+
+    def __init__(self, script: list[int], vocab_size: int = 260) -> None:
+        super().__init__()
+        self.config = debug().replace(vocab_size=vocab_size)
+        self.script = script
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        rows = batch.positions if batch.logits_indices is None else batch.positions[batch.logits_indices]
+        logits = torch.zeros(len(rows), self.config.vocab_size)
+        for i, pos in enumerate(rows.tolist()):
+            logits[i, self.script[(pos + 1) % len(self.script)]] = 10.0
+        return logits

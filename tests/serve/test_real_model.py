@@ -1,0 +1,76 @@
+"""The engine on the real K3 model (debug preset, fp32): batching, chunking and preemption never change greedy tokens."""
+
+import pytest
+import torch
+
+from openk3.config import debug
+from openk3.model import K3ForCausalLM
+from openk3.serve.llm import LLM
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import ByteTokenizer
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> K3ForCausalLM:
+    m = K3ForCausalLM(debug())
+    m.init_weights(seed=3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 1, 12)]
+
+
+def uncached_greedy(model, prompt: list[int]) -> list[int]:
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(NEW):
+            tokens.append(int(model.forward_tokens(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def run(model, prompts, **cfg) -> list[list[int]]:
+    base = dict(num_pages=48, page_size=4, max_num_seqs=4, max_model_len=64)
+    base.update(cfg)
+    llm = LLM(model, ByteTokenizer(256), **base)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    llm.engine.check_integrity()
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def separate(model, prompts) -> list[list[int]]:
+    return [run(model, [p])[0] for p in prompts]
+
+
+def test_separate_runs_match_uncached_forward(model, prompts, separate) -> None:
+    assert separate == [uncached_greedy(model, p) for p in prompts]
+
+
+def test_batch_gives_the_tokens_of_separate_runs(model, prompts, separate) -> None:
+    assert run(model, prompts) == separate
+
+
+@pytest.mark.parametrize("chunk, budget", [(1, 64), (3, 64), (7, 10), (None, 6)])
+def test_chunked_prefill_matches_one_shot(model, prompts, separate, chunk, budget) -> None:
+    assert run(model, prompts, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget) == separate
+
+
+def test_preemption_recomputes_exactly(model, prompts, separate) -> None:
+    llm = LLM(model, ByteTokenizer(256), num_pages=12, page_size=4, max_num_seqs=4, max_model_len=40)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert [list(o.token_ids) for o in outs] == separate
+
+
+def test_llm_debug_preset_warns_and_generates() -> None:
+    with pytest.warns(UserWarning, match="random weights"):
+        llm = LLM("debug", num_pages=32, page_size=8, max_num_seqs=2)
+    out = llm.generate(["hi", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert [len(o.token_ids) for o in out] == [4, 4] and out[0].prompt == "hi"
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM("/no/such/model")

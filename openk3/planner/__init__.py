@@ -1,0 +1,34 @@
+"""Capacity planner for K3-class models: how many accelerators, what latency, what cost per token, and why.
+
+Pure arithmetic on `openk3.config.ModelConfig` and the engine's cache byte specs; no torch, no device. Typical use:
+
+    from openk3.planner import PlanRequest, load_catalogue, make_plan, render_text, k3
+    plan = make_plan(PlanRequest(config=k3(), system=load_catalogue().system("gb300-nvl72"), context=32768))
+    print(render_text(plan))
+
+Lower-level pieces: `working_set` / `max_concurrency` / `min_accelerators` (memory), `evaluate(Scenario)` (step time and
+cost), `search` (layouts x batch sizes under SLOs), `tier_table` (offload), `calibrate` (fit efficiencies).
+"""
+
+from openk3.config import k3
+from openk3.planner.balance import BalanceParams, rank_imbalance
+from openk3.planner.calibrate import Fit, Measurement, calibrate
+from openk3.planner.comm import CommParams, a2a_layer_time, bytes_per_token_per_layer, expected_destination_ranks
+from openk3.planner.hardware import Accelerator, Catalogue, System, load_catalogue
+from openk3.planner.inputs import Balance, Layout, Quantisation, Workload, parse_tokens
+from openk3.planner.memory import MemoryBreakdown, max_concurrency, min_accelerators, weight_bytes, working_set
+from openk3.planner.models import deepseek_v3, k3_all_mla, kimi_k2, model_by_name
+from openk3.planner.perf import Efficiency, Metrics, Scenario, decode_step, evaluate, prefill_step
+from openk3.planner.plan import Plan, PlanRequest, make_plan
+from openk3.planner.report import render_json, render_text, write_plot
+from openk3.planner.search import SLO, SearchSpace, search
+from openk3.planner.tiers import break_even_tokens, tier_table
+
+__all__ = [
+    "SLO", "Accelerator", "Balance", "BalanceParams", "Catalogue", "CommParams", "Efficiency", "Fit", "Layout", "Measurement",
+    "MemoryBreakdown", "Metrics", "Plan", "PlanRequest", "Quantisation", "Scenario", "SearchSpace", "System", "Workload",
+    "a2a_layer_time", "break_even_tokens", "bytes_per_token_per_layer", "calibrate", "decode_step", "deepseek_v3", "evaluate",
+    "expected_destination_ranks", "k3", "k3_all_mla", "kimi_k2", "load_catalogue", "make_plan", "max_concurrency",
+    "min_accelerators", "model_by_name", "parse_tokens", "prefill_step", "rank_imbalance", "render_json", "render_text",
+    "search", "tier_table", "weight_bytes", "working_set", "write_plot",
+]

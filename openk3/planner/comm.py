@@ -1,0 +1,140 @@
+"""Expert-parallel communication: bytes per token per MoE layer, expected destinations, and time on the right link tier.
+
+A token's dispatch carries its a2a-width activations (FP8 + scales) to every rank hosting one of its top-k experts; the
+combine brings bf16 results back. With per-rank de-duplication a token travels once per destination *rank* (MoonEP,
+DeepEP normal kernels); without it once per expert (DeepEP low-latency kernels). Time per phase is a latency floor plus
+the bytes of the busiest link over its bandwidth: NVLink inside the scale-up domain, the NIC outside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from openk3.config import ModelConfig
+from openk3.planner.hardware import System
+from openk3.planner.inputs import Quantisation
+from openk3.planner.memory import a2a_width
+
+
+@dataclass(frozen=True)
+class CommParams:
+    """Defaults: floors are the small-message latencies of NVIDIA's one-sided NVLink all-to-all on GB200 NVL72
+    (TensorRT-LLM blog 18: 19-28 us dispatch, 31-45 us combine; mid-range taken); link efficiencies are the fraction of
+    the per-direction peak that all-to-all kernels reach (DeepEP: ~160 of 200 GB/s NVLink on H800, 39-46 of 50 GB/s RDMA)."""
+
+    dispatch_floor_s: float = 22e-6
+    combine_floor_s: float = 35e-6
+    scale_up_efficiency: float = 0.8
+    scale_out_efficiency: float = 0.85
+    allreduce_floor_s: float = 10e-6
+    dedup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("scale_up_efficiency", "scale_out_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"CommParams.{name}={getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
+        for name in ("dispatch_floor_s", "combine_floor_s", "allreduce_floor_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CommParams.{name}={getattr(self, name)!r} is invalid: expected seconds >= 0")
+
+
+def dispatch_bytes_per_copy(config: ModelConfig, quant: Quantisation) -> float:
+    """K3: 3584 FP8 values + 112 E8M0 scales = 3,696 B."""
+    return a2a_width(config) * quant.dispatch_bits / 8
+
+
+def combine_bytes_per_copy(config: ModelConfig, quant: Quantisation) -> float:
+    """K3: 3584 bf16 values = 7,168 B."""
+    return a2a_width(config) * quant.combine_bits / 8
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def _p_rank_missed(num_experts: int, top_k: int, experts_on_rank: int) -> float:
+    """P(none of a token's top_k distinct experts is among this rank's experts), uniform routing."""
+    if num_experts - experts_on_rank < top_k:
+        return 0.0
+    return math.exp(_log_comb(num_experts - experts_on_rank, top_k) - _log_comb(num_experts, top_k))
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_destination_ranks(num_experts: int, top_k: int, ranks: int) -> float:
+    """Distinct ranks a token's top_k experts live on, experts split as evenly as E/R allows (K3 at EP72: 14.43)."""
+    base, extra = divmod(num_experts, ranks)
+    sizes = [base + 1] * extra + [base] * (ranks - extra)
+    return sum(1.0 - _p_rank_missed(num_experts, top_k, s) for s in sizes)
+
+
+def copies_per_token(config: ModelConfig, ranks: int, dedup: bool) -> tuple[float, float]:
+    """(copies leaving the source rank, of which over the whole fabric) for one token at one MoE layer."""
+    e, k = config.moe.num_experts, config.moe.num_experts_per_token
+    if ranks == 1:
+        return 0.0, 0.0
+    own = 1.0 - _p_rank_missed(e, k, math.ceil(e / ranks))
+    if dedup:
+        return expected_destination_ranks(e, k, ranks) - own, own
+    return k * (ranks - 1) / ranks, own
+
+
+def bytes_per_token_per_layer(config: ModelConfig, quant: Quantisation, destinations: float | None = None) -> float:
+    """Dispatch + combine bytes of one token at one MoE layer; destinations defaults to top_k (K3: 16 x 10,864 = 173,824 B)."""
+    d = config.moe.num_experts_per_token if destinations is None else destinations
+    return d * (dispatch_bytes_per_copy(config, quant) + combine_bytes_per_copy(config, quant))
+
+
+@dataclass(frozen=True)
+class A2ATime:
+    dispatch_s: float
+    combine_s: float
+    scale_out_fraction: float  # of the remote bytes, the part that leaves the scale-up domain
+
+    @property
+    def total_s(self) -> float:
+        return self.dispatch_s + self.combine_s
+
+
+def _phase(bytes_out: float, bytes_in: float, floor: float, fraction_out: float, system: System, comm: CommParams) -> float:
+    up_bw = system.accelerator.scale_up_bw * comm.scale_up_efficiency
+    out_bw = system.scale_out_bw * comm.scale_out_efficiency
+    busiest = max(bytes_out, bytes_in)
+    t_up = busiest * (1 - fraction_out) / up_bw
+    t_out = busiest * fraction_out / out_bw
+    return floor + max(t_up, t_out)
+
+
+def a2a_layer_time(
+    config: ModelConfig, quant: Quantisation, ranks: int, system: System, comm: CommParams, tokens_per_rank: float, imbalance: float = 1.0
+) -> A2ATime:
+    """Dispatch + combine of one MoE layer on the busiest rank: it sends its own tokens' copies and receives
+    `imbalance` times the mean share (then sends that many results back in the combine)."""
+    if ranks <= 1 or tokens_per_rank <= 0:
+        return A2ATime(0.0, 0.0, 0.0)
+    remote, _ = copies_per_token(config, ranks, comm.dedup)
+    domain = min(system.scale_up_domain, ranks)
+    fraction_out = (ranks - domain) / (ranks - 1)
+    copies_out = tokens_per_rank * remote
+    copies_in = copies_out * imbalance
+    d_b, c_b = dispatch_bytes_per_copy(config, quant), combine_bytes_per_copy(config, quant)
+    dispatch = _phase(copies_out * d_b, copies_in * d_b, comm.dispatch_floor_s, fraction_out, system, comm)
+    combine = _phase(copies_in * c_b, copies_out * c_b, comm.combine_floor_s, fraction_out, system, comm)
+    return A2ATime(dispatch_s=dispatch, combine_s=combine, scale_out_fraction=fraction_out)
+
+
+def allreduce_time(bytes_per_rank: float, tp: int, system: System, comm: CommParams) -> float:
+    """Ring all-reduce inside the scale-up domain: 2 (tp-1)/tp of the buffer crosses each link."""
+    if tp <= 1:
+        return 0.0
+    return comm.allreduce_floor_s + 2 * (tp - 1) / tp * bytes_per_rank / (system.accelerator.scale_up_bw * comm.scale_up_efficiency)
+
+
+def prefetch_time(num_experts: float, bytes_per_expert: float, ranks: int, system: System, comm: CommParams) -> float:
+    """MoonEP pulls remote experts' weights; over NVLink when the EP group fits the domain, else over the NIC."""
+    if num_experts <= 0:
+        return 0.0
+    inside = ranks <= system.scale_up_domain
+    bw = system.accelerator.scale_up_bw * comm.scale_up_efficiency if inside else system.scale_out_bw * comm.scale_out_efficiency
+    return num_experts * bytes_per_expert / bw

@@ -1,0 +1,59 @@
+"""Model configs the planner knows by name: openk3's presets plus the published MoE models its anchors use.
+
+Kimi K2 and DeepSeek-V3 are all-MLA models; `ModelConfig` still carries a KDA sub-config, unused when every layer is
+MLA. `k3_all_mla` is K3 with every layer MLA: the counterfactual that shows what KDA saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from openk3.config import PRESETS, MLAConfig, ModelConfig, MoEConfig, k3
+
+
+def kimi_k2() -> ModelConfig:
+    """Kimi K2 (HF moonshotai/Kimi-K2-Instruct config.json): 61 layers, MLA 64 heads, 384 experts top-8, ~1.03T / 32B."""
+    return ModelConfig(
+        name="kimi_k2",
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        mla_layers=tuple(range(61)),
+        kda=k3().kda,
+        mla=MLAConfig(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(num_experts=384, num_experts_per_token=8, moe_intermediate_size=2048, num_shared_experts=1, routed_scaling_factor=2.827),
+        intermediate_size=18432,
+        first_k_dense_replace=1,
+    )
+
+
+def deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3/R1 (HF deepseek-ai/DeepSeek-V3 config.json): 61 layers, 3 dense, MLA 128 heads, 256 experts top-8, 671B / 37B."""
+    return ModelConfig(
+        name="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        mla_layers=tuple(range(61)),
+        kda=k3().kda,
+        mla=MLAConfig(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(num_experts=256, num_experts_per_token=8, moe_intermediate_size=2048, num_shared_experts=1, routed_scaling_factor=2.5),
+        intermediate_size=18432,
+        first_k_dense_replace=3,
+    )
+
+
+def k3_all_mla() -> ModelConfig:
+    """K3 with every layer gated MLA (same widths): the baseline for 'what does KDA save'."""
+    base = k3()
+    return base.replace(name="k3_all_mla", mla_layers=tuple(range(base.num_hidden_layers)))
+
+
+MODELS: dict[str, Callable[[], ModelConfig]] = {**PRESETS, "kimi_k2": kimi_k2, "deepseek_v3": deepseek_v3, "k3_all_mla": k3_all_mla}
+
+
+def model_by_name(name: str) -> ModelConfig:
+    try:
+        return MODELS[name]()
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None

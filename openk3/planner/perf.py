@@ -1,0 +1,262 @@
+"""Step time of the busiest rank, decode and prefill, and what it costs.
+
+Each component (trunk GEMMs, routed experts, MLA attention, KDA recurrence, AttnRes) takes
+max(bytes / (HBM BW x eff_hbm), FLOPs / (peak x eff)) on its own; components run one after another, so their times
+add. Communication per MoE layer (dispatch + combine on the busiest rank, MoonEP weight prefetch) and TP all-reduces
+add too, except the `comm_overlap` fraction hidden under compute (two-batch overlap). The KDA state is read and
+written every decode step, which is what makes it cost HBM bandwidth and not only capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+from openk3.config import LayerKind, ModelConfig
+from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
+from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
+from openk3.planner.hardware import System
+from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
+from openk3.planner.memory import (
+    DEFAULT_FILL,
+    MemoryBreakdown,
+    attn_res_slots,
+    cache_spec,
+    expert_bytes,
+    experts_per_rank,
+    num_moe_layers,
+    weight_bytes,
+    working_set,
+)
+
+KDA_FLOPS_PER_STATE_ELEMENT = 6  # decay, k^T v outer product, q S readout: ~3 multiply-adds per state element per token
+KDA_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak the kernels reach. Defaults describe a 2025 open-source stack (SGLang + DeepEP + DeepGEMM +
+    FlashMLA class kernels): HBM streaming ~80%, grouped/dense GEMMs ~50%, MLA decode attention ~30%, 70% of the
+    communication hidden by two-batch overlap. Chosen as round numbers between the two published decode anchors
+    (docs/planner.md reports their errors). `calibrate` fits them to a measurement."""
+
+    hbm: float = 0.8
+    gemm: float = 0.5
+    attention: float = 0.3
+    comm_overlap: float = 0.7
+
+    def __post_init__(self) -> None:
+        for name in ("hbm", "gemm", "attention"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"Efficiency.{name}={getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"Efficiency.comm_overlap={self.comm_overlap!r} is invalid: expected a fraction in [0, 1]")
+
+    @classmethod
+    def ideal(cls) -> Efficiency:
+        """Pure roofline: peaks reached, communication fully hidden."""
+        return cls(hbm=1.0, gemm=1.0, attention=1.0, comm_overlap=1.0)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: ModelConfig
+    quant: Quantisation
+    layout: Layout
+    workload: Workload
+    system: System
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    comm: CommParams = field(default_factory=CommParams)
+    balance: BalanceParams = field(default_factory=BalanceParams)
+    fill: float = DEFAULT_FILL
+
+    def with_(self, **changes: object) -> Scenario:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: float
+    flops: float
+    time_s: float
+    bound: str  # "hbm" or "compute"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    components: tuple[Component, ...]
+    comm_s: float  # all communication on the busiest rank before overlap
+    exposed_comm_s: float
+    imbalance: float
+    tokens_per_group: float
+
+    @property
+    def local_s(self) -> float:
+        return sum(c.time_s for c in self.components)
+
+    @property
+    def total_s(self) -> float:
+        return self.local_s + self.exposed_comm_s
+
+    @property
+    def bytes(self) -> float:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def flops(self) -> float:
+        return sum(c.flops for c in self.components)
+
+    def time_by_bound(self) -> dict[str, float]:
+        out = {"hbm": 0.0, "compute": 0.0, "interconnect": self.exposed_comm_s}
+        for c in self.components:
+            out[c.bound] += c.time_s
+        return out
+
+
+def _component(name: str, nbytes: float, flops: float, peak: float, eff: float, sc: Scenario) -> Component:
+    t_mem = nbytes / (sc.system.accelerator.hbm_bw * sc.efficiency.hbm)
+    t_flop = flops / (peak * eff) if flops else 0.0
+    return Component(name, nbytes, flops, max(t_mem, t_flop), "hbm" if t_mem >= t_flop else "compute")
+
+
+@functools.lru_cache(maxsize=64)
+def _trunk_active_params(config: ModelConfig) -> float:
+    return config.param_count().active - num_moe_layers(config) * config.moe.num_experts_per_token * config.routed_expert_params()
+
+
+def _layer_counts(config: ModelConfig) -> tuple[int, int]:
+    kinds = config.layer_kinds
+    return kinds.count(LayerKind.MLA), kinds.count(LayerKind.KDA)
+
+
+def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float) -> float:
+    config, layout = sc.config, sc.layout
+    tokens_per_rank = tokens_per_group / layout.tp  # each TP rank dispatches its slice of the group's tokens
+    a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
+    fetch = 0.0
+    if layout.balance == Balance.MOONEP:
+        n = moonep_prefetch_experts(config, layout, assignments_per_rank, sc.balance)
+        fetch = prefetch_time(n, expert_bytes(config, sc.quant), layout.ep_size, sc.system, sc.comm)
+    ar = allreduce_time(tokens_per_group * config.hidden_size * 2, layout.tp, sc.system, sc.comm)
+    return num_moe_layers(config) * (a2a + fetch) + 2 * config.num_hidden_layers * ar
+
+
+def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool) -> StepTime:
+    """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each."""
+    config, quant, layout, acc = sc.config, sc.quant, sc.layout, sc.system.accelerator
+    tp, eff = layout.tp, sc.efficiency
+    spec = cache_spec(config, quant)
+    n_mla, n_kda = _layer_counts(config)
+    moe_layers = num_moe_layers(config)
+    k = config.moe.num_experts_per_token
+    seqs = tokens_per_group if decode else 1.0  # prefill: one sequence's chunk per group
+
+    w = weight_bytes(config, quant)
+    trunk_read = (w.trunk_bytes - w.embedding_params * quant.trunk_bits / 8) / tp  # embedding rows are gathered, not streamed
+    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute),
+                       eff.gemm, sc)
+
+    total_tokens = tokens_per_group * layout.dp
+    replicas = layout.num_accelerators // layout.ep_size
+    assignments_per_rank = total_tokens * k / layout.num_accelerators
+    imbalance = rank_imbalance(config, layout, assignments_per_rank, sc.balance)
+    tokens_per_replica = total_tokens / replicas
+    p_hit = 1 - (1 - k / config.moe.num_experts) ** tokens_per_replica
+    slots = experts_per_rank(config, layout)
+    expert_read = moe_layers * slots * min(1.0, p_hit * imbalance) * expert_bytes(config, quant)
+    expert_flops = moe_layers * 2 * config.routed_expert_params() * assignments_per_rank * imbalance
+    experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc)
+
+    m = config.mla
+    heads = m.num_heads / tp
+    if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part
+        mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * (m.latent_dim + m.kv_lora_rank)
+        mla_bytes = seqs * kv_len * spec.mla.bytes_per_token
+    else:  # naive MLA over the chunk: causal, so the average query sees kv_len / 2 keys
+        mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len / 2 * (m.qk_head_dim + m.v_head_dim)
+        mla_bytes = (kv_len + tokens_per_group) * spec.mla.bytes_per_token
+    mla = _component("mla_attention", mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
+
+    kda_state = seqs * 2 * spec.kda.bytes_per_sequence / tp  # read and written back every step
+    hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim
+    kda_flops = n_kda * tokens_per_group * KDA_FLOPS_PER_STATE_ELEMENT * hkv
+    if not decode:
+        kda_flops += n_kda * tokens_per_group * 2 * KDA_CHUNK * config.kda.num_heads / tp * 2 * config.kda.head_dim
+    kda = _component("kda", kda_state, kda_flops, acc.flops("bf16"), eff.attention, sc)
+
+    # each sublayer's AttnRes mixer reads the token's block summaries
+    attn_res_bytes = tokens_per_group / tp * 2 * config.num_hidden_layers * attn_res_slots(config) * config.hidden_size * 2
+    attn_res = _component("attn_res", attn_res_bytes, 0.0, acc.flops("bf16"), eff.gemm, sc)
+
+    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance)
+    components = tuple(c for c in (trunk, experts, mla, kda, attn_res) if c.bytes or c.flops)
+    local = sum(c.time_s for c in components)
+    exposed = comm - eff.comm_overlap * min(comm, local)
+    return StepTime(components, comm, exposed, imbalance, tokens_per_group)
+
+
+def decode_step(sc: Scenario) -> StepTime:
+    seqs_per_group = sc.workload.concurrency / sc.layout.dp
+    return _step(sc, seqs_per_group, float(sc.workload.context), decode=True)
+
+
+def prefill_step(sc: Scenario, kv_len: float | None = None) -> StepTime:
+    """One chunk of `prefill_chunk` tokens per group at `kv_len` already-cached tokens (default: the middle of the prompt)."""
+    prompt = sc.workload.prompt_tokens
+    chunk = min(sc.workload.prefill_chunk, prompt)
+    return _step(sc, float(chunk), prompt / 2 if kv_len is None else kv_len, decode=False)
+
+
+def binding(step: StepTime, memory: MemoryBreakdown, memory_limited: bool) -> str:
+    """What stops this candidate from doing better: memory when HBM capacity caps the batch, else the largest time term."""
+    if not memory.fits or memory_limited:
+        return "memory"
+    by = step.time_by_bound()
+    return {"hbm": "HBM bandwidth", "compute": "compute", "interconnect": "interconnect"}[max(by, key=lambda k: by[k])]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    memory: MemoryBreakdown
+    decode: StepTime
+    prefill: StepTime
+    throughput_tok_s: float  # decode output tokens/s of the instance
+    per_user_tok_s: float
+    ttft_s: float
+    prefill_tok_s: float
+    tokens_per_joule: float
+    usd_per_m_output: float
+    usd_per_m_input: float
+    binding: str
+    num_accelerators: int
+
+    @property
+    def per_accelerator_tok_s(self) -> float:
+        return self.throughput_tok_s / self.num_accelerators
+
+
+def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
+    n = sc.layout.num_accelerators
+    memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill)
+    dec = decode_step(sc)
+    pre = prefill_step(sc)
+    chunk = min(sc.workload.prefill_chunk, sc.workload.prompt_tokens)
+    chunks = -(-sc.workload.prompt_tokens // chunk)
+    throughput = sc.workload.concurrency / dec.total_s if sc.workload.concurrency else 0.0
+    prefill_tok_s = chunk * sc.layout.dp / pre.total_s
+    usd_per_s = sc.system.price_per_hour * n / 3600
+    return Metrics(
+        memory=memory,
+        decode=dec,
+        prefill=pre,
+        throughput_tok_s=throughput,
+        per_user_tok_s=1 / dec.total_s,
+        ttft_s=chunks * pre.total_s,
+        prefill_tok_s=prefill_tok_s,
+        tokens_per_joule=throughput / (n * sc.system.power_w),
+        usd_per_m_output=usd_per_s / throughput * 1e6 if throughput else float("inf"),
+        usd_per_m_input=usd_per_s / prefill_tok_s * 1e6,
+        binding=binding(dec, memory, memory_limited),
+        num_accelerators=n,
+    )

@@ -100,7 +100,7 @@ class NamespaceBackend:
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{uuid.uuid4().hex[:12]}@{self.config.host}"
 
-    def _box(self, sid: str) -> Instance:
+    def box(self, sid: str) -> Instance:
         with self._lock:
             if sid not in self._boxes:
                 raise NotFound(f"sandbox_id={sid!r}: no such sandbox on host {self.config.host}")
@@ -161,10 +161,10 @@ class NamespaceBackend:
             raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected >= 0")
         if isinstance(cmd, list) and not cmd:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
-        return self._box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
+        return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
 
     def snapshot(self, sid: str) -> SnapshotInfo:
-        box = self._box(sid)
+        box = self.box(sid)
         with box.lock:
             box.cg.freeze()
             try:
@@ -191,7 +191,7 @@ class NamespaceBackend:
         snap = self.snapshot_info(snapshot_id)
         if snap.kind is not SnapshotKind.FS:
             raise InvalidArgument(f"snapshot_id={snapshot_id!r}: a {snap.kind.value} snapshot cannot restore a sandbox")
-        box = self._box(sid)
+        box = self.box(sid)
         self.store.incref(snap.layers)
         with box.lock:
             old = self._meta[sid].layers
@@ -237,7 +237,7 @@ class NamespaceBackend:
             self.store.decref(meta.layers)
 
     def stats(self, sid: str) -> SandboxStats:
-        box = self._box(sid)
+        box = self.box(sid)
         meta = self._meta[sid]
         return SandboxStats(sandbox_id=sid, memory_bytes=box.cg.memory_bytes(), pids=box.cg.pid_count(),
                             cpu_usage_s=box.cg.cpu_usage_s(), disk_used_bytes=box.disk_used(),
@@ -245,23 +245,39 @@ class NamespaceBackend:
                             expires_at=meta.expires_at)
 
     def heartbeat(self, sid: str, ttl_s: float | None = None) -> float:
-        self._box(sid)
+        self.box(sid)
         with self._lock:
             meta = self._meta[sid]
             meta.ttl_s = meta.ttl_s if ttl_s is None else ttl_s
             meta.expires_at = time.time() + meta.ttl_s
             return meta.expires_at
 
-    def reap_expired(self, now: float | None = None) -> list[str]:
+    def expired(self, now: float | None = None) -> list[str]:
+        """Sandboxes whose TTL passed without a heartbeat (the service destroys them, shells first)."""
         now = time.time() if now is None else now
         with self._lock:
-            expired = [sid for sid, m in self._meta.items() if m.expires_at <= now]
-        for sid in expired:
-            try:
-                self.destroy(sid)
-            except NotFound:
-                continue
-        return expired
+            return sorted(sid for sid, m in self._meta.items() if m.expires_at <= now)
+
+    def register_snapshot(self, digests: list[str], archives: dict[str, bytes | None]) -> SnapshotInfo:
+        """A snapshot made of layers already here or shipped as tar.zst archives (each verified against its digest)."""
+        taken: list[str] = []
+        try:
+            for d in digests:
+                if self.store.has(d):
+                    self.store.incref([d])
+                elif archives.get(d) is None:
+                    raise NotFound(f"layer {d}: neither in this host's store nor in the archive")
+                else:
+                    self.store.add_archive(archives[d] or b"", expected_digest=d)
+                taken.append(d)
+        except BaseException:
+            self.store.decref(taken)
+            raise
+        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import",
+                            created_at=time.time(), captures=FS_CAPTURES)
+        with self._lock:
+            self._snapshots[info.snapshot_id] = info
+        return info
 
     def sandboxes(self) -> list[str]:
         with self._lock:
@@ -272,7 +288,7 @@ class NamespaceBackend:
             return sorted(self._snapshots.values(), key=lambda s: s.created_at)
 
     def merged_root(self, sid: str) -> str:
-        return self._box(sid).merged
+        return self.box(sid).merged
 
     def close(self) -> None:
         """Destroy every sandbox and snapshot, unmount the store and remove the daemon's cgroup subtree."""

@@ -227,7 +227,9 @@ def freeze(path: str, v2: bool, frozen: bool = True) -> None:
 
 
 def kill_under(path: str, v2: bool, keep: frozenset[int] = frozenset()) -> None:
-    """SIGKILL every process in the cgroup subtree at `path` except `keep`."""
+    """SIGKILL every process in the cgroup subtree at `path` except `keep` (a removed cgroup has none)."""
+    if not os.path.isdir(path):
+        return
     if v2 and not keep and os.path.exists(f"{path}/cgroup.kill"):
         _write(f"{path}/cgroup.kill", "1")
         return

@@ -20,7 +20,7 @@ TOOLS = REQUIRED + (
     "ls", "cp", "mv", "rm", "mkdir", "rmdir", "touch", "ln", "chmod", "chown", "stat", "head", "tail", "wc", "sort", "uniq",
     "cut", "tr", "echo", "printf", "test", "true", "false", "id", "whoami", "date", "seq", "yes", "dd", "df", "du", "sha256sum",
     "md5sum", "basename", "dirname", "readlink", "realpath", "mktemp", "nohup", "timeout", "setsid", "kill", "ps", "mknod",
-    "tee", "xargs", "find", "grep", "sed", "awk", "gzip", "hostname", "sync", "cmp", "diff", "expr", "nproc", "uname", "pwd",
+    "tee", "xargs", "find", "grep", "sed", "awk", "gzip", "hostname", "sync", "cmp", "diff", "expr", "nproc", "uname", "pwd", "mkfifo",
 )
 ETC = {
     "etc/passwd": "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",

@@ -1,0 +1,39 @@
+"""`openk3 sandbox serve`: run this host's sandbox daemon (HTTP) until interrupted, then destroy everything it created."""
+
+from __future__ import annotations
+
+import argparse
+
+from openk3.sandbox.backend import BackendConfig
+from openk3.sandbox.protocol import SandboxError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sandbox", help="AgentEnv-style RL sandboxes (namespaces + overlay + cgroups)")
+    sub = parser.add_subparsers(dest="sandbox_command", required=True)
+    serve = sub.add_parser("serve", help="serve the sandbox API over HTTP on this host (needs root)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; the API is unauthenticated)")
+    serve.add_argument("--port", type=int, default=8700)
+    serve.add_argument("--state-dir", default="/run/openk3-sandbox", help="tmpfs mount point for layers and sandbox roots")
+    serve.add_argument("--store-bytes", type=int, default=8 * 2**30, help="size of the layer/state tmpfs")
+    serve.add_argument("--workers", type=int, default=8, help="threads running blocking sandbox operations")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from openk3.sandbox.server import serve
+    from openk3.sandbox.service import SandboxService
+
+    if args.workers < 1:
+        print(f"--workers={args.workers}: expected >= 1")
+        return 2
+    try:
+        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes))
+    except SandboxError as e:
+        print(f"openk3 sandbox serve: {e}")
+        return 1
+    try:
+        serve(service, args.host, args.port, args.workers)
+    finally:
+        service.close()
+    return 0

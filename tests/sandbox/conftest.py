@@ -1,0 +1,83 @@
+"""Shared fixtures for the sandbox suite: one host probe, one service per session, and a leak check after every test.
+
+Tests marked `sandbox` skip as a whole, with the probe's reason, where the host lacks root, bwrap, overlayfs, user namespaces
+or a way to freeze and kill cgroups; everything else must work here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from openk3.sandbox import syscalls
+from openk3.sandbox.backend import BackendConfig
+from openk3.sandbox.cgroups import pids_under
+from openk3.sandbox.host import probe
+from openk3.sandbox.service import SandboxService
+
+
+@pytest.fixture(scope="session")
+def host_features():
+    features = probe()
+    if features.unavailable_reason:
+        pytest.skip(f"namespace sandboxes unavailable: {features.unavailable_reason}")
+    return features
+
+
+@pytest.fixture(scope="session")
+def service(host_features, tmp_path_factory):
+    state = str(tmp_path_factory.mktemp("sandbox-state"))
+    cache = str(tmp_path_factory.mktemp("sandbox-cache"))
+    svc = SandboxService(BackendConfig(state_dir=state, cache_dir=cache, store_bytes=2 * 2**30))
+    yield svc
+    svc.close()
+    assert syscalls.mounts_under(svc.backend.state) == [], "mounts left after close"
+    for root in cgroup_roots(svc):
+        assert not os.path.exists(os.path.join(root, svc.backend.cg_prefix)), "cgroup subtree left after close"
+
+
+def cgroup_roots(svc: SandboxService) -> set[str]:
+    layout = svc.backend.layout
+    return {r for r in (layout.control_root, *layout.v1_roots.values()) if r}
+
+
+def leftovers(svc: SandboxService) -> list[str]:
+    """Everything a finished test could leak: sandboxes, environments, snapshots, layers, mounts, cgroups, processes."""
+    found = []
+    if svc.backend.sandboxes():
+        found.append(f"sandboxes {svc.backend.sandboxes()}")
+    if svc.envs.ids():
+        found.append(f"process environments {svc.envs.ids()}")
+    if svc.backend.snapshots():
+        found.append(f"snapshots {[s.snapshot_id for s in svc.backend.snapshots()]}")
+    if svc.backend.store.refcounts():
+        found.append(f"layers {svc.backend.store.refcounts()}")
+    svc.backend.store.check_integrity()
+    mounts = syscalls.mounts_under(os.path.join(svc.backend.state, "sbx"))
+    if mounts:
+        found.append(f"mounts {mounts}")
+    for root in cgroup_roots(svc):
+        prefix = os.path.join(root, svc.backend.cg_prefix)
+        if os.path.isdir(prefix):
+            subdirs = [d for d in os.listdir(prefix) if os.path.isdir(os.path.join(prefix, d))]
+            if subdirs:
+                found.append(f"cgroups under {prefix}: {subdirs}")
+    control = os.path.join(svc.backend.layout.control_root or "", svc.backend.cg_prefix)
+    if os.path.isdir(control) and pids_under(control):
+        found.append(f"processes {pids_under(control)}")
+    return found
+
+
+@pytest.fixture
+def svc(service):
+    """The session service, checked to be empty after the test (and cleaned so one leak does not fail every later test)."""
+    yield service
+    leaks = leftovers(service)
+    for sid in service.backend.sandboxes():
+        service.destroy(sid)
+    for eid in service.envs.ids():
+        service.envs.delete(eid)
+    for snap in service.backend.snapshots():
+        service.delete_snapshot(snap.snapshot_id)
+    assert leaks == [], f"test left resources behind: {leaks}"

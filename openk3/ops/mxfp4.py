@@ -124,17 +124,30 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _byte_pair_values() -> torch.Tensor:
+    elements = _element_values(torch.float32, torch.device("cpu"))
+    # byte b -> (value of its low nibble, value of its high nibble) = (even element, odd element)
+    return torch.stack((elements.repeat(16), elements.repeat_interleave(16)), dim=-1).contiguous()
+
+
+def _e8m0_values() -> torch.Tensor:
+    values = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
+    values[E8M0_NAN] = math.nan
+    return values.float()  # 2^-127 is a subnormal in fp32 (and in bf16), still exact
+
+
+# Read-only constants (fp32, CPU): decode_tables only converts them, which keeps per-expert decoding cheap.
+_BYTE_PAIR_VALUES = _byte_pair_values()  # [256, 2]
+_E8M0_VALUES = _e8m0_values()  # [256]
+
+
 def decode_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> DecodeTables:
     """Tables for decoding to `dtype` (computed in bf16 or fp32; every table entry and product is exact in both)."""
     compute = _compute_dtype(dtype)
-    elements = _element_values(compute, torch.device(device))
     # Each byte's two elements are gathered as one integer twice the element width: half the gathers on CPU.
     pair_dtype = torch.int32 if compute == torch.bfloat16 else torch.int64
-    pairs = torch.stack((elements.repeat(16), elements.repeat_interleave(16)), dim=-1).view(pair_dtype).reshape(256)
-    # 2^-127 is a subnormal in fp32 and in bf16, still exact
-    scales = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
-    scales[E8M0_NAN] = math.nan
-    return DecodeTables(pairs, scales.to(device=device, dtype=compute))
+    pairs = _BYTE_PAIR_VALUES.to(device=device, dtype=compute).view(pair_dtype).reshape(256)
+    return DecodeTables(pairs, _E8M0_VALUES.to(device=device, dtype=compute))
 
 
 def dequantize(

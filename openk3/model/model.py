@@ -20,7 +20,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, RMSNorm
 from openk3.model.mla import GatedMLA
-from openk3.model.moe import ExpertBackend, LatentMoE, LocalExperts
+from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class OpChoice:
     conv: str = "auto"
     mla: str = "auto"
     moe: str = "auto"
+    packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
 
 
 class DecoderLayer(nn.Module):
@@ -43,7 +44,7 @@ class DecoderLayer(nn.Module):
         )
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(config, index, LocalExperts(ops.moe))
+            self.block_sparse_moe = LatentMoE(config, index, LocalExperts(ops.moe), packed_experts=ops.packed_experts)
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.situ_beta, config.situ_linear_beta)
         self.input_layernorm = RMSNorm(d, eps)
@@ -132,6 +133,12 @@ class K3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.block_sparse_moe.backend = backend
+
+    def quantize_experts(self) -> None:
+        """Replace every dense routed-expert bank by its packed MXFP4 encoding (OCP MX, FLOOR scales), in place."""
+        for moe in self.moe_layers():
+            if isinstance(moe.experts, DenseExperts):
+                moe.experts = PackedExperts.from_dense(moe.experts)
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]

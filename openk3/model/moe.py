@@ -21,7 +21,9 @@ from openk3.model.layers import GatedMLP, RMSNorm
 from openk3.ops.activation import glu
 from openk3.ops.moe import moe_experts_op
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
+from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
+from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor
 
 
 class ExpertBackend(Protocol):
@@ -62,15 +64,42 @@ class DenseExperts(nn.Module):
         return DenseExpertBank(self.w1, self.w3, self.w2)
 
 
+class PackedExperts(nn.Module):
+    """Routed experts as packed MXFP4 buffers (the K3 checkpoint layout stacked over experts): `{w}_weight_packed` uint8
+    [E, rows, cols/2] and `{w}_weight_scale` uint8 E8M0 [E, rows, cols/32] for w in w1, w3, w2. The bank decodes one
+    expert at a time, so the layer's full-precision weights never exist at once."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
+        super().__init__()
+        shapes = {"w1": (intermediate, width), "w3": (intermediate, width), "w2": (width, intermediate)}
+        for name, (rows, cols) in shapes.items():
+            self.register_buffer(f"{name}_weight_packed", torch.zeros(num_experts, rows, cols // 2, dtype=torch.uint8))
+            self.register_buffer(f"{name}_weight_scale", torch.zeros(num_experts, rows, cols // MX_BLOCK, dtype=torch.uint8))
+
+    def bank(self) -> ExpertBank:
+        return PackedMXFP4ExpertBank(*(MXFP4Tensor(getattr(self, f"{w}_weight_packed"), getattr(self, f"{w}_weight_scale")) for w in PROJECTIONS))
+
+    @staticmethod
+    def from_dense(experts: DenseExperts) -> PackedExperts:
+        e, i, d = experts.w1.shape
+        packed = PackedExperts(e, d, i).to(experts.w1.device)
+        bank = PackedMXFP4ExpertBank.from_dense(experts.w1.detach().float(), experts.w3.detach().float(), experts.w2.detach().float())
+        for name, t in zip(PROJECTIONS, (bank.w1, bank.w3, bank.w2), strict=True):
+            getattr(packed, f"{name}_weight_packed").copy_(t.packed)
+            getattr(packed, f"{name}_weight_scale").copy_(t.scales)
+        return packed
+
+
 class LatentMoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: ExpertBackend | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, backend: ExpertBackend | None = None, packed_experts: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index  # lets an expert-parallel backend find this layer's expert shard
         e, d = config.moe, config.hidden_size
         width = e.latent_size or d
         self.top_k, self.renormalize, self.scaling = e.num_experts_per_token, e.renormalize, e.routed_scaling_factor
         self.gate = Router(d, e.num_experts)
-        self.experts: nn.Module = DenseExperts(e.num_experts, width, e.moe_intermediate_size)
+        experts_cls = PackedExperts if packed_experts else DenseExperts
+        self.experts: DenseExperts | PackedExperts = experts_cls(e.num_experts, width, e.moe_intermediate_size)
         self.expert_act = functools.partial(glu, kind=config.hidden_act, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
         self.latent = e.latent_size is not None
         if self.latent:

@@ -8,6 +8,7 @@ Every problem is reported with the tensor's name, its shape and the expected sha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -19,8 +20,13 @@ from safetensors.torch import save_file
 
 from openk3.config import ModelConfig
 from openk3.model.model import K3ForCausalLM, OpChoice
+from openk3.model.moe import PackedExperts
 
-EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
+EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale|weight_blocks|weight_scales)$")
+# per-expert checkpoint suffix -> suffix of the stacked tensor in this model (gpt-oss `_blocks` are K3 `_packed` after a reshape)
+STACKED_SUFFIX = {"weight": "", "weight_packed": "_weight_packed", "weight_scale": "_weight_scale", "weight_blocks": "_weight_packed",
+                  "weight_scales": "_weight_scale"}
+PACKED_SUFFIXES = ("weight_packed", "weight_blocks")
 KEEP_FP32 = ("block_sparse_moe.gate.weight", "e_score_correction_bias", "self_attn.dt_bias", "self_attn.A_log")
 
 
@@ -39,6 +45,18 @@ def checkpoint_files(path: Path) -> list[Path]:
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         raise CheckpointError(f"{path} holds only pickle checkpoints (.bin/.pt); openk3 loads safetensors only")
     raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    names: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def has_packed_experts(names: list[str]) -> bool:
+    return any((m := EXPERT_RE.match(n.removeprefix("language_model."))) and m.group(4) in PACKED_SUFFIXES for n in names)
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,12 +90,16 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
             name = canonical_name(raw_name, config)
             m = EXPERT_RE.match(name)
             if m:
-                key = f"{m.group(1)}.{m.group(3)}"
+                key = f"{m.group(1)}.{m.group(3)}{STACKED_SUFFIX[m.group(4)]}"
                 if key not in expected:
                     problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
                     continue
                 e = int(m.group(2))
                 target = expected[key]
+                if m.group(4) == "weight_blocks":
+                    tensor = tensor.reshape(tensor.shape[0], -1)  # [rows, K/32, 16] -> [rows, K/2], same nibble order
+                if tensor.dtype in (torch.int8, torch.float8_e8m0fnu) and target.dtype == torch.uint8:
+                    tensor = tensor.view(torch.uint8)  # packed codes and E8M0 scales are raw bytes whatever the file calls them
                 if not 0 <= e < target.shape[0] or tuple(tensor.shape) != tuple(target.shape[1:]):
                     problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape[1:])} (expert < {target.shape[0]})")
                     continue
@@ -118,6 +140,7 @@ def load_model(
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
     config = ModelConfig.from_hf(path)
+    ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(checkpoint_names(path)))
     with torch.device("meta"):
         model = K3ForCausalLM(config, ops)
     model = model.to_empty(device=device)
@@ -127,7 +150,8 @@ def load_model(
 
 
 def cast_model(model: K3ForCausalLM, dtype: torch.dtype) -> None:
-    """Cast to `dtype`, keeping the router, its bias and the KDA gate parameters in fp32 as the checkpoint does."""
+    """Cast to `dtype`, keeping the router, its bias and the KDA gate parameters in fp32 as the checkpoint does
+    (packed MXFP4 experts are bytes and stay as they are)."""
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.is_floating_point():
             p.data = p.data.to(torch.float32 if name.endswith(KEEP_FP32) else dtype)
@@ -137,10 +161,11 @@ def export_state_dict(model: K3ForCausalLM) -> dict[str, torch.Tensor]:
     """The model's weights under the official checkpoint names (experts split per expert)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        m = re.match(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$", name)
+        m = re.match(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])(_weight_packed|_weight_scale)?$", name)
         if m:
+            suffix = (m.group(3) or "_weight")[1:]
             for e in range(tensor.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = tensor[e].contiguous()
+                out[f"{m.group(1)}.{e}.{m.group(2)}.{suffix}"] = tensor[e].contiguous()
         elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
             out[name] = tensor.contiguous()
     return out
@@ -150,5 +175,7 @@ def save_model(model: K3ForCausalLM, path: str | Path) -> None:
     """Write config.json + model.safetensors in the layout `load_model` (and the official loaders) read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save(path / "config.json")
+    packed = any(isinstance(moe.experts, PackedExperts) for moe in model.moe_layers())
+    config = model.config.replace(expert_quantization="mxfp4") if packed else model.config
+    config.save(path / "config.json")
     save_file(export_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})

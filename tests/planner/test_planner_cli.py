@@ -1,0 +1,57 @@
+"""`openk3 plan` through `register(subparsers)`, as the top-level CLI will wire it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from openk3.planner.cli import main, register
+
+FAST = ["--max-accelerators", "72"]
+
+
+def test_register_adds_plan_with_run() -> None:
+    parser = argparse.ArgumentParser(prog="openk3")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k"])
+    assert args.func.__name__ == "run" and args.context == "32k"
+
+
+def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k", "--concurrency", "4608",
+               "--accelerators", "72", "--tp", "1", *FAST])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "checkpoint 1,559.9 GB" in out and "27,648 B/token" in out
+    assert "decode step" in out and "binding:" in out and "offload tiers" in out
+
+
+def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k", "--concurrency", "4608",
+               "--accelerators", "72", "--tp", "1", "--json", "--ideal", *FAST])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert doc["cache"]["mla_bytes_per_token"] == 27_648
+    assert doc["min_accelerators"]["weights"] == 7
+    assert abs(doc["metrics"]["per_user_tok_s"] - 32) < 1.6
+    assert doc["metrics"]["binding"] == "HBM bandwidth"
+
+
+def test_user_errors_are_messages_not_tracebacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hardware", "tpu-v9", *FAST]) == 2
+    assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+    assert main(["plan", "--context", "lots", *FAST]) == 2
+    assert "token count 'lots'" in capsys.readouterr().err
+
+
+def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "plan.png"
+    rc = main(["plan", "--context", "8k", "--accelerators", "72", "--tp", "1", "--plot", str(png), *FAST])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert rc == 2 and "pip install 'openk3[plot]'" in capsys.readouterr().err
+    else:
+        assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"

@@ -180,12 +180,13 @@ class SandboxService:
 
     def import_snapshot(self, data: bytes) -> SnapshotInfo:
         """Verify every shipped layer against its digest, reuse layers already here, and register a new snapshot."""
-        raw = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-            files = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
-        if "manifest.json" not in files:
-            raise InvalidArgument("snapshot archive: manifest.json missing")
-        digests = json.loads(files["manifest.json"])["layers"]
+        try:
+            raw = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+                files = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
+            digests = json.loads(files["manifest.json"])["layers"]
+        except (zstandard.ZstdError, tarfile.TarError, KeyError, ValueError) as e:
+            raise InvalidArgument(f"snapshot archive: not a tar.zst with a manifest.json ({e})") from e
         return self.backend.register_snapshot(digests, {d: files.get(f"layers/{d}.tar.zst") for d in digests})
 
     def close(self) -> None:

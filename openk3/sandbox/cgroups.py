@@ -39,25 +39,27 @@ class Layout:
         return self.v2_root or self.v1_roots.get("freezer")
 
 
-def detect_layout() -> Layout:
+def detect_layout(mountinfo: str | None = None, v2_controllers: str | None = None) -> Layout:
+    """This host's cgroup layout from /proc/self/mountinfo (or the given text, for tests of other layouts)."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
     v2_root = None
     v1: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, right = line.split(" - ", 1)
-            point = left.split()[4]
-            fstype, _source, options = right.split()[:3]
-            if fstype == "cgroup2" and v2_root is None:
-                v2_root = point
-            elif fstype == "cgroup":
-                for opt in options.split(","):
-                    if opt in ("memory", "pids", "cpu", "cpuacct", "freezer"):
-                        v1.setdefault(opt, point)
-    controllers: frozenset[str] = frozenset()
-    if v2_root:
+    for line in mountinfo.splitlines():
+        left, right = line.split(" - ", 1)
+        point = left.split()[4]
+        fstype, _source, options = right.split()[:3]
+        if fstype == "cgroup2" and v2_root is None:
+            v2_root = point
+        elif fstype == "cgroup":
+            for opt in options.split(","):
+                if opt in ("memory", "pids", "cpu", "cpuacct", "freezer"):
+                    v1.setdefault(opt, point)
+    if v2_root and v2_controllers is None:
         with open(os.path.join(v2_root, "cgroup.controllers")) as f:
-            controllers = frozenset(f.read().split())
-    return Layout(v2_root=v2_root, v2_controllers=controllers, v1_roots=v1)
+            v2_controllers = f.read()
+    return Layout(v2_root=v2_root, v2_controllers=frozenset((v2_controllers or "").split()), v1_roots=v1)
 
 
 def _write(path: str, value: str) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
@@ -42,7 +44,6 @@ def _error(exc: SandboxError) -> JSONResponse:
 
 
 def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, reap_interval_s: float | None = 5.0) -> FastAPI:
-    app = FastAPI(title="openk3 sandbox")
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
     slots = threading.BoundedSemaphore(workers + max_queue)
     validated = {name: pydantic.validate_call(getattr(service, name)) for name in METHODS}
@@ -52,17 +53,16 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
         while reap_interval_s is not None and not stop.wait(reap_interval_s):
             service.reap_expired()
 
-    reaper_thread = threading.Thread(target=reaper, name="sandbox-reaper", daemon=True)
-
-    @app.on_event("startup")
-    async def _start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        reaper_thread = threading.Thread(target=reaper, name="sandbox-reaper", daemon=True)
         if reap_interval_s is not None:
             reaper_thread.start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
+        yield
         stop.set()
         pool.shutdown(wait=True)
+
+    app = FastAPI(title="openk3 sandbox", lifespan=lifespan)
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -8,7 +8,7 @@ import tarfile
 import pytest
 import zstandard
 
-from openk3.sandbox import tree
+from openk3.sandbox import naive, tree
 from openk3.sandbox.protocol import InvalidArgument, NotFound
 
 pytestmark = pytest.mark.sandbox
@@ -42,12 +42,15 @@ def view(svc, sid: str) -> str:
     return tree.tree_digest(svc.backend.merged_root(sid))
 
 
-def test_snapshot_restore_fork_semantics(svc):
+def test_snapshot_restore_fork_semantics(svc, tmp_path):
     sid = svc.create()
     try:
         assert svc.exec(sid, SETUP).exit_code == 0
         at_snapshot = view(svc, sid)
         snap = svc.snapshot(sid)
+        reference = str(tmp_path / "full-copy")
+        naive.snapshot(svc.backend.merged_root(sid), reference)  # the slow definition: copy everything
+        assert tree.tree_digest(reference) == at_snapshot
         assert snap.kind.value == "fs" and len(snap.layers) == 1 and "file tree" in snap.captures
         assert svc.exec(sid, EDIT).exit_code == 0
         edited = view(svc, sid)

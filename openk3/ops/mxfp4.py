@@ -82,12 +82,15 @@ def _shared_exponent(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
     return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
-def _rounding_boundaries(device: torch.device) -> torch.Tensor:
+def _rounding_boundaries() -> torch.Tensor:
     """Midpoints between consecutive E2M1 magnitudes, counted strictly below |q|; a tie must land on the even code, so
     the midpoints whose lower code is odd move one fp32 ulp down (the tie then counts and rounds up)."""
     mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)], dtype=torch.float32)
     lower_code_odd = torch.arange(len(mids)) % 2 == 1
-    return torch.where(lower_code_odd, torch.nextafter(mids, torch.zeros_like(mids)), mids).to(device)
+    return torch.where(lower_code_odd, torch.nextafter(mids, torch.zeros_like(mids)), mids)
+
+
+_ROUNDING_BOUNDARIES = _rounding_boundaries()  # read-only constant [7] fp32 on CPU
 
 
 def quantize(x: torch.Tensor, block: int = MX_BLOCK, scale_mode: str | ScaleMode = "floor") -> MXFP4Tensor:
@@ -102,7 +105,7 @@ def quantize(x: torch.Tensor, block: int = MX_BLOCK, scale_mode: str | ScaleMode
     # 1 / X built from its bits: exp <= 126 for any finite fp32 amax, so 2^-exp is a normal fp32 and the product is exact.
     inv_scale = ((E8M0_BIAS - exp) << 23).view(torch.float32)
     q = xb.abs() * inv_scale.unsqueeze(-1)
-    magnitude = torch.bucketize(q, _rounding_boundaries(x.device), out_int32=True)  # > 6 lands on code 7: saturation
+    magnitude = torch.bucketize(q, _ROUNDING_BOUNDARIES.to(x.device), out_int32=True)  # > 6 lands on code 7: saturation
     magnitude = torch.where(finite.unsqueeze(-1), magnitude, 0)
     codes = (magnitude | (torch.signbit(xb).to(torch.int32) << 3)).to(torch.uint8).reshape(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -67,3 +67,36 @@ def test_bank_is_differentiable_to_master_weights() -> None:
 def test_unknown_scale_mode_is_named() -> None:
     with pytest.raises(ValueError, match="scale_mode 'stochastic'"):
         FakeQuantExpertBank(*master(), scale_mode="stochastic")
+
+
+def _fit(qat: bool, steps: int = 30) -> tuple[list[torch.Tensor], torch.Tensor, tuple]:
+    """Fit a student expert layer to a teacher's outputs, with or without fake quantisation in the forward."""
+    g = torch.Generator().manual_seed(0)
+    teacher = [torch.randn(*s, generator=g) * 0.2 for s in ((E, I, D), (E, I, D), (E, D, I))]
+    x = torch.randn(64, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(64)])
+    weight = torch.rand(64, 2, generator=g)
+    target = moe_experts_grouped(x, idx, weight, DenseExpertBank(*teacher), situ_glu)
+    student = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.2) for s in ((E, I, D), (E, I, D), (E, D, I))]
+    opt = torch.optim.Adam(student, lr=1e-2)
+    for _ in range(steps):
+        bank = FakeQuantExpertBank(*student) if qat else DenseExpertBank(*student)
+        loss = (moe_experts_grouped(x, idx, weight, bank, situ_glu) - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return student, target, (x, idx, weight)
+
+
+def test_qat_beats_post_training_quantisation_and_exports_exactly() -> None:
+    def loss(bank: ExpertBank, target: torch.Tensor, inputs: tuple) -> float:
+        with torch.no_grad():
+            return float((moe_experts_grouped(*inputs, bank, situ_glu) - target).square().mean())
+
+    plain, target, inputs = _fit(qat=False)
+    qat, _, _ = _fit(qat=True)
+    ptq_loss = loss(FakeQuantExpertBank(*plain), target, inputs)  # the plain run's weights, quantised after training
+    qat_loss = loss(FakeQuantExpertBank(*qat), target, inputs)
+    assert qat_loss < 0.8 * ptq_loss
+    # the exported packed bank serves exactly the fake-quantised forward the run optimised
+    assert loss(FakeQuantExpertBank(*qat).export(), target, inputs) == qat_loss

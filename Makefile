@@ -8,7 +8,6 @@ STAMP := .venv/.installed-stamp
 # torch first, pinned to the CPU wheel this machine carries; the project itself only asks for torch>=2.6 so GPU users keep their build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)

@@ -107,6 +107,12 @@ class StepTime:
     def flops(self) -> float:
         return sum(c.flops for c in self.components)
 
+    @property
+    def dominant(self) -> str:
+        """The largest time term of the step, whatever limits the batch."""
+        by = self.time_by_bound()
+        return {"hbm": "HBM bandwidth", "compute": "compute", "interconnect": "interconnect"}[max(by, key=lambda k: by[k])]
+
     def time_by_bound(self) -> dict[str, float]:
         out = {"hbm": 0.0, "compute": 0.0, "interconnect": self.exposed_comm_s}
         for c in self.components:
@@ -212,8 +218,7 @@ def binding(step: StepTime, memory: MemoryBreakdown, memory_limited: bool) -> st
     """What stops this candidate from doing better: memory when HBM capacity caps the batch, else the largest time term."""
     if not memory.fits or memory_limited:
         return "memory"
-    by = step.time_by_bound()
-    return {"hbm": "HBM bandwidth", "compute": "compute", "interconnect": "interconnect"}[max(by, key=lambda k: by[k])]
+    return step.dominant
 
 
 @dataclass(frozen=True)

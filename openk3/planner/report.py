@@ -22,7 +22,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 def _candidate_row(c: Candidate) -> list[str]:
     m = c.metrics
     return [c.layout.describe(), str(c.seqs_per_group), f"{m.per_user_tok_s:.1f}", f"{m.ttft_s:.2f}",
-            f"{m.per_accelerator_tok_s:,.0f}", f"{m.usd_per_m_output:.3f}", m.binding, c.miss or "ok"]
+            f"{m.per_accelerator_tok_s:,.0f}", f"{m.usd_per_m_output:.3f}", m.binding, m.decode.dominant, c.miss or "ok"]
 
 
 def render_text(plan: Plan) -> str:
@@ -56,11 +56,11 @@ def render_text(plan: Plan) -> str:
                f"({m.per_accelerator_tok_s:,.0f} per accelerator)")
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")
     out.append(f"{m.tokens_per_joule:.2f} tok/J; ${m.usd_per_m_output:.3f} per 1M output tokens, ${m.usd_per_m_input:.3f} per 1M input"
-               f" tokens; binding: {m.binding}")
+               f" tokens; binding: {m.binding} (step dominated by {m.decode.dominant})")
     out.append("")
     slo = req.slo
     out.append(f"search (SLO: >= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s), cheapest first:")
-    headers = ["layout", "seqs/group", "tok/s/user", "TTFT s", "tok/s/acc", "$/1M out", "binding", "SLO"]
+    headers = ["layout", "seqs/group", "tok/s/user", "TTFT s", "tok/s/acc", "$/1M out", "binding", "step dominated by", "SLO"]
     feasible = plan.search.feasible[:5]
     out.append(_table(headers, [_candidate_row(c) for c in feasible]) if feasible else "  no candidate meets the SLO")
     out.append("")
@@ -82,6 +82,7 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
             "redundant_experts": c.layout.redundant_experts, "balance": c.layout.balance.value, "seqs_per_group": c.seqs_per_group,
             "concurrency": c.concurrency, "per_user_tok_s": m.per_user_tok_s, "ttft_s": m.ttft_s,
             "tok_s_per_accelerator": m.per_accelerator_tok_s, "usd_per_m_output": m.usd_per_m_output, "binding": m.binding,
+            "step_dominated_by": m.decode.dominant,
             "meets_slo": c.meets_slo, "miss": c.miss}
 
 

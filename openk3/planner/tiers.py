@@ -26,7 +26,8 @@ class TierRow:
 
     @property
     def pays_off(self) -> bool:
-        return self.reload_s < self.recompute_s
+        """The tier has room for the prefix and bringing it back is faster than recomputing it."""
+        return self.sequences > 0 and self.reload_s < self.recompute_s
 
 
 def parked_bytes(sc: Scenario, prefix_tokens: int) -> float:
@@ -62,7 +63,8 @@ def tier_table(sc: Scenario, prefix_tokens: int) -> tuple[TierRow, ...]:
 def break_even_tokens(sc: Scenario, tier: str, lo: int = 1, hi: int = 1 << 20) -> int | None:
     """Shortest prefix whose reload from `tier` beats recomputing it (None if none up to `hi`)."""
     def pays(n: int) -> bool:
-        return next(r for r in tier_table(sc, n) if r.tier == tier).pays_off
+        row = next(r for r in tier_table(sc, n) if r.tier == tier)
+        return row.reload_s < row.recompute_s
 
     if not pays(hi):
         return None

@@ -11,8 +11,9 @@ Encoding, as the spec's section 6.3 conversion:
   code 8 + c is -value(c). Elements of a NaN block are stored as signed zeros.
 - packing: two codes per byte, the even-index element in the low nibble (the K3 checkpoint, gpt-oss and torchao agree).
 
-Where torchao's to_mx differs from the spec (tests/ops/test_mxfp4.py checks both sides): it gives a block holding +-inf
-a finite scale instead of NaN, and it divides blocks whose scale byte is 0 by 2^-126 instead of 2^-127.
+torchao's to_mx departs from the spec in two places, and tests/ops/test_mxfp4.py checks those blocks against the scalar
+reference instead (all others bit for bit against torchao): it gives a block holding +-inf (and no NaN) a finite scale
+instead of NaN, and it divides blocks whose scale byte is 0 (amax < 2^-124) by 2^-126 instead of 2^-127.
 """
 
 from __future__ import annotations

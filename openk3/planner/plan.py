@@ -7,7 +7,7 @@ layout's memory and step breakdown, maximum concurrency, the SLO search, the off
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from openk3.config import ModelConfig
 from openk3.planner.balance import BalanceParams
@@ -16,7 +16,7 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import DEFAULT_FILL, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
-from openk3.planner.search import SLO, SearchResult, SearchSpace, search
+from openk3.planner.search import SLO, SearchResult, SearchSpace, default_sizes, search
 from openk3.planner.tiers import TierRow, break_even_tokens, tier_table
 
 
@@ -81,9 +81,9 @@ def make_plan(req: PlanRequest) -> Plan:
     spec = cache_spec(req.config, req.quant)
     weights_only = Workload(context=req.context, concurrency=0)
     n = _default_size(req)
-    sizes = tuple(sorted(set(req.space.sizes or ()) | {n})) if req.space.sizes else None
-    space = req.space if sizes is None else SearchSpace(sizes, req.space.tps, req.space.balances, req.space.redundancy,
-                                                        req.space.max_seqs_per_group, req.space.max_accelerators)
+    # the instance the user asked about is always among the searched sizes, so its TP choice is a searched one
+    sizes = tuple(sorted(set(req.space.sizes or default_sizes(req.system, req.space.max_accelerators)) | {n}))
+    space = replace(req.space, sizes=sizes)
     result = search(req.config, req.quant, req.system, req.context, req.slo, req.prompt, space, req.efficiency, req.comm,
                     req.balance_params, req.fill)
     tp = _choose_tp(req, n, result)

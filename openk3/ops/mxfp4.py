@@ -11,9 +11,10 @@ Encoding, as the spec's section 6.3 conversion:
   code 8 + c is -value(c). Elements of a NaN block are stored as signed zeros.
 - packing: two codes per byte, the even-index element in the low nibble (the K3 checkpoint, gpt-oss and torchao agree).
 
-torchao's to_mx departs from the spec in two places, and tests/ops/test_mxfp4.py checks those blocks against the scalar
+torchao's to_mx departs from the spec in three places, and tests/ops/test_mxfp4.py checks those blocks against the scalar
 reference instead (all others bit for bit against torchao): it gives a block holding +-inf (and no NaN) a finite scale
-instead of NaN, and it divides blocks whose scale byte is 0 (amax < 2^-124) by 2^-126 instead of 2^-127.
+instead of NaN; it divides blocks whose scale byte is 0 (amax < 2^-124) by 2^-126 instead of 2^-127; and its RCEIL
+evaluates ceil(log2(amax / 6)) in fp32 floats, which misses an fp32 amax a few ulps above 6 x 2^k (we read exponent bits).
 """
 
 from __future__ import annotations

@@ -1,0 +1,154 @@
+"""Static expert placement (EPLB-style): replicate hot experts, pack replicas onto ranks, route logical -> physical.
+
+Legend: E logical experts, R ranks, P physical expert slots per rank, R * P physical experts (E + redundant), T tokens,
+k experts per token, L the MoE layers a collector watches.
+
+Replication adds one replica at a time to the expert with the largest load per replica; packing sorts the replicas by load
+and puts each into the lightest rank that still has a free slot, so every rank holds exactly P experts. A placement is a
+table, not a policy: physical expert p = r * P + slot lives on rank r and runs logical expert phys_to_log[r, slot].
+Replicas of one expert split its entries in turn (entry i of the expert on a source rank goes to replica (i + rank) % n),
+so each replica gets an equal share, within one entry, from every source rank.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    phys_to_log: torch.Tensor  # [R, P] int64: the logical expert each physical slot runs
+    replica_ptr: torch.Tensor  # [E + 1] int64: replicas of expert e are replica_phys[replica_ptr[e]:replica_ptr[e + 1]]
+    replica_phys: torch.Tensor  # [R * P] int64: physical ids r * P + slot, grouped by logical expert
+
+    @classmethod
+    def from_table(cls, phys_to_log: torch.Tensor, num_experts: int) -> Placement:
+        flat = phys_to_log.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+            raise ValueError(f"placement: logical ids span {int(flat.min())}..{int(flat.max())}, expected 0..{num_experts - 1}")
+        counts = torch.bincount(flat, minlength=num_experts)
+        if bool((counts == 0).any()):
+            missing = (counts == 0).nonzero().squeeze(1).tolist()
+            raise ValueError(f"placement: experts {missing[:8]} have no replica; every logical expert needs at least one")
+        ptr = torch.zeros(num_experts + 1, dtype=torch.int64)
+        ptr[1:] = counts.cumsum(0)
+        return cls(phys_to_log.long(), ptr, torch.sort(flat, stable=True).indices)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.phys_to_log.shape[0]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.phys_to_log.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.replica_ptr.shape[0] - 1
+
+    def replica_counts(self) -> torch.Tensor:
+        return self.replica_ptr[1:] - self.replica_ptr[:-1]
+
+    def route(self, topk_idx: torch.Tensor, salt: int) -> torch.Tensor:
+        """Physical expert per routing entry, [T, k]; `salt` (the source rank) rotates which replica goes first."""
+        flat = topk_idx.reshape(-1).long()
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        occurrence = torch.empty_like(flat)
+        occurrence[order] = torch.arange(flat.numel()) - starts[flat[order]]
+        replica = (occurrence + salt) % self.replica_counts()[flat]
+        return self.replica_phys[self.replica_ptr[flat] + replica].view(topk_idx.shape)
+
+
+def contiguous_placement(num_experts: int, num_ranks: int) -> Placement:
+    """Plain EP: rank r holds experts r * E/R .. (r + 1) * E/R - 1, no replicas."""
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"contiguous placement: num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
+    return Placement.from_table(torch.arange(num_experts).view(num_ranks, -1), num_experts)
+
+
+def replicate(load_E: torch.Tensor, num_physical: int) -> torch.Tensor:
+    """Replica count per expert [E]: start at one each, then add one at a time to the largest load per replica."""
+    num_experts = load_E.shape[0]
+    if num_physical < num_experts:
+        raise ValueError(f"replicate: num_physical={num_physical} is below num_experts={num_experts}")
+    load = load_E.double()
+    counts = torch.ones(num_experts, dtype=torch.int64)
+    for _ in range(num_physical - num_experts):
+        counts[int(torch.argmax(load / counts))] += 1
+    return counts
+
+
+def balanced_pack(weight_N: torch.Tensor, num_packs: int) -> torch.Tensor:
+    """Pack index per item [N], each pack exactly N / num_packs items: heaviest item first into the lightest pack with room."""
+    n = weight_N.shape[0]
+    if num_packs < 1 or n % num_packs:
+        raise ValueError(f"balanced_pack: {n} items do not split evenly into num_packs={num_packs}")
+    per_pack = n // num_packs
+    pack_load = torch.zeros(num_packs, dtype=torch.float64)
+    pack_items = torch.zeros(num_packs, dtype=torch.int64)
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    out = torch.empty(n, dtype=torch.int64)
+    for item in torch.sort(weight_N.double(), descending=True, stable=True).indices.tolist():
+        p = int(torch.argmin(torch.where(pack_items < per_pack, pack_load, inf)))
+        out[item] = p
+        pack_load[p] += float(weight_N[item])
+        pack_items[p] += 1
+    return out
+
+
+def eplb_placement(load_E: torch.Tensor, num_ranks: int, num_redundant: int) -> Placement:
+    """Replicate by load, then pack the replicas (each carrying load / replicas) evenly onto `num_ranks` ranks."""
+    num_experts = load_E.shape[0]
+    num_physical = num_experts + num_redundant
+    if num_redundant < 0 or num_physical % num_ranks:
+        raise ValueError(
+            f"eplb placement: num_experts={num_experts} + num_redundant={num_redundant} = {num_physical} physical experts "
+            f"must be a multiple of num_ranks={num_ranks} (every rank holds the same count)"
+        )
+    counts = replicate(load_E, num_physical)
+    replica_log = torch.repeat_interleave(torch.arange(num_experts), counts)
+    replica_load = load_E.double()[replica_log] / counts[replica_log]
+    pack = balanced_pack(replica_load, num_ranks)
+    order = torch.sort(pack, stable=True).indices
+    return Placement.from_table(replica_log[order].view(num_ranks, -1), num_experts)
+
+
+def redundant_for(num_experts: int, num_ranks: int, fraction: float) -> int:
+    """The smallest redundant count >= fraction * E that gives every rank the same number of physical experts."""
+    want = num_experts + max(0, int(torch.ceil(torch.tensor(fraction * num_experts)).item()))
+    return -(-want // num_ranks) * num_ranks - num_experts
+
+
+class LoadCollector:
+    """Tokens per expert per MoE layer over the last `window` observed steps; the engine or trainer feeds it topk_idx.
+
+    Not thread-safe: the caller feeds it from the one thread that runs the model.
+    """
+
+    def __init__(self, num_experts: int, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"LoadCollector: window={window}, expected >= 1 steps")
+        self.num_experts, self.window = num_experts, window
+        self._steps: dict[int, deque[torch.Tensor]] = {}
+
+    def observe(self, layer_index: int, topk_idx: torch.Tensor) -> None:
+        counts = torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=self.num_experts)
+        self._steps.setdefault(layer_index, deque(maxlen=self.window)).append(counts)
+
+    def layers(self) -> list[int]:
+        return sorted(self._steps)
+
+    def load(self, layer_index: int) -> torch.Tensor:
+        """[E] int64 tokens per expert summed over the window (zeros when the layer was never observed)."""
+        steps = self._steps.get(layer_index)
+        if not steps:
+            return torch.zeros(self.num_experts, dtype=torch.int64)
+        return torch.stack(list(steps)).sum(0)
+
+    def placements(self, num_ranks: int, num_redundant: int) -> dict[int, Placement]:
+        return {layer: eplb_placement(self.load(layer), num_ranks, num_redundant) for layer in self.layers()}

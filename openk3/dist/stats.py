@@ -1,0 +1,33 @@
+"""Per-layer, per-step expert-parallel metrics, returned by the EP backends (drain_stats) rather than logged.
+
+Legend: R ranks, E logical experts. An entry is one (token, expert) pair, i.e. one token slot of an expert GEMM; a row is one
+de-duplicated token copy sent to one rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class EPStats(NamedTuple):
+    layer_index: int
+    method: str  # "ep" | "eplb" | "moonep"
+    recv_entries_R: tuple[int, ...]  # entries each rank computed
+    recv_rows_R: tuple[int, ...]  # de-duplicated rows each rank received
+    rank_max_over_mean: float  # max / mean of recv_entries_R (1.0 when no entries at all)
+    maxvio: float  # max_e(T_e / mean_e T_e) - 1 over logical experts, all ranks' tokens
+    bytes_sent: int  # this rank: dispatch rows + routing metadata + combine rows
+    prefetch_bytes: int  # this rank: expert weights sent to other ranks' prefetch slots
+    spilled: int  # MoonEP entries that went back home for lack of a prefetch slot (0 for the other methods)
+    comm_s: float  # this rank's wall time in the exchange collectives
+
+
+def max_over_mean(load: torch.Tensor) -> float:
+    mean = float(load.double().mean()) if load.numel() else 0.0
+    return float(load.max()) / mean if mean > 0 else 1.0
+
+
+def maxvio(tokens_per_expert_E: torch.Tensor) -> float:
+    return max_over_mean(tokens_per_expert_E) - 1.0

@@ -1,0 +1,124 @@
+"""Work run on each spawned rank by the distributed EP tests (module-level so spawn can import it); returns plain numbers."""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.config import debug
+from openk3.dist.ep import ExpertParallelBackend, gather_placements
+from openk3.dist.group import ParallelContext
+from openk3.dist.moonep_backend import MoonEPBackend
+from openk3.dist.placement import LoadCollector, eplb_placement
+from openk3.model import K3ForCausalLM
+from openk3.model.moe import LatentMoE
+from openk3.ops.moe.grouped import moe_experts_grouped
+from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
+from openk3.ops.moe.router import RouterOutput
+
+ROUTINGS = ("uniform", "zipf", "one_expert", "all_same")
+
+
+def make_layer(num_experts: int) -> LatentMoE:
+    cfg = debug()
+    cfg = type(cfg)(**{**cfg.__dict__, "moe": type(cfg.moe)(**{**cfg.moe.__dict__, "num_experts": num_experts, "num_experts_per_token": 3})})
+    layer = LatentMoE(cfg, layer_index=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return layer.eval()
+
+
+def make_routing(kind: str, tokens: int, num_experts: int, k: int, seed: int) -> RouterOutput:
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.rand(tokens, num_experts, generator=g)
+    if kind == "zipf":
+        # Gumbel top-k over Zipf(1.5) popularity: skewed but still k distinct experts per token.
+        noise = -1.5 * torch.log(torch.arange(1, num_experts + 1).float()) - torch.log(-torch.log(noise.clamp_min(1e-9)))
+    if kind == "one_expert":
+        noise[:, 0] = 2.0
+    if kind == "all_same":
+        noise = torch.linspace(1, 0, num_experts).expand(tokens, -1).clone()
+    idx = torch.topk(noise, k, dim=1).indices
+    weight = torch.rand(tokens, k, generator=g) + 0.1
+    return RouterOutput(idx, weight, torch.zeros(tokens, num_experts))
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float((got - want).abs().max()) if got.numel() else 0.0
+
+
+def moe_cases(ctx: ParallelContext) -> dict[str, float]:
+    """Max |EP - single process| per (method, routing), on MoE layers of 2 experts per rank, uneven T (one rank has none)."""
+    torch.set_grad_enabled(False)
+    num_experts = 2 * ctx.world_size
+    layer = make_layer(num_experts)
+    dense = layer.experts.bank()
+    packed = PackedMXFP4ExpertBank.from_dense(dense.w1_EID, dense.w3_EID, dense.w2_EDI)
+    skew = torch.tensor([50.0] + [1.0] * (num_experts - 1))
+    collector = LoadCollector(num_experts, window=4)
+    errors: dict[str, float] = {}
+    for kind in ROUTINGS:
+        tokens = 0 if (ctx.rank == 1 and kind == "uniform") else 7 + 5 * ctx.rank
+        routing = make_routing(kind, tokens, num_experts, 3, seed=100 * ctx.rank + len(kind))
+        collector.observe(layer.layer_index, routing.topk_idx)
+        z = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(ctx.rank))
+        backends = {
+            "ep": ExpertParallelBackend.from_banks(ctx, {1: dense}),
+            "eplb": ExpertParallelBackend.from_banks(ctx, {1: dense}, {1: eplb_placement(skew, ctx.world_size, ctx.world_size)}),
+            "moonep": MoonEPBackend.from_banks(ctx, {1: dense}),
+            "moonep_budget1": MoonEPBackend.from_banks(ctx, {1: dense}, prefetch_budget_bytes=3 * 32 * 32 * 4),
+        }
+        ref = moe_experts_grouped(z, routing.topk_idx, routing.topk_weight, dense, layer.expert_act)
+        for name, backend in backends.items():
+            errors[f"{name}/{kind}"] = max_error(backend(layer, z, routing), ref)
+            stats = backend.drain_stats()[0]
+            if name == "moonep_budget1":
+                errors[f"{name}/{kind}/spilled"] = stats.spilled
+            if name == "moonep" and stats.spilled == 0:
+                errors[f"{name}/{kind}/imbalance"] = max(stats.recv_entries_R) - min(stats.recv_entries_R)
+        packed_ref = moe_experts_grouped(z, routing.topk_idx, routing.topk_weight, packed, layer.expert_act)
+        moon_packed = MoonEPBackend.from_banks(ctx, {1: packed})
+        errors[f"moonep_packed/{kind}"] = max_error(moon_packed(layer, z, routing), packed_ref)
+        stats = moon_packed.drain_stats()[0]
+        shard = moon_packed.shards[1]
+        sent = int(sum(torch.cat([moon_packed.last_plan[1].prefetch_of(d) for d in range(ctx.world_size)]) // 2 == ctx.rank))
+        errors[f"moonep_packed/{kind}/prefetch_bytes_mismatch"] = stats.prefetch_bytes - sent * shard.expert_nbytes
+    gathered = ExpertParallelBackend.from_banks(ctx, {1: dense}, gather_placements(ctx, collector, [1], ctx.world_size))
+    routing = make_routing("zipf", 9, num_experts, 3, seed=ctx.rank)
+    z = torch.randn(9, 32, generator=torch.Generator().manual_seed(ctx.rank))
+    ref = moe_experts_grouped(z, routing.topk_idx, routing.topk_weight, dense, layer.expert_act)
+    errors["eplb_collected/zipf"] = float((gathered(layer, z, routing) - ref).abs().max())
+    return errors
+
+
+def model_cases(ctx: ParallelContext) -> dict[str, float]:
+    """Max |logits with EP - logits single process| for a whole K3ForCausalLM(debug()) on this rank's own sequences."""
+    torch.set_grad_enabled(False)
+    model = K3ForCausalLM(debug())
+    model.init_weights(seed=0, std=0.1)
+    g = torch.Generator().manual_seed(1)
+    for moe in model.moe_layers():
+        moe.gate.e_score_correction_bias.copy_(torch.randn(moe.gate.e_score_correction_bias.shape, generator=g) * 0.05)
+    model.eval()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 5 + 2 * ctx.rank), generator=torch.Generator().manual_seed(10 + ctx.rank))
+    ref = model.forward_tokens(tokens)
+    layers = model.moe_layers()
+    hot = torch.tensor([20.0] + [1.0] * (model.config.moe.num_experts - 1))
+    eplb = {m.layer_index: eplb_placement(hot, ctx.world_size, ctx.world_size) for m in layers}
+    backends = {
+        "ep": ExpertParallelBackend.from_layers(ctx, layers),
+        "eplb": ExpertParallelBackend.from_layers(ctx, layers, eplb),
+        "moonep": MoonEPBackend.from_layers(ctx, layers),
+    }
+    errors = {}
+    for name, backend in backends.items():
+        model.set_expert_backend(backend)
+        errors[name] = float((model.forward_tokens(tokens) - ref).abs().max())
+        errors[f"{name}/stats_layers"] = len(backend.drain_stats()) - len(layers)
+    return errors
+
+
+def all_cases(ctx: ParallelContext) -> dict[str, float]:
+    return {**{f"moe/{k}": v for k, v in moe_cases(ctx).items()}, **{f"model/{k}": v for k, v in model_cases(ctx).items()}}

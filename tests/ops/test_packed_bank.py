@@ -97,3 +97,25 @@ def test_moe_with_packed_bank_equals_materialised_weights(op) -> None:
     packed_out = op(x, idx, w, bank, situ_glu)
     dense_out = op(x, idx, w, bank.materialize(torch.float32), situ_glu)
     assert torch.equal(packed_out, dense_out)
+
+
+def test_gpt_oss_experts_match_transformers_decode() -> None:
+    bank = pb.PackedMXFP4ExpertBank.from_dense(*dense_experts())
+    # gpt-oss fuses gate and up with interleaved rows: [E, 2I, D] with gate rows even, up rows odd
+    fused = mxfp4.MXFP4Tensor(
+        torch.stack((bank.w1.packed, bank.w3.packed), dim=2).reshape(E, 2 * I, D // 2),
+        torch.stack((bank.w1.scales, bank.w3.scales), dim=2).reshape(E, 2 * I, D // 32),
+    )
+    gate_up_blocks, gate_up_scales = mxfp4.to_gpt_oss(fused)
+    down_blocks, down_scales = mxfp4.to_gpt_oss(bank.w2)
+    again = pb.PackedMXFP4ExpertBank.from_gpt_oss(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
+    for name in pb.PROJECTIONS:
+        assert torch.equal(getattr(again, name).packed, getattr(bank, name).packed)
+        assert torch.equal(getattr(again, name).scales, getattr(bank, name).scales)
+    hf = pytest.importorskip("transformers.integrations.mxfp4", reason="transformers (test-only oracle) is not installed")
+    gate_up = hf.convert_moe_packed_tensors(gate_up_blocks, gate_up_scales, dtype=torch.float32)  # [E, D, 2I] as gpt-oss uses it
+    down = hf.convert_moe_packed_tensors(down_blocks, down_scales, dtype=torch.float32)  # [E, I, D]
+    for e in range(E):
+        w = again.expert(e, torch.float32)
+        assert torch.equal(w.w1, gate_up[e, :, 0::2].T) and torch.equal(w.w3, gate_up[e, :, 1::2].T)
+        assert torch.equal(w.w2, down[e].T)

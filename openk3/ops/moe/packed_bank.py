@@ -2,7 +2,8 @@
 
 Legend: E experts, I expert intermediate width, D expert input width (the latent width in a LatentMoE).
 w1, w3: packed uint8 [E, I, D/2] + scales uint8 E8M0 [E, I, D/32]; w2: packed [E, D, I/2] + scales [E, D, I/32].
-These are the K3 checkpoint's `experts.{e}.{w1,w3,w2}.weight_packed` / `.weight_scale` stacked over e.
+These are the K3 checkpoint's `experts.{e}.{w1,w3,w2}.weight_packed` / `.weight_scale` stacked over e; gpt-oss-style
+`*_blocks` / `*_scales` convert by reshapes and a row split (from_gpt_oss).
 
 `expert(e, dtype)` decodes only expert e, so a layer's full-precision weights never exist at once; the MoE ops ask only
 for experts that received tokens. Resident bytes are 4.25 bits per weight, 4.25 / 16 of bf16.
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertWeights
-from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, ScaleMode, decode_tables, dequantize, mxfp4_nbytes, quantize
+from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, ScaleMode, decode_tables, dequantize, from_gpt_oss, mxfp4_nbytes, quantize
 
 PROJECTIONS = ("w1", "w3", "w2")
 
@@ -118,6 +119,22 @@ class PackedMXFP4ExpertBank:
                     bucket.append(_as_bytes(key, tensors[key], bucket[0].shape if bucket else None))
             stacked.append(MXFP4Tensor(torch.stack(parts["weight_packed"]), torch.stack(parts["weight_scale"])))
         return cls(*stacked)
+
+    @classmethod
+    def from_gpt_oss(
+        cls, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor
+    ) -> PackedMXFP4ExpertBank:
+        """gpt-oss-style stacked experts: `gate_up_proj_blocks` [E, 2I, D/32, 16] + `_scales` [E, 2I, D/32] and
+        `down_proj_blocks` [E, D, I/32, 16] + `_scales` [E, D, I/32].
+
+        gpt-oss interleaves the fused projection's rows: even rows are the gate (w1), odd rows the up projection (w3).
+        Blocks run along each row's input features, so picking rows keeps every block whole; no value is re-encoded.
+        """
+        gate_up = from_gpt_oss(gate_up_blocks, gate_up_scales)
+        if gate_up.packed.dim() != 3 or gate_up.packed.shape[1] % 2:
+            raise ValueError(f"gpt-oss experts: gate_up_proj_blocks {tuple(gate_up_blocks.shape)}, expected [E, 2I, D/32, 16]")
+        w1, w3 = (MXFP4Tensor(gate_up.packed[:, r::2].contiguous(), gate_up.scales[:, r::2].contiguous()) for r in (0, 1))
+        return cls(w1, w3, from_gpt_oss(down_blocks, down_scales))
 
     def state_dict_entries(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The K3 checkpoint entries (views into this bank), inverse of from_checkpoint."""

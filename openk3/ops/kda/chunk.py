@@ -1,16 +1,16 @@
 """KDA prefill in chunkwise (WY / UT-transform) form: the same numbers as the recurrence, computed with matmuls.
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk size, n chunks per sequence,
-s sub-chunk size, P padded tokens per sequence (n * C). Inputs as in naive.kda_recurrent: q, k [B, T, H, K], v [B, T, H, V],
-g [B, T, H, K] fp32 log decay, beta [B, T, H]; internally everything is fp32 in [N, H, n, C, *].
+s sub-chunk size, P padded tokens per sequence (n * C), M = N * H. Inputs as in naive.kda_recurrent: q, k [B, T, H, K],
+v [B, T, H, V], g [B, T, H, K] fp32 log decay, beta [B, T, H]; internally fp32, chunk-major [n * M, C, *] (or [n, M, C, *]).
 
 Per chunk, with G the in-chunk cumulative log decay and S the incoming state (derivation: docs/model.md, Kimi Linear eqs 2-9):
   Akk[r, j] = sum_c k_r k_j exp(G_r - G_j) (j < r),   Aqk[r, j] = sum_c q_r k_j exp(G_r - G_j) (j <= r)
   (I + diag(beta) Akk) [W | U] = diag(beta) [exp(G) k | v]          (unit lower triangular solve)
   V' = U - W S,   O = (q exp(G)) S + Aqk V',   S <- exp(G_C) S + (exp(G_C - G) k)^T V'
 The factorised form exp(G_r) exp(-G_j) overflows once the decay over a chunk passes ~88 nats (unbounded with the softplus gate), so
-exp(G_r - G_j) is never split around the chunk start: off-diagonal s-blocks split it at the first row p of the query block,
-exp(G_r - G_p) * exp(G_p - G_j), both factors <= 1; diagonal s-blocks take exp(G_r - G_j) directly on the masked triangle.
+exp(G_r - G_j) is never split around the chunk start: see _intra_chunk for the split points that keep every factor finite.
+Only the inter-chunk state recurrence is a Python loop (n steps); the rest is batched over chunks, sequences and heads.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.kda.naive import check_kda_inputs
+
+SUB_CHUNK = 16
+# exp(+-80) is still a normal fp32 number (the range ends near e^88); the lower-bound gate (> -5 per token) stays under 8 * 5 = 40.
+MAX_HALF_SPAN = 80.0
 
 
 def _to_chunks(x: torch.Tensor, cu_seqlens: torch.Tensor | None, N: int, n: int, C: int) -> torch.Tensor:
@@ -51,27 +55,51 @@ def _token_index(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.
     return seq_id, pos
 
 
+def _dyadic_level(Akk: torch.Tensor, Aqk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: int) -> None:
+    """Fill the pairs (r, j) that sit in the lower / upper half of one aligned 2b-block: exp(G_r - G_j) = exp(G_r - G_p) exp(G_p - G_j)
+    with p the first row of the lower half, so both factors are <= 1 whatever the decay (exact, only underflow to true zeros)."""
+    M, C, K = k.shape
+    nP = C // (2 * b)
+    Gv = G.view(M, nP, 2, b, K)
+    Gp = Gv[:, :, 1, :1]  # [M, nP, 1, K]
+    row_decay = (Gv[:, :, 1] - Gp).exp_()
+    cols = (k.view(M, nP, 2, b, K)[:, :, 0] * (Gp - Gv[:, :, 0]).exp_()).transpose(-1, -2)  # [M, nP, K, b]
+    for A, x in ((Akk, k), (Aqk, q)):
+        rows = x.view(M, nP, 2, b, K)[:, :, 1] * row_decay
+        diag_blocks = torch.diagonal(A.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3)  # [M, 2b, 2b, nP], a view into A
+        diag_blocks[:, b:, :b] = torch.matmul(rows, cols).permute(0, 2, 3, 1)
+
+
 def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, G [M, C, K] -> (Akk strictly lower, Aqk lower incl. diagonal), each [M, C, C].
 
-    Every pair j < r lies in the two halves of exactly one dyadic block; there exp(G_r - G_j) = exp(G_r - G_p) exp(G_p - G_j) with p
-    the first row of the lower half, both factors <= 1, so one batched matmul per level is exact for any decay."""
+    Blocks of s or more rows go level by level (_dyadic_level). Inside s-blocks, when every |G_x - G_mid| stays within MAX_HALF_SPAN
+    (always for the lower-bound gate), one matmul per block uses exp(G_r - G_mid) exp(G_mid - G_j), both factors in fp32's normal
+    range; otherwise (very strong softplus decay) the dyadic levels continue down to single rows."""
     M, C, K = k.shape
     Akk = k.new_zeros(M, C, C)
     Aqk = k.new_zeros(M, C, C)
-    torch.diagonal(Aqk, dim1=1, dim2=2).copy_((q * k).sum(-1))
+    s = min(SUB_CHUNK, C)
     b = C // 2
-    while b >= 1:
-        nP = C // (2 * b)
-        Gv = G.view(M, nP, 2, b, K)
-        Gp = Gv[:, :, 1, :1]  # [M, nP, 1, K]
-        row_decay = (Gv[:, :, 1] - Gp).exp_()
-        cols = (k.view(M, nP, 2, b, K)[:, :, 0] * (Gp - Gv[:, :, 0]).exp_()).transpose(-1, -2)  # [M, nP, K, b]
-        for A, x in ((Akk, k), (Aqk, q)):
-            rows = x.view(M, nP, 2, b, K)[:, :, 1] * row_decay
-            diag_blocks = torch.diagonal(A.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3)  # [M, 2b, 2b, nP] view into A
-            diag_blocks[:, b:, :b] = torch.matmul(rows, cols).permute(0, 2, 3, 1)
+    while b >= s:
+        _dyadic_level(Akk, Aqk, q, k, G, b)
         b //= 2
+    nb = C // s
+    Gv = G.view(M, nb, s, K)
+    rel = Gv - Gv[:, :, s // 2 : s // 2 + 1]
+    lo, hi = rel.aminmax()
+    if max(-lo.item(), hi.item()) > MAX_HALF_SPAN:
+        torch.diagonal(Aqk, dim1=1, dim2=2).copy_((q * k).sum(-1))
+        while b >= 1:
+            _dyadic_level(Akk, Aqk, q, k, G, b)
+            b //= 2
+        return Akk, Aqk
+    row_decay = rel.exp_()
+    cols = (k.view(M, nb, s, K) / row_decay).transpose(-1, -2)  # k_j exp(G_mid - G_j)
+    lower = torch.ones(s, s, dtype=torch.bool, device=k.device).tril()
+    for A, x, mask in ((Akk, k, lower.tril(-1)), (Aqk, q, lower)):
+        diag_blocks = torch.diagonal(A.view(M, nb, s, nb, s), dim1=1, dim2=3)  # [M, s, s, nb], a view into A
+        diag_blocks.copy_(torch.matmul(x.view(M, nb, s, K) * row_decay, cols).mul_(mask).permute(0, 2, 3, 1))
     return Akk, Aqk
 
 
@@ -113,15 +141,16 @@ def kda_chunk(
     Qd = (qc * eG).view(n, M, C, K)
     W = torch.bmm(Tm, kc * eG).view(n, M, C, K)
     U = torch.bmm(Tm, vc).view(n, M, C, V)
-    KdT = (kc * (G[:, -1:] - G).exp_()).transpose(1, 2).reshape(n, M, K, C)  # (exp(G_C - G) k)^T
+    Kd = (kc * (G[:, -1:] - G).exp_()).view(n, M, C, K)  # exp(G_C - G) k
     decay = eG[:, -1, :, None].view(n, M, K, 1)
     Aqk = Aqk.view(n, M, C, C)
     S = qc.new_zeros(M, K, V) if initial_state is None else initial_state.float().reshape(M, K, V).clone()
     O = vc.new_empty(n, M, C, V)
     for i in range(n):
-        Vp = U[i] - torch.bmm(W[i], S)
-        torch.baddbmm(torch.bmm(Qd[i], S), Aqk[i], Vp, out=O[i])
-        S = torch.baddbmm(S * decay[i], KdT[i], Vp)
+        Vp = torch.baddbmm(U[i], W[i], S, alpha=-1)
+        torch.bmm(Qd[i], S, out=O[i])
+        O[i].baddbmm_(Aqk[i], Vp)
+        S.mul_(decay[i]).baddbmm_(Kd[i].transpose(1, 2), Vp)
     S = S.view(N, H, K, V)
 
     O = O.view(n, N, H, C, V).permute(1, 0, 3, 2, 4).reshape(N, P, H, V)

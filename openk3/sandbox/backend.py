@@ -13,6 +13,7 @@ upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import socket
@@ -36,6 +37,7 @@ from openk3.sandbox.protocol import (
     SnapshotKind,
     Unsupported,
 )
+from openk3.sandbox.standby import Standbys
 
 FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
 
@@ -47,12 +49,14 @@ class BackendConfig:
     store_bytes: int = 8 * 2**30
     max_layers: int = 32
     default_ttl_s: float = 3600.0
+    # After a snapshot and after each restore, prepare one instance over that snapshot in the background (root mounted, init
+    # running; see standby.py), so a restore or fork costs a swap instead of an init start. Costs one idle init per snapshot.
+    prewarm: bool = True
     host: str = dataclasses.field(default_factory=socket.gethostname)
 
 
 @dataclasses.dataclass
 class _Meta:
-    layers: tuple[str, ...]
     limits: Limits
     env: dict[str, str]
     workdir: str
@@ -74,7 +78,9 @@ class NamespaceBackend:
         self.instance_name = "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(config.state_dir)).hex[:10]
         self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
         self.state = os.path.realpath(config.state_dir)
-        self._recover()
+        cgroups.recover(self.layout, self.cg_prefix)
+        for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
+            syscalls.umount(point, detach=True)  # a crashed daemon's mounts on this state dir
         os.makedirs(self.state, exist_ok=True)
         syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={config.store_bytes},mode=0700")
         syscalls.make_private(self.state)
@@ -84,18 +90,9 @@ class NamespaceBackend:
         self._boxes: dict[str, Instance] = {}
         self._meta: dict[str, _Meta] = {}
         self._snapshots: dict[str, SnapshotInfo] = {}
+        self.standbys = Standbys(self._release)
+        self._generation = itertools.count()
         self._closed = False
-
-    def _recover(self) -> None:
-        """Leftovers of a crashed daemon on the same state dir: its processes, mounts and cgroups go first."""
-        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
-            tree_root = os.path.join(root, self.cg_prefix)
-            if os.path.isdir(tree_root) and root == self.layout.control_root:
-                cgroups.kill_under(tree_root, self.layout.v2_root is not None)
-        for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
-            syscalls.umount(point, detach=True)
-        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
-            cgroups.remove_tree(os.path.join(root, self.cg_prefix))
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{uuid.uuid4().hex[:12]}@{self.config.host}"
@@ -125,16 +122,31 @@ class NamespaceBackend:
                 raise InvalidArgument(f"image={image!r}: a {snap.kind.value} snapshot cannot seed a namespace sandbox")
             layers = snap.layers
         sid = self._new_id("sb-")
-        short = sid.split("@")[0]
+        ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
+        meta = _Meta(limits, dict(env or {}), workdir, tuple(services), time.time() + ttl, ttl)
+        box = self.standbys.take(image, self._params(meta)) if image is not None else None
+        if box is None:
+            box = self._build(sid, layers, limits, meta.env, workdir)
+        box.sid = sid
+        with self._lock:
+            self._boxes[sid] = box
+            self._meta[sid] = meta
+        self._start_services(sid)
+        return sid
+
+    def _build(self, sid: str, layers: tuple[str, ...], limits: Limits, env: dict[str, str], workdir: str) -> Instance:
+        """Cgroups, tmpfs, overlay and a running init for `sid` over `layers`; takes one reference per layer."""
+        name = f"{sid.split('@')[0]}-{next(self._generation)}"
         self.store.incref(layers)
         box = None
         cg = None
         try:
-            cg = cgroups.CgroupSet(self.layout, self.cg_prefix, short)
+            cg = cgroups.CgroupSet(self.layout, self.cg_prefix, name)
             cg.set_limits(limits.memory_bytes, limits.pids, limits.cpus)
-            box = Instance(sid, os.path.join(self.state, "sbx", short), self.base, [self.store.get(d).path for d in layers],
-                           limits, cg, dict(env or {}), workdir, self.bwrap)
+            box = Instance(sid, os.path.join(self.state, "sbx", name), self.base, layers,
+                           [self.store.get(d).path for d in layers], limits, cg, env, workdir, self.bwrap)
             box.start_init()
+            return box
         except BaseException:
             if box is not None:
                 box.teardown()
@@ -142,12 +154,21 @@ class NamespaceBackend:
                 cg.remove()
             self.store.decref(layers)
             raise
-        ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
-        with self._lock:
-            self._boxes[sid] = box
-            self._meta[sid] = _Meta(layers, limits, dict(env or {}), workdir, tuple(services), time.time() + ttl, ttl)
-        self._start_services(sid)
-        return sid
+
+    def _release(self, box: Instance) -> None:
+        try:
+            box.teardown()
+        finally:
+            self.store.decref(box.layers)
+
+    def _params(self, meta: _Meta) -> tuple:
+        return (meta.limits, tuple(sorted(meta.env.items())), meta.workdir)
+
+    def _prepare_standby(self, sid: str, snap: SnapshotInfo) -> None:
+        if self.config.prewarm:
+            meta = self._meta[sid]
+            self.standbys.prepare(snap.snapshot_id, self._params(meta),
+                                  lambda: self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir))
 
     def _start_services(self, sid: str) -> None:
         for command in self._meta[sid].services:
@@ -163,7 +184,7 @@ class NamespaceBackend:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
         return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
 
-    def snapshot(self, sid: str) -> SnapshotInfo:
+    def snapshot(self, sid: str, prewarm: bool = True) -> SnapshotInfo:
         box = self.box(sid)
         with box.lock:
             box.cg.freeze()
@@ -172,7 +193,7 @@ class NamespaceBackend:
                 staged = self.store.stage_copy(upper) if os.listdir(upper) else None
             finally:
                 box.cg.freeze(frozen=False)
-            base_layers = self._meta[sid].layers
+            base_layers = box.layers
             self.store.incref(base_layers)
         layers = base_layers
         if staged is not None:
@@ -185,22 +206,26 @@ class NamespaceBackend:
                             created_at=time.time(), captures=FS_CAPTURES)
         with self._lock:
             self._snapshots[info.snapshot_id] = info
+        if prewarm:
+            self._prepare_standby(sid, info)
         return info
 
     def restore(self, sid: str, snapshot_id: str) -> None:
+        """Swap the sandbox onto a fresh root over the snapshot's layers (its standby when one matches), then prepare the next."""
         snap = self.snapshot_info(snapshot_id)
         if snap.kind is not SnapshotKind.FS:
             raise InvalidArgument(f"snapshot_id={snapshot_id!r}: a {snap.kind.value} snapshot cannot restore a sandbox")
-        box = self.box(sid)
-        self.store.incref(snap.layers)
-        with box.lock:
-            old = self._meta[sid].layers
-            box.stop_all()
-            box.unmount_root()
-            box.mount_root([self.store.get(d).path for d in snap.layers])
-            self._meta[sid].layers = snap.layers
-            box.start_init()
-        self.store.decref(old)
+        old = self.box(sid)
+        meta = self._meta[sid]
+        fresh = self.standbys.take(snapshot_id, self._params(meta))
+        if fresh is None:
+            fresh = self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir)
+        fresh.sid = sid
+        with old.lock:
+            with self._lock:
+                self._boxes[sid] = fresh
+            self.standbys.retire(sid, old)
+        self._prepare_standby(sid, snap)
         self._start_services(sid)
 
     def fork(self, source: str, n: int) -> list[str]:
@@ -208,7 +233,7 @@ class NamespaceBackend:
         if not 1 <= n <= 1024:
             raise InvalidArgument(f"n={n}: expected 1..1024")
         own = source.startswith("sb-")
-        snap = self.snapshot(source) if own else self.snapshot_info(source)
+        snap = self.snapshot(source, prewarm=False) if own else self.snapshot_info(source)
         meta = self._meta[source] if own else None
         try:
             kw = {} if meta is None else {"limits": meta.limits, "env": meta.env, "workdir": meta.workdir,
@@ -223,6 +248,7 @@ class NamespaceBackend:
             snap = self._snapshots.pop(snapshot_id, None)
         if snap is None:
             raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
+        self.standbys.wait(snapshot_id)
         self.store.decref(snap.layers)
 
     def destroy(self, sid: str) -> None:
@@ -234,14 +260,15 @@ class NamespaceBackend:
         try:
             box.teardown()
         finally:
-            self.store.decref(meta.layers)
+            self.store.decref(box.layers)
+            self.standbys.wait(sid)
 
     def stats(self, sid: str) -> SandboxStats:
         box = self.box(sid)
         meta = self._meta[sid]
         return SandboxStats(sandbox_id=sid, memory_bytes=box.cg.memory_bytes(), pids=box.cg.pid_count(),
                             cpu_usage_s=box.cg.cpu_usage_s(), disk_used_bytes=box.disk_used(),
-                            disk_limit_bytes=meta.limits.disk_bytes, layer_depth=len(meta.layers), alive=box.alive(),
+                            disk_limit_bytes=meta.limits.disk_bytes, layer_depth=len(box.layers), alive=box.alive(),
                             expires_at=meta.expires_at)
 
     def heartbeat(self, sid: str, ttl_s: float | None = None) -> float:
@@ -295,15 +322,10 @@ class NamespaceBackend:
         self._closed = True
         for sid in self.sandboxes():
             self.destroy(sid)
+        self.standbys.close()
         for snap in self.snapshots():
             self.delete_snapshot(snap.snapshot_id)
         self.store.check_integrity()
         syscalls.umount(self.state)
         shutil.rmtree(self.state, ignore_errors=True)
-        for root in {r for r in (self.layout.control_root, *self.layout.v1_roots.values()) if r}:
-            cgroups.remove_tree(os.path.join(root, self.cg_prefix))
-            try:
-                os.rmdir(os.path.join(root, "openk3-sandbox"))
-            except OSError:
-                pass  # another daemon instance still has sandboxes there
-
+        cgroups.recover(self.layout, self.cg_prefix)

@@ -257,3 +257,20 @@ def remove_tree(root: str) -> None:
             os.rmdir(dirpath)
         except OSError:
             pass
+
+
+def recover(layout: Layout, prefix: str) -> None:
+    """Kill every process under a daemon's cgroup subtree and remove it in every hierarchy (crash recovery and shutdown)."""
+    roots = {r for r in (layout.control_root, *layout.v1_roots.values()) if r}
+    control = os.path.join(layout.control_root or "", prefix)
+    if layout.control_root and os.path.isdir(control):
+        kill_under(control, layout.v2_root is not None)
+        deadline = time.monotonic() + 5.0
+        while pids_under(control) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for root in roots:
+        remove_tree(os.path.join(root, prefix))
+        try:
+            os.rmdir(os.path.join(root, os.path.dirname(prefix)))
+        except OSError:
+            pass  # another daemon instance still has sandboxes there

@@ -23,9 +23,10 @@ INIT_COMMAND = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
 
 
 class Instance:
-    def __init__(self, sid: str, dir: str, base: str, layer_paths: list[str], limits: Limits, cg: CgroupSet,
-                 env: dict[str, str], workdir: str, bwrap: str) -> None:
+    def __init__(self, sid: str, dir: str, base: str, layers: tuple[str, ...], layer_paths: list[str], limits: Limits,
+                 cg: CgroupSet, env: dict[str, str], workdir: str, bwrap: str) -> None:
         self.sid = sid
+        self.layers = layers  # digests of the layer stack, bottom first; fixed for the instance's life
         self.dir = dir
         self.base = base
         self.limits = limits

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from openk3.sandbox import naive, tree
-from openk3.sandbox.protocol import InvalidArgument, NotFound
+from openk3.sandbox.protocol import InvalidArgument, Limits, NotFound
 
 pytestmark = pytest.mark.sandbox
 
@@ -90,6 +90,8 @@ def test_layers_are_content_addressed_and_refcounted(svc):
         for sid in (a, b):
             svc.exec(sid, "echo same > /root/f && touch -d 2001-01-01 /root/f")
         s1, s2 = svc.snapshot(a), svc.snapshot(b)
+        for s in (s1, s2):
+            svc.backend.standbys.wait(s.snapshot_id)  # drop the prewarmed instances: count only the snapshots' references
         assert s1.layers == s2.layers  # same change set -> one shared layer
         assert svc.backend.store.refcounts()[s1.layers[0]] == 2
         svc.delete_snapshot(s1.snapshot_id)
@@ -159,3 +161,29 @@ def test_tar_zst_round_trip_preserves_hashes(svc):
     with pytest.raises(InvalidArgument, match="does not match"):
         svc.import_snapshot(swap_layer_bytes(archive, digests[-1]))
     assert svc.backend.store.refcounts() == {}  # a rejected import takes no references
+
+
+def test_prewarmed_standby_matches_limits_and_state(svc):
+    sid = svc.create(limits=Limits(pids=64))
+    try:
+        svc.exec(sid, "echo s > /root/state")
+        at_snapshot = view(svc, sid)
+        snap = svc.snapshot(sid)  # prepares a standby built with pids=64
+        (child,) = svc.fork(snap.snapshot_id, 1)  # default limits: must not adopt the pids=64 standby
+        try:
+            assert pids_max(svc, child) == str(Limits().pids)
+        finally:
+            svc.destroy(child)
+        for _ in range(3):  # repeated resets: each restore adopts the standby the previous one prepared
+            svc.exec(sid, "rm /root/state; echo changed > /root/other")
+            svc.restore(sid, snap.snapshot_id)
+            assert view(svc, sid) == at_snapshot and pids_max(svc, sid) == "64"
+            assert svc.exec(sid, "cat /root/state").stdout == b"s\n"
+    finally:
+        svc.destroy(sid)
+    svc.delete_snapshot(snap.snapshot_id)
+
+
+def pids_max(svc, sid: str) -> str:
+    with open(f"{svc.backend.box(sid).cg.limit_dirs['pids']}/pids.max") as f:
+        return f.read().strip()

@@ -63,14 +63,14 @@ class ExpertShard:
 
     def from_bytes(self, data_nX: torch.Tensor) -> ShardBank:
         """A bank of the shard's kind holding the n experts in `data_nX` (inverse of to_bytes)."""
+        if data_nX.dim() != 2 or data_nX.shape[1] != self.expert_nbytes:
+            raise ValueError(f"expert shard: received {tuple(data_nX.shape)} bytes, expected [n, {self.expert_nbytes}] per expert")
         parts, col = [], 0
         for p in _parts(self.bank):
             width = p[0].numel() * p.element_size()
             raw = data_nX[:, col : col + width].contiguous()
             parts.append(raw.view(p.dtype).reshape(data_nX.shape[0], *p.shape[1:]))
             col += width
-        if col != data_nX.shape[1]:
-            raise ValueError(f"expert shard: {data_nX.shape[1]} bytes per expert received, expected {col}")
         return _from_parts(self.bank, parts)
 
 

@@ -1,0 +1,82 @@
+"""Expert shards (dense and packed MXFP4) survive the prefetch wire format; on one rank every backend equals the local MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.dist.ep import ExpertParallelBackend
+from openk3.dist.group import ParallelContext
+from openk3.dist.moonep_backend import MoonEPBackend
+from openk3.dist.placement import eplb_placement
+from openk3.dist.shard import ExpertShard, SlotBank
+from openk3.ops.moe.bank import DenseExpertBank
+from openk3.ops.moe.grouped import moe_experts_grouped
+from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
+from tests.dist.ep_cases import ROUTINGS, make_layer, make_routing
+
+E, I, D = 6, 64, 32
+
+
+def banks() -> tuple[DenseExpertBank, PackedMXFP4ExpertBank]:
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(*s, generator=g) * 0.1 for s in ((E, I, D), (E, I, D), (E, D, I))]
+    return DenseExpertBank(*w), PackedMXFP4ExpertBank.from_dense(*w)
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+def test_shard_bytes_round_trip(kind: str) -> None:
+    dense, packed = banks()
+    bank = dense if kind == "dense" else packed
+    shard = ExpertShard.from_bank(bank, torch.tensor([4, 1, 5]))
+    assert shard.expert_nbytes == (3 * I * D * 4 if kind == "dense" else 3 * I * D * (1 / 2 + 1 / 32))
+    wire = shard.to_bytes(torch.tensor([2, 0]))
+    assert wire.dtype == torch.uint8 and wire.shape == (2, shard.expert_nbytes)
+    back = shard.from_bytes(wire)
+    assert type(back) is type(bank) and back.num_experts == 2
+    slots = SlotBank(shard.bank, back)
+    for slot, global_id in enumerate([4, 1, 5, 5, 4]):
+        for got, want in zip(slots.expert(slot, torch.float32), bank.expert(global_id, torch.float32), strict=True):
+            assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="slot 5"):
+        slots.expert(5, torch.float32)
+    with pytest.raises(ValueError, match="expected"):
+        shard.from_bytes(wire[:, :-1])
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_single_rank_backends_equal_local_moe(routing: str) -> None:
+    torch.set_grad_enabled(False)
+    try:
+        layer = make_layer(8)
+        ctx = ParallelContext.single()
+        z = torch.randn(11, 32, generator=torch.Generator().manual_seed(0))
+        r = make_routing(routing, 11, 8, 3, seed=1)
+        ref = moe_experts_grouped(z, r.topk_idx, r.topk_weight, layer.experts.bank(), layer.expert_act)
+        placement = eplb_placement(torch.bincount(r.topk_idx.reshape(-1), minlength=8).float(), 1, 3)
+        backends = [
+            ExpertParallelBackend.from_layers(ctx, [layer]),
+            ExpertParallelBackend.from_layers(ctx, [layer], {1: placement}),
+            MoonEPBackend.from_layers(ctx, [layer], pad=4),
+        ]
+        for backend in backends:
+            torch.testing.assert_close(backend(layer, z, r), ref, atol=1e-5, rtol=0)
+            stats = backend.drain_stats()
+            assert len(stats) == 1 and stats[0].recv_entries_R == (33,) and stats[0].recv_rows_R == (11,)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def test_errors_name_the_layer_and_values() -> None:
+    layer = make_layer(8)
+    ctx = ParallelContext.single()
+    backend = MoonEPBackend.from_layers(ctx, [layer])
+    other = make_layer(8)
+    other.layer_index = 4
+    r = make_routing("uniform", 3, 8, 3, seed=0)
+    with pytest.raises(KeyError, match="MoE layer 4"):
+        backend(other, torch.zeros(3, 32), r)
+    with pytest.raises(ValueError, match="prefetch_budget_bytes=-1"):
+        MoonEPBackend(ctx, backend.shards, prefetch_budget_bytes=-1)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        ParallelContext(2, 2, torch.device("cpu"), None)

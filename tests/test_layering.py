@@ -6,6 +6,7 @@ The check walks every module's imports with `ast`, so it also catches imports in
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "openk3"
@@ -67,7 +68,7 @@ def test_checker_catches_a_wrong_arrow(tmp_path: Path, monkeypatch) -> None:
     sandbox = tmp_path / "openk3" / "sandbox"
     sandbox.mkdir()
     (sandbox / "y.py").write_text("import torch.cuda\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "openk3")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "openk3")
     found = violations()
     assert any("openk3.model imports openk3.serve" in v for v in found)
     assert any("torch.cuda" in v for v in found)

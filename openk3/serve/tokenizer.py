@@ -117,7 +117,7 @@ def load_tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:
     path = Path(path)
     if (path / "tokenizer.json").is_file() or (path.is_file() and path.name.endswith(".json")):
         return HFTokenizer(path)
-    return ByteTokenizer(vocab_size)
+    return ByteTokenizer(max(vocab_size, 256))  # a vocabulary smaller than 256 still decodes; the engine rejects ids it lacks
 
 
 class IncrementalDetokenizer:

@@ -166,12 +166,19 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def stop_buffer_length(params: SamplingParams) -> int:
+    """Characters a running request holds back so that a stream never shows the start of a stop string that is then cut (vLLM)."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
 def completion_of(req: Request) -> tuple[CompletionOutput, RequestMetrics]:
     t = req.timings
     logprobs = tuple(req.output_logprobs) if req.sampling_params.logprobs is not None else None
     completion = CompletionOutput(
         index=req.index,
-        text=req.output_text,
+        text=req.output_text if req.is_finished else req.output_text[: max(0, len(req.output_text) - stop_buffer_length(req.sampling_params))],
         token_ids=tuple(req.output_token_ids),
         finish_reason=req.status.finish_reason,
         stop_reason=req.stop_reason,

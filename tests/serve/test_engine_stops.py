@@ -136,3 +136,19 @@ def test_engine_refuses_duplicate_ids() -> None:
     eng.abort("a")
     eng.check_integrity()
     assert torch.equal(torch.tensor(eng.cache.num_free_pages), torch.tensor(16))
+
+
+def test_streamed_text_never_shows_a_stop_string_prefix() -> None:
+    eng = LLMEngine(ScriptedModel(SCRIPT), ByteTokenizer(260), EngineConfig(num_pages=64, page_size=4, max_num_seqs=2))
+    eng.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=50, stop=["world!"]))
+    seen = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            seen.append((out.outputs[0].text, out.finished))
+    for text, finished in seen:
+        assert "w" not in text  # "w" starts the stop string: it must not be streamed before the stop is decided
+        if not finished:
+            assert "llo, world!".startswith(text)
+    assert seen[-1] == ("llo, ", True)
+    assert [t for t, _ in seen[:5]] == ["", "", "", "", ""]  # the first 5 characters are held back (len("world!") - 1)
+    assert seen[5][0] == "l"

@@ -17,7 +17,7 @@ import torch
 
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
-from openk3.serve.runner import ModelRunner
+from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler, SchedulerConfig
@@ -42,7 +42,7 @@ class EngineConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
 
 
-def _param(model: torch.nn.Module) -> torch.Tensor | None:
+def _param(model: CausalLM) -> torch.Tensor | None:
     return next(iter(model.parameters()), None)
 
 
@@ -57,7 +57,7 @@ def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...], incl
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config

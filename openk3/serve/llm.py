@@ -17,6 +17,7 @@ import torch
 from openk3.config import PRESETS, preset
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.request import RequestOutput
+from openk3.serve.runner import CausalLM
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -25,7 +26,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 Prompt = str | list[int]
 
 
-def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[torch.nn.Module, Tokenizer]:
+def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[CausalLM, Tokenizer]:
     from openk3.model import K3ForCausalLM, load_model
 
     name = str(model)
@@ -66,8 +67,9 @@ class LLM:
         num_pages: int | None = None,
         cache_memory_bytes: int = 256 * 2**20,
     ) -> None:
+        net: CausalLM
         if isinstance(model, torch.nn.Module):
-            net = model
+            net = model  # type: ignore[assignment]  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
             net, tok = build_model(model, dtype, device, seed)
@@ -87,7 +89,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> CausalLM:
         return self.engine.model
 
     def generate(

@@ -7,16 +7,29 @@ and the page list. A request samples when its computed tokens catch up with its 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from openk3.model.batch import ForwardBatch
+from openk3.config import ModelConfig
+from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import RunnerOutput, SchedulerOutput
+
+
+class CausalLM(Protocol):
+    """What the engine needs of a model: the serve <-> model contract of openk3.model.batch."""
+
+    config: ModelConfig
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
 
 @dataclass
@@ -32,7 +45,7 @@ class _RunningState:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, sampler: Sampler, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: CausalLM, cache: CacheManager, sampler: Sampler, device: torch.device | str = "cpu") -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler

@@ -52,6 +52,9 @@ class BackendConfig:
     # After a snapshot and after each restore, prepare one instance over that snapshot in the background (root mounted, init
     # running; see standby.py), so a restore or fork costs a swap instead of an init start. Costs one idle init per snapshot.
     prewarm: bool = True
+    # Host uid (and gid) that a sandbox's root maps to. Not 0: a process that escaped its mount namespace would otherwise own
+    # every root-owned host file. None runs sandboxes as host root (uid 0 mapped to 0), without capabilities either way.
+    sandbox_uid: int | None = 100_000
     host: str = dataclasses.field(default_factory=socket.gethostname)
 
 
@@ -74,15 +77,17 @@ class NamespaceBackend:
         self.config = config
         self.layout = features.layout
         self.bwrap = features.bwrap
-        self.base = rootfs.ensure_base(config.cache_dir)
+        self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
         self.instance_name = "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(config.state_dir)).hex[:10]
         self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
         self.state = os.path.realpath(config.state_dir)
+        if config.sandbox_uid is not None:
+            _check_traversable(self.state, config.sandbox_uid)
         cgroups.recover(self.layout, self.cg_prefix)
         for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
             syscalls.umount(point, detach=True)  # a crashed daemon's mounts on this state dir
         os.makedirs(self.state, exist_ok=True)
-        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={config.store_bytes},mode=0700")
+        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={config.store_bytes},mode=0711")
         syscalls.make_private(self.state)
         os.makedirs(os.path.join(self.state, "sbx"))
         self.store = LayerStore(os.path.join(self.state, "layers"))
@@ -144,7 +149,8 @@ class NamespaceBackend:
             cg = cgroups.CgroupSet(self.layout, self.cg_prefix, name)
             cg.set_limits(limits.memory_bytes, limits.pids, limits.cpus)
             box = Instance(sid, os.path.join(self.state, "sbx", name), self.base, layers,
-                           [self.store.get(d).path for d in layers], limits, cg, env, workdir, self.bwrap)
+                           [self.store.get(d).path for d in layers], limits, cg, env, workdir, self.bwrap,
+                           self.config.sandbox_uid)
             box.start_init()
             return box
         except BaseException:
@@ -329,3 +335,16 @@ class NamespaceBackend:
         syscalls.umount(self.state)
         shutil.rmtree(self.state, ignore_errors=True)
         cgroups.recover(self.layout, self.cg_prefix)
+
+
+def _check_traversable(path: str, uid: int) -> None:
+    """bwrap runs as the sandbox uid and resolves the root's path, so every ancestor of the state dir must let it pass."""
+    parent = os.path.dirname(path)
+    while True:
+        st = os.stat(parent)
+        if not (st.st_mode & 0o001 or st.st_uid == uid):
+            raise InvalidArgument(f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not "
+                                  f"traversable by sandbox_uid={uid}; pick a state dir under /run or /tmp, or set sandbox_uid=None")
+        if parent == "/":
+            return
+        parent = os.path.dirname(parent)

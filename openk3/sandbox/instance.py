@@ -24,7 +24,7 @@ INIT_COMMAND = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
 
 class Instance:
     def __init__(self, sid: str, dir: str, base: str, layers: tuple[str, ...], layer_paths: list[str], limits: Limits,
-                 cg: CgroupSet, env: dict[str, str], workdir: str, bwrap: str) -> None:
+                 cg: CgroupSet, env: dict[str, str], workdir: str, bwrap: str, uid: int | None) -> None:
         self.sid = sid
         self.layers = layers  # digests of the layer stack, bottom first; fixed for the instance's life
         self.dir = dir
@@ -34,6 +34,7 @@ class Instance:
         self.env = {**BASE_ENV, **env}
         self.workdir = workdir
         self.bwrap = bwrap
+        self.uid = uid  # host uid of the sandbox's root; None = host root
         self.lock = threading.RLock()
         self.init: subprocess.Popen[bytes] | None = None
         self.init_pid: int | None = None
@@ -55,6 +56,8 @@ class Instance:
         try:
             for d in ("u", "w", "m"):
                 os.mkdir(os.path.join(self.dir, d))
+            if self.uid is not None:
+                os.chown(os.path.join(self.dir, "u"), self.uid, self.uid)  # the merged "/" takes the upper root's owner
             lower = ":".join([*reversed(layer_paths), self.base])
             opts = f"lowerdir={lower},upperdir={self.dir}/u,workdir={self.dir}/w,redirect_dir=off,metacopy=off,index=off"
             syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
@@ -77,16 +80,21 @@ class Instance:
 
     def start_init(self) -> None:
         info_r, info_w = os.pipe()
-        argv = proc.cgroup_trampoline(self.cg.procs_files("init")) + [
+        # The root is handed over as an open fd: bwrap runs as the sandbox uid, which may not traverse the state dir's parents.
+        root_fd = os.open(self.merged, os.O_PATH | os.O_DIRECTORY)
+        as_uid = [] if self.uid is None else [
+            "setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"]
+        argv = proc.cgroup_trampoline(self.cg.procs_files("init")) + as_uid + [
             self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind", self.merged, "/",
+            "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind-fd", str(root_fd), "/",
             "--proc", "/proc", "--dev", "/dev", "--new-session", "--info-fd", str(info_w), "--chdir", "/", "--", *INIT_COMMAND,
         ]
         try:
             self.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         pass_fds=(info_w,), env=self.env)
+                                         pass_fds=(info_w, root_fd), env=self.env)
         finally:
             os.close(info_w)
+            os.close(root_fd)
         assert self.init.stdout is not None
         first = self.init.stdout.readline()
         with os.fdopen(info_r, "rb") as f:
@@ -99,7 +107,14 @@ class Instance:
         self.init_pid = int(json.loads(info)["child-pid"])
 
     def alive(self) -> bool:
-        return self.init is not None and self.init.poll() is None
+        """The init runs and still has its `sleep` child (once that is killed, bwrap's pid 1 is on its way out)."""
+        if self.init is None or self.init.poll() is not None or self.init_pid is None:
+            return False
+        try:
+            with open(f"/proc/{self.init_pid}/task/{self.init_pid}/children") as f:
+                return bool(f.read().split())
+        except FileNotFoundError:
+            return False
 
     def stop_all(self) -> None:
         """Kill every process of the sandbox (init included) and reap the init."""

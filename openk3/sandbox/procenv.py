@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -161,10 +162,20 @@ class ProcessEnvs:
         return [self.spawn(source) for _ in range(n)]
 
     def _end(self, member: _Member) -> None:
+        """SIGKILL and wait until the process is gone (its memory unmapped), so the cost lands on destroy, not on the next fork."""
+        try:
+            pidfd = os.pidfd_open(member.pid)
+        except ProcessLookupError:
+            pidfd = None
         try:
             os.kill(member.pid, signal.SIGKILL)
+            if pidfd is not None:
+                select.select([pidfd], [], [], 5.0)
         except ProcessLookupError:
             pass
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         member.sock.close()
 
     def delete(self, mid: str) -> None:

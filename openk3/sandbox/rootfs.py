@@ -61,8 +61,8 @@ def _in_tree(path: str) -> str:
     return f"{MERGED_USR[top]}/{rest}" if top in MERGED_USR else rel
 
 
-def cache_key(tools: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256(FORMAT.encode())
+def cache_key(tools: list[tuple[str, str]], owner: int) -> str:
+    h = hashlib.sha256(f"{FORMAT}\0owner={owner}".encode())
     for name, path in tools:
         st = os.stat(path)
         h.update(f"{name}\0{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -90,10 +90,17 @@ def build(dst: str) -> None:
             f.write(text)
 
 
-def ensure_base(cache_dir: str) -> str:
-    """Path of the cached base rootfs for this host, building it first when missing (atomically, by rename)."""
+def chown_tree(root: str, owner: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), owner, owner)
+    os.lchown(root, owner, owner)
+
+
+def ensure_base(cache_dir: str, owner: int = 0) -> str:
+    """Path of the cached base rootfs for this host, owned by host uid `owner` (the sandbox's root), built when missing."""
     tools = _resolve_tools()
-    final = os.path.join(cache_dir, f"rootfs-{cache_key(tools)}")
+    final = os.path.join(cache_dir, f"rootfs-{cache_key(tools, owner)}")
     if os.path.isdir(final):
         return final
     os.makedirs(cache_dir, exist_ok=True)
@@ -101,6 +108,7 @@ def ensure_base(cache_dir: str) -> str:
     try:
         build(tmp)
         os.chmod(tmp, 0o755)
+        chown_tree(tmp, owner)
         os.rename(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

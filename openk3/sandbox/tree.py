@@ -170,9 +170,9 @@ def export_tar_zst(root: str) -> bytes:
     """A layer as tar.zst; opaque markers travel as pax xattr records, whiteouts as character devices 0:0."""
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel, _st in walk_entries(root)[1:]:
-            full = os.path.join(root, rel)
-            info = tar.gettarinfo(full, arcname=rel)
+        for rel, _st in walk_entries(root):
+            full = os.path.join(root, rel) if rel else root
+            info = tar.gettarinfo(full, arcname=rel or ".")  # "." carries the layer root's owner and mode
             info.uname = info.gname = ""
             if info.isdir():
                 info.pax_headers = {XATTR_PAX + k: v.decode("latin-1") for k, v in _xattrs(full).items()}
@@ -192,6 +192,9 @@ def import_tar_zst(data: bytes, dst: str) -> None:
         dirs = []
         for info in tar:
             name = os.path.normpath(info.name)
+            if name == "." and info.isdir():
+                dirs.append((dst, info))
+                continue
             if name.startswith(("/", "..")) or "/../" in f"/{name}/" or name == ".":
                 raise ValueError(f"layer archive entry {info.name!r}: expected a relative path inside the layer")
             parent = os.path.dirname(name)

@@ -7,6 +7,7 @@ or a way to freeze and kill cgroups; everything else must work here.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -27,7 +28,8 @@ def host_features():
 
 @pytest.fixture(scope="session")
 def service(host_features, tmp_path_factory):
-    state = str(tmp_path_factory.mktemp("sandbox-state"))
+    # Not under pytest's 0700 tmp tree: bwrap runs as the unprivileged sandbox uid and must traverse the state dir's parents.
+    state = tempfile.mkdtemp(prefix="openk3-sandbox-test-", dir="/tmp")
     cache = str(tmp_path_factory.mktemp("sandbox-cache"))
     svc = SandboxService(BackendConfig(state_dir=state, cache_dir=cache, store_bytes=2 * 2**30))
     yield svc
@@ -35,6 +37,7 @@ def service(host_features, tmp_path_factory):
     assert syscalls.mounts_under(svc.backend.state) == [], "mounts left after close"
     for root in cgroup_roots(svc):
         assert not os.path.exists(os.path.join(root, svc.backend.cg_prefix)), "cgroup subtree left after close"
+    assert not os.path.exists(state)
 
 
 def cgroup_roots(svc: SandboxService) -> set[str]:

@@ -107,6 +107,9 @@ def test_no_privileges_beyond_own_namespaces(svc):
         r = svc.exec(sid, "echo 1 > /proc/sys/kernel/sysrq")
         assert r.exit_code != 0
         uid_map = svc.exec(sid, "cat /proc/self/uid_map").stdout.split()
-        assert uid_map == [b"0", b"0", b"1"]  # only its own root is mapped; no other host uid exists inside
+        host_uid = svc.backend.config.sandbox_uid
+        assert uid_map == [b"0", str(host_uid).encode(), b"1"]  # only its root is mapped, to an unprivileged host uid
+        svc.exec(sid, "echo x > /root/mine")
+        assert os.stat(os.path.join(svc.backend.box(sid).dir, "u", "root", "mine")).st_uid == host_uid
     finally:
         svc.destroy(sid)

@@ -25,7 +25,15 @@ from openk3.ops.moe.router import RouterOutput
 
 
 def record_stats(
-    ctx: ParallelContext, layer_index: int, method: str, topk_idx: torch.Tensor, num_experts: int, traffic: Traffic, prefetch: int, spilled: int
+    ctx: ParallelContext,
+    layer_index: int,
+    method: str,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    traffic: Traffic,
+    prefetch: int = 0,
+    spilled: int = 0,
+    plan_s: float = 0.0,
 ) -> EPStats:
     """One all-gather of [E + 2] counts per layer: global tokens per expert, and entries and rows received per rank."""
     local = torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)
@@ -43,6 +51,7 @@ def record_stats(
         prefetch,
         spilled,
         traffic.comm_s,
+        plan_s,
     )
 
 
@@ -117,7 +126,7 @@ class ExpertParallelBackend:
             self.ctx, z_TD, dest, group, routing.topk_weight.reshape(-1).cpu(), lambda got: grouped_by_group(got, shard.bank, layer.expert_act)
         )
         if self.collect_stats:
-            self._stats.append(record_stats(self.ctx, index, self.method, routing.topk_idx, placement.num_experts, traffic, 0, 0))
+            self._stats.append(record_stats(self.ctx, index, self.method, routing.topk_idx, placement.num_experts, traffic))
         return y32.to(z_TD.dtype)
 
     def drain_stats(self) -> list[EPStats]:

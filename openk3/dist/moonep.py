@@ -108,12 +108,14 @@ def split_quotas(count_E: torch.Tensor, z_RR: torch.Tensor, experts_per_rank: in
         quota[homes, d] -= take
 
 
-def choose_prefetch(alloc_ER: torch.Tensor, experts_per_rank: int, prefetch_slots: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Keep each rank's top-B remote segments (step 5), send the rest home. Returns (alloc, per-rank prefetch mask [E, R], spilled)."""
+def choose_prefetch(alloc_ER: torch.Tensor, experts_per_rank: int, prefetch_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Keep each rank's top-B remote segments (step 5), send the rest home.
+
+    Returns (alloc, keep [E, R], by_rank [min(B, E), R] the candidate experts of each rank in prefetch order, spilled)."""
     num_experts, num_ranks = alloc_ER.shape
     home = torch.arange(num_experts) // experts_per_rank
     remote = (alloc_ER > 0) & (home.unsqueeze(1) != torch.arange(num_ranks))
-    # Descending by entries, ties to the lower expert id: one integer key per segment.
+    # Descending by entries, ties to the lower expert id: one integer key per segment; non-remote rows sort last.
     key = torch.where(remote, alloc_ER * num_experts + (num_experts - 1 - torch.arange(num_experts)).unsqueeze(1), -1)
     order = torch.sort(key, dim=0, descending=True, stable=True).indices
     position = torch.empty_like(order)
@@ -124,30 +126,29 @@ def choose_prefetch(alloc_ER: torch.Tensor, experts_per_rank: int, prefetch_slot
     back = torch.where(spill, alloc, 0)
     alloc -= back
     alloc[torch.arange(num_experts), home] += back.sum(1)
-    return alloc, keep, int(back.sum())
+    return alloc, keep, order[: min(prefetch_slots, num_experts)], int(back.sum())
 
 
-def layout(alloc_ER: torch.Tensor, keep_ER: torch.Tensor, experts_per_rank: int, pad: int) -> tuple[torch.Tensor, ...]:
-    """Step 6: (prefetch_ptr, prefetch_experts, group_ER, offset_ER, used_slots_R); prefetch order = descending entries, then id."""
+def layout(alloc_ER: torch.Tensor, keep_ER: torch.Tensor, by_rank_BR: torch.Tensor, experts_per_rank: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """Step 6 for all ranks at once: (prefetch_ptr, prefetch_experts, group_ER, offset_ER, used_slots_R)."""
     num_experts, num_ranks = alloc_ER.shape
+    ranks = torch.arange(num_ranks)
+    kept_BR = keep_ER.gather(0, by_rank_BR)  # candidates that were kept are a prefix of each column
+    home_experts_RJ = ranks.unsqueeze(1) * experts_per_rank + torch.arange(experts_per_rank)
+    experts_RG = torch.cat([home_experts_RJ, by_rank_BR.t()], 1)  # [R, epn + B]: group g of rank r runs this expert
+    member_RG = torch.cat([torch.ones_like(home_experts_RJ, dtype=torch.bool), kept_BR.t()], 1)
+    counts_RG = torch.where(member_RG, alloc_ER[experts_RG, ranks.unsqueeze(1)], 0)
+    padded_RG = (counts_RG + pad - 1) // pad * pad
+    ends_RG = torch.cumsum(padded_RG, 1)
     group = torch.zeros_like(alloc_ER)
     offset = torch.zeros_like(alloc_ER)
-    used = torch.zeros(num_ranks, dtype=torch.int64)
+    r_idx = ranks.unsqueeze(1).expand_as(experts_RG)[member_RG]
+    e_idx = experts_RG[member_RG]
+    group[e_idx, r_idx] = torch.arange(experts_RG.shape[1]).expand_as(experts_RG)[member_RG]
+    offset[e_idx, r_idx] = (ends_RG - padded_RG)[member_RG]
     ptr = torch.zeros(num_ranks + 1, dtype=torch.int64)
-    lists = []
-    for r in range(num_ranks):
-        remote = keep_ER[:, r].nonzero().squeeze(1)
-        key = alloc_ER[remote, r] * num_experts + (num_experts - 1 - remote)
-        remote = remote[torch.sort(key, descending=True, stable=True).indices]
-        lists.append(remote)
-        experts = torch.cat([torch.arange(r * experts_per_rank, (r + 1) * experts_per_rank), remote])
-        padded = (alloc_ER[experts, r] + pad - 1) // pad * pad
-        ends = torch.cumsum(padded, 0)
-        group[experts, r] = torch.arange(experts.shape[0])
-        offset[experts, r] = ends - padded
-        used[r] = ends[-1] if ends.numel() else 0
-        ptr[r + 1] = ptr[r] + remote.shape[0]
-    return ptr, torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64), group, offset, used
+    ptr[1:] = torch.cumsum(kept_BR.sum(0), 0)
+    return ptr, by_rank_BR.t()[kept_BR.t()], group, offset, ends_RG[:, -1]
 
 
 def plan_moonep(tpe_RE: torch.Tensor, experts_per_rank: int, prefetch_slots: int, pad: int = 1) -> MoonPlan:
@@ -157,8 +158,8 @@ def plan_moonep(tpe_RE: torch.Tensor, experts_per_rank: int, prefetch_slots: int
     count_E = tpe.sum(0)
     capacity = -(-int(count_E.sum()) // num_ranks)
     z = shed_quotas(count_E.view(num_ranks, experts_per_rank).sum(1), capacity)
-    alloc, keep, spilled = choose_prefetch(split_quotas(count_E, z, experts_per_rank), experts_per_rank, prefetch_slots)
-    ptr, experts, group, offset, used = layout(alloc, keep, experts_per_rank, pad)
+    alloc, keep, by_rank, spilled = choose_prefetch(split_quotas(count_E, z, experts_per_rank), experts_per_rank, prefetch_slots)
+    ptr, experts, group, offset, used = layout(alloc, keep, by_rank, experts_per_rank, pad)
     bound = capacity + (experts_per_rank + prefetch_slots) * (pad - 1)
     return MoonPlan(capacity, experts_per_rank, prefetch_slots, pad, alloc, ptr, experts, spilled, group, offset, used, max(bound, int(used.max())))
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from openk3.dist.ep import record_stats
-from openk3.dist.exchange import Received, Traffic, dispatch_combine, grouped_in_slots
+from openk3.dist.exchange import Received, dispatch_combine, grouped_in_slots
 from openk3.dist.group import ParallelContext
 from openk3.dist.moonep import MoonPlan, assign_entries, plan_moonep
 from openk3.dist.shard import ExpertShard, SlotBank
@@ -109,8 +109,7 @@ class MoonEPBackend:
 
         y32, traffic = dispatch_combine(ctx, z_TD, route.dest_N, route.group_N, routing.topk_weight.reshape(-1).cpu(), compute, route.slot_N)
         if self.collect_stats:
-            traffic = Traffic(traffic.recv_entries, traffic.recv_rows, traffic.bytes_sent, traffic.comm_s + plan_s)
-            self._stats.append(record_stats(ctx, index, "moonep", topk, num_experts, traffic, prefetch_bytes, plan.spilled))
+            self._stats.append(record_stats(ctx, index, "moonep", topk, num_experts, traffic, prefetch_bytes, plan.spilled, plan_s))
         return y32.to(z_TD.dtype)
 
     def drain_stats(self) -> list[EPStats]:

@@ -21,7 +21,8 @@ class EPStats(NamedTuple):
     bytes_sent: int  # this rank: dispatch rows + routing metadata + combine rows
     prefetch_bytes: int  # this rank: expert weights sent to other ranks' prefetch slots
     spilled: int  # MoonEP entries that went back home for lack of a prefetch slot (0 for the other methods)
-    comm_s: float  # this rank's wall time in the exchange collectives
+    comm_s: float  # this rank's wall time in the dispatch and combine collectives
+    plan_s: float  # MoonEP: count all-gather + plan + weight prefetch (0.0 for the static methods)
 
 
 def max_over_mean(load: torch.Tensor) -> float:

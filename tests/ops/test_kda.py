@@ -10,7 +10,7 @@ import torch
 
 from openk3.config import KDAGate
 from openk3.ops.kda import kda_chunk, kda_decode, kda_gate, kda_prefill_op, kda_recurrent
-from openk3.ops.kda.chunk import MAX_HALF_SPAN, _intra_chunk
+from openk3.ops.kda.chunk import _factor_block, _intra_chunk
 from openk3.ops.norm import l2_norm
 
 H, K, V = 2, 32, 16
@@ -61,15 +61,14 @@ def test_chunk_exact_under_extreme_decay() -> None:
     assert max_err(o, o_ref) < 1e-4 and max_err(s, s_ref) < 1e-4
 
 
-@pytest.mark.parametrize("per_token", [0.5, 20.0])
-def test_intra_chunk_matrices_by_definition(per_token: float) -> None:
-    """Both sub-chunk paths (one matmul per 16 rows when 8 tokens of decay stay under MAX_HALF_SPAN, else dyadic down to rows)."""
+@pytest.mark.parametrize(("per_token", "block"), [(0.5, 64), (5.0, 32), (20.0, None)])
+def test_intra_chunk_matrices_by_definition(per_token: float, block: int | None) -> None:
+    """Each sub-chunk path: one matmul per 64- or 32-row block when the decay allows, else dyadic levels down to single rows."""
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(3, 64, 8, generator=gen), torch.randn(3, 64, 8, generator=gen)
     G = (-per_token * torch.rand(3, 64, 8, generator=gen)).cumsum(dim=1)
-    blocks = G.view(3, 4, 16, 8)
-    half_span = (blocks - blocks[:, :, 8:9]).abs().max().item()
-    assert (half_span > MAX_HALF_SPAN) == (per_token == 20.0), "each parameter must exercise its own path"
+    s, offsets = _factor_block(G)
+    assert (s if offsets is not None else None) == block, "each parameter must exercise its own path"
     Akk, Aqk = _intra_chunk(q, k, G)
     decay = (G[:, :, None, :] - G[:, None, :, :]).clamp(max=0).exp()  # [M, r, j, K]; only j <= r is read
     lower = torch.ones(64, 64, dtype=torch.bool).tril()

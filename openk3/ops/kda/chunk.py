@@ -22,6 +22,15 @@ from openk3.ops.kda.naive import check_kda_inputs
 SUB_CHUNK = 16
 # exp(+-80) is still a normal fp32 number (the range ends near e^88); the lower-bound gate (> -5 per token) stays under 8 * 5 = 40.
 MAX_HALF_SPAN = 80.0
+# Decay factors below e^-60 (~1e-26) cannot move an fp32 sum of O(1) terms, but exp results and products in the denormal / underflow
+# range take x86's slow path (~25x per element), so decay exponents are floored here.
+EXP_FLOOR = -60.0
+INVERSE_BLOCK = 8
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp of a log decay (<= 0), in place on a temporary."""
+    return log_decay.clamp_min_(EXP_FLOOR).exp_()
 
 
 def _to_chunks(x: torch.Tensor, cu_seqlens: torch.Tensor | None, N: int, n: int, C: int) -> torch.Tensor:
@@ -62,45 +71,84 @@ def _dyadic_level(Akk: torch.Tensor, Aqk: torch.Tensor, q: torch.Tensor, k: torc
     nP = C // (2 * b)
     Gv = G.view(M, nP, 2, b, K)
     Gp = Gv[:, :, 1, :1]  # [M, nP, 1, K]
-    row_decay = (Gv[:, :, 1] - Gp).exp_()
-    cols = (k.view(M, nP, 2, b, K)[:, :, 0] * (Gp - Gv[:, :, 0]).exp_()).transpose(-1, -2)  # [M, nP, K, b]
+    row_decay = _decay(Gv[:, :, 1] - Gp)
+    cols = (k.view(M, nP, 2, b, K)[:, :, 0] * _decay(Gp - Gv[:, :, 0])).transpose(-1, -2)  # [M, nP, K, b]
     for A, x in ((Akk, k), (Aqk, q)):
         rows = x.view(M, nP, 2, b, K)[:, :, 1] * row_decay
         diag_blocks = torch.diagonal(A.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3)  # [M, 2b, 2b, nP], a view into A
         diag_blocks[:, b:, :b] = torch.matmul(rows, cols).permute(0, 2, 3, 1)
 
 
+def _factor_block(G: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """The largest block size s (C, C/2, ..., SUB_CHUNK) whose offsets G_x - G_mid all lie within +-MAX_HALF_SPAN, with those offsets
+    [M, C/s, s, K]; (s, None) when even SUB_CHUNK rows decay faster (strong softplus decay).
+
+    G is non-increasing along a chunk (g <= 0), so the extreme offsets of a block are those of its first and last rows."""
+    M, C, K = G.shape
+    s = C
+    while True:
+        Gv = G.view(M, C // s, s, K)
+        mid = Gv[:, :, s // 2]
+        widest = torch.maximum(Gv[:, :, 0] - mid, mid - Gv[:, :, -1]).max().item()
+        if widest <= MAX_HALF_SPAN:
+            return s, Gv - mid.unsqueeze(2)
+        if s <= SUB_CHUNK:
+            return s, None
+        s //= 2
+
+
 def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, G [M, C, K] -> (Akk strictly lower, Aqk lower incl. diagonal), each [M, C, C].
 
-    Blocks of s or more rows go level by level (_dyadic_level). Inside s-blocks, when every |G_x - G_mid| stays within MAX_HALF_SPAN
-    (always for the lower-bound gate), one matmul per block uses exp(G_r - G_mid) exp(G_mid - G_j), both factors in fp32's normal
-    range; otherwise (very strong softplus decay) the dyadic levels continue down to single rows."""
+    Inside blocks of s rows (_factor_block), one matmul per block uses exp(G_r - G_mid) exp(G_mid - G_j), each factor in fp32's normal
+    range; pairs in different blocks go level by level (_dyadic_level). With no such block (very strong softplus decay), the dyadic
+    levels continue down to single rows."""
     M, C, K = k.shape
     Akk = k.new_zeros(M, C, C)
     Aqk = k.new_zeros(M, C, C)
-    s = min(SUB_CHUNK, C)
+    s, rel = _factor_block(G)
     b = C // 2
     while b >= s:
         _dyadic_level(Akk, Aqk, q, k, G, b)
         b //= 2
-    nb = C // s
-    Gv = G.view(M, nb, s, K)
-    rel = Gv - Gv[:, :, s // 2 : s // 2 + 1]
-    lo, hi = rel.aminmax()
-    if max(-lo.item(), hi.item()) > MAX_HALF_SPAN:
+    if rel is None:
         torch.diagonal(Aqk, dim1=1, dim2=2).copy_((q * k).sum(-1))
         while b >= 1:
             _dyadic_level(Akk, Aqk, q, k, G, b)
             b //= 2
         return Akk, Aqk
+    nb = C // s
     row_decay = rel.exp_()
     cols = (k.view(M, nb, s, K) / row_decay).transpose(-1, -2)  # k_j exp(G_mid - G_j)
-    lower = torch.ones(s, s, dtype=torch.bool, device=k.device).tril()
-    for A, x, mask in ((Akk, k, lower.tril(-1)), (Aqk, q, lower)):
+    ones = torch.ones(s, s, dtype=torch.bool, device=k.device)
+    # Above the diagonal the two factors may multiply to inf (exp(G_r - G_j) with r < j); those entries are discarded, not multiplied.
+    for A, x, drop in ((Akk, k, ~ones.tril(-1)), (Aqk, q, ~ones.tril())):
         diag_blocks = torch.diagonal(A.view(M, nb, s, nb, s), dim1=1, dim2=3)  # [M, s, s, nb], a view into A
-        diag_blocks.copy_(torch.matmul(x.view(M, nb, s, K) * row_decay, cols).mul_(mask).permute(0, 2, 3, 1))
+        diag_blocks.copy_(torch.matmul(x.view(M, nb, s, K) * row_decay, cols).masked_fill_(drop, 0.0).permute(0, 2, 3, 1))
     return Akk, Aqk
+
+
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower triangular L [M, C, C] (its diagonal is not read).
+
+    Triangular solves on 8-row diagonal blocks, then one level per doubling: [[A, 0], [X, D]]^-1 = [[A^-1, 0], [-D^-1 X A^-1, D^-1]].
+    Batched small matmuls beat one batched solve_triangular over 64-row blocks on CPU, which runs matrix by matrix."""
+    M, C, _ = L.shape
+    s = min(INVERSE_BLOCK, C)
+    nb = C // s
+    eye = torch.eye(s, dtype=L.dtype, device=L.device)
+    inv = L.new_zeros(M, C, C)
+    blocks = torch.diagonal(L.view(M, nb, s, nb, s), dim1=1, dim2=3).permute(0, 3, 1, 2)  # [M, nb, s, s]
+    block_inv = torch.linalg.solve_triangular(blocks, eye.expand(M, nb, s, s), upper=False, unitriangular=True)
+    torch.diagonal(inv.view(M, nb, s, nb, s), dim1=1, dim2=3).copy_(block_inv.permute(0, 2, 3, 1))
+    b = s
+    while b < C:
+        nP = C // (2 * b)
+        Ld = torch.diagonal(L.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3).permute(0, 3, 1, 2)  # [M, nP, 2b, 2b] views
+        Xd = torch.diagonal(inv.view(M, nP, 2 * b, nP, 2 * b), dim1=1, dim2=3).permute(0, 3, 1, 2)
+        Xd[:, :, b:, :b] = -torch.matmul(Xd[:, :, b:, b:], torch.matmul(Ld[:, :, b:, :b], Xd[:, :, :b, :b]))
+        b *= 2
+    return inv
 
 
 def kda_chunk(
@@ -133,15 +181,13 @@ def kda_chunk(
     # Everything that does not depend on the incoming state, batched over (chunks, N, H).
     G = gc.cumsum_(dim=1)
     Akk, Aqk = _intra_chunk(qc, kc, G)
-    eye = torch.eye(C, dtype=torch.float32, device=q.device)
     # T = (I + diag(beta) Akk)^-1 diag(beta): the explicit inverse is cheaper than a solve with K + V right-hand sides.
-    Tm = torch.linalg.solve_triangular(Akk.mul_(bc).add_(eye), eye.expand(n * M, C, C), upper=False, unitriangular=True)
-    Tm.mul_(bc.transpose(1, 2))
-    eG = G.exp()
+    Tm = _unit_lower_inverse(Akk.mul_(bc)).mul_(bc.transpose(1, 2))
+    eG = _decay(G.clone())
     Qd = (qc * eG).view(n, M, C, K)
     W = torch.bmm(Tm, kc * eG).view(n, M, C, K)
     U = torch.bmm(Tm, vc).view(n, M, C, V)
-    Kd = (kc * (G[:, -1:] - G).exp_()).view(n, M, C, K)  # exp(G_C - G) k
+    Kd = (kc * _decay(G[:, -1:] - G)).view(n, M, C, K)  # exp(G_C - G) k
     decay = eG[:, -1, :, None].view(n, M, K, 1)
     Aqk = Aqk.view(n, M, C, C)
     S = qc.new_zeros(M, K, V) if initial_state is None else initial_state.float().reshape(M, K, V).clone()

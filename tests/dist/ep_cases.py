@@ -68,13 +68,13 @@ def moe_cases(ctx: ParallelContext) -> dict[str, float]:
             "ep": ExpertParallelBackend.from_banks(ctx, {1: dense}),
             "eplb": ExpertParallelBackend.from_banks(ctx, {1: dense}, {1: eplb_placement(skew, ctx.world_size, ctx.world_size)}),
             "moonep": MoonEPBackend.from_banks(ctx, {1: dense}),
-            "moonep_budget1": MoonEPBackend.from_banks(ctx, {1: dense}, prefetch_budget_bytes=3 * 32 * 32 * 4),
+            "moonep_budget0": MoonEPBackend.from_banks(ctx, {1: dense}, prefetch_budget_bytes=0),
         }
         ref = moe_experts_grouped(z, routing.topk_idx, routing.topk_weight, dense, layer.expert_act)
         for name, backend in backends.items():
             errors[f"{name}/{kind}"] = max_error(backend(layer, z, routing), ref)
             stats = backend.drain_stats()[0]
-            if name == "moonep_budget1":
+            if name == "moonep_budget0":
                 errors[f"{name}/{kind}/spilled"] = stats.spilled
             if name == "moonep" and stats.spilled == 0:
                 errors[f"{name}/{kind}/imbalance"] = max(stats.recv_entries_R) - min(stats.recv_entries_R)

@@ -127,3 +127,16 @@ def test_bad_shapes_name_the_problem() -> None:
         plan_moonep(torch.zeros(2, 5, dtype=torch.int64), 3, 3)
     with pytest.raises(ValueError, match="pad=0"):
         plan_moonep(torch.zeros(2, 4, dtype=torch.int64), 2, 2, pad=0)
+
+
+def test_partial_spill_keeps_the_larger_segment() -> None:
+    # Home 0 holds 12 entries over three experts, CAP = 6: rank 1 takes expert 0 (4) and 2 of expert 1; with one prefetch slot
+    # the smaller segment (expert 1, 2 entries) goes back home.
+    tpe = torch.tensor([[4, 4, 4, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    full = plan_moonep(tpe, 3, 3)
+    assert full.load_R().tolist() == [6, 6] and full.prefetch_of(1).tolist() == [0, 1]
+    plan = plan_moonep(tpe, 3, 1)
+    assert_same_plan(plan, plan_reference(tpe, 3, 1))
+    check_plan(plan, tpe)
+    assert plan.spilled == 2 and plan.load_R().tolist() == [8, 4] and plan.prefetch_of(1).tolist() == [0]
+    assert plan.buffer_slots == 8

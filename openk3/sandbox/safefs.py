@@ -46,11 +46,15 @@ def read_file(root: str, path: str, max_bytes: int) -> bytes:
         os.close(fd)
 
 
-def write_file(root: str, path: str, data: bytes, mode: int = 0o644) -> None:
+def write_file(root: str, path: str, data: bytes, mode: int = 0o644, owner: int | None = None) -> None:
+    """Create or replace a regular file; `owner` is the host uid of the sandbox's root, so the sandbox can modify it later."""
     fd = _open(root, path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, mode)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(f"path={path!r}: not a regular file")
+        if owner is not None and (st.st_uid, st.st_gid) != (owner, owner):
+            os.fchown(fd, owner, owner)
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:

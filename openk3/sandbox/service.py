@@ -54,7 +54,7 @@ class SandboxService:
         return safefs.read_file(self.backend.merged_root(sandbox_id), path, max_bytes)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        safefs.write_file(self.backend.merged_root(sandbox_id), path, data, mode)
+        safefs.write_file(self.backend.merged_root(sandbox_id), path, data, mode, self.backend.config.sandbox_uid)
 
     def list_dir(self, sandbox_id: str, path: str = "/") -> list[DirEntry]:
         return safefs.list_dir(self.backend.merged_root(sandbox_id), path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -12,26 +13,34 @@ import pytest
 import uvicorn
 
 from openk3.sandbox.client import AsyncSandboxClient, SandboxClient
-from openk3.sandbox.protocol import InvalidArgument, Limits, NotFound, SandboxError
+from openk3.sandbox.protocol import Busy, InvalidArgument, Limits, NotFound, SandboxError
 from openk3.sandbox.server import create_app
 
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture
-def base_url(svc):
+@contextlib.contextmanager
+def running(app):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(svc, workers=4, reap_interval_s=None), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def base_url(svc):
+    with running(create_app(svc, workers=4, reap_interval_s=None)) as url:
+        yield url
 
 
 def test_sync_client_round_trip(base_url):
@@ -92,3 +101,19 @@ def test_async_client_parallel(base_url):
                 await asyncio.gather(*(c.destroy(s) for s in sids))
 
     asyncio.run(main())
+
+
+def test_bounded_pool_answers_busy(svc):
+    sid = svc.create()
+    try:
+        with running(create_app(svc, workers=1, max_queue=0, reap_interval_s=None)) as url:
+            async def main() -> list:
+                async with AsyncSandboxClient(url) as c:
+                    return await asyncio.gather(*(c.exec(sid, "sleep 1") for _ in range(3)), return_exceptions=True)
+
+            results = asyncio.run(main())
+        busy = [r for r in results if isinstance(r, Busy)]
+        done = [r for r in results if not isinstance(r, Exception)]
+        assert len(done) == 1 and len(busy) == 2 and "retry" in str(busy[0])
+    finally:
+        svc.destroy(sid)

@@ -39,6 +39,7 @@ def test_file_api_and_tar(svc):
     try:
         svc.write_file(sid, "/root/a.txt", b"hello")
         assert svc.exec(sid, "cat /root/a.txt").stdout == b"hello"
+        assert svc.exec(sid, "echo ' more' >> /root/a.txt && stat -c %u /root/a.txt").stdout == b"0\n"  # owned by sandbox root
         svc.exec(sid, "mkdir -p /work/d && echo inside > /work/d/f && ln -s /work/d/f /work/link")
         assert svc.read_file(sid, "/work/link") == b"inside\n"
         assert [(e.name, e.kind) for e in svc.list_dir(sid, "/work")] == [("d", "dir"), ("link", "symlink")]

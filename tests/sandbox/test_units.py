@@ -75,3 +75,14 @@ def test_wire_messages_carry_descriptors():
     finally:
         for s in (b, r, w):
             s.close()
+
+
+def test_cli_registers_sandbox_serve():
+    import argparse
+
+    from openk3.sandbox import cli
+
+    parser = argparse.ArgumentParser(prog="openk3")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sandbox", "serve", "--port", "8123", "--workers", "2"])
+    assert (args.func, args.port, args.workers, args.host) == (cli.run, 8123, 2, "127.0.0.1")

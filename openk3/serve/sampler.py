@@ -59,22 +59,38 @@ def apply_penalties(logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
     return logits_MV - freq * out_counts - pres * (out_counts > 0).float()
 
 
+def _top_k_top_p_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drop mask over logits sorted descending: ranks >= top_k, then tokens whose better tokens already hold top_p of the mass."""
+    neg_inf = torch.finfo(sorted_logits.dtype).min
+    rank = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)[None, :]
+    drop = rank >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, neg_inf).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # probability of the strictly better tokens
+    drop = drop | (mass_before >= top_p[:, None])
+    drop[:, 0] = False
+    return drop
+
+
 def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside min_p, then top_k [M] (V keeps all), then top_p [M]; at least one token always survives."""
+    """Mask (to the dtype's min) the tokens outside min_p, then top_k [M] (V keeps all), then top_p [M]; one token always survives."""
     neg_inf = torch.finfo(logits_MV.dtype).min
-    probs = logits_MV.softmax(-1)
-    keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
-    logits_MV = logits_MV.masked_fill(~keep, neg_inf)
+    vocab = logits_MV.shape[1]
+    if bool((min_p > 0).any()):
+        probs = logits_MV.softmax(-1)
+        keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits_MV = logits_MV.masked_fill(~keep, neg_inf)
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1).all()):
+        return logits_MV
+    if bool((top_k < vocab).all()):
+        # every row has a top_k: top-p only ever looks inside it, so a partial top-k replaces the full sort
+        k_max = int(top_k.max())
+        top_vals, top_idx = logits_MV.topk(k_max, dim=-1)
+        drop = _top_k_top_p_sorted(top_vals, top_k, top_p)
+        kept = torch.full_like(logits_MV, neg_inf)
+        return kept.scatter(1, top_idx, top_vals.masked_fill(drop, neg_inf))
     sorted_logits, order = logits_MV.sort(-1, descending=True)
-    rank = torch.arange(logits_MV.shape[1], device=logits_MV.device)[None, :]
-    drop_sorted = rank >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop_sorted, neg_inf)
-    sorted_probs = sorted_logits.softmax(-1)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of the strictly better tokens
-    drop_sorted = drop_sorted | (mass_before >= top_p[:, None])
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits_MV.masked_fill(drop, neg_inf)
+    drop = _top_k_top_p_sorted(sorted_logits, top_k, top_p)
+    return logits_MV.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), neg_inf)
 
 
 class Sampler:

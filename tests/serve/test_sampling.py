@@ -109,3 +109,18 @@ def test_logprobs_are_raw() -> None:
     assert out.logprobs[0].token_id == out.token_ids[0]
     assert out.logprobs[0].logprob == pytest.approx(float(lp[out.token_ids[0]]))
     assert [t for t, _ in out.logprobs[0].top] == [2, 1]
+
+
+def test_partial_top_k_path_equals_full_sort_path() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    top_k = torch.tensor([1, 5, 40, 40, 299, 7])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 0.99])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    fast = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)  # every row has a top_k: partial top-k
+    # one more row without top_k forces the full sort for all rows
+    full = apply_top_k_top_p_min_p(
+        torch.cat([logits, logits[:1]]), torch.cat([top_k, torch.tensor([300])]), torch.cat([top_p, top_p[:1]]), torch.cat([min_p, min_p[:1]])
+    )[:6]
+    assert torch.equal(fast, full)
+    kept = (fast > torch.finfo(fast.dtype).min).sum(-1)
+    assert kept[0] == 1 and kept[2] <= 40 and kept[3] <= 40

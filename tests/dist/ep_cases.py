@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from openk3.config import debug
+from openk3.dist.backend import EPMethod, attach_expert_parallel
 from openk3.dist.ep import ExpertParallelBackend, gather_placements
 from openk3.dist.group import ParallelContext
 from openk3.dist.moonep_backend import MoonEPBackend
 from openk3.dist.placement import LoadCollector, eplb_placement
 from openk3.model import K3ForCausalLM
-from openk3.model.moe import LatentMoE
+from openk3.model.moe import LatentMoE, LocalExperts
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput
@@ -93,7 +96,7 @@ def moe_cases(ctx: ParallelContext) -> dict[str, float]:
     return errors
 
 
-def model_cases(ctx: ParallelContext) -> dict[str, float]:
+def model_cases(ctx: ParallelContext) -> dict[str, float | str]:
     """Max |logits with EP - logits single process| for a whole K3ForCausalLM(debug()) on this rank's own sequences."""
     torch.set_grad_enabled(False)
     model = K3ForCausalLM(debug())
@@ -112,13 +115,22 @@ def model_cases(ctx: ParallelContext) -> dict[str, float]:
         "eplb": ExpertParallelBackend.from_layers(ctx, layers, eplb),
         "moonep": MoonEPBackend.from_layers(ctx, layers),
     }
-    errors = {}
+    errors: dict[str, float | str] = {}
     for name, backend in backends.items():
         model.set_expert_backend(backend)
         errors[name] = float((model.forward_tokens(tokens) - ref).abs().max())
         errors[f"{name}/stats_layers"] = len(backend.drain_stats()) - len(layers)
+    # Replicated attention: every rank runs rank 0's batch and must produce rank 0's single-process logits.
+    shared = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(99))
+    model.set_expert_backend(LocalExperts())
+    shared_ref = model.forward_tokens(shared)
+    for method in EPMethod:
+        attach_expert_parallel(model, ctx, method, replicated_tokens=True, placements=eplb)
+        logits = model.forward_tokens(shared)
+        errors[f"replicated_{method.value}"] = float((logits - shared_ref).abs().max())
+        errors[f"replicated_{method.value}/digest"] = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
     return errors
 
 
-def all_cases(ctx: ParallelContext) -> dict[str, float]:
+def all_cases(ctx: ParallelContext) -> dict[str, float | str]:
     return {**{f"moe/{k}": v for k, v in moe_cases(ctx).items()}, **{f"model/{k}": v for k, v in model_cases(ctx).items()}}

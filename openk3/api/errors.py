@@ -1,0 +1,103 @@
+"""OpenAI error bodies, and reading a request body into a validated model without ever answering a bad body with a 5xx.
+
+Every error a client can cause is an `APIError` with the HTTP status, OpenAI's `type`, the offending `param` and a `code`;
+the server turns it into `{"error": {"message", "type", "param", "code"}}`. The body is read by hand (not by FastAPI's
+automatic validation, which answers 422 with another shape) so that size, UTF-8, JSON and schema problems each get their
+own 4xx and message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from openk3.api.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("openk3.api")
+M = TypeVar("M", bound=BaseModel)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+_PARAM = re.compile(r"SamplingParams\.(\w+)=")
+
+
+def from_value_error(e: ValueError, param: str | None = None) -> APIError:
+    """A ValueError from the engine or SamplingParams (bad user input) as a 400 naming the field when the message does."""
+    match = _PARAM.search(str(e))
+    return APIError(400, str(e), param=match.group(1) if match else param, code="invalid_value")
+
+
+def _describe(err: ValidationError) -> tuple[str, str | None]:
+    parts, first = [], None
+    for item in err.errors()[:5]:
+        loc = ".".join(str(x) for x in item["loc"])
+        first = first or loc.split(".")[0] or None
+        value = repr(item.get("input"))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        parts.append(f"{loc or 'body'}: {item['msg']} (got {value})")
+    more = len(err.errors()) - 5
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else ""), first
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {int(length)} bytes is larger than the limit of {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+async def read_json(request: Request, model: type[M], limit: int) -> M:
+    body = await read_body(request, limit)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start}", code="invalid_encoding") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON escapes can spell lone surrogates, which no tokenizer can encode
+        raise APIError(400, f"request body contains an unpaired surrogate escape ({e.object[e.start:e.end]!a}): text must be valid Unicode",
+                       code="invalid_encoding") from e
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as e:
+        message, param = _describe(e)
+        raise APIError(400, message, param=param, code="invalid_value") from e
+    unknown = sorted(getattr(parsed, "model_extra", None) or {})
+    if unknown:
+        log.info("ignoring unknown fields in %s %s: %s", request.method, request.url.path, ", ".join(unknown))
+    return parsed

@@ -1,0 +1,189 @@
+"""From a validated request to engine requests and back: sampling parameters, context checks, merged update streams, logprobs.
+
+Everything a client can get wrong is checked here, before the first byte of a response, so that a streaming request still
+fails with a plain 4xx: prompt token ids, the context length (prompt + requested completion against max_model_len), and the
+sampling fields (SamplingParams validates; its ValueError names the field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from openk3.api.errors import APIError, from_value_error
+from openk3.api.protocol import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage, _SamplingFields
+from openk3.serve.frontend import AsyncEngine, GenerationUpdate
+from openk3.serve.request import TokenLogprobs
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
+    """Validate one prompt; returns the completion length it will get (max_tokens, or the rest of the context when None)."""
+    if not ids:
+        raise APIError(400, f"{prompt_param} is empty: expected at least one token", param=prompt_param, code="invalid_value")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{prompt_param} has token id {bad}: expected ids in 0..{vocab_size - 1}", param=prompt_param, code="invalid_value")
+    room = max_model_len - len(ids)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = "none left" if max_tokens is None else f"{max_tokens} for the completion"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(ids) + (max_tokens or 0)} tokens ({len(ids)} in the {prompt_param}, {asked}). "
+            f"Please reduce the length of the {prompt_param} or the {tokens_param}.",
+            param=prompt_param if room < 1 else tokens_param,
+            code="context_length_exceeded",
+        )
+    return max_tokens if max_tokens is not None else room
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None, extra_stop: Sequence[str] = ()) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop += [s for s in extra_stop if s not in stop]
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise from_value_error(e) from e
+
+
+async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> AsyncIterator[tuple[int, GenerationUpdate]]:
+    """(prompt index, update) for every engine request of one HTTP request, as they come; leaving early aborts them all."""
+    if len(jobs) == 1:
+        gen = frontend.generate(request_id, jobs[0].prompt_token_ids, jobs[0].params)
+        try:
+            async for update in gen:
+                yield 0, update
+        finally:
+            await gen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: EngineJob) -> None:
+        gen = frontend.generate(f"{request_id}-{i}", job.prompt_token_ids, job.params)
+        try:
+            async for update in gen:
+                queue.put_nowait((i, update))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        finally:
+            await gen.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    remaining = len(jobs)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceAcc:
+    """One choice of a non-streaming response, accumulated from deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+async def collect(updates: AsyncIterator[tuple[int, GenerationUpdate]], n: int) -> tuple[dict[int, ChoiceAcc], dict[int, int]]:
+    """Run a request to the end: choices by global index (prompt * n + sample) and cached prompt tokens per prompt."""
+    choices: dict[int, ChoiceAcc] = {}
+    cached: dict[int, int] = {}
+    async for i, update in updates:
+        cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
+        for d in update.deltas:
+            acc = choices.setdefault(i * n + d.index, ChoiceAcc())
+            acc.text += d.text
+            acc.token_ids.extend(d.token_ids)
+            acc.logprobs.extend(d.logprobs or ())
+            if d.finish_reason is not None:
+                acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
+    return choices, cached
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+class TokenTexts:
+    """Each token's own text for logprobs (one id decoded alone, specials spelled out), cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def completion_logprobs(self, lps: Sequence[TokenLogprobs], offset: int) -> tuple[CompletionLogprobs, int]:
+        out = CompletionLogprobs()
+        for lp in lps:
+            text = self(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_clamp(lp.logprob))
+            out.top_logprobs.append({self(t): _clamp(v) for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset
+
+    def chat_logprobs(self, lps: Sequence[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for lp in lps:
+            text = self(lp.token_id)
+            top = [TopLogprob(token=self(t), logprob=_clamp(v), bytes=list(self(t).encode("utf-8", "replace"))) for t, v in lp.top]
+            content.append(TokenLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode("utf-8", "replace")), top_logprobs=top))
+        return ChatLogprobs(content=content)

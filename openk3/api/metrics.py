@@ -1,0 +1,96 @@
+"""Prometheus metrics with vLLM's names under an `openk3:` prefix, one CollectorRegistry per server (no module-level state).
+
+Written from the engine thread (prometheus_client's metrics are thread-safe), read by `GET /metrics`. Gauges mirror the last
+engine snapshot; counters and histograms are fed per step and per finished request by the front end.
+Prefix-cache counters count prompt tokens, as vLLM does: queries += prompt tokens looked up, hits += tokens found cached.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from openk3.serve.frontend import EngineStats, FinishedRequest
+
+PREFIX = "openk3:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, label = self.registry, {"model_name": model_name}
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, ("model_name", *labels), registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ("model_name", *labels), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ("model_name",), buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch").labels(**label)
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled").labels(**label)
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of MLA cache pages in use (1 = full)").labels(**label)
+        self.kda_state_usage_perc = gauge("kda_state_usage_perc", "Fraction of KDA state slots in use (1 = full)").labels(**label)
+        self.num_free_pages = gauge("cache_free_pages", "MLA cache pages free").labels(**label)
+        self.num_free_slots = gauge("state_free_slots", "KDA state slots free").labels(**label)
+        tier_used = gauge("cache_tier_used_bytes", "Cache bytes in use per storage tier", ("tier",))
+        tier_capacity = gauge("cache_tier_capacity_bytes", "Cache bytes available per storage tier", ("tier",))
+        self.tier_used = {"device": tier_used.labels(tier="device", **label)}
+        self.tier_capacity = {"device": tier_capacity.labels(tier="device", **label)}
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**label)
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache").labels(**label)
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (cache freed, recomputed later)").labels(**label)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed").labels(**label)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(**label)
+        self._success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS).labels(**label)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS).labels(**label)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
+        self._last_preemptions = 0
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.page_usage)
+        self.kda_state_usage_perc.set(stats.slot_usage)
+        self.num_free_pages.set(stats.num_free_pages)
+        self.num_free_slots.set(stats.num_free_slots)
+        self.tier_used["device"].set(stats.device_used_bytes)
+        self.tier_capacity["device"].set(stats.device_capacity_bytes)
+        if stats.num_preemptions_total > self._last_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions_total - self._last_preemptions)
+            self._last_preemptions = stats.num_preemptions_total
+
+    def observe_tokens(self, num_new_tokens: int, inter_token_latencies: list[float]) -> None:
+        self.generation_tokens.inc(num_new_tokens)
+        for itl in inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+
+    def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(num_cached_tokens)
+        self.prompt_tokens_cached.inc(num_cached_tokens)
+
+    def observe_finished(self, done: FinishedRequest) -> None:
+        self._success.labels(model_name=self.model_name, finished_reason=done.finish_reason).inc()
+        for value, hist in (
+            (done.time_to_first_token, self.time_to_first_token),
+            (done.e2e_latency, self.e2e_request_latency),
+            (done.queue_time, self.request_queue_time),
+        ):
+            if value is not None:
+                hist.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,207 @@
+"""`/v1/completions` and `/v1/chat/completions`: validated request -> engine jobs -> a JSON response or an SSE stream.
+
+Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
+`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
+stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from openk3.api.chat import ChatTemplate
+from openk3.api.errors import APIError
+from openk3.api.generation import EngineJob, TokenTexts, check_prompt, collect, merged_updates, sampling_params, usage
+from openk3.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+)
+from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.tokenizer import Tokenizer
+
+log = logging.getLogger("openk3.api")
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the handlers need of the running server; fixed for its lifetime."""
+
+    frontend: AsyncEngine
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    model_name: str
+    model_root: str
+    max_model_len: int
+    vocab_size: int
+    texts: TokenTexts
+
+    def special_tokens(self) -> dict[str, str]:
+        tok, out = self.tokenizer, {}
+        for name, token_id in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_id)):
+            out[name] = "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+        return out
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+        if not messages:
+            raise APIError(400, "messages is empty: expected at least one message", param="messages", code="invalid_value")
+        try:
+            return self.chat_template.render(messages, add_generation_prompt, self.special_tokens(), kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from e
+
+
+def sse(payload: BaseModel | dict) -> bytes:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return b"data: " + data.encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _stream_error(e: Exception) -> bytes:
+    if isinstance(e, APIError):
+        return sse(e.body())
+    status = 503 if isinstance(e, (EngineDeadError, FrontendClosedError)) else 400 if isinstance(e, ValueError) else 500
+    if status == 500:
+        log.exception("error while streaming", exc_info=e)
+    return sse(APIError(status, str(e)).body())
+
+
+def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob], list[str]]:
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of={req.best_of} is not supported: only best_of equal to n ({req.n})", param="best_of", code="unsupported")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", param="echo", code="unsupported")
+    p = req.prompt
+    prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[arg-type]
+    if not prompts:
+        raise APIError(400, "prompt is empty: expected a string, a list of strings or token ids", param="prompt", code="invalid_value")
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n", code="invalid_value")
+    jobs, texts = [], []
+    for prompt in prompts:
+        ids = s.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
+        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs)))
+        texts.append(prompt if isinstance(prompt, str) else s.tokenizer.decode(ids))
+    return jobs, texts
+
+
+def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    ids = s.tokenizer.encode(s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs))
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return EngineJob(ids, sampling_params(req, max_tokens, logprobs, extra_stop=s.chat_template.stop))
+
+
+async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    choices, cached = await collect(merged_updates(s.frontend, request_id, jobs), req.n)
+    out = []
+    for index in sorted(choices):
+        c = choices[index]
+        echo = texts[index // req.n] if req.echo else ""
+        logprobs = s.texts.completion_logprobs(c.logprobs, 0)[0] if req.logprobs is not None else None
+        out.append(CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
+    completion_tokens = sum(len(c.token_ids) for c in choices.values())
+    return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=usage(prompt_tokens, completion_tokens, sum(cached.values())))
+
+
+async def completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> AsyncIterator[bytes]:
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    offsets: dict[int, int] = {}
+    completion_tokens, cached = 0, {}
+    updates = merged_updates(s.frontend, request_id, jobs)
+    try:
+        async for i, update in updates:
+            cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
+            for d in update.deltas:
+                index = i * req.n + d.index
+                completion_tokens += len(d.token_ids)
+                text = d.text
+                if index not in offsets:
+                    offsets[index] = 0
+                    text = (texts[i] if req.echo else "") + text
+                if not text and d.finish_reason is None and not (req.logprobs is not None and d.token_ids):
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[choice]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
+            u = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[], usage=u))
+    except Exception as e:
+        yield _stream_error(e)
+    finally:
+        await updates.aclose()
+    yield DONE
+
+
+async def chat_response(s: Served, req: ChatCompletionRequest, job: EngineJob) -> ChatCompletionResponse:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices, cached = await collect(merged_updates(s.frontend, request_id, [job]), req.n)
+    out = []
+    for index in sorted(choices):
+        c = choices[index]
+        logprobs = s.texts.chat_logprobs(c.logprobs) if req.logprobs else None
+        message = ChatResponseMessage(content=c.text)
+        out.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in choices.values())
+    u = usage(len(job.prompt_token_ids), completion_tokens, sum(cached.values()))
+    return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
+
+
+async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> AsyncIterator[bytes]:
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
+
+    completion_tokens, cached = 0, 0
+    updates = merged_updates(s.frontend, request_id, [job])
+    try:
+        for index in range(req.n):
+            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, update in updates:
+            cached = max(cached, update.num_cached_tokens)
+            for d in update.deltas:
+                completion_tokens += len(d.token_ids)
+                if not d.text and d.finish_reason is None and not (req.logprobs and d.token_ids):
+                    continue
+                logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
+                delta = DeltaMessage(content=d.text if d.text or d.finish_reason is None else None)
+                yield chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
+    except Exception as e:
+        yield _stream_error(e)
+    finally:
+        await updates.aclose()
+    yield DONE

@@ -100,9 +100,7 @@ class ModelRunner:
                 logits_rows.append(cu[-1] - 1)
         # Entries past a request's own pages are never read (the model only touches pages covering its positions).
         width = max(len(p) for p in page_rows)
-        table = torch.zeros(len(page_rows), width, dtype=torch.int64)
-        for i, p in enumerate(page_rows):
-            table[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in page_rows], dtype=torch.int64)
         lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
         dev = self.device
         batch = ForwardBatch(

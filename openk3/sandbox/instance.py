@@ -2,7 +2,7 @@
 
 Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` (the disk quota) holding `u` (overlay
 upper), `w` (overlay work dir) and `m` (the merged root). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup
-namespaces and no network, running `sleep infinity` behind bwrap's pid-1 reaper; commands join its namespaces with nsenter.
+namespaces and no network, running a stopped `sh` behind bwrap's pid-1 reaper; commands join its namespaces with nsenter.
 Contract: the caller (backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
 """
 
@@ -19,7 +19,8 @@ from openk3.sandbox.cgroups import CgroupSet
 from openk3.sandbox.protocol import ExecResult, Limits, SandboxError
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
-INIT_COMMAND = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
+# The init's process 2 says it is up (the root is mounted by then) and stops itself: one exec, no CPU, killable.
+INIT_COMMAND = ["/bin/sh", "-c", "echo ready; kill -STOP $$"]
 
 
 class Instance:
@@ -79,19 +80,23 @@ class Instance:
             return f"x{self._next_leaf}"
 
     def start_init(self) -> None:
+        """Start bwrap as the sandbox uid, wait for "ready", then move its three processes into the sandbox's cgroups.
+
+        Moving them afterwards (instead of through the cgroup trampoline execs use) saves two execs on every create and cold
+        restore, and is race-free: until now only bwrap and the init's own `sh` exist, and no user code has run.
+        """
         info_r, info_w = os.pipe()
         # The root is handed over as an open fd: bwrap runs as the sandbox uid, which may not traverse the state dir's parents.
         root_fd = os.open(self.merged, os.O_PATH | os.O_DIRECTORY)
-        as_uid = [] if self.uid is None else [
-            "setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"]
-        argv = proc.cgroup_trampoline(self.cg.procs_files("init")) + as_uid + [
+        argv = [
             self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind-fd", str(root_fd), "/",
             "--proc", "/proc", "--dev", "/dev", "--new-session", "--info-fd", str(info_w), "--chdir", "/", "--", *INIT_COMMAND,
         ]
+        as_uid = {} if self.uid is None else {"user": self.uid, "group": self.uid, "extra_groups": []}
         try:
             self.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         pass_fds=(info_w, root_fd), env=self.env)
+                                         pass_fds=(info_w, root_fd), env=self.env, **as_uid)
         finally:
             os.close(info_w)
             os.close(root_fd)
@@ -102,12 +107,20 @@ class Instance:
         if first != b"ready\n":
             rest = first + self.init.stdout.read() if self.init.poll() is not None else first
             self.init.stdout.close()
+            self.init.kill()
+            self.init.wait()
             raise SandboxError(f"sandbox {self.sid}: init failed to start: {rest.decode(errors='replace').strip()}")
         self.init.stdout.close()
         self.init_pid = int(json.loads(info)["child-pid"])
+        with open(f"/proc/{self.init_pid}/task/{self.init_pid}/children") as f:
+            pids = [self.init.pid, self.init_pid, *(int(p) for p in f.read().split())]
+        for procs in self.cg.procs_files("init"):
+            for pid in pids:
+                with open(procs, "w") as f:
+                    f.write(str(pid))
 
     def alive(self) -> bool:
-        """The init runs and still has its `sleep` child (once that is killed, bwrap's pid 1 is on its way out)."""
+        """The init runs and still has its `sh` child (once that is killed, bwrap's pid 1 is on its way out)."""
         if self.init is None or self.init.poll() is not None or self.init_pid is None:
             return False
         try:
@@ -166,6 +179,10 @@ class Instance:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
         finally:
             self.finish_leaf(leaf)
+        if got.stderr.startswith(b"nsenter: ") and got.returncode == 1 and not self.alive():
+            # The init died between our liveness check and nsenter (e.g. after `kill -9 -1`): the command never
+            # started, so starting a new init and running it once more is safe.
+            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes)
         return ExecResult(exit_code=got.returncode, stdout=got.stdout, stderr=got.stderr, timed_out=got.timed_out,
                           oom_killed=self.cg.oom_kills() > ooms, duration_ms=got.duration_ms, truncated=got.truncated)
 

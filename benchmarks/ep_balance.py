@@ -11,7 +11,7 @@ Load = entries (token, expert pairs) a rank computes; max/mean over ranks. a2a =
 (token, destination) pairs with destination != source, de-duplicated: dispatch 3,696 B (FP8 + E8M0 at latent 3,584) + combine
 7,168 B (bf16). Prefetch = MXFP4 expert bytes moved into prefetch slots per layer (3 x 3,072 x 3,584 x 4.25 bits = 17.5 MB each).
 Part 2: 4 gloo ranks (spawned), 64 experts top-8, D=128, I=64, 256 tokens per rank, Zipf 1.0, fp32; median ms per MoE call and
-of the dispatch/combine collectives alone; refuses to print times for a method whose output differs from the local MoE.
+of the dispatch/combine collectives alone (SiTU GLU experts); refuses to print times for a method whose output differs from the local MoE.
 
   python benchmarks/ep_balance.py                 # the full table
   python benchmarks/ep_balance.py --tokens 64 --no-wall
@@ -25,15 +25,18 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
+from openk3.config import debug
 from openk3.dist.ep import ExpertParallelBackend, gather_placements
 from openk3.dist.group import ParallelContext
 from openk3.dist.launch import run_ranks
 from openk3.dist.moonep import assign_entries, check_plan, plan_moonep
 from openk3.dist.moonep_backend import MoonEPBackend
 from openk3.dist.placement import LoadCollector, eplb_placement, redundant_for
+from openk3.model.moe import LatentMoE
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.router import RouterOutput
 
@@ -103,14 +106,13 @@ def wall_rank(ctx: ParallelContext, steps: int) -> dict[str, list[float]]:
     """Per method: per-call ms, collective ms, plan ms, and the max error against the local MoE (module-level for spawn)."""
     torch.set_grad_enabled(False)
     num_experts, k, width, inter, tokens = 64, 8, 128, 64, 256
+    cfg = debug()
+    moe = replace(cfg.moe, num_experts=num_experts, num_experts_per_token=k, moe_intermediate_size=inter, latent_size=width)
+    layer = LatentMoE(replace(cfg, moe=moe), layer_index=0)
     g = torch.Generator().manual_seed(0)
-    bank_w = [torch.randn(*shape, generator=g) * 0.1 for shape in ((num_experts, inter, width),) * 2 + ((num_experts, width, inter),)]
-    from openk3.ops.activation import glu
-    from openk3.ops.moe.bank import DenseExpertBank
-
-    bank = DenseExpertBank(*bank_w)
-    act = lambda gate, up: glu(gate, up, kind="silu")
-    layer = type("Layer", (), {"layer_index": 0, "expert_act": staticmethod(act)})()
+    for p in layer.experts.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    bank, act = layer.experts.bank(), layer.expert_act
     pop = zipf(num_experts, 1.0, torch.Generator().manual_seed(1))
     rg = torch.Generator().manual_seed(100 + ctx.rank)
     routings = []
@@ -119,7 +121,7 @@ def wall_rank(ctx: ParallelContext, steps: int) -> dict[str, list[float]]:
         routings.append(RouterOutput(idx, torch.rand(tokens, k, generator=rg), torch.zeros(0)))
     collector = LoadCollector(num_experts, window=1)
     collector.observe(0, routings[0].topk_idx)
-    backends = {
+    backends: dict[str, ExpertParallelBackend | MoonEPBackend] = {
         "none": ExpertParallelBackend.from_banks(ctx, {0: bank}),
         "EPLB": ExpertParallelBackend.from_banks(ctx, {0: bank}, gather_placements(ctx, collector, [0], redundant_for(num_experts, ctx.world_size, 0.1))),
         "MoonEP": MoonEPBackend.from_banks(ctx, {0: bank}),
@@ -170,7 +172,7 @@ def main() -> int:
     print(f"\nMoonEP goal max/mean <= 1.02 in every case: {'met' if worst <= 1.02 else 'NOT met'} (worst {worst:.4f})")
     if args.no_wall:
         return 0
-    print("\n4 gloo ranks on this machine (64 experts top-8, D=128, I=64, 256 tokens/rank, Zipf 1.0, fp32), median over ranks' medians:")
+    print("\n4 gloo ranks on this machine (64 experts top-8, D=128, I=64, SiTU, 256 tokens/rank, Zipf 1.0, fp32), median over ranks' medians:")
     print("| method | ms per MoE call | ms in dispatch+combine collectives | ms plan+prefetch | vs none (call) | max err | rank max/mean |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     per_rank = run_ranks(wall_rank, 4, args.steps)

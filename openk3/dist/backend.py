@@ -88,8 +88,7 @@ def attach_expert_parallel(
     The model's own full expert weights stay in place (the shards are copies); a loader that builds per-rank shards can
     construct ExpertParallelBackend / MoonEPBackend from ExpertShards directly instead.
     """
-    backend: EPBackend | TokenSplit = build_backend(ctx, model.moe_layers(), method, placements, prefetch_budget_bytes, collect_stats, collector)
-    if replicated_tokens:
-        backend = TokenSplit(ctx, backend)
+    inner = build_backend(ctx, model.moe_layers(), method, placements, prefetch_budget_bytes, collect_stats, collector)
+    backend: EPBackend | TokenSplit = TokenSplit(ctx, inner) if replicated_tokens else inner
     model.set_expert_backend(backend)
     return backend

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 
 from openk3.config import debug
-from openk3.dist.backend import EPMethod, attach_expert_parallel
+from openk3.dist.backend import EPBackend, EPMethod, attach_expert_parallel
 from openk3.dist.ep import ExpertParallelBackend, gather_placements
 from openk3.dist.group import ParallelContext
 from openk3.dist.moonep_backend import MoonEPBackend
 from openk3.dist.placement import LoadCollector, eplb_placement
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import LatentMoE, LocalExperts
+from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput
@@ -23,8 +25,7 @@ ROUTINGS = ("uniform", "zipf", "one_expert", "all_same")
 
 def make_layer(num_experts: int) -> LatentMoE:
     cfg = debug()
-    cfg = type(cfg)(**{**cfg.__dict__, "moe": type(cfg.moe)(**{**cfg.moe.__dict__, "num_experts": num_experts, "num_experts_per_token": 3})})
-    layer = LatentMoE(cfg, layer_index=1)
+    layer = LatentMoE(replace(cfg, moe=replace(cfg.moe, num_experts=num_experts, num_experts_per_token=3)), layer_index=1)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -58,6 +59,7 @@ def moe_cases(ctx: ParallelContext) -> dict[str, float]:
     num_experts = 2 * ctx.world_size
     layer = make_layer(num_experts)
     dense = layer.experts.bank()
+    assert isinstance(dense, DenseExpertBank)
     packed = PackedMXFP4ExpertBank.from_dense(dense.w1_EID, dense.w3_EID, dense.w2_EDI)
     skew = torch.tensor([50.0] + [1.0] * (num_experts - 1))
     collector = LoadCollector(num_experts, window=4)
@@ -67,7 +69,7 @@ def moe_cases(ctx: ParallelContext) -> dict[str, float]:
         routing = make_routing(kind, tokens, num_experts, 3, seed=100 * ctx.rank + len(kind))
         collector.observe(layer.layer_index, routing.topk_idx)
         z = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(ctx.rank))
-        backends = {
+        backends: dict[str, EPBackend] = {
             "ep": ExpertParallelBackend.from_banks(ctx, {1: dense}),
             "eplb": ExpertParallelBackend.from_banks(ctx, {1: dense}, {1: eplb_placement(skew, ctx.world_size, ctx.world_size)}),
             "moonep": MoonEPBackend.from_banks(ctx, {1: dense}),
@@ -110,7 +112,7 @@ def model_cases(ctx: ParallelContext) -> dict[str, float | str]:
     layers = model.moe_layers()
     hot = torch.tensor([20.0] + [1.0] * (model.config.moe.num_experts - 1))
     eplb = {m.layer_index: eplb_placement(hot, ctx.world_size, ctx.world_size) for m in layers}
-    backends = {
+    backends: dict[str, EPBackend] = {
         "ep": ExpertParallelBackend.from_layers(ctx, layers),
         "eplb": ExpertParallelBackend.from_layers(ctx, layers, eplb),
         "moonep": MoonEPBackend.from_layers(ctx, layers),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from openk3.dist.backend import EPBackend
 from openk3.dist.ep import ExpertParallelBackend
 from openk3.dist.group import ParallelContext
 from openk3.dist.moonep_backend import MoonEPBackend
@@ -20,8 +21,8 @@ E, I, D = 6, 64, 32
 
 def banks() -> tuple[DenseExpertBank, PackedMXFP4ExpertBank]:
     g = torch.Generator().manual_seed(0)
-    w = [torch.randn(*s, generator=g) * 0.1 for s in ((E, I, D), (E, I, D), (E, D, I))]
-    return DenseExpertBank(*w), PackedMXFP4ExpertBank.from_dense(*w)
+    w1, w3, w2 = (torch.randn(*s, generator=g) * 0.1 for s in ((E, I, D), (E, I, D), (E, D, I)))
+    return DenseExpertBank(w1, w3, w2), PackedMXFP4ExpertBank.from_dense(w1, w3, w2)
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed"])
@@ -54,7 +55,7 @@ def test_single_rank_backends_equal_local_moe(routing: str) -> None:
         r = make_routing(routing, 11, 8, 3, seed=1)
         ref = moe_experts_grouped(z, r.topk_idx, r.topk_weight, layer.experts.bank(), layer.expert_act)
         placement = eplb_placement(torch.bincount(r.topk_idx.reshape(-1), minlength=8).float(), 1, 3)
-        backends = [
+        backends: list[EPBackend] = [
             ExpertParallelBackend.from_layers(ctx, [layer]),
             ExpertParallelBackend.from_layers(ctx, [layer], {1: placement}),
             MoonEPBackend.from_layers(ctx, [layer], pad=4),

@@ -151,6 +151,11 @@ class AsyncEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop outputs are delivered to (None before start)."""
+        return self._loop
+
+    @property
     def num_active(self) -> int:
         return self._active
 
@@ -259,9 +264,15 @@ class AsyncEngine:
     def _abort(self, request_id: str, notify: bool) -> None:
         self.engine.abort(request_id)
         tracked = self._tracked.pop(request_id, None)
-        if tracked is None or not notify:
+        if tracked is None:
             return
-        deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i, c in tracked.children.items() if not c.finished)
+        unfinished = [i for i, c in tracked.children.items() if not c.finished]
+        if self.observer is not None:
+            for _ in unfinished:
+                self.observer.observe_finished(FinishedRequest("abort", None, None, None))
+        if not notify:
+            return
+        deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i in unfinished)
         self._deliver([(tracked.queue, GenerationUpdate(deltas, 0, 0, finished=True))])
 
     def _run(self) -> None:

@@ -1,0 +1,110 @@
+"""A live server on 127.0.0.1 (uvicorn in a thread) over the debug model, shared by a test module."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from openk3.api.chat import ChatTemplate
+from openk3.api.server import ServerConfig, create_app
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.frontend import AsyncEngine
+from openk3.serve.llm import build_model
+
+MAX_MODEL_LEN = 256
+NUM_PAGES = 256
+PAGE_SIZE = 8
+MAX_NUM_SEQS = 16
+
+
+def debug_engine(**overrides) -> LLMEngine:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, tokenizer = build_model("debug", torch.float32, "cpu", seed=0)
+    cfg = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_batched_tokens=512)
+    cfg.update(overrides)
+    return LLMEngine(model, tokenizer, EngineConfig(**cfg))
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    frontend: AsyncEngine
+    app: object
+
+    def in_loop(self, coro, timeout: float = 30.0):
+        """Run a coroutine on the server's event loop (where the front end lives) and return its result."""
+        assert self.frontend.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.frontend.loop).result(timeout)
+
+    def check_idle_and_free(self, timeout: float = 10.0) -> None:
+        """Wait until the engine has nothing left, then assert every page and slot is free and the integrity checks hold."""
+        deadline = time.monotonic() + timeout
+        while self.in_loop(self.frontend.call(lambda e: e.has_unfinished())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.in_loop(self.frontend.call(lambda e: e.check_integrity()))
+        free = self.in_loop(self.frontend.call(lambda e: (e.cache.num_free_pages, e.cache.num_free_slots)))
+        assert free == (NUM_PAGES, MAX_NUM_SEQS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(api_key: str | None = None, max_body_bytes: int = 2**20, **engine_overrides) -> LiveServer:
+    engine = debug_engine(**engine_overrides)
+    config = ServerConfig(model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=5)
+    app = create_app(engine, engine.tokenizer, ChatTemplate.default(), config)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", server, thread, app.state.served.frontend, app)
+
+
+def stop_server(live: LiveServer) -> None:
+    live.server.should_exit = True
+    live.thread.join(timeout=30)
+    assert not live.thread.is_alive(), "the server did not shut down"
+    assert not live.frontend.is_healthy  # the engine thread ended with the lifespan
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    # The engine's small matmuls run fastest single-threaded on shared CPUs; restore the caller's setting afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def live(torch_one_thread) -> Iterator[LiveServer]:
+    server = start_server()
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def http(live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.base_url, timeout=60) as client:
+        yield client

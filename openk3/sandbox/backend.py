@@ -13,6 +13,7 @@ upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import os
 import shutil
@@ -32,6 +33,7 @@ from openk3.sandbox.protocol import (
     InvalidArgument,
     Limits,
     NotFound,
+    QuotaExceeded,
     SandboxStats,
     SnapshotInfo,
     SnapshotKind,
@@ -197,6 +199,10 @@ class NamespaceBackend:
             try:
                 upper = os.path.join(box.dir, "u")
                 staged = self.store.stage_copy(upper) if os.listdir(upper) else None
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise QuotaExceeded(f"snapshot of {sid}: the layer store is full (store_bytes={self.config.store_bytes})") from e
+                raise
             finally:
                 box.cg.freeze(frozen=False)
             base_layers = box.layers

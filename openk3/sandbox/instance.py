@@ -164,7 +164,7 @@ class Instance:
                 self.lingering.discard(old)
 
     def exec(self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None,
-             max_output_bytes: int) -> ExecResult:
+             max_output_bytes: int, retry: bool = True) -> ExecResult:
         leaf = self.new_leaf()
         argv = self.enter_argv(leaf, cmd, cwd)
         leaf_path = os.path.join(self.cg.control, leaf)
@@ -179,10 +179,10 @@ class Instance:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
         finally:
             self.finish_leaf(leaf)
-        if got.stderr.startswith(b"nsenter: ") and got.returncode == 1 and not self.alive():
+        if retry and got.stderr.startswith(b"nsenter: ") and got.returncode == 1 and not self.alive():
             # The init died between our liveness check and nsenter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
-            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes)
+            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False)
         return ExecResult(exit_code=got.returncode, stdout=got.stdout, stderr=got.stderr, timed_out=got.timed_out,
                           oom_killed=self.cg.oom_kills() > ooms, duration_ms=got.duration_ms, truncated=got.truncated)
 

@@ -59,7 +59,11 @@ class LayerStore:
     def stage_copy(self, src: str) -> str:
         """Copy `src` (a frozen upper directory) into scratch space; the caller thaws, then calls `adopt`."""
         staged = self._scratch()
-        tree.copy_tree(src, staged)
+        try:
+            tree.copy_tree(src, staged)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
         return staged
 
     def adopt(self, staged: str) -> Layer:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -68,21 +69,22 @@ class ProcessEnvs:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *(pythonpath or [])]))
         argv = cgroup_trampoline(cg.procs_files("env")) + [
             sys.executable, "-m", "openk3.sandbox.forkserver", factory, json.dumps(kwargs or {}), str(child_end.fileno())]
-        proc = subprocess.Popen(argv, pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        child_end.close()
-        host_end.settimeout(timeout_s)
-        try:
-            reply, _ = wire.recv(host_end)
-        except (EOFError, TimeoutError, OSError) as e:
-            proc.kill()
-            err = proc.communicate()[1].decode(errors="replace")[-2000:]
-            cg.kill()
-            cg.wait_empty()
-            cg.remove()
-            raise SandboxError(f"process environment {factory!r} failed to start: {err.strip() or e}") from e
-        assert proc.stderr is not None
-        proc.stderr.close()
+        # stderr goes to an anonymous file, not a pipe: nobody reads it after start-up, and a full pipe would block the env.
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(argv, pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL, stderr=log)
+            child_end.close()
+            host_end.settimeout(timeout_s)
+            try:
+                reply, _ = wire.recv(host_end)
+            except (EOFError, TimeoutError, OSError) as e:
+                proc.kill()
+                proc.wait()
+                log.seek(0)
+                err = log.read().decode(errors="replace")[-2000:]
+                cg.kill()
+                cg.wait_empty()
+                cg.remove()
+                raise SandboxError(f"process environment {factory!r} failed to start: {err.strip() or e}") from e
         eid = self._id("pe-")
         with self._lock:
             self._families[family] = (cg, proc, {eid})

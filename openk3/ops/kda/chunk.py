@@ -19,8 +19,10 @@ import torch
 
 from openk3.ops.kda.naive import check_kda_inputs
 
+# Smallest block factorised in one matmul; below it pairs go by dyadic levels (always exact, more passes).
 SUB_CHUNK = 16
-# exp(+-80) is still a normal fp32 number (the range ends near e^88); the lower-bound gate (> -5 per token) stays under 8 * 5 = 40.
+# exp(+-80) is still a normal fp32 number (the range ends near e^88), so a block may span 160 nats of decay: with the lower-bound gate
+# (> -5 per token) that is any 32-row block.
 MAX_HALF_SPAN = 80.0
 # Decay factors below e^-60 (~1e-26) cannot move an fp32 sum of O(1) terms, but exp results and products in the denormal / underflow
 # range take x86's slow path (~25x per element), so decay exponents are floored here.
@@ -80,18 +82,17 @@ def _dyadic_level(Akk: torch.Tensor, Aqk: torch.Tensor, q: torch.Tensor, k: torc
 
 
 def _factor_block(G: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """The largest block size s (C, C/2, ..., SUB_CHUNK) whose offsets G_x - G_mid all lie within +-MAX_HALF_SPAN, with those offsets
+    """The largest block size s (C, C/2, ..., SUB_CHUNK) whose offsets G_x - G_ref all lie within +-MAX_HALF_SPAN, with those offsets
     [M, C/s, s, K]; (s, None) when even SUB_CHUNK rows decay faster (strong softplus decay).
 
-    G is non-increasing along a chunk (g <= 0), so the extreme offsets of a block are those of its first and last rows."""
+    G is non-increasing along a chunk (g <= 0), so a block spans [G_last, G_first]; its midpoint value G_ref halves the widest offset."""
     M, C, K = G.shape
     s = C
     while True:
         Gv = G.view(M, C // s, s, K)
-        mid = Gv[:, :, s // 2]
-        widest = torch.maximum(Gv[:, :, 0] - mid, mid - Gv[:, :, -1]).max().item()
-        if widest <= MAX_HALF_SPAN:
-            return s, Gv - mid.unsqueeze(2)
+        first, last = Gv[:, :, 0], Gv[:, :, -1]
+        if (first - last).max().item() <= 2 * MAX_HALF_SPAN:
+            return s, Gv - ((first + last) / 2).unsqueeze(2)
         if s <= SUB_CHUNK:
             return s, None
         s //= 2
@@ -100,7 +101,7 @@ def _factor_block(G: torch.Tensor) -> tuple[int, torch.Tensor | None]:
 def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, G [M, C, K] -> (Akk strictly lower, Aqk lower incl. diagonal), each [M, C, C].
 
-    Inside blocks of s rows (_factor_block), one matmul per block uses exp(G_r - G_mid) exp(G_mid - G_j), each factor in fp32's normal
+    Inside blocks of s rows (_factor_block), one matmul per block uses exp(G_r - G_ref) exp(G_ref - G_j), each factor in fp32's normal
     range; pairs in different blocks go level by level (_dyadic_level). With no such block (very strong softplus decay), the dyadic
     levels continue down to single rows."""
     M, C, K = k.shape
@@ -119,7 +120,7 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[tor
         return Akk, Aqk
     nb = C // s
     row_decay = rel.exp_()
-    cols = (k.view(M, nb, s, K) / row_decay).transpose(-1, -2)  # k_j exp(G_mid - G_j)
+    cols = (k.view(M, nb, s, K) / row_decay).transpose(-1, -2)  # k_j exp(G_ref - G_j)
     ones = torch.ones(s, s, dtype=torch.bool, device=k.device)
     # Above the diagonal the two factors may multiply to inf (exp(G_r - G_j) with r < j); those entries are discarded, not multiplied.
     for A, x, drop in ((Akk, k, ~ones.tril(-1)), (Aqk, q, ~ones.tril())):

@@ -83,12 +83,18 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> list[str]:
-        """Queue a prompt (text or token ids); returns the ids of the child requests (one unless params.n > 1)."""
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True
+    ) -> list[str]:
+        """Queue a prompt (text or token ids); returns the ids of the child requests (one unless params.n > 1).
+
+        Text is tokenised with the tokenizer's special tokens (BOS) by default, as vLLM does for completions; chat templates
+        that already carry them pass add_special_tokens=False.
+        """
         params = params or SamplingParams()
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty: expected at least one token")
         vocab = self.model_config.vocab_size

@@ -117,13 +117,14 @@ def test_logprobs_and_timings() -> None:
 
 
 def test_string_prompts_and_abort_on_error() -> None:
-    llm = LLM(ScriptedModel(SCRIPT), ByteTokenizer(260), num_pages=64, page_size=4)
+    llm = LLM(ScriptedModel([256] + SCRIPT), ByteTokenizer(260), num_pages=64, page_size=4)
     out = llm.generate("He", SamplingParams(temperature=0, max_tokens=3))
+    assert out[0].prompt_token_ids == (256, ord("H"), ord("e"))  # text gets the BOS token, as in vLLM
     assert out[0].prompt == "He" and out[0].text == "llo"
     with pytest.raises(ValueError, match="sampling_params has 2 entries for 1 prompts"):
         llm.generate(["He"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="prompt is empty"):
-        llm.generate(["He", ""], SamplingParams(max_tokens=2))
+        llm.generate(["He", []], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished()  # the first prompt of the failed call was aborted
     llm.engine.check_integrity()
 

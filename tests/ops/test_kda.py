@@ -98,9 +98,9 @@ def test_bf16_inputs_close_to_fp32_reference() -> None:
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=S0)
     o, s = kda_chunk(q16, k16, v16, g, b16, initial_state=S0)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    assert max_err(o, o_ref) < 5e-3 * max(1.0, o_ref.abs().max().item())
+    assert max_err(o, o_ref) < 5e-3 and max_err(s, s_ref) < 5e-3
     o_naive, _ = kda_recurrent(q16, k16, v16, g, b16, initial_state=S0)
-    assert max_err(o_naive, o_ref) < 5e-3 * max(1.0, o_ref.abs().max().item())
+    assert max_err(o_naive, o_ref) < 5e-3
 
 
 def test_decode_step_equals_last_step_of_recurrence() -> None:

@@ -47,7 +47,7 @@ def _to_chunks(x: torch.Tensor, cu_seqlens: torch.Tensor | None, N: int, n: int,
         seq_id, pos = _token_index(cu_seqlens, T)
         padded = x.new_zeros(N, n * C, H, D)
         padded[seq_id, pos] = x[0]
-        return padded.view(N, n, C, H, D).permute(1, 0, 3, 2, 4).reshape(n * N * H, C, D)
+        return padded.view(N, n, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(n * N * H, C, D)
     out = x.new_empty(n, B, H, C, D)
     full = T // C
     out[:full] = x[:, : full * C].view(B, full, C, H, D).permute(1, 0, 3, 2, 4)
@@ -68,7 +68,7 @@ def _token_index(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.
 
 def _dyadic_level(Akk: torch.Tensor, Aqk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: int) -> None:
     """Fill the pairs (r, j) that sit in the lower / upper half of one aligned 2b-block: exp(G_r - G_j) = exp(G_r - G_p) exp(G_p - G_j)
-    with p the first row of the lower half, so both factors are <= 1 whatever the decay (exact, only underflow to true zeros)."""
+    with p the first row of the lower half, so both factors are <= 1 whatever the decay (exact up to the EXP_FLOOR of tiny factors)."""
     M, C, K = k.shape
     nP = C // (2 * b)
     Gv = G.view(M, nP, 2, b, K)

@@ -1,0 +1,63 @@
+"""Chat templates: the ChatML default, templates shipped in a model folder, content parts, the sandbox."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openk3.api.chat import CHATML_END, ChatTemplate, load_chat_template
+from openk3.api.protocol import ChatMessage
+
+
+def msgs(*pairs) -> list[ChatMessage]:
+    return [ChatMessage(role=r, content=c) for r, c in pairs]
+
+
+def test_default_is_chatml_with_its_end_marker_as_stop() -> None:
+    t = ChatTemplate.default()
+    text = t.render(msgs(("system", "S"), ("user", "U")))
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert t.render(msgs(("user", "U")), add_generation_prompt=False) == "<|im_start|>user\nU<|im_end|>\n"
+    assert t.stop == (CHATML_END,)
+
+
+def test_model_folder_template_is_preferred(tmp_path) -> None:
+    assert load_chat_template(tmp_path).origin == ChatTemplate.default().origin
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}))
+    t = load_chat_template(tmp_path)
+    assert t.render(msgs(("user", "a"), ("assistant", "b"))) == "[user]a[assistant]b" and t.stop == ()
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{% if add_generation_prompt %}>{% endif %}")
+    t = load_chat_template(tmp_path)
+    assert t.render(msgs(("user", "q")), special_tokens={"bos_token": "<s>"}) == "<s>q>"
+    explicit = tmp_path / "other.jinja"
+    explicit.write_text("X")
+    assert load_chat_template(tmp_path, explicit).render(msgs(("user", "q"))) == "X"
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(tmp_path, tmp_path / "missing.jinja")
+
+
+def test_named_templates_in_tokenizer_config(tmp_path) -> None:
+    entry = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": entry}))
+    assert load_chat_template(tmp_path).render(msgs(("user", "q"))) == "D"
+
+
+def test_text_parts_are_joined_and_others_refused() -> None:
+    t = ChatTemplate.default()
+    m = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
+    assert "user\nab<|im_end|>" in t.render([m])
+    bad = ChatMessage.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*image_url"):
+        t.render([bad])
+
+
+def test_template_errors_and_sandbox_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}", "test")
+    raising = ChatTemplate("{{ raise_exception('only user turns') }}", "test")
+    with pytest.raises(ValueError, match="only user turns"):
+        raising.render(msgs(("user", "q")))
+    escape = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "test")
+    with pytest.raises(ValueError):
+        escape.render(msgs(("user", "q")))

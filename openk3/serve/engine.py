@@ -42,6 +42,19 @@ class EngineConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics (vLLM's names without the prefix)."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float  # fraction of MLA pages held
+    state_slots_used: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
 def _param(model: CausalLM) -> torch.Tensor | None:
     return next(iter(model.parameters()), None)
 
@@ -81,6 +94,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._children: dict[str, list[str]] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
 
     def add_request(
@@ -110,6 +125,7 @@ class LLMEngine:
             self._detok[child_id] = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             self.scheduler.add_request(req)
         self._children[request_id] = children
+        self._prompt_tokens_total += len(ids) * len(children)
         return children
 
     def abort(self, request_id: str) -> None:
@@ -126,6 +142,17 @@ class LLMEngine:
         if not self.has_unfinished():
             if self.cache.num_free_pages != self.cache.num_pages or self.cache.num_free_slots != self.cache.state_pool.num_slots:
                 raise AssertionError("engine is idle but cache pages or slots are still held")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage_perc=self.cache.usage,
+            state_slots_used=self.cache.state_pool.num_used,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -180,6 +207,7 @@ class LLMEngine:
         result = self.runner.execute(out)
         outputs = []
         for req in self.scheduler.update_from_output(out, result):
+            self._generation_tokens_total += 1
             status = self._process_token(req, req.output_token_ids[-1])
             if status is not None:
                 self.scheduler.finish(req.request_id, status)

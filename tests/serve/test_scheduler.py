@@ -126,6 +126,10 @@ def test_preemption_under_page_pressure_keeps_tokens_exact() -> None:
     done = run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=20))
     assert eng.scheduler.num_preemptions_total > 0
     assert [done[str(i)] for i in range(len(PROMPTS))] == [reference_greedy(p, 20) for p in PROMPTS]
+    stats = eng.stats()
+    assert stats.num_preemptions_total == eng.scheduler.num_preemptions_total
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (sum(map(len, PROMPTS)), 20 * len(PROMPTS))
+    assert (stats.num_requests_running, stats.num_requests_waiting, stats.kv_cache_usage_perc, stats.state_slots_used) == (0, 0, 0.0, 0)
 
 
 def test_abort_anywhere_frees_everything() -> None:

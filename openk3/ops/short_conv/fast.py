@@ -31,6 +31,9 @@ def causal_conv1d(
     activate(x.new_zeros(()), activation)
     B, T, _ = x.shape
     state_dtype = x.dtype if initial_state is None else initial_state.dtype
+    if T == 0:  # nothing to convolve (F.conv1d rejects inputs shorter than the kernel); the state passes through
+        state = x.new_zeros(N, C, W - 1) if initial_state is None else initial_state
+        return x.clone(), state.to(state_dtype, copy=True)
     x32 = x.float()
     if cu_seqlens is None:
         state = x32.new_zeros(B, W - 1, C) if initial_state is None else initial_state.float().transpose(1, 2)

@@ -119,6 +119,8 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         metrics.observe_engine(frontend.stats)
         yield
         await frontend.shutdown(config.shutdown_timeout_s)
+        if frontend.error is not None:
+            log.error("the engine ended in error: %r", frontend.error)
 
     app = FastAPI(title="openk3", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.served = served

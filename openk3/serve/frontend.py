@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -127,6 +128,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stop = False
+        self._closed = False
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._active = 0  # generate() calls in progress; event loop only
         self._accepting = True
@@ -161,6 +163,8 @@ class AsyncEngine:
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._cv:
+            if self._closed:
+                raise FrontendClosedError("the engine thread has stopped")
             self._commands.append(command)
             self._cv.notify()
 
@@ -200,8 +204,8 @@ class AsyncEngine:
             self._tracked[request_id] = tracked
             added.set_result(None)
 
-        self._submit(add)
         try:
+            self._submit(add)
             await asyncio.wrap_future(added)
             while not finished:
                 item = await queue.get()
@@ -211,8 +215,10 @@ class AsyncEngine:
                 yield item
         finally:
             self._active -= 1
-            if not finished:
-                self._submit(lambda: self._abort(request_id, notify=False))
+            add_failed = added.done() and added.exception() is not None  # then the id is not ours to abort
+            if not finished and not add_failed:
+                with contextlib.suppress(FrontendClosedError):  # a stopped engine thread has aborted everything already
+                    self._submit(lambda: self._abort(request_id, notify=False))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `timeout` seconds, abort the rest, stop the engine thread."""
@@ -282,23 +288,27 @@ class AsyncEngine:
                     self._cv.wait()
                 commands, self._commands = self._commands, []
                 stop = self._stop
-            for command in commands:
-                command()
-            if stop:
-                for request_id in list(self._tracked):
-                    self._abort(request_id, notify=True)
-                if self.error is None:
-                    self.engine.check_integrity()
+                self._closed = stop  # commands submitted from now on are refused, so none is left unanswered
+            try:
+                for command in commands:
+                    command()
+                if stop:
+                    self._close()
+                    return
+                if self.error is None and self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
                 self._publish_stats()
-                return
-            if self.error is None and self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # the engine state is now unknown: fail every request, refuse new ones
-                    self._fail(e)
-                else:
-                    self._dispatch(outputs)
-            self._publish_stats()
+            except Exception as e:  # the engine state is now unknown: fail every request, refuse new ones
+                self._fail(e)
+                if stop:
+                    return
+
+    def _close(self) -> None:
+        for request_id in list(self._tracked):
+            self._abort(request_id, notify=True)
+        if self.error is None:
+            self.engine.check_integrity()
+        self._publish_stats()
 
     def _fail(self, error: Exception) -> None:
         self.error = error

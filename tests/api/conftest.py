@@ -65,12 +65,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(api_key: str | None = None, max_body_bytes: int = 2**20, **engine_overrides) -> LiveServer:
+def start_server(api_key: str | None = None, max_body_bytes: int = 2**20, graceful_s: float = 5, **engine_overrides) -> LiveServer:
     engine = debug_engine(**engine_overrides)
-    config = ServerConfig(model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=5)
+    config = ServerConfig(model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s)
     app = create_app(engine, engine.tokenizer, ChatTemplate.default(), config)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=graceful_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

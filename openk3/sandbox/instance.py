@@ -70,8 +70,12 @@ class Instance:
     def unmount_root(self) -> None:
         if not self.mounted:
             return
-        syscalls.umount(self.merged)
-        syscalls.umount(self.dir)
+        for point in (self.merged, self.dir):
+            try:
+                syscalls.umount(point)
+            except OSError:
+                # A host thread still holds a file in it (a concurrent read_file): detach now, the kernel frees it after.
+                syscalls.umount(point, detach=True)
         self.mounted = False
 
     def new_leaf(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,8 @@ from fastapi.responses import JSONResponse
 
 from openk3.sandbox.protocol import Busy, InvalidArgument, SandboxError, to_jsonable
 from openk3.sandbox.service import SandboxService
+
+logger = logging.getLogger(__name__)
 
 METHODS = (
     "create", "exec", "read_file", "write_file", "list_dir", "upload_tar", "download_tar", "open_shell", "shell_run",
@@ -51,7 +54,10 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
 
     def reaper() -> None:
         while reap_interval_s is not None and not stop.wait(reap_interval_s):
-            service.reap_expired()
+            try:
+                service.reap_expired()
+            except Exception:  # keep reaping; one sandbox that fails to tear down must not stop the others' TTLs
+                logger.exception("TTL reaping failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -89,6 +95,9 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
             return _error(InvalidArgument(f"{method}: {fields}"))
         except SandboxError as e:
             return _error(e)
+        except Exception as e:  # a bug or a host failure: still a JSON error the clients can raise, with its type named
+            logger.exception("sandbox %s failed", method)
+            return _error(SandboxError(f"{method}: internal error: {type(e).__name__}: {e}"))
         finally:
             slots.release()
         return JSONResponse(content={"result": to_jsonable(result)})

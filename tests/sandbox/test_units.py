@@ -86,3 +86,14 @@ def test_cli_registers_sandbox_serve():
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["sandbox", "serve", "--port", "8123", "--workers", "2"])
     assert (args.func, args.port, args.workers, args.host) == (cli.run, 8123, 2, "127.0.0.1")
+
+
+def test_probe_names_what_is_missing(monkeypatch):
+    from openk3.sandbox import host
+
+    monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
+    assert host.probe().unavailable_reason.startswith("not root")
+    monkeypatch.setattr(host.os, "geteuid", lambda: 0)
+    real_which = host.shutil.which
+    monkeypatch.setattr(host.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    assert "bubblewrap" in host.probe().unavailable_reason

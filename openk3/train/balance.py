@@ -11,6 +11,13 @@ the dual: alpha_i = the (k+1)-th largest of S_ij - beta_j (given beta), then bet
 S_ij - alpha_i (given alpha), after which exactly q tokens of column j have S_ij - alpha_i > beta_j. At a fixed point every row
 has k and every column q positive reduced costs, so the top-k routing is balanced and, by complementary slackness, optimal.
 A fractional q takes the quantile between its two neighbours (linear interpolation).
+
+Plain block-coordinate descent on this piecewise-linear dual can stop at a corner that is not the optimum (no single block
+improves, a joint move would); on small random matrices it typically ends a few tokens off balance. The `temperature`
+variant replaces each hard quantile by the smoothed one of the entropy-regularised dual (solve sum sigmoid((x - t) / tau) =
+count; the hard quantile is its tau -> 0 limit), whose block descent cannot stall, and anneals tau geometrically from
+`temperature` to `final_temperature` over the iterations: with tau well below the score gaps the top-k routing it yields is
+the LP optimum (tested against scipy's LP solver).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class BalanceConfig:
     recenter: bool = True  # subtract the mean price (top-k is invariant to a common shift; keeps the bias near zero)
     sign_rate: float = 1e-3  # DeepSeek-V3's bias update speed u
     histogram_bins: int = 2048
+    temperature: float = 0.0  # 0: the hard quantiles of the spec; > 0: smoothed quantiles, annealed to final_temperature
+    final_temperature: float = 1e-6
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -50,6 +59,8 @@ class BalanceConfig:
             raise ValueError(f"BalanceConfig.ema={self.ema} is invalid: expected 0 <= ema < 1")
         if self.sign_rate <= 0:
             raise ValueError(f"BalanceConfig.sign_rate={self.sign_rate} is invalid: expected > 0")
+        if self.temperature < 0 or self.final_temperature <= 0:
+            raise ValueError(f"BalanceConfig.temperature={self.temperature}, final_temperature={self.final_temperature}: expected >= 0 and > 0")
         if self.histogram_bins < 2:
             raise ValueError(f"BalanceConfig.histogram_bins={self.histogram_bins} is invalid: expected >= 2")
 
@@ -67,15 +78,37 @@ def kth_largest(x: torch.Tensor, rank: float, dim: int) -> torch.Tensor:
     return v_lo if frac == 0 else v_lo + frac * (top.select(dim, hi - 1) - v_lo)
 
 
-def token_prices(S_mn: torch.Tensor, beta_n: torch.Tensor, k: int) -> torch.Tensor:
-    """alpha [m]: the (k+1)-th largest of S_ij - beta_j per token (step 1)."""
+def soft_threshold(x: torch.Tensor, count: float, tau: float, dim: int, rounds: int = 64) -> torch.Tensor:
+    """t with sum over dim of sigmoid((x - t) / tau) = count (bisection; the sum falls monotonically in t). As tau -> 0, t
+    tends to a point between the count-th and (count+1)-th largest: the hard threshold."""
+    lo = x.amin(dim, keepdim=True) - 40 * tau
+    hi = x.amax(dim, keepdim=True) + 40 * tau
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        above = torch.sigmoid((x - mid) / tau).sum(dim, keepdim=True) > count
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    return ((lo + hi) / 2).squeeze(dim)
+
+
+def token_prices(S_mn: torch.Tensor, beta_n: torch.Tensor, k: int, tau: float = 0.0) -> torch.Tensor:
+    """alpha [m]: the (k+1)-th largest of S_ij - beta_j per token (step 1); smoothed when tau > 0."""
+    if tau > 0:
+        return soft_threshold(S_mn - beta_n, k, tau, dim=1)
     return kth_largest(S_mn - beta_n, k + 1, dim=1)
 
 
-def expert_prices(S_mn: torch.Tensor, alpha_m: torch.Tensor, k: int) -> torch.Tensor:
-    """beta [n]: the (q+1)-th largest over tokens of S_ij - alpha_i per expert, q = m k / n (step 2)."""
+def expert_prices(S_mn: torch.Tensor, alpha_m: torch.Tensor, k: int, tau: float = 0.0) -> torch.Tensor:
+    """beta [n]: the (q+1)-th largest over tokens of S_ij - alpha_i per expert, q = m k / n (step 2); smoothed when tau > 0."""
     m, n = S_mn.shape
+    if tau > 0:
+        return soft_threshold(S_mn - alpha_m[:, None], m * k / n, tau, dim=0)
     return kth_largest(S_mn - alpha_m[:, None], m * k / n + 1, dim=0)
+
+
+def dual_objective(S_mn: torch.Tensor, alpha_m: torch.Tensor, beta_n: torch.Tensor, k: int) -> float:
+    """The LP dual k sum alpha + q sum beta + sum (S - alpha - beta)+: an upper bound on every feasible routing's score."""
+    m, n = S_mn.shape
+    return float(k * alpha_m.sum() + (m * k / n) * beta_n.sum() + (S_mn - alpha_m[:, None] - beta_n).clamp(min=0).sum())
 
 
 def pooled_expert_prices(S_list: list[torch.Tensor], alpha_list: list[torch.Tensor], k: int, bins: int) -> torch.Tensor:
@@ -107,12 +140,16 @@ def quantile_balance(S_list: list[torch.Tensor], beta_n: torch.Tensor, k: int, c
     """New expert prices from the micro-batches' scores S [m, n] and the prices they were routed with."""
     S_list = [S.to(config.dtype) for S in S_list]
     beta = beta_n.to(config.dtype)
-    for _ in range(config.iterations):
-        alphas = [token_prices(S, beta, k) for S in S_list]
+    for it in range(config.iterations):
+        tau = 0.0
+        if config.temperature > 0:
+            ratio = config.final_temperature / config.temperature
+            tau = config.temperature * ratio ** (it / max(1, config.iterations - 1))
+        alphas = [token_prices(S, beta, k, tau) for S in S_list]
         if config.pooling == Pooling.HISTOGRAM and len(S_list) > 1:
             beta = pooled_expert_prices(S_list, alphas, k, config.histogram_bins)
         else:
-            beta = torch.stack([expert_prices(S, a, k) for S, a in zip(S_list, alphas, strict=True)]).mean(0)
+            beta = torch.stack([expert_prices(S, a, k, tau) for S, a in zip(S_list, alphas, strict=True)]).mean(0)
     return beta
 
 

@@ -158,6 +158,7 @@ class Trainer:
         if self.qat_active and not isinstance(self.model.moe_layers()[0].backend.inner, FakeQuantExperts):
             self._set_backend()
         t0 = time.perf_counter()
+        qat = self.qat_active
         batch = self.data.next_batch(cfg.batch_size)
         loss = lm_loss(self.model, batch, cfg.bf16_autocast)
         self.optimizer.zero_grad(set_to_none=True)
@@ -174,7 +175,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens": self.step * cfg.batch_size * cfg.seq_len,
-            "qat": self.qat_active,
+            "qat": qat,
             "load_max_over_mean": {str(k): round(v, 4) for k, v in loads.items()},
             "seconds": time.perf_counter() - t0,
         }

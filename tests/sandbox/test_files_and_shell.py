@@ -107,3 +107,17 @@ def test_init_killed_from_inside_is_restarted(svc):
         assert svc.exec(sid, "cat /root/k").stdout == b"keep\n"
     finally:
         svc.destroy(sid)
+
+
+def test_base_python_runs_inside(svc):
+    from openk3.sandbox import rootfs
+
+    if rootfs._python() is None:
+        pytest.skip("host has no system python3 under /usr/lib/pythonX.Y to copy into the base rootfs")
+    sid = svc.create()
+    try:
+        code = "import json, hashlib, zlib, sqlite3, ssl, ctypes, subprocess, sys; print(json.dumps([sys.prefix, 2 + 2]))"
+        r = svc.exec(sid, ["python3", "-c", code])
+        assert (r.exit_code, r.stdout) == (0, b'["/usr", 4]\n'), r.stderr
+    finally:
+        svc.destroy(sid)

@@ -1,6 +1,6 @@
 """`openk3 bench serve`: load an OpenAI-compatible server and measure what a client sees (the `vllm bench serve` method).
 
-Per request, from the client's clock: TTFT (send -> first streamed token), ITL (gaps between streamed chunks), E2EL (send ->
+Per request, from the client's clock: TTFT (send -> first chunk carrying tokens), ITL (gaps between such chunks), E2EL (send ->
 end of stream) and TPOT = (E2EL - TTFT) / (output_tokens - 1). Output tokens are the server's `usage` (stream_options.
 include_usage), else the number of content chunks. Load is a seeded Poisson arrival process (`--request-rate`, default inf:
 all at once) and/or a cap on requests in flight (`--max-concurrency`). Goodput counts requests that meet every SLO given.
@@ -131,15 +131,16 @@ async def send(client, url: str, payload: dict, headers: dict) -> RequestResult:
                     res.prompt_tokens = obj["usage"]["prompt_tokens"]
                     res.output_tokens = obj["usage"]["completion_tokens"]
                 for c in obj.get("choices") or ():
-                    text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                    if text:
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            res.ttft = now - start
-                        else:
-                            res.itl.append(now - last)
-                        last, chunks = now, chunks + 1
-                        parts.append(text)
+                    delta = c.get("delta") or {}
+                    if chat and delta.get("role"):
+                        continue  # the role chunk comes with the first content chunk; count tokens, not the announcement
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+                    parts.append((delta.get("content") if chat else c.get("text")) or "")
         res.latency = time.perf_counter() - start
         res.output_tokens = res.output_tokens or chunks
         res.reply = "".join(parts)
@@ -153,7 +154,8 @@ async def send(client, url: str, payload: dict, headers: dict) -> RequestResult:
 
 async def _token_pool(client, base: str, model: str, headers: dict, seed: int) -> list[int] | None:
     try:
-        r = await client.post(f"{base}/tokenize", json={"model": model, "prompt": word_corpus(random.Random(seed), 2000)}, headers=headers)
+        body = {"model": model, "prompt": word_corpus(random.Random(seed), 2000), "add_special_tokens": False}
+        r = await client.post(f"{base}/tokenize", json=body, headers=headers)
     except Exception:
         return None
     return r.json().get("tokens") if r.status_code == 200 else None

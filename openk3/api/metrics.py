@@ -56,7 +56,7 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS).labels(**label)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
-        self._last_preemptions = 0
+        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
 
     def observe_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -67,17 +67,21 @@ class ServerMetrics:
         self.num_free_slots.set(stats.num_free_slots)
         self.tier_used["device"].set(stats.device_used_bytes)
         self.tier_capacity["device"].set(stats.device_capacity_bytes)
-        if stats.num_preemptions_total > self._last_preemptions:
-            self.num_preemptions.inc(stats.num_preemptions_total - self._last_preemptions)
-            self._last_preemptions = stats.num_preemptions_total
+        # the engine keeps running totals; counters advance by the difference since the last snapshot
+        for counter, name, total in (
+            (self.num_preemptions, "preemptions", stats.num_preemptions_total),
+            (self.prompt_tokens, "prompt", stats.prompt_tokens_total),
+            (self.generation_tokens, "generation", stats.generation_tokens_total),
+        ):
+            if total > self._last_totals[name]:
+                counter.inc(total - self._last_totals[name])
+                self._last_totals[name] = total
 
-    def observe_tokens(self, num_new_tokens: int, inter_token_latencies: list[float]) -> None:
-        self.generation_tokens.inc(num_new_tokens)
+    def observe_tokens(self, inter_token_latencies: list[float]) -> None:
         for itl in inter_token_latencies:
             self.inter_token_latency.observe(itl)
 
     def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_cache_queries.inc(num_prompt_tokens)
         self.prefix_cache_hits.inc(num_cached_tokens)
         self.prompt_tokens_cached.inc(num_cached_tokens)

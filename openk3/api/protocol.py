@@ -94,7 +94,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None  # None: True for a prompt (as completions encode it), False for messages (the template has them)
 
 
 class DetokenizeRequest(_Request):

@@ -219,10 +219,10 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            text = served.render_chat(req.messages)
+            text, special = served.render_chat(req.messages), False
         else:
-            text = req.prompt or ""
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+            text, special = req.prompt or "", True
+        ids = tokenizer.encode(text, add_special_tokens=special if req.add_special_tokens is None else req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
     @app.post("/detokenize")

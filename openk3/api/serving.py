@@ -99,7 +99,7 @@ def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob],
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n", code="invalid_value")
     jobs, texts = [], []
     for prompt in prompts:
-        ids = s.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = s.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
         max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
         jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs)))
         texts.append(prompt if isinstance(prompt, str) else s.tokenizer.decode(ids))
@@ -146,8 +146,8 @@ async def completion_stream(s: Served, req: CompletionRequest, jobs: list[Engine
                 if index not in offsets:
                     offsets[index] = 0
                     text = (texts[i] if req.echo else "") + text
-                if not text and d.finish_reason is None and not (req.logprobs is not None and d.token_ids):
-                    continue
+                if not text and d.finish_reason is None and not d.token_ids:
+                    continue  # one chunk per step that made tokens, even when their text is held back or empty
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
@@ -184,19 +184,20 @@ async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> 
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
 
-    completion_tokens, cached = 0, 0
+    completion_tokens, cached, opened = 0, 0, set()
     updates = merged_updates(s.frontend, request_id, [job])
     try:
-        for index in range(req.n):
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for _, update in updates:
             cached = max(cached, update.num_cached_tokens)
             for d in update.deltas:
                 completion_tokens += len(d.token_ids)
-                if not d.text and d.finish_reason is None and not (req.logprobs and d.token_ids):
+                if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
+                    opened.add(d.index)
+                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                if not d.text and d.finish_reason is None and not d.token_ids:
                     continue
                 logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
-                delta = DeltaMessage(content=d.text if d.text or d.finish_reason is None else None)
+                delta = DeltaMessage(content=d.text)
                 yield chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))

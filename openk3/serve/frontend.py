@@ -46,6 +46,8 @@ class EngineStats:
     num_slots: int
     num_free_slots: int
     num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
     device_used_bytes: int
     device_capacity_bytes: int
 
@@ -89,7 +91,7 @@ class EngineObserver(Protocol):
 
     def observe_engine(self, stats: EngineStats) -> None: ...
 
-    def observe_tokens(self, num_new_tokens: int, inter_token_latencies: list[float]) -> None: ...
+    def observe_tokens(self, inter_token_latencies: list[float]) -> None: ...
 
     def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None: ...
 
@@ -242,19 +244,20 @@ class AsyncEngine:
         return pages // max(cache.num_pages, 1), slots // max(cache.state_pool.num_slots, 1)
 
     def _read_stats(self) -> EngineStats:
-        e, cache = self.engine, self.engine.cache
+        s, cache = self.engine.stats(), self.engine.cache
         used_pages = cache.num_pages - cache.num_free_pages
-        used_slots = cache.state_pool.num_slots - cache.num_free_slots
         page_bytes, slot_bytes = self._page_bytes, self._slot_bytes
         return EngineStats(
-            num_running=e.scheduler.num_running,
-            num_waiting=e.scheduler.num_waiting,
+            num_running=s.num_requests_running,
+            num_waiting=s.num_requests_waiting,
             num_pages=cache.num_pages,
             num_free_pages=cache.num_free_pages,
             num_slots=cache.state_pool.num_slots,
             num_free_slots=cache.num_free_slots,
-            num_preemptions_total=e.scheduler.num_preemptions_total,
-            device_used_bytes=used_pages * page_bytes + used_slots * slot_bytes,
+            num_preemptions_total=s.num_preemptions_total,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            device_used_bytes=used_pages * page_bytes + s.state_slots_used * slot_bytes,
             device_capacity_bytes=cache.num_pages * page_bytes + cache.state_pool.num_slots * slot_bytes,
         )
 
@@ -327,7 +330,7 @@ class AsyncEngine:
         for out in outputs:
             groups.setdefault(out.request_id, []).append(out)
         items: list[tuple[asyncio.Queue, Any]] = []
-        num_new, itls = 0, []
+        itls: list[float] = []
         for request_id, outs in groups.items():
             tracked = self._tracked.get(request_id)
             if tracked is None:
@@ -341,7 +344,6 @@ class AsyncEngine:
                 if child.last_token_time is not None and new_tokens:
                     itls.extend([(now - child.last_token_time) / len(new_tokens)] * len(new_tokens))
                 child.last_token_time = now
-                num_new += len(new_tokens)
                 end = len(c.text) if out.finished else max(child.text_len, len(c.text) - tracked.holdback)
                 text = c.text[child.text_len : end]
                 logprobs = None if c.logprobs is None else tuple(c.logprobs[child.num_logprobs :])
@@ -360,8 +362,8 @@ class AsyncEngine:
             items.append((tracked.queue, GenerationUpdate(tuple(deltas), len(outs[0].prompt_token_ids), num_cached, done)))
             if done:
                 del self._tracked[request_id]
-        if self.observer is not None and num_new:
-            self.observer.observe_tokens(num_new, itls)
+        if self.observer is not None and itls:
+            self.observer.observe_tokens(itls)
         self._deliver(items)
 
 

@@ -21,10 +21,10 @@ VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
 
 def test_metrics_names_values_and_separate_registries() -> None:
     a, b = ServerMetrics("m"), ServerMetrics("m")  # two servers in one process must not collide
-    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 4, 1000, 4000))
-    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 6, 1000, 4000))
+    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 4, 10, 3, 1000, 4000))
+    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 6, 10, 7, 1000, 4000))
     a.observe_prompt(10, 4)
-    a.observe_tokens(3, [0.01, 0.02])
+    a.observe_tokens([0.01, 0.02])
     a.observe_finished(FinishedRequest("stop", 0.1, 0.2, 0.5))
     text = a.render().decode()
     for name in VLLM_NAMES:
@@ -33,6 +33,7 @@ def test_metrics_names_values_and_separate_registries() -> None:
     assert 'openk3:num_preemptions_total{model_name="m"} 6.0' in text  # the engine's running total, not the sum of snapshots
     assert 'openk3:prefix_cache_hits_total{model_name="m"} 4.0' in text and 'openk3:prefix_cache_queries_total{model_name="m"} 10.0' in text
     assert 'openk3:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
+    assert 'openk3:generation_tokens_total{model_name="m"} 7.0' in text and 'openk3:prompt_tokens_total{model_name="m"} 10.0' in text
     assert 'openk3:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
     assert 'openk3:generation_tokens_total{model_name="m"} 0.0' in b.render().decode()
 

@@ -15,9 +15,9 @@ from openk3.sandbox.cgroups import pids_under
 pytestmark = pytest.mark.sandbox
 
 
-def test_restart_recovers_crashed_daemon_state(host_features, tmp_path):
+def test_restart_recovers_crashed_daemon_state(service):
     state = tempfile.mkdtemp(prefix="openk3-sandbox-crash-", dir="/tmp")
-    config = BackendConfig(state_dir=state, cache_dir=str(tmp_path / "cache"), store_bytes=256 * 2**20)
+    config = BackendConfig(state_dir=state, cache_dir=service.backend.config.cache_dir, store_bytes=256 * 2**20)
     # prewarm off: a live background thread of the "crashed" daemon would keep building after the recovery ran
     crashed = NamespaceBackend(dataclasses.replace(config, prewarm=False))
     sid = crashed.create()

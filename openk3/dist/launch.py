@@ -50,7 +50,9 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, de
         torch.cuda.set_device(dev)
     dist.init_process_group(backend_for(dev), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        results.put((rank, fn(ParallelContext.from_group(dev), *args)))
+        result = fn(ParallelContext.from_group(dev), *args)
+        dist.barrier()  # nobody tears the group down while another rank is still inside a collective (gloo aborts then)
+        results.put((rank, result))
     finally:
         dist.destroy_process_group()
 

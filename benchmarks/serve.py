@@ -115,7 +115,8 @@ def main() -> int:
         f"# Serving: `{args.model}` over HTTP, concurrency {', '.join(map(str, args.concurrency))}",
         "",
         f"command: `.venv/bin/python benchmarks/serve.py {' '.join(sys.argv[1:])}`",
-        f"torch {torch.__version__}, {platform.machine()} CPU ({os.cpu_count()} cores, shared), {threads} torch threads, commit {commit}",
+        f"torch {torch.__version__}, {platform.machine()} CPU ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end), "
+        f"{threads} torch threads, commit {commit}",
         f"workload: random token prompts of {args.input_len} tokens, {args.output_len} output tokens each (greedy, ignore_eos), "
         f"seed {args.seed}; client-side times from `openk3 bench serve`",
         f"correctness: server greedy text == offline LLM.generate: {'yes' if ok else 'NO -- ' + detail}",

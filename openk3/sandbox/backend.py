@@ -17,7 +17,6 @@ import errno
 import itertools
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -39,25 +38,10 @@ from openk3.sandbox.protocol import (
     SnapshotKind,
     Unsupported,
 )
+from openk3.sandbox.settings import BackendConfig, check_traversable
 from openk3.sandbox.standby import Standbys
 
 FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendConfig:
-    state_dir: str = "/run/openk3-sandbox"
-    cache_dir: str = dataclasses.field(default_factory=rootfs.default_cache_dir)
-    store_bytes: int = 8 * 2**30
-    max_layers: int = 32
-    default_ttl_s: float = 3600.0
-    # After a snapshot and after each restore, prepare one instance over that snapshot in the background (root mounted, init
-    # running; see standby.py), so a restore or fork costs a swap instead of an init start. Costs one idle init per snapshot.
-    prewarm: bool = True
-    # Host uid (and gid) that a sandbox's root maps to. Not 0: a process that escaped its mount namespace would otherwise own
-    # every root-owned host file. None runs sandboxes as host root (uid 0 mapped to 0), without capabilities either way.
-    sandbox_uid: int | None = 100_000
-    host: str = dataclasses.field(default_factory=socket.gethostname)
 
 
 @dataclasses.dataclass
@@ -84,7 +68,7 @@ class NamespaceBackend:
         self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
         self.state = os.path.realpath(config.state_dir)
         if config.sandbox_uid is not None:
-            _check_traversable(self.state, config.sandbox_uid)
+            check_traversable(self.state, config.sandbox_uid)
         cgroups.recover(self.layout, self.cg_prefix)
         for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
             syscalls.umount(point, detach=True)  # a crashed daemon's mounts on this state dir
@@ -341,16 +325,3 @@ class NamespaceBackend:
         syscalls.umount(self.state)
         shutil.rmtree(self.state, ignore_errors=True)
         cgroups.recover(self.layout, self.cg_prefix)
-
-
-def _check_traversable(path: str, uid: int) -> None:
-    """bwrap runs as the sandbox uid and resolves the root's path, so every ancestor of the state dir must let it pass."""
-    parent = os.path.dirname(path)
-    while True:
-        st = os.stat(parent)
-        if not (st.st_mode & 0o001 or st.st_uid == uid):
-            raise InvalidArgument(f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not "
-                                  f"traversable by sandbox_uid={uid}; pick a state dir under /run or /tmp, or set sandbox_uid=None")
-        if parent == "/":
-            return
-        parent = os.path.dirname(parent)

@@ -30,7 +30,7 @@ PROCESS_CAPTURES = "memory of one Python environment process (fork of a frozen t
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Member:
     family: str
     sock: socket.socket

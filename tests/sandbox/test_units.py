@@ -97,3 +97,12 @@ def test_probe_names_what_is_missing(monkeypatch):
     real_which = host.shutil.which
     monkeypatch.setattr(host.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
     assert "bubblewrap" in host.probe().unavailable_reason
+
+
+def test_backend_config_validation_names_the_field():
+    from openk3.sandbox.settings import BackendConfig
+
+    for kwargs, field in (({"max_layers": 100}, "max_layers=100"), ({"sandbox_uid": 0}, "sandbox_uid=0"),
+                          ({"store_bytes": 1}, "store_bytes=1"), ({"host": "a@b"}, "host='a@b'")):
+        with pytest.raises(InvalidArgument, match=field):
+            BackendConfig(**kwargs)

@@ -28,8 +28,8 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.store_bytes < 16 * 2**20:
             raise InvalidArgument(f"store_bytes={self.store_bytes}: expected >= 16 MiB")
-        if not 2 <= self.max_layers <= 64:
-            raise InvalidArgument(f"max_layers={self.max_layers}: expected 2..64 (overlay mount options are one page)")
+        if not 2 <= self.max_layers <= 40:
+            raise InvalidArgument(f"max_layers={self.max_layers}: expected 2..40 (all lowerdirs share one 4 KiB mount option string)")
         if self.default_ttl_s <= 0:
             raise InvalidArgument(f"default_ttl_s={self.default_ttl_s}: expected > 0")
         if self.sandbox_uid is not None and not 1 <= self.sandbox_uid < 2**32 - 1:

@@ -30,9 +30,7 @@ def test_timeout_kills_whole_tree(svc):
             r = svc.exec(sid, cmd, timeout_s=0.4)
             wall = time.monotonic() - t0
             assert r.timed_out and r.exit_code == 137, name
-            # 100 ms over the timeout is the spec's budget for the kill itself; process start-up on a loaded 2-core
-            # host is measured separately, so allow it on top (it is in r.duration_ms too).
-            assert wall <= 0.4 + 0.1 + 0.15, (name, wall)
+            assert wall <= 0.4 + 0.1, (name, wall)  # the spec's budget; the deadline counts from before the spawn
             assert len(svc.backend.box(sid).cg.pids()) == baseline, f"{name}: processes survived the timeout"
             assert svc.exec(sid, "echo alive").stdout == b"alive\n", name
     finally:

@@ -197,6 +197,11 @@ class CgroupSet:
         p = self.limit_dirs.get("pids")
         return int(_read(f"{p}/pids.current")) if p else None
 
+    def pids_refused(self) -> int | None:
+        """How many forks the pids limit refused so far (pids.events "max", the same on v1 and v2)."""
+        p = self.limit_dirs.get("pids")
+        return _keyed(f"{p}/pids.events", "max") if p else None
+
     def cpu_usage_s(self) -> float | None:
         if self.v2:
             usec = _keyed(f"{self.control}/cpu.stat", "usage_usec")

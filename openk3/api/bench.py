@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from openk3.api.bench_data import BenchRequest, DatasetConfig, ideal_prefix_hit_rate, make_requests, word_corpus
 
@@ -81,7 +82,7 @@ def tpot(r: RequestResult) -> float | None:
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
 
 
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
     total_in, total_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
@@ -89,7 +90,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     for r in ok:
         measured = {"ttft": r.ttft * 1000, "tpot": (tpot(r) or 0.0) * 1000, "e2el": r.latency * 1000}
         good += all(measured[k] <= v for k, v in slos.items())
-    out = {
+    out: dict[str, Any] = {
         "duration": duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),

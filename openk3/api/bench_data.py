@@ -77,8 +77,10 @@ def make_requests(cfg: DatasetConfig, pool: list[int] | None) -> list[BenchReque
         out = []
         for i in range(cfg.num_prompts):
             prefix, suffix = prefixes[i % cfg.num_prefixes], _ids(rng, pool, cfg.suffix_len)
-            prompt = prefix + suffix if isinstance(prefix, list) else f"{prefix} {suffix}"
-            out.append(BenchRequest(prompt, cfg.output_len))  # type: ignore[arg-type]
+            if isinstance(prefix, list) and isinstance(suffix, list):
+                out.append(BenchRequest(prefix + suffix, cfg.output_len))
+            else:
+                out.append(BenchRequest(f"{prefix} {suffix}", cfg.output_len))
         rng.shuffle(out)
         return out
     num_conversations = -(-cfg.num_prompts // cfg.num_turns)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from openk3.api.errors import APIError, from_value_error
@@ -78,7 +78,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         raise from_value_error(e) from e
 
 
-async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> AsyncIterator[tuple[int, GenerationUpdate]]:
+async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
     """(prompt index, update) for every engine request of one HTTP request, as they come; leaving early aborts them all."""
     if len(jobs) == 1:
         gen = frontend.generate(request_id, jobs[0].prompt_token_ids, jobs[0].params)

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -131,10 +131,10 @@ async def completion_response(s: Served, req: CompletionRequest, jobs: list[Engi
     return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=usage(prompt_tokens, completion_tokens, sum(cached.values())))
 
 
-async def completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> AsyncIterator[bytes]:
+async def completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> AsyncGenerator[bytes, None]:
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     offsets: dict[int, int] = {}
-    completion_tokens, cached = 0, {}
+    completion_tokens, cached = 0, dict[int, int]()
     updates = merged_updates(s.frontend, request_id, jobs)
     try:
         async for i, update in updates:
@@ -178,7 +178,7 @@ async def chat_response(s: Served, req: ChatCompletionRequest, job: EngineJob) -
     return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
-async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> AsyncIterator[bytes]:
+async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> AsyncGenerator[bytes, None]:
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:

@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -183,7 +183,7 @@ class AsyncEngine:
         self._submit(command)
         return await asyncio.wrap_future(fut)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationUpdate]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationUpdate, None]:
         """Updates for one request until every completion has finished; leaving early aborts it. Raises ValueError on bad input."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")

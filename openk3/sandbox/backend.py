@@ -232,9 +232,10 @@ class NamespaceBackend:
         snap = self.snapshot(source, prewarm=False) if own else self.snapshot_info(source)
         meta = self._meta[source] if own else None
         try:
-            kw = {} if meta is None else {"limits": meta.limits, "env": meta.env, "workdir": meta.workdir,
-                                          "ttl_s": meta.ttl_s, "services": meta.services}
-            return [self.create(snap.snapshot_id, **kw) for _ in range(n)]
+            if meta is None:
+                return [self.create(snap.snapshot_id) for _ in range(n)]
+            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services)
+                    for _ in range(n)]
         finally:
             if own:
                 self.delete_snapshot(snap.snapshot_id)

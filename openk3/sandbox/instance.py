@@ -97,10 +97,10 @@ class Instance:
             "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind-fd", str(root_fd), "/",
             "--proc", "/proc", "--dev", "/dev", "--new-session", "--info-fd", str(info_w), "--chdir", "/", "--", *INIT_COMMAND,
         ]
-        as_uid = {} if self.uid is None else {"user": self.uid, "group": self.uid, "extra_groups": []}
         try:
             self.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         pass_fds=(info_w, root_fd), env=self.env, **as_uid)
+                                         pass_fds=(info_w, root_fd), env=self.env, user=self.uid, group=self.uid,
+                                         extra_groups=None if self.uid is None else [])
         finally:
             os.close(info_w)
             os.close(root_fd)

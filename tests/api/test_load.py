@@ -92,3 +92,26 @@ def test_non_streaming_disconnect_aborts(live) -> None:
     asyncio.run(main())
     live.check_idle_and_free()
     assert aborted(live) == before + 1
+
+
+def test_preemption_under_a_small_cache_is_counted_and_cleaned(torch_one_thread) -> None:
+    from tests.api.conftest import start_server, stop_server
+
+    small = start_server(num_pages=12, max_num_seqs=8, max_model_len=64)  # 96 tokens of MLA cache for 8 requests of up to 60 tokens: preemption
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=small.base_url, timeout=60) as client:
+            body = {"model": "debug", "prompt": "p" * 20, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8)))
+            assert all(r.status_code == 200 for r in rs)
+            assert len({r.json()["choices"][0]["text"] for r in rs}) == 1  # greedy: preemption and recompute change nothing
+            return [r.json()["usage"]["completion_tokens"] for r in rs]
+
+    try:
+        assert asyncio.run(main()) == [40] * 8
+        text = httpx.get(small.base_url + "/metrics").text
+        assert metric(text, "num_preemptions_total") > 0
+        assert metric(text, "cache_free_pages") == 12 and metric(text, "kv_cache_usage_perc") == 0
+        small.in_loop(small.frontend.call(lambda e: e.check_integrity()))
+    finally:
+        stop_server(small)

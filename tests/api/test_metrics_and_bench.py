@@ -94,3 +94,22 @@ def test_cli_registers_serve_and_bench_serve() -> None:
     assert (args.model, args.port, args.api_key, args.max_model_len, args.max_num_seqs) == ("debug", 9, "k", 64, 4)
     args = parser.parse_args(["bench", "serve", "--dataset", "prefix_repetition", "--request-rate", "5", "--num-prompts", "3", "--seed", "2"])
     assert (args.dataset, args.request_rate, args.num_prompts, args.seed) == ("prefix_repetition", 5.0, 3, 2)
+
+
+def test_build_server_from_cli_arguments(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from openk3.api.cli import build_server
+    from openk3.cli import build_parser
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = build_parser().parse_args(["serve", "--model", "debug", "--served-model-name", "d", "--max-model-len", "64", "--max-num-seqs", "2",
+                                      "--cache-memory-mb", "4", "--chat-template", str(template), "--api-key", "k"])
+    with pytest.warns(UserWarning, match="random weights"):
+        app = build_server(args)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        card = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]
+        assert (card["id"], card["root"], card["max_model_len"]) == ("d", "debug", 64)
+        assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "ab"}]}).json()["tokens"] == list(b"ab")

@@ -10,7 +10,7 @@ Zipf(s) over a random expert order, s = 0, 0.5, 1.0, 1.5; each token draws 16 di
 Load = entries (token, expert pairs) a rank computes; max/mean over ranks. a2a = per-layer all-to-all bytes over the network
 (token, destination) pairs with destination != source, de-duplicated: dispatch 3,696 B (FP8 + E8M0 at latent 3,584) + combine
 7,168 B (bf16). Prefetch = MXFP4 expert bytes moved into prefetch slots per layer (3 x 3,072 x 3,584 x 4.25 bits = 17.5 MB each).
-Part 2: 4 gloo ranks (spawned), 64 experts top-8, D=128, I=64, 256 tokens per rank, Zipf 1.0, fp32; median ms per MoE call and
+Part 2: 4 gloo ranks (spawned), 64 experts top-8, D=128, I=64, 256 tokens per rank, Zipf 1.0, fp32; methods interleaved per step; median ms per MoE call and
 of the dispatch/combine collectives alone (SiTU GLU experts); refuses to print times for a method whose output differs from the local MoE.
 
   python benchmarks/ep_balance.py                 # the full table
@@ -127,20 +127,25 @@ def wall_rank(ctx: ParallelContext, steps: int) -> dict[str, list[float]]:
         "MoonEP": MoonEPBackend.from_banks(ctx, {0: bank}),
     }
     x = torch.randn(tokens, width, generator=rg)
-    out: dict[str, list[float]] = {}
-    for name, backend in backends.items():
-        calls, err = [], 0.0
-        for r in routings[1:]:
+    calls: dict[str, list[float]] = {name: [] for name in backends}
+    errors = dict.fromkeys(backends, 0.0)
+    # Methods interleaved step by step, each call started together on all ranks, so load on the shared machine hits all alike.
+    for r in routings[1:]:
+        ref = moe_experts_grouped(x, r.topk_idx, r.topk_weight, bank, act)
+        for name, backend in backends.items():
+            ctx.all_gather(torch.zeros(1))
             t0 = time.perf_counter()
             y = backend(layer, x, r)
-            calls.append((time.perf_counter() - t0) * 1e3)
-            err = max(err, float((y - moe_experts_grouped(x, r.topk_idx, r.topk_weight, bank, act)).abs().max()))
+            calls[name].append((time.perf_counter() - t0) * 1e3)
+            errors[name] = max(errors[name], float((y - ref).abs().max()))
+    out: dict[str, list[float]] = {}
+    for name, backend in backends.items():
         stats = backend.drain_stats()
         out[name] = [
-            statistics.median(calls),
+            statistics.median(calls[name]),
             statistics.median(s.comm_s * 1e3 for s in stats),
             statistics.median(s.plan_s * 1e3 for s in stats),
-            err,
+            errors[name],
             statistics.mean(s.rank_max_over_mean for s in stats),
         ]
     return out
@@ -149,7 +154,7 @@ def wall_rank(ctx: ParallelContext, steps: int) -> dict[str, list[float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank in the simulated traces")
-    parser.add_argument("--steps", type=int, default=10, help="timed MoE calls per method on 4 gloo ranks")
+    parser.add_argument("--steps", type=int, default=30, help="timed MoE calls per method on 4 gloo ranks")
     parser.add_argument("--no-wall", action="store_true", help="skip the 4-rank wall-time part")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"

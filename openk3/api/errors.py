@@ -85,6 +85,8 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", code="invalid_json") from e
+    except (ValueError, RecursionError) as e:  # integers past Python's digit limit; nesting deeper than the parser's stack
+        raise APIError(400, f"request body is not acceptable JSON: {type(e).__name__}: {str(e)[:200]}", code="invalid_json") from e
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:

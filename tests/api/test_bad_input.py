@@ -62,6 +62,8 @@ CASES = [
     ("top_logprobs without logprobs", "/v1/chat/completions", {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("invalid utf-8", "/v1/completions", b'{"model": "debug", "prompt": "\xff\xfe"}', 400, None, "UTF-8"),
     ("lone surrogate", "/v1/completions", b'{"model": "debug", "prompt": "\\ud800"}', 400, None, "surrogate"),
+    ("deep nesting", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "JSON"),
+    ("5000-digit integer", "/v1/completions", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "JSON"),
     ("huge seed", "/v1/completions", {**OK_COMPLETION, "seed": 10**30}, 400, "seed", "seed"),
     ("logit_bias", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"1": 5}}, 400, "logit_bias", "logit_bias"),
     ("detokenize outside vocab", "/detokenize", {"tokens": [5, 300]}, 400, "tokens", "300"),

@@ -85,9 +85,12 @@ def simulate(s: float, ranks: int, tokens: int, seed: int) -> dict[str, float]:
     out["eplb_redundant"] = redundant
 
     tpe = torch.stack([torch.bincount(now[r].reshape(-1), minlength=E) for r in range(ranks)])
-    t0 = time.perf_counter()
-    plan = plan_moonep(tpe, epn, epn)
-    out["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(3):  # best of three: the dev machine's cores are shared, and one stall would dominate a single timing
+        t0 = time.perf_counter()
+        plan = plan_moonep(tpe, epn, epn)
+        times.append((time.perf_counter() - t0) * 1e3)
+    out["plan_ms"] = min(times)
     check_plan(plan, tpe)
     out["moonep"] = ratio(plan.load_R())
     dest = torch.stack([assign_entries(plan, tpe, r, now[r]).dest_N.view(tokens, K) for r in range(ranks)])
@@ -161,7 +164,7 @@ def main() -> int:
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, commit {commit}")
     print(f"E={E} top-{K}, {args.tokens} tokens per rank; loads are rank max/mean of (token, expert) entries; bytes per MoE layer\n")
-    print("| s | R | none | EPLB (+red.) | MoonEP | MoonEP B=2 (spilled) | a2a MB none / EPLB / MoonEP | MoonEP prefetch MB total / max rank | plan ms |")
+    print("| s | R | none | EPLB (+red.) | MoonEP | MoonEP B=2 (spilled) | a2a MB none / EPLB / MoonEP | prefetch MB total / max rank | plan ms, best of 3 |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     worst = 0.0
     for s in (0.0, 0.5, 1.0, 1.5):

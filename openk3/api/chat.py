@@ -1,8 +1,10 @@
 """Chat templates: messages -> prompt text, with the Jinja template that ships with the model (as Hugging Face checkpoints do).
 
 Where a template is found, in order: an explicit file, `chat_template.jinja` in the model folder, the `chat_template` entry of
-its `tokenizer_config.json`. A model with none (the byte-tokenizer presets) gets a ChatML-style default; since its `<|im_end|>`
-marker is plain text for such a tokenizer, the default also names it as a stop string so a turn ends where the template says.
+its `tokenizer_config.json`. A model with none (the byte-tokenizer presets) gets a ChatML-style default.
+A reply must end where the template ends a turn: the template's end-of-turn marker (`<|im_end|>` and the like) becomes a stop
+token when the tokenizer has it as one special token, else a stop string (a byte tokenizer spells it out). Checkpoints also
+name their end tokens in `generation_config.json` (`eos_token_id`, an id or a list), which every request stops at, as in vLLM.
 Templates render in Jinja's immutable sandbox: a checkpoint's template is data, not code we trust.
 """
 
@@ -17,8 +19,10 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from openk3.api.protocol import ChatMessage
+from openk3.serve.tokenizer import Tokenizer
 
 CHATML_END = "<|im_end|>"
+END_OF_TURN_MARKERS = (CHATML_END, "<|eot_id|>", "<|end|>")
 DEFAULT_CHATML = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -34,7 +38,7 @@ def _raise_exception(message: str) -> None:
 class ChatTemplate:
     """A compiled chat template; `render` raises ValueError (an HTTP 400) for messages it cannot render."""
 
-    def __init__(self, source: str, origin: str, stop: Sequence[str] = ()) -> None:
+    def __init__(self, source: str, origin: str) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         try:
@@ -43,11 +47,20 @@ class ChatTemplate:
             raise ValueError(f"chat template from {origin} does not compile: {e}") from e
         self.source = source
         self.origin = origin
-        self.stop = tuple(stop)
+        self.end_of_turn = next((m for m in END_OF_TURN_MARKERS if m in source), None)
 
     @staticmethod
     def default() -> ChatTemplate:
-        return ChatTemplate(DEFAULT_CHATML, "the built-in ChatML default", stop=(CHATML_END,))
+        return ChatTemplate(DEFAULT_CHATML, "the built-in ChatML default")
+
+    def stops(self, tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(stop strings, stop token ids) that end a reply at the template's end of turn."""
+        if self.end_of_turn is None:
+            return (), ()
+        ids = tokenizer.encode(self.end_of_turn, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":
+            return (), (ids[0],)
+        return (self.end_of_turn,), ()
 
     def render(
         self,
@@ -109,3 +122,16 @@ def load_chat_template(model_dir: Path | None, explicit: Path | None = None) -> 
         if source is not None:
             return ChatTemplate(source, str(config))
     return ChatTemplate.default()
+
+
+def generation_stop_ids(model_dir: Path | None) -> tuple[int, ...]:
+    """The end tokens a checkpoint's generation_config.json names (eos_token_id: an id or a list), or none."""
+    file = None if model_dir is None else model_dir / "generation_config.json"
+    if file is None or not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)

@@ -45,7 +45,7 @@ def build_server(args: argparse.Namespace):
     """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py)."""
     import torch
 
-    from openk3.api.chat import load_chat_template
+    from openk3.api.chat import generation_stop_ids, load_chat_template
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.engine import EngineConfig, LLMEngine
     from openk3.serve.llm import ASSETS, build_model
@@ -54,7 +54,8 @@ def build_server(args: argparse.Namespace):
         torch.set_num_threads(args.torch_threads)
     model, tokenizer = build_model(args.model, getattr(torch, args.dtype), args.device, args.seed)
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
-    template = load_chat_template(model_dir if model_dir.is_dir() else None, args.chat_template)
+    folder = model_dir if model_dir.is_dir() else None
+    template = load_chat_template(folder, args.chat_template)
     engine = LLMEngine(
         model,
         tokenizer,
@@ -74,6 +75,7 @@ def build_server(args: argparse.Namespace):
         api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_timeout_s=args.shutdown_timeout,
+        stop_token_ids=generation_stop_ids(folder),
     )
     return create_app(engine, tokenizer, template, config)
 

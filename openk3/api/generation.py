@@ -49,11 +49,17 @@ def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens
     return max_tokens if max_tokens is not None else room
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None, extra_stop: Sequence[str] = ()) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, max_tokens: int, logprobs: int | None, extra_stop: Sequence[str] = (), extra_stop_ids: Sequence[int] = ()
+) -> SamplingParams:
+    """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos)."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop += [s for s in extra_stop if s not in stop]
+    stop_ids = list(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        stop_ids += [t for t in extra_stop_ids if t not in stop_ids]
     try:
         return SamplingParams(
             n=req.n,
@@ -65,7 +71,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=tuple(stop_ids),
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,

@@ -45,6 +45,7 @@ class ServerConfig:
     model_root: str
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20  # a 10 MB body is refused with 413 before it is read
+    stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json)
     shutdown_timeout_s: float = 30.0
 
 
@@ -102,6 +103,7 @@ def _version() -> str:
 def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
     frontend = AsyncEngine(engine, observer=metrics)
+    chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)
     served = Served(
         frontend=frontend,
         tokenizer=tokenizer,
@@ -111,6 +113,9 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         max_model_len=engine.max_model_len,
         vocab_size=min(engine.model_config.vocab_size, max(tokenizer.vocab_size, 1)),
         texts=TokenTexts(tokenizer),
+        stop_token_ids=config.stop_token_ids,
+        chat_stop=chat_stop,
+        chat_stop_token_ids=chat_stop_token_ids,
     )
 
     @asynccontextmanager

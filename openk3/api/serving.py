@@ -51,6 +51,9 @@ class Served:
     max_model_len: int
     vocab_size: int
     texts: TokenTexts
+    stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json), for every request
+    chat_stop: tuple[str, ...] = ()  # the chat template's end of turn, when it is text
+    chat_stop_token_ids: tuple[int, ...] = ()  # ... or when it is one special token
 
     def special_tokens(self) -> dict[str, str]:
         tok, out = self.tokenizer, {}
@@ -101,7 +104,7 @@ def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob],
     for prompt in prompts:
         ids = s.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
         max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
-        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs)))
+        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.stop_token_ids)))
         texts.append(prompt if isinstance(prompt, str) else s.tokenizer.decode(ids))
     return jobs, texts
 
@@ -114,7 +117,8 @@ def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return EngineJob(ids, sampling_params(req, max_tokens, logprobs, extra_stop=s.chat_template.stop))
+    stop_ids = s.stop_token_ids + s.chat_stop_token_ids
+    return EngineJob(ids, sampling_params(req, max_tokens, logprobs, extra_stop=s.chat_stop, extra_stop_ids=stop_ids))
 
 
 async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from openk3.api.chat import CHATML_END, ChatTemplate, load_chat_template
-from openk3.api.protocol import ChatMessage
+from openk3.api.chat import CHATML_END, ChatTemplate, generation_stop_ids, load_chat_template
+from openk3.api.generation import sampling_params
+from openk3.api.protocol import ChatCompletionRequest, ChatMessage
+from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def msgs(*pairs) -> list[ChatMessage]:
@@ -19,14 +21,15 @@ def test_default_is_chatml_with_its_end_marker_as_stop() -> None:
     text = t.render(msgs(("system", "S"), ("user", "U")))
     assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
     assert t.render(msgs(("user", "U")), add_generation_prompt=False) == "<|im_start|>user\nU<|im_end|>\n"
-    assert t.stop == (CHATML_END,)
+    assert t.end_of_turn == CHATML_END
+    assert t.stops(ByteTokenizer(256)) == ((CHATML_END,), ())  # bytes: the marker is text, so a stop string
 
 
 def test_model_folder_template_is_preferred(tmp_path) -> None:
     assert load_chat_template(tmp_path).origin == ChatTemplate.default().origin
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}))
     t = load_chat_template(tmp_path)
-    assert t.render(msgs(("user", "a"), ("assistant", "b"))) == "[user]a[assistant]b" and t.stop == ()
+    assert t.render(msgs(("user", "a"), ("assistant", "b"))) == "[user]a[assistant]b" and t.end_of_turn is None
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{% if add_generation_prompt %}>{% endif %}")
     t = load_chat_template(tmp_path)
     assert t.render(msgs(("user", "q")), special_tokens={"bos_token": "<s>"}) == "<s>q>"
@@ -61,3 +64,26 @@ def test_template_errors_and_sandbox_are_value_errors() -> None:
     escape = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "test")
     with pytest.raises(ValueError):
         escape.render(msgs(("user", "q")))
+
+
+def test_end_of_turn_is_a_stop_token_when_the_tokenizer_has_it(tmp_path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([CHATML_END])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert ChatTemplate.default().stops(HFTokenizer(tmp_path)) == ((), (2,))
+
+
+def test_generation_config_end_tokens_join_every_request_unless_ignore_eos(tmp_path) -> None:
+    assert generation_stop_ids(tmp_path) == () and generation_stop_ids(None) == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert generation_stop_ids(tmp_path) == (5, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert generation_stop_ids(tmp_path) == (3,)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}], stop_token_ids=[1])
+    assert sampling_params(req, 8, None, extra_stop=("</s>",), extra_stop_ids=(3,)).stop_token_ids == (1, 3)
+    assert sampling_params(req, 8, None, extra_stop=("</s>",), extra_stop_ids=(3,)).stop == ("</s>",)
+    ignoring = req.model_copy(update={"ignore_eos": True})
+    assert sampling_params(ignoring, 8, None, extra_stop_ids=(3,)).stop_token_ids == (1,)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from openk3.serve.frontend import EngineStats, FinishedRequest
+from openk3.serve.frontend import FinishedRequest, ServingStats
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -58,7 +58,7 @@ class ServerMetrics:
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
         self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
 
-    def observe_engine(self, stats: EngineStats) -> None:
+    def observe_engine(self, stats: ServingStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.page_usage)

@@ -38,7 +38,9 @@ class FrontendClosedError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class ServingStats:
+    """The engine's own stats (LLMEngine.stats) plus the page/slot counts and bytes the metrics show, read on the engine thread."""
+
     num_running: int
     num_waiting: int
     num_pages: int
@@ -89,7 +91,7 @@ class GenerationUpdate:
 class EngineObserver(Protocol):
     """What the front end reports as it goes (the server's Prometheus metrics); called on the engine thread."""
 
-    def observe_engine(self, stats: EngineStats) -> None: ...
+    def observe_engine(self, stats: ServingStats) -> None: ...
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None: ...
 
@@ -243,11 +245,11 @@ class AsyncEngine:
         cache = self.engine.cache
         return pages // max(cache.num_pages, 1), slots // max(cache.state_pool.num_slots, 1)
 
-    def _read_stats(self) -> EngineStats:
+    def _read_stats(self) -> ServingStats:
         s, cache = self.engine.stats(), self.engine.cache
         used_pages = cache.num_pages - cache.num_free_pages
         page_bytes, slot_bytes = self._page_bytes, self._slot_bytes
-        return EngineStats(
+        return ServingStats(
             num_running=s.num_requests_running,
             num_waiting=s.num_requests_waiting,
             num_pages=cache.num_pages,

@@ -11,7 +11,7 @@ import pytest
 from openk3.api.bench import RequestResult, add_arguments, benchmark, parse_goodput, summarize, tpot
 from openk3.api.bench_data import DatasetConfig, ideal_prefix_hit_rate, make_requests
 from openk3.api.metrics import ServerMetrics
-from openk3.serve.frontend import EngineStats, FinishedRequest
+from openk3.serve.frontend import FinishedRequest, ServingStats
 
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
               "prompt_tokens_cached_total", "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
@@ -21,8 +21,8 @@ VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
 
 def test_metrics_names_values_and_separate_registries() -> None:
     a, b = ServerMetrics("m"), ServerMetrics("m")  # two servers in one process must not collide
-    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 4, 10, 3, 1000, 4000))
-    a.observe_engine(EngineStats(3, 2, 100, 75, 8, 5, 6, 10, 7, 1000, 4000))
+    a.observe_engine(ServingStats(3, 2, 100, 75, 8, 5, 4, 10, 3, 1000, 4000))
+    a.observe_engine(ServingStats(3, 2, 100, 75, 8, 5, 6, 10, 7, 1000, 4000))
     a.observe_prompt(10, 4)
     a.observe_tokens([0.01, 0.02])
     a.observe_finished(FinishedRequest("stop", 0.1, 0.2, 0.5))

@@ -135,3 +135,12 @@ def test_tokenize_detokenize_version_health(http) -> None:
     assert bytes(chat["tokens"]).decode() == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert "version" in http.get("/version").json()
     assert http.get("/health").status_code == 200
+
+
+def test_vllm_extensions_through_extra_body_and_max_completion_tokens(client) -> None:
+    r = client.completions.create(model="debug", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=3, extra_body={"top_k": 1})
+    assert r.choices[0].text == greedy(client, max_tokens=10)  # top_k=1 leaves only the argmax
+    r = client.completions.create(model="debug", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"min_tokens": 10, "ignore_eos": True})
+    assert r.usage.completion_tokens == 10
+    r = client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "q"}], max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("length", "stop")

@@ -62,6 +62,10 @@ class NamespaceBackend:
             raise Unsupported(f"namespace sandboxes unavailable on this host: {features.unavailable_reason}")
         self.config = config
         self.layout = features.layout
+        if config.cgroups == "v1":
+            self.layout = dataclasses.replace(self.layout, v2_root=None, v2_controllers=frozenset())
+            if self.layout.control_root is None:
+                raise Unsupported("cgroups='v1': this host has no v1 freezer hierarchy")
         self.bwrap = features.bwrap
         self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
         self.instance_name = "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(config.state_dir)).hex[:10]

@@ -24,6 +24,9 @@ class BackendConfig:
     # every root-owned host file. None runs sandboxes as host root (uid 0 mapped to 0), without capabilities either way.
     sandbox_uid: int | None = 100_000
     host: str = dataclasses.field(default_factory=socket.gethostname)
+    # "auto" uses whatever the host mounts (see cgroups.py); "v1" ignores a v2 tree and freezes/kills through the v1 freezer,
+    # for hosts whose v2 tree is not writable (some containers), and to test that path on hybrid hosts.
+    cgroups: str = "auto"
 
     def __post_init__(self) -> None:
         if self.store_bytes < 16 * 2**20:
@@ -34,6 +37,8 @@ class BackendConfig:
             raise InvalidArgument(f"default_ttl_s={self.default_ttl_s}: expected > 0")
         if self.sandbox_uid is not None and not 1 <= self.sandbox_uid < 2**32 - 1:
             raise InvalidArgument(f"sandbox_uid={self.sandbox_uid}: expected None (host root) or 1..2**32-2")
+        if self.cgroups not in ("auto", "v1"):
+            raise InvalidArgument(f"cgroups={self.cgroups!r}: expected 'auto' or 'v1'")
         if "@" in self.host or "/" in self.host:
             raise InvalidArgument(f"host={self.host!r}: expected a host name without '@' or '/' (it ends every id)")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from openk3.serve.frontend import FinishedRequest, ServingStats
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.engine import LLMEngine
+from openk3.serve.frontend import FinishedRequest
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -58,15 +60,20 @@ class ServerMetrics:
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
         self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
 
-    def observe_engine(self, stats: ServingStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.page_usage)
-        self.kda_state_usage_perc.set(stats.slot_usage)
-        self.num_free_pages.set(stats.num_free_pages)
-        self.num_free_slots.set(stats.num_free_slots)
-        self.tier_used["device"].set(stats.device_used_bytes)
-        self.tier_capacity["device"].set(stats.device_capacity_bytes)
+    def observe_engine(self, engine: LLMEngine) -> None:
+        """Mirror the engine after a step; on the engine thread (or before it starts), reading only."""
+        stats, cache = engine.stats(), engine.cache
+        pages, slots = cache.num_pages, cache.state_pool.num_slots
+        used_pages, used_slots = pages - cache.num_free_pages, stats.state_slots_used
+        page_bytes, slot_bytes = _unit_bytes(cache)
+        self.num_requests_running.set(stats.num_requests_running)
+        self.num_requests_waiting.set(stats.num_requests_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.kda_state_usage_perc.set(used_slots / slots if slots else 0.0)
+        self.num_free_pages.set(cache.num_free_pages)
+        self.num_free_slots.set(slots - used_slots)
+        self.tier_used["device"].set(used_pages * page_bytes + used_slots * slot_bytes)
+        self.tier_capacity["device"].set(pages * page_bytes + slots * slot_bytes)
         # the engine keeps running totals; counters advance by the difference since the last snapshot
         for counter, name, total in (
             (self.num_preemptions, "preemptions", stats.num_preemptions_total),
@@ -98,3 +105,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _unit_bytes(cache: CacheManager) -> tuple[int, int]:
+    """Bytes of one MLA page (all MLA layers) and of one KDA state slot (recurrent state + conv window, all KDA layers)."""
+    t = cache.tensors
+    page = sum(x.nbytes for x in t.mla_latent) // max(cache.num_pages, 1)
+    slot = (sum(x.nbytes for x in t.kda_state) + sum(x.nbytes for x in t.conv_state)) // max(cache.state_pool.num_slots, 1)
+    return page, slot

@@ -120,8 +120,8 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics.observe_engine(engine)  # before the engine thread starts, so no other thread reads it
         frontend.start()
-        metrics.observe_engine(frontend.stats)
         yield
         await frontend.shutdown(config.shutdown_timeout_s)
         if frontend.error is not None:

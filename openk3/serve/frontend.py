@@ -38,31 +38,6 @@ class FrontendClosedError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ServingStats:
-    """The engine's own stats (LLMEngine.stats) plus the page/slot counts and bytes the metrics show, read on the engine thread."""
-
-    num_running: int
-    num_waiting: int
-    num_pages: int
-    num_free_pages: int
-    num_slots: int
-    num_free_slots: int
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    device_used_bytes: int
-    device_capacity_bytes: int
-
-    @property
-    def page_usage(self) -> float:
-        return 1 - self.num_free_pages / self.num_pages if self.num_pages else 0.0
-
-    @property
-    def slot_usage(self) -> float:
-        return 1 - self.num_free_slots / self.num_slots if self.num_slots else 0.0
-
-
-@dataclass(frozen=True)
 class FinishedRequest:
     finish_reason: str
     queue_time: float | None
@@ -89,9 +64,10 @@ class GenerationUpdate:
 
 
 class EngineObserver(Protocol):
-    """What the front end reports as it goes (the server's Prometheus metrics); called on the engine thread."""
+    """What the front end reports as it goes (the server's Prometheus metrics). Called on the engine thread, between steps:
+    `observe_engine` may read the engine (stats, cache occupancy) but must not change it."""
 
-    def observe_engine(self, stats: ServingStats) -> None: ...
+    def observe_engine(self, engine: LLMEngine) -> None: ...
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None: ...
 
@@ -139,8 +115,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self._page_bytes, self._slot_bytes = self._unit_bytes()
-        self.stats = self._read_stats()
 
     # event loop side
 
@@ -238,35 +212,9 @@ class AsyncEngine:
 
     # engine thread side
 
-    def _unit_bytes(self) -> tuple[int, int]:
-        t = self.engine.cache.tensors
-        pages = sum(x.nbytes for x in t.mla_latent)
-        slots = sum(x.nbytes for x in t.kda_state) + sum(x.nbytes for x in t.conv_state)
-        cache = self.engine.cache
-        return pages // max(cache.num_pages, 1), slots // max(cache.state_pool.num_slots, 1)
-
-    def _read_stats(self) -> ServingStats:
-        s, cache = self.engine.stats(), self.engine.cache
-        used_pages = cache.num_pages - cache.num_free_pages
-        page_bytes, slot_bytes = self._page_bytes, self._slot_bytes
-        return ServingStats(
-            num_running=s.num_requests_running,
-            num_waiting=s.num_requests_waiting,
-            num_pages=cache.num_pages,
-            num_free_pages=cache.num_free_pages,
-            num_slots=cache.state_pool.num_slots,
-            num_free_slots=cache.num_free_slots,
-            num_preemptions_total=s.num_preemptions_total,
-            prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
-            device_used_bytes=used_pages * page_bytes + s.state_slots_used * slot_bytes,
-            device_capacity_bytes=cache.num_pages * page_bytes + cache.state_pool.num_slots * slot_bytes,
-        )
-
     def _publish_stats(self) -> None:
-        self.stats = self._read_stats()
         if self.observer is not None:
-            self.observer.observe_engine(self.stats)
+            self.observer.observe_engine(self.engine)
 
     def _deliver(self, items: list[tuple[asyncio.Queue, Any]]) -> None:
         if items and self._loop is not None and not self._loop.is_closed():

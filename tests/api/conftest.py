@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -57,6 +58,13 @@ class LiveServer:
         self.in_loop(self.frontend.call(lambda e: e.check_integrity()))
         free = self.in_loop(self.frontend.call(lambda e: (e.cache.num_free_pages, e.cache.num_free_slots)))
         assert free == (NUM_PAGES, MAX_NUM_SEQS)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of one `openk3:` sample (with labels) in Prometheus text."""
+    match = re.search(rf"^openk3:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
 
 
 def _free_port() -> int:

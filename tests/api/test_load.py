@@ -13,7 +13,7 @@ import re
 import httpx
 import pytest
 
-from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES
+from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES, metric
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 24
@@ -41,12 +41,6 @@ async def stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> tup
             if disconnect and chunks == 2:
                 return "disconnected", chunks  # leaving the context manager closes the connection mid-stream
     return "no [DONE]", chunks
-
-
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^openk3:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert match, name
-    return float(match.group(1))
 
 
 def test_concurrent_streams_with_disconnects_leave_nothing_behind(live) -> None:

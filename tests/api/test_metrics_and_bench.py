@@ -11,7 +11,9 @@ import pytest
 from openk3.api.bench import RequestResult, add_arguments, benchmark, parse_goodput, summarize, tpot
 from openk3.api.bench_data import DatasetConfig, ideal_prefix_hit_rate, make_requests
 from openk3.api.metrics import ServerMetrics
-from openk3.serve.frontend import FinishedRequest, ServingStats
+from openk3.serve.frontend import FinishedRequest
+from openk3.serve.sampling import SamplingParams
+from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES, debug_engine, metric
 
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
               "prompt_tokens_cached_total", "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
@@ -19,21 +21,29 @@ VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
               "cache_tier_used_bytes")
 
 
-def test_metrics_names_values_and_separate_registries() -> None:
+def test_metrics_names_values_and_separate_registries(torch_one_thread) -> None:
     a, b = ServerMetrics("m"), ServerMetrics("m")  # two servers in one process must not collide
-    a.observe_engine(ServingStats(3, 2, 100, 75, 8, 5, 4, 10, 3, 1000, 4000))
-    a.observe_engine(ServingStats(3, 2, 100, 75, 8, 5, 6, 10, 7, 1000, 4000))
+    engine = debug_engine()
+    a.observe_engine(engine)
+    engine.add_request("r", list(b"hello"), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    a.observe_engine(engine)
+    text = a.render().decode()
+    for name in VLLM_NAMES:
+        assert f"openk3:{name}" in text, name
+    assert metric(text, "num_requests_running") == 1 and metric(text, "kv_cache_usage_perc") == 1 / NUM_PAGES  # 5 + 1 tokens: one page
+    assert metric(text, "kda_state_usage_perc") == 1 / MAX_NUM_SEQS and metric(text, "cache_tier_used_bytes") > 0
+    while engine.has_unfinished():
+        engine.step()
+    a.observe_engine(engine)
     a.observe_prompt(10, 4)
     a.observe_tokens([0.01, 0.02])
     a.observe_finished(FinishedRequest("stop", 0.1, 0.2, 0.5))
     text = a.render().decode()
-    for name in VLLM_NAMES:
-        assert f"openk3:{name}" in text, name
-    assert 'openk3:kv_cache_usage_perc{model_name="m"} 0.25' in text
-    assert 'openk3:num_preemptions_total{model_name="m"} 6.0' in text  # the engine's running total, not the sum of snapshots
-    assert 'openk3:prefix_cache_hits_total{model_name="m"} 4.0' in text and 'openk3:prefix_cache_queries_total{model_name="m"} 10.0' in text
-    assert 'openk3:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
-    assert 'openk3:generation_tokens_total{model_name="m"} 7.0' in text and 'openk3:prompt_tokens_total{model_name="m"} 10.0' in text
+    assert metric(text, "generation_tokens_total") == 3 and metric(text, "prompt_tokens_total") == 5  # the engine's totals, once
+    assert metric(text, "num_requests_running") == 0 and metric(text, "kv_cache_usage_perc") == 0 and metric(text, "cache_tier_used_bytes") == 0
+    assert metric(text, "prefix_cache_hits_total") == 4 and metric(text, "prefix_cache_queries_total") == 10
+    assert metric(text, "inter_token_latency_seconds_count") == 2
     assert 'openk3:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
     assert 'openk3:generation_tokens_total{model_name="m"} 0.0' in b.render().decode()
 

@@ -13,7 +13,7 @@ from openk3.dist.ep import ExpertParallelBackend, gather_placements
 from openk3.dist.group import ParallelContext
 from openk3.dist.moonep_backend import MoonEPBackend
 from openk3.dist.placement import LoadCollector, eplb_placement
-from openk3.model import K3ForCausalLM
+from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
 from openk3.model.moe import LatentMoE, LocalExperts
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.grouped import moe_experts_grouped
@@ -131,7 +131,37 @@ def model_cases(ctx: ParallelContext) -> dict[str, float | str]:
         logits = model.forward_tokens(shared)
         errors[f"replicated_{method.value}"] = float((logits - shared_ref).abs().max())
         errors[f"replicated_{method.value}/digest"] = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
+    # Greedy decode through the cache, one token per step: fewer tokens than ranks, so TokenSplit leaves ranks empty.
+    # Replicated attention needs the same batch on every rank; data-parallel ranks each decode their own prompt.
+    prompts = {
+        feed: torch.randint(0, model.config.vocab_size, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for feed, seed in (("replicated", 7), ("dp", 8 + ctx.rank))
+    }
+    model.set_expert_backend(LocalExperts())
+    wanted = {feed: greedy(model, prompt, 6) for feed, prompt in prompts.items()}
+    for method in EPMethod:
+        for replicated in (True, False):
+            feed = "replicated" if replicated else "dp"
+            prompt, (want_tokens, want_logits) = prompts[feed], wanted[feed]
+            attach_expert_parallel(model, ctx, method, replicated_tokens=replicated, placements=eplb)
+            tokens_out, logits = greedy(model, prompt, 6)
+            name = f"greedy_{feed}_{method.value}"
+            errors[name] = float((logits - want_logits).abs().max())
+            errors[f"{name}/mismatched_tokens"] = sum(a != b for a, b in zip(tokens_out, want_tokens, strict=True))
     return errors
+
+
+def greedy(model: K3ForCausalLM, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    cache = CacheTensors.allocate(model.config, num_slots=1, num_pages=8, page_size=8)
+    table = torch.arange(8).view(1, 8)
+    out, logits_out, tokens, pos = [], [], prompt, 0
+    for _ in range(steps):
+        logits = model(ForwardBatch.for_step([tokens], [pos], [0], table), cache)
+        pos += len(tokens)
+        tokens = [int(logits[0].argmax())]
+        out.append(tokens[0])
+        logits_out.append(logits)
+    return out, torch.cat(logits_out)
 
 
 def all_cases(ctx: ParallelContext) -> dict[str, float | str]:

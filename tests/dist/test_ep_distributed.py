@@ -66,3 +66,12 @@ def test_replicated_attention_token_split_matches_single_process(results, world:
         assert errors[f"model/replicated_{method}"] <= 1e-5
     # Every rank holds bitwise the same logits, so greedy sampling agrees across ranks without a broadcast.
     assert len({errors[f"model/replicated_{method}/digest"] for errors in results[world]}) == 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", ["ep", "eplb", "moonep"])
+@pytest.mark.parametrize("feed", ["replicated", "dp"])
+def test_greedy_decode_through_the_cache_matches_single_process(results, world: int, method: str, feed: str) -> None:
+    for errors in results[world]:
+        assert errors[f"model/greedy_{feed}_{method}"] <= 1e-5
+        assert errors[f"model/greedy_{feed}_{method}/mismatched_tokens"] == 0

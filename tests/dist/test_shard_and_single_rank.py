@@ -68,6 +68,26 @@ def test_single_rank_backends_equal_local_moe(routing: str) -> None:
         torch.set_grad_enabled(True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_single_rank_backends_on_cuda_keep_tensors_on_the_device() -> None:
+    # Never run on the CPU-only dev machine: it guards the device moves in the exchange and the MoonEP prefetch.
+    torch.set_grad_enabled(False)
+    try:
+        layer = make_layer(8).cuda()
+        ctx = ParallelContext.single("cuda")
+        z = torch.randn(11, 32, generator=torch.Generator().manual_seed(0)).cuda()
+        r = make_routing("zipf", 11, 8, 3, seed=1)
+        r = type(r)(*(t.cuda() for t in r))
+        ref = moe_experts_grouped(z, r.topk_idx, r.topk_weight, layer.experts.bank(), layer.expert_act)
+        for backend in (ExpertParallelBackend.from_layers(ctx, [layer]), MoonEPBackend.from_layers(ctx, [layer], pad=4)):
+            y = backend(layer, z, r)
+            assert y.device == z.device
+            torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_grad_enabled(True)
+
+
 def test_errors_name_the_layer_and_values() -> None:
     layer = make_layer(8)
     ctx = ParallelContext.single()

@@ -10,10 +10,12 @@ when packed. Any other bank is decoded to fp32 once when the shard is built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
-from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
+from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
 from openk3.ops.mxfp4 import MXFP4Tensor
 
 ShardBank = DenseExpertBank | PackedMXFP4ExpertBank
@@ -49,6 +51,21 @@ class ExpertShard:
             return cls(_from_parts(bank, parts), ids)
         experts = [bank.expert(int(e), torch.float32) for e in ids]
         return cls(DenseExpertBank(*(torch.stack(ws).detach() for ws in zip(*experts, strict=True))), ids)
+
+    @classmethod
+    def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], global_ids: torch.Tensor, prefix: str = "") -> ExpertShard:
+        """Packed MXFP4 experts `global_ids` read straight from K3 checkpoint tensors (`{prefix}experts.{e}.w1.weight_packed`, ...),
+        reading only those experts' keys, so a rank never holds the rest of the layer."""
+        ids = global_ids.long().cpu()
+        local = {}
+        for i, e in enumerate(ids.tolist()):
+            for name in PROJECTIONS:
+                for suffix in ("weight_packed", "weight_scale"):
+                    key = f"{prefix}experts.{e}.{name}.{suffix}"
+                    if key not in tensors:
+                        raise KeyError(f"checkpoint is missing {key} (expert {e} of this rank's shard)")
+                    local[f"{prefix}experts.{i}.{name}.{suffix}"] = tensors[key]
+        return cls(PackedMXFP4ExpertBank.from_checkpoint(local, ids.shape[0], prefix), ids)
 
     @property
     def expert_nbytes(self) -> int:

@@ -45,6 +45,19 @@ def test_shard_bytes_round_trip(kind: str) -> None:
         shard.from_bytes(wire[:, :-1])
 
 
+def test_shard_loaded_from_checkpoint_keys_equals_shard_cut_from_bank() -> None:
+    _, packed = banks()
+    entries = packed.state_dict_entries("model.layers.3.block_sparse_moe.")
+    ids = torch.tensor([5, 2])
+    loaded = ExpertShard.from_checkpoint(entries, ids, "model.layers.3.block_sparse_moe.")
+    cut = ExpertShard.from_bank(packed, ids)
+    assert isinstance(loaded.bank, PackedMXFP4ExpertBank) and isinstance(cut.bank, PackedMXFP4ExpertBank)
+    assert torch.equal(loaded.to_bytes(torch.arange(2)), cut.to_bytes(torch.arange(2)))
+    del entries["model.layers.3.block_sparse_moe.experts.2.w3.weight_scale"]
+    with pytest.raises(KeyError, match=r"experts\.2\.w3\.weight_scale"):
+        ExpertShard.from_checkpoint(entries, ids, "model.layers.3.block_sparse_moe.")
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_single_rank_backends_equal_local_moe(routing: str) -> None:
     torch.set_grad_enabled(False)

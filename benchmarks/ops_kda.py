@@ -40,13 +40,16 @@ def make_inputs(T: int, H: int, D: int, gate: KDAGate) -> tuple[torch.Tensor, ..
     return q, k, v, g, beta
 
 
-def best_seconds(fn: Callable[[], tuple], repeats: int) -> tuple[float, tuple]:
-    best, out = float("inf"), ()
+def best_seconds(runs: dict[str, Callable[[], tuple]], repeats: int) -> tuple[dict[str, float], dict[str, tuple]]:
+    """Best wall time per implementation; the repeats go round-robin so load changes on a shared machine hit all rows alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    outputs: dict[str, tuple] = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best, outputs
 
 
 def machine() -> str:
@@ -88,10 +91,9 @@ def main() -> int:
     except ImportError as err:
         print(f"transformers' kimi_linear not available ({err}); its rows are skipped\n")
 
-    seconds, outputs = {}, {}
-    for name, fn in runs.items():
+    for fn in runs.values():
         fn(warm)
-        seconds[name], outputs[name] = best_seconds(lambda fn=fn: fn(inputs), args.repeats)
+    seconds, outputs = best_seconds({name: (lambda fn=fn: fn(inputs)) for name, fn in runs.items()}, args.repeats)
 
     o_ref, s_ref = outputs["openk3 kda_recurrent (reference)"]
     errors = {name: max((o - o_ref).abs().max().item(), (s - s_ref).abs().max().item()) for name, (o, s) in outputs.items()}

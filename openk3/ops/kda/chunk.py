@@ -194,7 +194,7 @@ def kda_chunk(
     S = qc.new_zeros(M, K, V) if initial_state is None else initial_state.float().reshape(M, K, V).clone()
     O = vc.new_empty(n, M, C, V)
     for i in range(n):
-        Vp = torch.baddbmm(U[i], W[i], S, alpha=-1)
+        Vp = torch.baddbmm(U[i], W[i], S, alpha=-1)  # pseudo-values V' = U - W S
         torch.bmm(Qd[i], S, out=O[i])
         O[i].baddbmm_(Aqk[i], Vp)
         S.mul_(decay[i]).baddbmm_(Kd[i].transpose(1, 2), Vp)

@@ -184,11 +184,11 @@ def kda_chunk(
     Akk, Aqk = _intra_chunk(qc, kc, G)
     # T = (I + diag(beta) Akk)^-1 diag(beta): the explicit inverse is cheaper than a solve with K + V right-hand sides.
     Tm = _unit_lower_inverse(Akk.mul_(bc)).mul_(bc.transpose(1, 2))
-    eG = _decay(G.clone())
+    eG = G.clamp_min(EXP_FLOOR).exp_()  # what _decay does, without touching G
     Qd = (qc * eG).view(n, M, C, K)
     W = torch.bmm(Tm, kc * eG).view(n, M, C, K)
     U = torch.bmm(Tm, vc).view(n, M, C, V)
-    Kd = (kc * _decay(G[:, -1:] - G)).view(n, M, C, K)  # exp(G_C - G) k
+    Kd = _decay(G[:, -1:] - G).mul_(kc).view(n, M, C, K)  # exp(G_C - G) k
     decay = eG[:, -1, :, None].view(n, M, K, 1)
     Aqk = Aqk.view(n, M, C, C)
     S = qc.new_zeros(M, K, V) if initial_state is None else initial_state.float().reshape(M, K, V).clone()

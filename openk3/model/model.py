@@ -70,7 +70,9 @@ class K3Model(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers))
+        layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.decoder_layers = layers  # typed view of the same modules (iterating a ModuleList yields plain nn.Module)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj, self.output_attn_res_norm = new_mixer(config.hidden_size, config.rms_norm_eps)
@@ -81,7 +83,7 @@ class K3Model(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         if self.config.attn_res_block_size is None:
-            for layer in self.layers:
+            for layer in self.decoder_layers:
                 h = h + layer.attention(h, batch, cache, self.cache_index[layer.index])
                 h = h + layer.feed_forward(layer.post_attention_layernorm(h))
             return self.norm(h)
@@ -92,7 +94,7 @@ class K3Model(nn.Module):
         current block. A sublayer's input is the AttnRes mix of both; its output is added to `partial`."""
         blocks: list[torch.Tensor] = []
         partial: torch.Tensor | None = embed_TD
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             assert partial is not None
             x = mix(blocks, partial, layer.self_attention_res_proj, layer.self_attention_res_norm) if blocks else partial
             if layer.index % block_size == 0:
@@ -130,9 +132,8 @@ class K3ForCausalLM(nn.Module):
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""
-        for layer in self.model.layers:
-            if layer.is_moe:
-                layer.block_sparse_moe.backend = backend
+        for moe in self.moe_layers():
+            moe.backend = backend
 
     def quantize_experts(self) -> None:
         """Replace every dense routed-expert bank by its packed MXFP4 encoding (OCP MX, FLOOR scales), in place."""
@@ -141,7 +142,7 @@ class K3ForCausalLM(nn.Module):
                 moe.experts = PackedExperts.from_dense(moe.experts)
 
     def moe_layers(self) -> list[LatentMoE]:
-        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+        return [layer.block_sparse_moe for layer in self.model.decoder_layers if layer.is_moe]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
@@ -156,8 +157,8 @@ class K3ForCausalLM(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.reset_gate_parameters(g)
-            if layer.is_moe:
-                layer.block_sparse_moe.gate.e_score_correction_bias.zero_()
+        for moe in self.moe_layers():
+            moe.gate.e_score_correction_bias.zero_()

@@ -48,6 +48,7 @@ class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
 

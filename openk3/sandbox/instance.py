@@ -2,7 +2,7 @@
 
 Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` (the disk quota) holding `u` (overlay
 upper), `w` (overlay work dir) and `m` (the merged root). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup
-namespaces and no network, running a stopped `sh` behind bwrap's pid-1 reaper; commands join its namespaces with nsenter.
+namespaces and no network, whose pid 1 is a `bash` blocked on a pipe from the daemon; commands join its namespaces with nsenter.
 Contract: the caller (backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
 """
 
@@ -19,8 +19,19 @@ from openk3.sandbox.cgroups import CgroupSet
 from openk3.sandbox.protocol import ExecResult, Limits, SandboxError
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
-# The init's process 2 says it is up (the root is mounted by then) and stops itself: one exec, no CPU, killable.
-INIT_COMMAND = ["/bin/sh", "-c", "echo ready; kill -STOP $$"]
+# The init is pid 1 itself (bwrap --as-pid-1), so nothing inside can kill it (`kill -9 -1` included). It says it is up (the
+# root is mounted by then) and blocks reading a pipe the daemon holds: no CPU, no external binary that could be deleted, and
+# it exits when the daemon goes away (EOF). bash rather than dash: bash's SIGCHLD handler reaps adopted orphans and its
+# `read` resumes after the signal, where dash's `read` returns and would end the loop.
+INIT_COMMAND = ["/bin/bash", "--noprofile", "--norc", "-c", "echo ready; while read -r _; do :; done"]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return None
 
 
 class Instance:
@@ -84,10 +95,10 @@ class Instance:
             return f"x{self._next_leaf}"
 
     def start_init(self) -> None:
-        """Start bwrap as the sandbox uid, wait for "ready", then move its three processes into the sandbox's cgroups.
+        """Start bwrap as the sandbox uid, wait for "ready", then move its two processes into the sandbox's cgroups.
 
         Moving them afterwards (instead of through the cgroup trampoline execs use) saves two execs on every create and cold
-        restore, and is race-free: until now only bwrap and the init's own `sh` exist, and no user code has run.
+        restore, and is race-free: until now only bwrap and the init's own `bash` exist, and no user code has run.
         """
         info_r, info_w = os.pipe()
         # The root is handed over as an open fd: bwrap runs as the sandbox uid, which may not traverse the state dir's parents.
@@ -95,10 +106,11 @@ class Instance:
         argv = [
             self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind-fd", str(root_fd), "/",
-            "--proc", "/proc", "--dev", "/dev", "--new-session", "--info-fd", str(info_w), "--chdir", "/", "--", *INIT_COMMAND,
+            "--proc", "/proc", "--dev", "/dev", "--new-session", "--as-pid-1", "--info-fd", str(info_w), "--chdir", "/", "--",
+            *INIT_COMMAND,
         ]
         try:
-            self.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.init = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          pass_fds=(info_w, root_fd), env=self.env, user=self.uid, group=self.uid,
                                          extra_groups=None if self.uid is None else [])
         finally:
@@ -113,6 +125,7 @@ class Instance:
             self.init.stdout.close()
             self.init.kill()
             self.init.wait()
+            self._close_stdin()
             raise SandboxError(f"sandbox {self.sid}: init failed to start: {rest.decode(errors='replace').strip()}")
         self.init.stdout.close()
         self.init_pid = int(json.loads(info)["child-pid"])
@@ -123,21 +136,25 @@ class Instance:
                 with open(procs, "w") as f:
                     f.write(str(pid))
 
+    def _close_stdin(self) -> None:
+        if self.init is not None and self.init.stdin is not None and not self.init.stdin.closed:
+            try:
+                self.init.stdin.close()
+            except BrokenPipeError:
+                pass
+
     def alive(self) -> bool:
-        """The init runs and still has its `sh` child (once that is killed, bwrap's pid 1 is on its way out)."""
+        """bwrap and the sandbox's pid 1 run (only the host can kill pid 1, e.g. a destroy racing with this call)."""
         if self.init is None or self.init.poll() is not None or self.init_pid is None:
             return False
-        try:
-            with open(f"/proc/{self.init_pid}/task/{self.init_pid}/children") as f:
-                return bool(f.read().split())
-        except FileNotFoundError:
-            return False
+        return _state(self.init_pid) not in ("Z", "X", None)
 
     def stop_all(self) -> None:
         """Kill every process of the sandbox (init included) and reap the init."""
         self.cg.kill()
         if self.init is not None:
             self.init.wait()
+            self._close_stdin()
             self.init = None
             self.init_pid = None
         if not self.cg.wait_empty():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import selectors
 import subprocess
 import time
@@ -56,6 +57,18 @@ class Captured:
 def exit_status(returncode: int) -> int:
     """Popen's -N (killed by signal N) as the shell's 128+N, so an OOM kill reads as 137."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _wait_exit(pid: int, deadline: float) -> bool:
+    """Wait for `pid` to exit until `deadline` without Popen.wait's polling (it sleeps up to 50 ms between checks)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(pidfd)
 
 
 def run_captured(
@@ -131,13 +144,11 @@ def run_captured(
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if not f.closed:
                 f.close()
-    try:
-        returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    if proc.poll() is None and not _wait_exit(proc.pid, deadline):
         # It closed both pipes but kept running (e.g. `exec >&-`): the deadline still holds.
         timed_out = True
         on_timeout()
-        returncode = proc.wait()
+    returncode = proc.wait()
     return Captured(
         returncode=exit_status(returncode),
         stdout=bytes(bufs[out_fd]),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
 import tarfile
 import time
 
@@ -100,11 +102,18 @@ def test_stats_heartbeat_and_ttl_reaping(svc):
             svc.destroy(x)
 
 
-def test_init_killed_from_inside_is_restarted(svc):
+def test_init_survives_kill_all_and_is_restarted_when_killed_from_the_host(svc):
     sid = svc.create()
     try:
-        svc.exec(sid, "echo keep > /root/k; kill -9 -1", timeout_s=5)
+        init_pid = svc.backend.box(sid).init_pid
+        svc.exec(sid, "echo keep > /root/k; sleep 60 & kill -9 -1", timeout_s=5)
+        assert svc.exec(sid, "cat /root/k").stdout == b"keep\n"  # pid 1 of a pid namespace ignores SIGKILL from inside
+        assert svc.backend.box(sid).init_pid == init_pid
+        states = svc.exec(sid, "(sh -c 'sleep 0.1 &' &); sleep 0.5; ps -eo stat=").stdout.split()
+        assert states and not [st for st in states if st.startswith(b"Z")], "pid 1 must reap the orphans it adopts"
+        os.kill(init_pid, signal.SIGKILL)  # only the host can kill it; the next call starts a new init over the same files
         assert svc.exec(sid, "cat /root/k").stdout == b"keep\n"
+        assert svc.backend.box(sid).init_pid != init_pid
     finally:
         svc.destroy(sid)
 

@@ -80,7 +80,8 @@ def test_cpu_quota_holds(svc):
         wall = time.monotonic() - t0
         used = (svc.stats(sid).cpu_usage_s or 0.0) - before
         assert used <= cpus * wall * 1.10, (used, wall)
-        assert used >= cpus * wall * 0.5, f"busy loops barely ran ({used:.2f}s): the check above proves nothing"
+        # lower bound only proves the loops ran (other jobs share these 2 cores); the quota is the upper bound above
+        assert used >= cpus * wall * 0.25, f"busy loops barely ran ({used:.2f}s): the check above proves nothing"
     finally:
         svc.destroy(sid)
 

@@ -10,6 +10,7 @@ checked against the same reference and reported.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"machine: {machine()}; torch {torch.__version__}; commit {commit}")
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a shared machine slows the many-op loops most)")
     print(f"B=1 T={args.T} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate}\n")
 
     inputs = make_inputs(args.T, args.heads, args.dim, KDAGate(args.gate))
@@ -95,6 +97,7 @@ def main() -> int:
         fn(warm)
     seconds, outputs = best_seconds({name: (lambda fn=fn: fn(inputs)) for name, fn in runs.items()}, args.repeats)
 
+    print(f"load average after: {os.getloadavg()[0]:.1f}\n")
     o_ref, s_ref = outputs["openk3 kda_recurrent (reference)"]
     errors = {name: max((o - o_ref).abs().max().item(), (s - s_ref).abs().max().item()) for name, (o, s) in outputs.items()}
     ours = seconds["openk3 kda_chunk"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from openk3.sandbox.backend import BackendConfig
 from openk3.sandbox.protocol import SandboxError
@@ -32,8 +33,17 @@ def run(args: argparse.Namespace) -> int:
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")
         return 1
+    # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception it unwinds through `finally`, so the sandboxes,
+    # mounts and cgroups go away with the daemon instead of waiting for the next start's crash recovery.
+    signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         serve(service, args.host, args.port, args.workers)
+    except SystemExit:
+        pass
     finally:
         service.close()
     return 0
+
+
+def _exit_on_term(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

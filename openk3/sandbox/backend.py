@@ -68,7 +68,7 @@ class NamespaceBackend:
                 raise Unsupported("cgroups='v1': this host has no v1 freezer hierarchy")
         self.bwrap = features.bwrap
         self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
-        self.instance_name = "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(config.state_dir)).hex[:10]
+        self.instance_name = instance_name(config.state_dir)
         self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
         self.state = os.path.realpath(config.state_dir)
         if config.sandbox_uid is not None:
@@ -330,3 +330,8 @@ class NamespaceBackend:
         syscalls.umount(self.state)
         shutil.rmtree(self.state, ignore_errors=True)
         cgroups.recover(self.layout, self.cg_prefix)
+
+
+def instance_name(state_dir: str) -> str:
+    """The daemon's cgroup subtree name: derived from its state dir, so a restart on the same dir finds a crashed run's."""
+    return "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(state_dir)).hex[:10]

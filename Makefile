@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 # Debian packages the sandbox tests need (bubblewrap for namespaces, zstd for snapshot export). Skipped when not root or already present.
 system-deps:
-	@if ! command -v bwrap >/dev/null 2>&1 && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	@if { ! command -v bwrap >/dev/null 2>&1 || ! command -v zstd >/dev/null 2>&1; } && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd >/dev/null; fi
 
 test: venv system-deps

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.cache.prefix import PrefixCacheConfig
+from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -36,6 +39,33 @@ class EngineConfig:
     cache_dtype: torch.dtype | None = None  # None: the model's parameter dtype
     seed: int = 0  # of the generator shared by unseeded requests
     check_integrity_when_idle: bool = True
+    enable_prefix_caching: bool = False
+    prefix_match_unit: int = 64  # tokens; prefill chunks are cut (and states snapshotted) at its multiples
+    prefix_snapshot_interval: int | None = None  # also snapshot every this many prompt tokens
+    num_snapshot_slots: int | None = None  # None: max_num_seqs; paid from cache_memory_bytes like the pages
+    cpu_offload_bytes: int = 0  # host-DRAM tier budget (0: none)
+    disk_offload_dir: str | None = None
+    disk_offload_bytes: int = 0  # disk tier budget (needs disk_offload_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_match_unit",):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an integer >= 1")
+        for name in ("cpu_offload_bytes", "disk_offload_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an integer >= 0")
+        if self.disk_offload_bytes > 0 and self.disk_offload_dir is None:
+            raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
+        if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
+
+    @property
+    def snapshot_slots(self) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.num_snapshot_slots is None else self.num_snapshot_slots
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -53,6 +83,7 @@ class EngineStats:
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
 
 
 def _param(model: CausalLM) -> torch.Tensor | None:
@@ -80,9 +111,22 @@ class LLMEngine:
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs, cache_dtype
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + cfg.snapshot_slots, cache_dtype
         )
-        self.cache = CacheManager(self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device)
+        prefix = None
+        if cfg.enable_prefix_caching:
+            prefix = PrefixCacheConfig(
+                match_unit=cfg.prefix_match_unit,
+                snapshot_interval=cfg.prefix_snapshot_interval,
+                num_snapshot_slots=cfg.snapshot_slots,
+                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype),
+                host_bytes=cfg.cpu_offload_bytes,
+                disk_dir=cfg.disk_offload_dir,
+                disk_bytes=cfg.disk_offload_bytes,
+            )
+        self.cache = CacheManager(
+            self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix
+        )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
@@ -140,8 +184,13 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if not self.has_unfinished():
-            if self.cache.num_free_pages != self.cache.num_pages or self.cache.num_free_slots != self.cache.state_pool.num_slots:
+            # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
+            if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:
                 raise AssertionError("engine is idle but cache pages or slots are still held")
+
+    def close(self) -> None:
+        """Release what outlives a step: the disk tier's writer thread and files."""
+        self.cache.close()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -152,6 +201,7 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            prefix_cache=prefix_cache_stats(self.cache),
         )
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

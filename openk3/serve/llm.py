@@ -66,6 +66,13 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         cache_memory_bytes: int = 256 * 2**20,
+        enable_prefix_caching: bool = False,
+        prefix_match_unit: int = 64,
+        prefix_snapshot_interval: int | None = None,
+        num_snapshot_slots: int | None = None,
+        cpu_offload_bytes: int = 0,
+        disk_offload_dir: str | None = None,
+        disk_offload_bytes: int = 0,
     ) -> None:
         net: CausalLM
         if isinstance(model, torch.nn.Module):
@@ -83,10 +90,21 @@ class LLM:
             num_pages=num_pages,
             cache_memory_bytes=cache_memory_bytes,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_match_unit=prefix_match_unit,
+            prefix_snapshot_interval=prefix_snapshot_interval,
+            num_snapshot_slots=num_snapshot_slots,
+            cpu_offload_bytes=cpu_offload_bytes,
+            disk_offload_dir=disk_offload_dir,
+            disk_offload_bytes=disk_offload_bytes,
         )
         self.engine = LLMEngine(net, tok, config)
         self.tokenizer = tok
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the disk tier's writer thread and remove its files (nothing to do without one)."""
+        self.engine.close()
 
     @property
     def model(self) -> CausalLM:

@@ -86,6 +86,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when seeded; survives preemption so draws never repeat
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -142,6 +144,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,5 +195,6 @@ def completion_of(req: Request) -> tuple[CompletionOutput, RequestMetrics]:
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=req.num_output_tokens,
         num_preemptions=req.num_preemptions,
+        num_cached_tokens=req.num_cached_tokens,
     )
     return completion, metrics

@@ -7,6 +7,10 @@ run out the newest running request is preempted (its pages and slot freed, back 
 from token 0 later). Then, if nothing was preempted, waiting requests are admitted in FIFO order while a slot, pages, budget and
 `max_num_seqs` allow. What goes to the runner is a diff: requests it has not seen (all their tokens, slot and pages), page ids
 added to the ones it knows, the tokens to compute per request, and the ids it must forget.
+Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
+hit), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points and fixed intervals always,
+and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States
+are snapshotted at those cuts, at the prompt end and when a request finishes.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
@@ -112,10 +116,48 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
+        c = req.num_computed_tokens if start is None else start
+        remaining = req.num_tokens - c
+        n = min(remaining, budget)
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
+        pc = self.cache.prefix_config
+        if pc is None or c >= req.num_prompt_tokens:
+            return n
+        end = c + n
+        forced = [q for q in req.snapshot_points if c < q < end]
+        if pc.snapshot_interval is not None and (c // pc.snapshot_interval + 1) * pc.snapshot_interval < end:
+            forced.append((c // pc.snapshot_interval + 1) * pc.snapshot_interval)
+        if forced:
+            return min(forced) - c
+        aligned = end // pc.match_unit * pc.match_unit
+        return aligned - c if n < remaining and aligned > c else n
+
+    def _snapshot_due(self, req: Request) -> bool:
+        pc, c = self.cache.prefix_config, req.num_computed_tokens
+        if pc is None or c > req.num_prompt_tokens:
+            return False
+        interval = pc.snapshot_interval is not None and c % pc.snapshot_interval == 0
+        return c == req.num_prompt_tokens or c % pc.match_unit == 0 or c in req.snapshot_points or interval
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Take cache for a waiting request (from its deepest cached prefix when prefix caching is on); the tokens it gets this
+        step, or None when the cache cannot hold it now."""
+        if self.cache.prefix is None:
+            n = self._chunk(req, budget)
+            return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
+        tokens = req.all_token_ids
+        match = self.cache.fetch(self.cache.match_prefix(tokens))
+        start = match.num_tokens
+        if start < match.matched_tokens < req.num_prompt_tokens:
+            req.snapshot_points = tuple(sorted({*req.snapshot_points, match.matched_tokens}))  # a branch point: state wanted there
+        n = self._chunk(req, budget, start)
+        if not self.cache.allocate_prefixed(req.request_id, tokens, match, start + n):
+            return None
+        req.num_computed_tokens = start
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = start
         return n
 
     def _preempt(self, req: Request) -> None:
@@ -157,9 +199,10 @@ class Scheduler:
         now = time.monotonic()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
-            if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            admitted = self._admit(req, budget)
+            if admitted is None:
                 break  # FIFO: later requests wait behind the head rather than overtaking it
+            n = admitted
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
@@ -192,6 +235,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             req.num_computed_tokens += n
+            if self._snapshot_due(req):
+                self.cache.snapshot(req_id, req.all_token_ids[: req.num_computed_tokens])
             token = result.sampled_token_ids.get(req_id)
             if token is None:
                 continue
@@ -212,6 +257,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self._forget.add(req_id)
+            if self.cache.prefix is not None and req.num_computed_tokens > 0:
+                self.cache.snapshot(req_id, req.all_token_ids[: req.num_computed_tokens])  # the next turn of a conversation
         else:
             self.waiting.remove(req)
         if self.cache.holds(req_id):

@@ -4,17 +4,25 @@ and the preallocated `CacheTensors` the model reads and writes through them.
 Contract: `allocate(req_id, num_tokens)` makes request req_id hold a state slot and enough pages for its first num_tokens tokens,
 all or nothing; `free(req_id)` returns both. Only the scheduler calls them (single thread). The page list of a request only
 grows while it runs, so the runner can keep its copy in sync from the new page ids alone.
+With prefix caching (`prefix` given) the state tensors hold `num_slots` request slots followed by the snapshot slots, pages are
+held by requests and by the prefix index (ref counts), and an allocation that finds too few free pages first evicts cached
+prefixes (prefix.py states the rule). A new request starts through `match_prefix` -> `fetch` -> `allocate_prefixed`.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
+from openk3.serve.cache.prefix import PrefixCache, PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.spec import CacheSpec
 from openk3.serve.cache.state_pool import StatePool
+from openk3.serve.cache.tiers import DiskTier, HostTier, TierKind, TierStack
+from openk3.serve.cache.transfer import copy_page, copy_slot, unpack
 
 
 def cache_spec(config: ModelConfig, page_size: int, dtype: torch.dtype) -> CacheSpec:
@@ -30,6 +38,7 @@ class CacheManager:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        prefix: PrefixCacheConfig | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"CacheManager.page_size={page_size} is invalid: expected >= 1")
@@ -39,9 +48,18 @@ class CacheManager:
         self.page_size = page_size
         self.block_pool = BlockPool(num_pages)
         self.state_pool = StatePool(num_slots)
-        self.tensors = CacheTensors.allocate(config, num_slots, num_pages, page_size, dtype=dtype, device=device)
+        num_snapshots = prefix.num_snapshot_slots if prefix is not None else 0
+        self.tensors = CacheTensors.allocate(config, num_slots + num_snapshots, num_pages, page_size, dtype=dtype, device=device)
         self._pages: dict[str, list[int]] = {}
         self._slots: dict[str, int] = {}
+        self.prefix_config = prefix
+        self.prefix: PrefixCache | None = None
+        if prefix is not None:
+            host = HostTier(prefix.host_bytes) if prefix.host_bytes > 0 else None
+            disk = DiskTier(prefix.disk_dir, prefix.disk_bytes) if prefix.disk_dir is not None and prefix.disk_bytes > 0 else None
+            tiers = TierStack(host, disk) if host is not None or disk is not None else None
+            slots = range(num_slots, num_slots + num_snapshots)
+            self.prefix = PrefixCache(self.block_pool, self.tensors, slots, prefix.salt, tiers)
 
     @staticmethod
     def num_pages_for_memory(config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype) -> int:
@@ -93,6 +111,8 @@ class CacheManager:
 
     def allocate(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Grow req_id's holding to cover num_tokens tokens; returns the newly added page ids, or None (nothing changed)."""
+        if self.prefix is not None:
+            self.prefix.evict_for_pages(self.pages_for(num_tokens) - len(self._pages.get(req_id, ())))
         if not self.can_allocate(req_id, num_tokens):
             return None
         if req_id not in self._slots:
@@ -112,17 +132,92 @@ class CacheManager:
         self.block_pool.free(pages[::-1])
         self.state_pool.free(self._slots.pop(req_id))
 
+    @property
+    def num_request_holders(self) -> int:
+        return len(self._slots)
+
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+        """The deepest cached boundary of `tokens` (at most len - 1: the last token is computed for its logits), on the
+        device or, when deeper, in a lower tier."""
+        assert self.prefix is not None
+        limit = len(tokens) - 1
+        match, keys = self.prefix.match(tokens, limit)
+        tiers = self.prefix.tiers
+        if tiers is None:
+            return match
+        deeper = tiers.deepest(self.prefix.salt, keys, tokens, self.page_size, limit)
+        if deeper is None or deeper[2] <= match.num_tokens:
+            return match
+        tier, key, p = deeper
+        return PrefixMatch(p, tier, key, (), None, None, match.matched_tokens, fallback=match)
+
+    def fetch(self, match: PrefixMatch) -> PrefixMatch:
+        """Load a host/disk hit's buffer; a failed load (gone, or a bad checksum) gives the device match instead."""
+        if match.tier in (None, TierKind.DEVICE) or match.buffer is not None:
+            return match
+        assert self.prefix is not None and self.prefix.tiers is not None and match.key is not None and match.fallback is not None
+        buf = self.prefix.tiers.load(match.tier, match.key)
+        return match.fallback if buf is None else replace(match, buffer=buf)
+
+    def allocate_prefixed(self, req_id: str, tokens: list[int], match: PrefixMatch, num_tokens: int) -> bool:
+        """Admit a new request that starts at match.num_tokens (a fetched match; 0 for a miss) and cover num_tokens tokens,
+        all or nothing. Full cached pages are shared, the snapshot and a partial tail page are copied (copy-on-write); a host/disk
+        hit is written into fresh pages and snapshotted on the device again."""
+        assert self.prefix is not None and req_id not in self._slots
+        slot = self.state_pool.allocate()
+        if slot is None:
+            return False
+        prefix, p = self.prefix, match.num_tokens
+        shared = list(match.page_ids) if match.tier == TierKind.DEVICE else []
+        pinned = shared + ([match.tail_page] if match.tail_page is not None else [])
+        self.block_pool.share(pinned)  # the eviction below must not free what this request is about to reuse
+        num_new = self.pages_for(num_tokens) - len(shared)
+        if not prefix.evict_for_pages(num_new):
+            self.block_pool.free(pinned[::-1])
+            self.state_pool.free(slot)
+            return False
+        new = self.block_pool.allocate(num_new)
+        assert new is not None
+        pages = shared + new
+        if match.tier == TierKind.DEVICE:
+            assert match.slot is not None
+            prefix.counters.device_bytes_copied += copy_slot(self.tensors, match.slot, slot)
+            if match.tail_page is not None:
+                prefix.counters.device_bytes_copied += copy_page(self.tensors, match.tail_page, new[0])
+                self.block_pool.free([match.tail_page])
+        elif match.tier is not None:
+            assert match.buffer is not None
+            unpack(match.buffer, self.tensors, slot, pages, p)
+        self._slots[req_id], self._pages[req_id] = slot, pages
+        if match.tier not in (None, TierKind.DEVICE):
+            prefix.insert(tokens[:p], pages, slot)
+        prefix.count_query(len(tokens), p)
+        return True
+
+    def snapshot(self, req_id: str, tokens: list[int]) -> bool:
+        """Cache the state of req_id, which has computed exactly `tokens`, with its pages."""
+        assert self.prefix is not None
+        return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id])
+
+    def close(self) -> None:
+        """Stop the disk tier's writer and remove its files."""
+        if self.prefix is not None and self.prefix.tiers is not None:
+            self.prefix.tiers.close()
+
     def check_integrity(self) -> None:
         self.block_pool.check_integrity()
         self.state_pool.check_integrity()
         held: dict[int, int] = {}
+        if self.prefix is not None:
+            self.prefix.check_integrity()
+            held = dict(self.prefix.page_refs())
         for pages in self._pages.values():
             for p in pages:
                 held[p] = held.get(p, 0) + 1
         for p in range(self.num_pages):
             if held.get(p, 0) != self.block_pool.ref_count(p):
                 ref = self.block_pool.ref_count(p)
-                raise AssertionError(f"CacheManager: page {p} is held by {held.get(p, 0)} requests but has ref count {ref}")
+                raise AssertionError(f"CacheManager: page {p} is held {held.get(p, 0)} times (requests + prefix index) but has ref count {ref}")
         slots = list(self._slots.values())
         if len(set(slots)) != len(slots):
             raise AssertionError(f"CacheManager: a state slot is held by two requests: {self._slots}")

@@ -1,0 +1,320 @@
+"""PrefixCache: the device index of cached prefixes -- MLA pages in a tree of chained page keys, KDA state snapshots at boundaries.
+
+A node is one full page (its key chains the salt and every token before its end); a snapshot is the KDA state (+ conv windows)
+at a boundary p, hung on the node of the last full page before p, with the tail tokens after it and, when the tail is not empty,
+a reference to the page holding those tail tokens. The index holds one block-pool reference per node page and tail page.
+
+Hit rule: a request may start at the deepest boundary p <= len(tokens) - 1 where a snapshot exists; pages matched deeper without
+a state are a miss there (restoring pages without their state produces wrong text). Reuse is copy-on-write: full pages are
+shared (ref count + 1), the snapshot is copied into the request's own slot, and a tail page is copied into a fresh page, because
+the request will write its next positions into that page.
+
+Eviction (LRU, `check_integrity` enforces the invariants):
+- page pressure evicts the least recently used *leaf* snapshot (its node has no child); then every node left with no snapshot at or
+  below it is freed, up to the first ancestor that still leads to a snapshot;
+- snapshot-slot pressure evicts the least recently used snapshot, leaf or not. A state evicted while deeper snapshots still use its
+  pages leaves those pages in place: they serve only longer hits that end at a deeper snapshot, never a hit at the evicted boundary.
+- an evicted snapshot goes, with its pages, to the host/disk tiers when there are any (`TierStack.offload`).
+Not thread-safe: the scheduler's thread owns it (the tiers' disk writer is separate).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.model.batch import CacheTensors
+from openk3.serve.cache.block_pool import BlockPool
+from openk3.serve.cache.hashing import chain_keys, page_key, snapshot_key
+from openk3.serve.cache.tiers import TierEntry, TierKind, TierStack
+from openk3.serve.cache.transfer import copy_slot, pack
+
+
+@dataclass(eq=False)
+class _Node:
+    key: bytes
+    parent: _Node | None
+    page: int | None  # None only at the root
+    tokens: tuple[int, ...]
+    depth: int  # full pages from the root to here
+    children: dict[bytes, _Node] = field(default_factory=dict)
+    snapshots: dict[tuple[int, ...], _Snapshot] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    key: bytes
+    node: _Node
+    tail: tuple[int, ...]
+    slot: int
+    tail_page: int | None
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Prefix caching options (EngineConfig's enable_prefix_caching and friends, resolved by the engine)."""
+
+    match_unit: int = 64  # prefill chunks are cut at multiples of it, and a state is snapshotted at each such cut
+    snapshot_interval: int | None = None  # also cut and snapshot every this many prompt tokens (dense, costs slots)
+    num_snapshot_slots: int = 8  # state slots reserved for snapshots, paid from the same cache byte budget as the pages
+    salt: bytes = b""  # hashing.model_salt
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("match_unit", "num_snapshot_slots", "host_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            low = 1 if name == "match_unit" else 0
+            if not isinstance(v, int) or v < low:
+                raise ValueError(f"PrefixCacheConfig.{name}={v!r} is invalid: expected an integer >= {low}")
+        if self.snapshot_interval is not None and (not isinstance(self.snapshot_interval, int) or self.snapshot_interval < 1):
+            raise ValueError(f"PrefixCacheConfig.snapshot_interval={self.snapshot_interval!r} is invalid: expected None or an integer >= 1")
+        if self.disk_bytes > 0 and self.disk_dir is None:
+            raise ValueError(f"PrefixCacheConfig.disk_bytes={self.disk_bytes} needs disk_dir (a directory for the disk tier)")
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Where a request can start: `num_tokens` tokens are cached in `tier` (None: a miss)."""
+
+    num_tokens: int
+    tier: TierKind | None
+    key: bytes | None
+    page_ids: tuple[int, ...]  # device hit: full pages to share
+    tail_page: int | None  # device hit: the page to copy for the tail positions
+    slot: int | None  # device hit: the snapshot slot to copy
+    matched_tokens: int  # deepest token-level match in the device index, with or without a state
+    buffer: torch.Tensor | None = None  # host/disk hit: the loaded prefix (CacheManager.fetch)
+    fallback: PrefixMatch | None = None  # host/disk hit: the device match to use if the load fails
+
+    @staticmethod
+    def miss(matched_tokens: int = 0) -> PrefixMatch:
+        return PrefixMatch(0, None, None, (), None, None, matched_tokens)
+
+
+@dataclass
+class PrefixCounters:
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    snapshots_taken: int = 0
+    snapshots_evicted: int = 0
+    device_bytes_copied: int = 0
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        tensors: CacheTensors,
+        snapshot_slots: Sequence[int],
+        salt: bytes,
+        tiers: TierStack | None = None,
+    ) -> None:
+        self.pool = block_pool
+        self.tensors = tensors
+        self.page_size = tensors.page_size
+        self.salt = salt
+        self.tiers = tiers
+        self.all_slots = tuple(snapshot_slots)
+        self._free_slots = list(self.all_slots)
+        self.root = _Node(salt, None, None, (), 0)
+        self._lru: OrderedDict[bytes, _Snapshot] = OrderedDict()
+        self._clock = itertools.count()
+        self.counters = PrefixCounters()
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._lru)
+
+    def snapshot_boundaries(self) -> list[int]:
+        """Boundaries of the cached snapshots, least recently used first (tests read the eviction order from it)."""
+        return [s.num_tokens for s in self._lru.values()]
+
+    # lookup ---------------------------------------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], limit: int) -> tuple[PrefixMatch, list[bytes]]:
+        """Deepest usable boundary <= limit on the device, and the page keys of `tokens` (for the tier lookup)."""
+        ps = self.page_size
+        keys = chain_keys(self.salt, tokens[: (limit // ps) * ps], ps)
+        node, j, best = self.root, 0, None
+        while True:
+            for tail, snap in node.snapshots.items():
+                start = j * ps
+                if snap.num_tokens <= limit and (best is None or snap.num_tokens > best.num_tokens):
+                    if tuple(tokens[start : start + len(tail)]) == tail:
+                        best = snap
+            child = node.children.get(keys[j]) if j < len(keys) else None
+            if child is None:
+                break
+            node, j = child, j + 1
+        matched = j * ps + self._common_run(node, tokens[j * ps : (j + 1) * ps])
+        if best is None:
+            return PrefixMatch.miss(matched), keys
+        pages = self._path_pages(best.node)
+        self._lru.move_to_end(best.key)
+        return PrefixMatch(best.num_tokens, TierKind.DEVICE, best.key, tuple(pages), best.tail_page, best.slot, matched), keys
+
+    @staticmethod
+    def _common_run(node: _Node, rest: Sequence[int]) -> int:
+        """Longest run of `rest` that the index holds after `node` (child pages or snapshot tails)."""
+        best = 0
+        for run in [c.tokens for c in node.children.values()] + list(node.snapshots):
+            n = 0
+            while n < min(len(run), len(rest)) and run[n] == rest[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+    @staticmethod
+    def _path_pages(node: _Node) -> list[int]:
+        pages = []
+        while node.parent is not None:
+            assert node.page is not None
+            pages.append(node.page)
+            node = node.parent
+        return pages[::-1]
+
+    def count_query(self, num_tokens: int, hit_tokens: int) -> None:
+        c = self.counters
+        c.queries += 1
+        c.query_tokens += num_tokens
+        c.hits += hit_tokens > 0
+        c.hit_tokens += hit_tokens
+
+    # insertion ------------------------------------------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int) -> bool:
+        """Snapshot the state in `slot` (after exactly `tokens`) with the pages holding them; False when already cached or
+        when there is no snapshot slot at all."""
+        p, ps = len(tokens), self.page_size
+        if p == 0 or not self.all_slots:
+            return False
+        k = p // ps
+        keys = chain_keys(self.salt, tokens[: k * ps], ps)
+        tail = tuple(tokens[k * ps : p])
+        node = self._walk(keys)
+        if node is not None and tail in node.snapshots:
+            self._lru.move_to_end(node.snapshots[tail].key)
+            return False
+        snap_slot = self._take_slot()  # before building the path: making room may prune nodes of this very path
+        node = self.root
+        for j, key in enumerate(keys):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key, node, page_ids[j], tuple(tokens[j * ps : (j + 1) * ps]), j + 1)
+                self.pool.share([page_ids[j]])
+                node.children[key] = child
+            node = child
+        tail_page = page_ids[k] if tail else None
+        if tail_page is not None:
+            self.pool.share([tail_page])
+        self.counters.device_bytes_copied += copy_slot(self.tensors, slot, snap_slot)
+        snap = _Snapshot(snapshot_key(node.key, tail), node, tail, snap_slot, tail_page, p)
+        node.snapshots[tail] = snap
+        self._lru[snap.key] = snap
+        self.counters.snapshots_taken += 1
+        return True
+
+    def _walk(self, keys: Sequence[bytes]) -> _Node | None:
+        node = self.root
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                return None
+            node = child
+        return node
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            self._evict(next(iter(self._lru.values())))
+        return self._free_slots.pop(0)
+
+    # eviction -------------------------------------------------------------------------------------------------------------
+
+    def evict_for_pages(self, num_free: int) -> bool:
+        """Evict leaf snapshots, least recently used first, until the pool has num_free free pages; False if it cannot."""
+        while self.pool.num_free < num_free:
+            leaf = next((s for s in self._lru.values() if not s.node.children), None)
+            if leaf is None:
+                return False
+            self._evict(leaf)
+        return True
+
+    def _evict(self, snap: _Snapshot) -> None:
+        if self.tiers is not None and not self.tiers.contains(snap.key):
+            pages = self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
+            buf = pack(self.tensors, snap.slot, pages, snap.num_tokens)
+            self.tiers.offload(TierEntry(snap.key, snap.node.key, snap.tail, snap.num_tokens, buf))
+        del snap.node.snapshots[snap.tail]
+        del self._lru[snap.key]
+        self._free_slots.append(snap.slot)
+        if snap.tail_page is not None:
+            self.pool.free([snap.tail_page])
+        self.counters.snapshots_evicted += 1
+        node = snap.node
+        while node.parent is not None and not node.children and not node.snapshots:
+            del node.parent.children[node.key]
+            assert node.page is not None
+            self.pool.free([node.page])
+            node = node.parent
+
+    def clear(self) -> None:
+        while self._lru:
+            self._evict(next(iter(self._lru.values())))
+
+    # integrity ------------------------------------------------------------------------------------------------------------
+
+    def page_refs(self) -> dict[int, int]:
+        """Block-pool references the index holds, per page."""
+        refs: dict[int, int] = {}
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.page is not None:
+                refs[node.page] = refs.get(node.page, 0) + 1
+            for s in node.snapshots.values():
+                if s.tail_page is not None:
+                    refs[s.tail_page] = refs.get(s.tail_page, 0) + 1
+            stack.extend(node.children.values())
+        return refs
+
+    def check_integrity(self) -> None:
+        ps = self.page_size
+        seen: dict[bytes, _Snapshot] = {}
+
+        def visit(node: _Node) -> bool:
+            """Checks the subtree; True when it holds a snapshot."""
+            has = bool(node.snapshots)
+            for tail, s in node.snapshots.items():
+                if s.node is not node or s.tail != tail or len(tail) >= ps or s.num_tokens != node.depth * ps + len(tail):
+                    raise AssertionError(f"PrefixCache: snapshot at {s.num_tokens} does not match its node (depth {node.depth}, tail {tail})")
+                if (s.tail_page is None) != (not tail) or s.key != snapshot_key(node.key, tail):
+                    raise AssertionError(f"PrefixCache: snapshot at {s.num_tokens} has a wrong tail page or key")
+                seen[s.key] = s
+            for key, child in node.children.items():
+                if child.parent is not node or child.key != key or child.depth != node.depth + 1 or len(child.tokens) != ps:
+                    raise AssertionError(f"PrefixCache: node at depth {child.depth} is linked wrongly")
+                if key != page_key(node.key, child.tokens):
+                    raise AssertionError(f"PrefixCache: node at depth {child.depth} has a key that is not the chain of its tokens")
+                if not visit(child):
+                    raise AssertionError(f"PrefixCache: node at depth {child.depth} leads to no snapshot (it should have been freed)")
+                has = True
+            return has
+
+        visit(self.root)
+        if seen.keys() != self._lru.keys():
+            raise AssertionError("PrefixCache: the LRU list and the tree hold different snapshots")
+        used = [s.slot for s in self._lru.values()]
+        if sorted(used + self._free_slots) != sorted(self.all_slots):
+            raise AssertionError(f"PrefixCache: snapshot slots used {used} + free {self._free_slots} != {self.all_slots}")
+        for page, n in self.page_refs().items():
+            if self.pool.ref_count(page) < n:
+                raise AssertionError(f"PrefixCache: page {page} has ref count {self.pool.ref_count(page)} < the index's {n}")

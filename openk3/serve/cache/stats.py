@@ -1,0 +1,45 @@
+"""Prefix-cache and tier counters for EngineStats and /metrics: hits, snapshots, and bytes used and moved per tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openk3.serve.cache.manager import CacheManager, cache_spec
+from openk3.serve.cache.tiers import TierKind, TierStats
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters since start; `tiers` lists device, then host and disk when configured."""
+
+    queries: int  # requests looked up
+    hits: int  # requests that started from a cached prefix
+    query_tokens: int
+    hit_tokens: int
+    snapshots_taken: int
+    snapshots_evicted: int
+    tiers: tuple[TierStats, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def tier(self, kind: TierKind) -> TierStats | None:
+        return next((t for t in self.tiers if t.tier == kind), None)
+
+
+def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
+    """None while prefix caching is off. Device bytes: every held page and every used slot (requests' and snapshots');
+    device bytes_in counts snapshot and copy-on-write copies on the device."""
+    prefix = cache.prefix
+    if prefix is None:
+        return None
+    pools = cache.tensors.mla_latent or cache.tensors.conv_state
+    spec = cache_spec(cache.config, cache.page_size, pools[0].dtype)
+    page, state = spec.mla.bytes_per_page, spec.kda.bytes_per_sequence
+    used = cache.block_pool.num_used * page + (cache.state_pool.num_used + prefix.num_snapshots) * state
+    capacity = cache.num_pages * page + (cache.state_pool.num_slots + len(prefix.all_slots)) * state
+    c = prefix.counters
+    device = TierStats(TierKind.DEVICE, used, capacity, prefix.num_snapshots, c.device_bytes_copied, 0, c.hits)
+    lower = prefix.tiers.stats() if prefix.tiers is not None else ()
+    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, c.snapshots_taken, c.snapshots_evicted, (device, *lower))

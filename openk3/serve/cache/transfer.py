@@ -1,0 +1,81 @@
+"""Copies between cache slots and pages, and the one contiguous buffer a prefix travels in between tiers.
+
+Legend: S state slots, NP pages, PS tokens per page, R latent width, p tokens of the prefix.
+A buffer is flat uint8: every KDA layer's recurrent state [H, K, V] fp32, then every conv window [C, W-1], then every MLA
+layer's latents of the prefix's p tokens [p, R] (per token, so a buffer does not depend on the page size). One copy moves a
+prefix's pages and its KDA snapshot together, which is what makes a tier hit all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from openk3.model.batch import CacheTensors
+
+
+def copy_slot(tensors: CacheTensors, src: int, dst: int) -> int:
+    """Copy one sequence's KDA state and conv windows; returns the bytes copied."""
+    moved = 0
+    with torch.no_grad():
+        for pool in (*tensors.kda_state, *tensors.conv_state):
+            pool[dst].copy_(pool[src])
+            moved += pool[src].numel() * pool.element_size()
+    return moved
+
+
+def copy_page(tensors: CacheTensors, src: int, dst: int) -> int:
+    """Copy one MLA page in every MLA layer (copy-on-write of a partly filled page); returns the bytes copied."""
+    moved = 0
+    with torch.no_grad():
+        for pool in tensors.mla_latent:
+            pool[dst].copy_(pool[src])
+            moved += pool[src].numel() * pool.element_size()
+    return moved
+
+
+def _token_rows(page_ids: Sequence[int], num_tokens: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """Row of each of the first num_tokens positions in a pool viewed as [NP * PS, R]."""
+    pos = torch.arange(num_tokens, device=device)
+    pages = torch.tensor(list(page_ids), dtype=torch.int64, device=device)
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def buffer_nbytes(tensors: CacheTensors, num_tokens: int) -> int:
+    state = sum(p[0].numel() * p.element_size() for p in (*tensors.kda_state, *tensors.conv_state))
+    latent = sum(p.shape[-1] * p.element_size() for p in tensors.mla_latent)
+    return state + num_tokens * latent
+
+
+def pack(tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+    """The prefix's snapshot (slot) and its first num_tokens latents (page_ids) as one contiguous host buffer."""
+    parts = [pool[slot].reshape(-1).contiguous().view(torch.uint8) for pool in (*tensors.kda_state, *tensors.conv_state)]
+    if tensors.mla_latent:
+        rows = _token_rows(page_ids, num_tokens, tensors.page_size, tensors.mla_latent[0].device)
+        for pool in tensors.mla_latent:
+            flat = pool.view(-1, pool.shape[-1])
+            parts.append(flat.index_select(0, rows).reshape(-1).contiguous().view(torch.uint8))
+    with torch.no_grad():
+        return torch.cat(parts).to("cpu")
+
+
+def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> None:
+    """Write a buffer made by `pack` into a slot and pages (which must cover num_tokens positions)."""
+    expected = buffer_nbytes(tensors, num_tokens)
+    if buffer.numel() != expected:
+        raise ValueError(f"prefix buffer has {buffer.numel()} bytes; {num_tokens} tokens need {expected}")
+    off = 0
+    with torch.no_grad():
+        for pool in (*tensors.kda_state, *tensors.conv_state):
+            n = pool[slot].numel() * pool.element_size()
+            pool[slot].copy_(buffer[off : off + n].to(pool.device).view(pool.dtype).view(pool[slot].shape))
+            off += n
+        if tensors.mla_latent:
+            rows = _token_rows(page_ids, num_tokens, tensors.page_size, tensors.mla_latent[0].device)
+            for pool in tensors.mla_latent:
+                width = pool.shape[-1]
+                n = num_tokens * width * pool.element_size()
+                data = buffer[off : off + n].to(pool.device).view(pool.dtype).view(num_tokens, width)
+                pool.view(-1, width).index_copy_(0, rows, data)
+                off += n

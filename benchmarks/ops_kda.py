@@ -41,15 +41,15 @@ def make_inputs(T: int, H: int, D: int, gate: KDAGate) -> tuple[torch.Tensor, ..
     return q, k, v, g, beta
 
 
-def best_seconds(runs: dict[str, Callable[[], tuple]], repeats: int) -> tuple[dict[str, float], dict[str, tuple]]:
-    """Best wall time per implementation; the repeats go round-robin so load changes on a shared machine hit all rows alike."""
+def best_seconds(runs: dict[str, Callable[[], tuple]], repeats: int, clock: Callable[[], float]) -> tuple[dict[str, float], dict[str, tuple]]:
+    """Best time per implementation; the repeats go round-robin so load changes on a shared machine hit all rows alike."""
     best = dict.fromkeys(runs, float("inf"))
     outputs: dict[str, tuple] = {}
     for _ in range(repeats):
         for name, fn in runs.items():
-            start = time.perf_counter()
+            start = clock()
             outputs[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best, outputs
 
 
@@ -71,13 +71,19 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (best is reported)")
     parser.add_argument("--gate", default="lower_bound", choices=[g.value for g in KDAGate])
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: latency; cpu: this process's CPU time, steadier on a loaded machine (meaningful with --threads 1)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"machine: {machine()}; torch {torch.__version__}; commit {commit}")
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a shared machine slows the many-op loops most)")
-    print(f"B=1 T={args.T} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate}\n")
+    print(f"B=1 T={args.T} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate} clock={args.clock}, best of {args.repeats}\n")
 
     inputs = make_inputs(args.T, args.heads, args.dim, KDAGate(args.gate))
     warm = tuple(x[:, :256] for x in inputs)
@@ -95,13 +101,14 @@ def main() -> int:
 
     for fn in runs.values():
         fn(warm)
-    seconds, outputs = best_seconds({name: (lambda fn=fn: fn(inputs)) for name, fn in runs.items()}, args.repeats)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    seconds, outputs = best_seconds({name: (lambda fn=fn: fn(inputs)) for name, fn in runs.items()}, args.repeats, clock)
 
     print(f"load average after: {os.getloadavg()[0]:.1f}\n")
     o_ref, s_ref = outputs["openk3 kda_recurrent (reference)"]
     errors = {name: max((o - o_ref).abs().max().item(), (s - s_ref).abs().max().item()) for name, (o, s) in outputs.items()}
     ours = seconds["openk3 kda_chunk"]
-    print("| implementation | seconds | tokens/s | kda_chunk speed-up | max abs err vs reference |")
+    print(f"| implementation | {args.clock} seconds | tokens/s | kda_chunk speed-up | max abs err vs reference |")
     print("|---|---:|---:|---:|---:|")
     for name in runs:
         print(f"| {name} | {seconds[name]:.3f} | {args.T / seconds[name]:,.0f} | {seconds[name] / ours:.1f}x | {errors[name]:.1e} |")

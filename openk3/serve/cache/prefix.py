@@ -240,7 +240,13 @@ class PrefixCache:
     # eviction -------------------------------------------------------------------------------------------------------------
 
     def evict_for_pages(self, num_free: int) -> bool:
-        """Evict leaf snapshots, least recently used first, until the pool has num_free free pages; False if it cannot."""
+        """Evict leaf snapshots, least recently used first, until the pool has num_free free pages; False (and nothing
+        evicted) when even evicting everything would not free enough."""
+        if self.pool.num_free >= num_free:
+            return True
+        evictable = sum(1 for page, n in self.page_refs().items() if self.pool.ref_count(page) == n)
+        if self.pool.num_free + evictable < num_free:
+            return False
         while self.pool.num_free < num_free:
             leaf = next((s for s in self._lru.values() if not s.node.children), None)
             if leaf is None:

@@ -1,0 +1,138 @@
+"""Exact state-machine tests of the prefix index: which pages and snapshots are hit, created and evicted, in which order."""
+
+import pytest
+import torch
+
+from openk3.config import debug
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.cache.prefix import PrefixCacheConfig, PrefixMatch
+from openk3.serve.cache.tiers import TierKind
+
+A = list(range(100, 110))  # 10 tokens: pages [100..103] [104..107], tail (108, 109)
+B = A + [1, 2, 3]  # 13 tokens: diverges from A's cached run only after it
+
+
+def manager(snapshots: int = 2, pages: int = 12) -> CacheManager:
+    cfg = PrefixCacheConfig(num_snapshot_slots=snapshots, salt=b"test")
+    return CacheManager(debug(), num_pages=pages, page_size=4, num_slots=2, prefix=cfg)
+
+
+def admit(cm: CacheManager, req: str, tokens: list[int]) -> PrefixMatch:
+    match = cm.fetch(cm.match_prefix(tokens))
+    assert cm.allocate_prefixed(req, tokens, match, len(tokens))
+    return match
+
+
+def refs(cm: CacheManager) -> list[int]:
+    return [cm.block_pool.ref_count(p) for p in range(cm.num_pages)]
+
+
+def test_snapshot_hit_is_copy_on_write_with_exact_pages() -> None:
+    cm = manager()
+    assert admit(cm, "a", A).num_tokens == 0
+    assert cm.page_ids("a") == [0, 1, 2] and cm.slot("a") == 0
+    t = cm.tensors
+    t.kda_state[0][0].fill_(3.0)
+    t.mla_latent[0][2].fill_(5.0)
+    assert cm.snapshot("a", A)
+    assert cm.prefix is not None and cm.prefix.snapshot_boundaries() == [10]
+    assert refs(cm)[:3] == [2, 2, 2]  # request + index (two full pages and the tail page)
+    cm.free("a")
+    assert refs(cm)[:3] == [1, 1, 1] and cm.num_free_pages == 9
+    cm.check_integrity()
+
+    m = admit(cm, "b", B)
+    assert (m.num_tokens, m.tier, m.page_ids, m.tail_page, m.slot) == (10, TierKind.DEVICE, (0, 1), 2, 2)
+    # full pages shared, tail page copied into the first fresh page (3), snapshot copied into the request's slot
+    assert cm.page_ids("b") == [0, 1, 3, 4] and refs(cm)[:5] == [2, 2, 1, 1, 1]
+    assert torch.equal(t.kda_state[0][cm.slot("b")], torch.full_like(t.kda_state[0][0], 3.0))
+    assert torch.equal(t.mla_latent[0][3], t.mla_latent[0][2])
+    assert cm.prefix.counters.hits == 1 and cm.prefix.counters.hit_tokens == 10
+    cm.check_integrity()
+
+
+def test_hit_only_up_to_the_deepest_state_and_branch_point_is_reported() -> None:
+    cm = manager()
+    admit(cm, "a", A)
+    cm.snapshot("a", A)
+    cm.free("a")
+    diverging = A[:6] + [7, 7, 7, 7, 7]
+    m = cm.match_prefix(diverging)
+    assert (m.num_tokens, m.tier, m.matched_tokens) == (0, None, 6)  # pages exist up to 6, but no state there: a miss
+    same = cm.match_prefix(list(A))  # a hit must leave one token to compute, and there is no state before 10
+    assert (same.num_tokens, same.matched_tokens) == (0, 10)
+    other_salt = CacheManager(debug(), 12, 4, 2, prefix=PrefixCacheConfig(num_snapshot_slots=2, salt=b"other"))
+    assert other_salt.match_prefix(B).num_tokens == 0
+
+
+def test_slot_pressure_evicts_lru_state_and_keeps_pages_for_deeper_hits() -> None:
+    cm = manager(snapshots=2)
+    admit(cm, "a", A)
+    cm.snapshot("a", A)  # slot 2, boundary 10
+    cm.free("a")
+    admit(cm, "b", B)  # hit at 10: pages [0, 1, 3, 4]
+    cm.snapshot("b", B)  # slot 3, boundary 13: new node for page 3 (108 109 1 2), tail (3,) on page 4
+    assert cm.prefix is not None and cm.prefix.snapshot_boundaries() == [10, 13]
+    c_tokens = B + [9, 9, 9, 9]
+    admit(cm, "c", c_tokens)  # hit at 13; no free request slot is left afterwards
+    assert cm.page_ids("c")[:3] == [0, 1, 3]
+    cm.free("b")
+    cm.snapshot("c", c_tokens)  # needs a snapshot slot: the LRU state (10, an inner one) goes
+    assert cm.prefix.snapshot_boundaries() == [13, 17]
+    assert cm.prefix.counters.snapshots_evicted == 1
+    # the state at 10 is gone but its pages stay (deeper snapshots use them): 10 is a miss, 13 and 17 still hit
+    assert cm.match_prefix(A + [9, 9]).num_tokens == 0
+    assert cm.match_prefix(B + [5]).num_tokens == 13
+    assert cm.match_prefix(c_tokens + [5]).num_tokens == 17
+    assert refs(cm)[2] == 0  # A's tail page was only the evicted state's
+    cm.free("c")
+    cm.check_integrity()
+
+
+def test_page_pressure_evicts_lru_leaf_and_frees_its_pages_in_order() -> None:
+    cm = manager(snapshots=4, pages=6)
+    x = [1] * 8 + [2]  # pages [0, 1], tail page 2
+    y = [3] * 8 + [4]  # pages [3, 4], tail page 5
+    admit(cm, "x", x)
+    cm.snapshot("x", x)
+    cm.free("x")
+    admit(cm, "y", y)
+    cm.snapshot("y", y)
+    cm.free("y")
+    assert cm.num_free_pages == 0 and cm.prefix is not None
+    cm.match_prefix(x + [0])  # touches x: y is now the least recently used
+    z = [5] * 5
+    m = admit(cm, "z", z)  # two pages: y's leaf state goes, freeing tail page 5, then pages 4 and 3 (deepest first)
+    assert m.num_tokens == 0
+    assert cm.page_ids("z") == [5, 4]
+    assert cm.prefix.snapshot_boundaries() == [9]
+    assert cm.match_prefix(x + [0]).num_tokens == 9 and cm.match_prefix(y + [0]).num_tokens == 0
+    cm.free("z")
+    cm.check_integrity()
+
+
+def test_allocation_failure_changes_nothing() -> None:
+    cm = manager(snapshots=2, pages=4)
+    admit(cm, "a", A)
+    cm.snapshot("a", A)
+    before = refs(cm)
+    m = cm.match_prefix(B)
+    assert not cm.allocate_prefixed("b", B, m, 40)  # 10 pages: more than the pool has, even after evicting everything
+    assert refs(cm) == before and not cm.holds("b")
+    cm.check_integrity()
+
+
+def test_integrity_catches_a_leaked_reference() -> None:
+    cm = manager()
+    admit(cm, "a", A)
+    cm.snapshot("a", A)
+    cm.block_pool.share([0])
+    with pytest.raises(AssertionError, match="page 0"):
+        cm.check_integrity()
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="match_unit"):
+        PrefixCacheConfig(match_unit=0)
+    with pytest.raises(ValueError, match="disk_dir"):
+        PrefixCacheConfig(disk_bytes=10)

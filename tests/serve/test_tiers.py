@@ -1,0 +1,100 @@
+"""Host and disk tiers, and the one-buffer transfer format: exact LRU order, budgets, checksums, page-size independence."""
+
+import os
+
+import pytest
+import torch
+
+from openk3.config import debug
+from openk3.model.batch import CacheTensors
+from openk3.serve.cache.hashing import chain_keys, snapshot_key
+from openk3.serve.cache.tiers import DiskTier, HostTier, TierEntry, TierKind, TierStack
+from openk3.serve.cache.transfer import buffer_nbytes, pack, unpack
+
+SALT = b"salt"
+
+
+def entry(tokens: list[int], nbytes: int = 100, page_size: int = 4, fill: int = 0) -> TierEntry:
+    k = len(tokens) // page_size
+    keys = chain_keys(SALT, tokens[: k * page_size], page_size)
+    anchor = keys[-1] if keys else SALT
+    tail = tuple(tokens[k * page_size :])
+    return TierEntry(snapshot_key(anchor, tail), anchor, tail, len(tokens), torch.full((nbytes,), fill, dtype=torch.uint8))
+
+
+def test_pack_unpack_roundtrip_across_page_sizes() -> None:
+    g = torch.Generator().manual_seed(0)
+    src = CacheTensors.allocate(debug(), num_slots=2, num_pages=6, page_size=4)
+    for t in (*src.kda_state, *src.conv_state, *src.mla_latent):
+        t.copy_(torch.randn(t.shape, generator=g))
+    buf = pack(src, slot=1, page_ids=[5, 2, 3], num_tokens=10)
+    assert buf.dtype == torch.uint8 and buf.numel() == buffer_nbytes(src, 10)
+    dst = CacheTensors.allocate(debug(), num_slots=3, num_pages=4, page_size=8)
+    unpack(buf, dst, slot=2, page_ids=[3, 0], num_tokens=10)
+    for a, b in zip(src.kda_state + src.conv_state, dst.kda_state + dst.conv_state, strict=True):
+        assert torch.equal(a[1], b[2])
+    for a, b in zip(src.mla_latent, dst.mla_latent, strict=True):
+        want = torch.cat([a[5], a[2], a[3]])[:10]
+        assert torch.equal(torch.cat([b[3], b[0]])[:10], want)
+    with pytest.raises(ValueError, match="bytes"):
+        unpack(buf[:-1], dst, 2, [3, 0], 10)
+
+
+def test_host_tier_lru_within_budget() -> None:
+    host = HostTier(capacity_bytes=250)
+    a, b, c = entry([1] * 5), entry([2] * 5), entry([3] * 5)
+    assert host.put(a) == [] and host.put(b) == []
+    assert host.get(a.key) is a  # a becomes the most recent
+    assert host.put(c) == [b]  # so b is pushed out
+    assert list(host.entries) == [a.key, c.key] and host.used_bytes == 200
+    assert host.put(entry([4] * 5, nbytes=300)) != [] and host.used_bytes == 200  # never fits: handed straight back
+    s = host.stats()
+    assert (s.tier, s.entries, s.bytes_in, s.bytes_out, s.hits) == (TierKind.HOST, 2, 300, 100, 1)
+
+
+def test_deepest_boundary_matches_tail_tokens() -> None:
+    host = HostTier(10_000)
+    toks = list(range(10, 30))
+    for p in (6, 9, 13):
+        host.put(entry(toks[:p]))
+    keys = chain_keys(SALT, toks[:16], 4)
+    stack = TierStack(host, None)
+    assert stack.deepest(SALT, keys, toks, 4, limit=19)[1:] == (entry(toks[:13]).key, 13)
+    assert stack.deepest(SALT, keys, toks, 4, limit=12)[2] == 9
+    other = toks[:8] + [0] * 12  # shares the first two pages only: the boundary at 9 has a different tail
+    assert stack.deepest(SALT, chain_keys(SALT, other[:16], 4), other, 4, limit=19)[2] == 6
+
+
+def test_disk_tier_roundtrip_checksum_and_budget(tmp_path) -> None:
+    disk = DiskTier(str(tmp_path), capacity_bytes=2 * (1000 + 400))
+    a, b, c = (entry([i] * 6, nbytes=1000, fill=i) for i in (1, 2, 3))
+    disk.put(a)
+    disk.flush()
+    assert torch.equal(disk.load(a.key), a.buffer)
+    disk.put(b)
+    disk.put(c)  # three files do not fit: the least recently used (a, loaded before b and c were written) goes
+    disk.flush()
+    assert sorted(os.listdir(disk.dir)) == sorted(disk.path_of(e.key).rsplit("/", 1)[1] for e in (b, c))
+    assert a.key not in disk and disk.load(a.key) is None
+    path = disk.path_of(b.key)
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 1
+    open(path, "wb").write(bytes(raw))
+    assert disk.load(b.key) is None and not os.path.exists(path)
+    s = disk.stats()
+    assert (s.checksum_failures, s.hits, s.entries) == (1, 1, 1)
+    assert torch.equal(disk.load(c.key), c.buffer)
+    disk.close()
+    assert not os.path.exists(disk.dir) and os.path.isdir(tmp_path)
+
+
+def test_stack_sends_host_overflow_to_disk(tmp_path) -> None:
+    stack = TierStack(HostTier(150), DiskTier(str(tmp_path), 10**6))
+    a, b = entry([1] * 5), entry([2] * 5)
+    stack.offload(a)
+    stack.offload(b)  # a no longer fits in the host tier: it moves to disk
+    stack.flush()
+    assert a.key not in stack.host and a.key in stack.disk and b.key in stack.host
+    assert torch.equal(stack.load(TierKind.DISK, a.key), a.buffer)
+    assert stack.load(TierKind.HOST, a.key) is None
+    stack.close()

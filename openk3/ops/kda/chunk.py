@@ -4,7 +4,7 @@ Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk
 s sub-chunk size, P padded tokens per sequence (n * C), M = N * H. Inputs as in naive.kda_recurrent: q, k [B, T, H, K],
 v [B, T, H, V], g [B, T, H, K] fp32 log decay, beta [B, T, H]; internally fp32, chunk-major [n * M, C, *] (or [n, M, C, *]).
 
-Per chunk, with G the in-chunk cumulative log decay and S the incoming state (derivation: docs/model.md, Kimi Linear eqs 2-9):
+Per chunk, with G the in-chunk cumulative log decay and S the incoming state (the Kimi Linear paper's chunkwise form, eqs 2-9):
   Akk[r, j] = sum_c k_r k_j exp(G_r - G_j) (j < r),   Aqk[r, j] = sum_c q_r k_j exp(G_r - G_j) (j <= r)
   (I + diag(beta) Akk) [W | U] = diag(beta) [exp(G) k | v]          (unit lower triangular solve)
   V' = U - W S,   O = (q exp(G)) S + Aqk V',   S <- exp(G_C) S + (exp(G_C - G) k)^T V'
@@ -27,6 +27,7 @@ MAX_HALF_SPAN = 80.0
 # Decay factors below e^-60 (~1e-26) cannot move an fp32 sum of O(1) terms, but exp results and products in the denormal / underflow
 # range take x86's slow path (~25x per element), so decay exponents are floored here.
 EXP_FLOOR = -60.0
+# Diagonal block size solved directly in _unit_lower_inverse (8 measured fastest of 2-16 on CPU).
 INVERSE_BLOCK = 8
 
 
@@ -163,7 +164,9 @@ def kda_chunk(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] fp32; equal to naive.kda_recurrent up to fp32 rounding."""
+    """Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] fp32; equal to naive.kda_recurrent up to fp32 rounding.
+
+    g must be a log decay (<= 0, as kda_gate returns): the overflow-free splits below rely on G falling along each chunk."""
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -212,4 +215,4 @@ def kda_chunk(
     else:
         seq_id, pos = _token_index(cu_seqlens, T)
         o = O[seq_id, pos].unsqueeze(0)
-    return o.to(v.dtype), S
+    return o.to(v.dtype).contiguous(), S

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from openk3.serve.cli import add_prefix_cache_arguments, prefix_cache_options
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -25,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights and of unseeded sampling")
+    add_prefix_cache_arguments(p)
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
@@ -67,6 +70,7 @@ def build_server(args: argparse.Namespace):
             page_size=args.page_size,
             cache_memory_bytes=args.cache_memory_mb * 2**20,
             seed=args.seed,
+            **prefix_cache_options(args),
         ),
     )
     config = ServerConfig(

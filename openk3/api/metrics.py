@@ -16,6 +16,7 @@ from openk3.serve.frontend import FinishedRequest
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+TIERS = ("device", "host", "disk")  # storage tiers of the prefix cache (openk3.serve.cache.tiers.TierKind values)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -44,8 +45,18 @@ class ServerMetrics:
         self.num_free_slots = gauge("state_free_slots", "KDA state slots free").labels(**label)
         tier_used = gauge("cache_tier_used_bytes", "Cache bytes in use per storage tier", ("tier",))
         tier_capacity = gauge("cache_tier_capacity_bytes", "Cache bytes available per storage tier", ("tier",))
-        self.tier_used = {"device": tier_used.labels(tier="device", **label)}
-        self.tier_capacity = {"device": tier_capacity.labels(tier="device", **label)}
+        self.tier_used = {t: tier_used.labels(tier=t, **label) for t in TIERS}
+        self.tier_capacity = {t: tier_capacity.labels(tier=t, **label) for t in TIERS}
+        tier_in = counter("cache_tier_bytes_in", "Bytes stored into a tier (device: snapshot and copy-on-write copies)", ("tier",))
+        tier_out = counter("cache_tier_bytes_out", "Bytes loaded from a tier back to the device", ("tier",))
+        tier_hits = counter("cache_tier_hits", "Prefix hits served by a tier", ("tier",))
+        self.tier_counters = {
+            (t, kind): family.labels(tier=t, **label) for t in TIERS for kind, family in (("in", tier_in), ("out", tier_out), ("hits", tier_hits))
+        }
+        self.prefix_snapshots = {
+            kind: counter(f"prefix_cache_snapshots_{kind}", f"KDA state snapshots {kind}").labels(**label) for kind in ("taken", "evicted")
+        }
+        self.checksum_failures = counter("cache_disk_checksum_failures", "Disk-tier loads refused by their checksum").labels(**label)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**label)
         self.prompt_tokens_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache").labels(**label)
@@ -58,7 +69,7 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS).labels(**label)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
-        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_totals: dict[str, int] = {"preemptions": 0, "prompt": 0, "generation": 0}
 
     def observe_engine(self, engine: LLMEngine) -> None:
         """Mirror the engine after a step; on the engine thread (or before it starts), reading only."""
@@ -75,13 +86,26 @@ class ServerMetrics:
         self.tier_used["device"].set(used_pages * page_bytes + used_slots * slot_bytes)
         self.tier_capacity["device"].set(pages * page_bytes + slots * slot_bytes)
         # the engine keeps running totals; counters advance by the difference since the last snapshot
-        for counter, name, total in (
+        totals = [
             (self.num_preemptions, "preemptions", stats.num_preemptions_total),
             (self.prompt_tokens, "prompt", stats.prompt_tokens_total),
             (self.generation_tokens, "generation", stats.generation_tokens_total),
-        ):
-            if total > self._last_totals[name]:
-                counter.inc(total - self._last_totals[name])
+        ]
+        prefix = stats.prefix_cache
+        if prefix is not None:
+            totals += [(self.prefix_snapshots["taken"], "snapshots_taken", prefix.snapshots_taken)]
+            totals += [(self.prefix_snapshots["evicted"], "snapshots_evicted", prefix.snapshots_evicted)]
+            for t in prefix.tiers:
+                name = t.tier.value
+                self.tier_used[name].set(t.used_bytes)
+                self.tier_capacity[name].set(t.capacity_bytes)
+                for kind, total in (("in", t.bytes_in), ("out", t.bytes_out), ("hits", t.hits)):
+                    totals.append((self.tier_counters[(name, kind)], f"{name}_{kind}", total))
+                if t.checksum_failures:
+                    totals.append((self.checksum_failures, "checksum_failures", t.checksum_failures))
+        for counter, name, total in totals:
+            if total > self._last_totals.get(name, 0):
+                counter.inc(total - self._last_totals.get(name, 0))
                 self._last_totals[name] = total
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None:

@@ -22,7 +22,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, timings)")
+    add_prefix_cache_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """Prefix caching and its tiers (docs/serving.md, "Prefix caching and tiers"); shared with `openk3 serve`."""
+    p.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prefixes (MLA pages + KDA state snapshots)")
+    p.add_argument("--prefix-match-unit", type=int, default=64, help="tokens; prefill chunks are cut and states snapshotted at its multiples")
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="host-DRAM tier for evicted prefixes (GiB; 0: none)")
+    p.add_argument("--disk-offload-dir", default=None, help="directory of the disk tier (a private subfolder is made and removed)")
+    p.add_argument("--disk-offload-gb", type=float, default=0.0, help="disk tier budget (GiB; needs --disk-offload-dir)")
+
+
+def prefix_cache_options(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the prefix-cache flags."""
+    return {
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_match_unit": args.prefix_match_unit,
+        "cpu_offload_bytes": int(args.cpu_offload_gb * 2**30),
+        "disk_offload_dir": args.disk_offload_dir,
+        "disk_offload_bytes": int(args.disk_offload_gb * 2**30),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop
         )
-        llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-        outputs = llm.generate(args.prompt, params)
+        llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, **prefix_cache_options(args))
+        try:
+            outputs = llm.generate(args.prompt, params)
+        finally:
+            llm.close()
     except ValueError as e:
         print(f"openk3 generate: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ class DiskTier:
         self._queue: queue.Queue[TierEntry | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="openk3-disk-offload", daemon=True)
         self._writer.start()
+        # a server killed without close() still removes its files when the interpreter exits
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
 
     def path_of(self, key: bytes) -> str:
         return os.path.join(self.dir, key.hex() + ".k3prefix")
@@ -288,7 +291,7 @@ class DiskTier:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._cleanup()
 
     def stats(self) -> TierStats:
         c = self.counters

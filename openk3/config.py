@@ -54,6 +54,8 @@ class KDAConfig:
         _positive("kda.conv_kernel", self.conv_kernel)
         if self.gate == KDAGate.LOWER_BOUND and (self.gate_lower_bound is None or self.gate_lower_bound >= 0):
             _fail("kda.gate_lower_bound", self.gate_lower_bound, "a negative float when gate='lower_bound'")
+        if self.gate == KDAGate.SOFTPLUS and self.gate_lower_bound is not None:
+            _fail("kda.gate_lower_bound", self.gate_lower_bound, "None when gate='softplus' (the bound belongs to the K3 gate)")
 
     @property
     def proj_dim(self) -> int:

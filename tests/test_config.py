@@ -68,6 +68,8 @@ def test_validation_names_field_and_range() -> None:
         MoEConfig(num_experts=8, num_experts_per_token=9, moe_intermediate_size=32)
     with pytest.raises(ValueError, match="kda.gate_lower_bound"):
         KDAConfig(num_heads=2, head_dim=16, gate=KDAGate.LOWER_BOUND, gate_lower_bound=None)
+    with pytest.raises(ValueError, match="None when gate='softplus'"):
+        KDAConfig(num_heads=2, head_dim=16, gate=KDAGate.SOFTPLUS, gate_lower_bound=-5.0)
     with pytest.raises(ValueError, match="mla_layers"):
         debug().replace(mla_layers=(7,))
     with pytest.raises(ValueError, match="hidden_size"):

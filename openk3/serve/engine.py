@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from openk3.serve.cache.hashing import model_salt
-from openk3.serve.cache.manager import CacheManager
+from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
@@ -42,7 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_match_unit: int = 64  # tokens; prefill chunks are cut (and states snapshotted) at its multiples
     prefix_snapshot_interval: int | None = None  # also snapshot every this many prompt tokens
-    num_snapshot_slots: int | None = None  # None: max_num_seqs; paid from cache_memory_bytes like the pages
+    num_snapshot_slots: int | None = None  # None: see snapshot_slots; paid from cache_memory_bytes like the pages
     cpu_offload_bytes: int = 0  # host-DRAM tier budget (0: none)
     disk_offload_dir: str | None = None
     disk_offload_bytes: int = 0  # disk tier budget (needs disk_offload_dir)
@@ -61,11 +61,16 @@ class EngineConfig:
         if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
 
-    @property
-    def snapshot_slots(self) -> int:
+    def snapshot_slots(self, state_bytes: int) -> int:
+        """State slots kept for prefix snapshots. By default a quarter of cache_memory_bytes (at least max_num_seqs): snapshots
+        and pages share the one budget, and a fixed share keeps dense snapshots from starving the pages."""
         if not self.enable_prefix_caching:
             return 0
-        return self.max_num_seqs if self.num_snapshot_slots is None else self.num_snapshot_slots
+        if self.num_snapshot_slots is not None:
+            return self.num_snapshot_slots
+        if self.num_pages is not None or state_bytes == 0:
+            return self.max_num_seqs
+        return max(self.max_num_seqs, self.cache_memory_bytes // 4 // state_bytes)
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -110,15 +115,16 @@ class LLMEngine:
         self.device = p.device if p is not None else torch.device("cpu")
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
+        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype).kda.bytes_per_sequence)
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + cfg.snapshot_slots, cache_dtype
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype
         )
         prefix = None
         if cfg.enable_prefix_caching:
             prefix = PrefixCacheConfig(
                 match_unit=cfg.prefix_match_unit,
                 snapshot_interval=cfg.prefix_snapshot_interval,
-                num_snapshot_slots=cfg.snapshot_slots,
+                num_snapshot_slots=snapshot_slots,
                 salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype),
                 host_bytes=cfg.cpu_offload_bytes,
                 disk_dir=cfg.disk_offload_dir,

@@ -136,3 +136,43 @@ def test_config_errors_name_the_field() -> None:
         PrefixCacheConfig(match_unit=0)
     with pytest.raises(ValueError, match="disk_dir"):
         PrefixCacheConfig(disk_bytes=10)
+
+
+def fake_engine(**cfg):
+    from openk3.serve.engine import EngineConfig, LLMEngine
+    from openk3.serve.tokenizer import ByteTokenizer
+    from tests.serve.serve_fakes import FakeModel
+
+    base = dict(num_pages=64, page_size=4, max_num_seqs=2, max_model_len=64, enable_prefix_caching=True, num_snapshot_slots=16)
+    return LLMEngine(FakeModel(), ByteTokenizer(256), EngineConfig(**{**base, **cfg}))
+
+
+def run_one(eng, rid: str, prompt: list[int], max_tokens: int = 3) -> list[int]:
+    from openk3.serve.sampling import SamplingParams
+
+    start = len(eng.model.calls)
+    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    return [int(b.seq_lens[0]) for b in eng.model.calls[start:]]
+
+
+def test_scheduler_cuts_chunks_at_match_units_and_snapshots_there() -> None:
+    eng = fake_engine(long_prefill_token_threshold=6, prefix_match_unit=4)
+    prompt = list(range(1, 21))
+    # chunks of 6 are cut down to multiples of 4; then 2 decode steps; states at every cut, the prompt end and the finish
+    assert run_one(eng, "a", prompt) == [4, 4, 4, 4, 4, 1, 1]
+    assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 12, 16, 20, 22]
+    # hit at 12 (the deepest state), and a's run goes on to 14 where b diverges: cut there for a branch-point state
+    assert run_one(eng, "b", prompt[:14] + [99]) == [2, 1, 1, 1]
+    assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 16, 20, 22, 12, 14, 15, 17]  # 12 touched by the hit
+
+
+def test_scheduler_cuts_at_a_detected_branch_point() -> None:
+    eng = fake_engine(prefix_match_unit=64)
+    shared = list(range(1, 11))
+    assert run_one(eng, "a", shared + [50, 51, 52]) == [13, 1, 1]
+    assert run_one(eng, "b", shared + [60, 61]) == [10, 2, 1, 1]  # a miss that stops at the branch point 10 to snapshot
+    assert run_one(eng, "c", shared + [70, 71, 72]) == [3, 1, 1]  # hits 10
+    assert eng.stats().prefix_cache.hit_tokens == 10

@@ -144,6 +144,13 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """TPOT as vLLM's benchmark defines it: (e2e latency - TTFT) / (output tokens - 1)."""
+        if self.e2e_latency is None or self.time_to_first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_latency - self.time_to_first_token) / (self.num_output_tokens - 1)
     num_cached_tokens: int = 0
 
 

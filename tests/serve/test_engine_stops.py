@@ -114,6 +114,7 @@ def test_logprobs_and_timings() -> None:
     assert all(lp.top[0][0] == lp.token_id for lp in c.logprobs)  # greedy: the sampled token is the top one
     assert 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency
     assert (m.num_prompt_tokens, m.num_output_tokens) == (2, 4)
+    assert m.time_per_output_token == pytest.approx((m.e2e_latency - m.time_to_first_token) / 3)
 
 
 def test_string_prompts_and_abort_on_error() -> None:

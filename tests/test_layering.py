@@ -72,3 +72,17 @@ def test_checker_catches_a_wrong_arrow(tmp_path: Path, monkeypatch) -> None:
     found = violations()
     assert any("openk3.model imports openk3.serve" in v for v in found)
     assert any("torch.cuda" in v for v in found)
+
+
+def test_planner_and_sandbox_import_without_torch() -> None:
+    import subprocess
+
+    code = "import sys, openk3.planner, openk3.sandbox, openk3.serve.cache.spec; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "False"
+
+
+def test_public_entry_points_resolve() -> None:
+    from openk3 import LLM, SamplingParams
+
+    assert LLM.__name__ == "LLM" and SamplingParams.__name__ == "SamplingParams"

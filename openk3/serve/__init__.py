@@ -1,8 +1,27 @@
-"""The serving engine: requests, sampling, the token-budget scheduler over the hybrid cache, the runner and the offline LLM API."""
+"""The serving engine: requests, sampling, the token-budget scheduler over the hybrid cache, the runner and the offline LLM API.
 
-from openk3.serve.engine import EngineConfig, LLMEngine
-from openk3.serve.llm import LLM
-from openk3.serve.request import CompletionOutput, RequestOutput
-from openk3.serve.sampling import SamplingParams
+Names resolve lazily: `openk3.serve.cache.spec` (byte sizes shared with the torch-free planner) must import without torch.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "EngineConfig": "openk3.serve.engine",
+    "LLMEngine": "openk3.serve.engine",
+    "LLM": "openk3.serve.llm",
+    "CompletionOutput": "openk3.serve.request",
+    "RequestOutput": "openk3.serve.request",
+    "SamplingParams": "openk3.serve.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'openk3.serve' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

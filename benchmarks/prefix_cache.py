@@ -5,8 +5,8 @@
     snapshots at the 1024 cut) and unchunked (one chunk, so only a detected branch point can give a state at 1024: the second
     request of each prefix misses and snapshots there).
 (b) a 6-turn conversation, each turn appending ~100 tokens: cached tokens per turn and TTFT per turn vs no caching.
-(c) a working set 4x the device pool (16 prefixes of 512 tokens, the device holds 4): hit rate and median TTFT device-only vs with
-    the host tier, the disk tier and both, and the bytes moved per tier.
+(c) a working set 4x the device pool (16 prefixes of 512 tokens, 3 rounds; the device holds the pages of 4 and 16 states):
+    hit rate and median TTFT device-only vs with the host tier, the disk tier and both, and the bytes moved per tier.
 Correctness gate: every cached run's greedy tokens must equal the uncached run's; otherwise the row says FAIL, not a ratio.
 
   python benchmarks/prefix_cache.py                # the full table (a few minutes on 1 CPU thread)
@@ -112,8 +112,9 @@ def workload_c(scale: float, rows: list[str]) -> None:
     prompts = [p + ids(rng, suffix_len) for _ in range(3) for p in prefixes]
     page_size = 16
     per_prefix = -(-(prefix_len + suffix_len + OUT) // page_size)
-    # the device pool holds the states and pages of 4 prefixes (plus one running request): a working set 4x larger
-    device = dict(num_snapshot_slots=4, num_pages=5 * per_prefix + 8, page_size=page_size, max_num_seqs=2)
+    # the device pool holds the pages of 4 prefixes (plus one running request) and 16 states (a request leaves 4: the 256 cut,
+    # the 512 cut, its prompt end and its finish): a working set 4x larger
+    device = dict(num_snapshot_slots=16, num_pages=5 * per_prefix + 8, page_size=page_size, max_num_seqs=2)
     chunk = max(1, int(256 * scale))
     base_tokens, base_ttft, _ = one_by_one(make(False, chunk, **device), prompts)
     total = sum(map(len, prompts))

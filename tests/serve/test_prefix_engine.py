@@ -26,6 +26,15 @@ TIERS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls: a second thread only spins on a shared CPU (seen: the same module 10x slower under load)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model() -> K3ForCausalLM:
     m = K3ForCausalLM(debug())

@@ -150,8 +150,11 @@ class Scheduler:
         tokens = req.all_token_ids
         match = self.cache.fetch(self.cache.match_prefix(tokens))
         start = match.num_tokens
-        if start < match.matched_tokens < req.num_prompt_tokens:
-            req.snapshot_points = tuple(sorted({*req.snapshot_points, match.matched_tokens}))  # a branch point: state wanted there
+        # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
+        # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).
+        branch = min(match.matched_tokens, req.num_prompt_tokens - 1)
+        if branch > start:
+            req.snapshot_points = tuple(sorted({*req.snapshot_points, branch}))
         n = self._chunk(req, budget, start)
         if not self.cache.allocate_prefixed(req.request_id, tokens, match, start + n):
             return None

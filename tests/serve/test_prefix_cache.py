@@ -176,3 +176,7 @@ def test_scheduler_cuts_at_a_detected_branch_point() -> None:
     assert run_one(eng, "b", shared + [60, 61]) == [10, 2, 1, 1]  # a miss that stops at the branch point 10 to snapshot
     assert run_one(eng, "c", shared + [70, 71, 72]) == [3, 1, 1]  # hits 10
     assert eng.stats().prefix_cache.hit_tokens == 10
+    # a's prompt again: states at 10 and at 13 (its end); a hit must leave one token, so it starts at 10 and cuts at 12
+    assert run_one(eng, "a2", shared + [50, 51, 52]) == [2, 1, 1, 1]
+    assert run_one(eng, "a3", shared + [50, 51, 52]) == [1, 1, 1]  # hits 12
+    assert eng.stats().prefix_cache.hit_tokens == 10 + 10 + 12

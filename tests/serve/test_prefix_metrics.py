@@ -55,3 +55,41 @@ def test_cli_flags_reach_engine_config() -> None:
         "/tmp/x",
         2 * 2**30,
     )
+
+
+def test_server_reports_cached_tokens_in_usage() -> None:
+    import pytest
+    from fastapi.testclient import TestClient
+
+    from openk3.api.cli import build_server
+    from openk3.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "debug",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "2",
+            "--cache-memory-mb",
+            "4",
+            "--page-size",
+            "4",
+            "--enable-prefix-caching",
+            "--prefix-match-unit",
+            "8",
+        ]
+    )
+    with pytest.warns(UserWarning, match="random weights"):
+        app = build_server(args)
+    prompt = list(range(10, 50))
+    body = {"model": "debug", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    with TestClient(app) as client:
+        replies = [client.post("/v1/completions", json=body).json() for _ in range(3)]
+        text = client.get("/metrics").text
+    # the 2nd finds the whole prompt cached but no state before its last token: it cuts there (a branch point); the 3rd hits it
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == [0, 0, 39]
+    assert len({r["choices"][0]["text"] for r in replies}) == 1
+    assert sample(text, "cache_tier_hits_total", "device") == 1 and sample(text, "prompt_tokens_cached_total") == 39

@@ -74,6 +74,10 @@ def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
     num_layers = int(_require(tc, "num_hidden_layers"))
     if int(_first(tc, "num_expert_group", "n_group", default=1)) != 1:
         raise ValueError("config.json num_expert_group > 1 (group-limited routing) is not supported: K3 and Kimi Linear use 1")
+    if str(_first(tc, "moe_router_activation_func", default="sigmoid")) != "sigmoid":
+        raise ValueError(f"config.json moe_router_activation_func={tc['moe_router_activation_func']!r} is not supported: expected 'sigmoid'")
+    if int(_first(tc, "moe_layer_freq", default=1)) != 1:
+        raise ValueError(f"config.json moe_layer_freq={tc['moe_layer_freq']!r} is not supported: expected 1 (every layer after the dense ones is MoE)")
     lower_bound = lac.get("gate_lower_bound")
     hidden_act = Activation(_first(tc, "hidden_act", default="silu"))
     latent = tc.get("routed_expert_hidden_size")
@@ -107,7 +111,7 @@ def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
             num_experts=int(_require(tc, "num_experts", "num_local_experts", "n_routed_experts")),
             num_experts_per_token=int(_require(tc, "num_experts_per_token", "num_experts_per_tok")),
             moe_intermediate_size=int(_require(tc, "moe_intermediate_size")),
-            num_shared_experts=int(_first(tc, "num_shared_experts", "n_shared_experts", default=1)),
+            num_shared_experts=_shared_experts(tc),
             latent_size=int(latent) if latent else None,
             latent_norm=bool(latent) and bool(tc.get("latent_moe_use_norm", False)),
             routed_scaling_factor=float(_first(tc, "routed_scaling_factor", default=1.0)),
@@ -116,8 +120,8 @@ def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
         intermediate_size=int(_require(tc, "intermediate_size")),
         first_k_dense_replace=_first_dense(tc),
         hidden_act=hidden_act,
-        situ_beta=float(tc.get("situ_beta", 4.0)),
-        situ_linear_beta=float(tc.get("situ_linear_beta", 25.0)),
+        situ_beta=float(_first(tc, "activation_situ_beta", "situ_beta", default=4.0)),
+        situ_linear_beta=float(_first(tc, "activation_situ_linear_beta", "situ_linear_beta", default=25.0)),
         attn_res_block_size=tc.get("attn_res_block_size"),
         rms_norm_eps=float(_first(tc, "rms_norm_eps", default=1e-5)),
         max_position_embeddings=int(_first(tc, "max_position_embeddings", "model_max_length", default=1048576)),
@@ -127,6 +131,14 @@ def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
         eos_token_id=_eos(_first(tc, "eos_token_id", default=raw.get("eos_token_id"))),
         pad_token_id=_first(tc, "pad_token_id", default=raw.get("pad_token_id")),
     )
+
+
+def _shared_experts(tc: dict[str, Any]) -> int:
+    """An explicit null means no shared experts (as the reference code reads it); an absent field means one."""
+    for name in ("num_shared_experts", "n_shared_experts"):
+        if name in tc:
+            return 0 if tc[name] is None else int(tc[name])
+    return 1
 
 
 def _eos(value: Any) -> int | None:
@@ -188,7 +200,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         out["routed_expert_hidden_size"] = c.moe.latent_size
         out["latent_moe_use_norm"] = c.moe.latent_norm
     if c.hidden_act == Activation.SITU:
-        out["situ_beta"], out["situ_linear_beta"] = c.situ_beta, c.situ_linear_beta
+        out["activation_situ_beta"], out["activation_situ_linear_beta"] = c.situ_beta, c.situ_linear_beta
     if c.expert_quantization == "mxfp4":
         out["quantization_config"] = {
             "quant_method": "compressed-tensors",

@@ -78,3 +78,18 @@ def test_validation_names_field_and_range() -> None:
         debug().replace(expert_quantization="mxfp4", moe=MoEConfig(num_experts=8, num_experts_per_token=2, moe_intermediate_size=33))
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         preset("huge")
+
+
+def test_reference_field_names_and_refusals() -> None:
+    raw = debug().to_hf()
+    assert raw["activation_situ_beta"] == 4.0 and "situ_beta" not in raw
+    raw["activation_situ_beta"], raw["activation_situ_linear_beta"] = 2.0, 10.0
+    c = ModelConfig.from_hf(raw)
+    assert (c.situ_beta, c.situ_linear_beta) == (2.0, 10.0)
+    raw["num_shared_experts"] = None
+    assert ModelConfig.from_hf(raw).moe.num_shared_experts == 0
+    for field, value in (("moe_router_activation_func", "softmax"), ("moe_layer_freq", 2)):
+        bad = debug().to_hf()
+        bad[field] = value
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_hf(bad)

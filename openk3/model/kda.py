@@ -20,6 +20,7 @@ from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import RMSNorm
 from openk3.ops.kda import kda_prefill_op
+from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.norm import l2_norm, rms_norm
@@ -107,6 +108,11 @@ class KimiDeltaAttention(nn.Module):
             assert cache is not None
             o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
         else:
+            if q.requires_grad and self.kda_prefill is kda_chunk:
+                raise RuntimeError(
+                    "the fast KDA prefill (kda_chunk) is inference-only; for training attach the differentiable form with "
+                    "openk3.train.kda_autograd.attach_training_kda(model), or run under torch.no_grad()"
+                )
             init_state = _slot_states(cache.state_SHKV, batch) if cache is not None else None
             o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init_state, batch.cu_seqlens)
             o_THV = o[0]

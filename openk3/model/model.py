@@ -126,7 +126,8 @@ class K3ForCausalLM(nn.Module):
         return self.lm_head(h)
 
     def forward_tokens(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
-        """Cache-free forward of equal-length sequences: logits [B, L, V] (training and reference checks)."""
+        """Cache-free forward of equal-length sequences: logits [B, L, V] (reference checks; training additionally needs the
+        differentiable KDA from openk3.train.kda_autograd.attach_training_kda)."""
         b, seq_len = input_ids_BL.shape
         return self.forward(ForwardBatch.from_tokens(input_ids_BL)).view(b, seq_len, -1)
 

@@ -22,7 +22,8 @@ from openk3.config import ModelConfig
 from openk3.model.model import K3ForCausalLM, OpChoice
 from openk3.model.moe import PackedExperts
 
-EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale|weight_blocks|weight_scales)$")
+EXPERT_SUFFIXES = "weight|weight_packed|weight_scale|weight_blocks|weight_scales|weight_shape"
+EXPERT_RE = re.compile(rf"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.({EXPERT_SUFFIXES})$")
 # per-expert checkpoint suffix -> suffix of the stacked tensor in this model (gpt-oss `_blocks` are K3 `_packed` after a reshape)
 STACKED_SUFFIX = {"weight": "", "weight_packed": "_weight_packed", "weight_scale": "_weight_scale", "weight_blocks": "_weight_packed",
                   "weight_scales": "_weight_scale"}
@@ -78,8 +79,11 @@ def canonical_name(name: str, config: ModelConfig) -> str:
     return name
 
 
-def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape."""
+def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], text_only: bool = False) -> None:
+    """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape.
+
+    `text_only`: the checkpoint is multimodal (text tensors under `language_model.`); the other towers' tensors
+    (vision_tower.*, mm_projector.*) are not part of this model and are skipped rather than reported as unexpected."""
     config = model.config
     expected = dict(model.state_dict())
     filled: set[str] = set()
@@ -87,8 +91,13 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
     problems: list[str] = []
     with torch.no_grad():
         for raw_name, tensor in tensors:
+            if text_only and not raw_name.startswith("language_model."):
+                continue
             name = canonical_name(raw_name, config)
             m = EXPERT_RE.match(name)
+            if m and m.group(4) == "weight_shape":
+                problems.extend(_check_weight_shape(raw_name, tensor, expected, m.group(1), m.group(3)))
+                continue
             if m:
                 key = f"{m.group(1)}.{m.group(3)}{STACKED_SUFFIX[m.group(4)]}"
                 if key not in expected:
@@ -129,6 +138,20 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
 
 
+def _check_weight_shape(raw_name: str, tensor: torch.Tensor, expected: dict[str, torch.Tensor], experts: str, w: str) -> list[str]:
+    """compressed-tensors records each packed weight's dense [rows, cols]; it must agree with this model's expert shape."""
+    if f"{experts}.{w}_weight_packed" in expected:
+        rows, half = expected[f"{experts}.{w}_weight_packed"].shape[1:]
+        dense = [int(rows), 2 * int(half)]
+    elif f"{experts}.{w}" in expected:
+        dense = [int(d) for d in expected[f"{experts}.{w}"].shape[1:]]
+    else:
+        return [f"unexpected tensor {raw_name} {tuple(tensor.shape)}"]
+    if tensor.flatten().tolist() != dense:
+        return [f"tensor {raw_name} records dense shape {tensor.flatten().tolist()}, expected {dense}"]
+    return []
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -140,11 +163,13 @@ def load_model(
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
     config = ModelConfig.from_hf(path)
-    ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(checkpoint_names(path)))
+    names = checkpoint_names(path)
+    ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):
         model = K3ForCausalLM(config, ops)
     model = model.to_empty(device=device)
-    load_state_dict_into(model, iter_checkpoint(path))
+    text_only = any(n.startswith("language_model.") for n in names)
+    load_state_dict_into(model, iter_checkpoint(path), text_only=text_only)
     cast_model(model, dtype)
     return model.eval()
 

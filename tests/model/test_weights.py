@@ -94,3 +94,27 @@ def test_dtype_cast_keeps_router_and_gate_in_fp32(tmp_path: Path) -> None:
     assert sd["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32
     assert sd["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"].dtype == torch.float32
     assert sd["model.layers.0.self_attn.dt_bias"].dtype == torch.float32
+
+
+def test_multimodal_checkpoint_skips_other_towers_and_checks_weight_shape(tmp_path: Path) -> None:
+    model = build(debug())
+    model.quantize_experts()
+    tensors = {"language_model." + n: t for n, t in export_state_dict(model).items()}
+    tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
+    tensors["mm_projector.proj.weight"] = torch.zeros(4, 4)
+    tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 32])
+    path = tmp_path / "mm"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": model.config.replace(expert_quantization="mxfp4").to_hf()}))
+    save_file(tensors, str(path / "model.safetensors"))
+    same_logits(model, load_model(path))
+    tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 64])
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.0\.w2\.weight_shape records dense shape \[32, 64\], expected \[32, 32\]"):
+        load_model(path)
+
+
+def test_training_through_the_inference_kda_names_the_fix() -> None:
+    model = build(debug())
+    with pytest.raises(RuntimeError, match="attach_training_kda"):
+        model.forward_tokens(torch.randint(0, 256, (1, 8)))

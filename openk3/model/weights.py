@@ -4,6 +4,8 @@ Accepted tensor names: the official K3/Kimi-Linear names (with or without the mu
 what transformers' Kimi-Linear port writes (A_log as [1, 1, H, 1]; the dense first layer under `block_sparse_moe.`).
 Routed experts arrive one tensor per expert (`experts.{e}.w1.weight`) and are stacked per layer here ([E, I, D]).
 Every problem is reported with the tensor's name, its shape and the expected shape; nothing is loaded half-way.
+An expert-parallel rank loads only its own experts (`load_model(..., experts={layer: global ids})`): the other experts'
+tensors are never read, and that layer's bank holds just the listed experts, in list order.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -20,13 +22,18 @@ from safetensors.torch import save_file
 
 from openk3.config import ModelConfig
 from openk3.model.model import K3ForCausalLM, OpChoice
-from openk3.model.moe import PackedExperts
+from openk3.model.moe import DenseExperts, PackedExperts
 
 EXPERT_SUFFIXES = "weight|weight_packed|weight_scale|weight_blocks|weight_scales|weight_shape"
 EXPERT_RE = re.compile(rf"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.({EXPERT_SUFFIXES})$")
 # per-expert checkpoint suffix -> suffix of the stacked tensor in this model (gpt-oss `_blocks` are K3 `_packed` after a reshape)
-STACKED_SUFFIX = {"weight": "", "weight_packed": "_weight_packed", "weight_scale": "_weight_scale", "weight_blocks": "_weight_packed",
-                  "weight_scales": "_weight_scale"}
+STACKED_SUFFIX = {
+    "weight": "",
+    "weight_packed": "_weight_packed",
+    "weight_scale": "_weight_scale",
+    "weight_blocks": "_weight_packed",
+    "weight_scales": "_weight_scale",
+}
 PACKED_SUFFIXES = ("weight_packed", "weight_blocks")
 KEEP_FP32 = ("block_sparse_moe.gate.weight", "e_score_correction_bias", "self_attn.dt_bias", "self_attn.A_log")
 
@@ -60,11 +67,30 @@ def has_packed_experts(names: list[str]) -> bool:
     return any((m := EXPERT_RE.match(n.removeprefix("language_model."))) and m.group(4) in PACKED_SUFFIXES for n in names)
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor (name, value); with `keep`, tensors it refuses are skipped before they are read."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
+
+
+ExpertIds = Mapping[int, Sequence[int]]  # MoE layer index -> the global expert ids this process keeps, in bank order
+
+
+def expert_filter(experts: ExpertIds) -> Callable[[str], bool]:
+    """A `keep` for iter_checkpoint: drops the per-expert tensors of listed layers whose expert is not listed."""
+    wanted = {layer: {int(e) for e in ids} for layer, ids in experts.items()}
+
+    def keep(name: str) -> bool:
+        m = EXPERT_RE.match(name.removeprefix("language_model."))
+        if m is None:
+            return True
+        layer = int(m.group(1).split(".")[2])
+        return layer not in wanted or int(m.group(2)) in wanted[layer]
+
+    return keep
 
 
 def canonical_name(name: str, config: ModelConfig) -> str:
@@ -79,12 +105,14 @@ def canonical_name(name: str, config: ModelConfig) -> str:
     return name
 
 
-def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], text_only: bool = False) -> None:
+def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], text_only: bool = False, experts: ExpertIds | None = None) -> None:
     """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape.
 
     `text_only`: the checkpoint is multimodal (text tensors under `language_model.`); the other towers' tensors
-    (vision_tower.*, mm_projector.*) are not part of this model and are skipped rather than reported as unexpected."""
+    (vision_tower.*, mm_projector.*) are not part of this model and are skipped rather than reported as unexpected.
+    `experts`: listed layers' banks hold only those experts (global id ids[i] goes to row i); other experts are skipped."""
     config = model.config
+    local_of = {layer: {int(e): i for i, e in enumerate(ids)} for layer, ids in (experts or {}).items()}
     expected = dict(model.state_dict())
     filled: set[str] = set()
     expert_seen: dict[str, set[int]] = {}
@@ -104,6 +132,11 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
                     problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
                     continue
                 e = int(m.group(2))
+                layer = int(m.group(1).split(".")[2])
+                if layer in local_of:
+                    if e not in local_of[layer]:
+                        continue  # another rank's expert
+                    e = local_of[layer][e]
                 target = expected[key]
                 if m.group(4) == "weight_blocks":
                     tensor = tensor.reshape(tensor.shape[0], -1)  # [rows, K/32, 16] -> [rows, K/2], same nibble order
@@ -157,8 +190,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpChoice | None = None,
+    experts: ExpertIds | None = None,
 ) -> K3ForCausalLM:
-    """Build the model described by `path/config.json` and load its safetensors weights (the public entry point)."""
+    """Build the model described by `path/config.json` and load its safetensors weights (the public entry point).
+
+    `experts` (expert parallelism): per MoE layer, the global ids of the experts this process holds; those layers' banks
+    are allocated with just these experts and the rest are never read. Such a model is only correct with an expert
+    backend that knows the ids (openk3.dist.rank_model)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
@@ -167,11 +205,28 @@ def load_model(
     ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):
         model = K3ForCausalLM(config, ops)
+        if experts is not None:
+            keep_expert_slots(model, {layer: len(ids) for layer, ids in experts.items()})
     model = model.to_empty(device=device)
     text_only = any(n.startswith("language_model.") for n in names)
-    load_state_dict_into(model, iter_checkpoint(path), text_only=text_only)
+    keep = expert_filter(experts) if experts is not None else None
+    load_state_dict_into(model, iter_checkpoint(path, keep), text_only=text_only, experts=experts)
     cast_model(model, dtype)
     return model.eval()
+
+
+def keep_expert_slots(model: K3ForCausalLM, counts: Mapping[int, int]) -> None:
+    """Give the listed MoE layers an uninitialised bank of `counts[layer]` experts (same storage kind as before)."""
+    moe_by_index = {moe.layer_index: moe for moe in model.moe_layers()}
+    unknown = sorted(set(counts) - set(moe_by_index))
+    if unknown:
+        raise ValueError(f"experts: layers {unknown} are not MoE layers (MoE layers: {sorted(moe_by_index)})")
+    width = model.config.moe.latent_size or model.config.hidden_size
+    inter = model.config.moe.moe_intermediate_size
+    for layer, n in counts.items():
+        moe = moe_by_index[layer]
+        kind = PackedExperts if isinstance(moe.experts, PackedExperts) else DenseExperts
+        moe.experts = kind(n, width, inter)
 
 
 def cast_model(model: K3ForCausalLM, dtype: torch.dtype) -> None:

@@ -3,6 +3,9 @@
 `model` is a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors, tokenizer.json when it has one), or an
 already built module with a `.config`. A preset with no shipped checkpoint is built with seeded random weights and the byte
 tokenizer, and says so with a warning: its text is noise, but every code path is the real one.
+
+`ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
+other experts (openk3.serve.ep; docs/ep.md). Call close() to stop them. Prefix caching is refused with ep > 1.
 """
 
 from __future__ import annotations
@@ -26,28 +29,51 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 Prompt = str | list[int]
 
 
-def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[CausalLM, Tokenizer]:
-    from openk3.model import K3ForCausalLM, load_model
-
+def resolve_model(model: str | Path) -> Path | None:
+    """The checkpoint folder `model` names (a shipped preset's included), or None for a preset built from its seed."""
     name = str(model)
     shipped = ASSETS / name
     if name in PRESETS and (shipped / "config.json").is_file():
-        model = shipped
-    elif name in PRESETS:
-        warnings.warn(
-            f"model {name!r}: no checkpoint is shipped for this preset, using seeded random weights (seed {seed}) and the byte tokenizer",
-            stacklevel=3,
-        )
-        config = preset(name)
+        return shipped
+    if name in PRESETS:
+        return None
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={name!r} is neither a preset ({sorted(PRESETS)}) nor a folder with config.json")
+    return path
+
+
+def _warn_random(name: str, seed: int) -> None:
+    warnings.warn(
+        f"model {name!r}: no checkpoint is shipped for this preset, using seeded random weights (seed {seed}) and the byte tokenizer",
+        stacklevel=4,
+    )
+
+
+def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[CausalLM, Tokenizer]:
+    from openk3.model import K3ForCausalLM, load_model
+
+    path = resolve_model(model)
+    if path is None:
+        _warn_random(str(model), seed)
+        config = preset(str(model))
         net = K3ForCausalLM(config)
         net.init_weights(seed)
         net = net.to(device=device, dtype=dtype).eval()
         return net, ByteTokenizer(config.vocab_size)
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model={name!r} is neither a preset ({sorted(PRESETS)}) nor a folder with config.json")
     net = load_model(path, dtype=dtype, device=device)
     return net, load_tokenizer(path, net.config.vocab_size)
+
+
+def model_tokenizer(model: str | Path, seed: int) -> Tokenizer:
+    """The tokenizer build_model would return, without building the model (expert-parallel ranks build their own)."""
+    path = resolve_model(model)
+    if path is None:
+        _warn_random(str(model), seed)
+        return ByteTokenizer(preset(str(model)).vocab_size)
+    from openk3.config import ModelConfig
+
+    return load_tokenizer(path, ModelConfig.from_hf(path).vocab_size)
 
 
 class LLM:
@@ -73,9 +99,25 @@ class LLM:
         cpu_offload_bytes: int = 0,
         disk_offload_dir: str | None = None,
         disk_offload_bytes: int = 0,
+        ep: int = 1,
+        ep_method: str = "moonep",
+        ep_threads: int = 1,
     ) -> None:
         net: CausalLM
-        if isinstance(model, torch.nn.Module):
+        self._ep = None
+        if ep != 1:
+            from openk3.serve.ep import EPConfig, LocalEP
+
+            ep_config = EPConfig(ep, ep_method)
+            if enable_prefix_caching:
+                raise ValueError(f"enable_prefix_caching=True with ep={ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
+            if isinstance(model, torch.nn.Module):
+                tok = tokenizer or ByteTokenizer(max(256, model.config.vocab_size))  # type: ignore[arg-type]
+            else:
+                tok = tokenizer or model_tokenizer(model, seed)
+            self._ep = LocalEP(model, ep_config, dtype, device, seed, ep_threads)
+            net = self._ep.driver
+        elif isinstance(model, torch.nn.Module):
             net = model  # type: ignore[assignment]  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
@@ -98,13 +140,20 @@ class LLM:
             disk_offload_dir=disk_offload_dir,
             disk_offload_bytes=disk_offload_bytes,
         )
-        self.engine = LLMEngine(net, tok, config)
+        try:
+            self.engine = LLMEngine(net, tok, config)
+        except BaseException:
+            if self._ep is not None:
+                self._ep.close()
+            raise
         self.tokenizer = tok
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the disk tier's writer thread and remove its files (nothing to do without one)."""
+        """Stop the disk tier's writer thread and remove its files; with ep > 1, stop the worker ranks and leave the group."""
         self.engine.close()
+        if self._ep is not None:
+            self._ep.close()
 
     @property
     def model(self) -> CausalLM:

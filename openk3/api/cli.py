@@ -7,8 +7,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from openk3.serve.cli import add_prefix_cache_arguments, prefix_cache_options
+
+if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
+    from fastapi import FastAPI
+
+    from openk3.dist.group import ParallelContext
+    from openk3.serve.runner import CausalLM
+    from openk3.serve.tokenizer import Tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks; start with torchrun --nproc-per-node N (rank 0 serves HTTP)")
+    p.add_argument("--ep-method", choices=("moonep", "ep", "eplb"), default="moonep", help="how experts and tokens are spread (docs/ep.md)")
     p.set_defaults(func=run)
 
     b = subparsers.add_parser("bench", help="benchmarks")
@@ -44,18 +54,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bs.set_defaults(func=run_cli)
 
 
-def build_server(args: argparse.Namespace):
-    """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py)."""
+def check_expert_parallel(args: argparse.Namespace) -> None:
+    """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
+    from openk3.serve.ep import EPConfig
+
+    EPConfig(args.ep, args.ep_method)
+    if args.ep > 1 and args.enable_prefix_caching:
+        raise ValueError(f"--enable-prefix-caching with --ep {args.ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
+
+
+def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None) -> FastAPI:
+    """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py).
+
+    With `ctx` (rank 0 of an expert-parallel group, `--ep N`) the engine's model is an EPDriver: each step is broadcast to
+    the worker ranks, which must be in run_worker_rank; `app.state.ep_driver.close()` releases them."""
     import torch
 
-    from openk3.api.chat import generation_stop_ids, load_chat_template
-    from openk3.api.server import ServerConfig, create_app
-    from openk3.serve.engine import EngineConfig, LLMEngine
-    from openk3.serve.llm import ASSETS, build_model
+    from openk3.serve.llm import build_model, model_tokenizer
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    driver = None
+    if ctx is not None:
+        from openk3.serve.ep import start_driver
+
+        driver, _ = start_driver(ctx, args.model, args.ep_method, getattr(torch, args.dtype), ctx.device, args.seed, collect_stats=True)
+        try:
+            app = _app(args, driver, model_tokenizer(args.model, args.seed))
+        except BaseException:
+            driver.close()
+            raise
+        app.state.ep_driver = driver
+        app.state.metrics.attach_ep(driver.totals)
+        return app
     model, tokenizer = build_model(args.model, getattr(torch, args.dtype), args.device, args.seed)
+    return _app(args, model, tokenizer)
+
+
+def _app(args: argparse.Namespace, model: CausalLM, tokenizer: Tokenizer) -> FastAPI:
+    from openk3.api.chat import generation_stop_ids, load_chat_template
+    from openk3.api.server import ServerConfig, create_app
+    from openk3.serve.engine import EngineConfig, LLMEngine
+    from openk3.serve.llm import ASSETS
+
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
     template = load_chat_template(folder, args.chat_template)
@@ -89,9 +130,69 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_expert_parallel(args)
+    except ValueError as e:
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    if args.ep > 1:
+        return run_expert_parallel(args)
+    try:
         app = build_server(args)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
+
+
+def run_expert_parallel(args: argparse.Namespace) -> int:
+    """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N`: rank 0 serves HTTP and drives, the others follow.
+
+    Shutdown comes from rank 0 only: SIGINT/SIGTERM make uvicorn drain and return there, then the driver sends STOP. The
+    workers let those signals pass (torchrun forwards them to every rank) and keep running the steps of the requests rank 0
+    is still draining, so no rank waits in a collective for a rank that already left."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    import uvicorn
+
+    from openk3.dist.launch import init_from_env
+    from openk3.serve.ep import run_worker_rank
+
+    log = logging.getLogger("openk3.serve.ep")
+    ctx = init_from_env(None if args.device == "cuda" else args.device)
+    rc = 0
+    try:
+        if ctx.world_size != args.ep:
+            print(f"openk3 serve: --ep {args.ep} but torchrun started {ctx.world_size} ranks; use --nproc-per-node {args.ep}", file=sys.stderr)
+            rc = 2
+        elif ctx.rank != 0:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda num, _frame: log.info("rank %d: signal %d, waiting for rank 0 to stop the workers", ctx.rank, num))
+            if args.torch_threads is not None:
+                torch.set_num_threads(args.torch_threads)
+            steps = run_worker_rank(ctx, args.model, args.ep_method, getattr(torch, args.dtype), ctx.device, args.seed, collect_stats=True)
+            log.info("rank %d: stopped after %d steps", ctx.rank, steps)
+        else:
+            try:
+                app = build_server(args, ctx)
+            except ValueError as e:
+                print(f"openk3 serve: {e}", file=sys.stderr)
+                rc = 2
+            else:
+                # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers SIGTERM would
+                # kill this rank there, before it releases the workers, so the handlers it falls back to only log
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
+                try:
+                    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+                finally:
+                    app.state.ep_driver.close()
+    finally:
+        dist.destroy_process_group()
+    # gloo's threads can abort the interpreter during C++ static destruction at exit (seen with torchrun, about one run in
+    # three); everything is flushed and the group is gone, so leave without running destructors
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

@@ -7,12 +7,17 @@ Prefix-cache counters count prompt tokens, as vLLM does: queries += prompt token
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import LLMEngine
 from openk3.serve.frontend import FinishedRequest
+
+if TYPE_CHECKING:
+    from openk3.dist.driver import EPTotals
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -70,6 +75,44 @@ class ServerMetrics:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
         self._last_totals: dict[str, int] = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._ep: EPTotals | None = None
+
+    def attach_ep(self, totals: EPTotals) -> None:
+        """Also export expert-parallel stats (rank 0 of `serve --ep N`), read from `totals` at each engine snapshot."""
+        r, name = self.registry, self.model_name
+
+        def family(kind: type[Gauge] | type[Counter], metric: str, doc: str, labels: tuple[str, ...]) -> Gauge | Counter:
+            return kind(PREFIX + metric, doc, ("model_name", *labels), registry=r)
+
+        self.ep_recv_max = family(Gauge, "ep_recv_tokens_max", "Last step: most routed entries one rank computed, per MoE layer", ("layer",))
+        self.ep_recv_mean = family(Gauge, "ep_recv_tokens_mean", "Last step: mean routed entries per rank, per MoE layer", ("layer",))
+        self.ep_maxvio = family(Gauge, "ep_maxvio", "Last step: max over experts of tokens / mean tokens, minus 1, per MoE layer", ("layer",))
+        self.ep_recv_total = family(Counter, "ep_recv_tokens", "Routed entries computed, per rank (all MoE layers)", ("rank",))
+        self.ep_bytes = family(Counter, "ep_bytes_sent", "Rank 0's dispatch, metadata and combine bytes", ()).labels(model_name=name)
+        self.ep_prefetch = family(Counter, "ep_prefetch_bytes", "Rank 0's MoonEP expert-weight prefetch bytes", ()).labels(model_name=name)
+        self.ep_spilled = family(Counter, "ep_spilled_entries", "MoonEP entries sent home for lack of a prefetch slot", ()).labels(model_name=name)
+        self._ep = totals
+
+    def _observe_ep(self, totals: EPTotals) -> None:
+        name = self.model_name
+        for layer, s in totals.last.items():
+            entries = s.recv_entries_R
+            self.ep_recv_max.labels(model_name=name, layer=str(layer)).set(max(entries, default=0))
+            self.ep_recv_mean.labels(model_name=name, layer=str(layer)).set(sum(entries) / len(entries) if entries else 0.0)
+            self.ep_maxvio.labels(model_name=name, layer=str(layer)).set(s.maxvio)
+        for rank, total in enumerate(totals.recv_entries_R):
+            key = f"ep_recv_{rank}"
+            if total > self._last_totals.get(key, 0):
+                self.ep_recv_total.labels(model_name=name, rank=str(rank)).inc(total - self._last_totals.get(key, 0))
+                self._last_totals[key] = total
+        for counter, key, total in (
+            (self.ep_bytes, "ep_bytes", totals.bytes_sent),
+            (self.ep_prefetch, "ep_prefetch", totals.prefetch_bytes),
+            (self.ep_spilled, "ep_spilled", totals.spilled),
+        ):
+            if total > self._last_totals.get(key, 0):
+                counter.inc(total - self._last_totals.get(key, 0))
+                self._last_totals[key] = total
 
     def observe_engine(self, engine: LLMEngine) -> None:
         """Mirror the engine after a step; on the engine thread (or before it starts), reading only."""
@@ -107,6 +150,8 @@ class ServerMetrics:
             if total > self._last_totals.get(name, 0):
                 counter.inc(total - self._last_totals.get(name, 0))
                 self._last_totals[name] = total
+        if self._ep is not None:
+            self._observe_ep(self._ep)
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None:
         for itl in inter_token_latencies:

@@ -9,7 +9,7 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
   header   [kind, a, b, c, d, e, 0, 0]
     STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
-    STOP   no payload; the worker leaves its loop
+    STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
 
 CACHE goes once, before the first step: workers allocate pools of rank 0's shapes, so the same page and slot ids address
@@ -108,7 +108,9 @@ class StepChannel:
         self._send([MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode)], payload)
 
     def send_stop(self) -> None:
+        """STOP, then a barrier: no rank tears the group down while another is still reading from it (gloo aborts then)."""
         self._send([MessageKind.STOP])
+        dist.barrier(group=self.group)
 
     def receive(self, device: torch.device | str) -> ForwardBatch | CacheShape | None:
         """The next message on a worker: a step's batch (on `device`), the cache shape, or None for STOP."""
@@ -116,6 +118,7 @@ class StepChannel:
         dist.broadcast(header, self.src, group=self.group)
         kind, a, b, c, d, e = (int(x) for x in header[:6])
         if kind == MessageKind.STOP:
+            dist.barrier(group=self.group)
             return None
         if kind == MessageKind.CACHE:
             if not 0 <= d < len(CACHE_DTYPES):

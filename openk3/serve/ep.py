@@ -139,9 +139,11 @@ class LocalEP:
 
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent); a caller's module gets its own experts back."""
-        if dist.is_initialized() and not self.driver.closed:
-            self.driver.close()
-        self._teardown()
+        try:
+            if dist.is_initialized() and not self.driver.closed:
+                self.driver.close()
+        finally:
+            self._teardown()
 
     def _teardown(self) -> None:
         for w in self.workers:

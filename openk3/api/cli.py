@@ -161,7 +161,11 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
     from openk3.serve.ep import run_worker_rank
 
     log = logging.getLogger("openk3.serve.ep")
-    ctx = init_from_env(None if args.device == "cuda" else args.device)
+    try:
+        ctx = init_from_env(None if args.device == "cuda" else args.device)
+    except RuntimeError as e:
+        print(f"openk3 serve: --ep {args.ep} runs one process per rank: {e}", file=sys.stderr)
+        return 2
     rc = 0
     try:
         if ctx.world_size != args.ep:

@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, timings)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, spawned here (this process drives; docs/ep.md)")
+    p.add_argument("--ep-method", choices=("moonep", "ep", "eplb"), default="moonep")
     add_prefix_cache_arguments(p)
     p.set_defaults(func=run)
 
@@ -52,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from openk3.serve.llm import LLM
 
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop
-        )
-        llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, **prefix_cache_options(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+        llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, ep=args.ep, ep_method=args.ep_method, **prefix_cache_options(args))
         try:
             outputs = llm.generate(args.prompt, params)
         finally:

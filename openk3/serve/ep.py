@@ -61,7 +61,7 @@ def build_rank_model(
             raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
         layers = [moe.layer_index for moe in source.moe_layers()]
         placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method)
-        backend = attach_rank_experts(source, ctx, method, placements, False, drop_full_banks=ctx.rank != 0, collect_stats=collect_stats)
+        backend = attach_rank_experts(source, ctx, method, placements, loaded_per_rank=False, drop_full_banks=ctx.rank != 0, collect_stats=collect_stats)
         return source, backend
     folder = resolve_model(source)
     if folder is not None:
@@ -71,7 +71,7 @@ def build_rank_model(
     net.init_weights(seed)
     net = net.to(device=device, dtype=dtype).eval()
     placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method)
-    return net, attach_rank_experts(net, ctx, method, placements, False, drop_full_banks=True, collect_stats=collect_stats)
+    return net, attach_rank_experts(net, ctx, method, placements, loaded_per_rank=False, drop_full_banks=True, collect_stats=collect_stats)
 
 
 def run_worker_rank(

@@ -5,7 +5,8 @@ already built module with a `.config`. A preset with no shipped checkpoint is bu
 tokenizer, and says so with a warning: its text is noise, but every code path is the real one.
 
 `ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
-other experts (openk3.serve.ep; docs/ep.md). Call close() to stop them. Prefix caching is refused with ep > 1.
+other experts (openk3.serve.ep; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the
+process group. Prefix caching is refused with ep > 1.
 """
 
 from __future__ import annotations
@@ -154,6 +155,12 @@ class LLM:
         self.engine.close()
         if self._ep is not None:
             self._ep.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def model(self) -> CausalLM:

@@ -13,6 +13,7 @@ spawn, the caller's script needs an `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,10 @@ def start_driver(
     try:
         model, backend = build_rank_model(source, ctx, method, dtype, device, seed, collect_stats)
     except BaseException:
-        channel.send_stop()  # the workers are building or waiting: let them leave instead of waiting for a first step
+        # the workers are building or waiting: let them leave instead of waiting for a first step (a worker that failed the
+        # same way has left already, and the error that matters is this rank's own)
+        with contextlib.suppress(RuntimeError):
+            channel.send_stop()
         raise
     return EPDriver(model, channel, backend.inner), backend
 
@@ -114,6 +118,8 @@ class LocalEP:
     def __init__(self, source: ModelSource, config: EPConfig, dtype: torch.dtype, device: torch.device | str, seed: int, threads: int = 1) -> None:
         if dist.is_initialized():
             raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
+        if not isinstance(source, torch.nn.Module):
+            resolve_model(source)  # a bad name fails here, before any rank starts
         dev = torch.device(device)
         if dev.type == "cuda" and torch.cuda.device_count() < config.size:
             raise ValueError(f"ep={config.size} needs one GPU per rank, {torch.cuda.device_count()} visible")

@@ -77,6 +77,8 @@ def test_ep_arguments_are_checked() -> None:
         LLM("debug", ep=2, ep_method="nope")
     with pytest.raises(ValueError, match="prefix caching"):
         LLM("debug", ep=2, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM("no-such-model", ep=2)
 
 
 def rank_load(ctx: ParallelContext, folder: str) -> dict[str, tuple[int, list[int]]]:

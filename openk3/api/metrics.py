@@ -3,6 +3,7 @@
 Written from the engine thread (prometheus_client's metrics are thread-safe), read by `GET /metrics`. Gauges mirror the last
 engine snapshot; counters and histograms are fed per step and per finished request by the front end.
 Prefix-cache counters count prompt tokens, as vLLM does: queries += prompt tokens looked up, hits += tokens found cached.
+Expert-parallel serving (rank 0 of `serve --ep N`) adds `openk3:ep_*` families through `attach_ep` (docs/ep.md, Metrics).
 """
 
 from __future__ import annotations
@@ -81,16 +82,19 @@ class ServerMetrics:
         """Also export expert-parallel stats (rank 0 of `serve --ep N`), read from `totals` at each engine snapshot."""
         r, name = self.registry, self.model_name
 
-        def family(kind: type[Gauge] | type[Counter], metric: str, doc: str, labels: tuple[str, ...]) -> Gauge | Counter:
-            return kind(PREFIX + metric, doc, ("model_name", *labels), registry=r)
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + metric, doc, ("model_name", "layer"), registry=r)
 
-        self.ep_recv_max = family(Gauge, "ep_recv_tokens_max", "Last step: most routed entries one rank computed, per MoE layer", ("layer",))
-        self.ep_recv_mean = family(Gauge, "ep_recv_tokens_mean", "Last step: mean routed entries per rank, per MoE layer", ("layer",))
-        self.ep_maxvio = family(Gauge, "ep_maxvio", "Last step: max over experts of tokens / mean tokens, minus 1, per MoE layer", ("layer",))
-        self.ep_recv_total = family(Counter, "ep_recv_tokens", "Routed entries computed, per rank (all MoE layers)", ("rank",))
-        self.ep_bytes = family(Counter, "ep_bytes_sent", "Rank 0's dispatch, metadata and combine bytes", ()).labels(model_name=name)
-        self.ep_prefetch = family(Counter, "ep_prefetch_bytes", "Rank 0's MoonEP expert-weight prefetch bytes", ()).labels(model_name=name)
-        self.ep_spilled = family(Counter, "ep_spilled_entries", "MoonEP entries sent home for lack of a prefetch slot", ()).labels(model_name=name)
+        def counter(metric: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + metric, doc, ("model_name", *labels), registry=r)
+
+        self.ep_recv_max = gauge("ep_recv_tokens_max", "Last step: most routed entries one rank computed, per MoE layer")
+        self.ep_recv_mean = gauge("ep_recv_tokens_mean", "Last step: mean routed entries per rank, per MoE layer")
+        self.ep_maxvio = gauge("ep_maxvio", "Last step: max over experts of tokens / mean tokens, minus 1, per MoE layer")
+        self.ep_recv_total = counter("ep_recv_tokens", "Routed entries computed, per rank (all MoE layers)", ("rank",))
+        self.ep_bytes = counter("ep_bytes_sent", "Rank 0's dispatch, metadata and combine bytes").labels(model_name=name)
+        self.ep_prefetch = counter("ep_prefetch_bytes", "Rank 0's MoonEP expert-weight prefetch bytes").labels(model_name=name)
+        self.ep_spilled = counter("ep_spilled_entries", "MoonEP entries sent home for lack of a prefetch slot").labels(model_name=name)
         self._ep = totals
 
     def _observe_ep(self, totals: EPTotals) -> None:

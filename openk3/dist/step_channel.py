@@ -19,6 +19,7 @@ the server is idle, and an NCCL group would time the wait out (and wants device 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from enum import IntEnum
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from openk3.dist.group import ParallelContext
 from openk3.model.batch import CacheTensors, ForwardBatch
 
 HEADER = 8
+# The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
+CARRIED_FIELDS = ("input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode")
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
@@ -74,6 +77,9 @@ class StepChannel:
     def __init__(self, ctx: ParallelContext) -> None:
         if ctx.group is None:
             raise ValueError("StepChannel: a world of one has nobody to broadcast to")
+        names = tuple(f.name for f in dataclasses.fields(ForwardBatch))
+        if names != CARRIED_FIELDS:
+            raise RuntimeError(f"StepChannel carries ForwardBatch fields {CARRIED_FIELDS}, the batch now has {names}: extend the wire format")
         self.ctx = ctx
         self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo")
         self.src = dist.get_global_rank(ctx.group, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
@@ -27,9 +28,12 @@ def batches() -> list[ForwardBatch]:
 
 
 def fields(b: ForwardBatch) -> dict:
-    names = ("input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices")
-    out = {n: None if getattr(b, n) is None else getattr(b, n).tolist() for n in names}
-    return {**out, "is_decode": b.is_decode}
+    """Every field of the batch (whatever ForwardBatch holds, so a field the channel drops fails the comparison)."""
+    out = {}
+    for f in dataclasses.fields(b):
+        v = getattr(b, f.name)
+        out[f.name] = v.tolist() if isinstance(v, torch.Tensor) else v
+    return out
 
 
 def exchange(ctx: ParallelContext) -> list:

@@ -13,6 +13,7 @@ slot holds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,13 @@ class ForwardBatch:
     @property
     def uses_cache(self) -> bool:
         return self.state_slots is not None
+
+    @functools.cached_property
+    def fresh_seqs(self) -> torch.Tensor | None:
+        """[N] bool, the sequences with no context (they start from a zero KDA state whatever their slot holds), or None when
+        there are none: the usual step then skips the masking. One host check per step, shared by every KDA layer."""
+        fresh = self.context_lens == 0
+        return fresh if bool(fresh.any()) else None
 
     @staticmethod
     def from_tokens(input_ids: torch.Tensor) -> ForwardBatch:

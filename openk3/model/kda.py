@@ -18,11 +18,13 @@ from torch import nn
 
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
+from openk3.model.fused import ConcatCache, use_fused
 from openk3.model.layers import RMSNorm
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
 from openk3.ops.kda.gate import kda_gate
+from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm, rms_norm
 from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update
 
@@ -36,9 +38,11 @@ class KDALayerCache:
 def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """The slots' contents, with sequences that start fresh (no context) reading zeros whatever the slot holds."""
     assert batch.state_slots is not None
-    states = pool[batch.state_slots]
-    fresh = (batch.context_lens == 0).view(-1, *([1] * (states.dim() - 1)))
-    return torch.where(fresh, torch.zeros((), dtype=states.dtype, device=states.device), states)
+    states = pool.index_select(0, batch.state_slots)
+    fresh = batch.fresh_seqs
+    if fresh is None:
+        return states
+    return states.masked_fill(fresh.view(-1, *([1] * (states.dim() - 1))), 0.0)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -70,6 +74,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(p, d, bias=False)
         self.kda_prefill = kda_prefill_op(kda_impl)
         self.conv_prefill = causal_conv1d_op(conv_impl)
+        gate_width = p if c.full_rank_output_gate else c.head_dim
+        self._in_split = [3 * p, c.head_dim, gate_width, c.num_heads]  # [q | k | v] pre-conv, f_a, g (or g_a), b
+        self._fused_in = ConcatCache(dim=0)
+        self._fused_conv = ConcatCache(dim=0)
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -83,12 +91,23 @@ class KimiDeltaAttention(nn.Module):
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        return (self._fused_conv.get(convs) if use_fused() else torch.cat(convs, dim=0)).squeeze(1)
+
+    def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H]): one matmul at inference."""
+        gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
+        linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
+        if use_fused():
+            qkv, f_a, g, b = torch.nn.functional.linear(x_TD, self._fused_in.get([m.weight for m in linears])).split(self._in_split, dim=-1)
+            return qkv, f_a, g, b
+        q, k, v, f_a, g, b = (m(x_TD) for m in linears)
+        return torch.cat([q, k, v], dim=-1), f_a, g, b
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k = self.num_heads, self.head_dim
-        qkv_TC = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
+        qkv_TC, f_a, gate_in, b_logit = self.input_projections(x_TD)
         decode = batch.is_decode and cache is not None
 
         if decode:
@@ -98,11 +117,12 @@ class KimiDeltaAttention(nn.Module):
             init_conv = _slot_states(cache.conv_SCW, batch) if cache is not None else None
             y, conv_state = self.conv_prefill(qkv_TC[None], self.conv_weight(), init_conv, batch.cu_seqlens, activation="silu")
             qkv_TC = y[0]
-        q, kk, v = qkv_TC.view(t, 3, h, k).unbind(1)
-        q, kk = l2_norm(q), l2_norm(kk)
+        qkv = qkv_TC.view(t, 3, h, k)
+        q, kk = l2_norm(qkv[:, :2]).unbind(1)  # q and k normalised in one pass
+        v = qkv[:, 2]
 
-        g_THK = kda_gate(self.f_b_proj(self.f_a_proj(x_TD)).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
-        beta_TH = torch.sigmoid(self.b_proj(x_TD).float())
+        g_THK = kda_gate(self.f_b_proj(f_a).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
+        beta_TH = torch.sigmoid(b_logit.float())
 
         if decode:
             assert cache is not None
@@ -113,16 +133,18 @@ class KimiDeltaAttention(nn.Module):
                     "the fast KDA prefill (kda_chunk) is inference-only; for training attach the differentiable form with "
                     "openk3.train.kda_autograd.attach_training_kda(model), or run under torch.no_grad()"
                 )
-            init_state = _slot_states(cache.state_SHKV, batch) if cache is not None else None
-            o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init_state, batch.cu_seqlens)
+            if cache is not None:  # a serving step: its single-token sequences take the decode kernel (ops/kda/mixed.py)
+                init = _slot_states(cache.state_SHKV, batch)
+                o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
+            else:
+                o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, None, batch.cu_seqlens)
             o_THV = o[0]
         if cache is not None:
             assert batch.state_slots is not None
-            cache.conv_SCW[batch.state_slots] = conv_state.to(cache.conv_SCW.dtype)
-            cache.state_SHKV[batch.state_slots] = new_state
+            cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
+            cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
-        gate = self.g_proj(x_TD) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x_TD))
+        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)
         o32 = rms_norm(o_THV.float(), self.o_norm.weight, self.eps) * torch.sigmoid(gate.view(t, h, k).float())
         return self.o_proj(o32.to(x_TD.dtype).reshape(t, h * k))
-

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from openk3.config import Activation
+from openk3.model.fused import ConcatCache, use_fused
 from openk3.ops.activation import glu
 from openk3.ops.norm import rms_norm
 
@@ -33,7 +34,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = act
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
+        self.intermediate = intermediate
+        self._fused_gate_up = ConcatCache(dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = glu(self.gate_proj(x), self.up_proj(x), self.act, self.situ_beta, self.situ_linear_beta)
-        return self.down_proj(h)
+        if use_fused():  # one matmul for gate and up at inference (model/fused.py)
+            gate_up = torch.nn.functional.linear(x, self._fused_gate_up.get([self.gate_proj.weight, self.up_proj.weight]))
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from openk3.cli import main
 from openk3.config import debug
 from openk3.model import load_model, save_model
-from openk3.model.moe import DenseExperts, PackedExperts
+from openk3.model.moe import DenseExperts, LocalExperts, PackedExperts
 from openk3.ops.moe.packed_bank import dense_bank_nbytes
 
 from .conftest import build
@@ -20,8 +20,11 @@ TOKENS = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(
 
 
 def dequantised_copy(packed_model):
-    """The same model with every packed bank decoded into dense fp32 parameters."""
+    """The same model with every packed bank decoded into dense fp32 parameters, run by the same (grouped) expert op as the
+    packed banks, so the comparison sees the weights only, not a different summation order."""
     dense = build(debug())
+    for moe in dense.moe_layers():
+        moe.backend = LocalExperts("fast")
     dense.load_state_dict({k: v for k, v in packed_model.state_dict().items() if "experts.w" not in k}, strict=False)
     for src, dst in zip(packed_model.moe_layers(), dense.moe_layers(), strict=True):
         full = src.experts.bank().materialize(torch.float32)

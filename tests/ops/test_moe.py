@@ -1,4 +1,4 @@
-"""Router and routed experts: grouped == naive, selection-only bias, bank access pattern, input errors."""
+"""Router and routed experts: grouped == batched == naive, selection-only bias, bank access pattern, input errors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from openk3.ops.moe import (
     DenseExpertBank,
     ExpertWeights,
     MoEExpertsFn,
+    moe_experts_auto,
+    moe_experts_batched,
     moe_experts_grouped,
     moe_experts_naive,
     moe_experts_op,
@@ -20,6 +22,7 @@ from openk3.ops.moe import (
 )
 
 ACTS = {kind.value: functools.partial(glu, kind=kind) for kind in Activation}
+FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}
 
 
 class CountingBank:
@@ -40,9 +43,7 @@ class CountingBank:
 
 def _bank(e: int, d: int, i: int, seed: int) -> DenseExpertBank:
     g = torch.Generator().manual_seed(seed)
-    return DenseExpertBank(
-        torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, d, i, generator=g) / i**0.5
-    )
+    return DenseExpertBank(torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, i, d, generator=g) / d**0.5, torch.randn(e, d, i, generator=g) / i**0.5)
 
 
 def _routing(t: int, e: int, k: int, seed: int, experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,15 +54,17 @@ def _routing(t: int, e: int, k: int, seed: int, experts: int | None = None) -> t
     return idx, torch.rand(t, k, generator=g)
 
 
+@pytest.mark.parametrize("fast", sorted(FAST))
 @pytest.mark.parametrize("act", sorted(ACTS))
-@pytest.mark.parametrize("t,e,k,used", [(1, 4, 1, 4), (9, 8, 2, 5), (33, 6, 6, 6), (20, 16, 4, 7), (64, 5, 3, 5)])
-def test_grouped_matches_naive_fp32(act: str, t: int, e: int, k: int, used: int) -> None:
+@pytest.mark.parametrize("t,e,k,used", [(1, 4, 1, 4), (9, 8, 2, 5), (33, 6, 6, 6), (20, 16, 4, 7), (64, 5, 3, 5), (8, 64, 2, 64)])
+def test_fast_paths_match_naive_fp32(fast: str, act: str, t: int, e: int, k: int, used: int) -> None:
+    """(8, 64, 2, 64): few active experts out of many, so the batched path gathers the active experts' weights."""
     d, i = 24, 16
     bank = _bank(e, d, i, seed=t + e)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)) * 3
     idx, w = _routing(t, e, k, seed=k, experts=used)
     want = moe_experts_naive(x, idx, w, bank, ACTS[act])
-    got = moe_experts_grouped(x, idx, w, bank, ACTS[act])
+    got = FAST[fast](x, idx, w, bank, ACTS[act])
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -81,14 +84,15 @@ def test_naive_matches_per_token_transcription(act: str) -> None:
     torch.testing.assert_close(moe_experts_naive(x, idx, w, bank, ACTS[act]).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fast", sorted(FAST))
 @pytest.mark.parametrize("act", sorted(ACTS))
-def test_grouped_matches_naive_bf16(act: str) -> None:
+def test_fast_paths_match_naive_bf16(fast: str, act: str) -> None:
     t, e, k, d, i = 40, 8, 4, 64, 32
     bank = _bank(e, d, i, seed=5)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(6)).bfloat16()
     idx, w = _routing(t, e, k, seed=7, experts=6)
     want = moe_experts_naive(x, idx, w, bank, ACTS[act])
-    got = moe_experts_grouped(x, idx, w, bank, ACTS[act])
+    got = FAST[fast](x, idx, w, bank, ACTS[act])
     assert got.dtype == torch.bfloat16
     # Same bf16 matmuls on the same rows, fp32 accumulation in a different order: at most a rounding step apart.
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -117,6 +121,9 @@ def test_no_tokens_and_zero_weights() -> None:
     x = torch.randn(3, 8)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]])
     assert torch.equal(moe_experts_grouped(x, idx, torch.zeros(3, 2), bank, ACTS["situ"]), torch.zeros(3, 8))
+    assert torch.equal(moe_experts_batched(x, idx, torch.zeros(3, 2), bank.inner, ACTS["situ"]), torch.zeros(3, 8))
+    no_tokens = moe_experts_batched(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), bank.inner, ACTS["situ"])
+    assert no_tokens.shape == (0, 8)
 
 
 def test_int32_expert_ids() -> None:
@@ -124,19 +131,36 @@ def test_int32_expert_ids() -> None:
     x = torch.randn(5, 8)
     idx, w = _routing(5, 4, 2, seed=3)
     want = moe_experts_naive(x, idx, w, bank, ACTS["silu"])
-    for fn in (moe_experts_naive, moe_experts_grouped):
+    for fn in (moe_experts_naive, *FAST.values()):
         torch.testing.assert_close(fn(x, idx.int(), w, bank, ACTS["silu"]), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["naive", "fast", "auto"])
+@pytest.mark.parametrize("impl", ["naive", "fast", "batched", "auto"])
 def test_dispatch_by_name(impl: str) -> None:
-    want = moe_experts_naive if impl == "naive" else moe_experts_grouped
+    want = {"naive": moe_experts_naive, "fast": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}[impl]
     assert moe_experts_op(impl) is want
 
 
 def test_dispatch_unknown_name() -> None:
-    with pytest.raises(ValueError, match="'triton'.*naive, fast, auto"):
+    with pytest.raises(ValueError, match="'triton'.*naive, fast, batched, auto"):
         moe_experts_op("triton")
+
+
+@pytest.mark.parametrize("t,expect", [(2, "grouped"), (8, "batched"), (64, "batched"), (600, "grouped")])
+def test_auto_picks_batched_only_for_small_steps_on_dense_banks(t: int, expect: str) -> None:
+    """k=2, E=8: batched for 16 <= pairs <= 32 * 8; a bank that is not a DenseExpertBank always goes grouped."""
+    bank = _bank(8, 16, 8, seed=3)
+    x = torch.randn(t, 16, generator=torch.Generator().manual_seed(1))
+    idx, w = _routing(t, 8, 2, seed=2)
+    assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS["silu"]), FAST[expect](x, idx, w, bank, ACTS["silu"]))
+    counting = CountingBank(bank)
+    assert torch.equal(moe_experts_auto(x, idx, w, counting, ACTS["silu"]), moe_experts_grouped(x, idx, w, bank, ACTS["silu"]))
+
+
+def test_batched_refuses_banks_without_stacked_weights() -> None:
+    bank = CountingBank(_bank(4, 8, 8, seed=1))
+    with pytest.raises(TypeError, match="DenseExpertBank"):
+        moe_experts_batched(torch.randn(2, 8), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2), bank, ACTS["silu"])
 
 
 @pytest.mark.parametrize("fn", [moe_experts_naive, moe_experts_grouped])

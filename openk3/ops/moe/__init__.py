@@ -1,4 +1,4 @@
-"""Routed-expert ops: the naive definition, the grouped fast path, the sigmoid top-k router, and dispatch by name."""
+"""Routed-expert ops: the naive definition, the grouped and batched fast paths, the sigmoid top-k router, and dispatch by name."""
 
 from __future__ import annotations
 
@@ -7,22 +7,42 @@ from collections.abc import Callable
 import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
+from openk3.ops.moe.batched import moe_experts_batched
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 
-MOE_IMPLS = ("naive", "fast", "auto")
+MOE_IMPLS = ("naive", "fast", "batched", "auto")
 
 MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, Act], torch.Tensor]
 
+# The batched path pays for padding rows and a fixed ~25 ops; the grouped loop pays ~10 ops per active expert. Measured with
+# benchmarks/ops_moe.py (2 CPU threads; E 16 and 64, k 2 and 8): batched wins from about 16 (token, expert) pairs up to
+# about 32 pairs per expert, where padding starts to cost more than the loop's dispatch.
+BATCHED_MIN_PAIRS = 16
+BATCHED_MAX_PAIRS_PER_EXPERT = 32
+
+
+def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+    """Batched for dense banks at decode-sized steps, grouped otherwise (and always for packed MXFP4 banks)."""
+    pairs = topk_idx.numel()
+    if isinstance(bank, DenseExpertBank) and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
+        return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
+    return moe_experts_grouped(x_TD, topk_idx, topk_weight, bank, act)
+
 
 def moe_experts_op(impl: str) -> MoEExpertsFn:
-    """The routed-expert function for an implementation name: "naive" (definition), "fast" or "auto" (grouped)."""
-    if impl == "naive":
-        return moe_experts_naive
-    if impl in ("fast", "auto"):
-        return moe_experts_grouped
-    raise ValueError(f"moe experts impl={impl!r} is unknown, expected one of {', '.join(MOE_IMPLS)}")
+    """The routed-expert function for an implementation name: "naive" (definition), "fast" (grouped), "batched" (dense banks
+    only) or "auto" (picks between the two fast paths per call)."""
+    ops: dict[str, MoEExpertsFn] = {
+        "naive": moe_experts_naive,
+        "fast": moe_experts_grouped,
+        "batched": moe_experts_batched,  # type: ignore[dict-item]  # dense banks only; raises TypeError on others
+        "auto": moe_experts_auto,
+    }
+    if impl not in ops:
+        raise ValueError(f"moe experts impl={impl!r} is unknown, expected one of {', '.join(MOE_IMPLS)}")
+    return ops[impl]
 
 
 __all__ = [
@@ -33,6 +53,8 @@ __all__ = [
     "MOE_IMPLS",
     "MoEExpertsFn",
     "RouterOutput",
+    "moe_experts_auto",
+    "moe_experts_batched",
     "moe_experts_grouped",
     "moe_experts_naive",
     "moe_experts_op",

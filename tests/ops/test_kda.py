@@ -11,6 +11,7 @@ import torch
 from openk3.config import KDAGate
 from openk3.ops.kda import kda_chunk, kda_decode, kda_gate, kda_prefill_op, kda_recurrent
 from openk3.ops.kda.chunk import _factor_block, _intra_chunk
+from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm
 
 H, K, V = 2, 32, 16
@@ -78,17 +79,20 @@ def test_intra_chunk_matrices_by_definition(per_token: float, block: int | None)
 
 
 @pytest.mark.parametrize("impl", ["naive", "fast"])
-def test_cu_seqlens_equals_separate_runs(impl: str) -> None:
-    lengths = [37, 64, 100]
+@pytest.mark.parametrize("lengths", [[37, 64, 100], [1, 130, 0, 3, 64, 1, 65]])
+def test_cu_seqlens_equals_separate_runs(impl: str, lengths: list[int]) -> None:
+    """The second case is a serving step: sequences of 1 to 3 chunks in no particular order (ranks permute, sequences end at
+    different chunk steps), single-token continuations and an empty sequence whose state must pass through unchanged."""
     parts = [make_inputs(1, n, KDAGate.LOWER_BOUND, seed=i) for i, n in enumerate(lengths)]
     packed = [torch.cat([p[i] for p in parts], dim=1) for i in range(5)]
     S0 = torch.cat([p[5] for p in parts], dim=0)
-    cu = torch.tensor([0, 37, 101, 201], dtype=torch.int64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     o, s = kda_prefill_op(impl)(*packed, initial_state=S0, cu_seqlens=cu)
-    assert o.shape == (1, 201, H, V) and s.shape == (3, H, K, V)
+    assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
     for n, p in enumerate(parts):
         o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])
-        assert max_err(o[:, cu[n] : cu[n + 1]], o_n) < 1e-4
+        if lengths[n]:
+            assert max_err(o[:, cu[n] : cu[n + 1]], o_n) < 1e-4
         assert max_err(s[n], s_n[0]) < 1e-4
 
 
@@ -214,3 +218,19 @@ def test_transformers_forget_gate_matches_softplus_gate() -> None:
         f = module.f_b_proj(module.f_a_proj(x)).view(2, 5, H, K)
     assert module.A_log.shape == (1, 1, H, 1)
     assert max_err(kda_gate(f, module.A_log, module.dt_bias, KDAGate.SOFTPLUS), theirs) < 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[1, 130, 1, 3, 1], [1, 1, 1], [5, 64]])
+def test_mixed_step_equals_recurrence(lengths: list[int]) -> None:
+    """kda_mixed sends single-token sequences to the decode kernel and the rest to the chunked prefill; every sequence's
+    output and final state must equal its own recurrence, whichever path it took."""
+    parts = [make_inputs(1, n, KDAGate.SOFTPLUS, seed=10 + i) for i, n in enumerate(lengths)]
+    packed = [torch.cat([p[i] for p in parts], dim=1) for i in range(5)]
+    S0 = torch.cat([p[5] for p in parts], dim=0)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    o, s = kda_mixed(kda_chunk, *packed, S0, cu)
+    assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
+    for n, p in enumerate(parts):
+        o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])
+        assert max_err(o[:, cu[n] : cu[n + 1]], o_n) < 1e-4
+        assert max_err(s[n], s_n[0]) < 1e-4

@@ -1,8 +1,8 @@
 """KDA prefill in chunkwise (WY / UT-transform) form: the same numbers as the recurrence, computed with matmuls.
 
-Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk size, n chunks per sequence,
-s sub-chunk size, P padded tokens per sequence (n * C), M = N * H. Inputs as in naive.kda_recurrent: q, k [B, T, H, K],
-v [B, T, H, V], g [B, T, H, K] fp32 log decay, beta [B, T, H]; internally fp32, chunk-major [n * M, C, *] (or [n, M, C, *]).
+Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk size, Q chunk slots (the sum over sequences of
+their chunk counts, see chunk_layout.py), s sub-chunk size, M rows of a batched op (Q * H). Inputs as in naive.kda_recurrent:
+q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] fp32 log decay, beta [B, T, H]; internally fp32, slot-major [Q * H, C, *].
 
 Per chunk, with G the in-chunk cumulative log decay and S the incoming state (the Kimi Linear paper's chunkwise form, eqs 2-9):
   Akk[r, j] = sum_c k_r k_j exp(G_r - G_j) (j < r),   Aqk[r, j] = sum_c q_r k_j exp(G_r - G_j) (j <= r)
@@ -10,13 +10,14 @@ Per chunk, with G the in-chunk cumulative log decay and S the incoming state (th
   V' = U - W S,   O = (q exp(G)) S + Aqk V',   S <- exp(G_C) S + (exp(G_C - G) k)^T V'
 The factorised form exp(G_r) exp(-G_j) overflows once the decay over a chunk passes ~88 nats (unbounded with the softplus gate), so
 exp(G_r - G_j) is never split around the chunk start: see _intra_chunk for the split points that keep every factor finite.
-Only the inter-chunk state recurrence is a Python loop (n steps); the rest is batched over chunks, sequences and heads.
+Only the inter-chunk state recurrence is a Python loop (one step per chunk index); the rest is batched over chunk slots and heads.
 """
 
 from __future__ import annotations
 
 import torch
 
+from openk3.ops.kda.chunk_layout import ChunkLayout
 from openk3.ops.kda.naive import check_kda_inputs
 
 # Smallest block factorised in one matmul; below it pairs go by dyadic levels (always exact, more passes).
@@ -34,37 +35,6 @@ INVERSE_BLOCK = 8
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:
     """exp of a log decay (<= 0), in place on a temporary."""
     return log_decay.clamp_min_(EXP_FLOOR).exp_()
-
-
-def _to_chunks(x: torch.Tensor, cu_seqlens: torch.Tensor | None, N: int, n: int, C: int) -> torch.Tensor:
-    """[B, T, H, D] or [B, T, H] -> fp32 chunk-major [n * N * H, C, D or 1], zero-padded at each sequence's tail.
-
-    Zero padding is a no-op for the state (k = beta = g = 0), so a padded tail leaves each sequence's final state exact."""
-    x = x.float()
-    if x.dim() == 3:
-        x = x.unsqueeze(-1)
-    B, T, H, D = x.shape
-    if cu_seqlens is not None:
-        seq_id, pos = _token_index(cu_seqlens, T)
-        padded = x.new_zeros(N, n * C, H, D)
-        padded[seq_id, pos] = x[0]
-        return padded.view(N, n, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(n * N * H, C, D)
-    out = x.new_empty(n, B, H, C, D)
-    full = T // C
-    out[:full] = x[:, : full * C].view(B, full, C, H, D).permute(1, 0, 3, 2, 4)
-    if full < n:
-        out[full:].zero_()
-        out[full, :, :, : T - full * C] = x[:, full * C :].permute(0, 2, 1, 3)
-    return out.view(n * B * H, C, D)
-
-
-def _token_index(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed token: its sequence and its position inside that sequence."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=T)
-    pos = torch.arange(T, device=cu.device) - cu[seq_id]
-    return seq_id, pos
 
 
 def _dyadic_level(Akk: torch.Tensor, Aqk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: int) -> None:
@@ -174,45 +144,43 @@ def kda_chunk(
     if C <= 0 or C & (C - 1):
         raise ValueError(f"kda_chunk: chunk_size={chunk_size} is invalid: expected a power of two")
     scale = K**-0.5 if scale is None else scale
-    longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    n = max(1, -(-longest // C))
-    P = n * C
-    M = N * H
-    # Chunk-major [n, N*H, C, *] so every per-chunk slice in the state loop is contiguous.
-    qc, kc, vc, gc, bc = (_to_chunks(x, cu_seqlens, N, n, C) for x in (q, k, v, g, beta))
+    layout = ChunkLayout.build(B, T, cu_seqlens, C)
+    # Slot-major [Q * H, C, *]: chunk step j is the contiguous row block of its a_j running sequences (chunk_layout.py).
+    qc, kc, vc, gc, bc = (layout.to_chunks(x) for x in (q, k, v, g, beta))
     qc.mul_(scale)
 
-    # Everything that does not depend on the incoming state, batched over (chunks, N, H).
+    # Everything that does not depend on the incoming state, batched over all chunk slots and heads.
     G = gc.cumsum_(dim=1)
     Akk, Aqk = _intra_chunk(qc, kc, G)
     # T = (I + diag(beta) Akk)^-1 diag(beta): the explicit inverse is cheaper than a solve with K + V right-hand sides.
     Tm = _unit_lower_inverse(Akk.mul_(bc)).mul_(bc.transpose(1, 2))
     eG = G.clamp_min(EXP_FLOOR).exp_()  # what _decay does, without touching G
-    Qd = (qc * eG).view(n, M, C, K)
-    W = torch.bmm(Tm, kc * eG).view(n, M, C, K)
-    U = torch.bmm(Tm, vc).view(n, M, C, V)
-    Kd = _decay(G[:, -1:] - G).mul_(kc).view(n, M, C, K)  # exp(G_C - G) k
-    decay = eG[:, -1, :, None].view(n, M, K, 1)
-    Aqk = Aqk.view(n, M, C, C)
-    # The Python loop carries only the state (3 ops per chunk: on a busy machine every op is a thread barrier); S_in keeps each
-    # chunk's incoming state so the read-out O = (q exp(G)) S + Aqk V' is two batched matmuls after the loop.
-    S_in = qc.new_empty(n + 1, M, K, V)
+    Qd = qc * eG
+    W = torch.bmm(Tm, kc * eG)
+    U = torch.bmm(Tm, vc)
+    Kd_T = _decay(G[:, -1:] - G).mul_(kc).transpose(1, 2)  # (exp(G_C - G) k)^T, [Q * H, K, C]
+    decay = eG[:, -1, :, None]  # [Q * H, K, 1]
+    # The Python loop carries only the state (3 ops per chunk step: on a busy machine every op is a thread barrier); S_in keeps
+    # each chunk's incoming state so the read-out O = (q exp(G)) S + Aqk V' is two batched matmuls after the loop.
+    S_in = qc.new_empty(layout.num_slots * H, K, V)
+    final = qc.new_empty(N * H, K, V)  # rank order
+    first = S_in[: layout.active[0] * H]
     if initial_state is None:
-        S_in[0].zero_()
+        first.zero_()
     else:
-        S_in[0] = initial_state.float().reshape(M, K, V)
-    Vp = vc.new_empty(n, M, C, V)  # pseudo-values V' = U - W S
-    for i in range(n):
-        torch.baddbmm(U[i], W[i], S_in[i], alpha=-1, out=Vp[i])
-        torch.mul(S_in[i], decay[i], out=S_in[i + 1])
-        S_in[i + 1].baddbmm_(Kd[i].transpose(1, 2), Vp[i])
-    O = torch.bmm(Qd.view(n * M, C, K), S_in[:n].view(n * M, K, V)).baddbmm_(Aqk.view(n * M, C, C), Vp.view(n * M, C, V))
-    S = S_in[n].clone().view(N, H, K, V)  # a copy, so the caller does not keep all n + 1 states alive
-
-    O = O.view(n, N, H, C, V).permute(1, 0, 3, 2, 4).reshape(N, P, H, V)
-    if cu_seqlens is None:
-        o = O[:, :T]
-    else:
-        seq_id, pos = _token_index(cu_seqlens, T)
-        o = O[seq_id, pos].unsqueeze(0)
+        first.copy_(layout.to_ranks(initial_state.float()).reshape(N * H, K, V))
+    Vp = torch.empty_like(U)  # pseudo-values V' = U - W S
+    for j, running in enumerate(layout.active):
+        lo, hi = layout.offsets[j] * H, (layout.offsets[j] + running) * H
+        carried = (layout.active[j + 1] if j + 1 < layout.num_steps else 0) * H
+        torch.baddbmm(U[lo:hi], W[lo:hi], S_in[lo:hi], alpha=-1, out=Vp[lo:hi])
+        # the next state of ranks that go on lands in step j+1's slots, that of ranks ending here in `final`
+        nxt = torch.mul(S_in[lo:hi], decay[lo:hi]).baddbmm_(Kd_T[lo:hi], Vp[lo:hi])
+        if carried:
+            nlo = layout.offsets[j + 1] * H
+            S_in[nlo : nlo + carried] = nxt[:carried]
+        final[carried : hi - lo] = nxt[carried:]
+    O = torch.bmm(Qd, S_in).baddbmm_(Aqk, Vp)
+    S = layout.from_ranks(final.view(N, H, K, V))
+    o = layout.from_chunks(O, B, T, H)
     return o.to(v.dtype).contiguous(), S

@@ -1,0 +1,51 @@
+"""KDA over a mixed serving step: single-token sequences (decode continuations) take the decode kernel, the others a prefill op.
+
+Legend: T packed tokens, N sequences, H heads, K key dim, V value dim; tensors as in naive.kda_recurrent, packed (B = 1).
+
+Why: a chunked prefill pads every sequence to whole chunks, so a step that packs one prompt chunk with thirty decode tokens
+would pay thirty 64-row chunks for thirty rows of work. vLLM's hybrid models split such batches the same way (decode requests
+first, one kernel each). The split costs a few gathers, so a step that is all decode or all prefill goes straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from openk3.ops.kda.decode import kda_decode
+
+
+def kda_mixed(
+    prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as the prefill op with cu_seqlens (o [1, T, H, V], final state [N, H, K, V] fp32)."""
+    lens_N = cu_seqlens[1:] - cu_seqlens[:-1]
+    single_N = lens_N == 1
+    num_single = int(single_N.sum())
+    if num_single == 0 or num_single == lens_N.numel():
+        if num_single == 0:
+            return prefill(q, k, v, g, beta, None, initial_state, cu_seqlens)
+        o, state = kda_decode(q[0], k[0], v[0], g[0], beta[0], initial_state)
+        return o.unsqueeze(0), state
+    seq_T = torch.repeat_interleave(torch.arange(lens_N.numel(), device=lens_N.device), lens_N, output_size=q.shape[1])
+    single_T = single_N.index_select(0, seq_T)
+    dec_tok, pre_tok = single_T.nonzero().squeeze(1), (~single_T).nonzero().squeeze(1)
+    dec_seq, pre_seq = single_N.nonzero().squeeze(1), (~single_N).nonzero().squeeze(1)
+    take = lambda x, rows: x[0].index_select(0, rows)  # noqa: E731  (packed token rows)
+    o_dec, s_dec = kda_decode(*(take(x, dec_tok) for x in (q, k, v, g, beta)), initial_state.index_select(0, dec_seq))
+    pre_lens = lens_N.index_select(0, pre_seq)
+    pre_cu = torch.cat([pre_lens.new_zeros(1), torch.cumsum(pre_lens, 0)])
+    o_pre, s_pre = prefill(*(take(x, pre_tok).unsqueeze(0) for x in (q, k, v, g, beta)), None, initial_state.index_select(0, pre_seq), pre_cu)
+    o = o_pre.new_empty((q.shape[1], *o_pre.shape[2:]))
+    o.index_copy_(0, dec_tok, o_dec.to(o.dtype)).index_copy_(0, pre_tok, o_pre[0])
+    state = s_pre.new_empty(initial_state.shape)
+    state.index_copy_(0, dec_seq, s_dec).index_copy_(0, pre_seq, s_pre)
+    return o.unsqueeze(0), state

@@ -39,9 +39,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.index, self.kind = index, config.layer_kind(index)
-        self.self_attn: nn.Module = (
-            GatedMLA(config, ops.mla) if self.kind == LayerKind.MLA else KimiDeltaAttention(config, ops.kda, ops.conv)
-        )
+        self.self_attn: nn.Module = GatedMLA(config, ops.mla) if self.kind == LayerKind.MLA else KimiDeltaAttention(config, ops.kda, ops.conv)
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
             self.block_sparse_moe = LatentMoE(config, index, LocalExperts(ops.moe), packed_experts=ops.packed_experts)

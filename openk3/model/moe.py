@@ -129,4 +129,3 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_TD)
         return y
-

@@ -155,9 +155,7 @@ def decode_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> Dec
     return DecodeTables(pairs, _E8M0_VALUES.to(device=device, dtype=compute))
 
 
-def dequantize(
-    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tables: DecodeTables | None = None
-) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tables: DecodeTables | None = None) -> torch.Tensor:
     """Decode to `dtype`: one gather per byte yields both elements, then one multiply by the block scale.
 
     The products code value x 2^k are exact in fp32 and bf16 (at most 3 significant bits), so computing directly in
@@ -170,8 +168,7 @@ def dequantize(
         tables = decode_tables(dtype, packed.device)
     elif tables.scale_values.dtype != compute or tables.scale_values.device != packed.device:
         raise ValueError(
-            f"mxfp4 dequantize: tables for {tables.scale_values.dtype} on {tables.scale_values.device}, "
-            f"expected decode_tables({dtype}, {packed.device})"
+            f"mxfp4 dequantize: tables for {tables.scale_values.dtype} on {tables.scale_values.device}, expected decode_tables({dtype}, {packed.device})"
         )
     values = tables.byte_pairs.index_select(0, packed.reshape(-1).int()).view(compute).reshape(*scales.shape, block)
     scale = tables.scale_values.index_select(0, scales.reshape(-1).int()).reshape(*scales.shape, 1)
@@ -231,10 +228,7 @@ def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> MXFP4Tensor:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"gpt-oss mxfp4: blocks {blocks.dtype}, scales {scales.dtype}, expected uint8 and uint8")
     if blocks.dim() < 2 or blocks.shape[-1] != MX_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"gpt-oss mxfp4: blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, "
-            "expected [..., rows, K/32, 16] and [..., rows, K/32]"
-        )
+        raise ValueError(f"gpt-oss mxfp4: blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, expected [..., rows, K/32, 16] and [..., rows, K/32]")
     return MXFP4Tensor(blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1]), scales)
 
 

@@ -41,9 +41,7 @@ def attn_res_phase1(blocks_BND: torch.Tensor, queries_QD: torch.Tensor, norm_wei
     return BlockPartial(out_QND, lse_QN)
 
 
-def attn_res_merge(
-    partial: BlockPartial, q: int, prefix_ND: torch.Tensor, query_D: torch.Tensor, norm_weight_D: torch.Tensor, eps: float
-) -> torch.Tensor:
+def attn_res_merge(partial: BlockPartial, q: int, prefix_ND: torch.Tensor, query_D: torch.Tensor, norm_weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     """Mix pseudo-query q's block partial with the current partial sum; returns [N, D] in prefix's dtype."""
     num_q, n_tok, width = partial.out_QND.shape
     if not 0 <= q < num_q:

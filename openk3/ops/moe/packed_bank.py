@@ -84,9 +84,7 @@ class PackedMXFP4ExpertBank:
         return DenseExpertBank(*(torch.stack(ws) for ws in zip(*experts, strict=True)))
 
     @classmethod
-    def from_dense(
-        cls, w1_EID: torch.Tensor, w3_EID: torch.Tensor, w2_EDI: torch.Tensor, scale_mode: str | ScaleMode = "floor"
-    ) -> PackedMXFP4ExpertBank:
+    def from_dense(cls, w1_EID: torch.Tensor, w3_EID: torch.Tensor, w2_EDI: torch.Tensor, scale_mode: str | ScaleMode = "floor") -> PackedMXFP4ExpertBank:
         """Quantise full-precision experts one expert at a time, so the working memory is one expert's, not the layer's."""
         DenseExpertBank(w1_EID, w3_EID, w2_EDI)  # validates the three shapes agree
         out = []

@@ -19,9 +19,7 @@ class RouterOutput(NamedTuple):
     scores: torch.Tensor  # [T, E] fp32 sigmoid scores (unbiased; training-time balancing reads them)
 
 
-def sigmoid_topk_route(
-    x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float
-) -> RouterOutput:
+def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float) -> RouterOutput:
     if x_TD.dim() != 2 or weight_ED.dim() != 2 or x_TD.shape[1] != weight_ED.shape[1]:
         raise ValueError(f"router: x shape {tuple(x_TD.shape)} and weight shape {tuple(weight_ED.shape)}, expected [T, D] and [E, D]")
     num_experts = weight_ED.shape[0]

@@ -15,6 +15,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
+from openk3.model.fused import ConcatCache, use_fused
 from openk3.model.layers import RMSNorm
 from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
 
@@ -58,12 +59,26 @@ class GatedMLA(nn.Module):
             self.g_proj = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
         self.o_proj = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
         self.prefill = mla_prefill_op(prefill_impl)
+        self._fused_in = ConcatCache(dim=0)
+
+    def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x, one matmul at inference (model/fused.py)."""
+        linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
+        if self.output_gate:
+            linears.append(self.g_proj)
+        if use_fused():
+            fused = torch.nn.functional.linear(x_TD, self._fused_in.get([m.weight for m in linears]))
+            outs = list(fused.split([m.out_features for m in linears], dim=-1))
+        else:
+            outs = [m(x_TD) for m in linears]
+        return outs[0], outs[1], outs[2] if self.output_gate else None
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
         t, h = x_TD.shape[0], self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if self.q_lora else self.q_proj(x_TD)
+        q_in, kv_a, gate_logits = self.input_projections(x_TD)
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
         q_nope, q_pe = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.lora, self.rope], dim=-1)
+        c_kv, k_pe = kv_a.split([self.lora, self.rope], dim=-1)
         latent_TR = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, h, self.nope, self.v_dim)
 
@@ -76,8 +91,8 @@ class GatedMLA(nn.Module):
         else:
             out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, w_uk, w_uv)
 
-        if self.output_gate:
-            out_THV = out_THV * torch.sigmoid(self.g_proj(x_TD).float()).view(t, h, self.v_dim).to(out_THV.dtype)
+        if gate_logits is not None:
+            out_THV = out_THV * torch.sigmoid(gate_logits.float()).view(t, h, self.v_dim).to(out_THV.dtype)
         return self.o_proj(out_THV.reshape(t, h * self.v_dim).to(x_TD.dtype))
 
     def _prefill(self, q_nope, q_pe, latent_TR, batch: ForwardBatch, latent_pool, w_uk, w_uv) -> torch.Tensor:

@@ -39,7 +39,8 @@ def expert_forward(x_ND: torch.Tensor, weights: ExpertWeights, act: Act, e: int)
             f"moe experts: expert {e} weights w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}, "
             f"expected [I, {width}], [I, {width}], [{width}, I] for input width {width}"
         )
-    return act(x_ND @ w1.t(), x_ND @ w3.t()) @ w2.t()
+    linear = torch.nn.functional.linear  # x W^T in one op (x @ w.t() is two)
+    return linear(act(linear(x_ND, w1), linear(x_ND, w3)), w2)
 
 
 def moe_experts_naive(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:

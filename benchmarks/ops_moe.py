@@ -1,8 +1,11 @@
-"""Routed experts: tokens/s of the grouped fast path against the naive per-expert mask loop, at the demo size.
+"""Routed experts: tokens/s of the grouped and batched fast paths (and the auto choice) against the naive per-expert mask loop.
 
 Run (after `make venv`, which installs the project):
     .venv/bin/python benchmarks/ops_moe.py [--device cpu|cuda] [--dtype float32|bfloat16] [--seconds 0.5] [--threads N]
-Both paths see the same router output; the speed-up is printed only if they agree (fp32 1e-5, bf16 2e-2).
+                                           [--experts 16] [--top-k 4]
+Every path sees the same router output; a ratio is printed only if the path agrees with naive (fp32 1e-5, bf16 2e-2).
+The T column spans decode-sized steps (where the batched path's fixed op count wins) to prefill-sized ones (where the grouped
+loop's dense per-expert matmuls win); ops/moe/__init__.py's auto thresholds come from this table.
 """
 
 from __future__ import annotations
@@ -18,10 +21,19 @@ import torch
 
 from openk3.config import Activation
 from openk3.ops.activation import glu
-from openk3.ops.moe import DenseExpertBank, MoEExpertsFn, moe_experts_grouped, moe_experts_naive, sigmoid_topk_route
+from openk3.ops.moe import (
+    DenseExpertBank,
+    MoEExpertsFn,
+    moe_experts_auto,
+    moe_experts_batched,
+    moe_experts_grouped,
+    moe_experts_naive,
+    sigmoid_topk_route,
+)
 
-E, K, D, I = 16, 4, 256, 128
-TOKENS = (1, 64, 512)
+D, I = 256, 128
+TOKENS = (1, 4, 16, 64, 256, 1024)
+FAST: dict[str, MoEExpertsFn] = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}  # type: ignore[dict-item]
 
 
 def _sync(device: torch.device) -> None:
@@ -48,7 +60,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seconds", type=float, default=0.5, help="timing window per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
+    E, K = args.experts, args.top_k
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -71,21 +86,23 @@ def main() -> int:
     )
     router_w, router_b = torch.randn(E, D, generator=g).to(device), (0.1 * torch.randn(E, generator=g)).to(device)
     act = functools.partial(glu, kind=Activation.SITU)
-    print("| T | naive tok/s | grouped tok/s | grouped / naive | max abs diff |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| T | naive tok/s | grouped tok/s | batched tok/s | auto tok/s | grouped / naive | batched / grouped | auto / grouped |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     ok = True
     for t in TOKENS:
         x = torch.randn(t, D, generator=g).to(device, dtype)
         route = sigmoid_topk_route(x, router_w, router_b, K, True, 1.0)
         call = (x, route.topk_idx, route.topk_weight, bank, act)
-        diff = (moe_experts_grouped(*call).float() - moe_experts_naive(*call).float()).abs().max().item()
-        if diff > tol:
+        want = moe_experts_naive(*call).float()
+        diffs = {name: (fn(*call).float() - want).abs().max().item() for name, fn in FAST.items()}
+        if max(diffs.values()) > tol:
             ok = False
-            print(f"| {t} | - | - | refused: grouped != naive | {diff:.2e} |")
+            print(f"| {t} | refused: a fast path != naive ({diffs}) |")
             continue
         naive = _tokens_per_s(moe_experts_naive, call, t, args.seconds, device)
-        grouped = _tokens_per_s(moe_experts_grouped, call, t, args.seconds, device)
-        print(f"| {t} | {naive:,.0f} | {grouped:,.0f} | {grouped / naive:.2f}x | {diff:.1e} |")
+        rate = {name: _tokens_per_s(fn, call, t, args.seconds, device) for name, fn in FAST.items()}
+        g_, b_, a_ = rate["grouped"], rate["batched"], rate["auto"]
+        print(f"| {t} | {naive:,.0f} | {g_:,.0f} | {b_:,.0f} | {a_:,.0f} | {g_ / naive:.2f}x | {b_ / g_:.2f}x | {a_ / g_:.2f}x |")
     return 0 if ok else 1
 
 

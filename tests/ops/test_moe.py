@@ -146,9 +146,9 @@ def test_dispatch_unknown_name() -> None:
         moe_experts_op("triton")
 
 
-@pytest.mark.parametrize("t,expect", [(2, "grouped"), (8, "batched"), (64, "batched"), (600, "grouped")])
+@pytest.mark.parametrize("t,expect", [(2, "grouped"), (8, "batched"), (64, "batched"), (65, "grouped")])
 def test_auto_picks_batched_only_for_small_steps_on_dense_banks(t: int, expect: str) -> None:
-    """k=2, E=8: batched for 16 <= pairs <= 32 * 8; a bank that is not a DenseExpertBank always goes grouped."""
+    """k=2, E=8: batched for 16 <= pairs <= 16 * 8; a bank that is not a DenseExpertBank always goes grouped."""
     bank = _bank(8, 16, 8, seed=3)
     x = torch.randn(t, 16, generator=torch.Generator().manual_seed(1))
     idx, w = _routing(t, 8, 2, seed=2)

@@ -17,10 +17,11 @@ MOE_IMPLS = ("naive", "fast", "batched", "auto")
 MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, Act], torch.Tensor]
 
 # The batched path pays for padding rows and a fixed ~25 ops; the grouped loop pays ~10 ops per active expert. Measured with
-# benchmarks/ops_moe.py (2 CPU threads; E 16 and 64, k 2 and 8): batched wins from about 16 (token, expert) pairs up to
-# about 32 pairs per expert, where padding starts to cost more than the loop's dispatch.
+# benchmarks/ops_moe.py (CPU, 2 threads, E 16, k 2 and 4; benchmarks/results/ops_moe.md): from 16 (token, expert) pairs up
+# to 16 pairs per expert batched is 1.0-1.9x the grouped loop; at 32 pairs per expert it is 0.5x (padding then costs more
+# than the loop's dispatch), and below 16 pairs the loop's few iterations are cheaper than the batched set-up.
 BATCHED_MIN_PAIRS = 16
-BATCHED_MAX_PAIRS_PER_EXPERT = 32
+BATCHED_MAX_PAIRS_PER_EXPERT = 16
 
 
 def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:

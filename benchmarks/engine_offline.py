@@ -145,7 +145,7 @@ def main() -> None:
             ratio = f"{h_wall / e_wall:.2f}x" if ok else "FAIL (tokens differ)"
             print(f"| {key}: {name} | {total} | {total / e_wall:.1f} | {total / h_wall:.1f} | {ratio} | {ttft:.3f} | {equal} |")
 
-        contexts = [s(int(c)) for c in args.contexts.split(",")]
+        contexts = [s(int(c)) for c in args.contexts.split(",") if c]
         print("\n| model | context | TTFT s | decode ms/token |")
         print("|---|---|---|---|")
         for label, mla in (("KDA-only", ()), ("mixed 2/8 MLA", (3, 7))):

@@ -61,6 +61,9 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
     EPConfig(args.ep, args.ep_method)
     if args.ep > 1 and args.enable_prefix_caching:
         raise ValueError(f"--enable-prefix-caching with --ep {args.ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
+    if args.ep > 1 and str(args.device).startswith("cuda:"):
+        # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
+        raise ValueError(f"--device {args.device} with --ep {args.ep}: rank r uses GPU r, so name no device index (--device cuda)")
 
 
 def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None) -> FastAPI:
@@ -192,7 +195,12 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
                 try:
                     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
                 finally:
+                    # after a failed step this sends nothing (the workers are stuck in that step); destroying the group
+                    # below closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
                     app.state.ep_driver.close()
+                if app.state.ep_driver.failed:
+                    log.error("rank 0: an expert-parallel step failed; tearing the group down")
+                    rc = 1
     finally:
         dist.destroy_process_group()
     # gloo's threads can abort the interpreter during C++ static destruction at exit (seen with torchrun, about one run in

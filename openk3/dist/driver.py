@@ -70,8 +70,12 @@ class EPTotals:
 class EPDriver:
     """Rank 0's model as the engine sees it: broadcast the step, then run the expert-parallel model on it.
 
-    `close()` (idempotent) tells the workers to leave their loops; after it a call is refused. A lock makes a step's
-    broadcast and close() exclusive, so a close from another thread never lands between a header and its payload.
+    A lock makes a whole step (broadcast and forward) and close() exclusive, so a close from another thread never lands
+    between a header and its payload, nor while this rank is inside a step's collectives.
+
+    Failure: once a step's broadcast has begun, any exception (here or in the model) leaves the workers inside that step's
+    collectives, waiting for this rank. The driver is then `failed`: later calls raise at once, and close() sends no STOP
+    (the workers could not read it); the owner must tear the group down instead (destroy it, kill local workers).
     """
 
     def __init__(self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None) -> None:
@@ -81,21 +85,29 @@ class EPDriver:
         self._cache: CacheTensors | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._failure: str | None = None
 
     def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         with self._lock:
+            if self._failure is not None:
+                raise RuntimeError(f"EPDriver: an earlier step failed ({self._failure}); the expert-parallel group is unusable, close it and start again")
             if self._closed:
                 raise RuntimeError("EPDriver: closed (the expert-parallel workers have stopped)")
-            if self._cache is None:
-                self.channel.send_cache(cache)
-                self._cache = cache
-            elif cache is not self._cache:
+            if self._cache is not None and cache is not self._cache:
                 raise ValueError("EPDriver: one driver serves one engine's cache pools; the workers mirror only the first")
-            self.channel.send_step(batch)
-        logits = self.model(batch, cache)
-        if self.stats is not None:
-            self.totals.add(self.stats.drain_stats())
-        return logits
+            header, payload = self.channel.encode_step(batch)  # a batch the channel refuses fails before anything is sent
+            try:
+                if self._cache is None:
+                    self.channel.send_cache(cache)
+                    self._cache = cache
+                self.channel.send_encoded(header, payload)
+                logits = self.model(batch, cache)
+            except BaseException as e:
+                self._failure = f"{type(e).__name__}: {e}"
+                raise
+            if self.stats is not None:
+                self.totals.add(self.stats.drain_stats())
+            return logits
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return self.model.parameters(recurse)
@@ -104,11 +116,17 @@ class EPDriver:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
     def close(self) -> None:
+        """Idempotent. Healthy: STOP and a barrier with every worker. Failed: nothing is sent (see the class docstring)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.channel.send_stop()
+                if self._failure is None:
+                    self.channel.send_stop()
 
 
 def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device | str, stats: StatsSource | None = None) -> int:

@@ -12,6 +12,9 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
 
+Before any message, `report_ready` gathers every rank's start-up result (None or its error), so a rank that failed to
+build its model is reported by rank 0 instead of surfacing as a bare gloo error in the first step.
+
 CACHE goes once, before the first step: workers allocate pools of rank 0's shapes, so the same page and slot ids address
 the same rows everywhere. The channel uses its own gloo group (CPU tensors, a long timeout): a worker waits in it while
 the server is idle, and an NCCL group would time the wait out (and wants device tensors for a few integers).
@@ -98,12 +101,16 @@ class StepChannel:
         index = CACHE_DTYPES.index(shape.dtype)
         self._send([MessageKind.CACHE, shape.num_slots, shape.num_pages, shape.page_size, index, shape.elements])
 
-    def send_step(self, batch: ForwardBatch) -> None:
+    @staticmethod
+    def encode_step(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+        """The header and payload of a step; raises before anything is sent for a batch the wire format cannot carry."""
         parts = [batch.input_ids, batch.positions, batch.cu_seqlens, batch.context_lens]
         width = -1
-        if batch.state_slots is not None:
-            if batch.page_table is None:
-                raise ValueError("StepChannel: a batch with state_slots needs a page_table too")
+        if (batch.state_slots is None) != (batch.page_table is None):
+            # c = -1 stands for both absent: one sent alone would be silently dropped on the workers
+            given, missing = ("state_slots", "page_table") if batch.page_table is None else ("page_table", "state_slots")
+            raise ValueError(f"StepChannel: the batch has {given} but {missing} is None; the wire format carries both or neither")
+        if batch.state_slots is not None and batch.page_table is not None:
             width = batch.page_table.shape[1]
             parts += [batch.state_slots, batch.page_table.reshape(-1)]
         rows = -1
@@ -111,7 +118,22 @@ class StepChannel:
             rows = batch.logits_indices.numel()
             parts.append(batch.logits_indices)
         payload = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
-        self._send([MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode)], payload)
+        return [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode)], payload
+
+    def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
+        self._send(header, payload)
+
+    def send_step(self, batch: ForwardBatch) -> None:
+        self._send(*self.encode_step(batch))
+
+    def report_ready(self, error: str | None) -> list[str | None]:
+        """The start-up handshake, collective over every rank: each reports None (model built) or its error; all get all.
+
+        Without it a worker that failed while building would just exit, and rank 0 would learn of it only as a bare gloo
+        error in its first step."""
+        reports: list[str | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(reports, error, group=self.group)
+        return reports
 
     def send_stop(self) -> None:
         """STOP, then a barrier: no rank tears the group down while another is still reading from it (gloo aborts then)."""

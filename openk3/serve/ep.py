@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from openk3.serve.llm import resolve_model
 ModelSource = str | Path | torch.nn.Module
 # Start-up and per-collective limit of the group LocalEP creates: a worker that died is reported, not waited for forever.
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-JOIN_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 60.0  # all workers together, after STOP
+KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
 
 
 @dataclass(frozen=True)
@@ -75,28 +77,42 @@ def build_rank_model(
     return net, attach_rank_experts(net, ctx, method, placements, loaded_per_rank=False, drop_full_banks=True, collect_stats=collect_stats)
 
 
+def _failure(rank: int, error: BaseException) -> str:
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
 def run_worker_rank(
     ctx: ParallelContext, source: ModelSource, method: str, dtype: torch.dtype, device: torch.device | str, seed: int, collect_stats: bool
 ) -> int:
-    """A worker rank from joining to STOP: channel, model, loop; returns the steps it ran."""
+    """A worker rank from joining to STOP: channel, model, start-up handshake, loop; returns the steps it ran (0 when
+    some rank failed to start: rank 0 reports that)."""
     channel = StepChannel(ctx)
-    model, backend = build_rank_model(source, ctx, method, dtype, device, seed, collect_stats)
+    try:
+        model, backend = build_rank_model(source, ctx, method, dtype, device, seed, collect_stats)
+    except Exception as e:
+        channel.report_ready(_failure(ctx.rank, e))
+        raise
+    if any(channel.report_ready(None)):
+        return 0
     return run_worker(model, channel, device, backend)
 
 
 def start_driver(
     ctx: ParallelContext, source: ModelSource, method: str, dtype: torch.dtype, device: torch.device | str, seed: int, collect_stats: bool
 ) -> tuple[EPDriver, TokenSplit]:
-    """Rank 0's side of the start-up: the channel, its model, and the driver the engine is given in place of the model."""
+    """Rank 0's side of the start-up: the channel, its model, the handshake, and the driver the engine is given in place
+    of the model. Raises this rank's own error, else the first worker's that failed to build its model."""
     channel = StepChannel(ctx)
     try:
         model, backend = build_rank_model(source, ctx, method, dtype, device, seed, collect_stats)
-    except BaseException:
-        # the workers are building or waiting: let them leave instead of waiting for a first step (a worker that failed the
-        # same way has left already, and the error that matters is this rank's own)
+    except Exception as e:
+        # the workers wait in the handshake: tell them to leave rather than wait for a first step
         with contextlib.suppress(RuntimeError):
-            channel.send_stop()
+            channel.report_ready(_failure(0, e))
         raise
+    failures = [f for f in channel.report_ready(None) if f is not None]
+    if failures:
+        raise RuntimeError(f"expert-parallel start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
     return EPDriver(model, channel, backend.inner), backend
 
 
@@ -118,9 +134,13 @@ class LocalEP:
     def __init__(self, source: ModelSource, config: EPConfig, dtype: torch.dtype, device: torch.device | str, seed: int, threads: int = 1) -> None:
         if dist.is_initialized():
             raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
+        if isinstance(source, torch.nn.Module) and not isinstance(source, K3ForCausalLM):
+            raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
         if not isinstance(source, torch.nn.Module):
             resolve_model(source)  # a bad name fails here, before any rank starts
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is not None:
+            raise ValueError(f"device={str(device)!r} with ep={config.size}: rank r takes GPU r, so name no index (device='cuda')")
         if dev.type == "cuda" and torch.cuda.device_count() < config.size:
             raise ValueError(f"ep={config.size} needs one GPU per rank, {torch.cuda.device_count()} visible")
         port = free_port()
@@ -131,29 +151,45 @@ class LocalEP:
             )
             for r in range(1, config.size)
         ]
-        for w in self.workers:
-            w.start()
         self.module = source if isinstance(source, torch.nn.Module) else None
         self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
+        self.driver: EPDriver | None = None
         try:
+            for w in self.workers:
+                w.start()
             dist.init_process_group(backend_for(dev), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=config.size, timeout=GROUP_TIMEOUT)
             ctx = ParallelContext.from_group(dev)
             self.driver, self.backend = start_driver(ctx, source, config.method, dtype, dev, seed, collect_stats=False)
         except BaseException:
-            self._teardown()
+            self._teardown(JOIN_TIMEOUT_S)
             raise
 
     def close(self) -> None:
-        """Stop the workers and leave the process group (idempotent); a caller's module gets its own experts back."""
+        """Stop the workers and leave the process group (idempotent); a caller's module gets its own experts back.
+
+        After a failed step the workers are stuck in that step's collectives and cannot read a STOP: they are killed,
+        so close() returns in seconds instead of waiting out the group's timeout."""
+        if self.driver is not None and self.driver.failed:
+            self.driver.close()
+            self._teardown(0.0)
+            return
         try:
-            if dist.is_initialized() and not self.driver.closed:
+            if dist.is_initialized() and self.driver is not None and not self.driver.closed:
                 self.driver.close()
         finally:
-            self._teardown()
+            self._teardown(JOIN_TIMEOUT_S)
 
-    def _teardown(self) -> None:
-        for w in self.workers:
-            w.join(JOIN_TIMEOUT_S)
+    def _teardown(self, grace_s: float) -> None:
+        """Join the workers within one shared deadline of `grace_s` (0: stop them now), kill what is left, leave the group."""
+        started = [w for w in self.workers if w.pid is not None]
+        if grace_s <= 0:
+            for w in started:
+                w.terminate()
+            grace_s = KILL_GRACE_S
+        deadline = time.monotonic() + grace_s
+        for w in started:
+            w.join(max(0.0, deadline - time.monotonic()))
+        for w in started:
             if w.is_alive():
                 w.kill()
                 w.join()

@@ -152,9 +152,11 @@ class LLM:
 
     def close(self) -> None:
         """Stop the disk tier's writer thread and remove its files; with ep > 1, stop the worker ranks and leave the group."""
-        self.engine.close()
-        if self._ep is not None:
-            self._ep.close()
+        try:
+            self.engine.close()
+        finally:
+            if self._ep is not None:
+                self._ep.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -68,6 +68,18 @@ def test_step_channel_round_trip() -> None:
     assert sent[2]["is_decode"] and not sent[1]["is_decode"] and sent[3]["page_table"] is None
 
 
+def test_step_channel_refuses_half_a_cache_addressing() -> None:
+    cached = batches()[0]
+    no_slots = dataclasses.replace(cached, state_slots=None)
+    with pytest.raises(ValueError, match="has page_table but state_slots is None"):
+        StepChannel.encode_step(no_slots)
+    with pytest.raises(ValueError, match="has state_slots but page_table is None"):
+        StepChannel.encode_step(dataclasses.replace(cached, page_table=None))
+    header, payload = StepChannel.encode_step(cached)
+    assert header[3] == cached.page_table.shape[1]
+    assert payload.numel() == 4 + 4 + 3 + 2 + 2 + 6 + 2  # ids, positions, cu_seqlens, context, slots, table, logits rows
+
+
 def test_ep_stats_in_metrics() -> None:
     def stats(layer: int, entries: tuple[int, ...], sent: int) -> EPStats:
         return EPStats(layer, "moonep", entries, entries, max(entries) / (sum(entries) / 2), 0.25, sent, 100, 1, 0.0, 0.0)

@@ -3,8 +3,9 @@
 Legend: E logical experts, R ranks, P physical expert slots per rank, R * P physical experts (E + redundant), T tokens,
 k experts per token, L the MoE layers a collector watches.
 
-Replication adds one replica at a time to the expert with the largest load per replica; packing sorts the replicas by load
-and puts each into the lightest rank that still has a free slot, so every rank holds exactly P experts. A placement is a
+Replication adds one replica at a time to the expert with the largest load per replica (at most R replicas); packing sorts
+the replicas by load and puts each into the lightest rank that still has a free slot and does not hold that expert yet, so
+every rank holds exactly P experts, and two copies of one expert share a rank only when no other rank has room. A placement is a
 table, not a policy: physical expert p = r * P + slot lives on rank r and runs logical expert phys_to_log[r, slot].
 Replicas of one expert split its entries in turn (entry i of the expert on a source rank goes to replica (i + rank) % n),
 so each replica gets an equal share, within one entry, from every source rank.
@@ -71,38 +72,56 @@ def contiguous_placement(num_experts: int, num_ranks: int) -> Placement:
     return Placement.from_table(torch.arange(num_experts).view(num_ranks, -1), num_experts)
 
 
-def replicate(load_E: torch.Tensor, num_physical: int) -> torch.Tensor:
-    """Replica count per expert [E]: start at one each, then add one at a time to the largest load per replica."""
+def replicate(load_E: torch.Tensor, num_physical: int, max_replicas: int | None = None) -> torch.Tensor:
+    """Replica count per expert [E]: start at one each, then add one at a time to the largest load per replica among the
+    experts below `max_replicas` (a placement over R ranks caps at R: a second copy on one rank balances nothing)."""
     num_experts = load_E.shape[0]
     if num_physical < num_experts:
         raise ValueError(f"replicate: num_physical={num_physical} is below num_experts={num_experts}")
+    if max_replicas is not None and num_physical > num_experts * max_replicas:
+        raise ValueError(f"replicate: num_physical={num_physical} exceeds num_experts={num_experts} x max_replicas={max_replicas}")
     load = load_E.double()
     counts = torch.ones(num_experts, dtype=torch.int64)
     for _ in range(num_physical - num_experts):
-        counts[int(torch.argmax(load / counts))] += 1
+        per_replica = load / counts
+        if max_replicas is not None:
+            per_replica = torch.where(counts < max_replicas, per_replica, torch.tensor(-1.0, dtype=torch.float64))
+        counts[int(torch.argmax(per_replica))] += 1
     return counts
 
 
-def balanced_pack(weight_N: torch.Tensor, num_packs: int) -> torch.Tensor:
-    """Pack index per item [N], each pack exactly N / num_packs items: heaviest item first into the lightest pack with room."""
+def balanced_pack(weight_N: torch.Tensor, num_packs: int, group_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack index per item [N], each pack exactly N / num_packs items: heaviest item first into the lightest pack with room.
+
+    group_N (optional): items of one group (replicas of one expert) go to different packs whenever a pack with room
+    lacks that group; only when none does may two share a pack."""
     n = weight_N.shape[0]
     if num_packs < 1 or n % num_packs:
         raise ValueError(f"balanced_pack: {n} items do not split evenly into num_packs={num_packs}")
     per_pack = n // num_packs
     pack_load = torch.zeros(num_packs, dtype=torch.float64)
     pack_items = torch.zeros(num_packs, dtype=torch.int64)
+    held: list[set[int]] = [set() for _ in range(num_packs)]
     inf = torch.tensor(float("inf"), dtype=torch.float64)
     out = torch.empty(n, dtype=torch.int64)
     for item in torch.sort(weight_N.double(), descending=True, stable=True).indices.tolist():
-        p = int(torch.argmin(torch.where(pack_items < per_pack, pack_load, inf)))
+        room = pack_items < per_pack
+        if group_N is not None:
+            group = int(group_N[item])
+            fresh = room & torch.tensor([group not in h for h in held])
+            room = fresh if bool(fresh.any()) else room
+        p = int(torch.argmin(torch.where(room, pack_load, inf)))
         out[item] = p
         pack_load[p] += float(weight_N[item])
         pack_items[p] += 1
+        if group_N is not None:
+            held[p].add(group)
     return out
 
 
 def eplb_placement(load_E: torch.Tensor, num_ranks: int, num_redundant: int) -> Placement:
-    """Replicate by load, then pack the replicas (each carrying load / replicas) evenly onto `num_ranks` ranks."""
+    """Replicate by load (at most one replica per rank and expert while the slots allow), then pack the replicas (each
+    carrying load / replicas) evenly onto `num_ranks` ranks, replicas of one expert on different ranks."""
     num_experts = load_E.shape[0]
     num_physical = num_experts + num_redundant
     if num_redundant < 0 or num_physical % num_ranks:
@@ -110,10 +129,11 @@ def eplb_placement(load_E: torch.Tensor, num_ranks: int, num_redundant: int) -> 
             f"eplb placement: num_experts={num_experts} + num_redundant={num_redundant} = {num_physical} physical experts "
             f"must be a multiple of num_ranks={num_ranks} (every rank holds the same count)"
         )
-    counts = replicate(load_E, num_physical)
+    cap = num_ranks if num_physical <= num_experts * num_ranks else None
+    counts = replicate(load_E, num_physical, cap)
     replica_log = torch.repeat_interleave(torch.arange(num_experts), counts)
     replica_load = load_E.double()[replica_log] / counts[replica_log]
-    pack = balanced_pack(replica_load, num_ranks)
+    pack = balanced_pack(replica_load, num_ranks, replica_log)
     order = torch.sort(pack, stable=True).indices
     return Placement.from_table(replica_log[order].view(num_ranks, -1), num_experts)
 

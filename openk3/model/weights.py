@@ -93,6 +93,24 @@ def expert_filter(experts: ExpertIds) -> Callable[[str], bool]:
     return keep
 
 
+def check_expert_ids(experts: ExpertIds, num_experts: int) -> None:
+    """Every listed id is a real expert. A layer may list one id twice (each row gets a copy of that expert's tensors)."""
+    for layer, ids in experts.items():
+        if not ids:
+            raise ValueError(f"experts: layer {layer} lists no expert; expected at least one id in 0..{num_experts - 1}")
+        bad = [int(e) for e in ids if not 0 <= int(e) < num_experts]
+        if bad:
+            raise ValueError(f"experts: layer {layer} lists expert id {bad[0]}, expected ids in 0..{num_experts - 1}")
+
+
+def rows_by_expert(ids: Sequence[int]) -> dict[int, list[int]]:
+    """Global expert id -> every bank row that holds it (a placement may give one rank two replicas of an expert)."""
+    rows: dict[int, list[int]] = {}
+    for row, e in enumerate(ids):
+        rows.setdefault(int(e), []).append(row)
+    return rows
+
+
 def canonical_name(name: str, config: ModelConfig) -> str:
     """Map any accepted spelling onto this model's state-dict key (experts still per expert)."""
     if name.startswith("language_model."):
@@ -110,9 +128,10 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
 
     `text_only`: the checkpoint is multimodal (text tensors under `language_model.`); the other towers' tensors
     (vision_tower.*, mm_projector.*) are not part of this model and are skipped rather than reported as unexpected.
-    `experts`: listed layers' banks hold only those experts (global id ids[i] goes to row i); other experts are skipped."""
+    `experts`: listed layers' banks hold only those experts (global id ids[i] goes to row i, to every such row when an id
+    is listed twice); other experts are skipped."""
     config = model.config
-    local_of = {layer: {int(e): i for i, e in enumerate(ids)} for layer, ids in (experts or {}).items()}
+    rows_of = {layer: rows_by_expert(ids) for layer, ids in (experts or {}).items()}
     expected = dict(model.state_dict())
     filled: set[str] = set()
     expert_seen: dict[str, set[int]] = {}
@@ -133,20 +152,23 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
                     continue
                 e = int(m.group(2))
                 layer = int(m.group(1).split(".")[2])
-                if layer in local_of:
-                    if e not in local_of[layer]:
+                if layer in rows_of:
+                    if e not in rows_of[layer]:
                         continue  # another rank's expert
-                    e = local_of[layer][e]
+                    rows = rows_of[layer][e]
+                else:
+                    rows = [e]
                 target = expected[key]
                 if m.group(4) == "weight_blocks":
                     tensor = tensor.reshape(tensor.shape[0], -1)  # [rows, K/32, 16] -> [rows, K/2], same nibble order
                 if tensor.dtype in (torch.int8, torch.float8_e8m0fnu) and target.dtype == torch.uint8:
                     tensor = tensor.view(torch.uint8)  # packed codes and E8M0 scales are raw bytes whatever the file calls them
-                if not 0 <= e < target.shape[0] or tuple(tensor.shape) != tuple(target.shape[1:]):
+                if (layer not in rows_of and not 0 <= e < target.shape[0]) or tuple(tensor.shape) != tuple(target.shape[1:]):
                     problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape[1:])} (expert < {target.shape[0]})")
                     continue
-                target[e].copy_(tensor)
-                expert_seen.setdefault(key, set()).add(e)
+                for row in rows:
+                    target[row].copy_(tensor)
+                expert_seen.setdefault(key, set()).update(rows)
                 continue
             if name not in expected:
                 problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
@@ -161,6 +183,9 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
             filled.add(name)
     for key, seen in expert_seen.items():
         missing = sorted(set(range(expected[key].shape[0])) - seen)
+        ids = (experts or {}).get(int(key.split(".")[2]))
+        if missing and ids is not None:
+            missing = sorted({int(ids[row]) for row in missing})  # report global ids, as the checkpoint names them
         if missing:
             problems.append(f"missing experts {missing[:8]}{'...' if len(missing) > 8 else ''} of {key} (expected {expected[key].shape[0]})")
         filled.add(key)
@@ -206,6 +231,7 @@ def load_model(
     with torch.device("meta"):
         model = K3ForCausalLM(config, ops)
         if experts is not None:
+            check_expert_ids(experts, config.moe.num_experts)
             keep_expert_slots(model, {layer: len(ids) for layer, ids in experts.items()})
     model = model.to_empty(device=device)
     text_only = any(n.startswith("language_model.") for n in names)

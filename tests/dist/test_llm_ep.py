@@ -100,6 +100,7 @@ def packed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.slow  # about 8 s, mostly two spawned interpreters importing torch; test_rank_experts.py checks the rows in process
 @pytest.mark.distributed
 def test_each_rank_loads_only_its_experts(packed_checkpoint: Path) -> None:
     torch.set_num_threads(1)

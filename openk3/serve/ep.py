@@ -2,8 +2,9 @@
 `openk3 serve --ep N`.
 
 Start-up order, the same on every rank because group creation is collective: join the process group, open the step
-channel (its own gloo group), build this rank's model (trunk + its experts only, openk3.dist.rank_model), then rank 0
-wraps it in an EPDriver for its engine while the others run the worker loop until rank 0 closes the driver.
+channel (its own gloo group), build this rank's model (trunk + its experts only, openk3.dist.rank_model), report the
+outcome in a handshake (so a rank that failed is reported by rank 0 and the others leave), then rank 0 wraps its model in
+an EPDriver for its engine while the others run the worker loop until rank 0 closes the driver.
 
 `LocalEP` is the offline form: the caller's process is rank 0 and N - 1 workers are spawned (torch.multiprocessing,
 gloo on CPU, or one GPU per rank). The caller's process joins a default process group for the LLM's lifetime, so it must

@@ -23,6 +23,7 @@ from openk3.dist.driver import EPDriver
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.weights import save_model
+from openk3.serve.ep import LocalEP
 from openk3.serve.llm import LLM
 from openk3.serve.sampling import SamplingParams
 
@@ -149,13 +150,33 @@ def test_worker_failing_at_start_up_is_reported_by_llm(checkpoint_missing_rank1_
     assert not dist.is_initialized()
 
 
+@pytest.mark.distributed
+def test_rank0_failing_at_start_up_raises_its_own_error_and_releases_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    workers: list = []
+    real_teardown = LocalEP._teardown
+
+    def spy(self: LocalEP, grace_s: float) -> None:  # to see the spawned workers of an LLM that never exists
+        workers.extend(self.workers)
+        real_teardown(self, grace_s)
+
+    monkeypatch.setattr(LocalEP, "_teardown", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="8 experts to split evenly over ep=3"):  # every rank fails the same way
+            LLM("debug", ep=3, ep_method="ep")
+    assert len(workers) == 2 and all(w.exitcode is not None for w in workers), "the workers left after the handshake"
+    assert not dist.is_initialized()
+
+
 def test_ep_refuses_early() -> None:
     class NotK3(torch.nn.Module):
         config = debug()
 
     with pytest.raises(ValueError, match="must be a K3ForCausalLM .* got NotK3"):
         LLM(NotK3(), ep=2)
-    with pytest.raises(ValueError, match=r"device='cuda:0' with ep=2: .*name no index"):
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"device='cuda:0' with ep=2: .*name no index"):
+        warnings.simplefilter("ignore")
         LLM("debug", ep=2, device="cuda:0")
     args = argparse.Namespace(ep=2, ep_method="ep", enable_prefix_caching=False, device="cuda:1")
     with pytest.raises(ValueError, match="--device cuda:1 with --ep 2"):

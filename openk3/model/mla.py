@@ -25,7 +25,9 @@ MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every refere
 def write_latents(pool_PSR: torch.Tensor, page_table: torch.Tensor, batch: ForwardBatch, latent_TR: torch.Tensor) -> None:
     """Scatter the step's new latents into their pages: token at position p of sequence i goes to page_table[i, p // PS]."""
     page_size = pool_PSR.shape[1]
-    seq_of_token = torch.repeat_interleave(torch.arange(batch.num_seqs, device=latent_TR.device), batch.seq_lens)
+    seqs = torch.arange(batch.num_seqs, device=latent_TR.device)
+    # a decode step has one token per sequence, in sequence order
+    seq_of_token = seqs if batch.is_decode else torch.repeat_interleave(seqs, batch.seq_lens, output_size=latent_TR.shape[0])
     pages = page_table[seq_of_token, batch.positions // page_size]
     pool_PSR[pages, batch.positions % page_size] = latent_TR.to(pool_PSR.dtype)
 

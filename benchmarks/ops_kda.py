@@ -2,9 +2,12 @@
 
 Run (after `make venv`, which installs the project):
     .venv/bin/python benchmarks/ops_kda.py [--T 4096] [--heads 4] [--dim 128] [--threads 2] [--repeats 3] [--gate lower_bound|softplus]
+    .venv/bin/python benchmarks/ops_kda.py --lengths 2017,31x1 --dim 64     # a packed serving step (cu_seqlens)
 Every implementation runs in this process on the same inputs (B=1, fp32, q/k L2-normalised, g from kda_gate). Speed-ups are printed
 only if kda_chunk matches kda_recurrent (the definition) within 1e-4 on the output and the final state; transformers' outputs are
-checked against the same reference and reported.
+checked against the same reference and reported. With --lengths the tokens are packed sequences (`NxL` is N sequences of L
+tokens): kda_chunk runs them through its varlen chunk layout and kda_mixed sends the 1-token ones to the decode kernel, as a
+mixed serving step does; transformers' rows are skipped (no packed-sequence entry point there).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from openk3.config import KDAGate
 from openk3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm
 
 TOLERANCE = 1e-4
@@ -71,6 +75,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (best is reported)")
     parser.add_argument("--gate", default="lower_bound", choices=[g.value for g in KDAGate])
+    parser.add_argument("--lengths", default=None, help="packed sequence lengths, e.g. 2017,31x1 (overrides --T)")
     parser.add_argument(
         "--clock",
         default="wall",
@@ -78,16 +83,31 @@ def main() -> int:
         help="wall: latency; cpu: this process's CPU time, steadier on a loaded machine (meaningful with --threads 1)",
     )
     args = parser.parse_args()
+    lengths = parse_lengths(args.lengths) if args.lengths else None
+    if lengths:
+        args.T = sum(lengths)
     torch.set_num_threads(args.threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"machine: {machine()}; torch {torch.__version__}; commit {commit}")
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a shared machine slows the many-op loops most)")
-    print(f"B=1 T={args.T} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate} clock={args.clock}, best of {args.repeats}\n")
+    packed = f" packed {args.lengths} ({len(lengths)} sequences)" if lengths else ""
+    print(f"B=1 T={args.T}{packed} H={args.heads} dk=dv={args.dim} fp32 gate={args.gate} clock={args.clock}, best of {args.repeats}\n")
 
     inputs = make_inputs(args.T, args.heads, args.dim, KDAGate(args.gate))
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        zero = torch.zeros(len(lengths), args.heads, args.dim, args.dim)
+        runs: dict[str, Callable[[tuple], tuple]] = {
+            "openk3 kda_chunk": lambda x: kda_chunk(*x, cu_seqlens=cu),
+            "openk3 kda_mixed (1-token sequences to kda_decode)": lambda x: kda_mixed(kda_chunk, *x, zero, cu),
+            "openk3 kda_recurrent (reference)": lambda x: kda_recurrent(*x, cu_seqlens=cu),
+        }
+        for fn in runs.values():
+            fn(inputs)
+        return report(args, runs, inputs)
     warm = tuple(x[:, :256] for x in inputs)
-    runs: dict[str, Callable[[tuple], tuple]] = {
+    runs = {
         "openk3 kda_chunk": lambda x: kda_chunk(*x),
         "openk3 kda_recurrent (reference)": lambda x: kda_recurrent(*x),
     }
@@ -101,6 +121,19 @@ def main() -> int:
 
     for fn in runs.values():
         fn(warm)
+    return report(args, runs, inputs)
+
+
+def parse_lengths(spec: str) -> list[int]:
+    """'2017,31x1' -> [2017, 1, 1, ..., 1] (31 ones)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        count, _, length = part.rpartition("x")
+        out.extend([int(length)] * (int(count) if count else 1))
+    return out
+
+
+def report(args: argparse.Namespace, runs: dict[str, Callable[[tuple], tuple]], inputs: tuple) -> int:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     seconds, outputs = best_seconds({name: (lambda fn=fn: fn(inputs)) for name, fn in runs.items()}, args.repeats, clock)
 

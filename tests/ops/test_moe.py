@@ -18,6 +18,7 @@ from openk3.ops.moe import (
     moe_experts_grouped,
     moe_experts_naive,
     moe_experts_op,
+    moe_experts_single_token,
     sigmoid_topk_route,
 )
 
@@ -155,6 +156,28 @@ def test_auto_picks_batched_only_for_small_steps_on_dense_banks(t: int, expect: 
     assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS["silu"]), FAST[expect](x, idx, w, bank, ACTS["silu"]))
     counting = CountingBank(bank)
     assert torch.equal(moe_experts_auto(x, idx, w, counting, ACTS["silu"]), moe_experts_grouped(x, idx, w, bank, ACTS["silu"]))
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_token_matches_naive_and_asks_only_for_its_experts(act: str, dtype: torch.dtype) -> None:
+    bank = _bank(12, 16, 8, seed=4)
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    idx, w = torch.tensor([[9, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
+    counting = CountingBank(bank)
+    got = moe_experts_single_token(x, idx, w, counting, ACTS[act])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), moe_experts_naive(x, idx, w, bank, ACTS[act]).float(), rtol=tol, atol=tol)
+    assert got.dtype == dtype and counting.requested == [9, 2, 7]
+    assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS[act]), got)  # auto takes this path for one token
+
+
+def test_single_token_input_errors() -> None:
+    bank = _bank(4, 8, 8, seed=1)
+    with pytest.raises(ValueError, match="one token"):
+        moe_experts_single_token(torch.randn(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), bank, ACTS["silu"])
+    with pytest.raises(ValueError, match=r"expert ids \[0, 4\], expected 0..3"):
+        moe_experts_single_token(torch.randn(1, 8), torch.tensor([[0, 4]]), torch.ones(1, 2), bank, ACTS["silu"])
 
 
 def test_batched_refuses_banks_without_stacked_weights() -> None:

@@ -1,4 +1,5 @@
-"""Routed-expert ops: the naive definition, the grouped and batched fast paths, the sigmoid top-k router, and dispatch by name."""
+"""Routed-expert ops: the naive definition, the grouped, batched and single-token fast paths, the sigmoid top-k router, and
+dispatch by name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from openk3.ops.moe.batched import moe_experts_batched
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
+from openk3.ops.moe.single import moe_experts_single_token
 
 MOE_IMPLS = ("naive", "fast", "batched", "auto")
 
@@ -25,7 +27,9 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 
 
 def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
-    """Batched for dense banks at decode-sized steps, grouped otherwise (and always for packed MXFP4 banks)."""
+    """One token: its experts in turn; dense banks at decode-sized steps: batched; otherwise (and packed MXFP4 banks): grouped."""
+    if topk_idx.shape[0] == 1:
+        return moe_experts_single_token(x_TD, topk_idx, topk_weight, bank, act)
     pairs = topk_idx.numel()
     if isinstance(bank, DenseExpertBank) and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
         return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
@@ -34,7 +38,7 @@ def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: to
 
 def moe_experts_op(impl: str) -> MoEExpertsFn:
     """The routed-expert function for an implementation name: "naive" (definition), "fast" (grouped), "batched" (dense banks
-    only) or "auto" (picks between the two fast paths per call)."""
+    only) or "auto" (picks per call among single-token, batched and grouped)."""
     ops: dict[str, MoEExpertsFn] = {
         "naive": moe_experts_naive,
         "fast": moe_experts_grouped,
@@ -58,6 +62,7 @@ __all__ = [
     "moe_experts_batched",
     "moe_experts_grouped",
     "moe_experts_naive",
+    "moe_experts_single_token",
     "moe_experts_op",
     "sigmoid_topk_route",
 ]

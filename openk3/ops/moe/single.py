@@ -1,0 +1,33 @@
+"""Routed experts for a single token (decode at batch 1): its k experts one after another, no sorting or scatter.
+
+Legend: D expert input width, k experts per token.
+
+Why: with one token, the grouped path's bookkeeping (sort, bincount, gathers, an fp32 scatter-add per expert) is most of its
+~45 ops while the k expert matmuls are the only real work; here the ids come to the host once and each expert's output is
+weighted and summed directly (~12 ops per expert). The bank is asked only for the token's experts, as in the grouped path, so
+packed MXFP4 banks dequantise just those. Summation in fp32, one rounding at the end, as in every other MoE op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.ops.moe.bank import ExpertBank
+from openk3.ops.moe.naive import Act, expert_forward
+
+
+def moe_experts_single_token(x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+    if x_1D.dim() != 2 or x_1D.shape[0] != 1:
+        raise ValueError(f"moe_experts_single_token: x shape {tuple(x_1D.shape)}, expected [1, D] (one token)")
+    if topk_idx.shape != topk_weight.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != 1:
+        raise ValueError(f"moe experts: topk_idx {tuple(topk_idx.shape)} and topk_weight {tuple(topk_weight.shape)}, expected both [1, k]")
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+        raise ValueError(f"moe experts: topk_idx dtype {topk_idx.dtype}, expected an integer dtype")
+    ids = topk_idx[0].tolist()
+    if any(not 0 <= e < bank.num_experts for e in ids):
+        raise ValueError(f"moe experts: expert ids {ids}, expected 0..{bank.num_experts - 1}")
+    weights = topk_weight[0].float()
+    y32 = torch.zeros(x_1D.shape, dtype=torch.float32, device=x_1D.device)
+    for j, e in enumerate(ids):
+        y32.add_(expert_forward(x_1D, bank.expert(e, x_1D.dtype), act, e).float() * weights[j])
+    return y32.to(x_1D.dtype)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from openk3.config import LayerKind, ModelConfig
-from openk3.model.attn_res import mix, new_mixer
+from openk3.model.attn_res import BlockMixes, Mixer, check_impl, mix, new_mixer, use_two_phase
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, RMSNorm
@@ -31,6 +31,7 @@ class OpChoice:
     conv: str = "auto"
     mla: str = "auto"
     moe: str = "auto"
+    attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "auto": by step size
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
 
 
@@ -77,6 +78,7 @@ class K3Model(nn.Module):
         # position of each layer inside its kind's cache list (KDA layers and MLA layers are numbered separately)
         kinds = config.layer_kinds
         self.cache_index = [sum(1 for j in range(i) if kinds[j] == kinds[i]) for i in range(config.num_hidden_layers)]
+        self.attn_res_impl = check_impl(ops.attn_res)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
@@ -90,6 +92,8 @@ class K3Model(nn.Module):
     def _forward_attn_res(self, embed_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, block_size: int) -> torch.Tensor:
         """The spec's layer loop: `blocks` holds finished block outputs (b_0 = the embedding), `partial` the running sum of the
         current block. A sublayer's input is the AttnRes mix of both; its output is added to `partial`."""
+        if use_two_phase(self.attn_res_impl, embed_TD.shape[0]):
+            return self._forward_attn_res_two_phase(embed_TD, batch, cache, block_size)
         blocks: list[torch.Tensor] = []
         partial: torch.Tensor | None = embed_TD
         for layer in self.decoder_layers:
@@ -104,6 +108,45 @@ class K3Model(nn.Module):
             partial = partial + layer.feed_forward(layer.post_attention_layernorm(y))
         assert partial is not None
         return mix(blocks, partial, self.output_attn_res_proj, self.output_attn_res_norm)
+
+    def _forward_attn_res_two_phase(self, embed_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, block_size: int) -> torch.Tensor:
+        """The same loop with phase 1 once per AttnRes block. The first layer of a block mixes the old blocks and the partial
+        sum that it then stores, i.e. exactly the new block set, so it reads phase 1's output alone; every later mixer of the
+        block (and the output mixer after the last block) merges the block's current partial sum."""
+        blocks: list[torch.Tensor] = []
+        partial: torch.Tensor = embed_TD
+        phase: BlockMixes | None = None
+        for layer in self.decoder_layers:
+            attn_mixer = Mixer(layer.self_attention_res_proj, layer.self_attention_res_norm)
+            if layer.index % block_size == 0:
+                blocks.append(partial)
+                phase = BlockMixes(blocks, self._block_mixers(layer.index, block_size))
+                x = partial if layer.index == 0 else phase.blocks_only(attn_mixer)
+                a = layer.attention(x, batch, cache, self.cache_index[layer.index])
+                partial = a
+            else:
+                assert phase is not None
+                a = layer.attention(phase.merge(attn_mixer, partial), batch, cache, self.cache_index[layer.index])
+                partial = partial + a
+            assert phase is not None
+            y = phase.merge(Mixer(layer.mlp_res_proj, layer.mlp_res_norm), partial)
+            partial = partial + layer.feed_forward(layer.post_attention_layernorm(y))
+        assert phase is not None
+        return phase.merge(Mixer(self.output_attn_res_proj, self.output_attn_res_norm), partial)
+
+    def _block_mixers(self, start: int, block_size: int) -> list[Mixer]:
+        """The mixers whose sources are the blocks stored at layer `start` (plus that block's partial sum): attention and MLP
+        mixers of the block's layers, and the output mixer if this is the last block. Layer 0's attention mixer is left out:
+        with no block stored before it, it reads the embedding unmixed (the naive loop never uses it either)."""
+        end = min(start + block_size, self.config.num_hidden_layers)
+        mixers: list[Mixer] = []
+        for layer in self.decoder_layers[start:end]:
+            if layer.index > 0:
+                mixers.append(Mixer(layer.self_attention_res_proj, layer.self_attention_res_norm))
+            mixers.append(Mixer(layer.mlp_res_proj, layer.mlp_res_norm))
+        if end == self.config.num_hidden_layers:
+            mixers.append(Mixer(self.output_attn_res_proj, self.output_attn_res_norm))
+        return mixers
 
 
 class K3ForCausalLM(nn.Module):

@@ -6,8 +6,10 @@ Within an AttnRes block the completed blocks do not change; only the current par
 Q pseudo-queries of the block against the B completed blocks at once (one batched einsum, the blocks read once) and keeps,
 per query and token, the softmax-weighted mean over the blocks and its log-sum-exp. Phase 2, once per sublayer, adds the single
 extra source (the partial sum) with an online-softmax update:
-lse' = logaddexp(lse, l), out' = out * exp(lse - lse') + prefix * exp(l - lse').
+lse' = logaddexp(lse, l), out' = out * exp(lse - lse') + prefix * exp(l - lse'),
+i.e. a two-way softmax over (lse, l) weighting (out, prefix), which is how it is computed.
 This equals softmax over all B + 1 sources because softmax normalisation factors through the log-sum-exp.
+Both phases score a source as (V . q) * rsqrt(mean(V^2) + eps), the same number as K . q without materialising K.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from openk3.ops.attn_res.naive import check_query, rms_keys
+from openk3.ops.attn_res.naive import check_query
 
 
 class BlockPartial(NamedTuple):
@@ -34,10 +36,14 @@ def attn_res_phase1(blocks_BND: torch.Tensor, queries_QD: torch.Tensor, norm_wei
         raise ValueError(f"attn_res_phase1: norm_weights shape {tuple(norm_weights_QD.shape)}, expected {tuple(queries_QD.shape)}")
     v32 = blocks_BND.float()
     q32 = norm_weights_QD.float() * queries_QD.float()
-    logits_QBN = torch.einsum("bnd,qd->qbn", rms_keys(v32, eps), q32)
+    logits_QBN = torch.einsum("bnd,qd->qbn", v32, q32) * _inv_rms(v32, eps)
     lse_QN = torch.logsumexp(logits_QBN, dim=1)
     p_QBN = torch.exp(logits_QBN - lse_QN.unsqueeze(1))
-    out_QND = torch.einsum("qbn,bnd->qnd", p_QBN, v32)
+    # The weighted sum over the few blocks as B multiply-adds into a contiguous [Q, N, D]: einsum runs it as N tiny
+    # [Q, B] x [B, D] matmuls on permuted copies (measured ~5x slower on CPU at B=4, Q=9, N=D=256) and returns a strided view.
+    out_QND = p_QBN[:, 0].unsqueeze(-1) * v32[0]
+    for b in range(1, v32.shape[0]):
+        out_QND = out_QND.addcmul_(p_QBN[:, b].unsqueeze(-1), v32[b])
     return BlockPartial(out_QND, lse_QN)
 
 
@@ -50,8 +56,11 @@ def attn_res_merge(partial: BlockPartial, q: int, prefix_ND: torch.Tensor, query
         raise ValueError(f"attn_res_merge: prefix shape {tuple(prefix_ND.shape)}, expected ({n_tok}, {width}) to match phase 1")
     check_query("merge", query_D, norm_weight_D, width)
     p32 = prefix_ND.float()
-    logit_N = rms_keys(p32, eps) @ (norm_weight_D.float() * query_D.float())
-    lse_N = partial.lse_QN[q]
-    new_lse_N = torch.logaddexp(lse_N, logit_N)
-    out_ND = partial.out_QND[q] * torch.exp(lse_N - new_lse_N).unsqueeze(-1) + p32 * torch.exp(logit_N - new_lse_N).unsqueeze(-1)
+    logit_N = (p32 @ (norm_weight_D.float() * query_D.float())) * _inv_rms(p32, eps)
+    w_2N = torch.softmax(torch.stack([partial.lse_QN[q], logit_N]), dim=0)
+    out_ND = torch.addcmul(partial.out_QND[q] * w_2N[0].unsqueeze(-1), p32, w_2N[1].unsqueeze(-1))
     return out_ND.to(prefix_ND.dtype)
+
+
+def _inv_rms(v32: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(v32.square().mean(-1) + eps)

@@ -37,9 +37,9 @@ def mix(blocks: list[torch.Tensor], partial_TD: torch.Tensor, proj: nn.Linear, n
 
 
 # Below this many tokens in a step, "auto" keeps the one-shot mix: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per
-# block and a merge is not fewer ops than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is a
-# few percent slower there; from here up, where reading and normalising the stored blocks dominates, it is faster
-# (benchmarks/results/attn_res.md).
+# block and a merge is not fewer ops than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is
+# 0-4% slower there; it is level at 64 tokens and cheaper from 256 up, where reading and normalising the stored blocks
+# dominates (benchmarks/results/attn_res.md).
 TWO_PHASE_MIN_TOKENS = 64
 
 

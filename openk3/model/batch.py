@@ -51,6 +51,17 @@ class ForwardBatch:
         fresh = self.context_lens == 0
         return fresh if bool(fresh.any()) else None
 
+    @functools.cached_property
+    def slot_range(self) -> tuple[int, int] | None:
+        """(first, end) when `state_slots` are consecutive ascending ids, else None: the KDA layers then update their state
+        pools in place through a slice instead of gathering and scattering the slots (the state is most of a decode step's
+        memory traffic). The state pool hands out slots in order, so a batch admitted together usually qualifies."""
+        if self.state_slots is None or self.state_slots.numel() == 0:
+            return None
+        first, n = int(self.state_slots[0]), self.state_slots.numel()
+        expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)
+        return (first, first + n) if torch.equal(self.state_slots, expected) else None
+
     @staticmethod
     def from_tokens(input_ids: torch.Tensor) -> ForwardBatch:
         """A cache-free batch of equal-length sequences [B, L] (training and reference forwards)."""

@@ -22,7 +22,7 @@ from openk3.model.fused import ConcatCache, use_fused
 from openk3.model.layers import RMSNorm
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
-from openk3.ops.kda.decode import kda_decode
+from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm, rms_norm
@@ -43,6 +43,20 @@ def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     if fresh is None:
         return states
     return states.masked_fill(fresh.view(-1, *([1] * (states.dim() - 1))), 0.0)
+
+
+def _decode_in_pool(pool: torch.Tensor, batch: ForwardBatch, q, k, v, g, beta) -> torch.Tensor:
+    """One decode token per sequence, the states advanced where they live: through a slice of the pool when the step's slots
+    are consecutive, else on a gathered copy that is written back (ops/kda/decode_inplace.py says why this is the fast path)."""
+    assert batch.state_slots is not None
+    span = batch.slot_range
+    states = pool[span[0] : span[1]] if span is not None else pool.index_select(0, batch.state_slots)
+    if batch.fresh_seqs is not None:  # no context yet: start from zero whatever the slot holds
+        states.masked_fill_(batch.fresh_seqs.view(-1, 1, 1, 1), 0.0)
+    o = kda_decode_(q, k, v, g, beta, states)
+    if span is None:
+        pool.index_copy_(0, batch.state_slots, states)
+    return o
 
 
 class KimiDeltaAttention(nn.Module):
@@ -126,7 +140,7 @@ class KimiDeltaAttention(nn.Module):
 
         if decode:
             assert cache is not None
-            o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
+            o_THV = _decode_in_pool(cache.state_SHKV, batch, q, kk, v, g_THK, beta_TH)
         else:
             if q.requires_grad and self.kda_prefill is kda_chunk:
                 raise RuntimeError(
@@ -142,7 +156,8 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             assert batch.state_slots is not None
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
-            cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
+            if not decode:  # the decode step already advanced the state in the pool
+                cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
         gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)

@@ -113,3 +113,23 @@ def test_k3_param_count_matches_spec() -> None:
     assert f"{total / 1e12:.4g}" == "2.779" and f"{active / 1e9:.4g}" == "104.2"
     total, active = kimi_linear_48b().param_count()
     assert 47e9 < total < 50e9 and 2.8e9 < active < 3.3e9
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 3]])
+def test_decode_step_of_fresh_sequences_on_dirty_slots(debug_model: K3ForCausalLM, slots: list[int]) -> None:
+    """1-token prompts make a decode step (is_decode) of sequences with no context: whether the slots are consecutive (the
+    state is advanced through a slice of the pool) or not (gathered and written back), they start from zero state."""
+    cache = CacheTensors.allocate(debug_model.config, num_slots=4, num_pages=24, page_size=PAGE)
+    table = pages_for(3, 8)
+    prompts = [[11], [200], [42]]
+    with torch.no_grad():
+        for s in cache.kda_state + cache.conv_state:
+            s.normal_()
+        batch = ForwardBatch.for_step(prompts, [0, 0, 0], slots, table)
+        assert batch.is_decode and (batch.slot_range is not None) == (slots == [0, 1, 2])
+        first = debug_model(batch, cache)
+        second = debug_model(ForwardBatch.for_step([[5], [6], [7]], [1, 1, 1], slots, table), cache)
+        for i, p in enumerate(prompts):
+            alone = debug_model.forward_tokens(torch.tensor([p + [5 + i]]))[0]
+            torch.testing.assert_close(first[i], alone[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(second[i], alone[1], atol=1e-4, rtol=0)

@@ -11,6 +11,7 @@ import torch
 from openk3.config import KDAGate
 from openk3.ops.kda import kda_chunk, kda_decode, kda_gate, kda_prefill_op, kda_recurrent
 from openk3.ops.kda.chunk import _factor_block, _intra_chunk
+from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm
 
@@ -115,6 +116,36 @@ def test_decode_step_equals_last_step_of_recurrence() -> None:
     o, s = kda_decode(q[:, -1], k[:, -1], v[:, -1], g[:, -1], beta[:, -1], s_prefix)
     assert torch.equal(s_prefix, before), "kda_decode must not write its input state"
     assert max_err(o, o_ref[:, -1]) < 1e-5 and max_err(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("gate", list(KDAGate))
+def test_in_place_decode_equals_decode_and_recurrence(gate: KDAGate) -> None:
+    """kda_decode_ reads the state once (both reads from the decayed-k/q trick) and advances it in place: same output and
+    state as kda_decode, step after step, and as the recurrence over the whole sequence."""
+    q, k, v, g, beta, S0 = make_inputs(3, 25, gate, seed=8)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=S0)
+    state, functional = S0.clone(), S0.clone()
+    outs = []
+    for t in range(q.shape[1]):
+        step = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        o_t = kda_decode_(*step, state)
+        o_f, functional = kda_decode(*step, functional)
+        assert max_err(o_t, o_f) < 1e-5 and max_err(state, functional) < 1e-5
+        outs.append(o_t)
+    assert max_err(torch.stack(outs, dim=1), o_ref) < 1e-5 and max_err(state, s_ref) < 1e-5
+
+
+def test_in_place_decode_writes_through_a_pool_slice_and_checks_inputs() -> None:
+    q, k, v, g, beta, S0 = make_inputs(2, 1, KDAGate.LOWER_BOUND, seed=9)
+    pool = torch.zeros(5, H, K, V)
+    pool[1:3] = S0
+    _, want = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    kda_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool[1:3])
+    assert max_err(pool[1:3], want) < 1e-6 and not pool[0].any() and not pool[3:].any()
+    with pytest.raises(ValueError, match="fp32"):
+        kda_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0.double())
+    with pytest.raises(ValueError, match=r"state must be fp32 \[N, H, K, V\]"):
+        kda_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0[:1])
 
 
 def test_decode_loop_equals_recurrence() -> None:

@@ -32,6 +32,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # [M] token rows whose logits are wanted (None: all)
     is_decode: bool = False  # every sequence contributes exactly one token: the runner picks decode ops
 
+    # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
+    # step and its tensors are never modified afterwards.
+
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1

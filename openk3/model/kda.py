@@ -18,10 +18,11 @@ from torch import nn
 
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
-from openk3.model.fused import ConcatCache, use_fused
+from openk3.model.fused import FusedRows
 from openk3.model.layers import RMSNorm
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
+from openk3.ops.kda.decode import kda_decode
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
@@ -45,7 +46,9 @@ def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return states.masked_fill(fresh.view(-1, *([1] * (states.dim() - 1))), 0.0)
 
 
-def _decode_in_pool(pool: torch.Tensor, batch: ForwardBatch, q, k, v, g, beta) -> torch.Tensor:
+def _decode_in_pool(
+    pool: torch.Tensor, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """One decode token per sequence, the states advanced where they live: through a slice of the pool when the step's slots
     are consecutive, else on a gathered copy that is written back (ops/kda/decode_inplace.py says why this is the fast path)."""
     assert batch.state_slots is not None
@@ -87,11 +90,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(c.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(p, d, bias=False)
         self.kda_prefill = kda_prefill_op(kda_impl)
+        self.reference_ops = kda_impl == "naive"  # rule 1: "naive" runs the definitions on every kind of step
         self.conv_prefill = causal_conv1d_op(conv_impl)
         gate_width = p if c.full_rank_output_gate else c.head_dim
         self._in_split = [3 * p, c.head_dim, gate_width, c.num_heads]  # [q | k | v] pre-conv, f_a, g (or g_a), b
-        self._fused_in = ConcatCache(dim=0)
-        self._fused_conv = ConcatCache(dim=0)
+        self._fused_in = FusedRows()
+        self._fused_conv = FusedRows()
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -103,17 +107,30 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def _in_linears(self) -> tuple[nn.Linear, ...]:
+        gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
+        return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
+
+    def _convs(self) -> list[torch.Tensor]:
+        return [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+
+    def fuse_projections(self) -> None:
+        """Store q|k|v|f_a|g|b and the three conv kernels as one block each (model/fused.py)."""
+        self._fused_in.tie([m.weight for m in self._in_linears()])
+        self._fused_conv.tie(self._convs())
+
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
-        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        return (self._fused_conv.get(convs) if use_fused() else torch.cat(convs, dim=0)).squeeze(1)
+        convs = self._convs()
+        fused = self._fused_conv.rows(convs)
+        return (fused if fused is not None else torch.cat(convs, dim=0)).squeeze(1)
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H]): one matmul at inference."""
-        gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
-        linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
-        if use_fused():
-            qkv, f_a, g, b = torch.nn.functional.linear(x_TD, self._fused_in.get([m.weight for m in linears])).split(self._in_split, dim=-1)
+        """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H]): one matmul once fused."""
+        linears = self._in_linears()
+        fused = self._fused_in.rows([m.weight for m in linears])
+        if fused is not None:
+            qkv, f_a, g, b = torch.nn.functional.linear(x_TD, fused).split(self._in_split, dim=-1)
             return qkv, f_a, g, b
         q, k, v, f_a, g, b = (m(x_TD) for m in linears)
         return torch.cat([q, k, v], dim=-1), f_a, g, b
@@ -138,25 +155,29 @@ class KimiDeltaAttention(nn.Module):
         g_THK = kda_gate(self.f_b_proj(f_a).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
         beta_TH = torch.sigmoid(b_logit.float())
 
-        if decode:
+        in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
+        if in_pool:  # the serving fast path: the state advanced where it lives, read once (ops/kda/decode_inplace.py)
             assert cache is not None
             o_THV = _decode_in_pool(cache.state_SHKV, batch, q, kk, v, g_THK, beta_TH)
+        elif decode:  # the reference order, and the differentiable form: old state in, new state out
+            assert cache is not None
+            o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
         else:
             if q.requires_grad and self.kda_prefill is kda_chunk:
                 raise RuntimeError(
                     "the fast KDA prefill (kda_chunk) is inference-only; for training attach the differentiable form with "
                     "openk3.train.kda_autograd.attach_training_kda(model), or run under torch.no_grad()"
                 )
-            if cache is not None:  # a serving step: its single-token sequences take the decode kernel (ops/kda/mixed.py)
-                init = _slot_states(cache.state_SHKV, batch)
+            init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
+            if cache is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
                 o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
             else:
-                o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, None, batch.cu_seqlens)
+                o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init, batch.cu_seqlens)
             o_THV = o[0]
         if cache is not None:
             assert batch.state_slots is not None
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
-            if not decode:  # the decode step already advanced the state in the pool
+            if not in_pool:
                 cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
         gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)

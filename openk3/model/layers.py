@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from openk3.config import Activation
-from openk3.model.fused import ConcatCache, use_fused
+from openk3.model.fused import FusedRows
 from openk3.ops.activation import glu
 from openk3.ops.norm import rms_norm
 
@@ -35,12 +35,16 @@ class GatedMLP(nn.Module):
         self.act = act
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
         self.intermediate = intermediate
-        self._fused_gate_up = ConcatCache(dim=0)
+        self._fused_gate_up = FusedRows()
+
+    def fuse_projections(self) -> None:
+        """Store gate|up as one block (model/fused.py)."""
+        self._fused_gate_up.tie([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused():  # one matmul for gate and up at inference (model/fused.py)
-            gate_up = torch.nn.functional.linear(x, self._fused_gate_up.get([self.gate_proj.weight, self.up_proj.weight]))
-            gate, up = gate_up.split(self.intermediate, dim=-1)
+        fused = self._fused_gate_up.rows([self.gate_proj.weight, self.up_proj.weight])
+        if fused is not None:  # one matmul for gate and up
+            gate, up = torch.nn.functional.linear(x, fused).split(self.intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

@@ -15,7 +15,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
-from openk3.model.fused import ConcatCache, use_fused
+from openk3.model.fused import FusedRows
 from openk3.model.layers import RMSNorm
 from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
 
@@ -61,16 +61,22 @@ class GatedMLA(nn.Module):
             self.g_proj = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
         self.o_proj = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
         self.prefill = mla_prefill_op(prefill_impl)
-        self._fused_in = ConcatCache(dim=0)
+        self._fused_in = FusedRows()
+
+    def _in_linears(self) -> list[nn.Linear]:
+        linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
+        return linears + [self.g_proj] if self.output_gate else linears
+
+    def fuse_projections(self) -> None:
+        """Store q (or q_a) | kv_a | g as one block (model/fused.py)."""
+        self._fused_in.tie([m.weight for m in self._in_linears()])
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x, one matmul at inference (model/fused.py)."""
-        linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
-        if self.output_gate:
-            linears.append(self.g_proj)
-        if use_fused():
-            fused = torch.nn.functional.linear(x_TD, self._fused_in.get([m.weight for m in linears]))
-            outs = list(fused.split([m.out_features for m in linears], dim=-1))
+        """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x, one matmul once fused (model/fused.py)."""
+        linears = self._in_linears()
+        fused = self._fused_in.rows([m.weight for m in linears])
+        if fused is not None:
+            outs = list(torch.nn.functional.linear(x_TD, fused).split([m.out_features for m in linears], dim=-1))
         else:
             outs = [m(x_TD) for m in linears]
         return outs[0], outs[1], outs[2] if self.output_gate else None

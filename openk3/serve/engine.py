@@ -109,6 +109,9 @@ class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
+        fuse = getattr(model, "fuse_projections", None)
+        if callable(fuse):  # one matmul per group of projections of the same input while serving (model/fused.py)
+            fuse()
         self.model_config = model.config
         self.tokenizer = tokenizer
         p = _param(model)
@@ -130,15 +133,12 @@ class LLMEngine:
                 disk_dir=cfg.disk_offload_dir,
                 disk_bytes=cfg.disk_offload_bytes,
             )
-        self.cache = CacheManager(
-            self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix
-        )
+        self.cache = CacheManager(self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix)
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
             raise ValueError(
-                f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: "
-                f"{num_pages} pages x {cfg.page_size} tokens = {capacity}"
+                f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: {num_pages} pages x {cfg.page_size} tokens = {capacity}"
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device)
@@ -148,9 +148,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True
-    ) -> list[str]:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True) -> list[str]:
         """Queue a prompt (text or token ids); returns the ids of the child requests (one unless params.n > 1).
 
         Text is tokenised with the tokenizer's special tokens (BOS) by default, as vLLM does for completions; chat templates

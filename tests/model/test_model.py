@@ -133,3 +133,19 @@ def test_decode_step_of_fresh_sequences_on_dirty_slots(debug_model: K3ForCausalL
             alone = debug_model.forward_tokens(torch.tensor([p + [5 + i]]))[0]
             torch.testing.assert_close(first[i], alone[0], atol=1e-4, rtol=0)
             torch.testing.assert_close(second[i], alone[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("slots", [[1, 2, 3], [2, 0, 1]])
+def test_decode_step_mixing_fresh_and_continuing_sequences(debug_model: K3ForCausalLM, slots: list[int]) -> None:
+    cache = CacheTensors.allocate(debug_model.config, num_slots=4, num_pages=24, page_size=PAGE)
+    table = pages_for(3, 8)
+    prompt = [9, 8, 7, 6, 5]
+    with torch.no_grad():
+        for s in cache.kda_state + cache.conv_state:
+            s.normal_()
+        debug_model(ForwardBatch.for_step([prompt], [0], [slots[0]], table[:1]), cache)
+        batch = ForwardBatch.for_step([[4], [100], [200]], [len(prompt), 0, 0], slots, table)
+        assert batch.is_decode and (batch.slot_range is not None) == (slots == [1, 2, 3])
+        got = debug_model(batch, cache)
+        for i, seq in enumerate([prompt + [4], [100], [200]]):
+            torch.testing.assert_close(got[i], debug_model.forward_tokens(torch.tensor([seq]))[0, -1], atol=1e-4, rtol=0)

@@ -1,5 +1,6 @@
-"""Kimi Delta Attention ops. Prefill is chosen by name (naive = the per-token definition, fast/auto = chunkwise);
-decode (one token per sequence) is kda_decode, chosen explicitly by the runner."""
+"""Kimi Delta Attention ops. Prefill is chosen by name (naive = the per-token definition, fast/auto = chunkwise); decode (one
+token per sequence) is kda_decode (the definition's order) or kda_decode_ (in place, the state read once), and kda_mixed
+splits a mixed serving step between decode and prefill; the KDA layer picks among them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
+from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
+from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.kda.naive import kda_recurrent
 
 _PREFILL = {"naive": kda_recurrent, "fast": kda_chunk, "auto": kda_chunk}
@@ -20,4 +23,4 @@ def kda_prefill_op(impl: str) -> Callable:
     return _PREFILL[impl]
 
 
-__all__ = ["kda_chunk", "kda_decode", "kda_gate", "kda_prefill_op", "kda_recurrent"]
+__all__ = ["kda_chunk", "kda_decode", "kda_decode_", "kda_gate", "kda_mixed", "kda_prefill_op", "kda_recurrent"]

@@ -1,0 +1,130 @@
+"""Fused projections (model/fused.py): the tied model computes what the untied one does (up to fp32 summation order: one
+matmul over the concatenated rows), every way of changing its weights is seen by the fused blocks (nothing to go stale),
+anything that moves a weight out falls back to the per-weight path, and tying costs no memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from openk3.config import debug
+from openk3.model import load_model, save_model
+from openk3.model.fused import FusedRows
+from openk3.model.weights import cast_model
+
+from .conftest import build
+
+TOKENS = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
+
+
+def fused_blocks(model) -> list[torch.Tensor]:
+    return [v.tensor for m in model.modules() for v in vars(m).values() if isinstance(v, FusedRows) and v.tensor is not None]
+
+
+def all_blocks_in_use(model) -> bool:
+    """Every tied block still backs its parameters (the fast path runs), checked through the layers' own accessors."""
+    from openk3.model.kda import KimiDeltaAttention
+    from openk3.model.layers import GatedMLP
+    from openk3.model.mla import GatedMLA
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (KimiDeltaAttention, GatedMLA)):
+                if m._fused_in.rows([lin.weight for lin in m._in_linears()]) is None:
+                    return False
+            if isinstance(m, GatedMLP) and m._fused_gate_up.rows([m.gate_proj.weight, m.up_proj.weight]) is None:
+                return False
+    return True
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward_tokens(TOKENS)
+
+
+def test_tied_model_equals_untied_and_costs_no_memory() -> None:
+    plain, tied = build(debug()), build(debug())
+    storages_before = {p.untyped_storage().data_ptr() for p in tied.parameters()}
+    bytes_before = sum(p.numel() * p.element_size() for p in tied.parameters())
+    tied.fuse_projections()
+    assert all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
+    # the weights now live in fewer storages whose total size equals the parameters' bytes: no second copy
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in tied.parameters()}
+    assert len(storages) < len(storages_before)
+    assert sum(storages.values()) == bytes_before
+    assert tied.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_weight_changes_reach_the_fused_blocks() -> None:
+    tied, other = build(debug()), build(debug(), seed=7)
+    tied.fuse_projections()
+    tied.load_state_dict(other.state_dict())
+    assert all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        for p in tied.parameters():
+            p.data.mul_(0.5)  # through .data: no version counter moves, the shared storage still does
+        for p in other.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused_adam", [False, True])
+def test_training_steps_on_a_tied_model(fused_adam: bool) -> None:
+    """Autograd takes the per-weight path (gradients reach q_proj etc.), and the optimizer's in-place updates -- including
+    the fused AdamW kernel, which bumps no version counter -- are what the next no_grad forward computes with."""
+    tied, plain = build(debug()), build(debug())
+    tied.fuse_projections()
+    from openk3.train.kda_autograd import attach_training_kda
+
+    for model in (tied, plain):
+        attach_training_kda(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused_adam) for m in (tied, plain)]
+    for _ in range(2):
+        for model, opt in zip((tied, plain), opts, strict=True):
+            opt.zero_grad()
+            model.forward_tokens(TOKENS).float().logsumexp(-1).mean().backward()
+            opt.step()
+    q = tied.model.decoder_layers[0].self_attn
+    assert q.q_proj.weight.grad is not None and q.q_proj.weight.grad.abs().sum() > 0
+    assert all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
+
+
+def test_moving_weights_out_falls_back_then_reties() -> None:
+    tied, plain = build(debug()), build(debug())
+    tied.fuse_projections()
+    kda = tied.model.decoder_layers[0].self_attn
+    kda.q_proj.weight.data = kda.q_proj.weight.data.clone()  # new storage: that block can no longer stand in
+    assert not all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
+    tied.double()  # .to()-style conversions tie again
+    plain.double()
+    assert all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-9, rtol=1e-9)
+    cast_model(tied, torch.bfloat16)
+    cast_model(plain, torch.bfloat16)
+    assert all_blocks_in_use(tied)
+    torch.testing.assert_close(logits(tied).float(), logits(plain).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_copies_saves_and_inference_mode_loads(tmp_path) -> None:
+    tied = build(debug())
+    tied.fuse_projections()
+    want = logits(tied)
+    clone = copy.deepcopy(tied)  # parameters are copied one by one: the copy starts untied (no dead block) and is correct
+    assert not all_blocks_in_use(clone)
+    torch.testing.assert_close(logits(clone), want, atol=1e-4, rtol=1e-4)
+    clone.fuse_projections()
+    assert all_blocks_in_use(clone)
+    torch.testing.assert_close(logits(clone), want, atol=0, rtol=0)
+    save_model(tied, tmp_path / "ckpt")
+    with torch.inference_mode():  # a model loaded and tied under inference mode serves
+        loaded = load_model(tmp_path / "ckpt")
+        loaded.fuse_projections()
+        torch.testing.assert_close(loaded.forward_tokens(TOKENS), want, atol=1e-4, rtol=1e-4)
+    blocks = fused_blocks(loaded)
+    assert blocks and not any(b.is_inference() for b in blocks)  # tying does not turn weights into inference tensors

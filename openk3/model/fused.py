@@ -10,8 +10,9 @@ parameters keep their names, identities and gradients, and every in-place write 
 fused tensor out only while autograd is off (training differentiates the parameters, not the block) and while every
 parameter still sits at its place in it; whatever gives a parameter new storage (`.to()`, cast_model, `p.data = ...`,
 `torch.func.functional_call`) makes it return None and the layer falls back to one matmul per parameter -- slower, never
-wrong. The serving engine ties a model once it is loaded and placed (`K3ForCausalLM.fuse_projections`); a tied model re-ties
-itself after `.to()` / `.float()` / `.cuda()` and after cast_model, so the old block is not kept alive; training never ties.
+wrong -- and the block is released. The serving engine ties a model once it is loaded and placed
+(`K3ForCausalLM.fuse_projections`); a tied model re-ties the groups that a `.to()` / `.float()` / `.cuda()` or cast_model moved
+(share_memory and no-op conversions leave them tied as they are); training never ties.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ class FusedRows:
         return {"tensor": None}
 
     def tie(self, params: Sequence[torch.Tensor]) -> None:
-        """Concatenate `params` along dim 0 and make each a view of its rows (no extra memory once the old storage is freed)."""
+        """Concatenate `params` along dim 0 and make each a view of its rows (no extra memory once the old storage is freed).
+        A group already tied stays as it is (share_memory, a no-op .to()); one whose dtypes or devices differ is left untied
+        (concatenating would silently convert some of them)."""
+        if self.intact(params) or len({(p.dtype, p.device) for p in params}) != 1:
+            return
         # outside inference mode, so that a model loaded under it can still be trained after serving
         with torch.inference_mode(False), torch.no_grad():
             fused = torch.cat([p.detach().clone() if p.is_inference() else p.detach() for p in params], dim=0)
@@ -41,14 +46,30 @@ class FusedRows:
                 start += p.shape[0]
         self.tensor = fused
 
-    def rows(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The fused tensor if it may stand in for `params` now, else None (see the module docstring)."""
+    def intact(self, params: Sequence[torch.Tensor]) -> bool:
+        """Every parameter is still the view of its rows of the block (same storage, offset, shape and strides)."""
         fused = self.tensor
-        if fused is None or torch.is_grad_enabled():
-            return None
-        storage, offset, row = fused.untyped_storage().data_ptr(), fused.storage_offset(), fused.stride(0)
+        if fused is None:
+            return False
+        storage, offset = fused.untyped_storage().data_ptr(), fused.storage_offset()
         for p in params:
-            if p.dtype != fused.dtype or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset:
-                return None
-            offset += p.shape[0] * row
-        return fused
+            if (
+                p.dtype != fused.dtype
+                or p.untyped_storage().data_ptr() != storage
+                or p.storage_offset() != offset
+                or p.shape[1:] != fused.shape[1:]
+                or p.stride() != fused.stride()
+            ):
+                return False
+            offset += p.shape[0] * fused.stride(0)
+        return True
+
+    def rows(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The fused tensor if it may stand in for `params` now, else None (see the module docstring). A block its
+        parameters have left is released, so no dead copy of the weights stays alive."""
+        if self.tensor is None or torch.is_grad_enabled():
+            return None
+        if not self.intact(params):
+            self.tensor = None
+            return None
+        return self.tensor

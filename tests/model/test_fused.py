@@ -128,3 +128,15 @@ def test_copies_saves_and_inference_mode_loads(tmp_path) -> None:
         torch.testing.assert_close(loaded.forward_tokens(TOKENS), want, atol=1e-4, rtol=1e-4)
     blocks = fused_blocks(loaded)
     assert blocks and not any(b.is_inference() for b in blocks)  # tying does not turn weights into inference tensors
+
+
+def test_share_memory_keeps_the_blocks_and_assign_releases_them() -> None:
+    tied, other = build(debug()), build(debug(), seed=5)
+    tied.fuse_projections()
+    blocks = fused_blocks(tied)
+    tied.share_memory()  # moves the blocks' storage in place: nothing to re-tie, the weights stay shared
+    assert all(p.is_shared() for p in tied.parameters()) and all_blocks_in_use(tied)
+    assert [b.data_ptr() for b in fused_blocks(tied)] == [b.data_ptr() for b in blocks]
+    tied.load_state_dict(other.state_dict(), assign=True)  # new tensors: every block is left behind, and released
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+    assert fused_blocks(tied) == []

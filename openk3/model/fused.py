@@ -25,11 +25,19 @@ import torch
 class FusedRows:
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
+        self._layout: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
 
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickling to a spawned worker) gets its parameters as separate tensors; it starts untied rather
         # than carry a block nothing points into. Calling fuse_projections() on it ties it again.
-        return {"tensor": None}
+        return {"tensor": None, "_layout": []}
+
+    @staticmethod
+    def _where(block: torch.Tensor, params: Sequence[torch.Tensor]) -> list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+        # Addresses relative to the block, so that moving the whole block's storage (share_memory_) keeps it intact; the block
+        # is held, so its memory cannot be reused by another tensor meanwhile.
+        base = block.data_ptr()
+        return [(p.data_ptr() - base, p.shape, p.stride(), p.dtype) for p in params]
 
     def tie(self, params: Sequence[torch.Tensor]) -> None:
         """Concatenate `params` along dim 0 and make each a view of its rows (no extra memory once the old storage is freed).
@@ -44,25 +52,11 @@ class FusedRows:
             for p in params:
                 p.data = fused[start : start + p.shape[0]]
                 start += p.shape[0]
-        self.tensor = fused
+        self.tensor, self._layout = fused, self._where(fused, params)
 
     def intact(self, params: Sequence[torch.Tensor]) -> bool:
-        """Every parameter is still the view of its rows of the block (same storage, offset, shape and strides)."""
-        fused = self.tensor
-        if fused is None:
-            return False
-        storage, offset = fused.untyped_storage().data_ptr(), fused.storage_offset()
-        for p in params:
-            if (
-                p.dtype != fused.dtype
-                or p.untyped_storage().data_ptr() != storage
-                or p.storage_offset() != offset
-                or p.shape[1:] != fused.shape[1:]
-                or p.stride() != fused.stride()
-            ):
-                return False
-            offset += p.shape[0] * fused.stride(0)
-        return True
+        """Every parameter is still the view of its rows of the block (same address, shape, strides and dtype as at tie)."""
+        return self.tensor is not None and self._where(self.tensor, params) == self._layout
 
     def rows(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The fused tensor if it may stand in for `params` now, else None (see the module docstring). A block its
@@ -70,6 +64,6 @@ class FusedRows:
         if self.tensor is None or torch.is_grad_enabled():
             return None
         if not self.intact(params):
-            self.tensor = None
+            self.tensor, self._layout = None, []
             return None
         return self.tensor

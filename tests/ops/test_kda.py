@@ -144,7 +144,7 @@ def test_in_place_decode_writes_through_a_pool_slice_and_checks_inputs() -> None
     assert max_err(pool[1:3], want) < 1e-6 and not pool[0].any() and not pool[3:].any()
     with pytest.raises(ValueError, match="fp32"):
         kda_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0.double())
-    with pytest.raises(ValueError, match=r"state must be fp32 \[N, H, K, V\]"):
+    with pytest.raises(ValueError, match=r"kda_decode_: state must be \[N, H, K, V\]"):
         kda_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0[:1])
 
 

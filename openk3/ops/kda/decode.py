@@ -10,6 +10,23 @@ from __future__ import annotations
 import torch
 
 
+def check_decode_inputs(
+    op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Shapes shared by both decode ops; returns (N, H, K, V)."""
+    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"{op}: q, k, g must be [N, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}")
+    N, H, K = q.shape
+    if v.dim() != 3 or v.shape[:2] != (N, H):
+        raise ValueError(f"{op}: v must be [N, H, V] = [{N}, {H}, V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta.shape != (N, H):
+        raise ValueError(f"{op}: beta must be [N, H] = [{N}, {H}], got {tuple(beta.shape)}")
+    if state.shape != (N, H, K, V):
+        raise ValueError(f"{op}: state must be [N, H, K, V] = {[N, H, K, V]}, got {tuple(state.shape)}")
+    return N, H, K, V
+
+
 def kda_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -20,16 +37,7 @@ def kda_decode(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [N, H, V] in v.dtype, new_state [N, H, K, V] fp32)."""
-    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"kda_decode: q, k, g must be [N, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[:2] != (N, H):
-        raise ValueError(f"kda_decode: v must be [N, H, V] = [{N}, {H}, V], got {tuple(v.shape)}")
-    V = v.shape[-1]
-    if beta.shape != (N, H):
-        raise ValueError(f"kda_decode: beta must be [N, H] = [{N}, {H}], got {tuple(beta.shape)}")
-    if state.shape != (N, H, K, V):
-        raise ValueError(f"kda_decode: state must be [N, H, K, V] = {[N, H, K, V]}, got {tuple(state.shape)}")
+    N, H, K, V = check_decode_inputs("kda_decode", q, k, v, g, beta, state)
     scale = K**-0.5 if scale is None else scale
     k32 = k.float()
     S = state.float() * g.float().exp()[..., None]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.kda.decode import check_decode_inputs
+
 
 def kda_decode_(
     q: torch.Tensor,
@@ -27,14 +29,9 @@ def kda_decode_(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Advance `state` (fp32, modified in place) by one token per sequence; returns o [N, H, V] in v.dtype."""
-    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"kda_decode_: q, k, g must be [N, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[:2] != (N, H) or beta.shape != (N, H):
-        raise ValueError(f"kda_decode_: v must be [{N}, {H}, V] and beta [{N}, {H}]; got v {tuple(v.shape)}, beta {tuple(beta.shape)}")
-    V = v.shape[-1]
-    if state.shape != (N, H, K, V) or state.dtype != torch.float32:
-        raise ValueError(f"kda_decode_: state must be fp32 [N, H, K, V] = {[N, H, K, V]}, got {state.dtype} {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"kda_decode_: state must be fp32 (it is advanced in place), got {state.dtype}")
+    _, _, K, _ = check_decode_inputs("kda_decode_", q, k, v, g, beta, state)
     scale = K**-0.5 if scale is None else scale
     decay = g.float().exp()  # [N, H, K]
     k32, q32 = k.float(), q.float() * scale

@@ -17,7 +17,8 @@ from openk3.ops.moe.bank import ExpertBank, ExpertWeights
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def check_moe_inputs(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank) -> None:
+def check_moe_inputs(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, check_ids: bool = True) -> None:
+    """Shapes and dtypes; with check_ids also the id range (two host syncs; a caller that reads the ids anyway checks them)."""
     if x_TD.dim() != 2:
         raise ValueError(f"moe experts: x shape {tuple(x_TD.shape)}, expected [T, D]")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x_TD.shape[0]:
@@ -26,7 +27,7 @@ def check_moe_inputs(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: to
         raise ValueError(f"moe experts: topk_weight shape {tuple(topk_weight.shape)}, expected {tuple(topk_idx.shape)} like topk_idx")
     if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
         raise ValueError(f"moe experts: topk_idx dtype {topk_idx.dtype}, expected an integer dtype")
-    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= bank.num_experts):
+    if check_ids and topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= bank.num_experts):
         raise ValueError(f"moe experts: expert ids span {int(topk_idx.min())}..{int(topk_idx.max())}, expected 0..{bank.num_experts - 1}")
 
 

@@ -13,16 +13,13 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.moe.bank import ExpertBank
-from openk3.ops.moe.naive import Act, expert_forward
+from openk3.ops.moe.naive import Act, check_moe_inputs, expert_forward
 
 
 def moe_experts_single_token(x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
     if x_1D.dim() != 2 or x_1D.shape[0] != 1:
         raise ValueError(f"moe_experts_single_token: x shape {tuple(x_1D.shape)}, expected [1, D] (one token)")
-    if topk_idx.shape != topk_weight.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != 1:
-        raise ValueError(f"moe experts: topk_idx {tuple(topk_idx.shape)} and topk_weight {tuple(topk_weight.shape)}, expected both [1, k]")
-    if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
-        raise ValueError(f"moe experts: topk_idx dtype {topk_idx.dtype}, expected an integer dtype")
+    check_moe_inputs(x_1D, topk_idx, topk_weight, bank, check_ids=False)
     ids = topk_idx[0].tolist()
     if any(not 0 <= e < bank.num_experts for e in ids):
         raise ValueError(f"moe experts: expert ids {ids}, expected 0..{bank.num_experts - 1}")

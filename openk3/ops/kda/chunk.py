@@ -174,12 +174,19 @@ def kda_chunk(
         lo, hi = layout.offsets[j] * H, (layout.offsets[j] + running) * H
         carried = (layout.active[j + 1] if j + 1 < layout.num_steps else 0) * H
         torch.baddbmm(U[lo:hi], W[lo:hi], S_in[lo:hi], alpha=-1, out=Vp[lo:hi])
-        # the next state of ranks that go on lands in step j+1's slots, that of ranks ending here in `final`
-        nxt = torch.mul(S_in[lo:hi], decay[lo:hi]).baddbmm_(Kd_T[lo:hi], Vp[lo:hi])
-        if carried:
-            nlo = layout.offsets[j + 1] * H
+        # The next state of ranks that go on lands in step j+1's slots, that of ranks ending here in `final`; when every rank
+        # goes on (equal lengths, and most steps of a packed batch) it is written there directly, with no copy.
+        nlo = layout.offsets[j + 1] * H if carried else 0
+        if carried == hi - lo:
+            nxt = S_in[nlo : nlo + carried]
+        elif carried == 0:
+            nxt = final[: hi - lo]
+        else:
+            nxt = S_in.new_empty(hi - lo, K, V)
+        torch.mul(S_in[lo:hi], decay[lo:hi], out=nxt).baddbmm_(Kd_T[lo:hi], Vp[lo:hi])
+        if 0 < carried < hi - lo:
             S_in[nlo : nlo + carried] = nxt[:carried]
-        final[carried : hi - lo] = nxt[carried:]
+            final[carried : hi - lo] = nxt[carried:]
     O = torch.bmm(Qd, S_in).baddbmm_(Aqk, Vp)
     S = layout.from_ranks(final.view(N, H, K, V))
     o = layout.from_chunks(O, B, T, H)

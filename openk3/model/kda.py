@@ -53,13 +53,15 @@ def _decode_in_pool(
     are consecutive, else on a gathered copy that is written back (ops/kda/decode_inplace.py says why this is the fast path)."""
     assert batch.state_slots is not None
     span = batch.slot_range
-    states = pool[span[0] : span[1]] if span is not None else pool.index_select(0, batch.state_slots)
+    if span is None:
+        states = _slot_states(pool, batch)
+        o = kda_decode_(q, k, v, g, beta, states)
+        pool.index_copy_(0, batch.state_slots, states)
+        return o
+    states = pool[span[0] : span[1]]
     if batch.fresh_seqs is not None:  # no context yet: start from zero whatever the slot holds
         states.masked_fill_(batch.fresh_seqs.view(-1, 1, 1, 1), 0.0)
-    o = kda_decode_(q, k, v, g, beta, states)
-    if span is None:
-        pool.index_copy_(0, batch.state_slots, states)
-    return o
+    return kda_decode_(q, k, v, g, beta, states)
 
 
 class KimiDeltaAttention(nn.Module):

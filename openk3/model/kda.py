@@ -19,13 +19,14 @@ from torch import nn
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.fused import FusedRows
-from openk3.model.layers import RMSNorm
+from openk3.model.layers import Linear, RMSNorm
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
+from openk3.ops.linear import linear
 from openk3.ops.norm import l2_norm, rms_norm
 from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update
 
@@ -72,25 +73,25 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim, self.conv_kernel = c.num_heads, c.head_dim, c.conv_kernel
         self.gate_kind, self.gate_lower_bound = c.gate, c.gate_lower_bound
         self.eps = config.rms_norm_eps
-        self.q_proj = nn.Linear(d, p, bias=False)
-        self.k_proj = nn.Linear(d, p, bias=False)
-        self.v_proj = nn.Linear(d, p, bias=False)
+        self.q_proj = Linear(d, p, bias=False)
+        self.k_proj = Linear(d, p, bias=False)
+        self.v_proj = Linear(d, p, bias=False)
         self.q_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
         self.k_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
         self.v_conv1d = nn.Conv1d(p, p, c.conv_kernel, groups=p, bias=False)
-        self.f_a_proj = nn.Linear(d, c.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(c.head_dim, p, bias=False)
+        self.f_a_proj = Linear(d, c.head_dim, bias=False)
+        self.f_b_proj = Linear(c.head_dim, p, bias=False)
         self.A_log = nn.Parameter(torch.zeros(c.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(p))
-        self.b_proj = nn.Linear(d, c.num_heads, bias=False)
+        self.b_proj = Linear(d, c.num_heads, bias=False)
         self.full_rank_output_gate = c.full_rank_output_gate
         if c.full_rank_output_gate:
-            self.g_proj = nn.Linear(d, p, bias=False)
+            self.g_proj = Linear(d, p, bias=False)
         else:
-            self.g_a_proj = nn.Linear(d, c.head_dim, bias=False)
-            self.g_b_proj = nn.Linear(c.head_dim, p, bias=False)
+            self.g_a_proj = Linear(d, c.head_dim, bias=False)
+            self.g_b_proj = Linear(c.head_dim, p, bias=False)
         self.o_norm = RMSNorm(c.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(p, d, bias=False)
+        self.o_proj = Linear(p, d, bias=False)
         self.kda_prefill = kda_prefill_op(kda_impl)
         self.reference_ops = kda_impl == "naive"  # rule 1: "naive" runs the definitions on every kind of step
         self.conv_prefill = causal_conv1d_op(conv_impl)
@@ -109,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def _in_linears(self) -> tuple[nn.Linear, ...]:
+    def _in_linears(self) -> tuple[Linear, ...]:
         gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
         return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
 
@@ -132,7 +133,7 @@ class KimiDeltaAttention(nn.Module):
         linears = self._in_linears()
         fused = self._fused_in.rows([m.weight for m in linears])
         if fused is not None:
-            qkv, f_a, g, b = torch.nn.functional.linear(x_TD, fused).split(self._in_split, dim=-1)
+            qkv, f_a, g, b = linear(x_TD, fused).split(self._in_split, dim=-1)
             return qkv, f_a, g, b
         q, k, v, f_a, g, b = (m(x_TD) for m in linears)
         return torch.cat([q, k, v], dim=-1), f_a, g, b

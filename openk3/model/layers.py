@@ -11,6 +11,7 @@ from torch import nn
 from openk3.config import Activation
 from openk3.model.fused import FusedRows
 from openk3.ops.activation import glu
+from openk3.ops.linear import linear
 from openk3.ops.norm import rms_norm
 
 
@@ -24,14 +25,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state-dict keys) whose product takes the fastest form for a few rows
+    (ops/linear.py); with a bias it is nn.Linear's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.bias is not None else linear(x, self.weight)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x), up(x))): the dense first-layer MLP and the shared experts."""
 
     def __init__(self, hidden: int, intermediate: int, act: Activation, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = act
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
         self.intermediate = intermediate
@@ -44,7 +53,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self._fused_gate_up.rows([self.gate_proj.weight, self.up_proj.weight])
         if fused is not None:  # one matmul for gate and up
-            gate, up = torch.nn.functional.linear(x, fused).split(self.intermediate, dim=-1)
+            gate, up = linear(x, fused).split(self.intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

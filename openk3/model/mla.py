@@ -16,7 +16,8 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.fused import FusedRows
-from openk3.model.layers import RMSNorm
+from openk3.model.layers import Linear, RMSNorm
+from openk3.ops.linear import linear
 from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
@@ -47,19 +48,19 @@ class GatedMLA(nn.Module):
         self.num_heads, self.nope, self.rope, self.v_dim, self.lora = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.scale = m.qk_head_dim**-0.5
         if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, m.num_heads * m.qk_head_dim, bias=False)
+            self.q_proj = Linear(d, m.num_heads * m.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, m.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, MLA_NORM_EPS)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, bias=False)
         self.q_lora = m.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = nn.Linear(d, m.latent_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, m.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, MLA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.kv_b_proj = Linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.output_gate = m.output_gate
         if m.output_gate:
-            self.g_proj = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
-        self.o_proj = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
+            self.g_proj = Linear(d, m.num_heads * m.v_head_dim, bias=False)
+        self.o_proj = Linear(m.num_heads * m.v_head_dim, d, bias=False)
         self.prefill = mla_prefill_op(prefill_impl)
         self._fused_in = FusedRows()
 
@@ -76,7 +77,7 @@ class GatedMLA(nn.Module):
         linears = self._in_linears()
         fused = self._fused_in.rows([m.weight for m in linears])
         if fused is not None:
-            outs = list(torch.nn.functional.linear(x_TD, fused).split([m.out_features for m in linears], dim=-1))
+            outs = list(linear(x_TD, fused).split([m.out_features for m in linears], dim=-1))
         else:
             outs = [m(x_TD) for m in linears]
         return outs[0], outs[1], outs[2] if self.output_gate else None

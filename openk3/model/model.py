@@ -18,7 +18,7 @@ from openk3.config import LayerKind, ModelConfig
 from openk3.model.attn_res import BlockMixes, Mixer, check_impl, mix, new_mixer, use_two_phase
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
-from openk3.model.layers import GatedMLP, RMSNorm
+from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts
 
@@ -155,7 +155,7 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         self.ops = ops or OpChoice()
         self.model = K3Model(config, self.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

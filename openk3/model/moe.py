@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.layers import GatedMLP, RMSNorm
+from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.ops.activation import glu
 from openk3.ops.moe import moe_experts_op
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
@@ -105,8 +105,8 @@ class LatentMoE(nn.Module):
         self.latent = e.latent_size is not None
         if self.latent:
             assert e.latent_size is not None
-            self.routed_expert_down_proj = nn.Linear(d, e.latent_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(e.latent_size, d, bias=False)
+            self.routed_expert_down_proj = Linear(d, e.latent_size, bias=False)
+            self.routed_expert_up_proj = Linear(e.latent_size, d, bias=False)
             self.routed_expert_norm = RMSNorm(e.latent_size, config.rms_norm_eps) if e.latent_norm else None
         self.shared_experts = (
             GatedMLP(d, e.moe_intermediate_size * e.num_shared_experts, config.hidden_act, config.situ_beta, config.situ_linear_beta)

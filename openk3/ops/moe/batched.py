@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.linear import bmm_weight_t
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.naive import Act, check_moe_inputs
 
@@ -56,10 +57,8 @@ def moe_experts_batched(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     token_P = order_P // k
     x_ACD = x_TD.new_zeros((w1.shape[0], rows, x_TD.shape[1]))
     x_ACD[block_P, slot_P] = x_TD.index_select(0, token_P)
-    # matmul, not bmm: bmm on the transposed weight views takes a strided slow path (30x slower on CPU at these shapes),
-    # while matmul folds the transpose into the GEMM call.
-    h_ACI = act(torch.matmul(x_ACD, w1.transpose(1, 2)), torch.matmul(x_ACD, w3.transpose(1, 2)))
-    out_ACD = torch.matmul(h_ACI, w2.transpose(1, 2))
+    h_ACI = act(bmm_weight_t(x_ACD, w1), bmm_weight_t(x_ACD, w3))
+    out_ACD = bmm_weight_t(h_ACI, w2)
     weight_P = topk_weight.reshape(-1).float().index_select(0, order_P)
     y_PD = out_ACD[block_P, slot_P].float() * weight_P.unsqueeze(1)
     y32 = torch.zeros(x_TD.shape, dtype=torch.float32, device=dev)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from openk3.ops.linear import linear
 from openk3.ops.moe.bank import ExpertBank, ExpertWeights
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,7 +41,6 @@ def expert_forward(x_ND: torch.Tensor, weights: ExpertWeights, act: Act, e: int)
             f"moe experts: expert {e} weights w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}, "
             f"expected [I, {width}], [I, {width}], [{width}, I] for input width {width}"
         )
-    linear = torch.nn.functional.linear  # x W^T in one op (x @ w.t() is two)
     return linear(act(linear(x_ND, w1), linear(x_ND, w3)), w2)
 
 

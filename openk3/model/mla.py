@@ -64,7 +64,7 @@ class GatedMLA(nn.Module):
         self.prefill = mla_prefill_op(prefill_impl)
         self._fused_in = FusedRows()
 
-    def _in_linears(self) -> list[nn.Linear]:
+    def _in_linears(self) -> list[Linear]:
         linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
         return linears + [self.g_proj] if self.output_gate else linears
 

@@ -26,24 +26,26 @@ def test_linear_matches_f_linear(rows: int, out_features: int) -> None:
         _close(linear(x.view(1, rows, 256), w), F.linear(x, w).view(1, rows, out_features))  # leading dims kept
 
 
-def test_linear_takes_onednn_for_large_weights_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN from SMALL_ROWS + 1 rows on a large fp32 weight only; the weight-first mm up to SMALL_ROWS rows."""
     if linear_mod._onednn is None:
         pytest.skip("this torch build has no oneDNN linear")
-    calls: list[tuple[int, ...]] = []
+    onednn: list[tuple[int, ...]] = []
     real = linear_mod._onednn
 
     def spy(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
-        calls.append(tuple(w.shape))
+        onednn.append(tuple(x.shape))
         return real(x, w, *rest)
 
     monkeypatch.setattr(linear_mod, "_onednn", spy)
     big, small = torch.randn(LARGE_WEIGHT // 128, 128), torch.randn(16, 128)
-    x = torch.randn(3, 128)
+    many, few = torch.randn(SMALL_ROWS + 1, 128), torch.randn(SMALL_ROWS, 128)
     with torch.inference_mode():
-        linear(x, big)
-        linear(x, small)
-        linear(x.double(), big.double())  # fp32 only
-    assert calls == [tuple(big.shape)]
+        linear(many, big)
+        linear(few, big)  # weight-first, not oneDNN
+        linear(many, small)
+        linear(many.double(), big.double())  # fp32 only
+    assert onednn == [tuple(many.shape)]
 
 
 def test_linear_rows_of_a_block_and_strided_input() -> None:

@@ -11,6 +11,7 @@ slot (zeros when the sequence has no context yet) and writes the state after the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.linear import linear
 from openk3.ops.norm import l2_norm, rms_norm
-from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update
+from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, causal_conv1d_update_
 
 
 @dataclass(frozen=True)
@@ -47,22 +48,21 @@ def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return states.masked_fill(fresh.view(-1, *([1] * (states.dim() - 1))), 0.0)
 
 
-def _decode_in_pool(
-    pool: torch.Tensor, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> torch.Tensor:
-    """One decode token per sequence, the states advanced where they live: through a slice of the pool when the step's slots
-    are consecutive, else on a gathered copy that is written back (ops/kda/decode_inplace.py says why this is the fast path)."""
+def _advance_in_pool(pool: torch.Tensor, batch: ForwardBatch, step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run `step` (an op that advances the states it is given in place) on the batch's slots where they live: through a slice
+    of the pool when the step's slots are consecutive, else on a gathered copy that is written back. The decode step's
+    KDA state and conv windows both go this way (ops/kda/decode_inplace.py says why it is the fast path)."""
     assert batch.state_slots is not None
     span = batch.slot_range
     if span is None:
         states = _slot_states(pool, batch)
-        o = kda_decode_(q, k, v, g, beta, states)
+        out = step(states)
         pool.index_copy_(0, batch.state_slots, states)
-        return o
+        return out
     states = pool[span[0] : span[1]]
     if batch.fresh_seqs is not None:  # no context yet: start from zero whatever the slot holds
-        states.masked_fill_(batch.fresh_seqs.view(-1, 1, 1, 1), 0.0)
-    return kda_decode_(q, k, v, g, beta, states)
+        states.masked_fill_(batch.fresh_seqs.view(-1, *([1] * (states.dim() - 1))), 0.0)
+    return step(states)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -143,8 +143,15 @@ class KimiDeltaAttention(nn.Module):
         h, k = self.num_heads, self.head_dim
         qkv_TC, f_a, gate_in, b_logit = self.input_projections(x_TD)
         decode = batch.is_decode and cache is not None
+        # the serving fast path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
+        in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
 
-        if decode:
+        conv_state = None
+        if in_pool:
+            assert cache is not None
+            pre_conv, weight = qkv_TC, self.conv_weight()
+            qkv_TC = _advance_in_pool(cache.conv_SCW, batch, lambda window: causal_conv1d_update_(pre_conv, weight, window, "silu"))
+        elif decode:
             assert cache is not None and batch.state_slots is not None
             qkv_TC, conv_state = causal_conv1d_update(qkv_TC, self.conv_weight(), _slot_states(cache.conv_SCW, batch), activation="silu")
         else:
@@ -158,10 +165,9 @@ class KimiDeltaAttention(nn.Module):
         g_THK = kda_gate(self.f_b_proj(f_a).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
         beta_TH = torch.sigmoid(b_logit.float())
 
-        in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
-        if in_pool:  # the serving fast path: the state advanced where it lives, read once (ops/kda/decode_inplace.py)
+        if in_pool:  # the state read once and advanced in place (ops/kda/decode_inplace.py)
             assert cache is not None
-            o_THV = _decode_in_pool(cache.state_SHKV, batch, q, kk, v, g_THK, beta_TH)
+            o_THV = _advance_in_pool(cache.state_SHKV, batch, lambda state: kda_decode_(q, kk, v, g_THK, beta_TH, state))
         elif decode:  # the reference order, and the differentiable form: old state in, new state out
             assert cache is not None
             o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
@@ -177,11 +183,10 @@ class KimiDeltaAttention(nn.Module):
             else:
                 o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init, batch.cu_seqlens)
             o_THV = o[0]
-        if cache is not None:
-            assert batch.state_slots is not None
+        if cache is not None and not in_pool:
+            assert batch.state_slots is not None and conv_state is not None
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
-            if not in_pool:
-                cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
+            cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
         gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, fast, naive
+from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, causal_conv1d_update_, fast, naive
 
 C = 6
 
@@ -57,6 +57,21 @@ def test_prefill_then_decode_equals_one_shot(impl: str) -> None:
         ys.append(y_t[:, None])
         s = s_new
     assert max_err(torch.cat(ys, dim=1), y_all) < 1e-5 and torch.equal(s, s_all)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_in_place_update_equals_the_reference_update(state_dtype: torch.dtype) -> None:
+    """causal_conv1d_update_ gives causal_conv1d_update's output and leaves its new window in the state it was given, also
+    when that state is a slice of a larger pool."""
+    x, w = rand(3, 5, C), rand(C, 1, 4, seed=1)  # the checkpoint's [C, 1, W] kernel
+    pool = rand(6, C, 3, seed=2).to(state_dtype)
+    s_ref = pool[2:5].clone()
+    for t in range(5):
+        y_ref, s_ref = causal_conv1d_update(x[:, t], w, s_ref)
+        y = causal_conv1d_update_(x[:, t], w, pool[2:5])
+        assert torch.equal(y, y_ref) and torch.equal(pool[2:5], s_ref)
+    with pytest.raises(ValueError, match="state must be"):
+        causal_conv1d_update_(x[:, 0], w, pool[:2])
 
 
 @pytest.mark.parametrize("impl", ["naive", "fast"])

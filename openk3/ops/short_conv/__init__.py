@@ -1,4 +1,5 @@
-"""Causal depthwise short convolution with carried state (KDA's q/k/v convs). Prefill chosen by name; decode is causal_conv1d_update."""
+"""Causal depthwise short convolution with carried state (KDA's q/k/v convs). Prefill chosen by name; decode is causal_conv1d_update
+(state read only) or causal_conv1d_update_ (state advanced in place, the serving path)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 
 from openk3.ops.short_conv import fast, naive
 from openk3.ops.short_conv.naive import causal_conv1d_update
+from openk3.ops.short_conv.update_inplace import causal_conv1d_update_
 
 _PREFILL = {"naive": naive.causal_conv1d, "fast": fast.causal_conv1d, "auto": fast.causal_conv1d}
 
@@ -17,4 +19,4 @@ def causal_conv1d_op(impl: str) -> Callable:
     return _PREFILL[impl]
 
 
-__all__ = ["causal_conv1d_op", "causal_conv1d_update"]
+__all__ = ["causal_conv1d_op", "causal_conv1d_update", "causal_conv1d_update_"]

@@ -19,6 +19,7 @@ from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
+from openk3.serve.cpu_heap import keep_heap_for_reuse
 from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -116,6 +117,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         p = _param(model)
         self.device = p.device if p is not None else torch.device("cpu")
+        if self.device.type == "cpu":
+            keep_heap_for_reuse()  # step temporaries reuse freed memory instead of page-faulting afresh (serve/cpu_heap.py)
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
         snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype).kda.bytes_per_sequence)

@@ -1,0 +1,45 @@
+"""serve/cpu_heap.py: the heap setting is applied once, can be declined, and really stops large blocks from being unmapped."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from openk3.serve import cpu_heap
+
+
+def test_opt_out_leaves_the_c_library_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_heap, "_applied", None)
+    monkeypatch.setenv("OPENK3_CPU_HEAP", "system")
+    monkeypatch.setattr(cpu_heap, "_mallopt", lambda: pytest.fail("mallopt must not be called"))
+    assert cpu_heap.keep_heap_for_reuse() is False
+    assert cpu_heap.keep_heap_for_reuse() is False  # decided once per process
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt")
+def test_freed_large_blocks_stay_mapped_for_reuse() -> None:
+    """In a fresh process: without the setting a freed 8 MiB block goes back to the kernel (its pages leave the resident set);
+    with it the block stays in the heap. Read from /proc/self/statm, so this checks the effect, not just the call."""
+    probe = """
+import os, sys, ctypes
+from openk3.serve.cpu_heap import keep_heap_for_reuse
+if sys.argv[1] == "keep":
+    assert keep_heap_for_reuse()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+page = os.sysconf("SC_PAGE_SIZE")
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * page
+size = 8 << 20
+p = libc.malloc(size)
+ctypes.memset(p, 1, size)
+before = resident()
+libc.free(ctypes.c_void_p(p))
+print(before - resident())
+"""
+    released = {mode: int(subprocess.check_output([sys.executable, "-c", probe, mode], text=True)) for mode in ("system", "keep")}
+    assert released["system"] >= 6 << 20  # unmapped on free
+    assert released["keep"] < 1 << 20  # kept for the next allocation

@@ -52,11 +52,15 @@ def mla_decode_paged(
     lr = w_uk_HDL.shape[-1]
     n, num_pages = page_table_NP.shape
     ps = latent_pool.shape[1]
-    gathered_NSR = latent_pool[page_table_NP.reshape(-1)].reshape(n, num_pages * ps, -1).float()
-    c_NSL, k_pe_NSR = gathered_NSR[..., :lr], gathered_NSR[..., lr:]
-    q_lat_NHL = torch.einsum("nhd,hdl->nhl", q_nope_NHD.float(), w_uk_HDL.float())
-    scores_NHS = torch.einsum("nhl,nsl->nhs", q_lat_NHL, c_NSL) + torch.einsum("nhr,nsr->nhs", q_pe_NHR.float(), k_pe_NSR)
+    # Whole pages gathered as rows (index_select), then the cached [c | k_pe] rows are used as they lie: the query is
+    # [q~ | q_pe], so the scores are one batched matmul, and the weighted sum runs over the full rows, dropping the k_pe
+    # columns after (Dr / Lr more arithmetic instead of copying the strided c_kv columns out). Plain matmuls over heads,
+    # not einsum: at decode sizes einsum's own permutes and reshapes cost as much as the products.
+    rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
+    q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
+    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1)
+    scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
     valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-    scores_NHS = (scores_NHS * scale).masked_fill(~valid_NS[:, None, :], float("-inf"))
-    u_NHL = torch.einsum("nhs,nsl->nhl", torch.softmax(scores_NHS, dim=-1), c_NSL)
-    return torch.einsum("nhl,hdl->nhd", u_NHL, w_uv_HDL.float()).to(q_nope_NHD.dtype)
+    scores_NHS = (scores_NHS * scale).masked_fill_(~valid_NS[:, None, :], float("-inf"))
+    u_NHL = torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
+    return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1).to(q_nope_NHD.dtype)

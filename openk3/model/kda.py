@@ -24,6 +24,7 @@ from openk3.model.layers import Linear, RMSNorm
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
+from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_available
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
@@ -138,6 +139,20 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, f_a, g, b = (m(x_TD) for m in linears)
         return torch.cat([q, k, v], dim=-1), f_a, g, b
 
+    def _decode_fused(
+        self, qkv_TC: torch.Tensor, f_a: torch.Tensor, gate_in: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
+    ) -> torch.Tensor | None:
+        """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py), or
+        None when it cannot run here (the torch ops below then do the same)."""
+        assert cache is not None and batch.state_slots is not None
+        if qkv_TC.dtype != torch.float32 or cache.conv_SCW.dtype != torch.float32 or not kda_decode_fused_available():
+            return None
+        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
+        return kda_decode_fused(
+            qkv_TC, self.conv_weight(), cache.conv_SCW, batch.state_slots, batch.fresh_seqs, self.f_b_proj(f_a), self.A_log, self.dt_bias,
+            b_logit, cache.state_SHKV, self.gate_kind, self.gate_lower_bound, self.o_norm.weight, self.eps, gate,
+        )  # fmt: skip
+
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k = self.num_heads, self.head_dim
@@ -145,6 +160,9 @@ class KimiDeltaAttention(nn.Module):
         decode = batch.is_decode and cache is not None
         # the serving fast path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
         in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
+
+        if in_pool and (fused := self._decode_fused(qkv_TC, f_a, gate_in, b_logit, batch, cache)) is not None:
+            return self.o_proj(fused.to(x_TD.dtype))
 
         conv_state = None
         if in_pool:

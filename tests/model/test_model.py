@@ -7,6 +7,7 @@ import torch
 
 from openk3.config import Activation, KDAGate, debug, k3, kimi_linear_48b
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM, OpChoice
+from openk3.ops.kda import decode_fused
 
 from .conftest import build
 
@@ -36,7 +37,7 @@ def run_chunks(model: K3ForCausalLM, tokens: list[int], chunks: list[int]) -> to
     return torch.cat(out)
 
 
-def test_prefill_then_decode_equals_full_forward(debug_model: K3ForCausalLM) -> None:
+def test_prefill_then_decode_equals_full_forward(debug_model: K3ForCausalLM, decode_path: str) -> None:
     tokens = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = debug_model.forward_tokens(tokens)[0]
@@ -119,8 +120,19 @@ def test_k3_param_count_matches_spec() -> None:
     assert 47e9 < total < 50e9 and 2.8e9 < active < 3.3e9
 
 
+@pytest.fixture(params=["cpu kernel", "torch ops"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The serving decode step runs the fused CPU kernel when it is built (ops/kda/decode_fused.py), else the torch ops:
+    the decode tests run both."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(decode_fused, "_KERNEL", False)
+    elif not decode_fused.kda_decode_fused_available():
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    return request.param
+
+
 @pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 3]])
-def test_decode_step_of_fresh_sequences_on_dirty_slots(debug_model: K3ForCausalLM, slots: list[int]) -> None:
+def test_decode_step_of_fresh_sequences_on_dirty_slots(debug_model: K3ForCausalLM, slots: list[int], decode_path: str) -> None:
     """1-token prompts make a decode step (is_decode) of sequences with no context: whether the slots are consecutive (the
     state is advanced through a slice of the pool) or not (gathered and written back), they start from zero state."""
     cache = CacheTensors.allocate(debug_model.config, num_slots=4, num_pages=24, page_size=PAGE)
@@ -140,7 +152,7 @@ def test_decode_step_of_fresh_sequences_on_dirty_slots(debug_model: K3ForCausalL
 
 
 @pytest.mark.parametrize("slots", [[1, 2, 3], [2, 0, 1]])
-def test_decode_step_mixing_fresh_and_continuing_sequences(debug_model: K3ForCausalLM, slots: list[int]) -> None:
+def test_decode_step_mixing_fresh_and_continuing_sequences(debug_model: K3ForCausalLM, slots: list[int], decode_path: str) -> None:
     cache = CacheTensors.allocate(debug_model.config, num_slots=4, num_pages=24, page_size=PAGE)
     table = pages_for(3, 8)
     prompt = [9, 8, 7, 6, 5]

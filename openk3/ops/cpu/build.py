@@ -1,0 +1,72 @@
+"""Compile a C source shipped in this package into a shared library once per machine, and load it with ctypes.
+
+Why: a decode step at serving batch sizes is a chain of a hundred small torch ops per layer whose dispatch costs more than
+their arithmetic. A few plain C loops over the same tensors do the work of such a chain in one call. Plain C with no torch
+headers compiles in about a second (a torch C++ extension takes about a minute) and needs only `cc`.
+
+The library is cached under $OPENK3_CACHE_DIR (default ~/.cache/openk3)/kernels, keyed by a hash of the source, the flags
+and the compiler's version, and written atomically, so concurrent first uses (several test workers, EP ranks) are safe.
+No compiler, a failed build or OPENK3_CPU_KERNELS=0: `load` returns None and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+# -march=native: the library is built on the machine that runs it (the cache key includes the machine's CPU flags).
+# No -ffast-math: exp/log1p keep their IEEE behaviour, so results stay within fp32 rounding of the torch reference.
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("OPENK3_CACHE_DIR", Path.home() / ".cache" / "openk3")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@cache
+def load(source_name: str) -> ctypes.CDLL | None:
+    """The compiled library of `openk3/ops/cpu/<source_name>`, or None when kernels are off or cannot be built."""
+    if os.environ.get("OPENK3_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return None
+    source = (Path(__file__).parent / source_name).read_text()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{Path(source_name).stem}-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                src = Path(tmp) / source_name
+                src.write_text(source)
+                subprocess.run([compiler, *FLAGS, "-o", str(built), str(src), "-lm"], check=True, capture_output=True, text=True, timeout=300)
+                os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+        except (OSError, subprocess.SubprocessError) as err:
+            detail = getattr(err, "stderr", "") or str(err)
+            warnings.warn(f"openk3: could not build the CPU kernel {source_name} ({detail.strip()[:300]}); using the torch path", stacklevel=2)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as err:
+        warnings.warn(f"openk3: could not load {target} ({err}); using the torch path", stacklevel=2)
+        return None

@@ -1,0 +1,161 @@
+/* One KDA decode token per sequence, from the input projections to the gated, normalised output, in one pass per head.
+ *
+ * Legend: N sequences, H heads, D head dim (q, k and v alike), P = H * D, W short-conv width, S slots in the pools.
+ * Per sequence n and head h, the same steps as the torch path of model/kda.py (each step's reference named):
+ *   1. short conv + SiLU of q | k | v, the window advanced in place      (ops/short_conv/update_inplace.py)
+ *   2. q, k L2-normalised over D (eps 1e-6), q scaled by `scale`          (ops/norm.py l2_norm)
+ *   3. forget gate g from f + dt_bias, beta = sigmoid(b)                  (ops/kda/gate.py)
+ *   4. the delta-rule step on the state, read once, updated in place      (ops/kda/decode_inplace.py)
+ *   5. RMSNorm of o over D times sigmoid(output gate)                     (model/kda.py)
+ * Slots are addressed through `slots`, so non-consecutive slots need no gather or scatter; a sequence flagged in `fresh`
+ * starts from a zero window and state. All math in fp32; results agree with the torch path to fp32 rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_D 512
+
+/* exp and log as branch-free polynomials (Cephes' single-precision ones, about 1 ulp), so that the loops over a head's
+ * channels vectorise: the C library's expf/log1pf are scalar calls and made the kernel ~1.7x slower. */
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float log_f(float x) { /* x normal and positive */
+    union { float f; int32_t i; } u = {.f = x};
+    float e = (float)(((u.i >> 23) & 0xff) - 127);
+    u.i = (u.i & 0x007fffff) | 0x3f800000; /* mantissa in [1, 2) */
+    float m = u.f;
+    const int big = m > 1.41421356f;       /* bring it to [sqrt(1/2), sqrt(2)) */
+    m = big ? 0.5f * m : m;
+    e = big ? e + 1.0f : e;
+    const float t = m - 1.0f, z = t * t;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, t, -1.1514610310e-1f);
+    y = fmaf(y, t, 1.1676998740e-1f);
+    y = fmaf(y, t, -1.2420140846e-1f);
+    y = fmaf(y, t, 1.4249322787e-1f);
+    y = fmaf(y, t, -1.6668057665e-1f);
+    y = fmaf(y, t, 2.0000714765e-1f);
+    y = fmaf(y, t, -2.4999993993e-1f);
+    y = fmaf(y, t, 3.3333331174e-1f);
+    y = y * t * z;
+    y = fmaf(e, -2.12194440e-4f, y);
+    y = fmaf(-0.5f, z, y);
+    return fmaf(e, 0.693359375f, t + y);
+}
+
+static inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+/* softplus(x) = max(x, 0) + log(1 + exp(-|x|)): equal to torch's (which returns x above 20) to fp32 rounding */
+static inline float softplus_f(float x) { return (x > 0.0f ? x : 0.0f) + log_f(1.0f + exp_f(-fabsf(x))); }
+
+int openk3_kda_decode_step(
+    int64_t N, int64_t H, int64_t D, int64_t W,
+    const float *x, int64_t x_stride,          /* [N, 3P] pre-conv q | k | v */
+    const float *conv_w,                       /* [3P, W] */
+    float *conv_pool,                          /* [S, 3P, W-1] */
+    const int64_t *slots, const uint8_t *fresh, /* [N]; fresh may be NULL */
+    const float *f, int64_t f_stride,          /* [N, P] gate pre-activation (f_b output) */
+    const float *A_log, const float *dt_bias,  /* [H], [P] */
+    const float *b, int64_t b_stride,          /* [N, H] beta logits */
+    float *state_pool,                         /* [S, H, D, D] */
+    int gate_kind, float lower_bound, float scale,
+    const float *norm_w, float norm_eps,       /* [D] */
+    const float *gate, int64_t gate_stride,    /* [N, P] output gate pre-sigmoid */
+    float *out)                                /* [N, P] */
+{
+    if (D > MAX_D || W < 1) return 1;
+    const int64_t P = H * D, C = 3 * P, Wm = W - 1;
+    float q[MAX_D], k[MAX_D], v[MAX_D], decay[MAX_D], rk[MAX_D], rq[MAX_D], delta[MAX_D];
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t slot = slots[n];
+        const int is_fresh = fresh != NULL && fresh[n];
+        for (int64_t h = 0; h < H; h++) {
+            /* 1. conv: channel c = group * P + h * D + i; window oldest first, the new input meets conv_w[c, W-1] */
+            float *dst[3] = {q, k, v};
+            for (int g = 0; g < 3; g++) {
+                float *y = dst[g];
+                const int64_t c0 = g * P + h * D;
+                float *win = conv_pool + (slot * C + c0) * Wm; /* this head's D windows, Wm values each */
+                const float *w = conv_w + c0 * W, *xin = x + n * x_stride + c0;
+                if (is_fresh) memset(win, 0, (size_t)(D * Wm) * sizeof(float));
+                if (W == 4) { /* Kimi's width, spelled out so the loop over channels vectorises */
+                    for (int64_t i = 0; i < D; i++) {
+                        float *wi = win + 3 * i;
+                        const float *ww = w + 4 * i;
+                        const float w0 = wi[0], w1 = wi[1], w2 = wi[2], xi = xin[i];
+                        y[i] = w0 * ww[0] + w1 * ww[1] + w2 * ww[2] + xi * ww[3];
+                        wi[0] = w1;
+                        wi[1] = w2;
+                        wi[2] = xi;
+                    }
+                } else
+                for (int64_t i = 0; i < D; i++) {
+                    float acc = 0.0f;
+                    for (int64_t j = 0; j < Wm; j++) acc += win[i * Wm + j] * w[i * W + j];
+                    y[i] = acc + xin[i] * w[i * W + Wm];
+                    for (int64_t j = 0; j + 1 < Wm; j++) win[i * Wm + j] = win[i * Wm + j + 1];
+                    if (Wm > 0) win[i * Wm + Wm - 1] = xin[i];
+                }
+                for (int64_t i = 0; i < D; i++) y[i] = y[i] * sigmoid_f(y[i]);
+            }
+            /* 2. L2 norms */
+            float sq = 0.0f, sk = 0.0f;
+            for (int64_t i = 0; i < D; i++) { sq += q[i] * q[i]; sk += k[i] * k[i]; }
+            const float rq_norm = 1.0f / sqrtf(sq + 1e-6f), rk_norm = 1.0f / sqrtf(sk + 1e-6f);
+            float kq = 0.0f;
+            for (int64_t i = 0; i < D; i++) {
+                k[i] *= rk_norm;
+                q[i] = q[i] * rq_norm * scale;
+                kq += k[i] * q[i];
+            }
+            /* 3. gates */
+            const float rate = expf(A_log[h]);
+            const float *fh = f + n * f_stride + h * D, *bias = dt_bias + h * D;
+            if (gate_kind == 0)
+                for (int64_t i = 0; i < D; i++) decay[i] = exp_f(-rate * softplus_f(fh[i] + bias[i]));
+            else
+                for (int64_t i = 0; i < D; i++) decay[i] = exp_f(lower_bound * sigmoid_f(rate * (fh[i] + bias[i])));
+            const float beta = sigmoid_f(b[n * b_stride + h]);
+            /* 4. S [D(k), D(v)]: reads S^T (decay k) and S^T (decay q), then S = decay S + k delta^T */
+            float *S = state_pool + (slot * H + h) * D * D;
+            if (is_fresh) memset(S, 0, (size_t)(D * D) * sizeof(float));
+            for (int64_t j = 0; j < D; j++) { rk[j] = 0.0f; rq[j] = 0.0f; }
+            for (int64_t i = 0; i < D; i++) {
+                const float a = decay[i] * k[i], c2 = decay[i] * q[i];
+                const float *row = S + i * D;
+                for (int64_t j = 0; j < D; j++) { rk[j] += a * row[j]; rq[j] += c2 * row[j]; }
+            }
+            float so = 0.0f;
+            for (int64_t j = 0; j < D; j++) {
+                delta[j] = beta * (v[j] - rk[j]);
+                rq[j] += kq * delta[j]; /* o = S'^T q~ */
+                so += rq[j] * rq[j];
+            }
+            for (int64_t i = 0; i < D; i++) {
+                float *row = S + i * D;
+                const float d = decay[i], ki = k[i];
+                for (int64_t j = 0; j < D; j++) row[j] = d * row[j] + ki * delta[j];
+            }
+            /* 5. RMSNorm over D, times sigmoid(gate) */
+            const float r = 1.0f / sqrtf(so / (float)D + norm_eps);
+            const float *gh = gate + n * gate_stride + h * D;
+            float *oh = out + n * P + h * D;
+            for (int64_t j = 0; j < D; j++) oh[j] = rq[j] * r * norm_w[j] * sigmoid_f(gh[j]);
+        }
+    }
+    return 0;
+}

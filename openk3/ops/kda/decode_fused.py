@@ -1,0 +1,119 @@
+"""The whole KDA decode token on CPU in one call: the fused C kernel of ops/cpu/kda_decode.c.
+
+Legend: N sequences, H heads, D head dim, P = H * D, W short-conv width, S pool slots.
+
+Why: after the input projections, a KDA layer's decode token is ~80 small torch ops (conv window, SiLU, two L2 norms, the
+gate, the delta-rule read and update, the output norm and gate). At serving batch sizes each costs a few microseconds of
+dispatch for nanoseconds of arithmetic, so on CPU they are most of the layer's time. The kernel does the same steps per
+(sequence, head) in one pass, addressing the conv-window and state pools through the slot ids (no gather or scatter).
+
+`kda_decode_fused` returns None, having touched nothing, whenever the kernel cannot take the call (not built, not CPU, not
+fp32, an unexpected layout); the caller then runs the torch ops, which are also the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from openk3.config import KDAGate
+from openk3.ops.cpu.build import load
+
+_KERNEL = None
+
+
+def _kernel():  # type: ignore[no-untyped-def]  # a ctypes function pointer
+    global _KERNEL
+    if _KERNEL is None:
+        lib = load("kda_decode.c")
+        if lib is None:
+            _KERNEL = False
+        else:
+            fn = lib.openk3_kda_decode_step
+            i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+            fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, f32, f32, ptr, f32, ptr, i64, ptr]
+            fn.restype = ctypes.c_int
+            _KERNEL = fn
+    return _KERNEL or None
+
+
+def kda_decode_fused_available() -> bool:
+    """The kernel is built and loaded (building it on first call)."""
+    return _kernel() is not None
+
+
+def _rows(t: torch.Tensor, n: int, width: int) -> bool:
+    """[n, width] fp32 CPU with unit inner stride (rows may be views into a wider projection output)."""
+    return t.dim() == 2 and tuple(t.shape) == (n, width) and t.stride(1) == 1 and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _dense(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    return tuple(t.shape) == shape and t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def kda_decode_fused(
+    x_pre_NC: torch.Tensor,
+    conv_weight_CW: torch.Tensor,
+    conv_pool_SCW: torch.Tensor,
+    slots_N: torch.Tensor,
+    fresh_N: torch.Tensor | None,
+    f_NP: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b_NH: torch.Tensor,
+    state_pool_SHDD: torch.Tensor,
+    gate_kind: KDAGate,
+    lower_bound: float | None,
+    norm_weight_D: torch.Tensor,
+    norm_eps: float,
+    out_gate_NP: torch.Tensor,
+) -> torch.Tensor | None:
+    """Advance the slots' conv windows and states in place by one token each; returns the normalised, gated output [N, P]
+    (fp32), or None without touching anything when the kernel cannot take these tensors."""
+    fn = _kernel()
+    if fn is None or torch.is_grad_enabled():
+        return None
+    n = slots_N.numel()
+    num_slots, h, d, _ = state_pool_SHDD.shape
+    p, width = h * d, conv_weight_CW.shape[-1]
+    ok = (
+        _rows(x_pre_NC, n, 3 * p)
+        and _dense(conv_weight_CW, (3 * p, width))
+        and _dense(conv_pool_SCW, (num_slots, 3 * p, width - 1))
+        and _dense(state_pool_SHDD, (num_slots, h, d, d))
+        and _rows(f_NP, n, p)
+        and _rows(b_NH, n, h)
+        and _rows(out_gate_NP, n, p)
+        and _dense(A_log.reshape(-1), (h,))
+        and _dense(dt_bias.reshape(-1), (p,))
+        and _dense(norm_weight_D, (d,))
+        and slots_N.dtype == torch.int64
+        and slots_N.is_contiguous()
+        and (fresh_N is None or (fresh_N.dtype == torch.bool and fresh_N.is_contiguous() and fresh_N.numel() == n))
+        and (gate_kind == KDAGate.SOFTPLUS or lower_bound is not None)
+    )
+    if not ok or n == 0:
+        return None
+    low, high = (int(v) for v in torch.aminmax(slots_N))
+    if low < 0 or high >= num_slots:  # the kernel writes through these ids: never let one point outside the pools
+        raise ValueError(f"kda_decode_fused: slot ids span {low}..{high}, expected 0..{num_slots - 1}")
+    out = torch.empty(n, p, dtype=torch.float32)
+    fresh_ptr = None if fresh_N is None else fresh_N.view(torch.uint8).data_ptr()
+    status = fn(
+        n, h, d, width,
+        x_pre_NC.data_ptr(), x_pre_NC.stride(0),
+        conv_weight_CW.data_ptr(), conv_pool_SCW.data_ptr(),
+        slots_N.data_ptr(), fresh_ptr,
+        f_NP.data_ptr(), f_NP.stride(0),
+        A_log.data_ptr(), dt_bias.data_ptr(),
+        b_NH.data_ptr(), b_NH.stride(0),
+        state_pool_SHDD.data_ptr(),
+        0 if gate_kind == KDAGate.SOFTPLUS else 1, float(lower_bound or 0.0), d**-0.5,
+        norm_weight_D.data_ptr(), norm_eps,
+        out_gate_NP.data_ptr(), out_gate_NP.stride(0),
+        out.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"kda_decode_fused: the kernel refused head dim {d} or conv width {width}")
+    return out

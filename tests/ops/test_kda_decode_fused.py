@@ -1,0 +1,105 @@
+"""The fused CPU KDA decode kernel (ops/cpu/kda_decode.c via ops/kda/decode_fused.py) against the torch ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.config import KDAGate
+from openk3.ops.kda import decode_fused
+from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_available
+from openk3.ops.kda.decode_inplace import kda_decode_
+from openk3.ops.kda.gate import kda_gate
+from openk3.ops.norm import l2_norm, rms_norm
+from openk3.ops.short_conv import causal_conv1d_update_
+
+pytestmark = pytest.mark.skipif(not kda_decode_fused_available(), reason="no C compiler: the kernel cannot be built here")
+
+H, D = 3, 16
+P = H * D
+EPS = 1e-6
+
+
+def reference_step(x, conv_w, conv_pool, slots, fresh, f, A_log, dt_bias, b, state_pool, gate_kind, lower_bound, norm_w, gate):  # type: ignore[no-untyped-def]
+    """model/kda.py's torch ops for one decode token, on gathered slots written back (pools modified in place)."""
+    n = slots.numel()
+    windows, states = conv_pool[slots].clone(), state_pool[slots].clone()
+    if fresh is not None:
+        windows[fresh], states[fresh] = 0.0, 0.0
+    qkv = causal_conv1d_update_(x, conv_w, windows, "silu").view(n, 3, H, D)
+    q, k = l2_norm(qkv[:, :2]).unbind(1)
+    g = kda_gate(f.view(n, H, D), A_log, dt_bias, gate_kind, lower_bound)
+    o = kda_decode_(q, k, qkv[:, 2], g, torch.sigmoid(b), states)
+    conv_pool[slots], state_pool[slots] = windows, states
+    return (rms_norm(o, norm_w, EPS) * torch.sigmoid(gate.view(n, H, D))).reshape(n, P)
+
+
+@pytest.mark.parametrize("gate_kind", [KDAGate.SOFTPLUS, KDAGate.LOWER_BOUND])
+@pytest.mark.parametrize("width", [4, 3])  # the spelled-out width-4 loop and the general one
+@pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2]])
+def test_kernel_equals_torch_ops_over_several_steps(gate_kind: KDAGate, width: int, slots: list[int]) -> None:
+    g = torch.Generator().manual_seed(width)
+    rand = lambda *shape: torch.randn(*shape, generator=g)
+    n, num_slots = len(slots), 5
+    conv_w, A_log, dt_bias, norm_w = rand(3 * P, width) * 0.5, rand(H) * 0.5, rand(P), rand(D).abs() + 0.5
+    pools = [rand(num_slots, 3 * P, width - 1), rand(num_slots, H, D, D) * 0.1]
+    ref_pools = [t.clone() for t in pools]
+    slot_ids = torch.tensor(slots)
+    lower_bound = -5.0 if gate_kind == KDAGate.LOWER_BOUND else None
+    for step in range(4):
+        fresh = torch.tensor([step == 0 and i == 1 for i in range(n)])  # a new sequence on a dirty slot, first step only
+        proj = rand(n, 3 * P + H + 7) * 2  # x and b are column blocks of one wider projection output, as in the model
+        x, b = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
+        f, gate = rand(n, P) * 3, rand(n, P)
+        with torch.inference_mode():
+            got = kda_decode_fused(x, conv_w, pools[0], slot_ids, fresh, f, A_log, dt_bias, b, pools[1], gate_kind, lower_bound, norm_w, EPS, gate)
+            want = reference_step(x, conv_w, ref_pools[0], slot_ids, fresh, f, A_log, dt_bias, b, ref_pools[1], gate_kind, lower_bound, norm_w, gate)
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pools[1], ref_pools[1], rtol=1e-5, atol=1e-6)
+        assert torch.equal(pools[0], ref_pools[0])  # windows hold inputs, copied exactly
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert torch.equal(pools[1][untouched], ref_pools[1][untouched])
+
+
+def _args(n: int = 2, dtype: torch.dtype = torch.float32) -> list:  # type: ignore[type-arg]
+    return [
+        torch.randn(n, 3 * P, dtype=dtype), torch.randn(3 * P, 4, dtype=dtype), torch.zeros(4, 3 * P, 3, dtype=dtype), torch.arange(n), None,
+        torch.randn(n, P, dtype=dtype), torch.zeros(H, dtype=dtype), torch.zeros(P, dtype=dtype), torch.randn(n, H, dtype=dtype),
+        torch.zeros(4, H, D, D, dtype=dtype), KDAGate.SOFTPLUS, None, torch.ones(D, dtype=dtype), EPS, torch.randn(n, P, dtype=dtype),
+    ]  # fmt: skip
+
+
+def test_declines_what_it_cannot_take_without_touching_anything() -> None:
+    with torch.inference_mode():
+        args = _args(dtype=torch.float64)
+        assert kda_decode_fused(*args) is None  # fp64
+        args = _args()
+        args[0] = args[0].t().contiguous().t()  # x with a non-unit inner stride
+        before = args[9].clone()
+        assert kda_decode_fused(*args) is None and torch.equal(args[9], before)
+    x = _args()
+    assert kda_decode_fused(*x) is None  # autograd on: the torch ops keep the graph
+
+
+def test_slot_ids_outside_the_pools_are_refused() -> None:
+    args = _args()
+    args[3] = torch.tensor([0, 4])  # the pools have 4 slots
+    with torch.inference_mode(), pytest.raises(ValueError, match="slot ids span 0..4"):
+        kda_decode_fused(*args)
+
+
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from openk3.ops.cpu import build
+
+    monkeypatch.setenv("OPENK3_CPU_KERNELS", "0")
+    build.load.cache_clear()
+    try:
+        assert build.load("kda_decode.c") is None
+    finally:
+        monkeypatch.delenv("OPENK3_CPU_KERNELS")
+        build.load.cache_clear()
+    monkeypatch.setenv("OPENK3_CACHE_DIR", str(tmp_path))  # a fresh cache builds again and finds the same entry point
+    assert build.load("kda_decode.c").openk3_kda_decode_step is not None
+    build.load.cache_clear()
+    assert decode_fused.kda_decode_fused_available()

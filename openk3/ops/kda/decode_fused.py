@@ -14,16 +14,17 @@ fp32, an unexpected layout); the caller then runs the torch ops, which are also 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 from openk3.config import KDAGate
 from openk3.ops.cpu.build import load
 
-_KERNEL = None
+_KERNEL: Any = None  # the ctypes function once loaded; False when it cannot be (no compiler, switched off)
 
 
-def _kernel():  # type: ignore[no-untyped-def]  # a ctypes function pointer
+def _kernel() -> Any:
     global _KERNEL
     if _KERNEL is None:
         lib = load("kda_decode.c")

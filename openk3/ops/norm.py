@@ -5,8 +5,13 @@ Computed in fp32 and cast back to the input dtype, as every reference (transform
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from openk3.ops.cpu.build import load
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -19,9 +24,44 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """torch's fused rms_norm in fp32: one kernel instead of six (it runs once or twice per sublayer, every step)."""
+    """torch's fused rms_norm in fp32, or on CPU at inference the C kernel of ops/cpu/norm.c (it runs once or twice per
+    sublayer, every step, and the composite op's dispatch outweighs its arithmetic at decode sizes)."""
+    out = _rms_norm_cpu(x, weight, eps)
+    if out is not None:
+        return out
     y = F.rms_norm(x.float(), (x.shape[-1],), weight.float() if weight is not None else None, eps)
     return y.to(x.dtype)
+
+
+_KERNEL: Any = None  # the ctypes function once loaded; False when it cannot be
+
+
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    global _KERNEL
+    if _KERNEL is None:
+        lib = load("norm.c")
+        _KERNEL = False if lib is None else lib.openk3_rms_norm
+        if _KERNEL:
+            _KERNEL.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+            _KERNEL.restype = None
+    if (
+        not _KERNEL
+        or x.dtype != torch.float32
+        or not x.is_cpu
+        or x.dim() < 1
+        or x.stride(-1) != 1
+        or (weight is not None and (weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != x.shape[-1]))
+        or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+    ):
+        return None
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    x2 = x.reshape(rows, width) if rows else x
+    if rows == 0 or (rows > 1 and x2.stride(0) < width):  # reshape could not keep rows apart: leave it to torch
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _KERNEL(rows, width, x2.data_ptr(), x2.stride(0), weight.data_ptr() if weight is not None else None, eps, out.data_ptr())
+    return out
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

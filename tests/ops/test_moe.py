@@ -13,6 +13,7 @@ from openk3.ops.moe import (
     DenseExpertBank,
     ExpertWeights,
     MoEExpertsFn,
+    cpu_pairs,
     moe_experts_auto,
     moe_experts_batched,
     moe_experts_grouped,
@@ -23,6 +24,30 @@ from openk3.ops.moe import (
 )
 
 ACTS = {kind.value: functools.partial(glu, kind=kind) for kind in Activation}
+
+
+@pytest.fixture(autouse=True, params=["C loops", "torch ops"])
+def pair_bookkeeping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """On CPU the router's top-k and the batched path's pair bookkeeping run as C loops when they can be built
+    (ops/moe/cpu_pairs.py); every test here runs with them and with the torch ops they replace."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(cpu_pairs, "_LIB", False)
+    elif cpu_pairs._lib() is None:
+        pytest.skip("no C compiler: the C loops cannot be built here")
+    return request.param
+
+
+def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many experts and a large k (the K3 shape scaled down): same choices in the same order, same weights and scores."""
+    g = torch.Generator().manual_seed(7)
+    x, weight, bias = torch.randn(40, 32, generator=g), torch.randn(96, 32, generator=g), 0.3 * torch.randn(96, generator=g)
+    with torch.inference_mode():
+        got = sigmoid_topk_route(x, weight, bias, k=16, renormalize=True, scaling=2.5)
+        monkeypatch.setattr(cpu_pairs, "_LIB", False)
+        want = sigmoid_topk_route(x, weight, bias, k=16, renormalize=True, scaling=2.5)
+    assert torch.equal(got.topk_idx, want.topk_idx)
+    torch.testing.assert_close(got.topk_weight, want.topk_weight, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-7)
 FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}
 
 

@@ -20,6 +20,7 @@ import torch
 
 from openk3.ops.linear import bmm_weight_t
 from openk3.ops.moe.bank import DenseExpertBank
+from openk3.ops.moe.cpu_pairs import batched_experts_cpu
 from openk3.ops.moe.naive import Act, check_moe_inputs
 
 
@@ -39,6 +40,9 @@ def moe_experts_batched(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     num_experts, dev = bank.num_experts, x_TD.device
     if num_tokens == 0:
         return torch.zeros_like(x_TD)
+    fast = batched_experts_cpu(x_TD, topk_idx, topk_weight, bank, act)
+    if fast is not None:  # the whole bank, the pair bookkeeping in C (ops/moe/cpu_pairs.py)
+        return fast
     flat_P = topk_idx.reshape(-1).long()
     counts_E = torch.bincount(flat_P, minlength=num_experts)
     order_P = torch.sort(flat_P, stable=True).indices

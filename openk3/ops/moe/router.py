@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from openk3.ops.moe.cpu_pairs import route_cpu
+
 
 class RouterOutput(NamedTuple):
     topk_idx: torch.Tensor  # [T, k] int64
@@ -27,7 +29,11 @@ def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
         raise ValueError(f"router: bias shape {tuple(bias_E.shape)}, expected ({num_experts},)")
     if not 1 <= k <= num_experts:
         raise ValueError(f"router: k={k}, expected 1..{num_experts} (the number of experts)")
-    scores_TE = torch.sigmoid(x_TD.float() @ weight_ED.float().t())
+    logits_TE = x_TD.float() @ weight_ED.float().t()
+    fast = route_cpu(logits_TE, bias_E.float() if bias_E is not None else None, k, renormalize, scaling)
+    if fast is not None:  # the same steps as below in one C loop (CPU inference)
+        return RouterOutput(*fast)
+    scores_TE = torch.sigmoid(logits_TE)
     selection_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
     topk_idx = torch.topk(selection_TE, k, dim=-1).indices
     weight_Tk = scores_TE.gather(1, topk_idx)

@@ -1,0 +1,94 @@
+"""The router's top-k and the batched expert path's pair bookkeeping as C loops on CPU (ops/cpu/moe.c).
+
+Legend: T tokens, E experts, k experts per token, P = T * k (token, expert) pairs, D expert input width, C rows per expert.
+
+Why: at decode sizes the router's sigmoid / bias / top-k / gather / renormalise and the batched path's sort / bincount /
+cumsum / scatter / gather / scatter-add are ~35 torch ops per MoE layer that move a few hundred values each; their dispatch
+is most of the layer's time outside the expert matmuls. Each function here returns None when the C library is unavailable
+or the call is outside what it handles (not CPU fp32, autograd on), and its caller runs the torch ops, which remain the
+reference (tests/ops/test_moe.py compares the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from openk3.ops.cpu.build import load
+from openk3.ops.linear import bmm_weight_t
+from openk3.ops.moe.bank import DenseExpertBank
+from openk3.ops.moe.naive import Act
+
+MAX_K = 64  # the C top-k keeps its candidates on the stack
+_LIB: Any = None  # the loaded library; False when it cannot be
+
+
+def _lib() -> Any:
+    global _LIB
+    if _LIB is None:
+        lib = load("moe.c")
+        if lib is None:
+            _LIB = False
+        else:
+            i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+            lib.openk3_moe_route.argtypes = [i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr]
+            lib.openk3_moe_route.restype = None
+            lib.openk3_moe_plan.argtypes = [i64, i64, ptr, ptr, ptr]
+            lib.openk3_moe_plan.restype = i64
+            lib.openk3_moe_gather.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+            lib.openk3_moe_gather.restype = None
+            lib.openk3_moe_combine.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+            lib.openk3_moe_combine.restype = None
+            _LIB = lib
+    return _LIB or None
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+
+
+def route_cpu(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(topk_idx [T, k] int64, topk_weight [T, k] fp32, scores [T, E] fp32) from fp32 router logits, as sigmoid_topk_route
+    computes them, or None. The logits tensor becomes the scores (it is the caller's temporary)."""
+    lib = _lib()
+    if lib is None or k > MAX_K or not logits_TE.is_contiguous() or not _usable(logits_TE, *([bias_E] if bias_E is not None else [])):
+        return None
+    if bias_E is not None and not bias_E.is_contiguous():
+        return None
+    num_tokens, num_experts = logits_TE.shape
+    idx = torch.empty(num_tokens, k, dtype=torch.int64)
+    weight = torch.empty(num_tokens, k, dtype=torch.float32)
+    bias_ptr = bias_E.data_ptr() if bias_E is not None else None
+    lib.openk3_moe_route(num_tokens, num_experts, k, logits_TE.data_ptr(), bias_ptr, int(renormalize), scaling, idx.data_ptr(), weight.data_ptr())
+    return idx, weight, logits_TE
+
+
+def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: DenseExpertBank, act: Act) -> torch.Tensor | None:
+    """moe_experts_batched's result with the whole stacked bank and the pair bookkeeping in C, or None (the caller's torch
+    path then runs; also when fewer than half of the experts are active, where reading only those is cheaper)."""
+    lib = _lib()
+    weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
+    if lib is None or not _usable(x_TD, *weights) or x_TD.stride(-1) != 1 or not all(w.is_contiguous() for w in weights):
+        return None
+    num_tokens, k = topk_idx.shape
+    num_experts, width = bank.num_experts, x_TD.shape[1]
+    idx = topk_idx.to(torch.int64).contiguous()
+    weight = topk_weight.to(torch.float32).contiguous()
+    counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)
+    rows = lib.openk3_moe_plan(idx.numel(), num_experts, idx.data_ptr(), counts.data_ptr(), slot_P.data_ptr())
+    if rows < 0:
+        raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
+    if 2 * int((counts > 0).sum()) < num_experts:
+        return None
+    x_ECD = x_TD.new_zeros(num_experts, rows, width)
+    lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())
+    out_ECD = bmm_weight_t(act(bmm_weight_t(x_ECD, weights[0]), bmm_weight_t(x_ECD, weights[1])), weights[2]).contiguous()
+    y = torch.empty(num_tokens, width, dtype=torch.float32)
+    lib.openk3_moe_combine(num_tokens, k, width, rows, idx.data_ptr(), slot_P.data_ptr(), weight.data_ptr(), out_ECD.data_ptr(), y.data_ptr())
+    return y

@@ -6,6 +6,7 @@ Computed in fp32 and cast back to the input dtype, as every reference (transform
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -33,19 +34,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-_KERNEL: Any = None  # the ctypes function once loaded; False when it cannot be
+@functools.cache
+def _kernel() -> Any:
+    """The ctypes function of ops/cpu/norm.c, loaded once per process; None when it cannot be built or is switched off."""
+    lib = load("norm.c")
+    if lib is None:
+        return None
+    fn = lib.openk3_rms_norm
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    fn.restype = None
+    return fn
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    global _KERNEL
-    if _KERNEL is None:
-        lib = load("norm.c")
-        _KERNEL = False if lib is None else lib.openk3_rms_norm
-        if _KERNEL:
-            _KERNEL.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-            _KERNEL.restype = None
+    kernel = _kernel()
     if (
-        not _KERNEL
+        kernel is None
         or x.dtype != torch.float32
         or not x.is_cpu
         or x.dim() < 1
@@ -60,7 +64,7 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     if rows == 0 or (rows > 1 and x2.stride(0) < width):  # reshape could not keep rows apart: leave it to torch
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
-    _KERNEL(rows, width, x2.data_ptr(), x2.stride(0), weight.data_ptr() if weight is not None else None, eps, out.data_ptr())
+    kernel(rows, width, x2.data_ptr(), x2.stride(0), weight.data_ptr() if weight is not None else None, eps, out.data_ptr())
     return out
 
 

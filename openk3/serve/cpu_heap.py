@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _KEEP_BELOW = 1 << 30  # allocations below 1 GiB come from the heap, and freed ones stay there for reuse
 _KEEP_BELOW_CAPPED = 32 << 20  # the largest threshold every 64-bit glibc accepts
-_applied: bool | None = None
-
-
+@functools.cache
 def keep_heap_for_reuse() -> bool:
     """Apply the setting once per process; True when it is in effect."""
-    global _applied
-    if _applied is None:
-        _applied = os.environ.get("OPENK3_CPU_HEAP", "keep") != "system" and _mallopt()
-    return _applied
+    return os.environ.get("OPENK3_CPU_HEAP", "keep") != "system" and _mallopt()
 
 
 def _mallopt() -> bool:

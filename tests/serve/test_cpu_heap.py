@@ -12,11 +12,15 @@ from openk3.serve import cpu_heap
 
 
 def test_opt_out_leaves_the_c_library_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_heap, "_applied", None)
+    cpu_heap.keep_heap_for_reuse.cache_clear()
     monkeypatch.setenv("OPENK3_CPU_HEAP", "system")
     monkeypatch.setattr(cpu_heap, "_mallopt", lambda: pytest.fail("mallopt must not be called"))
-    assert cpu_heap.keep_heap_for_reuse() is False
-    assert cpu_heap.keep_heap_for_reuse() is False  # decided once per process
+    try:
+        assert cpu_heap.keep_heap_for_reuse() is False
+        monkeypatch.delenv("OPENK3_CPU_HEAP")
+        assert cpu_heap.keep_heap_for_reuse() is False  # decided once per process
+    finally:
+        cpu_heap.keep_heap_for_reuse.cache_clear()
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt")

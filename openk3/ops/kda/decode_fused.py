@@ -14,6 +14,7 @@ fp32, an unexpected layout); the caller then runs the torch ops, which are also 
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -21,22 +22,18 @@ import torch
 from openk3.config import KDAGate
 from openk3.ops.cpu.build import load
 
-_KERNEL: Any = None  # the ctypes function once loaded; False when it cannot be (no compiler, switched off)
 
-
+@functools.cache
 def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        lib = load("kda_decode.c")
-        if lib is None:
-            _KERNEL = False
-        else:
-            fn = lib.openk3_kda_decode_step
-            i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-            fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, f32, f32, ptr, f32, ptr, i64, ptr]
-            fn.restype = ctypes.c_int
-            _KERNEL = fn
-    return _KERNEL or None
+    """The ctypes function, built and loaded once per process; None when it cannot be (no compiler, switched off)."""
+    lib = load("kda_decode.c")
+    if lib is None:
+        return None
+    fn = lib.openk3_kda_decode_step
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, f32, f32, ptr, f32, ptr, i64, ptr]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def kda_decode_fused_available() -> bool:

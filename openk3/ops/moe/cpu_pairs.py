@@ -12,6 +12,7 @@ reference (tests/ops/test_moe.py compares the two).
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -22,27 +23,22 @@ from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.naive import Act
 
 MAX_K = 64  # the C top-k keeps its candidates on the stack
-_LIB: Any = None  # the loaded library; False when it cannot be
-
-
+@functools.cache
 def _lib() -> Any:
-    global _LIB
-    if _LIB is None:
-        lib = load("moe.c")
-        if lib is None:
-            _LIB = False
-        else:
-            i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-            lib.openk3_moe_route.argtypes = [i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr]
-            lib.openk3_moe_route.restype = None
-            lib.openk3_moe_plan.argtypes = [i64, i64, ptr, ptr, ptr]
-            lib.openk3_moe_plan.restype = i64
-            lib.openk3_moe_gather.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
-            lib.openk3_moe_gather.restype = None
-            lib.openk3_moe_combine.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
-            lib.openk3_moe_combine.restype = None
-            _LIB = lib
-    return _LIB or None
+    """ops/cpu/moe.c, loaded once per process; None when it cannot be built or is switched off."""
+    lib = load("moe.c")
+    if lib is None:
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.openk3_moe_route.argtypes = [i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr]
+    lib.openk3_moe_route.restype = None
+    lib.openk3_moe_plan.argtypes = [i64, i64, ptr, ptr, ptr]
+    lib.openk3_moe_plan.restype = i64
+    lib.openk3_moe_gather.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.openk3_moe_gather.restype = None
+    lib.openk3_moe_combine.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.openk3_moe_combine.restype = None
+    return lib
 
 
 def _usable(*tensors: torch.Tensor) -> bool:

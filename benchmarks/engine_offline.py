@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt/output length (quick runs)")
     ap.add_argument("--scenarios", default="abc")
     ap.add_argument("--contexts", default="256,2048,8192")
-    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--init-std", type=float, default=0.1, help="std of the random weights (larger: fewer greedy near-ties)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -145,7 +145,7 @@ class KimiDeltaAttention(nn.Module):
         """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py), or
         None when it cannot run here (the torch ops below then do the same)."""
         assert cache is not None and batch.state_slots is not None
-        if qkv_TC.dtype != torch.float32 or cache.conv_SCW.dtype != torch.float32 or not kda_decode_fused_available():
+        if not qkv_TC.is_cpu or qkv_TC.dtype != torch.float32 or cache.conv_SCW.dtype != torch.float32 or not kda_decode_fused_available():
             return None
         gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         return kda_decode_fused(

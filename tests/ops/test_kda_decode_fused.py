@@ -36,11 +36,11 @@ def reference_step(x, conv_w, conv_pool, slots, fresh, f, A_log, dt_bias, b, sta
 
 @pytest.mark.parametrize("gate_kind", [KDAGate.SOFTPLUS, KDAGate.LOWER_BOUND])
 @pytest.mark.parametrize("width", [4, 3])  # the spelled-out width-4 loop and the general one
-@pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2]])
+@pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2], [7, 1, 5, 0, 9, 3, 2, 8]])  # the last: 24 (sequence, head) pairs, split over threads
 def test_kernel_equals_torch_ops_over_several_steps(gate_kind: KDAGate, width: int, slots: list[int]) -> None:
     g = torch.Generator().manual_seed(width)
     rand = lambda *shape: torch.randn(*shape, generator=g)
-    n, num_slots = len(slots), 5
+    n, num_slots = len(slots), max(slots) + 2
     conv_w, A_log, dt_bias, norm_w = rand(3 * P, width) * 0.5, rand(H) * 0.5, rand(P), rand(D).abs() + 0.5
     pools = [rand(num_slots, 3 * P, width - 1), rand(num_slots, H, D, D) * 0.1]
     ref_pools = [t.clone() for t in pools]

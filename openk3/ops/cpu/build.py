@@ -21,6 +21,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import torch  # noqa: F401  # loaded first, so that its OpenMP runtime is the one in the process (_openmp_flags)
+
 # -march=native: the library is built on the machine that runs it (the cache key includes the machine's CPU flags).
 # No -ffast-math: results stay within fp32 rounding of the torch reference. -fopenmp-simd only honours `omp simd` pragmas
 # (a reduction the compiler may then vectorise); no OpenMP runtime is linked.
@@ -29,6 +31,17 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("OPENK3_CACHE_DIR", Path.home() / ".cache" / "openk3")) / "kernels"
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp when torch's own libgomp is loaded in this process: the library then links to that same runtime (the loader
+    reuses an object already loaded under the soname libgomp.so.1), so its parallel loops run on torch's threads. With
+    another OpenMP runtime (or none) the kernels are built serial rather than bring a second runtime into the process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return ["-fopenmp"] if "libgomp" in maps else []
 
 
 def _cpu_flags() -> str:
@@ -53,7 +66,8 @@ def load(source_name: str) -> ctypes.CDLL | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([source, headers, " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = FLAGS + _openmp_flags()
+    key = hashlib.sha256("\0".join([source, headers, " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{Path(source_name).stem}-{key}.so"
     if not target.exists():
         try:
@@ -62,7 +76,7 @@ def load(source_name: str) -> ctypes.CDLL | None:
                 built = Path(tmp) / target.name
                 src = Path(tmp) / source_name
                 src.write_text(source)
-                cmd = [compiler, *FLAGS, f"-I{here}", "-o", str(built), str(src), "-lm"]
+                cmd = [compiler, *flags, f"-I{here}", "-o", str(built), str(src), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
                 os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
         except (OSError, subprocess.SubprocessError) as err:

@@ -31,15 +31,20 @@ int openk3_kda_decode_step(
     int gate_kind, float lower_bound, float scale,
     const float *norm_w, float norm_eps,       /* [D] */
     const float *gate, int64_t gate_stride,    /* [N, P] output gate pre-sigmoid */
-    float *out)                                /* [N, P] */
+    float *out,                                /* [N, P] */
+    int num_threads)
 {
     if (D > MAX_D || W < 1) return 1;
     const int64_t P = H * D, C = 3 * P, Wm = W - 1;
-    float q[MAX_D], k[MAX_D], v[MAX_D], decay[MAX_D], rk[MAX_D], rq[MAX_D], delta[MAX_D];
-    for (int64_t n = 0; n < N; n++) {
+    /* (sequence, head) pairs are independent: split over torch's OpenMP threads when built with -fopenmp (build.py) and
+     * there are enough of them; each pair's state is 4 D^2 bytes, mostly a read from memory */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * H >= 16 && num_threads > 1)
+    for (int64_t nh = 0; nh < N * H; nh++) {
+        const int64_t n = nh / H, h = nh % H;
+        float q[MAX_D], k[MAX_D], v[MAX_D], decay[MAX_D], rk[MAX_D], rq[MAX_D], delta[MAX_D];
         const int64_t slot = slots[n];
         const int is_fresh = fresh != NULL && fresh[n];
-        for (int64_t h = 0; h < H; h++) {
+        {
             /* 1. conv: channel c = group * P + h * D + i; window oldest first, the new input meets conv_w[c, W-1] */
             float *dst[3] = {q, k, v};
             for (int g = 0; g < 3; g++) {

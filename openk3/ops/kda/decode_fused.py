@@ -31,7 +31,8 @@ def _kernel() -> Any:
         return None
     fn = lib.openk3_kda_decode_step
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, f32, f32, ptr, f32, ptr, i64, ptr]
+    i32 = ctypes.c_int
+    fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32, f32, f32, ptr, f32, ptr, i64, ptr, i32]
     fn.restype = ctypes.c_int
     return fn
 
@@ -110,7 +111,7 @@ def kda_decode_fused(
         0 if gate_kind == KDAGate.SOFTPLUS else 1, float(lower_bound or 0.0), d**-0.5,
         norm_weight_D.data_ptr(), norm_eps,
         out_gate_NP.data_ptr(), out_gate_NP.stride(0),
-        out.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"kda_decode_fused: the kernel refused head dim {d} or conv width {width}")

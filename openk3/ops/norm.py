@@ -54,7 +54,7 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
         or not x.is_cpu
         or x.dim() < 1
         or x.stride(-1) != 1
-        or (weight is not None and (weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != x.shape[-1]))
+        or (weight is not None and (weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous() or weight.numel() != x.shape[-1]))
         or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
     ):
         return None

@@ -35,9 +35,10 @@ def _mallopt() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # glibc's mallopt returns 1 on success; some versions cap the mmap threshold at 32 MiB. The trim threshold above the
-    # mmap threshold keeps freed memory in the heap.
+    # mmap threshold keeps freed memory in the heap (the C int caps it at 2 GiB - 1).
     for keep_below in (_KEEP_BELOW, _KEEP_BELOW_CAPPED):
         if mallopt(_M_MMAP_THRESHOLD, keep_below) == 1:
-            return mallopt(_M_TRIM_THRESHOLD, 2 * keep_below) == 1
+            return mallopt(_M_TRIM_THRESHOLD, min(2 * keep_below, 2**31 - 1)) == 1
     return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -121,14 +123,20 @@ def test_k3_param_count_matches_spec() -> None:
 
 
 @pytest.fixture(params=["cpu kernel", "torch ops"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The serving decode step runs the fused CPU kernel when it is built (ops/kda/decode_fused.py), else the torch ops:
-    the decode tests run both."""
+    the decode tests run both, and the kernel's side checks that it really ran."""
     if request.param == "torch ops":
         monkeypatch.setattr(decode_fused, "_kernel", lambda: None)
-    elif not decode_fused.kda_decode_fused_available():
+        yield request.param
+        return
+    kernel = decode_fused._kernel()
+    if kernel is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
-    return request.param
+    calls: list[int] = []
+    monkeypatch.setattr(decode_fused, "_kernel", lambda: lambda *args: calls.append(args[0]) or kernel(*args))
+    yield request.param
+    assert calls, "the decode steps did not reach the fused kernel"
 
 
 @pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 3]])

@@ -78,6 +78,14 @@ def test_declines_what_it_cannot_take_without_touching_anything() -> None:
         args[0] = args[0].t().contiguous().t()  # x with a non-unit inner stride
         before = args[9].clone()
         assert kda_decode_fused(*args) is None and torch.equal(args[9], before)
+        args = _args()
+        args[7] = torch.zeros(D, H).t()  # dt_bias [H, D] as a transposed view: the kernel reads flat arrays
+        assert kda_decode_fused(*args) is None
+        big = decode_fused.MAX_HEAD_DIM + 1  # one head wider than the kernel's stack arrays: the torch ops take it
+        wide = [torch.randn(2, 3 * big), torch.randn(3 * big, 4), torch.zeros(4, 3 * big, 3), torch.arange(2), None,
+                torch.randn(2, big), torch.zeros(1), torch.zeros(big), torch.randn(2, 1), torch.zeros(4, 1, big, big), KDAGate.SOFTPLUS,
+                None, torch.ones(big), EPS, torch.randn(2, big)]  # fmt: skip
+        assert big > decode_fused.MAX_HEAD_DIM and kda_decode_fused(*wide) is None
     x = _args()
     assert kda_decode_fused(*x) is None  # autograd on: the torch ops keep the graph
 
@@ -87,6 +95,26 @@ def test_slot_ids_outside_the_pools_are_refused() -> None:
     args[3] = torch.tensor([0, 4])  # the pools have 4 slots
     with torch.inference_mode(), pytest.raises(ValueError, match="slot ids span 0..4"):
         kda_decode_fused(*args)
+
+
+def test_unknown_home_means_no_kernel_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Containers with an arbitrary uid have no home directory: without OPENK3_CACHE_DIR the kernels are simply off."""
+    from openk3.ops.cpu import build
+
+    def no_home() -> None:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("OPENK3_CACHE_DIR", raising=False)
+    monkeypatch.setattr(build.Path, "home", staticmethod(no_home))
+    build.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="home directory"):
+            assert build.load("norm.c") is None
+        monkeypatch.setenv("OPENK3_CACHE_DIR", str(tmp_path))
+        build.load.cache_clear()
+        assert build.load("norm.c") is not None
+    finally:
+        build.load.cache_clear()
 
 
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -99,7 +127,9 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     finally:
         monkeypatch.delenv("OPENK3_CPU_KERNELS")
         build.load.cache_clear()
-    monkeypatch.setenv("OPENK3_CACHE_DIR", str(tmp_path))  # a fresh cache builds again and finds the same entry point
-    assert build.load("kda_decode.c").openk3_kda_decode_step is not None
-    build.load.cache_clear()
-    assert decode_fused.kda_decode_fused_available()
+    monkeypatch.setenv("OPENK3_CACHE_DIR", str(tmp_path))  # an empty cache: built again, into it
+    try:
+        assert build.load("kda_decode.c").openk3_kda_decode_step is not None
+        assert [p.name.split("-")[0] for p in (tmp_path / "kernels").glob("*.so")] == ["kda_decode"]
+    finally:
+        build.load.cache_clear()

@@ -37,8 +37,11 @@ def pair_bookkeeping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     return request.param
 
 
-def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many experts and a large k (the K3 shape scaled down): same choices in the same order, same weights and scores."""
+def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch, pair_bookkeeping: str) -> None:
+    """Many experts and a large k (the K3 shape scaled down): same choices in the same order, same weights and scores
+    (random logits: no ties, whose order torch.topk leaves open)."""
+    if pair_bookkeeping == "torch ops":
+        pytest.skip("compares the C loops with the torch ops")
     g = torch.Generator().manual_seed(7)
     x, weight, bias = torch.randn(40, 32, generator=g), torch.randn(96, 32, generator=g), 0.3 * torch.randn(96, generator=g)
     with torch.inference_mode():

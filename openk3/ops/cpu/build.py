@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -30,7 +31,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("OPENK3_CACHE_DIR", Path.home() / ".cache" / "openk3")) / "kernels"
+    root = os.environ.get("OPENK3_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "openk3") / "kernels"  # home raises RuntimeError if unknown
 
 
 def _openmp_flags() -> list[str]:
@@ -56,35 +58,32 @@ def load(source_name: str) -> ctypes.CDLL | None:
     """The compiled library of `openk3/ops/cpu/<source_name>`, or None when kernels are off or cannot be built."""
     if os.environ.get("OPENK3_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
+    compiler = shlex.split(os.environ["CC"]) if os.environ.get("CC") else [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or ""]
+    if not compiler or not compiler[0]:
         return None
     here = Path(__file__).parent
     source = (here / source_name).read_text()
     headers = "".join(h.read_text() for h in sorted(here.glob("*.h")))  # what the source may include
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    flags = FLAGS + _openmp_flags()
-    key = hashlib.sha256("\0".join([source, headers, " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{Path(source_name).stem}-{key}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                src = Path(tmp) / source_name
-                src.write_text(source)
-                cmd = [compiler, *flags, f"-I{here}", "-o", str(built), str(src), "-lm"]
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-                os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
-        except (OSError, subprocess.SubprocessError) as err:
-            detail = getattr(err, "stderr", "") or str(err)
-            warnings.warn(f"openk3: could not build the CPU kernel {source_name} ({detail.strip()[:300]}); using the torch path", stacklevel=2)
-            return None
-    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        flags = FLAGS + _openmp_flags()
+        key = hashlib.sha256("\0".join([source, headers, " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"{Path(source_name).stem}-{key}.so"
+        if target.exists():
+            try:
+                return ctypes.CDLL(str(target))
+            except OSError:  # a damaged cache entry: build it again below
+                target.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            src = Path(tmp) / source_name
+            src.write_text(source)
+            cmd = [*compiler, *flags, f"-I{here}", "-o", str(built), str(src), "-lm"]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
         return ctypes.CDLL(str(target))
-    except OSError as err:
-        warnings.warn(f"openk3: could not load {target} ({err}); using the torch path", stacklevel=2)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        warnings.warn(f"openk3: could not build or load the CPU kernel {source_name} ({detail.strip()[:300]}); using the torch path", stacklevel=2)
         return None

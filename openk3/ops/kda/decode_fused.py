@@ -22,6 +22,8 @@ import torch
 from openk3.config import KDAGate
 from openk3.ops.cpu.build import load
 
+MAX_HEAD_DIM = 512  # the kernel keeps a head's vectors on the stack (MAX_D in kda_decode.c)
+
 
 @functools.cache
 def _kernel() -> Any:
@@ -84,14 +86,14 @@ def kda_decode_fused(
         and _rows(f_NP, n, p)
         and _rows(b_NH, n, h)
         and _rows(out_gate_NP, n, p)
-        and _dense(A_log.reshape(-1), (h,))
-        and _dense(dt_bias.reshape(-1), (p,))
+        and _dense(A_log, tuple(A_log.shape)) and A_log.numel() == h  # the kernel reads them as flat arrays ([H] or
+        and _dense(dt_bias, tuple(dt_bias.shape)) and dt_bias.numel() == p  # [1, 1, H, 1]; [P] or [H, K])
         and _dense(norm_weight_D, (d,))
-        and slots_N.dtype == torch.int64
-        and slots_N.is_contiguous()
-        and (fresh_N is None or (fresh_N.dtype == torch.bool and fresh_N.is_contiguous() and fresh_N.numel() == n))
+        and slots_N.dtype == torch.int64 and slots_N.is_cpu and slots_N.is_contiguous()
+        and (fresh_N is None or (fresh_N.dtype == torch.bool and fresh_N.is_cpu and fresh_N.is_contiguous() and fresh_N.numel() == n))
         and (gate_kind == KDAGate.SOFTPLUS or lower_bound is not None)
-    )
+        and d <= MAX_HEAD_DIM and width >= 1
+    )  # fmt: skip
     if not ok or n == 0:
         return None
     low, high = (int(v) for v in torch.aminmax(slots_N))
@@ -113,6 +115,6 @@ def kda_decode_fused(
         out_gate_NP.data_ptr(), out_gate_NP.stride(0),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"kda_decode_fused: the kernel refused head dim {d} or conv width {width}")
+    if status != 0:  # the checks above admit only what the kernel takes
+        raise AssertionError(f"kda_decode_fused: the kernel refused head dim {d} or conv width {width}")
     return out

@@ -51,13 +51,14 @@ def route_cpu(
     logits_TE: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(topk_idx [T, k] int64, topk_weight [T, k] fp32, scores [T, E] fp32) from fp32 router logits, as sigmoid_topk_route
-    computes them, or None. The logits tensor becomes the scores (it is the caller's temporary)."""
+    computes them, or None. The logits tensor becomes the scores (it is the caller's temporary). Ties in the biased score
+    go to the lower expert id (torch.topk leaves their order unspecified); a NaN score is never selected."""
     lib = _lib()
-    if lib is None or k > MAX_K or not logits_TE.is_contiguous() or not _usable(logits_TE, *([bias_E] if bias_E is not None else [])):
-        return None
-    if bias_E is not None and not bias_E.is_contiguous():
+    if lib is None or logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _usable(logits_TE, *([bias_E] if bias_E is not None else [])):
         return None
     num_tokens, num_experts = logits_TE.shape
+    if not 1 <= k <= min(num_experts, MAX_K) or (bias_E is not None and (not bias_E.is_contiguous() or bias_E.numel() != num_experts)):
+        return None  # the torch path raises for what is invalid; k > MAX_K is valid and simply not ours
     idx = torch.empty(num_tokens, k, dtype=torch.int64)
     weight = torch.empty(num_tokens, k, dtype=torch.float32)
     bias_ptr = bias_E.data_ptr() if bias_E is not None else None
@@ -74,6 +75,8 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
         return None
     num_tokens, k = topk_idx.shape
     num_experts, width = bank.num_experts, x_TD.shape[1]
+    if x_TD.dim() != 2 or x_TD.shape[0] != num_tokens or topk_weight.shape != topk_idx.shape or weights[0].shape[2] != width:
+        return None  # moe_experts_batched checks these first; the C loops trust them
     idx = topk_idx.to(torch.int64).contiguous()
     weight = topk_weight.to(torch.float32).contiguous()
     counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)

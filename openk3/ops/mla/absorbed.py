@@ -58,9 +58,9 @@ def mla_decode_paged(
     # not einsum: at decode sizes einsum's own permutes and reshapes cost as much as the products.
     rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
     q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
-    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1)
+    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)  # scaled here: H x R values, not H x S
     scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
     valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-    scores_NHS = (scores_NHS * scale).masked_fill_(~valid_NS[:, None, :], float("-inf"))
+    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
     u_NHL = torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
     return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1).to(q_nope_NHD.dtype)

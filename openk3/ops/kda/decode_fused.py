@@ -46,11 +46,11 @@ def kda_decode_fused_available() -> bool:
 
 def _rows(t: torch.Tensor, n: int, width: int) -> bool:
     """[n, width] fp32 CPU with unit inner stride (rows may be views into a wider projection output)."""
-    return t.dim() == 2 and tuple(t.shape) == (n, width) and t.stride(1) == 1 and t.dtype == torch.float32 and t.device.type == "cpu"
+    return t.shape == (n, width) and t.stride(1) == 1 and t.dtype is torch.float32 and t.is_cpu
 
 
 def _dense(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    return tuple(t.shape) == shape and t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+    return t.shape == shape and t.is_contiguous() and t.dtype is torch.float32 and t.is_cpu
 
 
 def kda_decode_fused(
@@ -86,8 +86,8 @@ def kda_decode_fused(
         and _rows(f_NP, n, p)
         and _rows(b_NH, n, h)
         and _rows(out_gate_NP, n, p)
-        and _dense(A_log, tuple(A_log.shape)) and A_log.numel() == h  # the kernel reads them as flat arrays ([H] or
-        and _dense(dt_bias, tuple(dt_bias.shape)) and dt_bias.numel() == p  # [1, 1, H, 1]; [P] or [H, K])
+        and _dense(A_log, A_log.shape) and A_log.numel() == h  # the kernel reads them as flat arrays ([H] or [1, 1, H, 1];
+        and _dense(dt_bias, dt_bias.shape) and dt_bias.numel() == p  # [P] or [H, K])
         and _dense(norm_weight_D, (d,))
         and slots_N.dtype == torch.int64 and slots_N.is_cpu and slots_N.is_contiguous()
         and (fresh_N is None or (fresh_N.dtype == torch.bool and fresh_N.is_cpu and fresh_N.is_contiguous() and fresh_N.numel() == n))

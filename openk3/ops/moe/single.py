@@ -23,8 +23,8 @@ def moe_experts_single_token(x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_we
     ids = topk_idx[0].tolist()
     if any(not 0 <= e < bank.num_experts for e in ids):
         raise ValueError(f"moe experts: expert ids {ids}, expected 0..{bank.num_experts - 1}")
-    weights = topk_weight[0].float()
+    weights = topk_weight[0].float().tolist()  # on the host with the ids: each expert's weight folds into its add
     y32 = torch.zeros(x_1D.shape, dtype=torch.float32, device=x_1D.device)
-    for j, e in enumerate(ids):
-        y32.add_(expert_forward(x_1D, bank.expert(e, x_1D.dtype), act, e).float() * weights[j])
+    for e, w in zip(ids, weights, strict=True):
+        y32.add_(expert_forward(x_1D, bank.expert(e, x_1D.dtype), act, e).float(), alpha=w)
     return y32.to(x_1D.dtype)

@@ -79,16 +79,21 @@ def causal_conv1d(
     return y.to(x.dtype), final
 
 
+def decode_window(name: str, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's inputs checked: (full [N, C, W] fp32 = the window then the new input, oldest first; w [C, W] fp32)."""
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [N, C], got {tuple(x.shape)}")
+    N, C = x.shape
+    w = conv_weight(weight, C)
+    if state.shape != (N, C, w.shape[1] - 1):
+        raise ValueError(f"{name}: state must be [N, C, W-1] = {[N, C, w.shape[1] - 1]}, got {tuple(state.shape)}")
+    return torch.cat((state.float(), x.float()[:, :, None]), dim=2), w
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: x [N, C], state [N, C, W-1] -> (y [N, C] in x.dtype, new_state [N, C, W-1] in state.dtype).
 
     The state is read, never written: the caller commits new_state (a prefix-cache snapshot must stay intact)."""
-    if x.dim() != 2:
-        raise ValueError(f"causal_conv1d_update: x must be [N, C], got {tuple(x.shape)}")
-    N, C = x.shape
-    w = conv_weight(weight, C)
-    if state.shape != (N, C, w.shape[1] - 1):
-        raise ValueError(f"causal_conv1d_update: state must be [N, C, W-1] = {[N, C, w.shape[1] - 1]}, got {tuple(state.shape)}")
-    full = torch.cat((state.float(), x.float()[:, :, None]), dim=2)  # [N, C, W]
+    full, w = decode_window("causal_conv1d_update", x, weight, state)
     y = activate((full * w).sum(dim=2), activation)
     return y.to(x.dtype), full[:, :, 1:].to(state.dtype)

@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.short_conv.naive import activate, conv_weight
+from openk3.ops.short_conv.naive import activate, decode_window
 
 
 def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """One token per sequence; `state` is advanced in place. Returns y [N, C] in x.dtype."""
-    if x.dim() != 2:
-        raise ValueError(f"causal_conv1d_update_: x must be [N, C], got {tuple(x.shape)}")
-    N, C = x.shape
-    w = conv_weight(weight, C)
-    if state.shape != (N, C, w.shape[1] - 1):
-        raise ValueError(f"causal_conv1d_update_: state must be [N, C, W-1] = {[N, C, w.shape[1] - 1]}, got {tuple(state.shape)}")
-    full = torch.cat((state.float(), x.float()[:, :, None]), dim=2)  # [N, C, W]: the window and the new input, oldest first
+    full, w = decode_window("causal_conv1d_update_", x, weight, state)
     y = activate((full * w).sum(dim=2), activation)
     state.copy_(full[:, :, 1:])
     return y.to(x.dtype)

@@ -4,9 +4,10 @@ Why: a decode step at serving batch sizes is a chain of a hundred small torch op
 their arithmetic. A few plain C loops over the same tensors do the work of such a chain in one call. Plain C with no torch
 headers compiles in about a second (a torch C++ extension takes about a minute) and needs only `cc`.
 
-The library is cached under $OPENK3_CACHE_DIR (default ~/.cache/openk3)/kernels, keyed by a hash of the source, the flags
-and the compiler's version, and written atomically, so concurrent first uses (several test workers, EP ranks) are safe.
-No compiler, a failed build or OPENK3_CPU_KERNELS=0: `load` returns None and callers keep their torch path.
+The library is cached under $OPENK3_CACHE_DIR (default ~/.cache/openk3)/kernels, keyed by a hash of the source, the headers,
+the flags, the compiler's version and the CPU's flags, and written atomically, so concurrent first uses (several test
+workers, EP ranks) are safe. No compiler, a failed build, no writable cache or OPENK3_CPU_KERNELS=0: `load` returns None
+(with a warning when a build was attempted) and callers keep their torch path.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch  # noqa: F401  # loaded first, so that its OpenMP runtime is the one in the process (_openmp_flags)
 
 # -march=native: the library is built on the machine that runs it (the cache key includes the machine's CPU flags).
-# No -ffast-math: results stay within fp32 rounding of the torch reference. -fopenmp-simd only honours `omp simd` pragmas
-# (a reduction the compiler may then vectorise); no OpenMP runtime is linked.
+# No -ffast-math: results stay within fp32 rounding of the torch reference. -fopenmp-simd honours `omp simd` pragmas (a
+# reduction the compiler may then vectorise) without an OpenMP runtime; _openmp_flags adds -fopenmp only where torch's own
+# runtime is already in the process.
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 
 

@@ -22,6 +22,8 @@ import os
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _KEEP_BELOW = 1 << 30  # allocations below 1 GiB come from the heap, and freed ones stay there for reuse
 _KEEP_BELOW_CAPPED = 32 << 20  # the largest threshold every 64-bit glibc accepts
+
+
 @functools.cache
 def keep_heap_for_reuse() -> bool:
     """Apply the setting once per process; True when it is in effect."""

@@ -23,6 +23,8 @@ from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.naive import Act
 
 MAX_K = 64  # the C top-k keeps its candidates on the stack
+
+
 @functools.cache
 def _lib() -> Any:
     """ops/cpu/moe.c, loaded once per process; None when it cannot be built or is switched off."""
@@ -71,12 +73,12 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     path then runs; also when fewer than half of the experts are active, where reading only those is cheaper)."""
     lib = _lib()
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if lib is None or not _usable(x_TD, *weights) or x_TD.stride(-1) != 1 or not all(w.is_contiguous() for w in weights):
+    if lib is None or x_TD.dim() != 2 or topk_idx.dim() != 2 or not _usable(x_TD, *weights) or x_TD.stride(-1) != 1:
         return None
     num_tokens, k = topk_idx.shape
     num_experts, width = bank.num_experts, x_TD.shape[1]
-    if x_TD.dim() != 2 or x_TD.shape[0] != num_tokens or topk_weight.shape != topk_idx.shape or weights[0].shape[2] != width:
-        return None  # moe_experts_batched checks these first; the C loops trust them
+    if x_TD.shape[0] != num_tokens or topk_weight.shape != topk_idx.shape or weights[0].shape[2] != width or not all(w.is_contiguous() for w in weights):
+        return None  # moe_experts_batched checks the shapes first; the C loops trust them
     idx = topk_idx.to(torch.int64).contiguous()
     weight = topk_weight.to(torch.float32).contiguous()
     counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)

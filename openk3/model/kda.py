@@ -140,16 +140,15 @@ class KimiDeltaAttention(nn.Module):
         return torch.cat([q, k, v], dim=-1), f_a, g, b
 
     def _decode_fused(
-        self, qkv_TC: torch.Tensor, f_a: torch.Tensor, gate_in: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
+        self, qkv_TC: torch.Tensor, f_TP: torch.Tensor, gate: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
     ) -> torch.Tensor | None:
         """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py), or
         None when it cannot run here (the torch ops below then do the same)."""
         assert cache is not None and batch.state_slots is not None
         if not qkv_TC.is_cpu or qkv_TC.dtype != torch.float32 or cache.conv_SCW.dtype != torch.float32 or not kda_decode_fused_available():
             return None
-        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         return kda_decode_fused(
-            qkv_TC, self.conv_weight(), cache.conv_SCW, batch.state_slots, batch.fresh_seqs, self.f_b_proj(f_a), self.A_log, self.dt_bias,
+            qkv_TC, self.conv_weight(), cache.conv_SCW, batch.state_slots, batch.fresh_seqs, f_TP, self.A_log, self.dt_bias,
             b_logit, cache.state_SHKV, self.gate_kind, self.gate_lower_bound, self.o_norm.weight, self.eps, gate,
         )  # fmt: skip
 
@@ -157,11 +156,13 @@ class KimiDeltaAttention(nn.Module):
         t = x_TD.shape[0]
         h, k = self.num_heads, self.head_dim
         qkv_TC, f_a, gate_in, b_logit = self.input_projections(x_TD)
+        f_TP = self.f_b_proj(f_a)  # both paths below need the gate pre-activation and the output gate
+        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         decode = batch.is_decode and cache is not None
         # the serving fast path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
         in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
 
-        if in_pool and (fused := self._decode_fused(qkv_TC, f_a, gate_in, b_logit, batch, cache)) is not None:
+        if in_pool and (fused := self._decode_fused(qkv_TC, f_TP, gate, b_logit, batch, cache)) is not None:
             return self.o_proj(fused.to(x_TD.dtype))
 
         conv_state = None
@@ -180,7 +181,7 @@ class KimiDeltaAttention(nn.Module):
         q, kk = l2_norm(qkv[:, :2]).unbind(1)  # q and k normalised in one pass
         v = qkv[:, 2]
 
-        g_THK = kda_gate(self.f_b_proj(f_a).view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
+        g_THK = kda_gate(f_TP.view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
         beta_TH = torch.sigmoid(b_logit.float())
 
         if in_pool:  # the state read once and advanced in place (ops/kda/decode_inplace.py)
@@ -206,7 +207,6 @@ class KimiDeltaAttention(nn.Module):
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
             cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
-        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)
         o32 = rms_norm(o_THV.float(), self.o_norm.weight, self.eps) * torch.sigmoid(gate.view(t, h, k).float())
         return self.o_proj(o32.to(x_TD.dtype).reshape(t, h * k))

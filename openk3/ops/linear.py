@@ -22,23 +22,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.cpu import cpu_fp32, records_grad
+
 LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost outweighs their faster streaming)
 SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
 
 _onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
-def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def linear(x: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight)."""
-    if weight_NK.numel() < LARGE_WEIGHT or not _cpu_fp32(x, weight_NK) or _needs_grad(x, weight_NK):
+    if weight_NK.numel() < LARGE_WEIGHT or not cpu_fp32(x, weight_NK) or records_grad(x, weight_NK):
         return F.linear(x, weight_NK)
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
@@ -55,6 +49,6 @@ def linear(x: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
 
 def bmm_weight_t(x_ACK: torch.Tensor, weight_ANK: torch.Tensor) -> torch.Tensor:
     """x [A, C, K] @ weight^T per matrix -> [A, C, N] (each expert's rows times its own weight)."""
-    if not 1 <= x_ACK.shape[1] <= SMALL_ROWS or not _cpu_fp32(x_ACK, weight_ANK):
+    if not 1 <= x_ACK.shape[1] <= SMALL_ROWS or not cpu_fp32(x_ACK, weight_ANK):  # plain bmm: autograd is fine
         return torch.matmul(x_ACK, weight_ANK.transpose(1, 2))
     return torch.bmm(weight_ANK, x_ACK.transpose(1, 2)).transpose(1, 2).contiguous()

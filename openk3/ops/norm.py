@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.cpu.build import load
+from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu.build import bind
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -37,25 +38,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 @functools.cache
 def _kernel() -> Any:
     """The ctypes function of ops/cpu/norm.c, loaded once per process; None when it cannot be built or is switched off."""
-    lib = load("norm.c")
-    if lib is None:
-        return None
-    fn = lib.openk3_rms_norm
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-    fn.restype = None
-    return fn
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return bind("norm.c", "openk3_rms_norm", [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr], None)
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
     kernel = _kernel()
+    tensors = (x,) if weight is None else (x, weight)
     if (
         kernel is None
-        or x.dtype != torch.float32
-        or not x.is_cpu
+        or not cpu_fp32(*tensors)
+        or records_grad(*tensors)
         or x.dim() < 1
         or x.stride(-1) != 1
-        or (weight is not None and (weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous() or weight.numel() != x.shape[-1]))
-        or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+        or (weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1]))
     ):
         return None
     width = x.shape[-1]

@@ -22,6 +22,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  # loaded first, so that its OpenMP runtime is the one in the process (_openmp_flags)
 
@@ -53,6 +54,17 @@ def _cpu_flags() -> str:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def bind(source_name: str, function: str, argtypes: list[Any], restype: Any) -> Any:
+    """`function` of the library built from `source_name`, typed for ctypes (the CDLL keeps the typed object, so later
+    lookups of the same name see the types), or None when the library cannot be had."""
+    lib = load(source_name)
+    if lib is None:
+        return None
+    fn = getattr(lib, function)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 @cache

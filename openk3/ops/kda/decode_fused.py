@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from openk3.config import KDAGate
-from openk3.ops.cpu.build import load
+from openk3.ops.cpu import cpu_fp32
+from openk3.ops.cpu.build import bind
 
 MAX_HEAD_DIM = 512  # the kernel keeps a head's vectors on the stack (MAX_D in kda_decode.c)
 
@@ -28,15 +29,9 @@ MAX_HEAD_DIM = 512  # the kernel keeps a head's vectors on the stack (MAX_D in k
 @functools.cache
 def _kernel() -> Any:
     """The ctypes function, built and loaded once per process; None when it cannot be (no compiler, switched off)."""
-    lib = load("kda_decode.c")
-    if lib is None:
-        return None
-    fn = lib.openk3_kda_decode_step
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    i32 = ctypes.c_int
-    fn.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32, f32, f32, ptr, f32, ptr, i64, ptr, i32]
-    fn.restype = ctypes.c_int
-    return fn
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32, f32, f32, ptr, f32, ptr, i64, ptr, i32]
+    return bind("kda_decode.c", "openk3_kda_decode_step", argtypes, i32)
 
 
 def kda_decode_fused_available() -> bool:
@@ -46,11 +41,11 @@ def kda_decode_fused_available() -> bool:
 
 def _rows(t: torch.Tensor, n: int, width: int) -> bool:
     """[n, width] fp32 CPU with unit inner stride (rows may be views into a wider projection output)."""
-    return t.shape == (n, width) and t.stride(1) == 1 and t.dtype is torch.float32 and t.is_cpu
+    return t.shape == (n, width) and t.stride(1) == 1 and cpu_fp32(t)
 
 
 def _dense(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    return t.shape == shape and t.is_contiguous() and t.dtype is torch.float32 and t.is_cpu
+    return t.shape == shape and t.is_contiguous() and cpu_fp32(t)
 
 
 def kda_decode_fused(

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from openk3.ops.cpu.build import load
+from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu.build import bind, load
 from openk3.ops.linear import bmm_weight_t
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.naive import Act
@@ -25,28 +26,23 @@ from openk3.ops.moe.naive import Act
 MAX_K = 64  # the C top-k keeps its candidates on the stack
 
 
+def _inference_cpu_fp32(*tensors: torch.Tensor) -> bool:
+    return cpu_fp32(*tensors) and not records_grad(*tensors)
+
+
 @functools.cache
 def _lib() -> Any:
     """ops/cpu/moe.c, loaded once per process; None when it cannot be built or is switched off."""
-    lib = load("moe.c")
-    if lib is None:
-        return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.openk3_moe_route.argtypes = [i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr]
-    lib.openk3_moe_route.restype = None
-    lib.openk3_moe_plan.argtypes = [i64, i64, ptr, ptr, ptr]
-    lib.openk3_moe_plan.restype = i64
-    lib.openk3_moe_gather.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
-    lib.openk3_moe_gather.restype = None
-    lib.openk3_moe_combine.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
-    lib.openk3_moe_combine.restype = None
-    return lib
-
-
-def _usable(*tensors: torch.Tensor) -> bool:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+    signatures = {
+        "openk3_moe_route": ([i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr], None),
+        "openk3_moe_plan": ([i64, i64, ptr, ptr, ptr], i64),
+        "openk3_moe_gather": ([i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr], None),
+        "openk3_moe_combine": ([i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr], None),
+    }
+    if any(bind("moe.c", name, argtypes, restype) is None for name, (argtypes, restype) in signatures.items()):
+        return None
+    return load("moe.c")  # the library object now holds the typed functions
 
 
 def route_cpu(
@@ -56,7 +52,7 @@ def route_cpu(
     computes them, or None. The logits tensor becomes the scores (it is the caller's temporary). Ties in the biased score
     go to the lower expert id (torch.topk leaves their order unspecified); a NaN score is never selected."""
     lib = _lib()
-    if lib is None or logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _usable(logits_TE, *([bias_E] if bias_E is not None else [])):
+    if lib is None or logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _inference_cpu_fp32(logits_TE, *([bias_E] if bias_E is not None else [])):
         return None
     num_tokens, num_experts = logits_TE.shape
     if not 1 <= k <= min(num_experts, MAX_K) or (bias_E is not None and (not bias_E.is_contiguous() or bias_E.numel() != num_experts)):
@@ -73,7 +69,7 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     path then runs; also when fewer than half of the experts are active, where reading only those is cheaper)."""
     lib = _lib()
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if lib is None or x_TD.dim() != 2 or topk_idx.dim() != 2 or not _usable(x_TD, *weights) or x_TD.stride(-1) != 1:
+    if lib is None or x_TD.dim() != 2 or topk_idx.dim() != 2 or not _inference_cpu_fp32(x_TD, *weights) or x_TD.stride(-1) != 1:
         return None
     num_tokens, k = topk_idx.shape
     num_experts, width = bank.num_experts, x_TD.shape[1]

@@ -43,12 +43,12 @@ def _kernel() -> Any:
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    kernel = _kernel()
     tensors = (x,) if weight is None else (x, weight)
+    if not cpu_fp32(*tensors) or records_grad(*tensors):  # first, so that other devices never build the kernel
+        return None
+    kernel = _kernel()
     if (
         kernel is None
-        or not cpu_fp32(*tensors)
-        or records_grad(*tensors)
         or x.dim() < 1
         or x.stride(-1) != 1
         or (weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1]))

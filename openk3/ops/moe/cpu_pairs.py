@@ -51,8 +51,10 @@ def route_cpu(
     """(topk_idx [T, k] int64, topk_weight [T, k] fp32, scores [T, E] fp32) from fp32 router logits, as sigmoid_topk_route
     computes them, or None. The logits tensor becomes the scores (it is the caller's temporary). Ties in the biased score
     go to the lower expert id (torch.topk leaves their order unspecified); a NaN score is never selected."""
+    if logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _inference_cpu_fp32(logits_TE, *([bias_E] if bias_E is not None else [])):
+        return None  # checked before the library is asked for, so that other devices never build it
     lib = _lib()
-    if lib is None or logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _inference_cpu_fp32(logits_TE, *([bias_E] if bias_E is not None else [])):
+    if lib is None:
         return None
     num_tokens, num_experts = logits_TE.shape
     if not 1 <= k <= min(num_experts, MAX_K) or (bias_E is not None and (not bias_E.is_contiguous() or bias_E.numel() != num_experts)):
@@ -67,9 +69,11 @@ def route_cpu(
 def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: DenseExpertBank, act: Act) -> torch.Tensor | None:
     """moe_experts_batched's result with the whole stacked bank and the pair bookkeeping in C, or None (the caller's torch
     path then runs; also when fewer than half of the experts are active, where reading only those is cheaper)."""
-    lib = _lib()
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if lib is None or x_TD.dim() != 2 or topk_idx.dim() != 2 or not _inference_cpu_fp32(x_TD, *weights) or x_TD.stride(-1) != 1:
+    if x_TD.dim() != 2 or topk_idx.dim() != 2 or not _inference_cpu_fp32(x_TD, *weights) or x_TD.stride(-1) != 1:
+        return None
+    lib = _lib()
+    if lib is None:
         return None
     num_tokens, k = topk_idx.shape
     num_experts, width = bank.num_experts, x_TD.shape[1]

@@ -54,6 +54,41 @@ def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch, 
 FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}
 
 
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("d,i", [(256, 128), (40, 24)])
+def test_c_expert_loop_matches_naive(monkeypatch: pytest.MonkeyPatch, pair_bookkeeping: str, act: str, d: int, i: int) -> None:
+    """The batched path's expert MLPs as one C loop (ops/cpu/moe.c): the model's widths (whole vectors) and odd ones (a scalar
+    tail), 1 to ~15 rows per expert (every row-tile shape), and inputs from near 0 to deep in SiLU's and SiTU's saturation."""
+    if pair_bookkeeping == "torch ops":
+        pytest.skip("runs the C expert loop")
+
+    def no_batched_products(*args: object) -> None:
+        raise AssertionError("the batched products ran: the C expert loop should have done the experts")
+
+    monkeypatch.setattr(cpu_pairs, "bmm_weight_t", no_batched_products)
+    t, e, k = 37, 16, 4
+    bank = _bank(e, d, i, seed=d)
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(t, d, generator=g) * torch.logspace(-4, 1.5, t).unsqueeze(1)
+    idx, w = _routing(t, e, k, seed=3)
+    bank64 = DenseExpertBank(bank.w1_EID.double(), bank.w3_EID.double(), bank.w2_EDI.double())
+    exact = moe_experts_naive(x.double(), idx, w, bank64, ACTS[act])
+    got = moe_experts_batched(x, idx, w, bank, ACTS[act])
+    torch_fp32 = moe_experts_naive(x, idx, w, bank, ACTS[act])
+
+    def error(y: torch.Tensor) -> float:  # relative to each token's largest output: the rows span six orders of magnitude
+        return float(((y.double() - exact).abs() / exact.abs().amax(1, keepdim=True)).max())
+
+    assert error(got) < max(2 * error(torch_fp32), 1e-6), (error(got), error(torch_fp32))
+
+
+def test_c_expert_loop_takes_only_the_glu_it_knows() -> None:
+    assert cpu_pairs._glu_in_c(functools.partial(glu, kind=Activation.SILU)) == (0, 4.0, 25.0)
+    assert cpu_pairs._glu_in_c(functools.partial(glu, kind="situ", beta=3.0, linear_beta=10.0)) == (1, 3.0, 10.0)
+    assert cpu_pairs._glu_in_c(functools.partial(glu, kind=Activation.SILU, out=None)) is None  # an argument it does not know
+    assert cpu_pairs._glu_in_c(lambda gate, up: gate * up) is None  # any other callable: torch between the batched products
+
+
 class CountingBank:
     """Wraps a bank and records which experts were requested, in order."""
 
@@ -175,20 +210,34 @@ def test_dispatch_unknown_name() -> None:
         moe_experts_op("triton")
 
 
-@pytest.mark.parametrize("t,expect", [(2, "grouped"), (8, "batched"), (64, "batched"), (65, "grouped")])
-def test_auto_picks_batched_only_for_small_steps_on_dense_banks(t: int, expect: str) -> None:
-    """k=2, E=8: batched for 16 <= pairs <= 16 * 8; a bank that is not a DenseExpertBank always goes grouped."""
+@pytest.mark.parametrize(
+    "t,with_c_loop,with_torch_ops",
+    [
+        (1, "batched", "single"),
+        (2, "batched", "grouped"),
+        (8, "batched", "batched"),
+        (65, "batched", "grouped"),
+        (256, "batched", "grouped"),
+        (257, "grouped", "grouped"),
+    ],
+)
+def test_auto_picks_batched_only_for_small_steps_on_dense_banks(pair_bookkeeping: str, t: int, with_c_loop: str, with_torch_ops: str) -> None:
+    """k=2, E=8. With the expert MLPs in C: batched for 1 <= pairs <= 64 * 8. With torch ops: one token alone, batched for
+    16 <= pairs <= 16 * 8. A bank that is not a DenseExpertBank always goes grouped."""
+    expect = with_c_loop if pair_bookkeeping == "C loops" else with_torch_ops
+    paths = {**FAST, "single": moe_experts_single_token}
     bank = _bank(8, 16, 8, seed=3)
     x = torch.randn(t, 16, generator=torch.Generator().manual_seed(1))
     idx, w = _routing(t, 8, 2, seed=2)
-    assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS["silu"]), FAST[expect](x, idx, w, bank, ACTS["silu"]))
+    assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS["silu"]), paths[expect](x, idx, w, bank, ACTS["silu"]))
     counting = CountingBank(bank)
-    assert torch.equal(moe_experts_auto(x, idx, w, counting, ACTS["silu"]), moe_experts_grouped(x, idx, w, bank, ACTS["silu"]))
+    grouped = moe_experts_grouped if t > 1 else moe_experts_single_token
+    assert torch.equal(moe_experts_auto(x, idx, w, counting, ACTS["silu"]), grouped(x, idx, w, bank, ACTS["silu"]))
 
 
 @pytest.mark.parametrize("act", sorted(ACTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_token_matches_naive_and_asks_only_for_its_experts(act: str, dtype: torch.dtype) -> None:
+def test_single_token_matches_naive_and_asks_only_for_its_experts(pair_bookkeeping: str, act: str, dtype: torch.dtype) -> None:
     bank = _bank(12, 16, 8, seed=4)
     x = torch.randn(1, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
     idx, w = torch.tensor([[9, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
@@ -197,7 +246,8 @@ def test_single_token_matches_naive_and_asks_only_for_its_experts(act: str, dtyp
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), moe_experts_naive(x, idx, w, bank, ACTS[act]).float(), rtol=tol, atol=tol)
     assert got.dtype == dtype and counting.requested == [9, 2, 7]
-    assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS[act]), got)  # auto takes this path for one token
+    if dtype == torch.bfloat16 or pair_bookkeeping == "torch ops":  # fp32 with the C expert loop: auto takes the batched path
+        assert torch.equal(moe_experts_auto(x, idx, w, bank, ACTS[act]), got)  # auto takes this path for one token
 
 
 def test_single_token_input_errors() -> None:

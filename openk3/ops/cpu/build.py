@@ -27,10 +27,12 @@ from typing import Any
 import torch  # noqa: F401  # loaded first, so that its OpenMP runtime is the one in the process (_openmp_flags)
 
 # -march=native: the library is built on the machine that runs it (the cache key includes the machine's CPU flags).
-# No -ffast-math: results stay within fp32 rounding of the torch reference. -fopenmp-simd honours `omp simd` pragmas (a
+# No -ffast-math: results stay within fp32 rounding of the torch reference. -ffp-contract=fast lets a * b + c become one
+# fused multiply-add (one rounding instead of two; -std=c11 would otherwise forbid it), which the matmul loops of
+# rows_gemm.h need to reach the FMA units. -fopenmp-simd honours `omp simd` pragmas (a
 # reduction the compiler may then vectorise) without an OpenMP runtime; _openmp_flags adds -fopenmp only where torch's own
 # runtime is already in the process.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache_dir() -> Path:

@@ -1,14 +1,18 @@
-/* MoE bookkeeping at decode sizes: the router's sigmoid top-k, and moving (token, expert) pairs into and out of the
- * padded per-expert block of the batched expert path (ops/moe/batched.py).
+/* MoE at decode sizes: the router's sigmoid top-k, moving (token, expert) pairs into and out of the padded per-expert
+ * block of the batched expert path (ops/moe/batched.py), and that block's expert MLPs.
  *
  * Legend: T tokens, E experts, k experts per token, P = T * k pairs (token-major: pair p is token p / k, choice p % k),
  * D row width, C rows per expert in the block (the most pairs any expert got).
- * Each function is the loop its torch counterpart spells with ~5-20 small ops (sort, bincount, cumsum, index_put, ...);
- * at decode sizes those ops' dispatch is the cost, not the few hundred rows they move.
+ * Each bookkeeping function is the loop its torch counterpart spells with ~5-20 small ops (sort, bincount, cumsum,
+ * index_put, ...); at decode sizes those ops' dispatch is the cost, not the few hundred rows they move.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "fastmath.h"
+#include "rows_gemm.h"
 
 /* scores [T, E]: router logits in, sigmoid scores out. idx/weight [T, k]: the k largest scores + bias, largest first
  * (an equal value does not displace an earlier expert), weights from the unbiased scores, renormalised and scaled. */
@@ -75,4 +79,45 @@ void openk3_moe_combine(int64_t T, int64_t k, int64_t D, int64_t C, const int64_
             for (int64_t d = 0; d < D; d++) yt[d] += w * row[d];
         }
     }
+}
+
+/* tanh from exp_f: odd, saturating, and a Taylor polynomial near 0 where 1 - e^-2|x| would cancel */
+static inline float tanh_f(float x) {
+    const float a = fabsf(x), e = exp_f(-2.0f * a), far = (1.0f - e) / (1.0f + e), z = a * a;
+    const float near = a * (1.0f + z * (-1.0f / 3.0f + z * (2.0f / 15.0f + z * (-17.0f / 315.0f))));
+    const float t = a < 0.0625f ? near : far;
+    return x < 0.0f ? -t : t;
+}
+
+enum { ACT_SILU = 0, ACT_SITU = 1 }; /* ops/activation.py: silu_glu, situ_glu */
+
+/* out[e, :c_e] = w2_e act(w1_e x, w3_e x) for the first c_e = counts[e] rows of each expert's block; other rows are
+ * neither read nor written. x, out [E, C, D]; w1, w3 [E, I, D]; w2 [E, D, I], all contiguous.
+ * Experts are split over threads (each reads only its own weights); a thread keeps its expert's gate and up rows,
+ * [c_e, I] each, in a scratch buffer. Returns 1 when the scratch cannot be allocated (nothing is then trusted). */
+int openk3_moe_experts_glu(int64_t E, int64_t C, int64_t D, int64_t I, const int64_t *counts, const float *x, const float *w1,
+                           const float *w3, const float *w2, int act, float beta, float linear_beta, float *out, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && E > 1)
+    {
+        float *gate = malloc(sizeof(float) * (size_t)(2 * C * I));
+        float *up = gate ? gate + C * I : NULL;
+        if (gate == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t c = counts[e];
+            if (c == 0 || gate == NULL) continue;
+            const float *xe = x + e * C * D;
+            rows_times_weight_t(c, I, D, xe, D, w1 + e * I * D, D, gate, I);
+            rows_times_weight_t(c, I, D, xe, D, w3 + e * I * D, D, up, I);
+            if (act == ACT_SITU)
+                for (int64_t i = 0; i < c * I; i++)
+                    gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
+            else
+                for (int64_t i = 0; i < c * I; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
+            rows_times_weight_t(c, D, I, gate, I, w2 + e * D * I, I, out + e * C * D, D);
+        }
+        free(gate);
+    }
+    return failed;
 }

@@ -9,6 +9,7 @@ import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
 from openk3.ops.moe.batched import moe_experts_batched
+from openk3.ops.moe.cpu_pairs import expert_loop_in_c
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
@@ -24,14 +25,22 @@ MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, A
 # than the loop's dispatch), and below 16 pairs the loop's few iterations are cheaper than the batched set-up.
 BATCHED_MIN_PAIRS = 16
 BATCHED_MAX_PAIRS_PER_EXPERT = 16
+# With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 3.5-7x
+# the grouped loop from 2 tokens to 32-64 pairs per expert, 3x the single-token path at one token, and even at 128-256
+# pairs per expert, where the loop's large per-expert GEMMs catch up (same table).
+C_LOOP_MAX_PAIRS_PER_EXPERT = 64
 
 
 def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
-    """One token: its experts in turn; dense banks at decode-sized steps: batched; otherwise (and packed MXFP4 banks): grouped."""
+    """Dense banks whose expert MLPs run in C: batched up to C_LOOP_MAX_PAIRS_PER_EXPERT; otherwise one token: its experts in
+    turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4 banks): grouped."""
+    pairs = topk_idx.numel()
+    dense = isinstance(bank, DenseExpertBank)
+    if dense and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and expert_loop_in_c(x_TD, bank, act):
+        return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
     if topk_idx.shape[0] == 1:
         return moe_experts_single_token(x_TD, topk_idx, topk_weight, bank, act)
-    pairs = topk_idx.numel()
-    if isinstance(bank, DenseExpertBank) and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
+    if dense and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
         return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
     return moe_experts_grouped(x_TD, topk_idx, topk_weight, bank, act)
 

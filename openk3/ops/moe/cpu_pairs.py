@@ -1,10 +1,13 @@
-"""The router's top-k and the batched expert path's pair bookkeeping as C loops on CPU (ops/cpu/moe.c).
+"""The router's top-k, the batched expert path's pair bookkeeping and its expert MLPs as C loops on CPU (ops/cpu/moe.c).
 
 Legend: T tokens, E experts, k experts per token, P = T * k (token, expert) pairs, D expert input width, C rows per expert.
 
 Why: at decode sizes the router's sigmoid / bias / top-k / gather / renormalise and the batched path's sort / bincount /
 cumsum / scatter / gather / scatter-add are ~35 torch ops per MoE layer that move a few hundred values each; their dispatch
-is most of the layer's time outside the expert matmuls. Each function here returns None when the C library is unavailable
+is most of the layer's time outside the expert matmuls. The expert MLPs themselves -- three batched products over the padded
+block plus the activation -- become one C loop over experts that multiplies only each expert's real rows, straight from the
+stored weights (ops/cpu/rows_gemm.h); torch's batched product packs every expert's weight first and computes the padding
+rows too. Each function here returns None when the C library is unavailable
 or the call is outside what it handles (not CPU fp32, autograd on), and its caller runs the torch ops, which remain the
 reference (tests/ops/test_moe.py compares the two).
 """
@@ -17,6 +20,8 @@ from typing import Any
 
 import torch
 
+from openk3.config import Activation
+from openk3.ops.activation import glu
 from openk3.ops.cpu import cpu_fp32, records_grad
 from openk3.ops.cpu.build import bind, load
 from openk3.ops.linear import bmm_weight_t
@@ -24,6 +29,7 @@ from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.naive import Act
 
 MAX_K = 64  # the C top-k keeps its candidates on the stack
+_ACT_CODES = {Activation.SILU: 0, Activation.SITU: 1}  # moe.c's ACT_SILU, ACT_SITU
 
 
 def _inference_cpu_fp32(*tensors: torch.Tensor) -> bool:
@@ -39,6 +45,7 @@ def _lib() -> Any:
         "openk3_moe_plan": ([i64, i64, ptr, ptr, ptr], i64),
         "openk3_moe_gather": ([i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr], None),
         "openk3_moe_combine": ([i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr], None),
+        "openk3_moe_experts_glu": ([i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, f32, f32, ptr, ctypes.c_int], ctypes.c_int),
     }
     if any(bind("moe.c", name, argtypes, restype) is None for name, (argtypes, restype) in signatures.items()):
         return None
@@ -66,9 +73,32 @@ def route_cpu(
     return idx, weight, logits_TE
 
 
+def _glu_in_c(act: Act) -> tuple[int, float, float] | None:
+    """(moe.c's activation code, beta, linear_beta) when `act` is ops/activation.glu with its settings given by keyword -- how
+    the model builds `expert_act` -- else None (any other callable runs in torch between the batched products)."""
+    if not isinstance(act, functools.partial) or act.func is not glu or act.args:
+        return None
+    kw = act.keywords
+    code = _ACT_CODES.get(kw.get("kind"))  # type: ignore[arg-type]
+    if code is None or not set(kw) <= {"kind", "beta", "linear_beta"}:
+        return None
+    return code, float(kw.get("beta", 4.0)), float(kw.get("linear_beta", 25.0))
+
+
+def expert_loop_in_c(x_TD: torch.Tensor, bank: DenseExpertBank, act: Act) -> bool:
+    """The batched path's expert MLPs will run as moe.c's expert loop for these inputs: CPU fp32 inference, contiguous
+    stacked weights, an activation it knows, and the library at hand. moe_experts_auto then widens the batched path's
+    window (the loop computes no padding rows and reads no idle expert's weights)."""
+    weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
+    if x_TD.dim() != 2 or x_TD.stride(-1) != 1 or not _inference_cpu_fp32(x_TD, *weights) or not all(w.is_contiguous() for w in weights):
+        return False
+    return _glu_in_c(act) is not None and _lib() is not None
+
+
 def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: DenseExpertBank, act: Act) -> torch.Tensor | None:
     """moe_experts_batched's result with the whole stacked bank and the pair bookkeeping in C, or None (the caller's torch
-    path then runs; also when fewer than half of the experts are active, where reading only those is cheaper)."""
+    path then runs). The expert MLPs run in C too when `expert_loop_in_c`; otherwise they are three batched products over the
+    padded block, and when fewer than half of the experts are active this returns None (the torch path reads only those)."""
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
     if x_TD.dim() != 2 or topk_idx.dim() != 2 or not _inference_cpu_fp32(x_TD, *weights) or x_TD.stride(-1) != 1:
         return None
@@ -85,11 +115,24 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     rows = lib.openk3_moe_plan(idx.numel(), num_experts, idx.data_ptr(), counts.data_ptr(), slot_P.data_ptr())
     if rows < 0:
         raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
-    if 2 * int((counts > 0).sum()) < num_experts:
+    glu_c = _glu_in_c(act)
+    if glu_c is None and 2 * int((counts > 0).sum()) < num_experts:
         return None
-    x_ECD = x_TD.new_zeros(num_experts, rows, width)
+    # the C expert loop reads only each expert's first counts[e] rows; the batched products read the padding as well
+    x_ECD = x_TD.new_empty(num_experts, rows, width) if glu_c is not None else x_TD.new_zeros(num_experts, rows, width)
     lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())
-    out_ECD = bmm_weight_t(act(bmm_weight_t(x_ECD, weights[0]), bmm_weight_t(x_ECD, weights[1])), weights[2]).contiguous()
+    if glu_c is not None:
+        out_ECD = torch.empty_like(x_ECD)
+        code, beta, linear_beta = glu_c
+        w1, w3, w2 = weights
+        failed = lib.openk3_moe_experts_glu(
+            num_experts, rows, width, w1.shape[1], counts.data_ptr(), x_ECD.data_ptr(), w1.data_ptr(), w3.data_ptr(), w2.data_ptr(),
+            code, beta, linear_beta, out_ECD.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("moe experts: the C expert loop could not allocate its scratch rows")
+    else:
+        out_ECD = bmm_weight_t(act(bmm_weight_t(x_ECD, weights[0]), bmm_weight_t(x_ECD, weights[1])), weights[2]).contiguous()
     y = torch.empty(num_tokens, width, dtype=torch.float32)
     lib.openk3_moe_combine(num_tokens, k, width, rows, idx.data_ptr(), slot_P.data_ptr(), weight.data_ptr(), out_ECD.data_ptr(), y.data_ptr())
     return y

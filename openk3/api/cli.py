@@ -114,6 +114,7 @@ def _app(args: argparse.Namespace, model: CausalLM, tokenizer: Tokenizer) -> Fas
             page_size=args.page_size,
             cache_memory_bytes=args.cache_memory_mb * 2**20,
             seed=args.seed,
+            pack_cpu_weights=True,  # the server's own model: nothing else writes its weights
             **prefix_cache_options(args),
         ),
     )

@@ -6,7 +6,9 @@ the same input cost several times one projection of their concatenation.
 
 `FusedRows.tie(params)` concatenates the parameters once and re-points each one (`p.data`) at its block of the result. The
 parameters keep their names, identities and gradients, and every in-place write -- load_state_dict, an optimizer step
-(fused or not), `.data.copy_` -- lands in the fused tensor as well: there is no cache to go stale. `rows(params)` hands the
+(fused or not), `.data.copy_` -- lands in the fused tensor as well: the block is no cache that could go stale. (Its
+optional oneDNN-layout copy for CPU serving, `packed`, is one; it checks the parameters' addresses and version counters on
+every use, see ops/linear.py.) `rows(params)` hands the
 fused tensor out only while autograd is off (training differentiates the parameters, not the block) and while every
 parameter still sits at its place in it; whatever gives a parameter new storage (`.to()`, cast_model, `p.data = ...`,
 `torch.func.functional_call`) makes it return None and the layer falls back to one matmul per parameter -- slower, never
@@ -21,16 +23,19 @@ from collections.abc import Sequence
 
 import torch
 
+from openk3.ops.linear import PackedWeight
+
 
 class FusedRows:
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
         self._layout: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
+        self.packed = PackedWeight()  # the block in oneDNN's layout for CPU serving (ops/linear.py), when enabled
 
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickling to a spawned worker) gets its parameters as separate tensors; it starts untied rather
         # than carry a block nothing points into. Calling fuse_projections() on it ties it again.
-        return {"tensor": None, "_layout": []}
+        return {"tensor": None, "_layout": [], "packed": self.packed}
 
     @staticmethod
     def _where(block: torch.Tensor, params: Sequence[torch.Tensor]) -> list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]:
@@ -65,5 +70,11 @@ class FusedRows:
             return None
         if not self.intact(params):
             self.tensor, self._layout = None, []
+            self.packed.reset()
             return None
         return self.tensor
+
+    def pack_weights(self) -> None:
+        """Let the block be used in oneDNN's blocked layout on CPU (ops/linear.py PackedWeight, made on first use)."""
+        self.packed.enabled = True
+        self.packed.reset()

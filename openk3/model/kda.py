@@ -123,6 +123,9 @@ class KimiDeltaAttention(nn.Module):
         self._fused_in.tie([m.weight for m in self._in_linears()])
         self._fused_conv.tie(self._convs())
 
+    def pack_weights(self) -> None:
+        self._fused_in.pack_weights()
+
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
         convs = self._convs()
@@ -132,9 +135,10 @@ class KimiDeltaAttention(nn.Module):
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H]): one matmul once fused."""
         linears = self._in_linears()
-        fused = self._fused_in.rows([m.weight for m in linears])
+        weights = [m.weight for m in linears]
+        fused = self._fused_in.rows(weights)
         if fused is not None:
-            qkv, f_a, g, b = linear(x_TD, fused).split(self._in_split, dim=-1)
+            qkv, f_a, g, b = linear(x_TD, fused, self._fused_in.packed, weights).split(self._in_split, dim=-1)
             return qkv, f_a, g, b
         q, k, v, f_a, g, b = (m(x_TD) for m in linears)
         return torch.cat([q, k, v], dim=-1), f_a, g, b

@@ -5,13 +5,15 @@ Attribute names match the checkpoint (`weight`, `gate_proj`, `up_proj`, `down_pr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from openk3.config import Activation
 from openk3.model.fused import FusedRows
 from openk3.ops.activation import glu
-from openk3.ops.linear import linear
+from openk3.ops.linear import PackedWeight, linear
 from openk3.ops.norm import rms_norm
 
 
@@ -29,8 +31,17 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict keys) whose product takes the fastest form for a few rows
     (ops/linear.py); with a bias it is nn.Linear's own."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
+
+    def pack_weights(self) -> None:
+        """Use the weight in oneDNN's blocked layout on CPU from a few rows on (ops/linear.py); it is made on first use."""
+        self.packed.enabled = True
+        self.packed.reset()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.bias is not None else linear(x, self.weight)
+        return super().forward(x) if self.bias is not None else linear(x, self.weight, self.packed)
 
 
 class GatedMLP(nn.Module):
@@ -50,10 +61,14 @@ class GatedMLP(nn.Module):
         """Store gate|up as one block (model/fused.py)."""
         self._fused_gate_up.tie([self.gate_proj.weight, self.up_proj.weight])
 
+    def pack_weights(self) -> None:
+        self._fused_gate_up.pack_weights()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._fused_gate_up.rows([self.gate_proj.weight, self.up_proj.weight])
+        weights = [self.gate_proj.weight, self.up_proj.weight]
+        fused = self._fused_gate_up.rows(weights)
         if fused is not None:  # one matmul for gate and up
-            gate, up = linear(x, fused).split(self.intermediate, dim=-1)
+            gate, up = linear(x, fused, self._fused_gate_up.packed, weights).split(self.intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

@@ -72,12 +72,16 @@ class GatedMLA(nn.Module):
         """Store q (or q_a) | kv_a | g as one block (model/fused.py)."""
         self._fused_in.tie([m.weight for m in self._in_linears()])
 
+    def pack_weights(self) -> None:
+        self._fused_in.pack_weights()
+
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x, one matmul once fused (model/fused.py)."""
         linears = self._in_linears()
-        fused = self._fused_in.rows([m.weight for m in linears])
+        weights = [m.weight for m in linears]
+        fused = self._fused_in.rows(weights)
         if fused is not None:
-            outs = list(linear(x_TD, fused).split([m.out_features for m in linears], dim=-1))
+            outs = list(linear(x_TD, fused, self._fused_in.packed, weights).split([m.out_features for m in linears], dim=-1))
         else:
             outs = [m(x_TD) for m in linears]
         return outs[0], outs[1], outs[2] if self.output_gate else None

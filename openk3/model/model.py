@@ -180,11 +180,23 @@ class K3ForCausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
 
+    def pack_weights(self) -> None:
+        """CPU serving: every projection of at least ops/linear.LARGE_WEIGHT elements is used in oneDNN's blocked layout from
+        a few rows on, a second copy made on first use (ops/linear.py PackedWeight). Idempotent; a weight that is written,
+        moved or cast is packed again on its next use."""
+        self.weights_packed = True
+        for module in self.modules():
+            if module is not self and hasattr(module, "pack_weights"):
+                module.pack_weights()
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
-        # .to() / .float() / .cuda() give every parameter new storage: tie again so the old blocks are not kept alive
+        # .to() / .float() / .cuda() give every parameter new storage: tie again so the old blocks are not kept alive, and
+        # drop the packed copies of the old weights
         out = super()._apply(fn, recurse)
         if getattr(self, "projections_fused", False):
             self.fuse_projections()
+        if getattr(self, "weights_packed", False):
+            self.pack_weights()
         return out
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:

@@ -2,7 +2,9 @@
 
 `model` is a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors, tokenizer.json when it has one), or an
 already built module with a `.config`. A preset with no shipped checkpoint is built with seeded random weights and the byte
-tokenizer, and says so with a warning: its text is noise, but every code path is the real one.
+tokenizer, and says so with a warning: its text is noise, but every code path is the real one. On CPU a model loaded here
+keeps its large projections also in oneDNN's blocked layout (EngineConfig.pack_cpu_weights); a module passed in is left as
+it is, since its owner may still change its weights.
 
 `ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
 other experts (openk3.serve.ep; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the
@@ -140,6 +142,7 @@ class LLM:
             cpu_offload_bytes=cpu_offload_bytes,
             disk_offload_dir=disk_offload_dir,
             disk_offload_bytes=disk_offload_bytes,
+            pack_cpu_weights=not isinstance(model, torch.nn.Module),  # only a model loaded here is the engine's alone
         )
         try:
             self.engine = LLMEngine(net, tok, config)

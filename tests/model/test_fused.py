@@ -13,6 +13,8 @@ from openk3.config import debug
 from openk3.model import load_model, save_model
 from openk3.model.fused import FusedRows
 from openk3.model.weights import cast_model
+from openk3.ops import linear as linear_mod
+from openk3.ops.linear import PackedWeight
 
 from .conftest import build
 
@@ -140,3 +142,36 @@ def test_share_memory_keeps_the_blocks_and_assign_releases_them() -> None:
     tied.load_state_dict(other.state_dict(), assign=True)  # new tensors: every block is left behind, and released
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
     assert fused_blocks(tied) == []
+
+
+def packed_copies(model) -> int:
+    """How many oneDNN-layout copies (ops/linear.py PackedWeight) the model's modules and fused blocks hold now."""
+    holders = [v for m in model.modules() for v in vars(m).values() if isinstance(v, (PackedWeight, FusedRows))]
+    return sum((h.packed if isinstance(h, FusedRows) else h)._packed is not None for h in holders)
+
+
+def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU serving's packed copies are made on use and rebuilt after load_state_dict, in-place writes and .to()."""
+    if linear_mod._reorder is None:
+        pytest.skip("this torch build has no oneDNN weight reorder")
+    monkeypatch.setattr(linear_mod, "LARGE_WEIGHT", 2**10)  # the debug model's projections are below the real threshold
+    tied, other, plain = build(debug()), build(debug(), seed=7), build(debug())
+    tied.fuse_projections()
+    tied.pack_weights()
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)  # 26 rows: above SMALL_ROWS
+    assert packed_copies(tied) >= 10
+    tied.load_state_dict(other.state_dict())
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        for model in (tied, other):
+            for p in model.parameters():
+                p.mul_(0.5)
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+    tied.double()
+    other.double()
+    assert packed_copies(tied) == 0  # the old copies are dropped with the old weights
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-9, rtol=1e-9)  # fp64: the plain path
+    tied.float()
+    other.float()
+    torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
+    assert packed_copies(tied) >= 10

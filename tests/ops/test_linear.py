@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from openk3.ops import linear as linear_mod
-from openk3.ops.linear import LARGE_WEIGHT, SMALL_ROWS, bmm_weight_t, linear
+from openk3.ops.linear import LARGE_WEIGHT, SMALL_ROWS, PackedWeight, bmm_weight_t, linear
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -46,6 +49,87 @@ def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPa
         linear(many, small)
         linear(many.double(), big.double())  # fp32 only
     assert onednn == [tuple(many.shape)]
+
+
+def _needs_packing() -> None:
+    if linear_mod._reorder is None:
+        pytest.skip("this torch build has no oneDNN weight reorder")
+
+
+def test_packed_weight_is_used_above_small_rows_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_packing()
+    seen: list[bool] = []
+    real = linear_mod._onednn
+
+    def spy(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append(w.is_mkldnn)  # the blocked copy is an opaque oneDNN tensor
+        return real(x, w, *rest)  # type: ignore[misc]
+
+    monkeypatch.setattr(linear_mod, "_onednn", spy)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(LARGE_WEIGHT // 256 + 3, 256, generator=g)
+    packed = PackedWeight()
+    with torch.inference_mode():
+        for rows in (SMALL_ROWS + 1, 64, 2048):
+            x = torch.randn(rows, 256, generator=g)
+            _close(linear(x, w, packed), F.linear(x, w))  # not enabled: the plain weight
+            packed.enabled = True
+            _close(linear(x, w, packed), F.linear(x, w))
+            _close(linear(x.view(2, rows // 2, 256) if rows % 2 == 0 else x, w, packed).reshape(rows, -1), F.linear(x, w))
+            packed.enabled = False
+        few = torch.randn(SMALL_ROWS, 256, generator=g)
+        packed.enabled = True
+        packed.reset()
+        _close(linear(few, w, packed), F.linear(few, w))  # weight-first: no copy is made for it
+    assert packed._packed is None
+    assert seen == [False, True, True, False, True, True, False, True, True]
+
+
+def test_packed_weight_follows_writes_and_moves() -> None:
+    """Rebuilt after an in-place write (version counter) and a new tensor (address); for a fused block, after a write to
+    one of its parameters, whose counter the block's own does not share. A write through .data is seen after reset()."""
+    _needs_packing()
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(LARGE_WEIGHT // 256, 256, generator=g))
+    x = torch.randn(16, 256, generator=g)
+    packed = PackedWeight()
+    packed.enabled = True
+    with torch.no_grad():
+        _close(linear(x, w, packed), F.linear(x, w))
+        first = packed._packed
+        linear(x, w, packed)
+        assert packed._packed is first  # made once
+        w.mul_(-2.0)
+        _close(linear(x, w, packed), F.linear(x, w))
+        w.data = torch.randn(w.shape, generator=g)
+        _close(linear(x, w, packed), F.linear(x, w))
+        w.data.mul_(3.0)  # no counter moves: the documented gap
+        stale = linear(x, w, packed)
+        assert not torch.allclose(stale, F.linear(x, w))
+        packed.reset()
+        _close(linear(x, w, packed), F.linear(x, w))
+
+        a, b = (torch.nn.Parameter(torch.randn(LARGE_WEIGHT // 256, 256, generator=g)) for _ in range(2))
+        block = torch.cat([a.detach(), b.detach()])
+        a.data, b.data = block[: a.shape[0]], block[a.shape[0] :]  # how model/fused.py ties a group
+        block_packed = PackedWeight()
+        block_packed.enabled = True
+        _close(linear(x, block, block_packed, [a, b]), F.linear(x, block))
+        b.copy_(torch.randn(b.shape, generator=g))  # lands in the block; bumps b's counter, not the block's
+        assert block._version == 0
+        _close(linear(x, block, block_packed, [a, b]), F.linear(x, torch.cat([a, b])))
+
+
+def test_packed_weight_copies_start_empty() -> None:
+    _needs_packing()
+    w = torch.randn(LARGE_WEIGHT // 256, 256)
+    packed = PackedWeight()
+    packed.enabled = True
+    with torch.inference_mode():
+        linear(torch.randn(16, 256), w, packed)
+    assert packed._packed is not None
+    for clone in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert clone.enabled and clone._packed is None
 
 
 def test_linear_rows_of_a_block_and_strided_input() -> None:

@@ -72,5 +72,9 @@ def test_llm_debug_preset_warns_and_generates() -> None:
         llm = LLM("debug", num_pages=32, page_size=8, max_num_seqs=2)
     out = llm.generate(["hi", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
     assert [len(o.token_ids) for o in out] == [4, 4] and out[0].prompt == "hi"
+    # a model LLM loads itself is the engine's alone: its projections may be packed for CPU; a module passed in is not
+    assert llm.engine.config.pack_cpu_weights and llm.engine.model.weights_packed
+    passed_in = LLM(llm.engine.model, num_pages=32, page_size=8, max_num_seqs=2)
+    assert not passed_in.engine.config.pack_cpu_weights
     with pytest.raises(ValueError, match="neither a preset"):
         LLM("/no/such/model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openk3.ops.mla import mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, mla_prefill_op, split_kv_b
+from openk3.ops.mla import decode_cpu, mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, mla_prefill_op, split_kv_b
 
 H, DN, DR, DV, LR = 3, 16, 8, 12, 20
 
@@ -46,7 +46,18 @@ def test_expanded_is_causal_with_offset() -> None:
     assert not torch.allclose(again[2], full[2])
 
 
-def test_paged_decode_equals_last_row_of_expanded() -> None:
+@pytest.fixture(params=["C kernel", "torch ops"])
+def paged_decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """On CPU the paged decode's attention runs as one C call when it can be built (ops/mla/decode_cpu.py); the tests that
+    take this fixture run with it and with the torch ops it replaces."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
+    elif decode_cpu._kernel() is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    return request.param
+
+
+def test_paged_decode_equals_last_row_of_expanded(paged_decode: str) -> None:
     page_size, lens = 4, [1, 6, 9]
     scale = (DN + DR) ** -0.5
     pool = torch.zeros(12, page_size, LR + DR)
@@ -61,6 +72,57 @@ def test_paged_decode_equals_last_row_of_expanded() -> None:
         expected.append(mla_expanded(q_nope[i : i + 1], q_pe[i : i + 1], c, k_pe, w_uk, w_uv, scale, n - 1)[0])
     out = mla_decode_paged(q_nope, q_pe, pool, page_table, torch.tensor(lens), w_uk, w_uv, scale)
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+def paged_decode_fp64(q_nope, q_pe, pool, pages, length, w_uk, w_uv, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One sequence's decode attention in float64, spelled out: the reference both fp32 paths are measured against."""
+    rows = pool.double()[pages].reshape(-1, pool.shape[-1])[:length]
+    q = torch.cat([torch.einsum("hd,hdl->hl", q_nope.double(), w_uk.double()), q_pe.double()], dim=-1) * scale
+    u = torch.softmax(q @ rows.T, dim=-1) @ rows[:, :LR]
+    return torch.einsum("hl,hvl->hv", u, w_uv.double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[700], [3, 64, 65, 130], [1, 1, 1, 1, 1]])
+def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: pytest.MonkeyPatch, lens: list[int], threads: int) -> None:
+    """Shuffled pages, partial last pages, one long sequence cut into parts that threads take separately (merged after),
+    more sequences than threads; large score ranges (the online softmax rescales often)."""
+    if paged_decode == "torch ops":
+        pytest.skip("compares the C kernel with the torch ops")
+    page_size, n = 16, len(lens)
+    g = torch.Generator().manual_seed(sum(lens))
+    widest = max((length + page_size - 1) // page_size for length in lens)
+    pool = torch.randn(n * widest + 3, page_size, LR + DR, generator=g) * 3
+    page_table = torch.randperm(pool.shape[0], generator=g)[: n * widest].view(n, widest)
+    q_nope, q_pe, _, _, w_uk, w_uv = make(n, 1, seed=4)
+    kv_lens = torch.tensor(lens)
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3)
+            exact = torch.stack([paged_decode_fp64(q_nope[i], q_pe[i], pool, page_table[i], lens[i], w_uk, w_uv, 0.3) for i in range(n)])
+            monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
+            torch_fp32 = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3)
+    finally:
+        torch.set_num_threads(2)
+    error = lambda out: float((out.double() - exact).abs().max() / exact.abs().max())  # noqa: E731
+    assert error(got) < max(2 * error(torch_fp32), 1e-6), (error(got), error(torch_fp32))
+
+
+def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(paged_decode: str) -> None:
+    if paged_decode == "torch ops":
+        pytest.skip("the kernel's own checks")
+    pool = torch.randn(4, 8, LR + DR)
+    q = torch.randn(2, H, LR + DR)
+    table = torch.tensor([[0, 1], [2, 3]])
+    assert decode_cpu.latent_attention_cpu(q, pool, table, torch.tensor([16, 9]), LR) is not None
+    for lens, bad_table in (([0, 3], table), ([17, 3], table), ([3, 3], torch.tensor([[0, 1], [4, 3]])), ([3, 9], torch.tensor([[0, 1], [2, -1]]))):
+        with pytest.raises(ValueError, match="kv_lens"):
+            decode_cpu.latent_attention_cpu(q, pool, bad_table, torch.tensor(lens), LR)
+    # what the kernel does not take goes back to the torch path: a strided pool, int32 ids, autograd
+    assert decode_cpu.latent_attention_cpu(q, pool.transpose(0, 1), table, torch.tensor([3, 3]), LR) is None
+    assert decode_cpu.latent_attention_cpu(q, pool, table.int(), torch.tensor([3, 3]), LR) is None
+    assert decode_cpu.latent_attention_cpu(q.requires_grad_(), pool, table, torch.tensor([3, 3]), LR) is None
 
 
 def test_unknown_impl_names_choices() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.mla.decode_cpu import latent_attention_cpu
 from openk3.ops.mla.naive import causal_mask
 
 
@@ -56,11 +57,13 @@ def mla_decode_paged(
     # [q~ | q_pe], so the scores are one batched matmul, and the weighted sum runs over the full rows, dropping the k_pe
     # columns after (Dr / Lr more arithmetic instead of copying the strided c_kv columns out). Plain matmuls over heads,
     # not einsum: at decode sizes einsum's own permutes and reshapes cost as much as the products.
-    rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
     q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
     q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)  # scaled here: H x R values, not H x S
-    scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
-    valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
-    u_NHL = torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
+    u_NHL = latent_attention_cpu(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)  # CPU fp32: one C call (decode_cpu.py)
+    if u_NHL is None:
+        rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
+        scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
+        valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
+        scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
+        u_NHL = torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
     return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1).to(q_nope_NHD.dtype)

@@ -1,30 +1,32 @@
-"""Projections at serving step sizes on CPU: x W^T for a large weight computed weight-first for a few rows and through
-oneDNN for more, and the stacked experts' product computed weight-first.
+"""Projections at serving step sizes on CPU: x W^T through a C kernel for a few rows, oneDNN (with the weight in its own
+blocked layout when the model is served) or MKL for more; and the stacked experts' product computed weight-first.
 
 Legend: M rows, K input width, N output width; batched: A stacked matrices (experts), C rows each.
 
 Why: at decode step sizes a projection streams its whole weight for a handful of rows, so the step time is how fast the
-GEMM reads the weight. On CPU in fp32 the MKL GEMM behind F.linear (the weight as its second, transposed operand) reads it
-slowly at few rows. Out of cache -- the serving case: a decode step's weights do not fit in the last-level cache -- the
-same product with the weight as the first operand, (W x^T)^T, is 1.5-4x faster up to SMALL_ROWS rows (one row is padded
-to two, or the call becomes a GEMV, which is as slow as F.linear), and from there on oneDNN's matmul, the kernel torch's
-own CPU compiler emits for linear layers (`torch.ops.mkldnn._linear_pointwise`, inference only), is 1.1-1.8x faster. Both
-cost a few microseconds more per call, which a small weight does not earn back: they start at LARGE_WEIGHT elements (512
-KiB in fp32). The stacked experts' batched product behaves like the few-row case. Figures: `benchmarks/ops_linear.py`,
-results in `benchmarks/results/ops_linear.md`. Elsewhere (GPU, autograd, bf16, small weights) these are F.linear and
-matmul.
+weight is read. On CPU in fp32 the GEMMs behind F.linear (MKL) and oneDNN's matmul pack or reorder the weight on every call
+and read it without prefetching, slowly at few rows, out of cache even more so (the serving case: a decode step's weights do
+not fit in the last-level cache). Up to KERNEL_ROWS rows, `ops/cpu/linear.c` reads the weight where it lies, prefetched
+into L2, once for all rows: a 16-sequence decode step of the benchmark model 12% faster than with the forms below, one
+sequence 16% (benchmarks/engine_offline.py; op figures in benchmarks/results/ops_linear.md).
 
-Above SMALL_ROWS rows, a weight whose caller holds an enabled `PackedWeight` (the serving engine enables them on CPU) goes to
-oneDNN in oneDNN's own blocked layout, made once: given the plain weight, `_linear_pointwise` reorders it on every call, and
-at decode sizes that reorder is most of the call (the packed call is 1.4-1.7x faster at 16-32 rows, ~4% at 2048; a
-16-sequence decode step of the benchmark model 5% faster). Weights smaller than LARGE_WEIGHT gain nothing from it and are
-not packed. It keeps a second copy of each packed weight in memory, so it is for serving only.
+Without a C compiler, and above KERNEL_ROWS: weights of at least LARGE_WEIGHT elements (512 KiB in fp32) go weight-first,
+(W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache; one row is padded to two, or the call becomes a GEMV, as slow
+as F.linear), then through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, inference only, the kernel torch's own
+CPU compiler emits), 1.1-1.8x. Both cost a few microseconds more per call, which a smaller weight does not earn back: it
+stays with F.linear. A weight whose caller holds an enabled `PackedWeight` (the serving engine enables them on CPU) goes to
+oneDNN in oneDNN's own blocked layout, made once: given the plain weight, `_linear_pointwise` reorders it on every call
+(the packed call is 1.4-1.7x faster at 16-32 rows, ~4% at prefill sizes). It keeps a second copy of each packed weight in
+memory, so it is for serving only. The stacked experts' batched product behaves like the few-row case. Elsewhere (GPU,
+autograd, bf16) these are F.linear and matmul.
 
 Every path computes the same sums in another order: results agree with F.linear to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu.build import bind
 
+KERNEL_ROWS = 16  # up to here the C kernel, any weight size; at 32 rows it is no faster than the forms below
 LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost outweighs their faster streaming)
 SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
 
@@ -74,13 +78,39 @@ class PackedWeight:
         return self._packed
 
 
+@functools.cache
+def _rows_kernel() -> Any:
+    """ops/cpu/linear.c's function, built and loaded once per process; None when it cannot be (no compiler, switched off)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return bind("linear.c", "openk3_linear_rows", [i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], None)
+
+
+def _linear_rows_cpu(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> torch.Tensor | None:
+    kernel = _rows_kernel()
+    if kernel is None:
+        return None
+    width, out_features = weight_NK.shape[1], weight_NK.shape[0]
+    x_MK = x.reshape(rows, width)
+    if x_MK.stride(1) != 1:
+        x_MK = x_MK.contiguous()
+    y = x.new_empty(rows, out_features)
+    kernel(rows, out_features, width, x_MK.data_ptr(), x_MK.stride(0), weight_NK.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], out_features)
+
+
 def linear(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight). `packed`: the caller's PackedWeight for this weight, and
     `sources` the parameters the weight is made of (default: the weight itself)."""
-    if weight_NK.numel() < LARGE_WEIGHT or not cpu_fp32(x, weight_NK) or records_grad(x, weight_NK):
+    if not cpu_fp32(x, weight_NK) or records_grad(x, weight_NK) or weight_NK.dim() != 2:
         return F.linear(x, weight_NK)
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
+    if 1 <= rows <= KERNEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
+        y = _linear_rows_cpu(x, weight_NK, rows)
+        if y is not None:
+            return y
+    if weight_NK.numel() < LARGE_WEIGHT:
+        return F.linear(x, weight_NK)
     if 1 <= rows <= SMALL_ROWS:
         x_MK = x.reshape(rows, width)
         if rows == 1:  # a one-column product is a GEMV: two columns keep it a GEMM

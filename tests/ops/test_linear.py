@@ -10,7 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops import linear as linear_mod
-from openk3.ops.linear import LARGE_WEIGHT, SMALL_ROWS, PackedWeight, bmm_weight_t, linear
+from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, SMALL_ROWS, PackedWeight, bmm_weight_t, linear
+
+
+@pytest.fixture(autouse=True, params=["C kernel", "torch forms"])
+def rows_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """On CPU up to KERNEL_ROWS rows run ops/cpu/linear.c when it can be built; every test here runs with it and with the
+    torch forms that take those rows without it."""
+    if request.param == "torch forms":
+        monkeypatch.setattr(linear_mod, "_rows_kernel", lambda: None)
+    elif linear_mod._rows_kernel() is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    return request.param
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -18,37 +29,50 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 16, 64])
-@pytest.mark.parametrize("out_features", [64, LARGE_WEIGHT // 256 + 3])  # small (F.linear) and large (oneDNN on CPU)
-def test_linear_matches_f_linear(rows: int, out_features: int) -> None:
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("out_features,width", [(64, 256), (LARGE_WEIGHT // 256 + 3, 256), (13, 40)])  # small, large, odd sizes
+def test_linear_matches_f_linear(rows: int, out_features: int, width: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(out_features, 256, generator=g)
-    x = torch.randn(rows, 256, generator=g)
+    w = torch.randn(out_features, width, generator=g)
+    x = torch.randn(rows, width, generator=g)
     with torch.inference_mode():
         _close(linear(x, w), F.linear(x, w))
-        _close(linear(x.view(1, rows, 256), w), F.linear(x, w).view(1, rows, out_features))  # leading dims kept
+        _close(linear(x.view(1, rows, width), w), F.linear(x, w).view(1, rows, out_features))  # leading dims kept
 
 
-def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN from SMALL_ROWS + 1 rows on a large fp32 weight only; the weight-first mm up to SMALL_ROWS rows."""
+def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPatch, rows_kernel: str) -> None:
+    """The C kernel up to KERNEL_ROWS rows, any fp32 weight; without it the weight-first mm up to SMALL_ROWS rows on a large
+    weight. oneDNN above those on a large fp32 weight only."""
     if linear_mod._onednn is None:
         pytest.skip("this torch build has no oneDNN linear")
     onednn: list[tuple[int, ...]] = []
-    real = linear_mod._onednn
+    kernel: list[int] = []
+    real, real_kernel = linear_mod._onednn, linear_mod._rows_kernel()
 
     def spy(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
         onednn.append(tuple(x.shape))
         return real(x, w, *rest)
 
+    def kernel_spy(rows: int, *rest: object) -> None:
+        kernel.append(rows)
+        real_kernel(rows, *rest)
+
     monkeypatch.setattr(linear_mod, "_onednn", spy)
+    if real_kernel is not None:
+        monkeypatch.setattr(linear_mod, "_rows_kernel", lambda: kernel_spy)
     big, small = torch.randn(LARGE_WEIGHT // 128, 128), torch.randn(16, 128)
-    many, few = torch.randn(SMALL_ROWS + 1, 128), torch.randn(SMALL_ROWS, 128)
+    above = KERNEL_ROWS if rows_kernel == "C kernel" else SMALL_ROWS
+    many, few = torch.randn(above + 1, 128), torch.randn(above, 128)
     with torch.inference_mode():
         linear(many, big)
-        linear(few, big)  # weight-first, not oneDNN
+        linear(few, big)  # the kernel or weight-first, not oneDNN
         linear(many, small)
+        linear(few, small)
         linear(many.double(), big.double())  # fp32 only
+        with torch.enable_grad():
+            linear(few, big.requires_grad_())  # no backward in the kernel
     assert onednn == [tuple(many.shape)]
+    assert kernel == ([above, above] if rows_kernel == "C kernel" else [])
 
 
 def _needs_packing() -> None:
@@ -56,7 +80,7 @@ def _needs_packing() -> None:
         pytest.skip("this torch build has no oneDNN weight reorder")
 
 
-def test_packed_weight_is_used_above_small_rows_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_packing()
     seen: list[bool] = []
     real = linear_mod._onednn
@@ -70,7 +94,7 @@ def test_packed_weight_is_used_above_small_rows_and_matches(monkeypatch: pytest.
     w = torch.randn(LARGE_WEIGHT // 256 + 3, 256, generator=g)
     packed = PackedWeight()
     with torch.inference_mode():
-        for rows in (SMALL_ROWS + 1, 64, 2048):
+        for rows in (KERNEL_ROWS + 1, 64, 2048):
             x = torch.randn(rows, 256, generator=g)
             _close(linear(x, w, packed), F.linear(x, w))  # not enabled: the plain weight
             packed.enabled = True
@@ -80,7 +104,7 @@ def test_packed_weight_is_used_above_small_rows_and_matches(monkeypatch: pytest.
         few = torch.randn(SMALL_ROWS, 256, generator=g)
         packed.enabled = True
         packed.reset()
-        _close(linear(few, w, packed), F.linear(few, w))  # weight-first: no copy is made for it
+        _close(linear(few, w, packed), F.linear(few, w))  # the kernel (or weight-first): no copy is made for it
     assert packed._packed is None
     assert seen == [False, True, True, False, True, True, False, True, True]
 
@@ -91,7 +115,7 @@ def test_packed_weight_follows_writes_and_moves() -> None:
     _needs_packing()
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(LARGE_WEIGHT // 256, 256, generator=g))
-    x = torch.randn(16, 256, generator=g)
+    x = torch.randn(KERNEL_ROWS + 1, 256, generator=g)
     packed = PackedWeight()
     packed.enabled = True
     with torch.no_grad():
@@ -126,7 +150,7 @@ def test_packed_weight_copies_start_empty() -> None:
     packed = PackedWeight()
     packed.enabled = True
     with torch.inference_mode():
-        linear(torch.randn(16, 256), w, packed)
+        linear(torch.randn(KERNEL_ROWS + 1, 256), w, packed)
     assert packed._packed is not None
     for clone in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
         assert clone.enabled and clone._packed is None

@@ -1,8 +1,9 @@
-/* y[M, N] = x[M, K] w[N, K]^T for a few rows M, with w in its stored (nn.Linear) layout: the products inside the expert
- * kernel of moe.c, where each expert multiplies a handful of rows by its own weights.
+/* y[M, N] = x[M, K] w[N, K]^T for a few rows M, with w in its stored (nn.Linear) layout: the decode-sized projections of
+ * linear.c, the experts of moe.c (each multiplies a handful of rows by its own weights) and the page scores of
+ * mla_decode.c.
  *
- * Why not a BLAS call per expert: at these sizes (a few rows, a 128 x 256 weight) a GEMM call's set-up and packing cost
- * more than the arithmetic, and torch's batched product over all experts still packs each one. Here the weight is read
+ * Why not a BLAS call: at these sizes (a few rows, a weight of 10^4-10^6 values) a GEMM call's set-up and weight packing
+ * cost more than the arithmetic, and torch's batched product over experts still packs each one. Here the weight is read
  * once, straight from where it lies, and each of its cache lines is used for every row while it is in L1.
  *
  * Form: a tile of MB rows x NB outputs keeps MB*NB vector accumulators; each step along K loads NB weight vectors and MB

@@ -19,16 +19,20 @@ from collections.abc import Callable
 import torch
 
 from openk3.config import Activation, KDAGate
+from openk3.ops import linear as linear_mod
 from openk3.ops import norm
 from openk3.ops.activation import glu
 from openk3.ops.kda import decode_fused
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
+from openk3.ops.linear import linear
+from openk3.ops.mla import decode_cpu, mla_decode_paged
 from openk3.ops.moe import DenseExpertBank, cpu_pairs, moe_experts_batched, sigmoid_topk_route
 from openk3.ops.norm import l2_norm, rms_norm
 from openk3.ops.short_conv import causal_conv1d_update_
 
 H, D, HIDDEN, EXPERTS, TOP_K, INTER = 4, 64, 256, 16, 2, 128
+MLA_HEADS, NOPE, ROPE, V_DIM, RANK, PAGE, CONTEXT = 4, 32, 32, 64, 128, 16, 256
 
 
 def per_call_us(fn: Callable[[], object], repeats: int) -> float:
@@ -87,12 +91,23 @@ def timings_at(n: int, repeats: int, g: torch.Generator) -> list[tuple[str, floa
     router_w, router_b = rand(EXPERTS, HIDDEN) * 0.05, rand(EXPERTS) * 0.01
     act = functools.partial(glu, kind=Activation.SILU)
     # (name, the call, the loader whose None answer sends the same call down the torch path)
-    rows = [("RMSNorm [n, 256]", lambda: rms_norm(h, ones, 1e-6), (norm, "_kernel"))]
+    proj = rand(3 * p + D + D + H, HIDDEN) * 0.05  # KDA's fused q|k|v|f_a|g_a|b
+    pages = CONTEXT // PAGE
+    pool = rand(n * pages + 4, PAGE, RANK + ROPE)
+    table = torch.randperm(pool.shape[0], generator=g)[: n * pages].view(n, pages)
+    lens = torch.full((n,), CONTEXT)
+    q_nope, q_pe = rand(n, MLA_HEADS, NOPE), rand(n, MLA_HEADS, ROPE)
+    w_uk, w_uv = rand(MLA_HEADS, NOPE, RANK) * 0.1, rand(MLA_HEADS, V_DIM, RANK) * 0.1
+    rows = [
+        (f"projection [{proj.shape[0]}, {HIDDEN}] (ops.linear)", lambda: linear(h, proj), (linear_mod, "_rows_kernel")),
+        (f"MLA decode attention, {CONTEXT} tokens", lambda: mla_decode_paged(q_nope, q_pe, pool, table, lens, w_uk, w_uv, 0.1), (decode_cpu, "_kernel")),
+        ("RMSNorm [n, 256]", lambda: rms_norm(h, ones, 1e-6), (norm, "_kernel")),
+    ]
     rows.append(("router top-2 of 16", lambda: sigmoid_topk_route(h, router_w, router_b, TOP_K, True, 2.446), (cpu_pairs, "_lib")))
     if n > 1:
         idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(n)])
         wts = torch.rand(n, TOP_K, generator=g)
-        rows.append(("batched routed experts (incl. 3 bmm)", lambda: moe_experts_batched(h, idx, wts, bank, act), (cpu_pairs, "_lib")))
+        rows.append(("batched routed experts", lambda: moe_experts_batched(h, idx, wts, bank, act), (cpu_pairs, "_lib")))
     for name, call, (module, loader) in rows:
         fast = per_call_us(call, repeats)
         real = getattr(module, loader)

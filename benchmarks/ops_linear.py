@@ -1,10 +1,14 @@
 """Projection speed at serving step sizes: `ops.linear` / `ops.bmm_weight_t` against F.linear / matmul, same run, CPU fp32.
 
+`ops.linear` is shown twice: with its C kernel for up to KERNEL_ROWS rows (ops/cpu/linear.c), and with the torch forms it
+falls back to without a compiler (weight-first mm, oneDNN); the packed-weight form needs a model's PackedWeight and is left
+to the engine benchmark.
+
 Two cache regimes, because the choice in ops/linear.py depends on whether the weight is streamed from memory:
   cold: the call cycles over enough copies of the weight to overflow the last-level cache (what a decode step sees when its
         weights exceed the cache, e.g. every expert active at 16 sequences);
   hot:  the same weight every call (a small model whose step's weights stay in cache).
-Each cell is microseconds per call; the ratio is baseline / ours (above 1: ours is faster).
+Each cell is microseconds per call; a ratio is baseline / ours (above 1: ours is faster).
 
   python benchmarks/ops_linear.py --threads 2
 """
@@ -20,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from openk3.ops import linear as linear_mod
 from openk3.ops.linear import bmm_weight_t, linear
 
 CACHE_BYTES = 96 * 2**20  # cycled working set for "cold": above the L3 of the machines this runs on
@@ -50,18 +55,34 @@ def main() -> None:
     print(f"command: python benchmarks/ops_linear.py --threads {args.threads} --rows {args.rows}")
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads; commit {commit}\n")
 
-    print("| weight [N, K] | what | regime | rows | F.linear us | ops.linear us | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    shapes = [((4096, 256), "LM head"), ((1536, 256), "dense gate|up"), ((900, 256), "KDA q|k|v|f_a|g_a|b"), ((256, 256), "o_proj")]
+    print("| weight [N, K] | what | regime | rows | F.linear us | torch forms us | ops.linear us | vs F.linear | vs torch forms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    shapes = [
+        ((4096, 256), "LM head"),
+        ((1536, 256), "dense gate|up"),
+        ((900, 256), "KDA q|k|v|f_a|g_a|b"),
+        ((256, 256), "o_proj"),
+        ((256, 128), "shared-expert down"),
+        ((256, 64), "KDA f_b"),
+    ]
+    kernel = linear_mod._rows_kernel
     with torch.inference_mode():
         for (n, k), what in shapes:
             for regime in ("cold", "hot"):
                 weights = [torch.randn(n, k) for _ in range(copies_for(regime, n * k * 4))]
                 for m in rows:
                     x = torch.randn(m, k)
-                    base = per_call_us([lambda w=w, x=x: F.linear(x, w) for w in weights], max(3, 2000 // len(weights)))
-                    ours = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], max(3, 2000 // len(weights)))
-                    print(f"| [{n}, {k}] | {what} | {regime} | {m} | {base:.1f} | {ours:.1f} | {base / ours:.2f}x |")
+                    repeats = max(3, 2000 // len(weights))
+                    base = per_call_us([lambda w=w, x=x: F.linear(x, w) for w in weights], repeats)
+                    linear_mod._rows_kernel = lambda: None  # type: ignore[assignment]
+                    try:
+                        forms = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], repeats)
+                    finally:
+                        linear_mod._rows_kernel = kernel  # type: ignore[assignment]
+                    ours = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], repeats)
+                    print(
+                        f"| [{n}, {k}] | {what} | {regime} | {m} | {base:.1f} | {forms:.1f} | {ours:.1f} | {base / ours:.2f}x | {forms / ours:.2f}x |"
+                    )
 
         print("\n| experts [A, N, K] | regime | rows per expert | matmul(x, W^T) us | bmm_weight_t us | ratio |")
         print("|---|---|---|---|---|---|")

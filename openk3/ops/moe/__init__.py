@@ -25,9 +25,9 @@ MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, A
 # than the loop's dispatch), and below 16 pairs the loop's few iterations are cheaper than the batched set-up.
 BATCHED_MIN_PAIRS = 16
 BATCHED_MAX_PAIRS_PER_EXPERT = 16
-# With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 3.5-7x
-# the grouped loop from 2 tokens to 32-64 pairs per expert, 3x the single-token path at one token, and even at 128-256
-# pairs per expert, where the loop's large per-expert GEMMs catch up (same table).
+# With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 7-9x
+# the grouped loop up to 16 tokens, ~3.5x the single-token path at one token, 1.4-3.4x from 4 to 64 pairs per expert,
+# and 0.7x at 128-256 pairs per expert, where the loop's large per-expert GEMMs win (same table).
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
 
 

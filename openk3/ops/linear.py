@@ -52,9 +52,10 @@ class PackedWeight:
 
     It is a cache, so every use checks it against its sources: the weight's address and shape, and the address and version
     counter of every parameter the weight is made of (a fused block's parameters are views whose writes do not show in the
-    block's own counter). In-place writes to a parameter -- load_state_dict, an optimizer step, `p.copy_` under no_grad --
-    bump its counter, and a new tensor (`.to()`, `p.data = ...`) changes its address: either makes the copy be rebuilt.
-    Writes through `p.data` bypass the counter; call `reset()` after them.
+    block's own counter). In-place writes to a parameter -- load_state_dict, `p.copy_` under no_grad, a foreach or for-loop
+    optimizer step -- bump its counter, and a new tensor (`.to()`, `p.data = ...`) changes its address: either makes the copy
+    be rebuilt. Writes through `p.data` and fused optimizer kernels (`Adam(fused=True)`) bypass the counter; call `reset()`
+    after them. Inference tensors (made under torch.inference_mode) have no counter at all, so their weights are never packed.
     """
 
     def __init__(self) -> None:
@@ -71,7 +72,11 @@ class PackedWeight:
     def get(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if not self.enabled or _reorder is None:
             return None
-        key = (weight_NK.data_ptr(), tuple(weight_NK.shape), tuple((s.data_ptr(), s._version) for s in sources))
+        try:
+            versions = tuple((s.data_ptr(), s._version) for s in sources)
+        except RuntimeError:  # made under inference mode: no version counter, even once `.data` is a normal tensor
+            return None
+        key = (weight_NK.data_ptr(), tuple(weight_NK.shape), versions)
         if key != self._key:
             self._packed = None  # release the stale copy before making the new one
             self._packed, self._key = _reorder(weight_NK.contiguous(), PACKED_BATCH_HINT), key

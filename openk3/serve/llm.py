@@ -3,8 +3,8 @@
 `model` is a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors, tokenizer.json when it has one), or an
 already built module with a `.config`. A preset with no shipped checkpoint is built with seeded random weights and the byte
 tokenizer, and says so with a warning: its text is noise, but every code path is the real one. On CPU a model loaded here
-keeps its large projections also in oneDNN's blocked layout (EngineConfig.pack_cpu_weights); a module passed in is left as
-it is, since its owner may still change its weights.
+keeps its large projections also in oneDNN's blocked layout (EngineConfig.pack_cpu_weights, a second copy of them); a module
+passed in is left as it is, since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
 
 `ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
 other experts (openk3.serve.ep; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the
@@ -105,6 +105,7 @@ class LLM:
         ep: int = 1,
         ep_method: str = "moonep",
         ep_threads: int = 1,
+        pack_cpu_weights: bool | None = None,
     ) -> None:
         net: CausalLM
         self._ep = None
@@ -142,7 +143,8 @@ class LLM:
             cpu_offload_bytes=cpu_offload_bytes,
             disk_offload_dir=disk_offload_dir,
             disk_offload_bytes=disk_offload_bytes,
-            pack_cpu_weights=not isinstance(model, torch.nn.Module),  # only a model loaded here is the engine's alone
+            # by default only a model loaded here, which nothing else can write to
+            pack_cpu_weights=not isinstance(model, torch.nn.Module) if pack_cpu_weights is None else pack_cpu_weights,
         )
         try:
             self.engine = LLMEngine(net, tok, config)

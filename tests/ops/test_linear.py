@@ -13,9 +13,9 @@ from openk3.ops import linear as linear_mod
 from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, SMALL_ROWS, PackedWeight, bmm_weight_t, linear
 
 
-@pytest.fixture(autouse=True, params=["C kernel", "torch forms"])
+@pytest.fixture(params=["C kernel", "torch forms"])
 def rows_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """On CPU up to KERNEL_ROWS rows run ops/cpu/linear.c when it can be built; every test here runs with it and with the
+    """On CPU up to KERNEL_ROWS rows run ops/cpu/linear.c when it can be built; every `linear` test runs with it and with the
     torch forms that take those rows without it."""
     if request.param == "torch forms":
         monkeypatch.setattr(linear_mod, "_rows_kernel", lambda: None)
@@ -30,8 +30,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 16, 17, 64])
-@pytest.mark.parametrize("out_features,width", [(64, 256), (LARGE_WEIGHT // 256 + 3, 256), (13, 40)])  # small, large, odd sizes
-def test_linear_matches_f_linear(rows: int, out_features: int, width: int) -> None:
+@pytest.mark.parametrize("out_features,width", [(64, 256), (LARGE_WEIGHT // 256 + 3, 256), (13, 37)])  # small, large, odd sizes
+def test_linear_matches_f_linear(rows: int, out_features: int, width: int, rows_kernel: str) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, width, generator=g)
     x = torch.randn(rows, width, generator=g)
@@ -80,7 +80,7 @@ def _needs_packing() -> None:
         pytest.skip("this torch build has no oneDNN weight reorder")
 
 
-def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: pytest.MonkeyPatch, rows_kernel: str) -> None:
     _needs_packing()
     seen: list[bool] = []
     real = linear_mod._onednn
@@ -109,7 +109,7 @@ def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: 
     assert seen == [False, True, True, False, True, True, False, True, True]
 
 
-def test_packed_weight_follows_writes_and_moves() -> None:
+def test_packed_weight_follows_writes_and_moves(rows_kernel: str) -> None:
     """Rebuilt after an in-place write (version counter) and a new tensor (address); for a fused block, after a write to
     one of its parameters, whose counter the block's own does not share. A write through .data is seen after reset()."""
     _needs_packing()
@@ -144,7 +144,19 @@ def test_packed_weight_follows_writes_and_moves() -> None:
         _close(linear(x, block, block_packed, [a, b]), F.linear(x, torch.cat([a, b])))
 
 
-def test_packed_weight_copies_start_empty() -> None:
+def test_inference_tensors_are_not_packed(rows_kernel: str) -> None:
+    """A weight made under inference mode has no version counter, so a copy of it could not be checked: the plain one is used."""
+    _needs_packing()
+    with torch.inference_mode():
+        w = torch.randn(LARGE_WEIGHT // 256, 256)
+        x = torch.randn(KERNEL_ROWS + 1, 256)
+        packed = PackedWeight()
+        packed.enabled = True
+        _close(linear(x, w, packed), F.linear(x, w))
+    assert packed._packed is None
+
+
+def test_packed_weight_copies_start_empty(rows_kernel: str) -> None:
     _needs_packing()
     w = torch.randn(LARGE_WEIGHT // 256, 256)
     packed = PackedWeight()
@@ -156,7 +168,7 @@ def test_packed_weight_copies_start_empty() -> None:
         assert clone.enabled and clone._packed is None
 
 
-def test_linear_rows_of_a_block_and_strided_input() -> None:
+def test_linear_rows_of_a_block_and_strided_input(rows_kernel: str) -> None:
     block = torch.randn(3 * 700, 256)
     w = block[700:1400]  # a fused projection's rows: a view, contiguous
     x = torch.randn(8, 512)[:, ::2]  # strided activations
@@ -164,7 +176,7 @@ def test_linear_rows_of_a_block_and_strided_input() -> None:
         _close(linear(x, w), F.linear(x, w))
 
 
-def test_linear_under_autograd_matches_f_linear_gradients() -> None:
+def test_linear_under_autograd_matches_f_linear_gradients(rows_kernel: str) -> None:
     w = torch.randn(LARGE_WEIGHT // 256, 256, requires_grad=True)
     x = torch.randn(4, 256, requires_grad=True)
     linear(x, w).square().sum().backward()

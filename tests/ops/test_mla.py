@@ -82,11 +82,12 @@ def paged_decode_fp64(q_nope, q_pe, pool, pages, length, w_uk, w_uv, scale) -> t
     return torch.einsum("hl,hvl->hv", u, w_uv.double())
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("lens", [[700], [3, 64, 65, 130], [1, 1, 1, 1, 1]])
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("lens", [[700], [3, 64, 65, 130], [1, 1, 1, 1, 1], [1, 3, 2000]])
 def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: pytest.MonkeyPatch, lens: list[int], threads: int) -> None:
-    """Shuffled pages, partial last pages, one long sequence cut into parts that threads take separately (merged after),
-    more sequences than threads; large score ranges (the online softmax rescales often)."""
+    """Shuffled pages, partial last pages, one long sequence cut into parts that threads take separately (merged after, some
+    parts empty when short and long sequences share 8 threads), more sequences than threads; large score ranges (the online
+    softmax rescales often)."""
     if paged_decode == "torch ops":
         pytest.skip("compares the C kernel with the torch ops")
     page_size, n = 16, len(lens)
@@ -96,6 +97,7 @@ def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: py
     page_table = torch.randperm(pool.shape[0], generator=g)[: n * widest].view(n, widest)
     q_nope, q_pe, _, _, w_uk, w_uv = make(n, 1, seed=4)
     kv_lens = torch.tensor(lens)
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
@@ -104,7 +106,7 @@ def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: py
             monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
             torch_fp32 = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
     error = lambda out: float((out.double() - exact).abs().max() / exact.abs().max())  # noqa: E731
     assert error(got) < max(2 * error(torch_fp32), 1e-6), (error(got), error(torch_fp32))
 
@@ -116,6 +118,8 @@ def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(paged_decode
     q = torch.randn(2, H, LR + DR)
     table = torch.tensor([[0, 1], [2, 3]])
     assert decode_cpu.latent_attention_cpu(q, pool, table, torch.tensor([16, 9]), LR) is not None
+    empty = decode_cpu.latent_attention_cpu(q[:0], pool, table[:0], torch.tensor([], dtype=torch.int64), LR)
+    assert empty is not None and empty.shape == (0, H, LR)
     for lens, bad_table in (([0, 3], table), ([17, 3], table), ([3, 3], torch.tensor([[0, 1], [4, 3]])), ([3, 9], torch.tensor([[0, 1], [2, -1]]))):
         with pytest.raises(ValueError, match="kv_lens"):
             decode_cpu.latent_attention_cpu(q, pool, bad_table, torch.tensor(lens), LR)

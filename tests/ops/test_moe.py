@@ -55,10 +55,10 @@ FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": 
 
 
 @pytest.mark.parametrize("act", sorted(ACTS))
-@pytest.mark.parametrize("d,i", [(256, 128), (40, 24)])
+@pytest.mark.parametrize("d,i", [(256, 128), (37, 19)])
 def test_c_expert_loop_matches_naive(monkeypatch: pytest.MonkeyPatch, pair_bookkeeping: str, act: str, d: int, i: int) -> None:
     """The batched path's expert MLPs as one C loop (ops/cpu/moe.c): the model's widths (whole vectors) and odd ones (a scalar
-    tail), 1 to ~15 rows per expert (every row-tile shape), and inputs from near 0 to deep in SiLU's and SiTU's saturation."""
+    tail whatever the vector width), 1 to ~15 rows per expert (every row-tile shape), and inputs from near 0 to deep in SiLU's and SiTU's saturation."""
     if pair_bookkeeping == "torch ops":
         pytest.skip("runs the C expert loop")
 

@@ -74,7 +74,43 @@ def test_llm_debug_preset_warns_and_generates() -> None:
     assert [len(o.token_ids) for o in out] == [4, 4] and out[0].prompt == "hi"
     # a model LLM loads itself is the engine's alone: its projections may be packed for CPU; a module passed in is not
     assert llm.engine.config.pack_cpu_weights and llm.engine.model.weights_packed
-    passed_in = LLM(llm.engine.model, num_pages=32, page_size=8, max_num_seqs=2)
-    assert not passed_in.engine.config.pack_cpu_weights
+
+
+def test_cpu_weight_packing_only_for_models_the_engine_owns(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = K3ForCausalLM(debug())
+    assert not LLM(module, ByteTokenizer(256), num_pages=32, page_size=8).engine.config.pack_cpu_weights
+    assert not getattr(module, "weights_packed", False)
+    assert LLM(module, ByteTokenizer(256), num_pages=32, page_size=8, pack_cpu_weights=True).engine.model.weights_packed
+    with pytest.warns(UserWarning, match="random weights"):
+        assert not LLM("debug", num_pages=32, page_size=8, pack_cpu_weights=False).engine.model.__dict__.get("weights_packed", False)
+
+    import openk3.serve.engine as engine_mod
+    from openk3.api.cli import build_server
+    from openk3.cli import build_parser
+
+    seen: list[bool] = []
+    real = engine_mod.LLMEngine.__init__
+
+    def spy(self, model, tokenizer, config=None) -> None:  # type: ignore[no-untyped-def]
+        seen.append(config.pack_cpu_weights)
+        real(self, model, tokenizer, config)
+
+    monkeypatch.setattr(engine_mod.LLMEngine, "__init__", spy)
+    for flags in ([], ["--no-cpu-weight-packing"]):
+        args = build_parser().parse_args(["serve", "--model", "debug", "--cache-memory-mb", "4", *flags])
+        with pytest.warns(UserWarning, match="random weights"):
+            build_server(args)
+    assert seen == [True, False]  # the server owns its model: packed unless told not to
+
+
+def test_packed_engine_built_and_run_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights made under inference mode have no version counter: they are served unpacked instead of failing."""
+    from openk3.ops import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "LARGE_WEIGHT", 2**10)  # the debug model's projections are below the real threshold
+    with torch.inference_mode(), pytest.warns(UserWarning, match="random weights"):
+        llm = LLM("debug", num_pages=32, page_size=8, max_num_seqs=2)
+        out = llm.generate([list(range(10, 49))], SamplingParams(temperature=0, max_tokens=3))  # 39 rows: above the kernel's
+    assert llm.engine.model.weights_packed and len(out[0].token_ids) == 3
     with pytest.raises(ValueError, match="neither a preset"):
         LLM("/no/such/model")

@@ -71,6 +71,7 @@ int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_
                              const float *pool, const int64_t *page_table, int64_t table_stride, const int64_t *kv_lens, float *u,
                              int num_threads) {
     if (H < 1 || H > MAX_HEADS || PS < 1 || PS > MAX_PAGE || Lr > R || Lr < 1) return 1;
+    if (N <= 0) return 0;
     int64_t longest = 0;
     for (int64_t n = 0; n < N; n++) {
         const int64_t len = kv_lens[n];

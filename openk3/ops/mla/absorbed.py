@@ -48,7 +48,7 @@ def mla_decode_paged(
     """One query token per sequence attending its first kv_lens[n] cached latents (the new token's latent included).
 
     latent_pool [NP, PS, R]; page_table [N, P] (entries past a sequence's length may hold any page id: masked out).
-    Returns [N, H, Dv].
+    Returns [N, H, Dv]. Every kv_lens[n] must lie in 1..P * PS; on CPU a length or page id out of range raises ValueError.
     """
     lr = w_uk_HDL.shape[-1]
     n, num_pages = page_table_NP.shape

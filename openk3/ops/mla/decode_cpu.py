@@ -30,13 +30,15 @@ def _kernel() -> Any:
 def latent_attention_cpu(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor | None:
     """u [N, H, Lr] = softmax over each sequence's first kv_lens[n] cached rows of (q . row) times row[:Lr], or None.
 
-    q_NHR is the absorbed query [q~ | q_pe], already scaled. Raises ValueError for a length or page id out of range."""
+    q_NHR is the absorbed query [q~ | q_pe], already scaled. Stricter than the torch path: a length outside 1..P * PS or a
+    page id outside the pool raises ValueError (the torch path would return NaN for an empty sequence, attend every
+    slot of an over-long one, or fail in index_select)."""
     if q_NHR.dim() != 3 or latent_pool.dim() != 3 or page_table_NP.dim() != 2:
         return None
     n, h, r = q_NHR.shape
     if not (cpu_fp32(q_NHR, latent_pool) and not records_grad(q_NHR, latent_pool) and q_NHR.is_contiguous() and latent_pool.is_contiguous()):
         return None
-    if latent_pool.shape[2] != r or not 1 <= lr <= r or not 1 <= h <= MAX_HEADS or latent_pool.shape[1] > MAX_PAGE or page_table_NP.shape[0] != n:
+    if latent_pool.shape[2] != r or not 1 <= lr <= r or not 1 <= h <= MAX_HEADS or not 1 <= latent_pool.shape[1] <= MAX_PAGE or page_table_NP.shape[0] != n:
         return None
     if page_table_NP.dtype != torch.int64 or page_table_NP.stride(1) != 1 or kv_lens_N.dtype != torch.int64 or kv_lens_N.shape != (n,):
         return None
@@ -47,6 +49,8 @@ def latent_attention_cpu(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_ta
         return None
     num_pages, page_size = latent_pool.shape[:2]
     u = q_NHR.new_empty(n, h, lr)
+    if n == 0:
+        return u
     failed = kernel(
         n, h, r, lr, num_pages, page_size, page_table_NP.shape[1], q_NHR.data_ptr(), latent_pool.data_ptr(), page_table_NP.data_ptr(),
         page_table_NP.stride(0), kv_lens_N.data_ptr(), u.data_ptr(), torch.get_num_threads(),

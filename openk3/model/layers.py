@@ -36,7 +36,7 @@ class Linear(nn.Linear):
         self.packed = PackedWeight()
 
     def pack_weights(self) -> None:
-        """Use the weight in oneDNN's blocked layout on CPU from a few rows on (ops/linear.py); it is made on first use."""
+        """Use the weight in oneDNN's blocked layout on CPU above KERNEL_ROWS rows (ops/linear.py); made on first use."""
         self.packed.enabled = True
         self.packed.reset()
 

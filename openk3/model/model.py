@@ -181,8 +181,8 @@ class K3ForCausalLM(nn.Module):
                 module.fuse_projections()
 
     def pack_weights(self) -> None:
-        """CPU serving: every projection of at least ops/linear.LARGE_WEIGHT elements is used in oneDNN's blocked layout from
-        a few rows on, a second copy made on first use (ops/linear.py PackedWeight). Idempotent; a weight that is written,
+        """CPU serving: every projection of at least ops/linear.LARGE_WEIGHT elements is used in oneDNN's blocked layout above
+        ops/linear.KERNEL_ROWS rows, a second copy made on first use (ops/linear.py PackedWeight). Idempotent; a weight that is written,
         moved or cast is packed again on its next use."""
         self.weights_packed = True
         for module in self.modules():

@@ -7,8 +7,8 @@ Why: at decode step sizes a projection streams its whole weight for a handful of
 weight is read. On CPU in fp32 the GEMMs behind F.linear (MKL) and oneDNN's matmul pack or reorder the weight on every call
 and read it without prefetching, slowly at few rows, out of cache even more so (the serving case: a decode step's weights do
 not fit in the last-level cache). Up to KERNEL_ROWS rows, `ops/cpu/linear.c` reads the weight where it lies, prefetched
-into L2, once for all rows: a 16-sequence decode step of the benchmark model 12% faster than with the forms below, one
-sequence 16% (benchmarks/engine_offline.py; op figures in benchmarks/results/ops_linear.md).
+into L2, once for all rows: a decode step of the benchmark model 14% faster than with the forms below at 1 and at 16
+sequences, 21% at 4 (benchmarks/results/engine_offline.md; op figures in benchmarks/results/ops_linear.md).
 
 Without a C compiler, and above KERNEL_ROWS: weights of at least LARGE_WEIGHT elements (512 KiB in fp32) go weight-first,
 (W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache; one row is padded to two, or the call becomes a GEMV, as slow
@@ -16,7 +16,7 @@ as F.linear), then through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`
 CPU compiler emits), 1.1-1.8x. Both cost a few microseconds more per call, which a smaller weight does not earn back: it
 stays with F.linear. A weight whose caller holds an enabled `PackedWeight` (the serving engine enables them on CPU) goes to
 oneDNN in oneDNN's own blocked layout, made once: given the plain weight, `_linear_pointwise` reorders it on every call
-(the packed call is 1.4-1.7x faster at 16-32 rows, ~4% at prefill sizes). It keeps a second copy of each packed weight in
+(the packed call is 1.4-2x faster at 16-32 rows out of cache, ~4% at prefill sizes). It keeps a second copy of each packed weight in
 memory, so it is for serving only. The stacked experts' batched product behaves like the few-row case. Elsewhere (GPU,
 autograd, bf16) these are F.linear and matmul.
 

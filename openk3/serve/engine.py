@@ -47,9 +47,10 @@ class EngineConfig:
     cpu_offload_bytes: int = 0  # host-DRAM tier budget (0: none)
     disk_offload_dir: str | None = None
     disk_offload_bytes: int = 0  # disk tier budget (needs disk_offload_dir)
-    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; ops/linear.py PackedWeight), ~5%
-    # off a 16-sequence decode step. For a model only the engine uses: the copy follows load_state_dict and in-place writes,
-    # but not writes through `.data` or fused optimizer kernels, which bump no version counter (an in-process trainer's).
+    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; ops/linear.py PackedWeight), used
+    # above 16 rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy
+    # follows load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no
+    # version counter (an in-process trainer's).
     pack_cpu_weights: bool = False
 
     def __post_init__(self) -> None:

@@ -76,5 +76,4 @@ class FusedRows:
 
     def pack_weights(self) -> None:
         """Let the block be used in oneDNN's blocked layout on CPU (ops/linear.py PackedWeight, made on first use)."""
-        self.packed.enabled = True
-        self.packed.reset()
+        self.packed.enable()

@@ -37,8 +37,7 @@ class Linear(nn.Linear):
 
     def pack_weights(self) -> None:
         """Use the weight in oneDNN's blocked layout on CPU above KERNEL_ROWS rows (ops/linear.py); made on first use."""
-        self.packed.enabled = True
-        self.packed.reset()
+        self.packed.enable()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) if self.bias is not None else linear(x, self.weight, self.packed)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu import cpu_fp32, cpu_fp32_inference
 from openk3.ops.cpu.build import bind
 
 KERNEL_ROWS = 16  # up to here the C kernel, any weight size; at 32 rows it is no faster than the forms below
@@ -68,6 +68,11 @@ class PackedWeight:
 
     def reset(self) -> None:
         self._packed, self._key = None, None
+
+    def enable(self) -> None:
+        """Use (and, on first use, make) the packed copy from now on; a copy held so far is dropped."""
+        self.enabled = True
+        self.reset()
 
     def get(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if not self.enabled or _reorder is None:
@@ -106,7 +111,7 @@ def _linear_rows_cpu(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> tor
 def linear(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight). `packed`: the caller's PackedWeight for this weight, and
     `sources` the parameters the weight is made of (default: the weight itself)."""
-    if not cpu_fp32(x, weight_NK) or records_grad(x, weight_NK) or weight_NK.dim() != 2:
+    if not cpu_fp32_inference(x, weight_NK) or weight_NK.dim() != 2:
         return F.linear(x, weight_NK)
     width = x.shape[-1]
     rows = x.numel() // width if width else 0

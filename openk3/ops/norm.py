@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu import cpu_fp32_inference
 from openk3.ops.cpu.build import bind
 
 
@@ -44,7 +44,7 @@ def _kernel() -> Any:
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
     tensors = (x,) if weight is None else (x, weight)
-    if not cpu_fp32(*tensors) or records_grad(*tensors):  # first, so that other devices never build the kernel
+    if not cpu_fp32_inference(*tensors):  # first, so that other devices never build the kernel
         return None
     kernel = _kernel()
     if (

@@ -14,6 +14,7 @@ def cpu_fp32(*tensors: torch.Tensor) -> bool:
     return all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
 
 
-def records_grad(*tensors: torch.Tensor) -> bool:
-    """Autograd would record an op on these tensors: the kernels (and oneDNN's linear) have no backward."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def cpu_fp32_inference(*tensors: torch.Tensor) -> bool:
+    """Every tensor is fp32 on CPU and autograd would record no op on them: what a kernel (or oneDNN's linear, which has
+    no backward either) may take."""
+    return cpu_fp32(*tensors) and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu import cpu_fp32_inference
 from openk3.ops.cpu.build import bind
 
 MAX_HEADS, MAX_PAGE = 128, 64  # mla_decode.c keeps a page's scores and each head's running max and sum on the stack
@@ -36,7 +36,7 @@ def latent_attention_cpu(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_ta
     if q_NHR.dim() != 3 or latent_pool.dim() != 3 or page_table_NP.dim() != 2:
         return None
     n, h, r = q_NHR.shape
-    if not (cpu_fp32(q_NHR, latent_pool) and not records_grad(q_NHR, latent_pool) and q_NHR.is_contiguous() and latent_pool.is_contiguous()):
+    if not (cpu_fp32_inference(q_NHR, latent_pool) and q_NHR.is_contiguous() and latent_pool.is_contiguous()):
         return None
     if latent_pool.shape[2] != r or not 1 <= lr <= r or not 1 <= h <= MAX_HEADS or not 1 <= latent_pool.shape[1] <= MAX_PAGE or page_table_NP.shape[0] != n:
         return None

@@ -22,7 +22,7 @@ import torch
 
 from openk3.config import Activation
 from openk3.ops.activation import glu
-from openk3.ops.cpu import cpu_fp32, records_grad
+from openk3.ops.cpu import cpu_fp32_inference
 from openk3.ops.cpu.build import bind, load
 from openk3.ops.linear import bmm_weight_t
 from openk3.ops.moe.bank import DenseExpertBank
@@ -30,10 +30,6 @@ from openk3.ops.moe.naive import Act
 
 MAX_K = 64  # the C top-k keeps its candidates on the stack
 _ACT_CODES = {Activation.SILU: 0, Activation.SITU: 1}  # moe.c's ACT_SILU, ACT_SITU
-
-
-def _inference_cpu_fp32(*tensors: torch.Tensor) -> bool:
-    return cpu_fp32(*tensors) and not records_grad(*tensors)
 
 
 @functools.cache
@@ -58,7 +54,7 @@ def route_cpu(
     """(topk_idx [T, k] int64, topk_weight [T, k] fp32, scores [T, E] fp32) from fp32 router logits, as sigmoid_topk_route
     computes them, or None. The logits tensor becomes the scores (it is the caller's temporary). Ties in the biased score
     go to the lower expert id (torch.topk leaves their order unspecified); a NaN score is never selected."""
-    if logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not _inference_cpu_fp32(logits_TE, *([bias_E] if bias_E is not None else [])):
+    if logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not cpu_fp32_inference(logits_TE, *([bias_E] if bias_E is not None else [])):
         return None  # checked before the library is asked for, so that other devices never build it
     lib = _lib()
     if lib is None:
@@ -90,7 +86,7 @@ def expert_loop_in_c(x_TD: torch.Tensor, bank: DenseExpertBank, act: Act) -> boo
     stacked weights, an activation it knows, and the library at hand. moe_experts_auto then widens the batched path's
     window (the loop computes no padding rows and reads no idle expert's weights)."""
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if x_TD.dim() != 2 or x_TD.stride(-1) != 1 or not _inference_cpu_fp32(x_TD, *weights) or not all(w.is_contiguous() for w in weights):
+    if x_TD.dim() != 2 or x_TD.stride(-1) != 1 or not cpu_fp32_inference(x_TD, *weights) or not all(w.is_contiguous() for w in weights):
         return False
     return _glu_in_c(act) is not None and _lib() is not None
 
@@ -100,7 +96,7 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     path then runs). The expert MLPs run in C too when `expert_loop_in_c`; otherwise they are three batched products over the
     padded block, and when fewer than half of the experts are active this returns None (the torch path reads only those)."""
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if x_TD.dim() != 2 or topk_idx.dim() != 2 or not _inference_cpu_fp32(x_TD, *weights) or x_TD.stride(-1) != 1:
+    if x_TD.dim() != 2 or topk_idx.dim() != 2 or not cpu_fp32_inference(x_TD, *weights) or x_TD.stride(-1) != 1:
         return None
     lib = _lib()
     if lib is None:

@@ -80,9 +80,7 @@ def main() -> None:
                     finally:
                         linear_mod._rows_kernel = kernel  # type: ignore[assignment]
                     ours = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], repeats)
-                    print(
-                        f"| [{n}, {k}] | {what} | {regime} | {m} | {base:.1f} | {forms:.1f} | {ours:.1f} | {base / ours:.2f}x | {forms / ours:.2f}x |"
-                    )
+                    print(f"| [{n}, {k}] | {what} | {regime} | {m} | {base:.1f} | {forms:.1f} | {ours:.1f} | {base / ours:.2f}x | {forms / ours:.2f}x |")
 
         print("\n| experts [A, N, K] | regime | rows per expert | matmul(x, W^T) us | bmm_weight_t us | ratio |")
         print("|---|---|---|---|---|---|")

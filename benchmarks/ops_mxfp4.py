@@ -52,10 +52,7 @@ def memory_rows(k3_experts: int) -> list[tuple[str, int, int, int]]:
     kc = k3()
     ke, kd, ki = kc.moe.num_experts, kc.moe.latent_size or kc.hidden_size, kc.moe.moe_intermediate_size
     shapes = ((ki, kd), (ki, kd), (kd, ki))
-    bank = [
-        MXFP4Tensor(torch.empty(k3_experts, r, c // 2, dtype=torch.uint8), torch.empty(k3_experts, r, c // 32, dtype=torch.uint8))
-        for r, c in shapes
-    ]
+    bank = [MXFP4Tensor(torch.empty(k3_experts, r, c // 2, dtype=torch.uint8), torch.empty(k3_experts, r, c // 32, dtype=torch.uint8)) for r, c in shapes]
     dense = 0
     for x in range(k3_experts):  # one expert in bf16 at a time
         for t, (r, c) in zip(bank, shapes, strict=True):

@@ -63,9 +63,25 @@ def run(args: argparse.Namespace) -> str:
     load_before = os.getloadavg()
     state = tempfile.mkdtemp(prefix="openk3-bench-state-")
     svc = SandboxService(BackendConfig(state_dir=state, store_bytes=4 * 2**30, default_ttl_s=3600))
-    t: dict[str, list[float]] = {k: [] for k in ("create", "exec", "snapshot", "restore", "restore (cold)", "fork", "destroy",
-                                                 "full-copy snapshot", "full-copy restore", "tar.zst export",
-                                                 "process snapshot", "process restore", "process fork", "spawn /bin/true")}
+    t: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "create",
+            "exec",
+            "snapshot",
+            "restore",
+            "restore (cold)",
+            "fork",
+            "destroy",
+            "full-copy snapshot",
+            "full-copy restore",
+            "tar.zst export",
+            "process snapshot",
+            "process restore",
+            "process fork",
+            "spawn /bin/true",
+        )
+    }
     gate: list[str] = []
     try:
         builder = svc.create(limits=Limits(disk_bytes=256 * 2**20, memory_bytes=1 << 30))
@@ -99,8 +115,7 @@ def run(args: argparse.Namespace) -> str:
         for i in range(args.baseline_cycles):
             timed(t["full-copy snapshot"], subprocess.run, ["cp", "-a", merged, scratch], check=True)
             svc.exec(sid, EDIT_2 + " || true")
-            timed(t["full-copy restore"], subprocess.run, ["sh", "-c", 'rm -rf "$1"/* && cp -a "$2"/. "$1"/', "sh", merged, scratch],
-                  check=True)
+            timed(t["full-copy restore"], subprocess.run, ["sh", "-c", 'rm -rf "$1"/* && cp -a "$2"/. "$1"/', "sh", merged, scratch], check=True)
             if i == 0:
                 check_dir = scratch + "-naive"
                 naive.snapshot(merged, check_dir)  # the reference copy must agree with cp -a
@@ -137,25 +152,32 @@ def report(args, t, gate, files, size, load_before, load_after) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     fs_caps = "files + metadata incl. deletions (the change set as a content-addressed layer); no memory"
     rows = [
-        ("create", "-"), ("exec", "-"), ("snapshot", fs_caps), ("restore", "swap to the standby prepared in the background (root mounted, init running)"),
+        ("create", "-"),
+        ("exec", "-"),
+        ("snapshot", fs_caps),
+        ("restore", "swap to the standby prepared in the background (root mounted, init running)"),
         ("restore (cold)", "no standby: mount the snapshot's layers and start a new init in line"),
-        ("fork", "1 new sandbox over an existing snapshot"), ("destroy", "-"),
+        ("fork", "1 new sandbox over an existing snapshot"),
+        ("destroy", "-"),
         ("full-copy snapshot", "files: `cp -a` of the whole merged tree (baseline)"),
         ("full-copy restore", "files: `rm -rf` + `cp -a` back (baseline)"),
         ("tar.zst export", "files (transport format, not a restore path)"),
         ("process snapshot", f"memory of one Python process ({args.process_mb} MB heap), fork of a frozen template"),
-        ("process restore", "live copy of the template replaces the env"), ("process fork", "1 live copy"),
+        ("process restore", "live copy of the template replaces the env"),
+        ("process fork", "1 live copy"),
         ("spawn /bin/true", "machine noise: one fork+exec from Python (every exec/create/restore pays several)"),
     ]
     p50 = {k: statistics.median(v) for k, v in t.items() if v}
     lines = [
-        "# Sandbox lifecycle benchmark", "",
+        "# Sandbox lifecycle benchmark",
+        "",
         f"Command: `{' '.join(sys.argv)}`  ",
         f"Machine: {platform.node()}, kernel {platform.release()}, {os.cpu_count()} cores, load average "
         f"{load_before[0]:.1f} before / {load_after[0]:.1f} after; commit {commit}.  ",
-        f"Environment: {files} entries, {size / 2**20:.0f} MB in one image layer on tmpfs; {args.cycles} cycles "
-        f"(baselines {args.baseline_cycles}).", "",
-        "| operation | p50 ms | p99 ms | n | captures |", "|---|---:|---:|---:|---|",
+        f"Environment: {files} entries, {size / 2**20:.0f} MB in one image layer on tmpfs; {args.cycles} cycles (baselines {args.baseline_cycles}).",
+        "",
+        "| operation | p50 ms | p99 ms | n | captures |",
+        "|---|---:|---:|---:|---|",
     ]
     for name, caps in rows:
         v = t[name]
@@ -166,12 +188,11 @@ def report(args, t, gate, files, size, load_before, load_after) -> str:
         lines += ["**Correctness gate failed; no ratios reported:**", *[f"- {g}" for g in gate]]
         return "\n".join(lines) + "\n"
     lines += [
-        "| claim | measured p50 | baseline | ratio | goal |", "|---|---:|---:|---:|---|",
-        f"| fs snapshot vs K3 (133 ms, VM incl. memory) | {p50['snapshot']:.2f} ms | {K3_SNAPSHOT_MS} ms | "
-        f"{K3_SNAPSHOT_MS / p50['snapshot']:.1f}x | >= 10x |",
+        "| claim | measured p50 | baseline | ratio | goal |",
+        "|---|---:|---:|---:|---|",
+        f"| fs snapshot vs K3 (133 ms, VM incl. memory) | {p50['snapshot']:.2f} ms | {K3_SNAPSHOT_MS} ms | {K3_SNAPSHOT_MS / p50['snapshot']:.1f}x | >= 10x |",
         f"| fs restore vs K3 (49 ms) | {p50['restore']:.2f} ms | {K3_RESTORE_MS} ms | {K3_RESTORE_MS / p50['restore']:.1f}x | >= 5x |",
-        f"| fs restore (cold) vs K3 (49 ms) | {p50['restore (cold)']:.2f} ms | {K3_RESTORE_MS} ms | "
-        f"{K3_RESTORE_MS / p50['restore (cold)']:.1f}x | >= 5x |",
+        f"| fs restore (cold) vs K3 (49 ms) | {p50['restore (cold)']:.2f} ms | {K3_RESTORE_MS} ms | {K3_RESTORE_MS / p50['restore (cold)']:.1f}x | >= 5x |",
         f"| fs snapshot vs full copy (same run) | {p50['snapshot']:.2f} ms | {p50['full-copy snapshot']:.1f} ms | "
         f"{p50['full-copy snapshot'] / p50['snapshot']:.1f}x | - |",
         f"| fs restore vs full copy (same run) | {p50['restore']:.2f} ms | {p50['full-copy restore']:.1f} ms | "

@@ -35,8 +35,22 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "openk3", "serve", "--model", args.model, "--port", str(port), "--seed", str(args.seed),
-           "--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "openk3",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--seed",
+        str(args.seed),
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+        "--log-level",
+        "warning",
+    ]
     if args.torch_threads is not None:
         cmd += ["--torch-threads", str(args.torch_threads)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -64,8 +78,9 @@ def server_matches_offline(args: argparse.Namespace, base: str) -> tuple[bool, s
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    r = httpx.post(f"{base}/v1/completions", json={"model": args.model, "prompt": CHECK_PROMPT, "max_tokens": 16, "temperature": 0,
-                                                  "ignore_eos": True}, timeout=120).json()
+    r = httpx.post(
+        f"{base}/v1/completions", json={"model": args.model, "prompt": CHECK_PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}, timeout=120
+    ).json()
     served = r["choices"][0]["text"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,9 +92,32 @@ def bench(args: argparse.Namespace, base: str, concurrency: int) -> dict:
     num_prompts = max(args.min_prompts, args.prompts_per_slot * concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "openk3", "bench", "serve", "--base-url", base, "--model", args.model, "--dataset", "random",
-               "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--seed", str(args.seed),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--save-result", str(out), "--disable-tqdm"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "openk3",
+            "bench",
+            "serve",
+            "--base-url",
+            base,
+            "--model",
+            args.model,
+            "--dataset",
+            "random",
+            "--max-concurrency",
+            str(concurrency),
+            "--num-prompts",
+            str(num_prompts),
+            "--seed",
+            str(args.seed),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--save-result",
+            str(out),
+            "--disable-tqdm",
+        ]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 

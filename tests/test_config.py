@@ -44,12 +44,26 @@ def test_hf_round_trip(make) -> None:
 
 def test_reads_moonshot_style_kimi_linear_config() -> None:
     raw = {
-        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27, "intermediate_size": 9216,
-        "moe_intermediate_size": 1024, "num_attention_heads": 32, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True, "hidden_act": "silu",
-        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "kda_layers": [], "num_heads": 32, "head_dim": 128,
-                               "short_conv_kernel_size": 4},
+        "model_type": "kimi_linear",
+        "vocab_size": 163840,
+        "hidden_size": 2304,
+        "num_hidden_layers": 27,
+        "intermediate_size": 9216,
+        "moe_intermediate_size": 1024,
+        "num_attention_heads": 32,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446,
+        "moe_renormalize": True,
+        "hidden_act": "silu",
+        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "kda_layers": [], "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
     }
     c = ModelConfig.from_hf(raw)
     ref = kimi_linear_48b()

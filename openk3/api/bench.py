@@ -74,8 +74,13 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float]:
     import numpy as np
 
     v = np.asarray(values_s or [0.0], dtype=np.float64) * 1000
-    return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)), f"std_{name}_ms": float(v.std()),
-            f"p90_{name}_ms": float(np.percentile(v, 90)), f"p99_{name}_ms": float(np.percentile(v, 99))}
+    return {
+        f"mean_{name}_ms": float(v.mean()),
+        f"median_{name}_ms": float(np.median(v)),
+        f"std_{name}_ms": float(v.std()),
+        f"p90_{name}_ms": float(np.percentile(v, 90)),
+        f"p99_{name}_ms": float(np.percentile(v, 99)),
+    }
 
 
 def tpot(r: RequestResult) -> float | None:
@@ -167,8 +172,19 @@ async def benchmark(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     slos = parse_goodput(args.goodput)
-    cfg = DatasetConfig(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len, args.range_ratio, args.prefix_len,
-                        args.suffix_len, args.num_prefixes, args.num_turns, args.turn_len)
+    cfg = DatasetConfig(
+        args.dataset,
+        args.num_prompts,
+        args.seed,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.prefix_len,
+        args.suffix_len,
+        args.num_prefixes,
+        args.num_turns,
+        args.turn_len,
+    )
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -195,8 +211,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             bar.update(1)
             return res
 
-        common = {"model": model, "max_tokens": None, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                  "stream_options": {"include_usage": True}}
+        common = {"model": model, "max_tokens": None, "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
         async def run_one(w: BenchRequest) -> None:
             if not w.turns:
@@ -221,18 +236,31 @@ async def benchmark(args: argparse.Namespace) -> dict:
         duration = time.perf_counter() - start
         bar.close()
     out = summarize(results, duration, slos)
-    out.update(dataset=cfg.name, dataset_config=asdict(cfg), model=model, base_url=base, request_rate=args.request_rate,
-               max_concurrency=args.max_concurrency, num_prompts=total)
+    out.update(
+        dataset=cfg.name,
+        dataset_config=asdict(cfg),
+        model=model,
+        base_url=base,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        num_prompts=total,
+    )
     if cfg.name == "prefix_repetition":
         out["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(cfg)
     return out
 
 
 def format_table(result: dict) -> str:
-    rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]), ("Duration (s)", result["duration"]),
-            ("Total input tokens", result["total_input_tokens"]), ("Total output tokens", result["total_output_tokens"]),
-            ("Request throughput (req/s)", result["request_throughput"]), ("Output token throughput (tok/s)", result["output_throughput"]),
-            ("Total token throughput (tok/s)", result["total_token_throughput"])]
+    rows = [
+        ("Successful requests", result["completed"]),
+        ("Failed requests", result["failed"]),
+        ("Duration (s)", result["duration"]),
+        ("Total input tokens", result["total_input_tokens"]),
+        ("Total output tokens", result["total_output_tokens"]),
+        ("Request throughput (req/s)", result["request_throughput"]),
+        ("Output token throughput (tok/s)", result["output_throughput"]),
+        ("Total token throughput (tok/s)", result["total_token_throughput"]),
+    ]
     if result["request_goodput"] is not None:
         rows.append(("Request goodput (req/s)", result["request_goodput"]))
     for name in ("ttft", "tpot", "itl", "e2el"):

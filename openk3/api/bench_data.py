@@ -70,8 +70,10 @@ def make_requests(cfg: DatasetConfig, pool: list[int] | None) -> list[BenchReque
     """The workload; `pool` is the token ids prompts are drawn from (None: text prompts of n words)."""
     rng = random.Random(cfg.seed)
     if cfg.name == "random":
-        return [BenchRequest(_ids(rng, pool, _length(rng, cfg.input_len, cfg.range_ratio)), _length(rng, cfg.output_len, cfg.range_ratio))
-                for _ in range(cfg.num_prompts)]
+        return [
+            BenchRequest(_ids(rng, pool, _length(rng, cfg.input_len, cfg.range_ratio)), _length(rng, cfg.output_len, cfg.range_ratio))
+            for _ in range(cfg.num_prompts)
+        ]
     if cfg.name == "prefix_repetition":
         prefixes = [_ids(rng, pool, cfg.prefix_len) for _ in range(cfg.num_prefixes)]
         out = []

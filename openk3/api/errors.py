@@ -22,8 +22,14 @@ from openk3.api.protocol import ErrorInfo, ErrorResponse
 log = logging.getLogger("openk3.api")
 M = TypeVar("M", bound=BaseModel)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "service_unavailable_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
 
 
 class APIError(Exception):
@@ -92,8 +98,9 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:  # JSON escapes can spell lone surrogates, which no tokenizer can encode
-        raise APIError(400, f"request body contains an unpaired surrogate escape ({e.object[e.start:e.end]!a}): text must be valid Unicode",
-                       code="invalid_encoding") from e
+        raise APIError(
+            400, f"request body contains an unpaired surrogate escape ({e.object[e.start : e.end]!a}): text must be valid Unicode", code="invalid_encoding"
+        ) from e
     try:
         parsed = model.model_validate(data)
     except ValidationError as e:

@@ -47,12 +47,7 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     if not cpu_fp32_inference(*tensors):  # first, so that other devices never build the kernel
         return None
     kernel = _kernel()
-    if (
-        kernel is None
-        or x.dim() < 1
-        or x.stride(-1) != 1
-        or (weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1]))
-    ):
+    if kernel is None or x.dim() < 1 or x.stride(-1) != 1 or (weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1])):
         return None
     width = x.shape[-1]
     rows = x.numel() // width if width else 0

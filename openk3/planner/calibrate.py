@@ -64,9 +64,7 @@ class Fit:
     errors: tuple[float, ...]  # predicted / measured - 1, per measurement
 
 
-def calibrate(
-    measurements: Sequence[Measurement], factors: Sequence[str] = ("gemm",), start: Efficiency | None = None, rounds: int = 6
-) -> Fit:
+def calibrate(measurements: Sequence[Measurement], factors: Sequence[str] = ("gemm",), start: Efficiency | None = None, rounds: int = 6) -> Fit:
     """Efficiency factors (only those named) that best reproduce the measured step times; the others stay at `start`."""
     if not measurements:
         raise ValueError("calibrate: expected at least one measurement")

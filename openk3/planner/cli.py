@@ -16,9 +16,12 @@ from openk3.planner.search import SLO, SearchSpace
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="capacity planner: accelerators, latency, cost per token, and what binds",
-                              description="Plan a deployment of a K3-class model: memory per accelerator, decode/prefill step time, "
-                                          "throughput, TTFT, tokens per joule, $ per 1M tokens, and the cheapest layout meeting SLOs.")
+    p = subparsers.add_parser(
+        "plan",
+        help="capacity planner: accelerators, latency, cost per token, and what binds",
+        description="Plan a deployment of a K3-class model: memory per accelerator, decode/prefill step time, "
+        "throughput, TTFT, tokens per joule, $ per 1M tokens, and the cheapest layout meeting SLOs.",
+    )
     p.add_argument("--model", default="k3", help=f"model preset: {', '.join(sorted(MODELS))} (default k3)")
     p.add_argument("--hardware", default="gb300-nvl72", help="system name from the catalogue (default gb300-nvl72)")
     p.add_argument("--catalogue", default=None, help="extra JSON/YAML catalogue file adding or overriding systems")
@@ -48,8 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _efficiency(args: argparse.Namespace) -> Efficiency:
     base = Efficiency.ideal() if args.ideal else Efficiency()
-    changes = {k: v for k, v in (("hbm", args.eff_hbm), ("gemm", args.eff_gemm), ("attention", args.eff_attention),
-                                 ("comm_overlap", args.comm_overlap)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (("hbm", args.eff_hbm), ("gemm", args.eff_gemm), ("attention", args.eff_attention), ("comm_overlap", args.comm_overlap))
+        if v is not None
+    }
     return Efficiency(**{**base.__dict__, **changes})
 
 

@@ -143,9 +143,7 @@ def a2a_width(config: ModelConfig) -> int:
     return config.moe.latent_size or config.hidden_size
 
 
-def working_set(
-    config: ModelConfig, quant: Quantisation, layout: Layout, workload: Workload, system: System, fill: float = DEFAULT_FILL
-) -> MemoryBreakdown:
+def working_set(config: ModelConfig, quant: Quantisation, layout: Layout, workload: Workload, system: System, fill: float = DEFAULT_FILL) -> MemoryBreakdown:
     if not 0 < fill <= 1:
         raise ValueError(f"fill={fill!r} is invalid: expected a fraction of HBM in (0, 1]")
     routed, trunk, prefetch = _fixed_bytes(config, quant, layout)
@@ -164,9 +162,7 @@ def working_set(
     )
 
 
-def max_concurrency(
-    config: ModelConfig, quant: Quantisation, layout: Layout, context: int, system: System, fill: float = DEFAULT_FILL
-) -> int:
+def max_concurrency(config: ModelConfig, quant: Quantisation, layout: Layout, context: int, system: System, fill: float = DEFAULT_FILL) -> int:
     """Most sequences of `context` tokens the instance holds in HBM at once (0 when the weights alone do not fit)."""
     routed, trunk, prefetch = _fixed_bytes(config, quant, layout)
     free = system.accelerator.usable_hbm * fill - routed - trunk - prefetch

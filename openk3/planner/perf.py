@@ -160,8 +160,7 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool) ->
 
     w = weight_bytes(config, quant)
     trunk_read = (w.trunk_bytes - w.embedding_params * quant.trunk_bits / 8) / tp  # embedding rows are gathered, not streamed
-    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute),
-                       eff.gemm, sc)
+    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc)
 
     total_tokens = tokens_per_group * layout.dp
     replicas = layout.num_accelerators // layout.ep_size

@@ -84,8 +84,7 @@ def make_plan(req: PlanRequest) -> Plan:
     # the instance the user asked about is always among the searched sizes, so its TP choice is a searched one
     sizes = tuple(sorted(set(req.space.sizes or default_sizes(req.system, req.space.max_accelerators)) | {n}))
     space = replace(req.space, sizes=sizes)
-    result = search(req.config, req.quant, req.system, req.context, req.slo, req.prompt, space, req.efficiency, req.comm,
-                    req.balance_params, req.fill)
+    result = search(req.config, req.quant, req.system, req.context, req.slo, req.prompt, space, req.efficiency, req.comm, req.balance_params, req.fill)
     tp = _choose_tp(req, n, result)
     layout = Layout(num_accelerators=n, tp=tp, redundant_experts=req.redundant_experts, balance=req.balance)
     limit = max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill)

@@ -138,8 +138,7 @@ def search(
     return SearchResult(tuple(out))
 
 
-def why_not(config: ModelConfig, quant: Quantisation, system: System, context: int, sizes: Sequence[int],
-            fill: float = DEFAULT_FILL) -> dict[int, str]:
+def why_not(config: ModelConfig, quant: Quantisation, system: System, context: int, sizes: Sequence[int], fill: float = DEFAULT_FILL) -> dict[int, str]:
     """For instance sizes where nothing fits: how far the weights alone are over the fullest rank's HBM."""
     from openk3.planner.memory import working_set
 

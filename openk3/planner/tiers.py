@@ -52,8 +52,7 @@ def tier_table(sc: Scenario, prefix_tokens: int) -> tuple[TierRow, ...]:
     s = sc.system
     recompute = recompute_time(sc, prefix_tokens)
     rows = []
-    for tier, bw, cap in (("hbm", s.accelerator.hbm_bw, hbm_free), ("host_dram", s.host_link_bw, s.host_mem_bytes),
-                          ("nvme", s.nvme_bw, s.nvme_bytes)):
+    for tier, bw, cap in (("hbm", s.accelerator.hbm_bw, hbm_free), ("host_dram", s.host_link_bw, s.host_mem_bytes), ("nvme", s.nvme_bw, s.nvme_bytes)):
         # the prefix is spread over the group's tp ranks, each moving its share over its own link
         reload = 0.0 if tier == "hbm" else per_seq / (bw * sc.layout.tp)
         rows.append(TierRow(tier, bw, cap, int(cap // per_seq), reload, recompute))
@@ -62,6 +61,7 @@ def tier_table(sc: Scenario, prefix_tokens: int) -> tuple[TierRow, ...]:
 
 def break_even_tokens(sc: Scenario, tier: str, lo: int = 1, hi: int = 1 << 20) -> int | None:
     """Shortest prefix whose reload from `tier` beats recomputing it (None if none up to `hi`)."""
+
     def pays(n: int) -> bool:
         row = next(r for r in tier_table(sc, n) if r.tier == tier)
         return row.reload_s < row.recompute_s

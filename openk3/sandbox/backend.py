@@ -104,8 +104,15 @@ class NamespaceBackend:
                 raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
             return self._snapshots[snapshot_id]
 
-    def create(self, image: str | None = None, limits: Limits | None = None, env: dict[str, str] | None = None,
-               workdir: str = "/root", ttl_s: float | None = None, services: tuple[str, ...] = ()) -> str:
+    def create(
+        self,
+        image: str | None = None,
+        limits: Limits | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str = "/root",
+        ttl_s: float | None = None,
+        services: tuple[str, ...] = (),
+    ) -> str:
         """A new sandbox over the base rootfs (image=None) or over an fs snapshot's layers (image=snapshot id)."""
         if self._closed:
             raise Conflict("backend is closed")
@@ -138,9 +145,19 @@ class NamespaceBackend:
         try:
             cg = cgroups.CgroupSet(self.layout, self.cg_prefix, name)
             cg.set_limits(limits.memory_bytes, limits.pids, limits.cpus)
-            box = Instance(sid, os.path.join(self.state, "sbx", name), self.base, layers,
-                           [self.store.get(d).path for d in layers], limits, cg, env, workdir, self.bwrap,
-                           self.config.sandbox_uid)
+            box = Instance(
+                sid,
+                os.path.join(self.state, "sbx", name),
+                self.base,
+                layers,
+                [self.store.get(d).path for d in layers],
+                limits,
+                cg,
+                env,
+                workdir,
+                self.bwrap,
+                self.config.sandbox_uid,
+            )
             box.start_init()
             return box
         except BaseException:
@@ -163,15 +180,22 @@ class NamespaceBackend:
     def _prepare_standby(self, sid: str, snap: SnapshotInfo) -> None:
         if self.config.prewarm:
             meta = self._meta[sid]
-            self.standbys.prepare(snap.snapshot_id, self._params(meta),
-                                  lambda: self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir))
+            self.standbys.prepare(snap.snapshot_id, self._params(meta), lambda: self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir))
 
     def _start_services(self, sid: str) -> None:
         for command in self._meta[sid].services:
             self.exec(sid, f"nohup sh -c {shell_quote(command)} >/dev/null 2>&1 &", timeout_s=5.0)
 
-    def exec(self, sid: str, cmd: str | list[str], timeout_s: float = 60.0, cwd: str | None = None,
-             env: dict[str, str] | None = None, stdin: bytes | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
+    def exec(
+        self,
+        sid: str,
+        cmd: str | list[str],
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
         if not 0 < timeout_s <= 86400:
             raise InvalidArgument(f"timeout_s={timeout_s}: expected 0 < timeout_s <= 86400")
         if max_output_bytes < 0:
@@ -202,8 +226,7 @@ class NamespaceBackend:
             squashed = self.store.add_squash(list(layers)).digest
             self.store.decref(layers)
             layers = (squashed,)
-        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid,
-                            created_at=time.time(), captures=FS_CAPTURES)
+        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid, created_at=time.time(), captures=FS_CAPTURES)
         with self._lock:
             self._snapshots[info.snapshot_id] = info
         if prewarm:
@@ -238,8 +261,7 @@ class NamespaceBackend:
         try:
             if meta is None:
                 return [self.create(snap.snapshot_id) for _ in range(n)]
-            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services)
-                    for _ in range(n)]
+            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services) for _ in range(n)]
         finally:
             if own:
                 self.delete_snapshot(snap.snapshot_id)
@@ -267,10 +289,17 @@ class NamespaceBackend:
     def stats(self, sid: str) -> SandboxStats:
         box = self.box(sid)
         meta = self._meta[sid]
-        return SandboxStats(sandbox_id=sid, memory_bytes=box.cg.memory_bytes(), pids=box.cg.pid_count(),
-                            cpu_usage_s=box.cg.cpu_usage_s(), disk_used_bytes=box.disk_used(),
-                            disk_limit_bytes=meta.limits.disk_bytes, layer_depth=len(box.layers), alive=box.alive(),
-                            expires_at=meta.expires_at)
+        return SandboxStats(
+            sandbox_id=sid,
+            memory_bytes=box.cg.memory_bytes(),
+            pids=box.cg.pid_count(),
+            cpu_usage_s=box.cg.cpu_usage_s(),
+            disk_used_bytes=box.disk_used(),
+            disk_limit_bytes=meta.limits.disk_bytes,
+            layer_depth=len(box.layers),
+            alive=box.alive(),
+            expires_at=meta.expires_at,
+        )
 
     def heartbeat(self, sid: str, ttl_s: float | None = None) -> float:
         self.box(sid)
@@ -301,8 +330,9 @@ class NamespaceBackend:
         except BaseException:
             self.store.decref(taken)
             raise
-        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import",
-                            created_at=time.time(), captures=FS_CAPTURES)
+        info = SnapshotInfo(
+            snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import", created_at=time.time(), captures=FS_CAPTURES
+        )
         with self._lock:
             self._snapshots[info.snapshot_id] = info
         return info

@@ -183,8 +183,9 @@ class CgroupSet:
         mem = self.limit_dirs.get("memory")
         if not mem:
             return 0
-        return (_keyed(f"{mem}/memory.events", "oom_kill") if mem.startswith(self.layout.v2_root or "\0")
-                else _keyed(f"{mem}/memory.oom_control", "oom_kill")) or 0
+        return (
+            _keyed(f"{mem}/memory.events", "oom_kill") if mem.startswith(self.layout.v2_root or "\0") else _keyed(f"{mem}/memory.oom_control", "oom_kill")
+        ) or 0
 
     def memory_bytes(self) -> int | None:
         mem = self.limit_dirs.get("memory")

@@ -49,16 +49,32 @@ class _Methods:
     def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
         raise NotImplementedError
 
-    def create(self, image: str | None = None, limits: Limits | None = None, env: dict[str, str] | None = None,
-               workdir: str = "/root", ttl_s: float | None = None, services: tuple[str, ...] = ()) -> Any:
-        return self._invoke("create", {"image": image, "limits": limits, "env": env, "workdir": workdir, "ttl_s": ttl_s,
-                                       "services": list(services)}, _same)
+    def create(
+        self,
+        image: str | None = None,
+        limits: Limits | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str = "/root",
+        ttl_s: float | None = None,
+        services: tuple[str, ...] = (),
+    ) -> Any:
+        return self._invoke("create", {"image": image, "limits": limits, "env": env, "workdir": workdir, "ttl_s": ttl_s, "services": list(services)}, _same)
 
-    def exec(self, sandbox_id: str, cmd: str | list[str], timeout_s: float = 60.0, cwd: str | None = None,
-             env: dict[str, str] | None = None, stdin: bytes | None = None, max_output_bytes: int = 1 << 20) -> Any:
-        return self._invoke("exec", {"sandbox_id": sandbox_id, "cmd": cmd, "timeout_s": timeout_s, "cwd": cwd, "env": env,
-                                     "stdin": stdin, "max_output_bytes": max_output_bytes},
-                            lambda r: from_jsonable(ExecResult, r))
+    def exec(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> Any:
+        return self._invoke(
+            "exec",
+            {"sandbox_id": sandbox_id, "cmd": cmd, "timeout_s": timeout_s, "cwd": cwd, "env": env, "stdin": stdin, "max_output_bytes": max_output_bytes},
+            lambda r: from_jsonable(ExecResult, r),
+        )
 
     def read_file(self, sandbox_id: str, path: str, max_bytes: int = 64 << 20) -> Any:
         return self._invoke("read_file", {"sandbox_id": sandbox_id, "path": path, "max_bytes": max_bytes}, _bytes)
@@ -67,8 +83,7 @@ class _Methods:
         return self._invoke("write_file", {"sandbox_id": sandbox_id, "path": path, "data": data, "mode": mode}, _same)
 
     def list_dir(self, sandbox_id: str, path: str = "/") -> Any:
-        return self._invoke("list_dir", {"sandbox_id": sandbox_id, "path": path},
-                            lambda r: [from_jsonable(DirEntry, e) for e in r])
+        return self._invoke("list_dir", {"sandbox_id": sandbox_id, "path": path}, lambda r: [from_jsonable(DirEntry, e) for e in r])
 
     def upload_tar(self, sandbox_id: str, data: bytes, dest: str = "/") -> Any:
         return self._invoke("upload_tar", {"sandbox_id": sandbox_id, "data": data, "dest": dest}, _same)
@@ -80,16 +95,17 @@ class _Methods:
         return self._invoke("open_shell", {"sandbox_id": sandbox_id, "cwd": cwd, "env": env}, _same)
 
     def shell_run(self, shell_id: str, cmd: str, timeout_s: float = 60.0, max_output_bytes: int = 1 << 20) -> Any:
-        return self._invoke("shell_run", {"shell_id": shell_id, "cmd": cmd, "timeout_s": timeout_s,
-                                          "max_output_bytes": max_output_bytes}, lambda r: from_jsonable(ExecResult, r))
+        return self._invoke(
+            "shell_run",
+            {"shell_id": shell_id, "cmd": cmd, "timeout_s": timeout_s, "max_output_bytes": max_output_bytes},
+            lambda r: from_jsonable(ExecResult, r),
+        )
 
     def close_shell(self, shell_id: str) -> Any:
         return self._invoke("close_shell", {"shell_id": shell_id}, _same)
 
-    def create_env(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None,
-                   memory_bytes: int | None = None) -> Any:
-        return self._invoke("create_env", {"factory": factory, "kwargs": kwargs, "pythonpath": pythonpath,
-                                           "memory_bytes": memory_bytes}, _same)
+    def create_env(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None, memory_bytes: int | None = None) -> Any:
+        return self._invoke("create_env", {"factory": factory, "kwargs": kwargs, "pythonpath": pythonpath, "memory_bytes": memory_bytes}, _same)
 
     def call_env(self, env_id: str, method: str, args: list | None = None, kwargs: dict | None = None) -> Any:
         return self._invoke("call_env", {"env_id": env_id, "method": method, "args": args, "kwargs": kwargs}, _same)
@@ -148,8 +164,7 @@ class SandboxClient(_Methods):
 class AsyncSandboxClient(_Methods):
     def __init__(self, base_url: str, timeout_s: float = 600.0, max_connections: int = 16) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
-                                       limits=httpx.Limits(max_connections=max_connections))
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections))
 
     async def _call(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
         body = to_jsonable({k: v for k, v in kwargs.items() if v is not None})

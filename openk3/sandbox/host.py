@@ -53,9 +53,31 @@ def probe() -> HostFeatures:
     except FileNotFoundError:
         return result("kernel without user namespaces")
     smoke = subprocess.run(
-        [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--uid", "0", "--gid", "0",
-         "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--", "true"],
-        capture_output=True, text=True, timeout=30, check=False,
+        [
+            bwrap,
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--uid",
+            "0",
+            "--gid",
+            "0",
+            "--ro-bind",
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     if smoke.returncode != 0:
         return result(f"bwrap cannot create namespaces here: {smoke.stderr.strip()}")

@@ -35,8 +35,20 @@ def _state(pid: int) -> str | None:
 
 
 class Instance:
-    def __init__(self, sid: str, dir: str, base: str, layers: tuple[str, ...], layer_paths: list[str], limits: Limits,
-                 cg: CgroupSet, env: dict[str, str], workdir: str, bwrap: str, uid: int | None) -> None:
+    def __init__(
+        self,
+        sid: str,
+        dir: str,
+        base: str,
+        layers: tuple[str, ...],
+        layer_paths: list[str],
+        limits: Limits,
+        cg: CgroupSet,
+        env: dict[str, str],
+        workdir: str,
+        bwrap: str,
+        uid: int | None,
+    ) -> None:
         self.sid = sid
         self.layers = layers  # digests of the layer stack, bottom first; fixed for the instance's life
         self.dir = dir
@@ -63,8 +75,7 @@ class Instance:
     def mount_root(self, layer_paths: list[str]) -> None:
         """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs."""
         os.makedirs(self.dir, exist_ok=True)
-        syscalls.mount("tmpfs", self.dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                       f"size={self.limits.disk_bytes},mode=0755")
+        syscalls.mount("tmpfs", self.dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={self.limits.disk_bytes},mode=0755")
         try:
             for d in ("u", "w", "m"):
                 os.mkdir(os.path.join(self.dir, d))
@@ -104,15 +115,47 @@ class Instance:
         # The root is handed over as an open fd: bwrap runs as the sandbox uid, which may not traverse the state dir's parents.
         root_fd = os.open(self.merged, os.O_PATH | os.O_DIRECTORY)
         argv = [
-            self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--bind-fd", str(root_fd), "/",
-            "--proc", "/proc", "--dev", "/dev", "--new-session", "--as-pid-1", "--info-fd", str(info_w), "--chdir", "/", "--",
+            self.bwrap,
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--uid",
+            "0",
+            "--gid",
+            "0",
+            "--hostname",
+            "sandbox",
+            "--bind-fd",
+            str(root_fd),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--new-session",
+            "--as-pid-1",
+            "--info-fd",
+            str(info_w),
+            "--chdir",
+            "/",
+            "--",
             *INIT_COMMAND,
         ]
         try:
-            self.init = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         pass_fds=(info_w, root_fd), env=self.env, user=self.uid, group=self.uid,
-                                         extra_groups=None if self.uid is None else [])
+            self.init = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(info_w, root_fd),
+                env=self.env,
+                user=self.uid,
+                group=self.uid,
+                extra_groups=None if self.uid is None else [],
+            )
         finally:
             os.close(info_w)
             os.close(root_fd)
@@ -173,8 +216,7 @@ class Instance:
             return self.init_pid
 
     def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None) -> list[str]:
-        return (proc.cgroup_trampoline(self.cg.procs_files(leaf)) + proc.enter_argv(self.ensure_init())
-                + proc.command_argv(cmd, cwd or self.workdir))
+        return proc.cgroup_trampoline(self.cg.procs_files(leaf)) + proc.enter_argv(self.ensure_init()) + proc.command_argv(cmd, cwd or self.workdir)
 
     def finish_leaf(self, leaf: str) -> None:
         """Drop an exec's cgroup, or remember it while background children it left (nohup, daemons) still run."""
@@ -184,8 +226,9 @@ class Instance:
             if self.cg.remove_child(old):
                 self.lingering.discard(old)
 
-    def exec(self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None,
-             max_output_bytes: int, retry: bool = True) -> ExecResult:
+    def exec(
+        self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None, max_output_bytes: int, retry: bool = True
+    ) -> ExecResult:
         leaf = self.new_leaf()
         argv = self.enter_argv(leaf, cmd, cwd)
         leaf_path = os.path.join(self.cg.control, leaf)
@@ -204,8 +247,15 @@ class Instance:
             # The init died between our liveness check and nsenter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
             return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False)
-        return ExecResult(exit_code=got.returncode, stdout=got.stdout, stderr=got.stderr, timed_out=got.timed_out,
-                          oom_killed=self.cg.oom_kills() > ooms, duration_ms=got.duration_ms, truncated=got.truncated)
+        return ExecResult(
+            exit_code=got.returncode,
+            stdout=got.stdout,
+            stderr=got.stderr,
+            timed_out=got.timed_out,
+            oom_killed=self.cg.oom_kills() > ooms,
+            duration_ms=got.duration_ms,
+            truncated=got.truncated,
+        )
 
     def disk_used(self) -> int:
         st = os.statvfs(self.dir)

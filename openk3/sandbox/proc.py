@@ -28,8 +28,23 @@ def cgroup_trampoline(procs_files: list[str]) -> list[str]:
 
 def enter_argv(init_pid: int) -> list[str]:
     return [
-        "nsenter", "-t", str(init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-C", "-r", "-w", "--",
-        "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--",
+        "nsenter",
+        "-t",
+        str(init_pid),
+        "-U",
+        "-m",
+        "-p",
+        "-n",
+        "-i",
+        "-u",
+        "-C",
+        "-r",
+        "-w",
+        "--",
+        "/usr/bin/setpriv",
+        "--bounding-set=-all",
+        "--inh-caps=-all",
+        "--",
     ]
 
 
@@ -124,7 +139,7 @@ def run_captured(
                 fd = key.fd
                 if fd == in_fd:
                     try:
-                        pending = pending[os.write(fd, pending[: 1 << 16]):]
+                        pending = pending[os.write(fd, pending[: 1 << 16]) :]
                     except BrokenPipeError:
                         pending = memoryview(b"")
                     if not pending:

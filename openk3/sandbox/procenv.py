@@ -57,8 +57,9 @@ class ProcessEnvs:
                 raise NotFound(f"id={mid!r}: no such process environment or process snapshot on host {self.host}")
             return self._members[mid]
 
-    def create(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None,
-               memory_bytes: int | None = None, timeout_s: float = 60.0) -> str:
+    def create(
+        self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None, memory_bytes: int | None = None, timeout_s: float = 60.0
+    ) -> str:
         """Start a fork server that builds `factory(**kwargs)` ("package.module:callable")."""
         if ":" not in factory:
             raise InvalidArgument(f"factory={factory!r}: expected 'package.module:callable'")
@@ -68,7 +69,13 @@ class ProcessEnvs:
         host_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *(pythonpath or [])]))
         argv = cgroup_trampoline(cg.procs_files("env")) + [
-            sys.executable, "-m", "openk3.sandbox.forkserver", factory, json.dumps(kwargs or {}), str(child_end.fileno())]
+            sys.executable,
+            "-m",
+            "openk3.sandbox.forkserver",
+            factory,
+            json.dumps(kwargs or {}),
+            str(child_end.fileno()),
+        ]
         # stderr goes to an anonymous file, not a pipe: nobody reads it after start-up, and a full pipe would block the env.
         with tempfile.TemporaryFile() as log:
             proc = subprocess.Popen(argv, pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL, stderr=log)
@@ -126,8 +133,7 @@ class ProcessEnvs:
         member = self._member(env_id)
         sid = self._id("psnap-")
         self._fork_from(member, "snapshot", sid)
-        info = SnapshotInfo(snapshot_id=sid, kind=SnapshotKind.PROCESS, layers=(), source=env_id, created_at=time.time(),
-                            captures=PROCESS_CAPTURES)
+        info = SnapshotInfo(snapshot_id=sid, kind=SnapshotKind.PROCESS, layers=(), source=env_id, created_at=time.time(), captures=PROCESS_CAPTURES)
         with self._lock:
             self._snapshots[sid] = info
         return info

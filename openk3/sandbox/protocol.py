@@ -140,6 +140,4 @@ class Unsupported(SandboxError):
     status = 501
 
 
-ERRORS_BY_NAME: dict[str, type[SandboxError]] = {
-    c.__name__: c for c in (SandboxError, InvalidArgument, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)
-}
+ERRORS_BY_NAME: dict[str, type[SandboxError]] = {c.__name__: c for c in (SandboxError, InvalidArgument, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)}

@@ -58,7 +58,7 @@ def write_file(root: str, path: str, data: bytes, mode: int = 0o644, owner: int 
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError as e:
         if e.errno == 28:
             raise QuotaExceeded(f"path={path!r}: sandbox disk quota exhausted") from e
@@ -73,8 +73,7 @@ def list_dir(root: str, path: str) -> list[DirEntry]:
         entries = []
         for name in sorted(os.listdir(fd)):
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else (
-                "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+            kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else ("symlink" if stat.S_ISLNK(st.st_mode) else "other")
             entries.append(DirEntry(name=name, kind=kind, size=st.st_size, mode=stat.S_IMODE(st.st_mode)))
         return entries
     finally:

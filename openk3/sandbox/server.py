@@ -26,9 +26,28 @@ from openk3.sandbox.service import SandboxService
 logger = logging.getLogger(__name__)
 
 METHODS = (
-    "create", "exec", "read_file", "write_file", "list_dir", "upload_tar", "download_tar", "open_shell", "shell_run",
-    "close_shell", "create_env", "call_env", "snapshot", "restore", "fork", "delete_snapshot", "destroy", "stats", "heartbeat",
-    "export_snapshot", "import_snapshot", "reap_expired",
+    "create",
+    "exec",
+    "read_file",
+    "write_file",
+    "list_dir",
+    "upload_tar",
+    "download_tar",
+    "open_shell",
+    "shell_run",
+    "close_shell",
+    "create_env",
+    "call_env",
+    "snapshot",
+    "restore",
+    "fork",
+    "delete_snapshot",
+    "destroy",
+    "stats",
+    "heartbeat",
+    "export_snapshot",
+    "import_snapshot",
+    "reap_expired",
 )
 
 
@@ -72,14 +91,12 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
-        return {"ok": True, "host": service.backend.config.host, "cgroups": service.backend.layout.name,
-                "sandboxes": len(service.backend.sandboxes())}
+        return {"ok": True, "host": service.backend.config.host, "cgroups": service.backend.layout.name, "sandboxes": len(service.backend.sandboxes())}
 
     @app.post("/v1/{method}")
     async def call(method: str, request: Request) -> JSONResponse:
         if method not in validated:
-            return JSONResponse(status_code=404, content={"error": {"type": "NotFound",
-                                                                    "message": f"method={method!r}: expected one of {list(METHODS)}"}})
+            return JSONResponse(status_code=404, content={"error": {"type": "NotFound", "message": f"method={method!r}: expected one of {list(METHODS)}"}})
         try:
             body = await request.json()
         except ValueError:

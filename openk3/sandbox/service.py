@@ -42,12 +42,27 @@ class SandboxService:
         self._shells: dict[str, tuple[str, ShellSession]] = {}
 
     # namespace sandboxes
-    def create(self, image: str | None = None, limits: Limits | None = None, env: dict[str, str] | None = None,
-               workdir: str = "/root", ttl_s: float | None = None, services: tuple[str, ...] = ()) -> str:
+    def create(
+        self,
+        image: str | None = None,
+        limits: Limits | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str = "/root",
+        ttl_s: float | None = None,
+        services: tuple[str, ...] = (),
+    ) -> str:
         return self.backend.create(image, limits, env, workdir, ttl_s, services)
 
-    def exec(self, sandbox_id: str, cmd: str | list[str], timeout_s: float = 60.0, cwd: str | None = None,
-             env: dict[str, str] | None = None, stdin: bytes | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
+    def exec(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
         return self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, stdin, max_output_bytes)
 
     def read_file(self, sandbox_id: str, path: str, max_bytes: int = 64 << 20) -> bytes:
@@ -105,8 +120,7 @@ class SandboxService:
             self.close_shell(shell_id)
 
     # Python-native environments (process snapshots)
-    def create_env(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None,
-                   memory_bytes: int | None = None) -> str:
+    def create_env(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None, memory_bytes: int | None = None) -> str:
         return self.envs.create(factory, kwargs, pythonpath, memory_bytes)
 
     def call_env(self, env_id: str, method: str, args: list | None = None, kwargs: dict | None = None):

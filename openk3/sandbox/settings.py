@@ -49,8 +49,10 @@ def check_traversable(path: str, uid: int) -> None:
     while True:
         st = os.stat(parent)
         if not (st.st_mode & 0o001 or st.st_uid == uid):
-            raise InvalidArgument(f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not "
-                                  f"traversable by sandbox_uid={uid}; pick a state dir under /run or /tmp, or set sandbox_uid=None")
+            raise InvalidArgument(
+                f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not "
+                f"traversable by sandbox_uid={uid}; pick a state dir under /run or /tmp, or set sandbox_uid=None"
+            )
         if parent == "/":
             return
         parent = os.path.dirname(parent)

@@ -28,8 +28,7 @@ class ShellSession:
         self.leaf = box.new_leaf()
         self.leaf_path = os.path.join(box.cg.control, self.leaf)
         argv = box.enter_argv(self.leaf, ["/bin/bash", "--noprofile", "--norc"], cwd)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={**box.env, **env})
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**box.env, **env})
         self.lock = threading.Lock()
         self.closed = False
 
@@ -87,7 +86,7 @@ class ShellSession:
                     buf += chunk
                     if len(buf) > max_output_bytes + KEEP_TAIL:
                         # Keep the head the caller gets and a tail long enough to still find the end marker.
-                        del buf[max_output_bytes:len(buf) - KEEP_TAIL]
+                        del buf[max_output_bytes : len(buf) - KEEP_TAIL]
                         overflow = True
                     done[key.fd] = marker in buf
         if killed_all or self.proc.poll() is not None:
@@ -95,15 +94,21 @@ class ShellSession:
         code = 137
         if marker in out:
             idx = out.index(marker)
-            tail = bytes(out[idx + len(marker):]).split()
+            tail = bytes(out[idx + len(marker) :]).split()
             code = int(tail[0]) if tail else 137
             del out[idx:]
         if marker in err:
-            del err[err.index(marker):]
+            del err[err.index(marker) :]
         truncated = overflow or len(out) > max_output_bytes or len(err) > max_output_bytes
-        return ExecResult(exit_code=exit_status(code), stdout=bytes(out[:max_output_bytes]), stderr=bytes(err[:max_output_bytes]),
-                          timed_out=timed_out, oom_killed=self.box.cg.oom_kills() > ooms,
-                          duration_ms=(time.monotonic() - start) * 1000, truncated=truncated)
+        return ExecResult(
+            exit_code=exit_status(code),
+            stdout=bytes(out[:max_output_bytes]),
+            stderr=bytes(err[:max_output_bytes]),
+            timed_out=timed_out,
+            oom_killed=self.box.cg.oom_kills() > ooms,
+            duration_ms=(time.monotonic() - start) * 1000,
+            truncated=truncated,
+        )
 
     def close(self) -> None:
         if self.proc.returncode is not None and self.closed:

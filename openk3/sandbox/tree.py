@@ -204,8 +204,8 @@ def import_tar_zst(data: bytes, dst: str) -> None:
             if info.isdir():
                 os.mkdir(target)
                 for key, value in info.pax_headers.items():
-                    if key.startswith(XATTR_PAX) and key[len(XATTR_PAX):] in OVERLAY_XATTRS:
-                        os.setxattr(target, key[len(XATTR_PAX):], value.encode("latin-1"))
+                    if key.startswith(XATTR_PAX) and key[len(XATTR_PAX) :] in OVERLAY_XATTRS:
+                        os.setxattr(target, key[len(XATTR_PAX) :], value.encode("latin-1"))
                 dirs.append((target, info))
                 continue
             if info.isreg():

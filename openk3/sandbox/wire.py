@@ -39,7 +39,7 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     (size,) = HEADER.unpack(data[: HEADER.size])
     if size > MAX_MESSAGE:
         raise ValueError(f"message of {size} bytes exceeds the {MAX_MESSAGE}-byte limit")
-    body = bytearray(data[HEADER.size:])
+    body = bytearray(data[HEADER.size :])
     while len(body) < size:
         more = sock.recv(size - len(body))
         if not more:

@@ -151,6 +151,7 @@ class RequestMetrics:
         if self.e2e_latency is None or self.time_to_first_token is None or self.num_output_tokens < 2:
             return None
         return (self.e2e_latency - self.time_to_first_token) / (self.num_output_tokens - 1)
+
     num_cached_tokens: int = 0
 
 

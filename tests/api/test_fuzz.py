@@ -18,8 +18,7 @@ SCALARS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                      max_leaves=8)
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=8)
 SMALL_INTS = st.one_of(st.integers(min_value=-3, max_value=300), VALUES)
 COMPLETION_FIELDS = {
     "model": st.one_of(st.just("debug"), VALUES),
@@ -43,11 +42,16 @@ COMPLETION_FIELDS = {
     "ignore_eos": VALUES,
     "logit_bias": VALUES,
 }
-MESSAGE = st.fixed_dictionaries({}, optional={"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), VALUES),
-                                              "content": st.one_of(st.text(max_size=20), VALUES), "name": VALUES})
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), VALUES),
+        "content": st.one_of(st.text(max_size=20), VALUES),
+        "name": VALUES,
+    },
+)
 CHAT_FIELDS = {k: v for k, v in COMPLETION_FIELDS.items() if k not in ("prompt", "echo")}
-CHAT_FIELDS.update(messages=st.one_of(st.lists(MESSAGE, max_size=3), VALUES), logprobs=VALUES, top_logprobs=SMALL_INTS,
-                   max_completion_tokens=SMALL_INTS)
+CHAT_FIELDS.update(messages=st.one_of(st.lists(MESSAGE, max_size=3), VALUES), logprobs=VALUES, top_logprobs=SMALL_INTS, max_completion_tokens=SMALL_INTS)
 
 
 def bodies(fields: dict) -> st.SearchStrategy:

@@ -20,8 +20,16 @@ MAX_TOKENS = 24
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> tuple[str, int]:
-    body = {"model": "debug", "prompt": f"client {i} says" + " hi" * (i % 7), "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": i,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "debug",
+        "prompt": f"client {i} says" + " hi" * (i % 7),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:

@@ -15,10 +15,22 @@ from openk3.serve.frontend import FinishedRequest
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES, debug_engine, metric
 
-VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
-              "prompt_tokens_cached_total", "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-              "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "prompt_tokens_total", "generation_tokens_total",
-              "cache_tier_used_bytes")
+VLLM_NAMES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "prompt_tokens_cached_total",
+    "num_preemptions_total",
+    "time_to_first_token_seconds_bucket",
+    "inter_token_latency_seconds_bucket",
+    "e2e_request_latency_seconds_bucket",
+    "request_queue_time_seconds_bucket",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "cache_tier_used_bytes",
+)
 
 
 def test_metrics_names_values_and_separate_registries(torch_one_thread) -> None:
@@ -85,9 +97,29 @@ def test_datasets_are_seeded_and_exact() -> None:
 def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--base-url", live.base_url, "--dataset", dataset, "--num-prompts", "4", "--max-concurrency", "2",
-                              "--input-len", "16", "--output-len", "5", "--turn-len", "4", "--num-turns", "2", "--disable-tqdm",
-                              "--goodput", "ttft:60000"])
+    args = parser.parse_args(
+        [
+            "--base-url",
+            live.base_url,
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "5",
+            "--turn-len",
+            "4",
+            "--num-turns",
+            "2",
+            "--disable-tqdm",
+            "--goodput",
+            "ttft:60000",
+        ]
+    )
     result = asyncio.run(benchmark(args))
     assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 20
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
@@ -114,8 +146,25 @@ def test_build_server_from_cli_arguments(tmp_path) -> None:
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    args = build_parser().parse_args(["serve", "--model", "debug", "--served-model-name", "d", "--max-model-len", "64", "--max-num-seqs", "2",
-                                      "--cache-memory-mb", "4", "--chat-template", str(template), "--api-key", "k"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "debug",
+            "--served-model-name",
+            "d",
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "2",
+            "--cache-memory-mb",
+            "4",
+            "--chat-template",
+            str(template),
+            "--api-key",
+            "k",
+        ]
+    )
     with pytest.warns(UserWarning, match="random weights"):
         app = build_server(args)
     with TestClient(app) as client:

@@ -31,8 +31,7 @@ def test_completion_fields_and_usage(client) -> None:
 
 def test_stream_concatenates_to_the_non_streamed_text(client) -> None:
     expected = greedy(client)
-    chunks = list(client.completions.create(model="debug", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(model="debug", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -45,8 +44,9 @@ def test_chat_stream_matches_chat(client) -> None:
     r = client.chat.completions.create(model="debug", messages=messages, max_tokens=10, temperature=0)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 10
-    chunks = list(client.chat.completions.create(model="debug", messages=messages, max_tokens=10, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(model="debug", messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
@@ -67,8 +67,9 @@ def test_n_and_seed_reproducibility(client) -> None:
 
 
 def test_chat_n_streams_every_choice(client) -> None:
-    chunks = list(client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
-                                                 temperature=1.0, seed=1, stream=True))
+    chunks = list(
+        client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2, temperature=1.0, seed=1, stream=True)
+    )
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1}
 
@@ -100,8 +101,7 @@ def test_completion_logprobs(client) -> None:
 
 
 def test_chat_logprobs(client) -> None:
-    r = client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=5, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)

@@ -17,12 +17,28 @@ def make_hf_model(tmp_path: Path, q_lora_rank: int | None) -> Path:
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     cfg = KimiLinearConfig(
-        vocab_size=211, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=24, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=6, num_experts_per_tok=2, n_shared_experts=1,
-        linear_head_dim=16, linear_num_heads=3, routed_scaling_factor=2.446,
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=24,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        linear_head_dim=16,
+        linear_num_heads=3,
+        routed_scaling_factor=2.446,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention", "full_attention"],
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     model = KimiLinearForCausalLM(cfg).eval()

@@ -51,6 +51,8 @@ def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch, 
     assert torch.equal(got.topk_idx, want.topk_idx)
     torch.testing.assert_close(got.topk_weight, want.topk_weight, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-7)
+
+
 FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}
 
 

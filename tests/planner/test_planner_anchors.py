@@ -74,8 +74,14 @@ def test_kimi_k2_on_128_h200_decode() -> None:
     # DP attention) with 96 redundant experts, 384k decode tok/s = 4,000 tok/s per GPU, 2,000-token inputs. Assumed:
     # 256 running requests per GPU (SGLang's large-EP decode recipe; the post does not state it), DeepEP low-latency
     # all-to-all over 8 CX7 NICs per node. Tolerance +-30%.
-    sc = Scenario(kimi_k2(), FP8, Layout(96, tp=1, redundant_experts=96, balance=Balance.EPLB),
-                  Workload(context=2050, concurrency=256 * 96, prompt=2000), CAT.system("hgx-h200"), comm=DEEPEP_LL)
+    sc = Scenario(
+        kimi_k2(),
+        FP8,
+        Layout(96, tp=1, redundant_experts=96, balance=Balance.EPLB),
+        Workload(context=2050, concurrency=256 * 96, prompt=2000),
+        CAT.system("hgx-h200"),
+        comm=DEEPEP_LL,
+    )
     m = evaluate(sc)
     assert m.memory.fits
     assert abs(err(m.throughput_tok_s, 384_000)) < 0.30
@@ -83,8 +89,14 @@ def test_kimi_k2_on_128_h200_decode() -> None:
 
 
 def _deepseek_gb200(quant: Quantisation) -> Scenario:
-    return Scenario(deepseek_v3(), quant, Layout(48, tp=1, redundant_experts=32, balance=Balance.EPLB),
-                    Workload(context=2100, concurrency=768 * 48, prompt=2000), CAT.system("gb200-nvl72"), comm=DEEPEP_LL)
+    return Scenario(
+        deepseek_v3(),
+        quant,
+        Layout(48, tp=1, redundant_experts=32, balance=Balance.EPLB),
+        Workload(context=2100, concurrency=768 * 48, prompt=2000),
+        CAT.system("gb200-nvl72"),
+        comm=DEEPEP_LL,
+    )
 
 
 def test_deepseek_on_gb200_nvl72_decode() -> None:
@@ -101,8 +113,9 @@ def test_deepseek_on_gb200_nvl72_decode() -> None:
 def test_gb300_nvl72_decode_roofline_from_first_principles() -> None:
     # spec section 1: EP72, 64 sequences/GPU at 32K, bf16 trunk: ~220 GB per GPU, ~250 GB read per step, >= 31 ms per
     # step, ~32 tok/s per user, ~148k tok/s per rack, ~1.1 tok/J. Pure roofline (ideal efficiencies). Tolerance 5%.
-    sc = Scenario(k3(), Quantisation(), Layout(72, tp=1), Workload(context=32768, concurrency=64 * 72), CAT.system("gb300-nvl72"),
-                  efficiency=Efficiency.ideal())
+    sc = Scenario(
+        k3(), Quantisation(), Layout(72, tp=1), Workload(context=32768, concurrency=64 * 72), CAT.system("gb300-nvl72"), efficiency=Efficiency.ideal()
+    )
     m = evaluate(sc)
     assert m.memory.total == pytest.approx(220e9, rel=0.05)
     assert m.decode.bytes == pytest.approx(250e9, rel=0.05)

@@ -22,8 +22,7 @@ def test_register_adds_plan_with_run() -> None:
 
 
 def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k", "--concurrency", "4608",
-               "--accelerators", "72", "--tp", "1", *FAST])
+    rc = main(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k", "--concurrency", "4608", "--accelerators", "72", "--tp", "1", *FAST])
     out = capsys.readouterr().out
     assert rc == 0
     assert "checkpoint 1,559.9 GB" in out and "27,648 B/token" in out
@@ -31,8 +30,26 @@ def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "32k", "--concurrency", "4608",
-               "--accelerators", "72", "--tp", "1", "--json", "--ideal", *FAST])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "k3",
+            "--hardware",
+            "gb300-nvl72",
+            "--context",
+            "32k",
+            "--concurrency",
+            "4608",
+            "--accelerators",
+            "72",
+            "--tp",
+            "1",
+            "--json",
+            "--ideal",
+            *FAST,
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert doc["cache"]["mla_bytes_per_token"] == 27_648

@@ -107,6 +107,7 @@ def test_bounded_pool_answers_busy(svc):
     sid = svc.create()
     try:
         with running(create_app(svc, workers=1, max_queue=0, reap_interval_s=None)) as url:
+
             async def main() -> list:
                 async with AsyncSandboxClient(url) as c:
                     return await asyncio.gather(*(c.exec(sid, "sleep 1") for _ in range(3)), return_exceptions=True)

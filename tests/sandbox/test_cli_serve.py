@@ -42,9 +42,12 @@ def free_port() -> int:
 def test_serve_then_sigterm_cleans_up(host_features):
     state = tempfile.mkdtemp(prefix="openk3-sandbox-serve-", dir="/tmp")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "sandbox", "serve", "--port", str(port), "--state-dir", state,
-                             "--store-bytes", str(256 * 2**20), "--workers", "2"],
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, "sandbox", "serve", "--port", str(port), "--state-dir", state, "--store-bytes", str(256 * 2**20), "--workers", "2"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -32,8 +32,14 @@ def test_reads_outside_root_fail(svc, marker):
         svc.exec(b, "echo other-secret > /root/secret")
         b_upper = os.path.join(svc.backend.box(b).dir, "u", "root", "secret")
         assert open(b_upper).read() == "other-secret\n"  # the file exists on the host, in b's upper
-        for cmd in (f"cat {marker}", f"cat {b_upper}", f"cat /proc/1/root{marker}", f"cat ../../../../../..{marker}",
-                    f"cd / && cat ./../../..{marker}", "cat /proc/1/root/etc/shadow"):
+        for cmd in (
+            f"cat {marker}",
+            f"cat {b_upper}",
+            f"cat /proc/1/root{marker}",
+            f"cat ../../../../../..{marker}",
+            f"cd / && cat ./../../..{marker}",
+            "cat /proc/1/root/etc/shadow",
+        ):
             r = svc.exec(a, cmd)
             assert r.exit_code != 0 and b"secret" not in r.stdout, cmd
         # Host-side API reads resolve inside the sandbox root: a symlink to /etc/passwd gives the sandbox's passwd.
@@ -54,8 +60,11 @@ def test_writes_outside_root_leave_host_unchanged(svc, marker):
     before = sha(marker), sha("/etc/passwd")
     sid = svc.create()
     try:
-        r = svc.exec(sid, f"mkdir -p $(dirname {marker}); echo pwned > {marker}; echo pwned >> /etc/passwd; "
-                          f"echo pwned > /proc/1/root{marker}; ln -s {marker} /root/l; echo pwned > /root/l")
+        r = svc.exec(
+            sid,
+            f"mkdir -p $(dirname {marker}); echo pwned > {marker}; echo pwned >> /etc/passwd; "
+            f"echo pwned > /proc/1/root{marker}; ln -s {marker} /root/l; echo pwned > /root/l",
+        )
         assert b"pwned" not in r.stdout
         svc.exec(sid, "ln -s /etc/passwd /root/pw")
         svc.write_file(sid, "/root/pw", b"api-pwned\n")

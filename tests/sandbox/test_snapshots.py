@@ -14,11 +14,15 @@ from openk3.sandbox.protocol import InvalidArgument, Limits, NotFound
 
 pytestmark = pytest.mark.sandbox
 
-SETUP = ("mkdir -p /work/proj/src /work/gone && echo v1 > /work/proj/src/a.py && printf 'x%.0s' $(seq 3000) > /work/proj/big "
-         "&& ln -s src/a.py /work/proj/link && chmod 600 /work/proj/src/a.py && rm /usr/bin/yes && rmdir /work/gone "
-         "&& echo tmp > /tmp/t")
-EDIT = ("echo v2 >> /work/proj/src/a.py && rm /work/proj/big && mkdir /work/new && echo n > /work/new/f "
-        "&& rm -r /work/proj/src && mkdir /work/proj/src && echo replaced > /work/proj/src/b.py && chmod 700 /work/proj")
+SETUP = (
+    "mkdir -p /work/proj/src /work/gone && echo v1 > /work/proj/src/a.py && printf 'x%.0s' $(seq 3000) > /work/proj/big "
+    "&& ln -s src/a.py /work/proj/link && chmod 600 /work/proj/src/a.py && rm /usr/bin/yes && rmdir /work/gone "
+    "&& echo tmp > /tmp/t"
+)
+EDIT = (
+    "echo v2 >> /work/proj/src/a.py && rm /work/proj/big && mkdir /work/new && echo n > /work/new/f "
+    "&& rm -r /work/proj/src && mkdir /work/proj/src && echo replaced > /work/proj/src/b.py && chmod 700 /work/proj"
+)
 
 
 def swap_layer_bytes(archive: bytes, digest: str) -> bytes:
@@ -45,8 +49,7 @@ VIEW = ("etc", "root", "tmp", "work", "usr/bin")
 def view(svc, sid: str) -> str:
     """Digest of the sandbox's mutable areas as the sandbox sees them (through the merged overlay)."""
     root = svc.backend.merged_root(sid)
-    return ",".join(tree.tree_digest(os.path.join(root, part)) if os.path.exists(os.path.join(root, part)) else "-"
-                    for part in VIEW)
+    return ",".join(tree.tree_digest(os.path.join(root, part)) if os.path.exists(os.path.join(root, part)) else "-" for part in VIEW)
 
 
 def test_snapshot_restore_fork_semantics(svc, tmp_path):
@@ -75,7 +78,7 @@ def test_snapshot_restore_fork_semantics(svc, tmp_path):
             svc.exec(a, "echo only-a > /work/mine")
             assert svc.exec(b, "cat /work/mine").exit_code != 0  # forks are mutually invisible
             assert view(svc, b) == at_snapshot and view(svc, sid) == at_snapshot
-            c, = svc.fork(a, 1)  # forking a live sandbox snapshots it first
+            (c,) = svc.fork(a, 1)  # forking a live sandbox snapshots it first
             assert svc.exec(c, "cat /work/mine").stdout == b"only-a\n"
             assert svc.stats(c).layer_depth == 2
             svc.destroy(c)
@@ -119,8 +122,11 @@ def test_deep_stacks_are_squashed_with_the_same_view(svc):
     try:
         svc.exec(sid, "echo 0 > /root/counter && mkdir /root/d && echo keep > /root/d/k && rm /usr/bin/seq")
         for i in range(svc.backend.config.max_layers + 1):
-            svc.exec(sid, f"echo {i} > /root/counter; echo {i} > /root/f{i % 3}; rm -f /root/f{(i + 1) % 3}"
-                          + ("; rm -r /root/d && mkdir /root/d && echo new > /root/d/n" if i == 20 else ""))
+            svc.exec(
+                sid,
+                f"echo {i} > /root/counter; echo {i} > /root/f{i % 3}; rm -f /root/f{(i + 1) % 3}"
+                + ("; rm -r /root/d && mkdir /root/d && echo new > /root/d/n" if i == 20 else ""),
+            )
             expected = view(svc, sid)
             snap = svc.snapshot(sid)
             snaps.append(snap.snapshot_id)

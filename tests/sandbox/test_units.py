@@ -13,8 +13,7 @@ from openk3.sandbox.protocol import ExecResult, InvalidArgument, Limits, Snapsho
 V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1 = "".join(
     f"{40 + i} 30 0:{30 + i} / /sys/fs/cgroup/{name} rw - cgroup cgroup rw,{opts}\n"
-    for i, (name, opts) in enumerate([("cpu,cpuacct", "cpu,cpuacct"), ("memory", "memory"), ("pids", "pids"),
-                                      ("freezer", "freezer")])
+    for i, (name, opts) in enumerate([("cpu,cpuacct", "cpu,cpuacct"), ("memory", "memory"), ("pids", "pids"), ("freezer", "freezer")])
 )
 HYBRID = V1 + "50 30 0:40 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
 
@@ -51,8 +50,7 @@ def test_limits_validation_names_the_field():
 
 
 def test_protocol_json_round_trip():
-    r = ExecResult(exit_code=1, stdout=b"\x00\xff", stderr=b"", timed_out=False, oom_killed=True, duration_ms=1.5,
-                   truncated=False)
+    r = ExecResult(exit_code=1, stdout=b"\x00\xff", stderr=b"", timed_out=False, oom_killed=True, duration_ms=1.5, truncated=False)
     assert from_jsonable(ExecResult, to_jsonable(r)) == r
     s = SnapshotInfo("snap-1@h", SnapshotKind.FS, ("a", "b"), "sb-1@h", 1.0, "files")
     assert from_jsonable(SnapshotInfo, to_jsonable(s)) == s
@@ -102,7 +100,11 @@ def test_probe_names_what_is_missing(monkeypatch):
 def test_backend_config_validation_names_the_field():
     from openk3.sandbox.settings import BackendConfig
 
-    for kwargs, field in (({"max_layers": 100}, "max_layers=100"), ({"sandbox_uid": 0}, "sandbox_uid=0"),
-                          ({"store_bytes": 1}, "store_bytes=1"), ({"host": "a@b"}, "host='a@b'")):
+    for kwargs, field in (
+        ({"max_layers": 100}, "max_layers=100"),
+        ({"sandbox_uid": 0}, "sandbox_uid=0"),
+        ({"store_bytes": 1}, "store_bytes=1"),
+        ({"host": "a@b"}, "host='a@b'"),
+    ):
         with pytest.raises(InvalidArgument, match=field):
             BackendConfig(**kwargs)

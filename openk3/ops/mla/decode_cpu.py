@@ -57,7 +57,6 @@ def latent_attention_cpu(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_ta
     )  # fmt: skip
     if failed:
         raise ValueError(
-            f"mla decode: kv_lens {kv_lens_N.tolist()} must lie in 1..{page_table_NP.shape[1] * page_size} and the pages they cover "
-            f"in 0..{num_pages - 1}"
+            f"mla decode: kv_lens {kv_lens_N.tolist()} must lie in 1..{page_table_NP.shape[1] * page_size} and the pages they cover in 0..{num_pages - 1}"
         )
     return u

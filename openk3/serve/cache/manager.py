@@ -71,9 +71,7 @@ class CacheManager:
         if per_page == 0:  # no MLA layer: pages are bookkeeping only, so allow one sequence of max length per slot
             return num_slots * spec.mla.pages_for(config.max_position_embeddings)
         if memory_bytes - slots < per_page:
-            raise ValueError(
-                f"cache memory {memory_bytes} B is too small: {num_slots} state slots need {slots} B and one page {per_page} B more"
-            )
+            raise ValueError(f"cache memory {memory_bytes} B is too small: {num_slots} state slots need {slots} B and one page {per_page} B more")
         return (memory_bytes - slots) // per_page
 
     @property

@@ -108,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import KimiLinearForCausalLM
 
-    from openk3.serve.llm import LLM
+    from openk3.llm import LLM
 
     s = lambda n: max(1, int(n * args.scale))
     g = torch.Generator().manual_seed(5)

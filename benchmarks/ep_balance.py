@@ -30,15 +30,15 @@ from dataclasses import replace
 import torch
 
 from openk3.config import debug
-from openk3.dist.ep import ExpertParallelBackend, gather_placements
-from openk3.dist.group import ParallelContext
-from openk3.dist.launch import run_ranks
-from openk3.dist.moonep import assign_entries, check_plan, plan_moonep
-from openk3.dist.moonep_backend import MoonEPBackend
-from openk3.dist.placement import LoadCollector, eplb_placement, redundant_for
 from openk3.model.moe import LatentMoE
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.router import RouterOutput
+from openk3.parallel.ep.moonep import assign_entries, check_plan, plan_moonep
+from openk3.parallel.ep.moonep_backend import MoonEPBackend
+from openk3.parallel.ep.placement import LoadCollector, eplb_placement, redundant_for
+from openk3.parallel.ep.static_backend import ExpertParallelBackend, gather_placements
+from openk3.parallel.group import ParallelContext
+from openk3.parallel.launch import run_ranks
 
 E, K = 896, 16
 DISPATCH_B, COMBINE_B = 3696, 7168

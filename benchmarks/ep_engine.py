@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from openk3.serve.llm import LLM
+from openk3.llm import LLM
 from openk3.serve.sampling import SamplingParams
 
 PROMPTS = [

@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
+from openk3.llm import LLM
 from openk3.serve.cache.tiers import TierKind
-from openk3.serve.llm import LLM
 from openk3.serve.sampling import SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 3, 4000

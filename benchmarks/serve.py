@@ -73,7 +73,7 @@ def server_matches_offline(args: argparse.Namespace, base: str) -> tuple[bool, s
 
     import torch
 
-    from openk3.serve.llm import LLM
+    from openk3.llm import LLM
     from openk3.serve.sampling import SamplingParams
 
     if args.torch_threads is not None:

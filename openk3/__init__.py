@@ -11,7 +11,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "openk3.serve.llm", "SamplingParams": "openk3.serve.sampling"}
+_LAZY = {"LLM": "openk3.llm", "SamplingParams": "openk3.serve.sampling"}
 
 
 def __getattr__(name: str) -> Any:

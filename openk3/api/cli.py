@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openk3.serve.cli import add_prefix_cache_arguments, prefix_cache_options
+from openk3.api.engine_args import add_prefix_cache_arguments, prefix_cache_options
 
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
 
-    from openk3.dist.group import ParallelContext
+    from openk3.parallel.group import ParallelContext
+    from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.serve.runner import CausalLM
     from openk3.serve.tokenizer import Tokenizer
 
@@ -61,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
     """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
-    from openk3.serve.ep import EPConfig
+    from openk3.parallel.serving.ranks import EPConfig
 
     EPConfig(args.ep, args.ep_method)
     if args.ep > 1 and args.enable_prefix_caching:
@@ -71,22 +72,23 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {args.device} with --ep {args.ep}: rank r uses GPU r, so name no device index (--device cuda)")
 
 
-def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None) -> FastAPI:
+def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, spec: RankModelSpec | None = None) -> FastAPI:
     """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py).
 
-    With `ctx` (rank 0 of an expert-parallel group, `--ep N`) the engine's model is an EPDriver: each step is broadcast to
-    the worker ranks, which must be in run_worker_rank; `app.state.ep_driver.close()` releases them."""
+    With `ctx` and `spec` (rank 0 of an expert-parallel group, `--ep N`) the engine's model is an EPDriver: each step is
+    broadcast to the worker ranks, which must be in run_worker_rank; `app.state.ep_driver.close()` releases them."""
     import torch
 
-    from openk3.serve.llm import build_model, model_tokenizer
+    from openk3.serve.loading import build_model, model_tokenizer
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    driver = None
     if ctx is not None:
-        from openk3.serve.ep import start_driver
+        from openk3.parallel.serving.ranks import start_driver
 
-        driver, _ = start_driver(ctx, args.model, args.ep_method, getattr(torch, args.dtype), ctx.device, args.seed, collect_stats=True)
+        if spec is None:
+            raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
+        driver, _ = start_driver(ctx, spec)
         try:
             app = _app(args, driver, model_tokenizer(args.model, args.seed))
         except BaseException:
@@ -103,7 +105,7 @@ def _app(args: argparse.Namespace, model: CausalLM, tokenizer: Tokenizer) -> Fas
     from openk3.api.chat import generation_stop_ids, load_chat_template
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.engine import EngineConfig, LLMEngine
-    from openk3.serve.llm import ASSETS
+    from openk3.serve.loading import ASSETS
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
@@ -155,62 +157,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
-    """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N`: rank 0 serves HTTP and drives, the others follow.
+    """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N` (openk3.parallel.serving.torchrun): rank 0 serves
+    HTTP and drives, the others follow."""
+    import torch
 
-    Shutdown comes from rank 0 only: SIGINT/SIGTERM make uvicorn drain and return there, then the driver sends STOP. The
-    workers let those signals pass (torchrun forwards them to every rank) and keep running the steps of the requests rank 0
-    is still draining, so no rank waits in a collective for a rank that already left."""
+    from openk3.parallel.serving.ranks import RankModelSpec
+    from openk3.parallel.serving.torchrun import serve_ranks
+
+    spec = RankModelSpec(args.model, args.ep_method, getattr(torch, args.dtype), args.seed, collect_stats=True)
+    return serve_ranks(args.ep, args.device, spec, lambda ctx: _serve_rank0(args, ctx, spec), "openk3 serve", args.torch_threads)
+
+
+def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:
     import signal
 
-    import torch
-    import torch.distributed as dist
     import uvicorn
 
-    from openk3.dist.launch import init_from_env
-    from openk3.serve.ep import run_worker_rank
-
-    log = logging.getLogger("openk3.serve.ep")
+    log = logging.getLogger("openk3.parallel.serving")
     try:
-        ctx = init_from_env(None if args.device == "cuda" else args.device)
-    except RuntimeError as e:
-        print(f"openk3 serve: --ep {args.ep} runs one process per rank: {e}", file=sys.stderr)
+        app = build_server(args, ctx, spec)
+    except ValueError as e:
+        print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    rc = 0
+    # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers SIGTERM would kill this
+    # rank there, before it releases the workers, so the handlers it falls back to only log
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
     try:
-        if ctx.world_size != args.ep:
-            print(f"openk3 serve: --ep {args.ep} but torchrun started {ctx.world_size} ranks; use --nproc-per-node {args.ep}", file=sys.stderr)
-            rc = 2
-        elif ctx.rank != 0:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda num, _frame: log.info("rank %d: signal %d, waiting for rank 0 to stop the workers", ctx.rank, num))
-            if args.torch_threads is not None:
-                torch.set_num_threads(args.torch_threads)
-            steps = run_worker_rank(ctx, args.model, args.ep_method, getattr(torch, args.dtype), ctx.device, args.seed, collect_stats=True)
-            log.info("rank %d: stopped after %d steps", ctx.rank, steps)
-        else:
-            try:
-                app = build_server(args, ctx)
-            except ValueError as e:
-                print(f"openk3 serve: {e}", file=sys.stderr)
-                rc = 2
-            else:
-                # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers SIGTERM would
-                # kill this rank there, before it releases the workers, so the handlers it falls back to only log
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
-                try:
-                    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-                finally:
-                    # after a failed step this sends nothing (the workers are stuck in that step); destroying the group
-                    # below closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
-                    app.state.ep_driver.close()
-                if app.state.ep_driver.failed:
-                    log.error("rank 0: an expert-parallel step failed; tearing the group down")
-                    rc = 1
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
-        dist.destroy_process_group()
-    # gloo's threads can abort the interpreter during C++ static destruction at exit (seen with torchrun, about one run in
-    # three); everything is flushed and the group is gone, so leave without running destructors
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+        # after a failed step this sends nothing (the workers are stuck in that step); destroying the group afterwards
+        # closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
+        app.state.ep_driver.close()
+    if app.state.ep_driver.failed:
+        log.error("rank 0: an expert-parallel step failed; tearing the group down")
+        return 1
+    return 0

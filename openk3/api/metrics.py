@@ -18,7 +18,7 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.frontend import FinishedRequest
 
 if TYPE_CHECKING:
-    from openk3.dist.driver import EPTotals
+    from openk3.parallel.serving.driver import EPTotals
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -4,7 +4,7 @@ a latent RMSNorm after the weighted sum, and full-width shared experts. With `la
 Legend: T tokens, D hidden, Dl expert width (latent width, or D without latent), E experts, k experts per token,
 I expert intermediate width.
 
-The routed-expert computation goes through an `ExpertBackend`: the single seam where expert parallelism (openk3.dist)
+The routed-expert computation goes through an `ExpertBackend`: the single seam where expert parallelism (openk3.parallel)
 attaches. The default backend runs every expert locally from the layer's expert bank.
 """
 

@@ -221,7 +221,7 @@ def load_model(
 
     `experts` (expert parallelism): per MoE layer, the global ids of the experts this process holds; those layers' banks
     are allocated with just these experts and the rest are never read. Such a model is only correct with an expert
-    backend that knows the ids (openk3.dist.rank_model)."""
+    backend that knows the ids (openk3.parallel.serving.rank_model)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")

@@ -1,4 +1,4 @@
-"""The serving engine: requests, sampling, the token-budget scheduler over the hybrid cache, the runner and the offline LLM API.
+"""The serving engine: requests, sampling, the token-budget scheduler over the hybrid cache, the runner.
 
 Names resolve lazily: `openk3.serve.cache.spec` (byte sizes shared with the torch-free planner) must import without torch.
 """
@@ -11,7 +11,6 @@ from typing import Any
 _LAZY = {
     "EngineConfig": "openk3.serve.engine",
     "LLMEngine": "openk3.serve.engine",
-    "LLM": "openk3.serve.llm",
     "CompletionOutput": "openk3.serve.request",
     "RequestOutput": "openk3.serve.request",
     "SamplingParams": "openk3.serve.sampling",

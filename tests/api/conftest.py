@@ -20,7 +20,7 @@ from openk3.api.chat import ChatTemplate
 from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.frontend import AsyncEngine
-from openk3.serve.llm import build_model
+from openk3.serve.loading import build_model
 
 MAX_MODEL_LEN = 256
 NUM_PAGES = 256

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from openk3.llm import LLM
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
-from openk3.serve.llm import LLM
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import debug_engine
 

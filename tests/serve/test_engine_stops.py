@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from openk3.llm import LLM
 from openk3.serve.engine import EngineConfig, LLMEngine, find_stop_string
-from openk3.serve.llm import LLM
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.serve.serve_fakes import FakeModel, ScriptedModel

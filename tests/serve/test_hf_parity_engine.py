@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from openk3.serve.llm import LLM
+from openk3.llm import LLM
 from openk3.serve.sampling import SamplingParams
 
 pytest.importorskip("transformers", minversion="5.24", reason="transformers>=5.24 (native kimi_linear) is a test dependency")

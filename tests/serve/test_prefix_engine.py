@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from openk3.config import debug
+from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
 from openk3.serve.cache.tiers import TierKind
-from openk3.serve.llm import LLM
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 

@@ -41,8 +41,8 @@ def test_tier_metrics_follow_the_engine() -> None:
 
 
 def test_cli_flags_reach_engine_config() -> None:
+    from openk3.api.engine_args import prefix_cache_options
     from openk3.cli import build_parser
-    from openk3.serve.cli import prefix_cache_options
 
     args = build_parser().parse_args(
         ["serve", "--enable-prefix-caching", "--prefix-match-unit", "32", "--cpu-offload-gb", "0.5", "--disk-offload-dir", "/tmp/x", "--disk-offload-gb", "2"]

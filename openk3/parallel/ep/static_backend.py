@@ -1,0 +1,134 @@
+"""Expert-parallel backend for the MoE seam: plain EP (contiguous experts) or a static placement with replicas (EPLB).
+
+Legend: T tokens of this rank, k experts per token, D expert input width, W ranks, P physical experts per rank.
+
+Every rank runs the same layer on its own tokens (attention data-parallel) and holds only its P physical experts per layer.
+Routing entries go logical -> physical through the layer's Placement, then to rank physical // P, compute-set slot
+physical % P, through the de-duplicating exchange. All ranks must call the backend for the same layers in the same order,
+with T = 0 allowed on a rank that has no tokens this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from openk3.model.moe import LatentMoE
+from openk3.ops.moe.bank import ExpertBank
+from openk3.ops.moe.router import RouterOutput
+from openk3.parallel.ep.exchange import Traffic, dispatch_combine, grouped_by_group
+from openk3.parallel.ep.placement import LoadCollector, Placement, contiguous_placement, eplb_placement
+from openk3.parallel.ep.shard import ExpertShard
+from openk3.parallel.ep.stats import EPStats, max_over_mean, maxvio
+from openk3.parallel.group import ParallelContext
+
+
+def record_stats(
+    ctx: ParallelContext,
+    layer_index: int,
+    method: str,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    traffic: Traffic,
+    prefetch: int = 0,
+    spilled: int = 0,
+    plan_s: float = 0.0,
+) -> EPStats:
+    """One all-gather of [E + 2] counts per layer: global tokens per expert, and entries and rows received per rank."""
+    local = torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)
+    mine = torch.cat([local, torch.tensor([traffic.recv_entries, traffic.recv_rows])])
+    every = ctx.all_gather(mine.to(ctx.device)).cpu()
+    entries = every[:, num_experts]
+    return EPStats(
+        layer_index,
+        method,
+        tuple(entries.tolist()),
+        tuple(every[:, num_experts + 1].tolist()),
+        max_over_mean(entries),
+        maxvio(every[:, :num_experts].sum(0)),
+        traffic.bytes_sent,
+        prefetch,
+        spilled,
+        traffic.comm_s,
+        plan_s,
+    )
+
+
+def gather_placements(ctx: ParallelContext, collector: LoadCollector, layers: Iterable[int], num_redundant: int) -> dict[int, Placement]:
+    """EPLB placements from every rank's collected load (summed across ranks), identical on all ranks; all ranks must call."""
+    out = {}
+    for layer in layers:
+        load = ctx.all_gather(collector.load(layer).to(ctx.device)).cpu().sum(0)
+        out[layer] = eplb_placement(load, ctx.world_size, num_redundant)
+    return out
+
+
+class ExpertParallelBackend:
+    """An ExpertBackend over `ctx`: shards[layer] holds this rank's physical experts of that layer, in placement order."""
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        shards: Mapping[int, ExpertShard],
+        placements: Mapping[int, Placement],
+        collect_stats: bool = True,
+        collector: LoadCollector | None = None,
+    ) -> None:
+        for layer, placement in placements.items():
+            if placement.num_ranks != ctx.world_size:
+                raise ValueError(f"EP backend: layer {layer} placement has {placement.num_ranks} ranks, world_size is {ctx.world_size}")
+            if layer not in shards or shards[layer].bank.num_experts != placement.slots_per_rank:
+                raise ValueError(f"EP backend: layer {layer} needs a shard of {placement.slots_per_rank} experts on rank {ctx.rank}")
+        self.ctx, self.shards, self.placements = ctx, dict(shards), dict(placements)
+        self.method = "ep" if all(p.slots_per_rank * p.num_ranks == p.num_experts for p in placements.values()) else "eplb"
+        self.collect_stats, self.collector = collect_stats, collector
+        self._stats: list[EPStats] = []
+
+    @classmethod
+    def from_layers(
+        cls,
+        ctx: ParallelContext,
+        layers: Iterable[LatentMoE],
+        placements: Mapping[int, Placement] | None = None,
+        collect_stats: bool = True,
+        collector: LoadCollector | None = None,
+    ) -> ExpertParallelBackend:
+        """Shards cut from each layer's full bank; contiguous placement (plain EP) for layers without a given placement."""
+        banks = {layer.layer_index: layer.experts.bank() for layer in layers}
+        return cls.from_banks(ctx, banks, placements, collect_stats, collector)
+
+    @classmethod
+    def from_banks(
+        cls,
+        ctx: ParallelContext,
+        banks: Mapping[int, ExpertBank],
+        placements: Mapping[int, Placement] | None = None,
+        collect_stats: bool = True,
+        collector: LoadCollector | None = None,
+    ) -> ExpertParallelBackend:
+        given = placements or {}
+        chosen = {i: given[i] if i in given else contiguous_placement(b.num_experts, ctx.world_size) for i, b in banks.items()}
+        shards = {i: ExpertShard.from_bank(b, chosen[i].phys_to_log[ctx.rank]) for i, b in banks.items()}
+        return cls(ctx, shards, chosen, collect_stats, collector)
+
+    def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        index = layer.layer_index
+        if index not in self.placements:
+            raise KeyError(f"EP backend: no expert shard for MoE layer {index} (have {sorted(self.placements)})")
+        placement, shard = self.placements[index], self.shards[index]
+        if self.collector is not None:
+            self.collector.observe(index, routing.topk_idx)
+        physical = placement.route(routing.topk_idx.cpu(), salt=self.ctx.rank).reshape(-1)
+        dest = physical // placement.slots_per_rank
+        group = physical % placement.slots_per_rank
+        y32, traffic = dispatch_combine(
+            self.ctx, z_TD, dest, group, routing.topk_weight.reshape(-1).cpu(), lambda got: grouped_by_group(got, shard.bank, layer.expert_act)
+        )
+        if self.collect_stats:
+            self._stats.append(record_stats(self.ctx, index, self.method, routing.topk_idx, placement.num_experts, traffic))
+        return y32.to(z_TD.dtype)
+
+    def drain_stats(self) -> list[EPStats]:
+        out, self._stats = self._stats, []
+        return out

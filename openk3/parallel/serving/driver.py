@@ -1,0 +1,159 @@
+"""Serving expert-parallel with rank 0 as the driver: `EPDriver` on rank 0, `run_worker` on every other rank.
+
+Requests arrive only at rank 0 and sampling without a seed differs per process, so the ranks must not step engines of
+their own. Rank 0 runs the one real engine (scheduler, runner, sampler) with an EPDriver in place of the model: just
+before each model call the driver broadcasts the step's ForwardBatch (step_channel.py), then runs the expert-parallel
+model. Each worker runs the same forward on the same batch with cache pools of its own, of rank 0's shapes, and
+discards the logits. Every rank attaches its model with `replicated_tokens=True` (TokenSplit): each dispatches 1/W of
+the tokens and all ranks end every MoE layer with the same rows. The engine and runner need no change: the driver obeys
+the runner's CausalLM contract.
+
+Contract: the engine's cache pools are mutated only by model calls. Anything else that writes them (prefix-cache
+snapshot copies, tier loads) would not reach the workers, so expert-parallel engines refuse prefix caching.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from openk3.config import ModelConfig
+from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.parallel.ep.stats import EPStats
+from openk3.parallel.serving.step_channel import CacheShape, StepChannel
+
+
+class ForwardModel(Protocol):
+    config: ModelConfig
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+
+class StatsSource(Protocol):
+    def drain_stats(self) -> list[EPStats]: ...
+
+
+class EPTotals:
+    """What the driver's EP backend reported so far: per MoE layer the last step's stats, and running totals.
+
+    Entries and rows per rank are global (the backends all-gather them); bytes are rank 0's own sends. Written by the
+    thread that runs the model, read by the metrics between steps on that same thread.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last: dict[int, EPStats] = {}
+        self.recv_entries_R: list[int] = []
+        self.bytes_sent = 0
+        self.prefetch_bytes = 0
+        self.spilled = 0
+
+    def add(self, stats: list[EPStats]) -> None:
+        if not stats:
+            return
+        self.steps += 1
+        for s in stats:
+            self.last[s.layer_index] = s
+            if not self.recv_entries_R:
+                self.recv_entries_R = [0] * len(s.recv_entries_R)
+            self.recv_entries_R = [a + b for a, b in zip(self.recv_entries_R, s.recv_entries_R, strict=True)]
+            self.bytes_sent += s.bytes_sent
+            self.prefetch_bytes += s.prefetch_bytes
+            self.spilled += s.spilled
+
+
+class EPDriver:
+    """Rank 0's model as the engine sees it: broadcast the step, then run the expert-parallel model on it.
+
+    A lock makes a whole step (broadcast and forward) and close() exclusive, so a close from another thread never lands
+    between a header and its payload, nor while this rank is inside a step's collectives.
+
+    Failure: once a step's broadcast has begun, any exception (here or in the model) leaves the workers inside that step's
+    collectives, waiting for this rank. The driver is then `failed`: later calls raise at once, and close() sends no STOP
+    (the workers could not read it); the owner must tear the group down instead (destroy it, kill local workers).
+    """
+
+    def __init__(self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None) -> None:
+        self.model, self.channel, self.stats = model, channel, stats
+        self.config = model.config
+        self.totals = EPTotals()
+        self._cache: CacheTensors | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._failure: str | None = None
+
+    def fuse_projections(self) -> None:
+        """The engine ties its model's projections (model/fused.py); the workers tie theirs in run_worker."""
+        fuse = getattr(self.model, "fuse_projections", None)
+        if callable(fuse):
+            fuse()
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        with self._lock:
+            if self._failure is not None:
+                raise RuntimeError(f"EPDriver: an earlier step failed ({self._failure}); the expert-parallel group is unusable, close it and start again")
+            if self._closed:
+                raise RuntimeError("EPDriver: closed (the expert-parallel workers have stopped)")
+            if self._cache is not None and cache is not self._cache:
+                raise ValueError("EPDriver: one driver serves one engine's cache pools; the workers mirror only the first")
+            header, payload = self.channel.encode_step(batch)  # a batch the channel refuses fails before anything is sent
+            try:
+                if self._cache is None:
+                    self.channel.send_cache(cache)
+                    self._cache = cache
+                self.channel.send_encoded(header, payload)
+                logits = self.model(batch, cache)
+            except BaseException as e:
+                self._failure = f"{type(e).__name__}: {e}"
+                raise
+            if self.stats is not None:
+                self.totals.add(self.stats.drain_stats())
+            return logits
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.model.parameters(recurse)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def close(self) -> None:
+        """Idempotent. Healthy: STOP and a barrier with every worker. Failed: nothing is sent (see the class docstring)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._failure is None:
+                    self.channel.send_stop()
+
+
+def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device | str, stats: StatsSource | None = None) -> int:
+    """A worker rank's loop until rank 0 sends STOP; returns the number of steps run. Cache pools are allocated when rank 0
+    announces their shapes; stats (when the backend collects them) are drained and dropped, rank 0 reports them."""
+    cache: CacheTensors | None = None
+    steps = 0
+    fuse = getattr(model, "fuse_projections", None)
+    if callable(fuse):  # the same serving layout as rank 0's engine gives its model (model/fused.py)
+        fuse()
+    while True:
+        message = channel.receive(device)
+        if message is None:
+            return steps
+        if isinstance(message, CacheShape):
+            cache = message.allocate(model.config, device)
+            continue
+        if cache is None:
+            raise RuntimeError("expert-parallel worker: rank 0 sent a step before announcing its cache shapes")
+        with torch.inference_mode():
+            model(message, cache)
+        if stats is not None:
+            stats.drain_stats()
+        steps += 1

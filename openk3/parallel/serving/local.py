@@ -1,0 +1,106 @@
+"""`LLM(..., ep=N)`: expert-parallel serving in one call. The caller's process is rank 0 and drives its engine, N - 1
+workers are spawned here (torch.multiprocessing; gloo on CPU, or one GPU per rank); each rank starts as ranks.py says.
+
+The caller's process joins a default process group for the LLM's lifetime, so it must not be in one already (under
+torchrun, use `openk3 serve --ep N`, torchrun.py). As with any spawn, the caller's script needs an
+`if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.launch import free_port, join_group, rank_device
+from openk3.parallel.serving.driver import EPDriver
+from openk3.parallel.serving.ranks import EPConfig, ModelSource, RankModelSpec, run_worker_rank, start_driver
+from openk3.serve.loading import resolve_model
+
+# Start-up and per-collective limit of the group LocalEP creates: a worker that died is reported, not waited for forever.
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+JOIN_TIMEOUT_S = 60.0  # all workers together, after STOP
+KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
+
+
+def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), GROUP_TIMEOUT)
+    try:
+        run_worker_rank(ctx, spec)
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalEP:
+    """Rank 0 in the caller's process, ranks 1..N-1 spawned here; `driver` is the model the caller's engine runs."""
+
+    def __init__(self, source: ModelSource, config: EPConfig, dtype: torch.dtype, device: torch.device | str, seed: int, threads: int = 1) -> None:
+        if dist.is_initialized():
+            raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
+        if isinstance(source, torch.nn.Module) and not isinstance(source, K3ForCausalLM):
+            raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
+        if not isinstance(source, torch.nn.Module):
+            resolve_model(source)  # a bad name fails here, before any rank starts
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is not None:
+            raise ValueError(f"device={str(device)!r} with ep={config.size}: rank r takes GPU r, so name no index (device='cuda')")
+        if dev.type == "cuda" and torch.cuda.device_count() < config.size:
+            raise ValueError(f"ep={config.size} needs one GPU per rank, {torch.cuda.device_count()} visible")
+        port = free_port()
+        spec = RankModelSpec(source, config.method, dtype, seed, collect_stats=False)
+        spawn = mp.get_context("spawn")
+        self.workers = [
+            spawn.Process(target=_local_worker, args=(r, config.size, port, spec, dev.type, threads), daemon=True, name=f"openk3-ep{r}")
+            for r in range(1, config.size)
+        ]
+        self.module = source if isinstance(source, torch.nn.Module) else None
+        self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
+        self.driver: EPDriver | None = None
+        try:
+            for w in self.workers:
+                w.start()
+            ctx = join_group(0, config.size, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), GROUP_TIMEOUT)
+            self.driver, self.backend = start_driver(ctx, spec)
+        except BaseException:
+            self._teardown(JOIN_TIMEOUT_S)
+            raise
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent); a caller's module gets its own experts back.
+
+        After a failed step the workers are stuck in that step's collectives and cannot read a STOP: they are killed,
+        so close() returns in seconds instead of waiting out the group's timeout."""
+        if self.driver is not None and self.driver.failed:
+            self.driver.close()
+            self._teardown(0.0)
+            return
+        try:
+            if dist.is_initialized() and self.driver is not None and not self.driver.closed:
+                self.driver.close()
+        finally:
+            self._teardown(JOIN_TIMEOUT_S)
+
+    def _teardown(self, grace_s: float) -> None:
+        """Join the workers within one shared deadline of `grace_s` (0: stop them now), kill what is left, leave the group."""
+        started = [w for w in self.workers if w.pid is not None]
+        if grace_s <= 0:
+            for w in started:
+                w.terminate()
+            grace_s = KILL_GRACE_S
+        deadline = time.monotonic() + grace_s
+        for w in started:
+            w.join(max(0.0, deadline - time.monotonic()))
+        for w in started:
+            if w.is_alive():
+                w.kill()
+                w.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if isinstance(self.module, K3ForCausalLM):
+            for moe, previous in zip(self.module.moe_layers(), self._backends, strict=True):
+                moe.backend = previous

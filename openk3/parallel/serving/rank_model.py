@@ -1,0 +1,130 @@
+"""One rank's model for expert-parallel serving: the whole trunk (attention, router, shared experts), and only its experts.
+
+Legend: E experts per MoE layer, W ranks, epn = E / W, P physical experts per rank (EPLB: (E + redundant) / W).
+
+Which experts rank r holds, per MoE layer:
+- ep, moonep: its home range r*epn .. r*epn+epn-1 (MoonEP fetches the remote experts a step needs into prefetch slots);
+- eplb: placement.phys_to_log[r]. An engine starts without load statistics, so its placement comes from a uniform load
+  with 10% redundant replicas (`engine_placements`); re-placing from collected loads at run time is not built.
+
+Where they come from:
+- a checkpoint folder (`load_rank_model`): load_model(experts=...) reads only those experts' tensors, so a rank never
+  holds another rank's expert weights, not even while loading;
+- a model already built in full (a preset's seeded random weights, or a caller's module): `attach_rank_experts` cuts the
+  banks to the rank's experts and, with drop_full_banks=True, replaces the full banks so they can be freed.
+Either way the backend's shards share storage with the model's (cut) banks: no second copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from openk3.config import ModelConfig
+from openk3.model.model import K3ForCausalLM
+from openk3.model.moe import DenseExperts, PackedExperts
+from openk3.model.weights import load_model
+from openk3.ops.moe.bank import DenseExpertBank
+from openk3.parallel.ep.backend import EPMethod, TokenSplit
+from openk3.parallel.ep.moonep_backend import MoonEPBackend
+from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_placement, redundant_for
+from openk3.parallel.ep.shard import ExpertShard
+from openk3.parallel.ep.static_backend import ExpertParallelBackend
+from openk3.parallel.group import ParallelContext
+
+EPLB_REDUNDANT_FRACTION = 0.1
+
+
+def engine_placements(model_layers: list[int], num_experts: int, world_size: int, method: EPMethod | str) -> dict[int, Placement]:
+    """The placement of every MoE layer for an engine that starts without load statistics."""
+    chosen = EPMethod(method)
+    if chosen is not EPMethod.EPLB and num_experts % world_size:
+        raise ValueError(f"expert parallel: method={chosen.value!r} needs the {num_experts} experts to split evenly over ep={world_size} ranks")
+    if chosen is EPMethod.EPLB:
+        redundant = redundant_for(num_experts, world_size, EPLB_REDUNDANT_FRACTION)
+        placement = eplb_placement(torch.ones(num_experts), world_size, redundant)
+    else:
+        placement = contiguous_placement(num_experts, world_size)
+    return dict.fromkeys(model_layers, placement)
+
+
+def rank_expert_ids(placements: Mapping[int, Placement], rank: int) -> dict[int, list[int]]:
+    return {layer: p.phys_to_log[rank].tolist() for layer, p in placements.items()}
+
+
+def _cut(experts: DenseExperts | PackedExperts, ids: torch.Tensor) -> DenseExperts | PackedExperts:
+    """A module holding only experts `ids` (copied rows, so the full bank can be freed)."""
+    e, rows, cols = experts.w1.shape if isinstance(experts, DenseExperts) else experts.w1_weight_packed.shape
+    cut = DenseExperts(ids.numel(), cols, rows) if isinstance(experts, DenseExperts) else PackedExperts(ids.numel(), 2 * cols, rows)
+    with torch.no_grad():
+        for name, t in list(experts.named_parameters()) + list(experts.named_buffers()):
+            getattr(cut, name).data = t.detach().index_select(0, ids.to(t.device))
+    return cut
+
+
+def attach_rank_experts(
+    model: K3ForCausalLM,
+    ctx: ParallelContext,
+    method: EPMethod | str,
+    placements: Mapping[int, Placement],
+    loaded_per_rank: bool,
+    drop_full_banks: bool = True,
+    collect_stats: bool = True,
+) -> TokenSplit:
+    """Attach the expert-parallel backend (tokens replicated, experts sharded) and return it.
+
+    loaded_per_rank: the model's banks already hold exactly this rank's experts in placement order (load_rank_model);
+    otherwise they are full banks, cut here (and replaced when drop_full_banks, else copied so the caller's module keeps
+    its own experts)."""
+    chosen = EPMethod(method)
+    shards = {}
+    for moe in model.moe_layers():
+        ids = placements[moe.layer_index].phys_to_log[ctx.rank]
+        if not loaded_per_rank and drop_full_banks:
+            moe.experts = _cut(moe.experts, ids)
+        if loaded_per_rank or drop_full_banks:
+            bank = moe.experts.bank()
+            if isinstance(bank, DenseExpertBank):
+                bank = DenseExpertBank(bank.w1_EID.detach(), bank.w3_EID.detach(), bank.w2_EDI.detach())
+            shards[moe.layer_index] = ExpertShard(bank, ids)  # type: ignore[arg-type]  # dense or packed, what shards keep
+        else:
+            shards[moe.layer_index] = ExpertShard.from_bank(moe.experts.bank(), ids)
+    if chosen is EPMethod.MOONEP:
+        inner: ExpertParallelBackend | MoonEPBackend = MoonEPBackend(ctx, shards, collect_stats=collect_stats)
+    else:
+        inner = ExpertParallelBackend(ctx, shards, placements, collect_stats)
+    backend = TokenSplit(ctx, inner)
+    model.set_expert_backend(backend)
+    return backend
+
+
+def load_rank_model(
+    folder: str | Path,
+    ctx: ParallelContext,
+    method: EPMethod | str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    collect_stats: bool = True,
+) -> tuple[K3ForCausalLM, TokenSplit]:
+    """Load a checkpoint folder with only this rank's experts and attach the expert-parallel backend."""
+    config = ModelConfig.from_hf(Path(folder))
+    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
+    model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank))
+    return model, attach_rank_experts(model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats)
+
+
+def resident_expert_bytes(model: K3ForCausalLM, backend: TokenSplit | None = None) -> int:
+    """Bytes of routed-expert weights this process holds: the model's banks and the backend's shards, each storage once."""
+    tensors = [t for moe in model.moe_layers() for t in list(moe.experts.parameters()) + list(moe.experts.buffers())]
+    if backend is not None:
+        for shard in getattr(backend.inner, "shards", {}).values():
+            bank = shard.bank
+            if isinstance(bank, DenseExpertBank):
+                tensors += [bank.w1_EID, bank.w3_EID, bank.w2_EDI]
+            else:
+                tensors += [x for t in (bank.w1, bank.w3, bank.w2) for x in (t.packed, t.scales)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(storages.values())

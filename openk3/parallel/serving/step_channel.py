@@ -1,0 +1,165 @@
+"""The driver -> worker wire format of expert-parallel serving: one message per model call, broadcast from rank 0.
+
+Legend: T tokens of the step, N sequences, P page-table width, M logits rows, W ranks.
+
+Rank 0 (the driver) alone schedules and samples; the other ranks run the same forward on the same batch, because every MoE
+layer is a collective (their experts, their share of the tokens). A message is a fixed int64 header, then for a step one
+int64 payload holding the batch's tensors end to end, so a step costs two broadcasts whatever its size:
+
+  header   [kind, a, b, c, d, e, 0, 0]
+    STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode
+    CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
+    STOP   no payload; a barrier, then the worker leaves its loop
+  payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
+
+Before any message, `report_ready` gathers every rank's start-up result (None or its error), so a rank that failed to
+build its model is reported by rank 0 instead of surfacing as a bare gloo error in the first step.
+
+CACHE goes once, before the first step: workers allocate pools of rank 0's shapes, so the same page and slot ids address
+the same rows everywhere. The channel uses its own gloo group (CPU tensors, a long timeout): a worker waits in it while
+the server is idle, and an NCCL group would time the wait out (and wants device tensors for a few integers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from openk3.config import ModelConfig
+from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.parallel.group import ParallelContext
+
+HEADER = 8
+# The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
+CARRIED_FIELDS = ("input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode")
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+class MessageKind(IntEnum):
+    STEP = 1
+    CACHE = 2
+    STOP = 3
+
+
+class CacheShape(NamedTuple):
+    num_slots: int
+    num_pages: int
+    page_size: int
+    dtype: torch.dtype
+    elements: int  # of all pools together
+
+    @classmethod
+    def of(cls, cache: CacheTensors) -> CacheShape:
+        pools = cache.conv_state or cache.mla_latent
+        dtype = pools[0].dtype if pools else torch.float32
+        return cls(cache.num_slots, cache.num_pages, cache.page_size, dtype, pool_elements(cache))
+
+    def allocate(self, config: ModelConfig, device: torch.device | str) -> CacheTensors:
+        """Pools of the announced shapes; a worker whose config lays them out differently from rank 0's is refused."""
+        cache = CacheTensors.allocate(config, self.num_slots, self.num_pages, self.page_size, self.dtype, device)
+        if pool_elements(cache) != self.elements:
+            raise RuntimeError(f"expert-parallel worker: its cache pools hold {pool_elements(cache)} elements, rank 0's {self.elements}: different models")
+        return cache
+
+
+def pool_elements(cache: CacheTensors) -> int:
+    return sum(t.numel() for pools in (cache.kda_state, cache.conv_state, cache.mla_latent) for t in pools)
+
+
+class StepChannel:
+    """Broadcasts from rank 0 of `ctx` to the other ranks over a gloo group of its own; every rank must construct it
+    (group creation is collective), in the same order relative to other groups."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        if ctx.group is None:
+            raise ValueError("StepChannel: a world of one has nobody to broadcast to")
+        names = tuple(f.name for f in dataclasses.fields(ForwardBatch))
+        if names != CARRIED_FIELDS:
+            raise RuntimeError(f"StepChannel carries ForwardBatch fields {CARRIED_FIELDS}, the batch now has {names}: extend the wire format")
+        self.ctx = ctx
+        self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo")
+        self.src = dist.get_global_rank(ctx.group, 0)
+
+    def _send(self, header: list[int], payload: torch.Tensor | None = None) -> None:
+        if self.ctx.rank != 0:
+            raise RuntimeError(f"StepChannel: rank {self.ctx.rank} tried to send; only rank 0 drives")
+        dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), self.src, group=self.group)
+        if payload is not None:
+            dist.broadcast(payload, self.src, group=self.group)
+
+    def send_cache(self, cache: CacheTensors) -> None:
+        shape = CacheShape.of(cache)
+        if shape.dtype not in CACHE_DTYPES:
+            raise ValueError(f"StepChannel: cache dtype {shape.dtype} is not one of {CACHE_DTYPES}")
+        index = CACHE_DTYPES.index(shape.dtype)
+        self._send([MessageKind.CACHE, shape.num_slots, shape.num_pages, shape.page_size, index, shape.elements])
+
+    @staticmethod
+    def encode_step(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+        """The header and payload of a step; raises before anything is sent for a batch the wire format cannot carry."""
+        parts = [batch.input_ids, batch.positions, batch.cu_seqlens, batch.context_lens]
+        width = -1
+        if (batch.state_slots is None) != (batch.page_table is None):
+            # c = -1 stands for both absent: one sent alone would be silently dropped on the workers
+            given, missing = ("state_slots", "page_table") if batch.page_table is None else ("page_table", "state_slots")
+            raise ValueError(f"StepChannel: the batch has {given} but {missing} is None; the wire format carries both or neither")
+        if batch.state_slots is not None and batch.page_table is not None:
+            width = batch.page_table.shape[1]
+            parts += [batch.state_slots, batch.page_table.reshape(-1)]
+        rows = -1
+        if batch.logits_indices is not None:
+            rows = batch.logits_indices.numel()
+            parts.append(batch.logits_indices)
+        payload = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
+        return [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode)], payload
+
+    def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
+        self._send(header, payload)
+
+    def send_step(self, batch: ForwardBatch) -> None:
+        self._send(*self.encode_step(batch))
+
+    def report_ready(self, error: str | None) -> list[str | None]:
+        """The start-up handshake, collective over every rank: each reports None (model built) or its error; all get all.
+
+        Without it a worker that failed while building would just exit, and rank 0 would learn of it only as a bare gloo
+        error in its first step."""
+        reports: list[str | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(reports, error, group=self.group)
+        return reports
+
+    def send_stop(self) -> None:
+        """STOP, then a barrier: no rank tears the group down while another is still reading from it (gloo aborts then)."""
+        self._send([MessageKind.STOP])
+        dist.barrier(group=self.group)
+
+    def receive(self, device: torch.device | str) -> ForwardBatch | CacheShape | None:
+        """The next message on a worker: a step's batch (on `device`), the cache shape, or None for STOP."""
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        dist.broadcast(header, self.src, group=self.group)
+        kind, a, b, c, d, e = (int(x) for x in header[:6])
+        if kind == MessageKind.STOP:
+            dist.barrier(group=self.group)
+            return None
+        if kind == MessageKind.CACHE:
+            if not 0 <= d < len(CACHE_DTYPES):
+                raise RuntimeError(f"StepChannel: cache dtype index {d} outside 0..{len(CACHE_DTYPES) - 1}")
+            return CacheShape(a, b, c, CACHE_DTYPES[d], e)
+        if kind != MessageKind.STEP:
+            raise RuntimeError(f"StepChannel: unknown message kind {kind} (driver and worker run different openk3 versions?)")
+        tokens, seqs, width, rows = a, b, c, d
+        sizes = [tokens, tokens, seqs + 1, seqs] + ([seqs, seqs * width] if width >= 0 else []) + ([rows] if rows >= 0 else [])
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
+        dist.broadcast(payload, self.src, group=self.group)
+        parts = [p.to(device) for p in payload.split(sizes)]
+        ids, positions, cu, context = parts[:4]
+        slots, table = (parts[4], parts[5].reshape(seqs, width)) if width >= 0 else (None, None)
+        logits = parts[-1] if rows >= 0 else None
+        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e))

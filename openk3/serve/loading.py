@@ -1,0 +1,65 @@
+"""Where a model comes from: a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors, tokenizer.json
+when it has one), or a preset with no shipped checkpoint, built with seeded random weights and the byte tokenizer (it says
+so with a warning: its text is noise, but every code path is the real one). Used by `LLM`, `openk3 serve` and every
+expert-parallel rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from openk3.config import PRESETS, preset
+from openk3.serve.runner import CausalLM
+from openk3.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def resolve_model(model: str | Path) -> Path | None:
+    """The checkpoint folder `model` names (a shipped preset's included), or None for a preset built from its seed."""
+    name = str(model)
+    shipped = ASSETS / name
+    if name in PRESETS and (shipped / "config.json").is_file():
+        return shipped
+    if name in PRESETS:
+        return None
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={name!r} is neither a preset ({sorted(PRESETS)}) nor a folder with config.json")
+    return path
+
+
+def _warn_random(name: str, seed: int) -> None:
+    warnings.warn(
+        f"model {name!r}: no checkpoint is shipped for this preset, using seeded random weights (seed {seed}) and the byte tokenizer",
+        stacklevel=4,
+    )
+
+
+def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | str, seed: int) -> tuple[CausalLM, Tokenizer]:
+    from openk3.model import K3ForCausalLM, load_model
+
+    path = resolve_model(model)
+    if path is None:
+        _warn_random(str(model), seed)
+        config = preset(str(model))
+        net = K3ForCausalLM(config)
+        net.init_weights(seed)
+        net = net.to(device=device, dtype=dtype).eval()
+        return net, ByteTokenizer(config.vocab_size)
+    net = load_model(path, dtype=dtype, device=device)
+    return net, load_tokenizer(path, net.config.vocab_size)
+
+
+def model_tokenizer(model: str | Path, seed: int) -> Tokenizer:
+    """The tokenizer build_model would return, without building the model (expert-parallel ranks build their own)."""
+    path = resolve_model(model)
+    if path is None:
+        _warn_random(str(model), seed)
+        return ByteTokenizer(preset(str(model)).vocab_size)
+    from openk3.config import ModelConfig
+
+    return load_tokenizer(path, ModelConfig.from_hf(path).vocab_size)

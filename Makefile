@@ -27,8 +27,11 @@ test: venv system-deps
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not sandbox and not distributed"
 
+# the three checks CI runs before the tests: lint rules, formatting (line length 160, pyproject.toml) and types
 lint: venv
 	.venv/bin/ruff check openk3 tests benchmarks
+	.venv/bin/ruff format --check openk3 tests benchmarks
+	.venv/bin/mypy openk3 tests
 
 serve: venv
 	.venv/bin/openk3 serve

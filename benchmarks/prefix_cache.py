@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from openk3.llm import LLM
-from openk3.serve.cache.tiers import TierKind
+from openk3.serve.cache.tier_types import TierKind
 from openk3.serve.sampling import SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 3, 4000

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from openk3.config import ModelConfig
+from openk3.config import ModelConfig, config_from_hf, save_config
 from openk3.model.model import K3ForCausalLM, OpChoice
 from openk3.model.moe import DenseExperts, PackedExperts
 
@@ -225,7 +225,7 @@ def load_model(
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
-    config = ModelConfig.from_hf(path)
+    config = config_from_hf(path)
     names = checkpoint_names(path)
     ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):
@@ -285,5 +285,5 @@ def save_model(model: K3ForCausalLM, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     packed = any(isinstance(moe.experts, PackedExperts) for moe in model.moe_layers())
     config = model.config.replace(expert_quantization="mxfp4") if packed else model.config
-    config.save(path / "config.json")
+    save_config(config, path / "config.json")
     save_file(export_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.config import PRESETS, preset
+from openk3.config import PRESETS, config_from_hf, preset
 from openk3.serve.runner import CausalLM
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -60,6 +60,4 @@ def model_tokenizer(model: str | Path, seed: int) -> Tokenizer:
     if path is None:
         _warn_random(str(model), seed)
         return ByteTokenizer(preset(str(model)).vocab_size)
-    from openk3.config import ModelConfig
-
-    return load_tokenizer(path, ModelConfig.from_hf(path).vocab_size)
+    return load_tokenizer(path, config_from_hf(path).vocab_size)

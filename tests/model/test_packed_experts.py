@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from openk3.cli import main
-from openk3.config import debug
+from openk3.config import debug, save_config
 from openk3.model import load_model, save_model
 from openk3.model.moe import DenseExperts, LocalExperts, PackedExperts
 from openk3.ops.moe.packed_bank import dense_bank_nbytes
@@ -85,7 +85,7 @@ def test_gpt_oss_block_names_load_like_k3_names(tmp_path: Path) -> None:
         else:
             tensors[name] = t
     (tmp_path / "g").mkdir()
-    model.config.save(tmp_path / "g" / "config.json")
+    save_config(model.config, tmp_path / "g" / "config.json")
     save_file(tensors, str(tmp_path / "g" / "model.safetensors"))
     with torch.no_grad():
         torch.testing.assert_close(load_model(tmp_path / "g").forward_tokens(TOKENS), model.forward_tokens(TOKENS), atol=0, rtol=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from openk3.config import debug
+from openk3.config import config_to_hf, debug, save_config
 from openk3.model import CheckpointError, K3ForCausalLM, load_model, save_model
 from openk3.model.weights import export_state_dict
 
@@ -18,7 +18,7 @@ from .conftest import build
 
 def write(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    debug().save(path / "config.json")
+    save_config(debug(), path / "config.json")
     names = sorted(tensors)
     if shards == 1:
         save_file(tensors, str(path / "model.safetensors"))
@@ -80,7 +80,7 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path: Path) -> None:
 
 
 def test_pickle_only_folder_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(debug().to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(debug())))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(CheckpointError, match="safetensors only"):
         load_model(tmp_path)
@@ -105,7 +105,7 @@ def test_multimodal_checkpoint_skips_other_towers_and_checks_weight_shape(tmp_pa
     tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 32])
     path = tmp_path / "mm"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": model.config.replace(expert_quantization="mxfp4").to_hf()}))
+    (path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": config_to_hf(model.config.replace(expert_quantization="mxfp4"))}))
     save_file(tensors, str(path / "model.safetensors"))
     same_logits(model, load_model(path))
     tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 64])

@@ -6,7 +6,7 @@ import torch
 from openk3.config import debug
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.prefix import PrefixCacheConfig, PrefixMatch
-from openk3.serve.cache.tiers import TierKind
+from openk3.serve.cache.tier_types import TierKind
 
 A = list(range(100, 110))  # 10 tokens: pages [100..103] [104..107], tail (108, 109)
 B = A + [1, 2, 3]  # 13 tokens: diverges from A's cached run only after it

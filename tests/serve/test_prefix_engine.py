@@ -11,7 +11,7 @@ import torch
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
-from openk3.serve.cache.tiers import TierKind
+from openk3.serve.cache.tier_types import TierKind
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 

@@ -9,7 +9,8 @@ from openk3.config import debug
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.disk_tier import DiskTier
 from openk3.serve.cache.hashing import chain_keys, snapshot_key
-from openk3.serve.cache.tiers import HostTier, TierEntry, TierKind, TierStack
+from openk3.serve.cache.tier_types import TierEntry, TierKind
+from openk3.serve.cache.tiers import HostTier, TierStack
 from openk3.serve.cache.transfer import buffer_nbytes, pack, unpack
 
 SALT = b"salt"

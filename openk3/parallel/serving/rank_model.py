@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.config import ModelConfig
+from openk3.config import config_from_hf
 from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts, PackedExperts
 from openk3.model.weights import load_model
@@ -109,7 +109,7 @@ def load_rank_model(
     collect_stats: bool = True,
 ) -> tuple[K3ForCausalLM, TokenSplit]:
     """Load a checkpoint folder with only this rank's experts and attach the expert-parallel backend."""
-    config = ModelConfig.from_hf(Path(folder))
+    config = config_from_hf(Path(folder))
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
     model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank))

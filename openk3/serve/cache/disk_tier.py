@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openk3.serve.cache.tiers import AnchorIndex, Counters, TierEntry, TierKind, TierStats
+from openk3.serve.cache.tier_types import AnchorIndex, Counters, TierEntry, TierKind, TierStats
 
 MAGIC = b"OPENK3PREFIX1\n"
 

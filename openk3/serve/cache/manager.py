@@ -22,7 +22,8 @@ from openk3.serve.cache.disk_tier import DiskTier
 from openk3.serve.cache.prefix import PrefixCache, PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.spec import CacheSpec
 from openk3.serve.cache.state_pool import StatePool
-from openk3.serve.cache.tiers import HostTier, TierKind, TierStack
+from openk3.serve.cache.tier_types import TierKind
+from openk3.serve.cache.tiers import HostTier, TierStack
 from openk3.serve.cache.transfer import copy_page, copy_slot, unpack
 
 

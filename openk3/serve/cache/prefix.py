@@ -30,7 +30,8 @@ import torch
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.hashing import chain_keys, page_key, snapshot_key
-from openk3.serve.cache.tiers import TierEntry, TierKind, TierStack
+from openk3.serve.cache.tier_types import TierEntry, TierKind
+from openk3.serve.cache.tiers import TierStack
 from openk3.serve.cache.transfer import copy_slot, pack
 
 

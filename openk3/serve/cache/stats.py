@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openk3.serve.cache.manager import CacheManager, cache_spec
-from openk3.serve.cache.tiers import TierKind, TierStats
+from openk3.serve.cache.tier_types import TierKind, TierStats
 
 
 @dataclass(frozen=True)

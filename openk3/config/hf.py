@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from openk3.config import Activation, KDAConfig, KDAGate, MLAConfig, ModelConfig, MoEConfig, _k3_schedule
+from openk3.config.model import Activation, KDAConfig, KDAGate, MLAConfig, ModelConfig, MoEConfig
+from openk3.config.presets import k3_schedule
 
 
 def _first(d: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -50,7 +51,7 @@ def _mla_layers(tc: dict[str, Any], num_layers: int) -> tuple[int, ...]:
         if unknown:
             raise ValueError(f"config.json layer_types holds unknown kinds {sorted(unknown)}; expected full_attention / linear_attention")
         return tuple(i for i, t in enumerate(types) if t == "full_attention")
-    return _k3_schedule(num_layers)
+    return k3_schedule(num_layers)
 
 
 def _first_dense(tc: dict[str, Any]) -> int:
@@ -208,3 +209,8 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
             "config_groups": {"group_0": {"targets": ["routed experts"], "weights": {"num_bits": 4, "group_size": 32, "type": "float"}}},
         }
     return out
+
+
+def save_config(config: ModelConfig, path: str | Path) -> None:
+    """Write `config` as an HF config.json (what config_from_hf reads back to an equal ModelConfig)."""
+    Path(path).write_text(json.dumps(config_to_hf(config), indent=2) + "\n")

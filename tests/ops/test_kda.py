@@ -17,8 +17,10 @@ from openk3.ops.norm import l2_norm
 
 H, K, V = 2, 32, 16
 
+KDAInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, g, beta, state
 
-def make_inputs(B: int, T: int, gate: KDAGate, seed: int = 0, heads: int = H, dk: int = K, dv: int = V):
+
+def make_inputs(B: int, T: int, gate: KDAGate, seed: int = 0, heads: int = H, dk: int = K, dv: int = V) -> KDAInputs:
     """Random KDA inputs with the layer's own gate; the softplus gate gets A in [1, 16] so decays reach tens of nats per token."""
     gen = torch.Generator().manual_seed(seed)
     q = l2_norm(torch.randn(B, T, heads, dk, generator=gen))
@@ -39,12 +41,18 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def pack(parts: list[KDAInputs]) -> KDAInputs:
+    """Sequences packed along T into one batch row (B = 1), their states stacked."""
+    q, k, v, g, beta = (torch.cat([p[i] for p in parts], dim=1) for i in range(5))
+    return q, k, v, g, beta, torch.cat([p[5] for p in parts], dim=0)
+
+
 @pytest.mark.parametrize("gate", list(KDAGate))
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 def test_chunk_matches_recurrent(T: int, with_state: bool, gate: KDAGate) -> None:
-    q, k, v, g, beta, S0 = make_inputs(2, T, gate, seed=T)
-    S0 = S0 if with_state else None
+    q, k, v, g, beta, state = make_inputs(2, T, gate, seed=T)
+    S0 = state if with_state else None
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=S0)
     o, s = kda_chunk(q, k, v, g, beta, initial_state=S0)
     assert o.shape == (2, T, H, V) and s.shape == (2, H, K, V) and s.dtype == torch.float32
@@ -85,10 +93,9 @@ def test_cu_seqlens_equals_separate_runs(impl: str, lengths: list[int]) -> None:
     """The second case is a serving step: sequences of 1 to 3 chunks in no particular order (ranks permute, sequences end at
     different chunk steps), single-token continuations and an empty sequence whose state must pass through unchanged."""
     parts = [make_inputs(1, n, KDAGate.LOWER_BOUND, seed=i) for i, n in enumerate(lengths)]
-    packed = [torch.cat([p[i] for p in parts], dim=1) for i in range(5)]
-    S0 = torch.cat([p[5] for p in parts], dim=0)
+    q, k, v, g, beta, S0 = pack(parts)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    o, s = kda_prefill_op(impl)(*packed, initial_state=S0, cu_seqlens=cu)
+    o, s = kda_prefill_op(impl)(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu)
     assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
     for n, p in enumerate(parts):
         o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])
@@ -111,7 +118,7 @@ def test_bf16_inputs_close_to_fp32_reference() -> None:
 def test_decode_step_equals_last_step_of_recurrence() -> None:
     q, k, v, g, beta, S0 = make_inputs(3, 20, KDAGate.SOFTPLUS, seed=5)
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=S0)
-    _, s_prefix = kda_recurrent(*(x[:, :-1] for x in (q, k, v, g, beta)), initial_state=S0)
+    _, s_prefix = kda_recurrent(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], initial_state=S0)
     before = s_prefix.clone()
     o, s = kda_decode(q[:, -1], k[:, -1], v[:, -1], g[:, -1], beta[:, -1], s_prefix)
     assert torch.equal(s_prefix, before), "kda_decode must not write its input state"
@@ -256,10 +263,9 @@ def test_mixed_step_equals_recurrence(lengths: list[int]) -> None:
     """kda_mixed sends single-token sequences to the decode kernel and the rest to the chunked prefill; every sequence's
     output and final state must equal its own recurrence, whichever path it took."""
     parts = [make_inputs(1, n, KDAGate.SOFTPLUS, seed=10 + i) for i, n in enumerate(lengths)]
-    packed = [torch.cat([p[i] for p in parts], dim=1) for i in range(5)]
-    S0 = torch.cat([p[5] for p in parts], dim=0)
+    q, k, v, g, beta, S0 = pack(parts)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    o, s = kda_mixed(kda_chunk, *packed, S0, cu)
+    o, s = kda_mixed(kda_chunk, q, k, v, g, beta, S0, cu)
     assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
     for n, p in enumerate(parts):
         o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])

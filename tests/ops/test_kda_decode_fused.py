@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -20,7 +23,22 @@ P = H * D
 EPS = 1e-6
 
 
-def reference_step(x, conv_w, conv_pool, slots, fresh, f, A_log, dt_bias, b, state_pool, gate_kind, lower_bound, norm_w, gate):  # type: ignore[no-untyped-def]
+def reference_step(
+    x: torch.Tensor,
+    conv_w: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None,
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    state_pool: torch.Tensor,
+    gate_kind: KDAGate,
+    lower_bound: float | None,
+    norm_w: torch.Tensor,
+    gate: torch.Tensor,
+) -> torch.Tensor:
     """model/kda.py's torch ops for one decode token, on gathered slots written back (pools modified in place)."""
     n = slots.numel()
     windows, states = conv_pool[slots].clone(), state_pool[slots].clone()
@@ -62,12 +80,34 @@ def test_kernel_equals_torch_ops_over_several_steps(gate_kind: KDAGate, width: i
     assert torch.equal(pools[1][untouched], ref_pools[1][untouched])
 
 
-def _args(n: int = 2, dtype: torch.dtype = torch.float32) -> list:  # type: ignore[type-arg]
-    return [
-        torch.randn(n, 3 * P, dtype=dtype), torch.randn(3 * P, 4, dtype=dtype), torch.zeros(4, 3 * P, 3, dtype=dtype), torch.arange(n), None,
-        torch.randn(n, P, dtype=dtype), torch.zeros(H, dtype=dtype), torch.zeros(P, dtype=dtype), torch.randn(n, H, dtype=dtype),
-        torch.zeros(4, H, D, D, dtype=dtype), KDAGate.SOFTPLUS, None, torch.ones(D, dtype=dtype), EPS, torch.randn(n, P, dtype=dtype),
-    ]  # fmt: skip
+class FusedArgs(NamedTuple):
+    """kda_decode_fused's arguments, in its order."""
+
+    x_pre_NC: torch.Tensor
+    conv_weight_CW: torch.Tensor
+    conv_pool_SCW: torch.Tensor
+    slots_N: torch.Tensor
+    fresh_N: torch.Tensor | None
+    f_NP: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    b_NH: torch.Tensor
+    state_pool_SHDD: torch.Tensor
+    gate_kind: KDAGate
+    lower_bound: float | None
+    norm_weight_D: torch.Tensor
+    norm_eps: float
+    out_gate_NP: torch.Tensor
+
+
+def _args(n: int = 2, dtype: torch.dtype = torch.float32, heads: int = H, dim: int = D) -> FusedArgs:
+    """A call the kernel takes (fp32): n sequences on a pool of 4 slots, conv width 4."""
+    p = heads * dim
+    return FusedArgs(
+        torch.randn(n, 3 * p, dtype=dtype), torch.randn(3 * p, 4, dtype=dtype), torch.zeros(4, 3 * p, 3, dtype=dtype), torch.arange(n), None,
+        torch.randn(n, p, dtype=dtype), torch.zeros(heads, dtype=dtype), torch.zeros(p, dtype=dtype), torch.randn(n, heads, dtype=dtype),
+        torch.zeros(4, heads, dim, dim, dtype=dtype), KDAGate.SOFTPLUS, None, torch.ones(dim, dtype=dtype), EPS, torch.randn(n, p, dtype=dtype),
+    )  # fmt: skip
 
 
 def test_declines_what_it_cannot_take_without_touching_anything() -> None:
@@ -75,29 +115,23 @@ def test_declines_what_it_cannot_take_without_touching_anything() -> None:
         args = _args(dtype=torch.float64)
         assert kda_decode_fused(*args) is None  # fp64
         args = _args()
-        args[0] = args[0].t().contiguous().t()  # x with a non-unit inner stride
-        before = args[9].clone()
-        assert kda_decode_fused(*args) is None and torch.equal(args[9], before)
-        args = _args()
-        args[7] = torch.zeros(D, H).t()  # dt_bias [H, D] as a transposed view: the kernel reads flat arrays
+        args = args._replace(x_pre_NC=args.x_pre_NC.t().contiguous().t())  # x with a non-unit inner stride
+        before = args.state_pool_SHDD.clone()
+        assert kda_decode_fused(*args) is None and torch.equal(args.state_pool_SHDD, before)
+        args = _args()._replace(dt_bias=torch.zeros(D, H).t())  # dt_bias [H, D] as a transposed view: the kernel reads flat arrays
         assert kda_decode_fused(*args) is None
         big = decode_fused.MAX_HEAD_DIM + 1  # one head wider than the kernel's stack arrays: the torch ops take it
-        wide = [torch.randn(2, 3 * big), torch.randn(3 * big, 4), torch.zeros(4, 3 * big, 3), torch.arange(2), None,
-                torch.randn(2, big), torch.zeros(1), torch.zeros(big), torch.randn(2, 1), torch.zeros(4, 1, big, big), KDAGate.SOFTPLUS,
-                None, torch.ones(big), EPS, torch.randn(2, big)]  # fmt: skip
-        assert big > decode_fused.MAX_HEAD_DIM and kda_decode_fused(*wide) is None
-    x = _args()
-    assert kda_decode_fused(*x) is None  # autograd on: the torch ops keep the graph
+        assert kda_decode_fused(*_args(heads=1, dim=big)) is None
+    assert kda_decode_fused(*_args()) is None  # autograd on: the torch ops keep the graph
 
 
 def test_slot_ids_outside_the_pools_are_refused() -> None:
-    args = _args()
-    args[3] = torch.tensor([0, 4])  # the pools have 4 slots
+    args = _args()._replace(slots_N=torch.tensor([0, 4]))  # the pools have 4 slots
     with torch.inference_mode(), pytest.raises(ValueError, match="slot ids span 0..4"):
         kda_decode_fused(*args)
 
 
-def test_unknown_home_means_no_kernel_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_home_means_no_kernel_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Containers with an arbitrary uid have no home directory: without OPENK3_CACHE_DIR the kernels are simply off."""
     from openk3.ops.cpu import build
 
@@ -117,7 +151,7 @@ def test_unknown_home_means_no_kernel_not_an_error(monkeypatch: pytest.MonkeyPat
         build.load.cache_clear()
 
 
-def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from openk3.ops.cpu import build
 
     monkeypatch.setenv("OPENK3_CPU_KERNELS", "0")
@@ -129,7 +163,8 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) 
         build.load.cache_clear()
     monkeypatch.setenv("OPENK3_CACHE_DIR", str(tmp_path))  # an empty cache: built again, into it
     try:
-        assert build.load("kda_decode.c").openk3_kda_decode_step is not None
+        lib = build.load("kda_decode.c")
+        assert lib is not None and lib.openk3_kda_decode_step is not None
         assert [p.name.split("-")[0] for p in (tmp_path / "kernels").glob("*.so")] == ["kda_decode"]
     finally:
         build.load.cache_clear()

@@ -46,15 +46,26 @@ def test_expanded_is_causal_with_offset() -> None:
     assert not torch.allclose(again[2], full[2])
 
 
+def _needs_kernel() -> None:
+    if decode_cpu._kernel() is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+
+
 @pytest.fixture(params=["C kernel", "torch ops"])
 def paged_decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """On CPU the paged decode's attention runs as one C call when it can be built (ops/mla/decode_cpu.py); the tests that
     take this fixture run with it and with the torch ops it replaces."""
     if request.param == "torch ops":
         monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
-    elif decode_cpu._kernel() is None:
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    else:
+        _needs_kernel()
     return request.param
+
+
+@pytest.fixture
+def mla_kernel() -> None:
+    """For the tests of the C kernel itself (against the torch ops, or its own checks): built, or the test is skipped."""
+    _needs_kernel()
 
 
 def test_paged_decode_equals_last_row_of_expanded(paged_decode: str) -> None:
@@ -74,7 +85,16 @@ def test_paged_decode_equals_last_row_of_expanded(paged_decode: str) -> None:
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
-def paged_decode_fp64(q_nope, q_pe, pool, pages, length, w_uk, w_uv, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def paged_decode_fp64(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    pool: torch.Tensor,
+    pages: torch.Tensor,
+    length: int,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One sequence's decode attention in float64, spelled out: the reference both fp32 paths are measured against."""
     rows = pool.double()[pages].reshape(-1, pool.shape[-1])[:length]
     q = torch.cat([torch.einsum("hd,hdl->hl", q_nope.double(), w_uk.double()), q_pe.double()], dim=-1) * scale
@@ -84,12 +104,10 @@ def paged_decode_fp64(q_nope, q_pe, pool, pages, length, w_uk, w_uv, scale) -> t
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
 @pytest.mark.parametrize("lens", [[700], [3, 64, 65, 130], [1, 1, 1, 1, 1], [1, 3, 2000]])
-def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: pytest.MonkeyPatch, lens: list[int], threads: int) -> None:
+def test_paged_decode_kernel_equals_torch_ops(mla_kernel: None, monkeypatch: pytest.MonkeyPatch, lens: list[int], threads: int) -> None:
     """Shuffled pages, partial last pages, one long sequence cut into parts that threads take separately (merged after, some
     parts empty when short and long sequences share 8 threads), more sequences than threads; large score ranges (the online
     softmax rescales often)."""
-    if paged_decode == "torch ops":
-        pytest.skip("compares the C kernel with the torch ops")
     page_size, n = 16, len(lens)
     g = torch.Generator().manual_seed(sum(lens))
     widest = max((length + page_size - 1) // page_size for length in lens)
@@ -111,9 +129,7 @@ def test_paged_decode_kernel_equals_torch_ops(paged_decode: str, monkeypatch: py
     assert error(got) < max(2 * error(torch_fp32), 1e-6), (error(got), error(torch_fp32))
 
 
-def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(paged_decode: str) -> None:
-    if paged_decode == "torch ops":
-        pytest.skip("the kernel's own checks")
+def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(mla_kernel: None) -> None:
     pool = torch.randn(4, 8, LR + DR)
     q = torch.randn(2, H, LR + DR)
     table = torch.tensor([[0, 1], [2, 3]])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -37,11 +39,14 @@ def pair_bookkeeping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     return request.param
 
 
-def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch, pair_bookkeeping: str) -> None:
+# For the tests of the C loops themselves (against the torch ops, inside the function): the autouse fixture's "C loops" case only.
+c_loops_only = pytest.mark.parametrize("pair_bookkeeping", ["C loops"], indirect=True)
+
+
+@c_loops_only
+def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many experts and a large k (the K3 shape scaled down): same choices in the same order, same weights and scores
     (random logits: no ties, whose order torch.topk leaves open)."""
-    if pair_bookkeeping == "torch ops":
-        pytest.skip("compares the C loops with the torch ops")
     g = torch.Generator().manual_seed(7)
     x, weight, bias = torch.randn(40, 32, generator=g), torch.randn(96, 32, generator=g), 0.3 * torch.randn(96, generator=g)
     with torch.inference_mode():
@@ -56,13 +61,12 @@ def test_c_router_equals_torch_router_at_scale(monkeypatch: pytest.MonkeyPatch, 
 FAST = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}
 
 
+@c_loops_only
 @pytest.mark.parametrize("act", sorted(ACTS))
 @pytest.mark.parametrize("d,i", [(256, 128), (37, 19)])
-def test_c_expert_loop_matches_naive(monkeypatch: pytest.MonkeyPatch, pair_bookkeeping: str, act: str, d: int, i: int) -> None:
+def test_c_expert_loop_matches_naive(monkeypatch: pytest.MonkeyPatch, act: str, d: int, i: int) -> None:
     """The batched path's expert MLPs as one C loop (ops/cpu/moe.c): the model's widths (whole vectors) and odd ones (a scalar
     tail whatever the vector width), 1 to ~15 rows per expert (every row-tile shape), and inputs from near 0 to deep in SiLU's and SiTU's saturation."""
-    if pair_bookkeeping == "torch ops":
-        pytest.skip("runs the C expert loop")
 
     def no_batched_products(*args: object) -> None:
         raise AssertionError("the batched products ran: the C expert loop should have done the experts")
@@ -86,8 +90,9 @@ def test_c_expert_loop_matches_naive(monkeypatch: pytest.MonkeyPatch, pair_bookk
 
 def test_c_expert_loop_takes_only_the_glu_it_knows() -> None:
     assert cpu_pairs._glu_in_c(functools.partial(glu, kind=Activation.SILU)) == (0, 4.0, 25.0)
-    assert cpu_pairs._glu_in_c(functools.partial(glu, kind="situ", beta=3.0, linear_beta=10.0)) == (1, 3.0, 10.0)
-    assert cpu_pairs._glu_in_c(functools.partial(glu, kind=Activation.SILU, out=None)) is None  # an argument it does not know
+    assert cpu_pairs._glu_in_c(functools.partial(glu, kind=Activation.SITU, beta=3.0, linear_beta=10.0)) == (1, 3.0, 10.0)
+    untyped_glu = cast(Callable[..., torch.Tensor], glu)  # the next partial passes glu a keyword it lacks, on purpose
+    assert cpu_pairs._glu_in_c(functools.partial(untyped_glu, kind=Activation.SILU, out=None)) is None  # an argument it does not know
     assert cpu_pairs._glu_in_c(lambda gate, up: gate * up) is None  # any other callable: torch between the batched products
 
 

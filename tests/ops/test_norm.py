@@ -51,7 +51,12 @@ def test_cpu_kernel_path_is_taken_at_inference_and_not_under_autograd(monkeypatc
         pytest.skip("no C compiler: the kernel cannot be built here")
     calls: list[int] = []
     real = norm._kernel()
-    monkeypatch.setattr(norm, "_kernel", lambda: lambda rows, *rest: calls.append(rows) or real(rows, *rest))
+
+    def counting(rows: int, *rest: object) -> None:
+        calls.append(rows)
+        real(rows, *rest)
+
+    monkeypatch.setattr(norm, "_kernel", lambda: counting)
     w = torch.ones(8, requires_grad=True)
     with torch.inference_mode():
         rms_norm(torch.randn(3, 8), w, 1e-6)

@@ -17,7 +17,8 @@ E, I, D = 6, 64, 96
 
 def dense_experts(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=g).mul(0.05).to(dtype) for shape in ((E, I, D), (E, I, D), (E, D, I)))
+    w1, w3, w2 = (torch.randn(*shape, generator=g).mul(0.05).to(dtype) for shape in ((E, I, D), (E, I, D), (E, D, I)))
+    return w1, w3, w2
 
 
 def test_expert_is_the_dequantised_expert() -> None:
@@ -30,8 +31,8 @@ def test_expert_is_the_dequantised_expert() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for e in range(E):
             got = bank.expert(e, dtype)
-            for t, w in zip(got, (bank.w1, bank.w3, bank.w2), strict=True):
-                assert t.dtype == dtype and torch.equal(t, mxfp4.dequantize_naive(w.packed[e], w.scales[e], dtype))
+            for t, packed in zip(got, (bank.w1, bank.w3, bank.w2), strict=True):
+                assert t.dtype == dtype and torch.equal(t, mxfp4.dequantize_naive(packed.packed[e], packed.scales[e], dtype))
 
 
 def test_expert_decodes_only_that_expert(monkeypatch: pytest.MonkeyPatch) -> None:

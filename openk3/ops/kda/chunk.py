@@ -162,6 +162,8 @@ def kda_chunk(
     decay = eG[:, -1, :, None]  # [Q * H, K, 1]
     # The Python loop carries only the state (3 ops per chunk step: on a busy machine every op is a thread barrier); S_in keeps
     # each chunk's incoming state so the read-out O = (q exp(G)) S + Aqk V' is two batched matmuls after the loop.
+    # No zero-fill: step 0's slots get the initial states below and step j writes step j+1's; each rank's row of `final` is
+    # written at the step its sequence ends, and Vp's slots by their own step.
     S_in = qc.new_empty(layout.num_slots * H, K, V)
     final = qc.new_empty(N * H, K, V)  # rank order
     first = S_in[: layout.active[0] * H]

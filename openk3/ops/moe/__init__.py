@@ -35,12 +35,11 @@ def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: to
     """Dense banks whose expert MLPs run in C: batched up to C_LOOP_MAX_PAIRS_PER_EXPERT; otherwise one token: its experts in
     turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4 banks): grouped."""
     pairs = topk_idx.numel()
-    dense = isinstance(bank, DenseExpertBank)
-    if dense and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and expert_loop_in_c(x_TD, bank, act):
+    if isinstance(bank, DenseExpertBank) and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and expert_loop_in_c(x_TD, bank, act):
         return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
     if topk_idx.shape[0] == 1:
         return moe_experts_single_token(x_TD, topk_idx, topk_weight, bank, act)
-    if dense and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
+    if isinstance(bank, DenseExpertBank) and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
         return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
     return moe_experts_grouped(x_TD, topk_idx, topk_weight, bank, act)
 
@@ -51,7 +50,7 @@ def moe_experts_op(impl: str) -> MoEExpertsFn:
     ops: dict[str, MoEExpertsFn] = {
         "naive": moe_experts_naive,
         "fast": moe_experts_grouped,
-        "batched": moe_experts_batched,  # type: ignore[dict-item]  # dense banks only; raises TypeError on others
+        "batched": moe_experts_batched,  # dense banks only; raises TypeError on others
         "auto": moe_experts_auto,
     }
     if impl not in ops:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.linear import bmm_weight_t
-from openk3.ops.moe.bank import DenseExpertBank
+from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
 from openk3.ops.moe.cpu_pairs import batched_experts_cpu
 from openk3.ops.moe.naive import Act, check_moe_inputs
 
@@ -32,7 +32,9 @@ def _expert_weights(bank: DenseExpertBank, active_A: torch.Tensor | None, dtype:
     return [w.to(dtype) for w in stacks]
 
 
-def moe_experts_batched(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: DenseExpertBank, act: Act) -> torch.Tensor:
+def moe_experts_batched(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+    """A MoEExpertsFn like the others (chosen by name, so any bank may arrive): a DenseExpertBank is taken, any other bank
+    raises TypeError."""
     check_moe_inputs(x_TD, topk_idx, topk_weight, bank)
     if not isinstance(bank, DenseExpertBank):
         raise TypeError(f"moe_experts_batched needs a DenseExpertBank (stacked weights), got {type(bank).__name__}")

@@ -75,7 +75,8 @@ def _glu_in_c(act: Act) -> tuple[int, float, float] | None:
     if not isinstance(act, functools.partial) or act.func is not glu or act.args:
         return None
     kw = act.keywords
-    code = _ACT_CODES.get(kw.get("kind"))  # type: ignore[arg-type]
+    kind = kw.get("kind")
+    code = None if kind is None else _ACT_CODES.get(kind)
     if code is None or not set(kw) <= {"kind", "beta", "linear_beta"}:
         return None
     return code, float(kw.get("beta", 4.0)), float(kw.get("linear_beta", 25.0))
@@ -118,7 +119,7 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     x_ECD = x_TD.new_empty(num_experts, rows, width) if glu_c is not None else x_TD.new_zeros(num_experts, rows, width)
     lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())
     if glu_c is not None:
-        out_ECD = torch.empty_like(x_ECD)
+        out_ECD = torch.empty_like(x_ECD)  # the loop writes each expert's first counts[e] rows, the only ones combine reads
         code, beta, linear_beta = glu_c
         w1, w3, w2 = weights
         failed = lib.openk3_moe_experts_glu(

@@ -24,10 +24,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from openk3.sandbox import naive, tree  # noqa: E402
-from openk3.sandbox.backend import BackendConfig  # noqa: E402
+from openk3.sandbox.api.service import SandboxService  # noqa: E402
+from openk3.sandbox.fs import naive, tree  # noqa: E402
+from openk3.sandbox.namespace.settings import BackendConfig  # noqa: E402
 from openk3.sandbox.protocol import Limits  # noqa: E402
-from openk3.sandbox.service import SandboxService  # noqa: E402
 
 K3_SNAPSHOT_MS = 133.0
 K3_RESTORE_MS = 49.0
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> str:
         svc.destroy(sid)
         svc.delete_snapshot(image.snapshot_id)
         # Process snapshots of a Python env with a 100 MB heap.
-        eid = svc.create_env("openk3.sandbox.demo_env:RandomWalkEnv", {"ballast_mb": args.process_mb})
+        eid = svc.create_env("openk3.sandbox.process.demo_env:RandomWalkEnv", {"ballast_mb": args.process_mb})
         svc.call_env(eid, "step", [1])
         for i in range(args.cycles):
             psnap = timed(t["process snapshot"], svc.snapshot, eid, kind="process")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from openk3.sandbox.backend import BackendConfig
+from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.protocol import SandboxError
 
 
@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from openk3.sandbox.server import serve
-    from openk3.sandbox.service import SandboxService
+    from openk3.sandbox.api.server import serve
+    from openk3.sandbox.api.service import SandboxService
 
     if args.workers < 1:
         print(f"--workers={args.workers}: expected >= 1")

@@ -14,7 +14,7 @@ from typing import Any
 class SnapshotKind(str, enum.Enum):
     # "fs": the file tree and its metadata; running processes are not captured, restore restarts the init.
     FS = "fs"
-    # "process": the memory of a Python-native environment served by a fork server (see forkserver.py).
+    # "process": the memory of a Python-native environment served by a fork server (see process/forkserver.py).
     PROCESS = "process"
 
 

@@ -11,11 +11,11 @@ import tempfile
 
 import pytest
 
-from openk3.sandbox import syscalls
-from openk3.sandbox.backend import BackendConfig
-from openk3.sandbox.cgroups import pids_under
-from openk3.sandbox.host import probe
-from openk3.sandbox.service import SandboxService
+from openk3.sandbox.api.service import SandboxService
+from openk3.sandbox.linux import syscalls
+from openk3.sandbox.linux.cgroups import pids_under
+from openk3.sandbox.linux.host import probe
+from openk3.sandbox.namespace.settings import BackendConfig
 
 
 @pytest.fixture(scope="session")

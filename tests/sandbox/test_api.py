@@ -12,9 +12,9 @@ import httpx
 import pytest
 import uvicorn
 
-from openk3.sandbox.client import AsyncSandboxClient, SandboxClient
+from openk3.sandbox.api.client import AsyncSandboxClient, SandboxClient
+from openk3.sandbox.api.server import create_app
 from openk3.sandbox.protocol import Busy, InvalidArgument, Limits, NotFound, SandboxError
-from openk3.sandbox.server import create_app
 
 pytestmark = pytest.mark.sandbox
 
@@ -89,7 +89,7 @@ def test_async_client_parallel(base_url):
             try:
                 results = await asyncio.gather(*(c.exec(s, f"echo {i}") for i, s in enumerate(sids)))
                 assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
-                eid = await c.create_env("openk3.sandbox.demo_env:RandomWalkEnv")
+                eid = await c.create_env("openk3.sandbox.process.demo_env:RandomWalkEnv")
                 await c.call_env(eid, "step", [2])
                 snap = await c.snapshot(eid, kind="process")
                 (copy,) = await c.fork(snap.snapshot_id, 1)

@@ -8,9 +8,9 @@ import tempfile
 
 import pytest
 
-from openk3.sandbox import syscalls
+from openk3.sandbox.api.service import SandboxService
+from openk3.sandbox.linux import syscalls
 from openk3.sandbox.protocol import Limits
-from openk3.sandbox.service import SandboxService
 
 pytestmark = pytest.mark.sandbox
 
@@ -22,7 +22,8 @@ def test_v1_freezer_path(service):
     config = dataclasses.replace(service.backend.config, state_dir=state, store_bytes=256 * 2**20, cgroups="v1")
     svc = SandboxService(config)
     try:
-        assert svc.backend.layout.name == "v1" and svc.backend.layout.control_root.endswith("freezer")
+        control_root = svc.backend.layout.control_root
+        assert svc.backend.layout.name == "v1" and control_root is not None and control_root.endswith("freezer")
         sid = svc.create(limits=Limits(pids=32))
         r = svc.exec(sid, "setsid sleep 60 & (sh -c 'sleep 60 &' &); trap '' TERM; sleep 60", timeout_s=0.4)
         assert r.timed_out and r.exit_code == 137

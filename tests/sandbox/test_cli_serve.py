@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from openk3.sandbox import syscalls
-from openk3.sandbox.backend import instance_name
+from openk3.sandbox.linux import syscalls
+from openk3.sandbox.namespace.lifecycle import instance_name
 
 pytestmark = pytest.mark.sandbox
 

@@ -119,7 +119,7 @@ def test_init_survives_kill_all_and_is_restarted_when_killed_from_the_host(svc):
 
 
 def test_base_python_runs_inside(svc):
-    from openk3.sandbox import rootfs
+    from openk3.sandbox.fs import rootfs
 
     if rootfs._python() is None:
         pytest.skip("host has no system python3 under /usr/lib/pythonX.Y to copy into the base rootfs")

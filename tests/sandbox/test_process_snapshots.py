@@ -8,7 +8,7 @@ from openk3.sandbox.protocol import InvalidArgument, NotFound
 
 pytestmark = pytest.mark.sandbox
 
-FACTORY = "openk3.sandbox.demo_env:RandomWalkEnv"
+FACTORY = "openk3.sandbox.process.demo_env:RandomWalkEnv"
 
 
 def test_process_snapshot_restore_fork(svc):

@@ -8,9 +8,10 @@ import tempfile
 
 import pytest
 
-from openk3.sandbox import syscalls
-from openk3.sandbox.backend import BackendConfig, NamespaceBackend
-from openk3.sandbox.cgroups import pids_under
+from openk3.sandbox.linux import syscalls
+from openk3.sandbox.linux.cgroups import pids_under
+from openk3.sandbox.namespace.backend import NamespaceBackend
+from openk3.sandbox.namespace.settings import BackendConfig
 
 pytestmark = pytest.mark.sandbox
 
@@ -36,6 +37,8 @@ def test_restart_recovers_crashed_daemon_state(service):
         fresh.destroy(sid2)
     finally:
         fresh.close()
-        crashed.box(sid).init.wait()  # reap the killed init the crashed object still holds
+        init = crashed.box(sid).init
+        assert init is not None
+        init.wait()  # reap the killed init the crashed object still holds
     assert syscalls.mounts_under(state) == []
     assert not os.path.exists(control)

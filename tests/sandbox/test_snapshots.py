@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import zstandard
 
-from openk3.sandbox import naive, tree
+from openk3.sandbox.fs import naive, tree
 from openk3.sandbox.protocol import InvalidArgument, Limits, NotFound
 
 pytestmark = pytest.mark.sandbox

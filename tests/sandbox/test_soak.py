@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from openk3.sandbox import syscalls
+from openk3.sandbox.linux import syscalls
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from openk3.sandbox import wire
-from openk3.sandbox.cgroups import detect_layout
+from openk3.sandbox.linux.cgroups import detect_layout
+from openk3.sandbox.process import wire
 from openk3.sandbox.protocol import ExecResult, InvalidArgument, Limits, SnapshotInfo, SnapshotKind, from_jsonable, to_jsonable
 
 V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
@@ -87,18 +87,20 @@ def test_cli_registers_sandbox_serve():
 
 
 def test_probe_names_what_is_missing(monkeypatch):
-    from openk3.sandbox import host
+    from openk3.sandbox.linux import host
 
     monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
-    assert host.probe().unavailable_reason.startswith("not root")
+    reason = host.probe().unavailable_reason
+    assert reason is not None and reason.startswith("not root")
     monkeypatch.setattr(host.os, "geteuid", lambda: 0)
     real_which = host.shutil.which
     monkeypatch.setattr(host.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
-    assert "bubblewrap" in host.probe().unavailable_reason
+    reason = host.probe().unavailable_reason
+    assert reason is not None and "bubblewrap" in reason
 
 
 def test_backend_config_validation_names_the_field():
-    from openk3.sandbox.settings import BackendConfig
+    from openk3.sandbox.namespace.settings import BackendConfig
 
     for kwargs, field in (
         ({"max_layers": 100}, "max_layers=100"),

@@ -1,6 +1,6 @@
 """The process side of `kind="process"` snapshots: a Python environment that can fork frozen templates and live copies.
 
-Run as `python -m openk3.sandbox.forkserver module:factory '<json kwargs>' <socket fd>`. The process builds the environment
+Run as `python -m openk3.sandbox.process.forkserver module:factory '<json kwargs>' <socket fd>`. The process builds the environment
 once and serves requests on its socket:
 
   call      run env.<method>(*args, **kwargs) and reply with its JSON result (live copies only);
@@ -25,7 +25,7 @@ import sys
 import traceback
 from typing import Any
 
-from openk3.sandbox import wire
+from openk3.sandbox.process import wire
 
 
 def reseed(env: Any, seed: int) -> None:

@@ -15,9 +15,11 @@ import uuid
 
 import zstandard
 
-from openk3.sandbox import safefs
-from openk3.sandbox.backend import BackendConfig, NamespaceBackend
-from openk3.sandbox.procenv import ProcessEnvs
+from openk3.sandbox.fs import safefs
+from openk3.sandbox.namespace.backend import NamespaceBackend
+from openk3.sandbox.namespace.settings import BackendConfig
+from openk3.sandbox.namespace.shell import ShellSession
+from openk3.sandbox.process.envs import ProcessEnvs
 from openk3.sandbox.protocol import (
     DirEntry,
     ExecResult,
@@ -29,7 +31,6 @@ from openk3.sandbox.protocol import (
     SnapshotInfo,
     SnapshotKind,
 )
-from openk3.sandbox.shell import ShellSession
 
 MAX_TRANSFER_BYTES = 1 << 30
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import socket
 
-from openk3.sandbox import rootfs
+from openk3.sandbox.fs import rootfs
 from openk3.sandbox.protocol import InvalidArgument
 
 
@@ -24,7 +24,7 @@ class BackendConfig:
     # every root-owned host file. None runs sandboxes as host root (uid 0 mapped to 0), without capabilities either way.
     sandbox_uid: int | None = 100_000
     host: str = dataclasses.field(default_factory=socket.gethostname)
-    # "auto" uses whatever the host mounts (see cgroups.py); "v1" ignores a v2 tree and freezes/kills through the v1 freezer,
+    # "auto" uses whatever the host mounts (see linux/cgroups.py); "v1" ignores a v2 tree and freezes/kills through the v1 freezer,
     # for hosts whose v2 tree is not writable (some containers), and to test that path on hybrid hosts.
     cgroups: str = "auto"
 

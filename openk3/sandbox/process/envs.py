@@ -21,13 +21,14 @@ import threading
 import time
 import uuid
 
-from openk3.sandbox import wire
-from openk3.sandbox.cgroups import CgroupSet, Layout
-from openk3.sandbox.proc import cgroup_trampoline
+from openk3.sandbox.linux.cgroups import CgroupSet, Layout
+from openk3.sandbox.linux.proc import cgroup_trampoline
+from openk3.sandbox.process import wire
 from openk3.sandbox.protocol import InvalidArgument, NotFound, SandboxError, SnapshotInfo, SnapshotKind
 
 PROCESS_CAPTURES = "memory of one Python environment process (fork of a frozen template); no files, sockets or other threads"
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The directory holding the `openk3` package (this file is openk3/sandbox/process/envs.py), so the fork server imports this copy.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ProcessEnvs:
         argv = cgroup_trampoline(cg.procs_files("env")) + [
             sys.executable,
             "-m",
-            "openk3.sandbox.forkserver",
+            "openk3.sandbox.process.forkserver",
             factory,
             json.dumps(kwargs or {}),
             str(child_end.fileno()),

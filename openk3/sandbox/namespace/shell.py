@@ -15,8 +15,8 @@ import threading
 import time
 import uuid
 
-from openk3.sandbox.instance import Instance
-from openk3.sandbox.proc import exit_status
+from openk3.sandbox.linux.proc import exit_status
+from openk3.sandbox.namespace.instance import Instance
 from openk3.sandbox.protocol import Conflict, ExecResult
 
 KEEP_TAIL = 4096

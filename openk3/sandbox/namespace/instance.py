@@ -3,7 +3,7 @@
 Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` (the disk quota) holding `u` (overlay
 upper), `w` (overlay work dir) and `m` (the merged root). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup
 namespaces and no network, whose pid 1 is a `bash` blocked on a pipe from the daemon; commands join its namespaces with nsenter.
-Contract: the caller (backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
+Contract: the caller (lifecycle.py, backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import subprocess
 import threading
 import time
 
-from openk3.sandbox import proc, syscalls
-from openk3.sandbox.cgroups import CgroupSet
+from openk3.sandbox.linux import proc, syscalls
+from openk3.sandbox.linux.cgroups import CgroupSet
 from openk3.sandbox.protocol import ExecResult, Limits, SandboxError
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}

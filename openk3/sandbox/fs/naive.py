@@ -1,6 +1,6 @@
 """Reference snapshots: a full copy of the sandbox's merged tree, and its restore by copying back.
 
-Obviously correct and slow (cost grows with the whole tree, not the change set): the overlay snapshots in backend.py must
+Obviously correct and slow (cost grows with the whole tree, not the change set): the overlay snapshots in namespace/backend.py must
 produce the same trees (tests compare digests), and benchmarks/sandbox.py measures them against this as the baseline.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from openk3.sandbox import tree
+from openk3.sandbox.fs import tree
 
 
 def snapshot(root: str, dst: str) -> None:

@@ -20,8 +20,8 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from openk3.sandbox.api.service import SandboxService
 from openk3.sandbox.protocol import Busy, InvalidArgument, SandboxError, to_jsonable
-from openk3.sandbox.service import SandboxService
 
 logger = logging.getLogger(__name__)
 

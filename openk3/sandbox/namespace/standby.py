@@ -15,7 +15,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Hashable
 
-from openk3.sandbox.instance import Instance
+from openk3.sandbox.namespace.instance import Instance
 
 Release = Callable[[Instance], None]  # tears an instance down and gives back its layer references
 

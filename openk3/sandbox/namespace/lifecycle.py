@@ -1,47 +1,41 @@
-"""NamespaceBackend: the host daemon's sandboxes, snapshots and layers (the object model of docs/sandbox.md).
+"""SandboxLifecycle: a host daemon's namespace sandboxes from start-up to destroy (the object model of docs/sandbox.md).
 
-Objects: Layer (layers.py: immutable, refcounted, content-addressed), Snapshot (a SnapshotInfo: a list of layer digests, a
+Objects: Layer (fs/layers.py: immutable, refcounted, content-addressed), Snapshot (a SnapshotInfo: a list of layer digests, a
 few hundred bytes), Sandbox (instance.py: a layer stack + upper + cgroups + init + limits + deadline). A sandbox holds one
 reference to each layer of its stack, a snapshot one to each of its layers.
 
-Snapshot (kind="fs") of a live sandbox: freeze its cgroup, copy the overlay upper (its change set, usually small) into scratch
-space, thaw, then content-address the copy; the snapshot is the sandbox's stack plus that layer, squashed into one layer when
-deeper than `max_layers`. Restore: kill the sandbox's processes, remount the overlay over the snapshot's stack with an empty
-upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
+This class owns the tables (sandboxes, their metadata, snapshots) and the sandbox half of the API: create, exec, stats,
+heartbeat and destroy. NamespaceBackend (backend.py) adds fs snapshots, restore, fork and import on top of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import itertools
 import os
-import shutil
 import threading
 import time
 import uuid
 
-from openk3.sandbox import cgroups, rootfs, syscalls
-from openk3.sandbox.host import probe
-from openk3.sandbox.instance import Instance
-from openk3.sandbox.layers import LayerStore
-from openk3.sandbox.proc import shell_quote
+from openk3.sandbox.fs import rootfs
+from openk3.sandbox.fs.layers import LayerStore
+from openk3.sandbox.linux import cgroups, syscalls
+from openk3.sandbox.linux.host import probe
+from openk3.sandbox.linux.proc import shell_quote
+from openk3.sandbox.namespace.instance import Instance
+from openk3.sandbox.namespace.settings import BackendConfig, check_traversable
+from openk3.sandbox.namespace.standby import Standbys
 from openk3.sandbox.protocol import (
     Conflict,
     ExecResult,
     InvalidArgument,
     Limits,
     NotFound,
-    QuotaExceeded,
     SandboxStats,
     SnapshotInfo,
     SnapshotKind,
     Unsupported,
 )
-from openk3.sandbox.settings import BackendConfig, check_traversable
-from openk3.sandbox.standby import Standbys
-
-FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
 
 
 @dataclasses.dataclass
@@ -54,7 +48,7 @@ class _Meta:
     ttl_s: float
 
 
-class NamespaceBackend:
+class SandboxLifecycle:
     def __init__(self, config: BackendConfig | None = None) -> None:
         config = config or BackendConfig()
         features = probe()
@@ -177,11 +171,6 @@ class NamespaceBackend:
     def _params(self, meta: _Meta) -> tuple:
         return (meta.limits, tuple(sorted(meta.env.items())), meta.workdir)
 
-    def _prepare_standby(self, sid: str, snap: SnapshotInfo) -> None:
-        if self.config.prewarm:
-            meta = self._meta[sid]
-            self.standbys.prepare(snap.snapshot_id, self._params(meta), lambda: self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir))
-
     def _start_services(self, sid: str) -> None:
         for command in self._meta[sid].services:
             self.exec(sid, f"nohup sh -c {shell_quote(command)} >/dev/null 2>&1 &", timeout_s=5.0)
@@ -203,76 +192,6 @@ class NamespaceBackend:
         if isinstance(cmd, list) and not cmd:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
         return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
-
-    def snapshot(self, sid: str, prewarm: bool = True) -> SnapshotInfo:
-        box = self.box(sid)
-        with box.lock:
-            box.cg.freeze()
-            try:
-                upper = os.path.join(box.dir, "u")
-                staged = self.store.stage_copy(upper) if os.listdir(upper) else None
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise QuotaExceeded(f"snapshot of {sid}: the layer store is full (store_bytes={self.config.store_bytes})") from e
-                raise
-            finally:
-                box.cg.freeze(frozen=False)
-            base_layers = box.layers
-            self.store.incref(base_layers)
-        layers = base_layers
-        if staged is not None:
-            layers = base_layers + (self.store.adopt(staged).digest,)
-        if len(layers) > self.config.max_layers:
-            squashed = self.store.add_squash(list(layers)).digest
-            self.store.decref(layers)
-            layers = (squashed,)
-        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid, created_at=time.time(), captures=FS_CAPTURES)
-        with self._lock:
-            self._snapshots[info.snapshot_id] = info
-        if prewarm:
-            self._prepare_standby(sid, info)
-        return info
-
-    def restore(self, sid: str, snapshot_id: str) -> None:
-        """Swap the sandbox onto a fresh root over the snapshot's layers (its standby when one matches), then prepare the next."""
-        snap = self.snapshot_info(snapshot_id)
-        if snap.kind is not SnapshotKind.FS:
-            raise InvalidArgument(f"snapshot_id={snapshot_id!r}: a {snap.kind.value} snapshot cannot restore a sandbox")
-        old = self.box(sid)
-        meta = self._meta[sid]
-        fresh = self.standbys.take(snapshot_id, self._params(meta))
-        if fresh is None:
-            fresh = self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir)
-        fresh.sid = sid
-        with old.lock:
-            with self._lock:
-                self._boxes[sid] = fresh
-            self.standbys.retire(sid, old)
-        self._prepare_standby(sid, snap)
-        self._start_services(sid)
-
-    def fork(self, source: str, n: int) -> list[str]:
-        """n sandboxes from a sandbox's current files (snapshotted once) or from an fs snapshot; each gets its own upper."""
-        if not 1 <= n <= 1024:
-            raise InvalidArgument(f"n={n}: expected 1..1024")
-        own = source.startswith("sb-")
-        snap = self.snapshot(source, prewarm=False) if own else self.snapshot_info(source)
-        meta = self._meta[source] if own else None
-        try:
-            if meta is None:
-                return [self.create(snap.snapshot_id) for _ in range(n)]
-            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services) for _ in range(n)]
-        finally:
-            if own:
-                self.delete_snapshot(snap.snapshot_id)
-
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        with self._lock:
-            snap = self._snapshots.pop(snapshot_id, None)
-        if snap is None:
-            raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
-        self.standbys.wait(snapshot_id)
-        self.store.decref(snap.layers)
 
     def destroy(self, sid: str) -> None:
         with self._lock:
@@ -315,51 +234,12 @@ class NamespaceBackend:
         with self._lock:
             return sorted(sid for sid, m in self._meta.items() if m.expires_at <= now)
 
-    def register_snapshot(self, digests: list[str], archives: dict[str, bytes | None]) -> SnapshotInfo:
-        """A snapshot made of layers already here or shipped as tar.zst archives (each verified against its digest)."""
-        taken: list[str] = []
-        try:
-            for d in digests:
-                if self.store.has(d):
-                    self.store.incref([d])
-                elif archives.get(d) is None:
-                    raise NotFound(f"layer {d}: neither in this host's store nor in the archive")
-                else:
-                    self.store.add_archive(archives[d] or b"", expected_digest=d)
-                taken.append(d)
-        except BaseException:
-            self.store.decref(taken)
-            raise
-        info = SnapshotInfo(
-            snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import", created_at=time.time(), captures=FS_CAPTURES
-        )
-        with self._lock:
-            self._snapshots[info.snapshot_id] = info
-        return info
-
     def sandboxes(self) -> list[str]:
         with self._lock:
             return sorted(self._boxes)
 
-    def snapshots(self) -> list[SnapshotInfo]:
-        with self._lock:
-            return sorted(self._snapshots.values(), key=lambda s: s.created_at)
-
     def merged_root(self, sid: str) -> str:
         return self.box(sid).merged
-
-    def close(self) -> None:
-        """Destroy every sandbox and snapshot, unmount the store and remove the daemon's cgroup subtree."""
-        self._closed = True
-        for sid in self.sandboxes():
-            self.destroy(sid)
-        self.standbys.close()
-        for snap in self.snapshots():
-            self.delete_snapshot(snap.snapshot_id)
-        self.store.check_integrity()
-        syscalls.umount(self.state)
-        shutil.rmtree(self.state, ignore_errors=True)
-        cgroups.recover(self.layout, self.cg_prefix)
 
 
 def instance_name(state_dir: str) -> str:

@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 
-from openk3.sandbox.cgroups import Layout, detect_layout
+from openk3.sandbox.linux.cgroups import Layout, detect_layout
 
 
 @dataclasses.dataclass(frozen=True)

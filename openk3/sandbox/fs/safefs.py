@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import stat
 
+from openk3.sandbox.linux.syscalls import openat2
 from openk3.sandbox.protocol import DirEntry, InvalidArgument, NotFound, QuotaExceeded
-from openk3.sandbox.syscalls import openat2
 
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 

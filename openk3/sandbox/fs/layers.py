@@ -14,7 +14,7 @@ import shutil
 import threading
 import uuid
 
-from openk3.sandbox import tree
+from openk3.sandbox.fs import tree
 from openk3.sandbox.protocol import InvalidArgument, NotFound
 
 DIGEST_DIR_CHARS = 32  # enough to be unique, short enough to stack 32+ lowerdirs in one 4 KiB mount option string

@@ -61,7 +61,7 @@ def run_engine(llm, prompts: list[list[int]], new: list[int]) -> tuple[float, li
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
-    ttft = sum(o.metrics[0].time_to_first_token for o in outs) / len(outs)
+    ttft = sum(o.outputs[0].metrics.time_to_first_token for o in outs) / len(outs)
     return wall, [list(o.token_ids) for o in outs], ttft
 
 

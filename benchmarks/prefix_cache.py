@@ -44,8 +44,8 @@ def one_by_one(llm: LLM, prompts: list[list[int]], max_tokens: int = OUT) -> tup
     for p in prompts:
         out = llm.generate([p], params)[0]
         tokens.append(list(out.token_ids))
-        ttft.append(out.metrics[0].time_to_first_token or 0.0)
-        cached.append(out.metrics[0].num_cached_tokens)
+        ttft.append(out.outputs[0].metrics.time_to_first_token or 0.0)
+        cached.append(out.num_cached_tokens)
     return tokens, ttft, cached
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import build_model, model_tokenizer
-from openk3.serve.request import RequestOutput
+from openk3.serve.output import OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.runner import CausalLM
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
@@ -66,13 +67,14 @@ class LLM:
             if enable_prefix_caching:
                 raise ValueError(f"enable_prefix_caching=True with ep={ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
             if isinstance(model, torch.nn.Module):
-                tok = tokenizer or ByteTokenizer(max(256, model.config.vocab_size))  # type: ignore[arg-type]
+                tok = tokenizer or ByteTokenizer(max(256, cast(CausalLM, model).config.vocab_size))
             else:
                 tok = tokenizer or model_tokenizer(model, seed)
             self._ep = LocalEP(model, ep_config, dtype, device, seed, ep_threads)
+            assert self._ep.driver is not None  # set once LocalEP is up
             net = self._ep.driver
         elif isinstance(model, torch.nn.Module):
-            net = model  # type: ignore[assignment]  # any module obeying the contract (tests pass fakes)
+            net = cast(CausalLM, model)  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
             net, tok = build_model(model, dtype, device, seed)
@@ -103,6 +105,7 @@ class LLM:
                 self._ep.close()
             raise
         self.tokenizer = tok
+        self.processor = OutputProcessor(self.engine)
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -142,28 +145,14 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                self.processor.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY)
                 ids.append(request_id)
-            done: dict[str, list[RequestOutput]] = {}
+            done: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done.setdefault(out.request_id, []).append(out)
+                for out in self.processor.process(self.engine.step()):
+                    done[out.request_id] = out
         except BaseException:
             for request_id in ids:
-                self.engine.abort(request_id)
+                self.processor.abort(request_id)
             raise
-        results = []
-        for request_id, prompt in zip(ids, prompts, strict=True):
-            parts = sorted(done[request_id], key=lambda o: o.outputs[0].index)
-            results.append(
-                RequestOutput(
-                    request_id=request_id,
-                    prompt_token_ids=parts[0].prompt_token_ids,
-                    outputs=tuple(o.outputs[0] for o in parts),
-                    finished=True,
-                    metrics=tuple(o.metrics[0] for o in parts),
-                    prompt=prompt if isinstance(prompt, str) else None,
-                )
-            )
-        return results
+        return [done[request_id] for request_id in ids]

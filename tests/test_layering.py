@@ -88,7 +88,7 @@ def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
-        targets = set()
+        targets: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names if alias.name in paths)

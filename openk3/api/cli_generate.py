@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"openk3 generate: {e}", file=sys.stderr)
         return 2
     for out in outputs:
-        c, m = out.outputs[0], out.metrics[0]
+        c = out.outputs[0]
+        m = c.metrics
+        assert m is not None  # every sample of a finished output has its metrics
         if args.json:
             record = {
                 "prompt": out.prompt,

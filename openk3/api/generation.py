@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage, _SamplingFields
-from openk3.serve.frontend import AsyncEngine, GenerationUpdate
+from openk3.serve.frontend import AsyncEngine
+from openk3.serve.output import OutputKind, RequestOutput
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import Tokenizer
@@ -84,10 +85,10 @@ def sampling_params(
         raise from_value_error(e) from e
 
 
-async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
-    """(prompt index, update) for every engine request of one HTTP request, as they come; leaving early aborts them all."""
+async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob], kind: OutputKind) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(prompt index, output) for every engine request of one HTTP request, as they come; leaving early aborts them all."""
     if len(jobs) == 1:
-        gen = frontend.generate(request_id, jobs[0].prompt_token_ids, jobs[0].params)
+        gen = frontend.generate(request_id, jobs[0].prompt_token_ids, jobs[0].params, kind)
         try:
             async for update in gen:
                 yield 0, update
@@ -97,7 +98,7 @@ async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[Engi
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: EngineJob) -> None:
-        gen = frontend.generate(f"{request_id}-{i}", job.prompt_token_ids, job.params)
+        gen = frontend.generate(f"{request_id}-{i}", job.prompt_token_ids, job.params, kind)
         try:
             async for update in gen:
                 queue.put_nowait((i, update))
@@ -122,31 +123,12 @@ async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[Engi
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@dataclass
-class ChoiceAcc:
-    """One choice of a non-streaming response, accumulated from deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-async def collect(updates: AsyncIterator[tuple[int, GenerationUpdate]], n: int) -> tuple[dict[int, ChoiceAcc], dict[int, int]]:
-    """Run a request to the end: choices by global index (prompt * n + sample) and cached prompt tokens per prompt."""
-    choices: dict[int, ChoiceAcc] = {}
-    cached: dict[int, int] = {}
-    async for i, update in updates:
-        cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
-        for d in update.deltas:
-            acc = choices.setdefault(i * n + d.index, ChoiceAcc())
-            acc.text += d.text
-            acc.token_ids.extend(d.token_ids)
-            acc.logprobs.extend(d.logprobs or ())
-            if d.finish_reason is not None:
-                acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
-    return choices, cached
+async def final_outputs(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> list[RequestOutput]:
+    """Run every prompt of one HTTP request to its end; one whole output per prompt, in prompt order."""
+    done: dict[int, RequestOutput] = {}
+    async for i, out in merged_updates(frontend, request_id, jobs, OutputKind.FINAL_ONLY):
+        done[i] = out
+    return [done[i] for i in range(len(jobs))]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

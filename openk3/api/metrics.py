@@ -15,7 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import LLMEngine
-from openk3.serve.frontend import FinishedRequest
+from openk3.serve.output import FinishedRequest
 
 if TYPE_CHECKING:
     from openk3.parallel.serving.driver import EPTotals

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from openk3.api.chat import ChatTemplate
 from openk3.api.errors import APIError
-from openk3.api.generation import EngineJob, TokenTexts, check_prompt, collect, merged_updates, sampling_params, usage
+from openk3.api.generation import EngineJob, TokenTexts, check_prompt, final_outputs, merged_updates, sampling_params, usage
 from openk3.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,6 +33,7 @@ from openk3.api.protocol import (
     DeltaMessage,
 )
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.output import OutputKind
 from openk3.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("openk3.api")
@@ -123,27 +124,31 @@ def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
 
 async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices, cached = await collect(merged_updates(s.frontend, request_id, jobs), req.n)
+    results = await final_outputs(s.frontend, request_id, jobs)
     out = []
-    for index in sorted(choices):
-        c = choices[index]
-        echo = texts[index // req.n] if req.echo else ""
-        logprobs = s.texts.completion_logprobs(c.logprobs, 0)[0] if req.logprobs is not None else None
-        out.append(CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    for i, result in enumerate(results):
+        for c in result.outputs:
+            echo = texts[i] if req.echo else ""
+            logprobs = s.texts.completion_logprobs(c.logprobs or (), 0)[0] if req.logprobs is not None else None
+            choice = CompletionChoice(
+                index=i * req.n + c.index, text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+            )
+            out.append(choice)
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
-    completion_tokens = sum(len(c.token_ids) for c in choices.values())
-    return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=usage(prompt_tokens, completion_tokens, sum(cached.values())))
+    completion_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+    u = usage(prompt_tokens, completion_tokens, sum(r.num_cached_tokens for r in results))
+    return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
 async def completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> AsyncGenerator[bytes, None]:
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     offsets: dict[int, int] = {}
     completion_tokens, cached = 0, dict[int, int]()
-    updates = merged_updates(s.frontend, request_id, jobs)
+    updates = merged_updates(s.frontend, request_id, jobs, OutputKind.DELTA)
     try:
         async for i, update in updates:
             cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
-            for d in update.deltas:
+            for d in update.outputs:
                 index = i * req.n + d.index
                 completion_tokens += len(d.token_ids)
                 text = d.text
@@ -170,15 +175,14 @@ async def completion_stream(s: Served, req: CompletionRequest, jobs: list[Engine
 
 async def chat_response(s: Served, req: ChatCompletionRequest, job: EngineJob) -> ChatCompletionResponse:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices, cached = await collect(merged_updates(s.frontend, request_id, [job]), req.n)
+    (result,) = await final_outputs(s.frontend, request_id, [job])
     out = []
-    for index in sorted(choices):
-        c = choices[index]
-        logprobs = s.texts.chat_logprobs(c.logprobs) if req.logprobs else None
+    for c in result.outputs:
+        logprobs = s.texts.chat_logprobs(c.logprobs or ()) if req.logprobs else None
         message = ChatResponseMessage(content=c.text)
-        out.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    completion_tokens = sum(len(c.token_ids) for c in choices.values())
-    u = usage(len(job.prompt_token_ids), completion_tokens, sum(cached.values()))
+        out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in result.outputs)
+    u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
@@ -189,11 +193,11 @@ async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> 
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
 
     completion_tokens, cached, opened = 0, 0, set()
-    updates = merged_updates(s.frontend, request_id, [job])
+    updates = merged_updates(s.frontend, request_id, [job], OutputKind.DELTA)
     try:
         async for _, update in updates:
             cached = max(cached, update.num_cached_tokens)
-            for d in update.deltas:
+            for d in update.outputs:
                 completion_tokens += len(d.token_ids)
                 if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
                     opened.add(d.index)

@@ -11,8 +11,9 @@ from typing import Any
 _LAZY = {
     "EngineConfig": "openk3.serve.engine",
     "LLMEngine": "openk3.serve.engine",
-    "CompletionOutput": "openk3.serve.request",
-    "RequestOutput": "openk3.serve.request",
+    "CompletionOutput": "openk3.serve.output",
+    "RequestOutput": "openk3.serve.output",
+    "OutputProcessor": "openk3.serve.output",
     "SamplingParams": "openk3.serve.sampling",
 }
 

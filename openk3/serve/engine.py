@@ -1,11 +1,11 @@
-"""LLMEngine: the loop that ties scheduler, runner and detokeniser together, one step at a time.
+"""LLMEngine, the engine core: scheduler, cache and runner stepped together, on token ids only.
 
-`add_request` tokenises and queues (n > 1 fans out into n child requests with seeds seed + i, as vLLM does); `step` schedules,
-runs the model, appends the sampled tokens and applies the stop rules; `abort` ends a request anywhere in its life.
-Stop rules, in vLLM's order: length (max_tokens or max_model_len) first, then -- once min_tokens are out -- stop tokens (EOS
-unless ignore_eos, and stop_token_ids; their text is left out), then stop strings found in the newly detokenised text (the text is
-cut before the stop string unless include_stop_str_in_output; a stop string wins over length). Single-threaded: the caller
-(LLM, or the async frontend's loop) owns the engine.
+`add_request` queues a prompt of token ids (one sample); `step` schedules, runs the model, appends the sampled tokens, applies
+the token stop rules and reports per request only what is new (EngineCoreOutput: the new token ids, their logprobs, why it
+ended); `finish` and `abort` end a request anywhere in its life. Stop rules here, in vLLM's order: length (max_tokens or
+max_model_len) first, then -- once min_tokens are out -- stop tokens (EOS unless ignore_eos, and stop_token_ids). Text, stop
+strings and n samples belong to the OutputProcessor (output.py), which finishes a request whose stop string it finds.
+Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.cpu_heap import keep_heap_for_reuse
-from openk3.serve.request import Request, RequestOutput, RequestStatus, completion_of
+from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler, SchedulerConfig
-from openk3.serve.tokenizer import IncrementalDetokenizer, Tokenizer
+from openk3.serve.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,6 @@ def _param(model: CausalLM) -> torch.Tensor | None:
     return next(iter(model.parameters()), None)
 
 
-def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...], include: bool) -> tuple[str, int] | None:
-    """The first stop string (in the caller's order) that ends in the new text, and where to cut the text."""
-    for stop in stops:
-        start = max(0, len(text) - num_new_chars - len(stop) + 1)
-        idx = text.find(stop, start)
-        if idx != -1:
-            return stop, idx + len(stop) if include else idx
-    return None
-
-
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -153,22 +143,16 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._children: dict[str, list[str]] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True) -> list[str]:
-        """Queue a prompt (text or token ids); returns the ids of the child requests (one unless params.n > 1).
-
-        Text is tokenised with the tokenizer's special tokens (BOS) by default, as vLLM does for completions; chat templates
-        that already carry them pass add_special_tokens=False.
-        """
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue one sample of a prompt given as token ids (OutputProcessor.add_request takes text and n > 1)."""
         params = params or SamplingParams()
-        if request_id in self._children:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt is empty: expected at least one token")
         vocab = self.model_config.vocab_size
@@ -176,22 +160,20 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum model length of {self.max_model_len}")
-        children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        now = time.monotonic()
-        for i, child_id in enumerate(children):
-            child_params = params if params.n == 1 else params.for_child(i)
-            req = Request(child_id, list(ids), child_params, eos_token_id=self._eos, parent_id=request_id, index=i, arrival_time=now)
-            self._detok[child_id] = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-            self.scheduler.add_request(req)
-        self._children[request_id] = children
-        self._prompt_tokens_total += len(ids) * len(children)
-        return children
+        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos))
+        self._prompt_tokens_total += len(ids)
+
+    def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None:
+        """End a request wherever it is (frees its pages and slot at once); its metrics, or None for an unknown id."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(request_id, status)
+        req.timings.finished = time.monotonic()
+        return req.metrics()
 
     def abort(self, request_id: str) -> None:
-        """End a request (the caller's id: all its children) wherever it is; frees its pages and slot at once."""
-        for child_id in self._children.pop(request_id, [request_id]):
-            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
-            self._detok.pop(child_id, None)
+        self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -228,41 +210,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         return None
 
-    def _process_token(self, req: Request, token: int) -> RequestStatus | None:
-        now = time.monotonic()
-        if req.timings.first_token is None:
-            req.timings.first_token = now
-        req.timings.last_token = now
-        status = self._stop_status(req, token)
-        p = req.sampling_params
-        detok = self._detok[req.request_id]
-        if status == RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
-            delta = ""
-        else:
-            delta = detok.add(token)
-        if status is not None:
-            delta += detok.flush()
-        req.output_text += delta
-        if p.stop and req.num_output_tokens > p.min_tokens and delta:
-            found = find_stop_string(req.output_text, len(delta), p.stop, p.include_stop_str_in_output)
-            if found is not None:
-                req.stop_reason, cut = found
-                req.output_text = req.output_text[:cut]
-                status = RequestStatus.FINISHED_STOPPED
-        return status
-
-    def _output_of(self, req: Request) -> RequestOutput:
-        completion, metrics = completion_of(req)
-        return RequestOutput(
-            request_id=req.parent_id or req.request_id,
-            prompt_token_ids=tuple(req.prompt_token_ids),
-            outputs=(completion,),
-            finished=req.is_finished,
-            metrics=(metrics,),
-        )
-
-    def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns an output (cumulative text and tokens) for each request that received a token or ended."""
+    def step(self) -> list[EngineCoreOutput]:
+        """One scheduling step; returns an output for each request that received a token (with only that token)."""
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError(
@@ -271,21 +220,22 @@ class LLMEngine:
             )
         result = self.runner.execute(out)
         outputs = []
+        now = time.monotonic()
         for req in self.scheduler.update_from_output(out, result):
             self._generation_tokens_total += 1
-            status = self._process_token(req, req.output_token_ids[-1])
+            token = req.output_token_ids[-1]
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.timings.last_token = now
+            lp = result.logprobs.get(req.request_id)
+            logprobs = None if lp is None else (lp,)
+            status = self._stop_status(req, token)
+            metrics = None
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
-                req.timings.finished = time.monotonic()
-                self._detok.pop(req.request_id, None)
-                self._forget_child(req)
-            outputs.append(self._output_of(req))
+                req.timings.finished = now
+                metrics = req.metrics()
+            outputs.append(EngineCoreOutput(req.request_id, (token,), logprobs, req.num_cached_tokens, req.status.finish_reason, req.stop_reason, metrics))
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs
-
-    def _forget_child(self, req: Request) -> None:
-        parent = req.parent_id or req.request_id
-        children = self._children.get(parent)
-        if children is not None and all(c not in self.scheduler.requests for c in children):
-            del self._children[parent]

@@ -4,10 +4,11 @@ Threads: the engine thread alone touches the engine (add, step, abort, inspect).
 command list under a condition variable (`_submit`), and the engine thread answers through `loop.call_soon_threadsafe` (one
 call per step, delivering every request's update). Torch releases the GIL inside kernels, so the event loop keeps serving
 HTTP while a step runs.
-Per request the engine reports cumulative text; this turns it into deltas. While a request has stop strings, the last
-max(len(stop)) - 1 characters are held back, because a stop string completed by a later token cuts text that would otherwise
-already have been sent. Leaving `generate` early (client disconnect, cancellation) aborts the request, which frees its pages and
-state slot in the engine's next iteration. `shutdown` refuses new requests, waits for in-flight ones up to a timeout, aborts the
+The engine thread runs the engine core and its OutputProcessor (serve/output.py) together: each step's outputs come out of
+the processor as RequestOutputs of the kind the caller asked for (DELTA for streams, with the stop-string hold-back applied
+there, once; FINAL_ONLY for whole responses) and go to the requests' queues as they are; the step's IterationStats go to the
+observer. Leaving `generate` early (client disconnect, cancellation) aborts the request, which frees its pages and state slot
+in the engine's next iteration. `shutdown` refuses new requests, waits for in-flight ones up to a timeout, aborts the
 rest and checks the engine's integrity before the thread ends.
 """
 
@@ -19,11 +20,10 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from openk3.serve.engine import LLMEngine
-from openk3.serve.request import RequestMetrics, RequestOutput, TokenLogprobs
+from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -35,32 +35,6 @@ class EngineDeadError(RuntimeError):
 
 class FrontendClosedError(RuntimeError):
     """The server is shutting down and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    finish_reason: str
-    queue_time: float | None
-    time_to_first_token: float | None
-    e2e_latency: float | None
-
-
-@dataclass(frozen=True)
-class CompletionDelta:
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True)
-class GenerationUpdate:
-    deltas: tuple[CompletionDelta, ...]  # the completions that changed, in index order
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finished: bool  # every completion of the request has finished
 
 
 class EngineObserver(Protocol):
@@ -76,40 +50,16 @@ class EngineObserver(Protocol):
     def observe_finished(self, done: FinishedRequest) -> None: ...
 
 
-def cached_tokens_of(metrics: RequestMetrics) -> int:
-    # Issue 5: the engine reports RequestMetrics.num_cached_tokens once prefix caching lands; until then no prompt token is cached.
-    return int(getattr(metrics, "num_cached_tokens", 0))
-
-
-@dataclass
-class _Child:
-    text_len: int = 0
-    num_tokens: int = 0
-    num_logprobs: int = 0
-    last_token_time: float | None = None
-    finished: bool = False
-
-
-@dataclass
-class _Tracked:
-    """A request as the engine thread sees it; created by the add command, dropped when it finishes or is aborted."""
-
-    queue: asyncio.Queue
-    n: int
-    holdback: int
-    children: dict[int, _Child] = field(default_factory=dict)
-    prompt_counted: bool = False
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
         self.engine = engine
+        self.processor = OutputProcessor(engine)  # engine thread only, like the engine
         self.observer = observer
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stop = False
         self._closed = False
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._queues: dict[str, asyncio.Queue] = {}  # engine thread only: the requests in flight
         self._active = 0  # generate() calls in progress; event loop only
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,8 +109,11 @@ class AsyncEngine:
         self._submit(command)
         return await asyncio.wrap_future(fut)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationUpdate, None]:
-        """Updates for one request until every completion has finished; leaving early aborts it. Raises ValueError on bad input."""
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs for one request until every sample has finished (DELTA: one per step that changed it; FINAL_ONLY: one
+        at the end); leaving early aborts it. Raises ValueError on bad input."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
         if not self._accepting or self._thread is None:
@@ -168,18 +121,15 @@ class AsyncEngine:
         self._active += 1
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        holdback = max((len(s) for s in params.stop), default=1) - 1
-        tracked = _Tracked(queue, params.n, holdback)
         finished = False
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+                self.processor.add_request(request_id, prompt_token_ids, params, kind)
             except BaseException as e:
                 added.set_exception(e)
                 return
-            tracked.children = {i: _Child() for i in range(params.n)}
-            self._tracked[request_id] = tracked
+            self._queues[request_id] = queue
             added.set_result(None)
 
         try:
@@ -221,18 +171,22 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, items)
 
     def _abort(self, request_id: str, notify: bool) -> None:
-        self.engine.abort(request_id)
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        stats = IterationStats()
+        last = self.processor.abort(request_id, stats)
+        queue = self._queues.pop(request_id, None)
+        self._observe(stats)
+        if notify and last is not None and queue is not None:
+            self._deliver([(queue, last)])
+
+    def _observe(self, stats: IterationStats) -> None:
+        if self.observer is None:
             return
-        unfinished = [i for i, c in tracked.children.items() if not c.finished]
-        if self.observer is not None:
-            for _ in unfinished:
-                self.observer.observe_finished(FinishedRequest("abort", None, None, None))
-        if not notify:
-            return
-        deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i in unfinished)
-        self._deliver([(tracked.queue, GenerationUpdate(deltas, 0, 0, finished=True))])
+        if stats.inter_token_latencies:
+            self.observer.observe_tokens(stats.inter_token_latencies)
+        for num_prompt, num_cached in stats.prompts:
+            self.observer.observe_prompt(num_prompt, num_cached)
+        for done in stats.finished:
+            self.observer.observe_finished(done)
 
     def _run(self) -> None:
         while True:
@@ -249,7 +203,9 @@ class AsyncEngine:
                     self._close()
                     return
                 if self.error is None and self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    stats = IterationStats()
+                    self._dispatch(self.processor.process(self.engine.step(), stats))
+                    self._observe(stats)
                 self._publish_stats()
             except Exception as e:  # the engine state is now unknown: fail every request, refuse new ones
                 self._fail(e)
@@ -257,7 +213,7 @@ class AsyncEngine:
                     return
 
     def _close(self) -> None:
-        for request_id in list(self._tracked):
+        for request_id in list(self._queues):
             self._abort(request_id, notify=True)
         if self.error is None:
             self.engine.check_integrity()
@@ -266,54 +222,23 @@ class AsyncEngine:
     def _fail(self, error: Exception) -> None:
         self.error = error
         dead = EngineDeadError(f"the engine loop failed: {error!r}")
-        self._deliver([(t.queue, dead) for t in self._tracked.values()])
-        for request_id in list(self._tracked):
+        self._deliver([(queue, dead) for queue in self._queues.values()])
+        for request_id in list(self._queues):
             try:
-                self.engine.abort(request_id)
+                self.processor.abort(request_id)
             except Exception:  # best effort: the engine is already broken and reported as such
                 pass
-        self._tracked.clear()
+        self._queues.clear()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        groups: dict[str, list[RequestOutput]] = {}
-        for out in outputs:
-            groups.setdefault(out.request_id, []).append(out)
         items: list[tuple[asyncio.Queue, Any]] = []
-        itls: list[float] = []
-        for request_id, outs in groups.items():
-            tracked = self._tracked.get(request_id)
-            if tracked is None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
                 continue  # aborted while the step ran
-            deltas = []
-            num_cached = cached_tokens_of(outs[0].metrics[0])
-            for out in sorted(outs, key=lambda o: o.outputs[0].index):
-                c, m = out.outputs[0], out.metrics[0]
-                child = tracked.children[c.index]
-                new_tokens = c.token_ids[child.num_tokens :]
-                if child.last_token_time is not None and new_tokens:
-                    itls.extend([(now - child.last_token_time) / len(new_tokens)] * len(new_tokens))
-                child.last_token_time = now
-                end = len(c.text) if out.finished else max(child.text_len, len(c.text) - tracked.holdback)
-                text = c.text[child.text_len : end]
-                logprobs = None if c.logprobs is None else tuple(c.logprobs[child.num_logprobs :])
-                child.text_len, child.num_tokens = max(child.text_len, end), len(c.token_ids)
-                child.num_logprobs = child.num_logprobs if c.logprobs is None else len(c.logprobs)
-                if out.finished:
-                    child.finished = True
-                    if self.observer is not None:
-                        self.observer.observe_finished(FinishedRequest(c.finish_reason or "abort", m.queue_time, m.time_to_first_token, m.e2e_latency))
-                deltas.append(CompletionDelta(c.index, text, tuple(new_tokens), logprobs, c.finish_reason, c.stop_reason))
-            if not tracked.prompt_counted:
-                tracked.prompt_counted = True
-                if self.observer is not None:
-                    self.observer.observe_prompt(len(outs[0].prompt_token_ids), num_cached)
-            done = all(ch.finished for ch in tracked.children.values())
-            items.append((tracked.queue, GenerationUpdate(tuple(deltas), len(outs[0].prompt_token_ids), num_cached, done)))
-            if done:
-                del self._tracked[request_id]
-        if self.observer is not None and itls:
-            self.observer.observe_tokens(itls)
+            items.append((queue, out))
+            if out.finished:
+                del self._queues[out.request_id]
         self._deliver(items)
 
 

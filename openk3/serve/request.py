@@ -1,8 +1,9 @@
-"""Request: one sequence being generated, and the outputs the engine hands back.
+"""Request: one sequence in the engine core, and what the core reports about it after each step.
 
 Ownership: the engine creates a Request and appends sampled tokens; the scheduler alone changes `status` and
 `num_computed_tokens` (tokens whose cache is written). The scheduling rule needs nothing else: a request wants
-`num_tokens - num_computed_tokens` more tokens computed.
+`num_tokens - num_computed_tokens` more tokens computed. Text, stop strings and the n samples of a caller's request are
+not the core's business: serve/output.py turns the core's per-step `EngineCoreOutput`s into what callers see.
 """
 
 from __future__ import annotations
@@ -75,15 +76,11 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    parent_id: str | None = None  # the caller's id when this is one of n samples
-    index: int = 0  # which of the n samples
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    output_text: str = ""
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS and for every other end)
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when seeded; survives preemption so draws never repeat
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -92,9 +89,17 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty; expected at least one token")
+        if self.sampling_params.n != 1:
+            n = self.sampling_params.n
+            raise ValueError(f"request {self.request_id!r}: n={n}; the engine core runs one sample per request (OutputProcessor fans n out)")
         self.timings = RequestTimings(arrival=self.arrival_time)
         if self.sampling_params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        # tokens that end the request once min_tokens are out (and are masked before that); fixed for its life
+        ids = set(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            ids.add(self.eos_token_id)
+        self.stop_token_ids = frozenset(ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,26 +118,21 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def stop_token_ids(self) -> frozenset[int]:
-        """Tokens that end the request once min_tokens are out (and are masked before that)."""
-        ids = set(self.sampling_params.stop_token_ids)
-        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
-            ids.add(self.eos_token_id)
-        return frozenset(ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None
-    logprobs: tuple[TokenLogprobs, ...] | None = None
+    def metrics(self) -> RequestMetrics:
+        t = self.timings
+        return RequestMetrics(
+            arrival=t.arrival,
+            queue_time=t.queue_time,
+            time_to_first_token=t.time_to_first_token,
+            e2e_latency=t.e2e_latency,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_preemptions=self.num_preemptions,
+            num_cached_tokens=self.num_cached_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -155,54 +155,19 @@ class RequestMetrics:
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What one step did to one request: the tokens it sampled (usually one) and, when the request ended, why and its
+    metrics. O(1) per request and step whatever the context length: nothing already reported is repeated."""
+
     request_id: str
-    prompt_token_ids: tuple[int, ...]
-    outputs: tuple[CompletionOutput, ...]
-    finished: bool
-    metrics: tuple[RequestMetrics, ...]  # one per completion
-    prompt: str | None = None
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...] | None  # None unless the request asked for logprobs
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    finish_reason: str | None = None  # "stop" (a stop token) | "length"; None while running
+    stop_reason: int | None = None  # the stop token id (None for EOS)
+    metrics: RequestMetrics | None = None  # when finished
 
     @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-
-def stop_buffer_length(params: SamplingParams) -> int:
-    """Characters a running request holds back so that a stream never shows the start of a stop string that is then cut (vLLM)."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
-
-
-def completion_of(req: Request) -> tuple[CompletionOutput, RequestMetrics]:
-    t = req.timings
-    logprobs = tuple(req.output_logprobs) if req.sampling_params.logprobs is not None else None
-    completion = CompletionOutput(
-        index=req.index,
-        text=req.output_text if req.is_finished else req.output_text[: max(0, len(req.output_text) - stop_buffer_length(req.sampling_params))],
-        token_ids=tuple(req.output_token_ids),
-        finish_reason=req.status.finish_reason,
-        stop_reason=req.stop_reason,
-        logprobs=logprobs,
-    )
-    metrics = RequestMetrics(
-        arrival=t.arrival,
-        queue_time=t.queue_time,
-        time_to_first_token=t.time_to_first_token,
-        e2e_latency=t.e2e_latency,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens,
-        num_preemptions=req.num_preemptions,
-        num_cached_tokens=req.num_cached_tokens,
-    )
-    return completion, metrics
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -21,11 +21,26 @@ from openk3.serve.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SamplingRow:
+    """One row to sample: its request's whole token list is passed as it is (no per-step copy); only the penalties, when
+    asked for, look at its prompt and output parts."""
+
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    token_ids: Sequence[int]  # prompt then output
+    num_prompt_tokens: int
     stop_token_ids: frozenset[int]
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,7 @@ class Sampler:
         raw_logprobs = logits_MV.log_softmax(-1) if any(want_logprobs) else None
         device = logits_MV.device
 
-        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         masked = [(i, t) for i in early for t in rows[i].stop_token_ids if t < vocab]
         if masked:
             logits_MV = logits_MV.clone()

@@ -245,8 +245,6 @@ class Scheduler:
                 continue
             assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its computed tokens caught up"
             req.output_token_ids.append(token)
-            if req_id in result.logprobs:
-                req.output_logprobs.append(result.logprobs[req_id])
             got_token.append(req)
         return got_token
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from openk3.llm import LLM
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
@@ -17,6 +18,7 @@ PROMPT = list(b"Once upon a time")
 
 def offline_text(params: SamplingParams) -> list[str]:
     engine = debug_engine()
+    assert isinstance(engine.model, torch.nn.Module)
     llm = LLM(engine.model, engine.tokenizer, max_model_len=256, num_pages=256, page_size=8, max_num_seqs=16)
     return [c.text for c in llm.generate([PROMPT], params)[0].outputs]
 
@@ -25,8 +27,8 @@ async def run(frontend: AsyncEngine, params: SamplingParams, request_id: str = "
     pieces: dict[int, list[str]] = {}
     reasons: dict[int, str] = {}
     async for update in frontend.generate(request_id, PROMPT, params):
-        assert update.num_prompt_tokens == len(PROMPT) and update.num_cached_tokens == 0
-        for d in update.deltas:
+        assert len(update.prompt_token_ids) == len(PROMPT) and update.num_cached_tokens == 0
+        for d in update.outputs:
             pieces.setdefault(d.index, []).append(d.text)
             if d.finish_reason:
                 reasons[d.index] = d.finish_reason
@@ -106,11 +108,11 @@ def test_shutdown_aborts_in_flight_and_refuses_new(torch_one_thread) -> None:
     async def check():
         frontend = AsyncEngine(debug_engine())
         frontend.start()
-        reasons = []
+        reasons: list[str] = []
 
         async def consume():
             async for update in frontend.generate("long", PROMPT, SamplingParams(max_tokens=230, ignore_eos=True)):
-                reasons.extend(d.finish_reason for d in update.deltas if d.finish_reason)
+                reasons.extend(d.finish_reason for d in update.outputs if d.finish_reason)
 
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0.2)
@@ -134,7 +136,7 @@ def test_engine_failure_reaches_waiting_requests(torch_one_thread) -> None:
         def broken_step():
             raise RuntimeError("injected failure")
 
-        engine.step = broken_step
+        engine.step = broken_step  # type: ignore[method-assign]  # the test swaps in a failing step on purpose
         frontend = AsyncEngine(engine)
         frontend.start()
         with pytest.raises(EngineDeadError, match="injected failure"):

@@ -55,7 +55,10 @@ def flush(llm: LLM) -> None:
         prefix.tiers.flush()
 
 
-def result(out) -> tuple[list[int], list[float]]:
+Result = tuple[list[int], list[float]]  # a completion's token ids and their logprobs
+
+
+def result(out) -> Result:
     return list(out.token_ids), [lp.logprob for lp in out.outputs[0].logprobs]
 
 
@@ -66,7 +69,7 @@ def same(got, ref) -> bool:
     )
 
 
-def conversations(llm: LLM, seed: int, num_convs: int = 3, turns: int = 3) -> list[list[int]]:
+def conversations(llm: LLM, seed: int, num_convs: int = 3, turns: int = 3) -> list[Result]:
     """Random multi-turn chats run side by side: each turn's prompt is the previous prompt + its reply + a new message."""
     rng = random.Random(seed)
     histories = [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(num_convs)]
@@ -82,7 +85,7 @@ def conversations(llm: LLM, seed: int, num_convs: int = 3, turns: int = 3) -> li
     return replies
 
 
-def shared_prefix_batches(llm: LLM, seed: int) -> list[list[int]]:
+def shared_prefix_batches(llm: LLM, seed: int) -> list[Result]:
     """Two rounds of a batch whose prompts share three long prefixes with different suffixes."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
@@ -96,7 +99,7 @@ def shared_prefix_batches(llm: LLM, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory) -> dict[str, list[list[int]]]:
+def reference(model, tmp_path_factory) -> dict[str, list[Result]]:
     llm = make(model, tmp_path_factory.mktemp("ref"))
     return {"conv": conversations(llm, 1), "shared": shared_prefix_batches(llm, 2)}
 
@@ -120,7 +123,9 @@ def test_corrupted_disk_file_recomputes_the_same_tokens(model, reference, tmp_pa
     llm = make(model, tmp_path, **CACHED, **TIERS["disk"])
     try:
         assert same(conversations(llm, 1), reference["conv"])
-        disk = llm.engine.cache.prefix.tiers.disk
+        prefix = llm.engine.cache.prefix
+        assert prefix is not None and prefix.tiers is not None and prefix.tiers.disk is not None
+        disk = prefix.tiers.disk
         files = sorted(os.listdir(disk.dir))
         assert files
         for name in files:  # flip one payload byte near the end of every file
@@ -144,10 +149,11 @@ def test_branch_point_is_snapshotted_for_the_next_request(model, tmp_path) -> No
     llm = make(model, tmp_path, enable_prefix_caching=True, prefix_match_unit=64, num_snapshot_slots=8)
     shared = list(range(1, 21))  # 20 tokens: no match-unit cut inside, so only a branch point can hold a state at 20
     prompts = [shared + [200 + i] * 3 for i in range(3)]
-    cached = [llm.generate([p], GREEDY)[0].metrics[0].num_cached_tokens for p in prompts]
+    cached = [llm.generate([p], GREEDY)[0].num_cached_tokens for p in prompts]
     # 1st: nothing cached; 2nd: diverges inside the 1st's run at 20, a miss that snapshots at 20; 3rd: hits there
     assert cached == [0, 0, 20]
-    assert llm.engine.stats().prefix_cache.hits == 1
+    stats = llm.engine.stats().prefix_cache
+    assert stats is not None and stats.hits == 1
     llm.close()
 
 
@@ -162,10 +168,11 @@ def test_multi_turn_reuses_every_previous_turn(model, tmp_path) -> None:
     cached = []
     for turn in range(4):
         out = llm.generate([list(history)], GREEDY)[0]
-        cached.append((out.metrics[0].num_cached_tokens, len(history)))
+        cached.append((out.num_cached_tokens, len(history)))
         history += list(out.token_ids) + [turn + 1] * 7
     # from turn 2 on, everything but the new message (and the reply's last token, never fed to the model) is reused
     assert cached[0][0] == 0
+    assert GREEDY.max_tokens is not None
     for (hit, _), (_, prev_len) in zip(cached[1:], cached[:-1], strict=True):
         assert hit == prev_len + GREEDY.max_tokens - 1
     llm.close()
@@ -177,6 +184,7 @@ def test_prefix_stats_reach_engine_stats(model, tmp_path) -> None:
     s = llm.engine.stats().prefix_cache
     assert s is not None and s.queries == 3 and s.snapshots_taken >= 3 and s.snapshots_evicted >= 2
     assert [t.tier for t in s.tiers] == [TierKind.DEVICE, TierKind.HOST]
-    assert s.tier(TierKind.HOST).bytes_in > 0 and s.tier(TierKind.DEVICE).used_bytes > 0
+    host, device = s.tier(TierKind.HOST), s.tier(TierKind.DEVICE)
+    assert host is not None and device is not None and host.bytes_in > 0 and device.used_bytes > 0
     assert torch.tensor(s.hit_rate).item() >= 0
     llm.close()

@@ -2,6 +2,7 @@
 ref counts, snapshots, slots) and every finished request has exactly the uncached reference tokens."""
 
 import random
+from typing import Any
 
 import pytest
 
@@ -10,7 +11,7 @@ from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.serve.serve_fakes import FakeModel, reference_greedy
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "device": dict(num_snapshot_slots=3),
     "host": dict(num_snapshot_slots=2, cpu_offload_bytes=2**20),
     "host_small": dict(num_snapshot_slots=1, cpu_offload_bytes=40_000),
@@ -38,6 +39,7 @@ def test_random_schedule_keeps_integrity_and_tokens(seed, variant) -> None:
     expected: dict[str, list[int]] = {}
     aborted: set[str] = set()
     done: dict[str, list[int]] = {}
+    got: dict[str, list[int]] = {}
     steps, next_id = 0, 0
     while next_id < 24 or eng.has_unfinished():
         if next_id < 24 and rng.random() < 0.5:
@@ -52,9 +54,10 @@ def test_random_schedule_keeps_integrity_and_tokens(seed, variant) -> None:
             eng.abort(victim)
             aborted.add(victim)
         if eng.has_unfinished():
-            for out in eng.step():
+            for out in eng.step():  # each output carries only the step's new token
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
-                    done[out.request_id] = list(out.token_ids)
+                    done[out.request_id] = got[out.request_id]
         eng.check_integrity()
         steps += 1
         assert steps < 2000

@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 import torch
 
@@ -26,15 +28,16 @@ from openk3.serve.sampling import SamplingParams
 )
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
-        SamplingParams(**{field: value})
+        kwargs: dict[str, Any] = {field: value}  # values of the wrong type too, on purpose
+        SamplingParams(**kwargs)
 
 
 def test_normalisation() -> None:
-    p = SamplingParams(stop="###", stop_token_ids=[3, 4], top_k=-1)
+    p = SamplingParams(stop="###", stop_token_ids=[3, 4], top_k=-1)  # type: ignore[arg-type]  # the str/list spellings it normalises
     assert p.stop == ("###",) and p.stop_token_ids == (3, 4) and p.top_k is None
     assert SamplingParams(top_k=0).top_k is None
     with pytest.raises(ValueError, match="SamplingParams.stop="):
-        SamplingParams(stop=["ok", ""])
+        SamplingParams(stop=["ok", ""])  # type: ignore[arg-type]  # a list spelling, normalised before the check
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
@@ -42,7 +45,7 @@ def test_normalisation() -> None:
 
 
 def row(params: SamplingParams, prompt=(), output=(), stops=frozenset(), generator=None) -> SamplingRow:
-    return SamplingRow(params, generator, list(prompt), list(output), frozenset(stops))
+    return SamplingRow(params, generator, list(prompt) + list(output), len(prompt), frozenset(stops))
 
 
 def test_greedy_is_argmax_and_min_tokens_masks_stop_tokens() -> None:
@@ -106,9 +109,11 @@ def test_logprobs_are_raw() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     out = Sampler()(logits, [row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5), output=[2])])
     lp = logits.log_softmax(-1)[0]
-    assert out.logprobs[0].token_id == out.token_ids[0]
-    assert out.logprobs[0].logprob == pytest.approx(float(lp[out.token_ids[0]]))
-    assert [t for t, _ in out.logprobs[0].top] == [2, 1]
+    first = out.logprobs[0]
+    assert first is not None
+    assert first.token_id == out.token_ids[0]
+    assert first.logprob == pytest.approx(float(lp[out.token_ids[0]]))
+    assert [t for t, _ in first.top] == [2, 1]
 
 
 def test_partial_top_k_path_equals_full_sort_path() -> None:

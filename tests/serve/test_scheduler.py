@@ -1,5 +1,7 @@
 """The scheduler alone (exact steps with a fake runner) and through the engine with the cache-using fake model."""
 
+from typing import Any
+
 import pytest
 
 from openk3.config import debug
@@ -84,8 +86,8 @@ def test_preemption_frees_newest_and_recomputes() -> None:
     s.check_integrity()
 
 
-def engine(**cfg) -> LLMEngine:
-    base = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+def engine(**cfg: Any) -> LLMEngine:
+    base: dict[str, Any] = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
     base.update(cfg)
     return LLMEngine(FakeModel(), ByteTokenizer(256), EngineConfig(**base))
 
@@ -96,11 +98,13 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8
 def run_all(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
-    done = {}
+    done: dict[str, list[int]] = {}
+    got: dict[str, list[int]] = {}
     while eng.has_unfinished():
-        for o in eng.step():
+        for o in eng.step():  # each output carries only the step's new token
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
-                done[o.request_id] = list(o.token_ids)
+                done[o.request_id] = got[o.request_id]
         eng.scheduler.check_integrity()
     eng.check_integrity()
     assert eng.cache.num_free_pages == eng.cache.num_pages and eng.cache.num_free_slots == eng.cache.state_pool.num_slots
@@ -114,6 +118,7 @@ def test_any_chunking_and_budget_gives_the_reference_tokens(chunk, budget) -> No
     eng = engine(max_num_batched_tokens=budget, long_prefill_token_threshold=chunk)
     done = run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=9))
     assert [done[str(i)] for i in range(len(PROMPTS))] == [reference_greedy(p, 9) for p in PROMPTS]
+    assert isinstance(eng.model, FakeModel)
     calls = eng.model.calls
     assert all(int(b.cu_seqlens[-1]) <= budget and b.num_seqs <= 4 for b in calls)
     assert all(int(b.seq_lens.max()) <= (chunk or budget) for b in calls)
@@ -136,18 +141,24 @@ def test_abort_anywhere_frees_everything() -> None:
     eng = engine(max_num_seqs=2, max_num_batched_tokens=8, long_prefill_token_threshold=4)
     for i, p in enumerate(PROMPTS):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30))
-    eng.step()
+    done: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in eng.step():  # each output carries only the step's new token
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    step()
     eng.abort("0")  # running, mid prefill
     eng.abort("3")  # still waiting
-    eng.step()
-    eng.step()
+    step()
+    step()
     eng.abort("2")  # running
     eng.scheduler.check_integrity()
-    done = {}
+    for aborted in ("0", "2", "3"):
+        done.pop(aborted, None)
     while eng.has_unfinished():
-        for o in eng.step():
-            done[o.request_id] = o
-    assert set(done) == {"1"} and list(done["1"].token_ids) == reference_greedy(PROMPTS[1], 30)
+        step()
+    assert set(done) == {"1"} and done["1"] == reference_greedy(PROMPTS[1], 30)
     eng.check_integrity()
     assert eng.cache.num_free_pages == eng.cache.num_pages and eng.cache.num_free_slots == eng.cache.state_pool.num_slots
 

@@ -1,0 +1,319 @@
+"""OutputProcessor: from the engine core's per-step token ids to what callers see -- text, stop strings, the n samples.
+
+The core (engine.py) reports per step only what changed: each request's new token ids, their logprobs, and why it ended
+(a stop token or the length). Everything else happens here, once, for `LLM` and the server alike:
+
+- n fan-out: a caller's request with n > 1 becomes n core requests "{i}_{id}" with seeds seed + i (vLLM's rule); their
+  outputs are regrouped under the caller's id, completions in index order.
+- Detokenisation (one IncrementalDetokenizer per sample). A stop token's own text is left out unless
+  include_stop_str_in_output.
+- Stop strings, once min_tokens are out: looked for where the new text ends, over the last max(len(stop)) - 1 characters
+  before it and the new text, so the work per step does not grow with the text. The text is cut before the stop string
+  (after it with include_stop_str_in_output), the core request is finished, and a stop string wins over the length.
+- Hold-back: a streamed sample keeps its last max(len(stop)) - 1 characters unsent while it may still grow into a stop
+  string (none with include_stop_str_in_output, when nothing would be cut), so a stream never shows text that is cut later.
+- Output kinds (vLLM's RequestOutputKind): DELTA -- every step, only what is new (the server's streams); FINAL_ONLY -- one
+  output when every sample has ended, whole (LLM.generate, non-streaming responses).
+
+The tool-call and reasoning parsers of the agent API plug in here, on the same per-sample text.
+Threading: one thread owns a processor and its engine (the caller of LLM, or the AsyncEngine's engine thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from openk3.serve.engine import LLMEngine
+from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus, TokenLogprobs
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import IncrementalDetokenizer
+
+
+class OutputKind(str, enum.Enum):
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One sample: with DELTA the text, ids and logprobs new since the last output, with FINAL_ONLY all of them."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # None unless asked for
+    metrics: RequestMetrics | None = None  # once it has finished (None for an abort)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]  # the same tuple in every output of a request (made once)
+    outputs: tuple[CompletionOutput, ...]  # DELTA: the samples that changed this step; FINAL_ONLY: all n; index order
+    finished: bool  # every sample has ended
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first sample's)
+    prompt: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    finish_reason: str
+    queue_time: float | None
+    time_to_first_token: float | None
+    e2e_latency: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one step did, for metrics (vLLM's IterationStats), whatever kind of output its requests asked for."""
+
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per new token after a sample's first
+    prompts: list[tuple[int, int]] = field(default_factory=list)  # (prompt tokens, of which cached) of requests that started
+    finished: list[FinishedRequest] = field(default_factory=list)  # one per sample that ended
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...], include: bool) -> tuple[str, int] | None:
+    """The first stop string (in the caller's order) that ends in the last `num_new_chars` of `text`, and where to cut."""
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1:
+            return stop, idx + len(stop) if include else idx
+    return None
+
+
+def hold_back(params: SamplingParams) -> int:
+    """Characters a streamed sample keeps unsent so that it never shows the start of a stop string that is then cut."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
+@dataclass(eq=False)
+class _Sample:
+    index: int
+    core_id: str
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    window: int  # max(len(stop)) - 1: the text a stop string ending in new text can reach back into
+    hold: int
+    streamed: bool  # DELTA: keep `unsent`
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    parts: list[str] = field(default_factory=list)  # the whole text, for FINAL_ONLY (joined once, at the end)
+    tail: str = ""  # the last `window` characters of the text
+    unsent: str = ""  # DELTA: text not yet sent (at most `hold` characters between steps)
+    num_sent_tokens: int = 0  # DELTA: token ids (and logprobs) already sent
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_text(self, new: str, drop: int) -> None:
+        """Append `new` after removing the last `drop` characters (a stop string that began in earlier text)."""
+        if drop:
+            if self.streamed:
+                self.unsent = self.unsent[: len(self.unsent) - drop]  # hold-back kept those characters unsent
+            while drop:
+                last = self.parts.pop()
+                if len(last) > drop:
+                    self.parts.append(last[: len(last) - drop])
+                    break
+                drop -= len(last)
+        if new:
+            self.parts.append(new)
+            if self.streamed:
+                self.unsent += new
+        if self.window and not drop:  # after a drop the sample has ended: nothing is looked for again
+            self.tail = (self.tail + new)[-self.window :]
+
+
+@dataclass(eq=False)
+class _Group:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    prompt: str | None
+    kind: OutputKind
+    samples: list[_Sample]
+    num_cached_tokens: int = 0
+    started: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    """Owns, for one engine, every caller request's samples, their text and their stop strings (module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._by_core_id: dict[str, tuple[_Group, _Sample]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        kind: OutputKind = OutputKind.FINAL_ONLY,
+        add_special_tokens: bool = True,
+    ) -> list[str]:
+        """Queue a prompt (text, tokenised with the tokenizer's special tokens by default as vLLM does for completions, or
+        token ids); returns the ids of its core requests. On any error nothing stays queued."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        core_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        window = max((len(s) for s in params.stop), default=1) - 1
+        samples = []
+        try:
+            for i, core_id in enumerate(core_ids):
+                child = params if params.n == 1 else params.for_child(i)
+                self.engine.add_request(core_id, ids, child)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+                logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+                samples.append(_Sample(i, core_id, child, detok, window, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))
+        except BaseException:
+            for s in samples:
+                self.engine.abort(s.core_id)
+            raise
+        group = _Group(request_id, tuple(ids), prompt if isinstance(prompt, str) else None, kind, samples)
+        self._groups[request_id] = group
+        for s in samples:
+            self._by_core_id[s.core_id] = (group, s)
+        return core_ids
+
+    def abort(self, request_id: str, stats: IterationStats | None = None) -> RequestOutput | None:
+        """End a caller's request wherever it is (its core requests free their pages and slots at once); returns its last
+        output (every sample still running ends with "abort"), or None for an unknown or finished id."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        changed = []
+        for s in group.samples:
+            del self._by_core_id[s.core_id]
+            if not s.finished:
+                self.engine.abort(s.core_id)
+                s.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+                changed.append(s)
+                if stats is not None:
+                    stats.finished.append(FinishedRequest("abort", None, None, None))
+        return self._output(group, changed)
+
+    def process(self, core_outputs: list[EngineCoreOutput], stats: IterationStats | None = None) -> list[RequestOutput]:
+        """One step's core outputs -> the caller outputs due (per the requests' kinds), in first-seen order; `stats`, when
+        given, gets the step's latencies, started prompts and ended samples."""
+        now = time.monotonic()
+        changed: dict[str, tuple[_Group, list[_Sample]]] = {}
+        for out in core_outputs:
+            found = self._by_core_id.get(out.request_id)
+            if found is None:
+                continue  # aborted while the step ran
+            group, sample = found
+            self._advance(group, sample, out)
+            changed.setdefault(group.request_id, (group, []))[1].append(sample)
+            if stats is not None:
+                self._record(stats, group, sample, len(out.new_token_ids), now)
+        results = []
+        for group, samples in changed.values():
+            output = self._output(group, sorted(samples, key=lambda s: s.index))
+            if output is not None:
+                results.append(output)
+            if group.finished:
+                del self._groups[group.request_id]
+                for s in group.samples:
+                    del self._by_core_id[s.core_id]
+        return results
+
+    @staticmethod
+    def _record(stats: IterationStats, group: _Group, s: _Sample, num_new: int, now: float) -> None:
+        if s.last_token_time is not None and num_new:
+            stats.inter_token_latencies.extend([(now - s.last_token_time) / num_new] * num_new)
+        s.last_token_time = now
+        if not group.started:
+            group.started = True
+            stats.prompts.append((len(group.prompt_token_ids), group.num_cached_tokens))
+        if s.finished:
+            m = s.metrics
+            stats.finished.append(FinishedRequest(s.finish_reason or "abort", *((m.queue_time, m.time_to_first_token, m.e2e_latency) if m else (None,) * 3)))
+
+    def _advance(self, group: _Group, s: _Sample, out: EngineCoreOutput) -> None:
+        if s.index == 0:
+            group.num_cached_tokens = out.num_cached_tokens
+        p = s.params
+        s.token_ids.extend(out.new_token_ids)
+        if s.logprobs is not None and out.new_logprobs is not None:
+            s.logprobs.extend(out.new_logprobs)
+        ends_on_stop_token = out.finish_reason == "stop"
+        new = ""
+        for j, token in enumerate(out.new_token_ids):
+            if ends_on_stop_token and j == len(out.new_token_ids) - 1 and not p.include_stop_str_in_output:
+                continue  # a stop token's text is left out
+            new += s.detok.add(token)
+        if out.finish_reason is not None:
+            new += s.detok.flush()
+            s.finish_reason, s.stop_reason, s.metrics = out.finish_reason, out.stop_reason, out.metrics
+        drop = 0
+        if p.stop and len(s.token_ids) > p.min_tokens and new:
+            text = s.tail + new
+            found = find_stop_string(text, len(new), p.stop, p.include_stop_str_in_output)
+            if found is not None:
+                stop, cut = found
+                drop, new = max(0, len(s.tail) - cut), text[len(s.tail) : max(cut, len(s.tail))]
+                s.finish_reason, s.stop_reason = RequestStatus.FINISHED_STOPPED.finish_reason, stop
+                if out.finish_reason is None:
+                    s.metrics = self.engine.finish(s.core_id, RequestStatus.FINISHED_STOPPED)
+        s.add_text(new, drop)
+
+    def _output(self, group: _Group, samples: list[_Sample]) -> RequestOutput | None:
+        if group.kind == OutputKind.FINAL_ONLY:
+            if not group.finished:
+                return None
+            outputs = tuple(self._whole(s) for s in group.samples)
+        else:
+            outputs = tuple(self._delta(s) for s in samples)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.finished, group.num_cached_tokens, group.prompt)
+
+    @staticmethod
+    def _whole(s: _Sample) -> CompletionOutput:
+        logprobs = None if s.logprobs is None else tuple(s.logprobs)
+        return CompletionOutput(s.index, "".join(s.parts), tuple(s.token_ids), s.finish_reason, s.stop_reason, logprobs, s.metrics)
+
+    @staticmethod
+    def _delta(s: _Sample) -> CompletionOutput:
+        """What is new since this sample's last output: its new tokens at once, its text but the held-back end."""
+        keep = 0 if s.finished else min(s.hold, len(s.unsent))
+        text, s.unsent = s.unsent[: len(s.unsent) - keep], s.unsent[len(s.unsent) - keep :]
+        sent, s.num_sent_tokens = s.num_sent_tokens, len(s.token_ids)
+        logprobs = None if s.logprobs is None else tuple(s.logprobs[sent:])
+        return CompletionOutput(s.index, text, tuple(s.token_ids[sent:]), s.finish_reason, s.stop_reason, logprobs, s.metrics)

@@ -5,7 +5,7 @@ import torch
 
 from openk3.config import debug
 from openk3.serve.cache.manager import CacheManager
-from openk3.serve.cache.prefix import PrefixCacheConfig, PrefixMatch
+from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.tier_types import TierKind
 
 A = list(range(100, 110))  # 10 tokens: pages [100..103] [104..107], tail (108, 109)

@@ -19,7 +19,8 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.disk_tier import DiskTier
-from openk3.serve.cache.prefix import PrefixCache, PrefixCacheConfig, PrefixMatch
+from openk3.serve.cache.prefix import PrefixCache
+from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.spec import CacheSpec
 from openk3.serve.cache.state_pool import StatePool
 from openk3.serve.cache.tier_types import TierKind

@@ -25,14 +25,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.hashing import chain_keys, page_key, snapshot_key
+from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixCounters, PrefixMatch
 from openk3.serve.cache.tier_types import TierEntry, TierKind
 from openk3.serve.cache.tiers import TierStack
 from openk3.serve.cache.transfer import copy_slot, pack
+
+# the value types moved to prefix_types.py; they stay importable from here for the callers that import them from this module
+__all__ = ["PrefixCache", "PrefixCacheConfig", "PrefixCounters", "PrefixMatch"]
 
 
 @dataclass(eq=False)
@@ -54,60 +56,6 @@ class _Snapshot:
     slot: int
     tail_page: int | None
     num_tokens: int
-
-
-@dataclass(frozen=True)
-class PrefixCacheConfig:
-    """Prefix caching options (EngineConfig's enable_prefix_caching and friends, resolved by the engine)."""
-
-    match_unit: int = 64  # prefill chunks are cut at multiples of it, and a state is snapshotted at each such cut
-    snapshot_interval: int | None = None  # also cut and snapshot every this many prompt tokens (dense, costs slots)
-    num_snapshot_slots: int = 8  # state slots reserved for snapshots, paid from the same cache byte budget as the pages
-    salt: bytes = b""  # hashing.model_salt
-    host_bytes: int = 0
-    disk_dir: str | None = None
-    disk_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("match_unit", "num_snapshot_slots", "host_bytes", "disk_bytes"):
-            v = getattr(self, name)
-            low = 1 if name == "match_unit" else 0
-            if not isinstance(v, int) or v < low:
-                raise ValueError(f"PrefixCacheConfig.{name}={v!r} is invalid: expected an integer >= {low}")
-        if self.snapshot_interval is not None and (not isinstance(self.snapshot_interval, int) or self.snapshot_interval < 1):
-            raise ValueError(f"PrefixCacheConfig.snapshot_interval={self.snapshot_interval!r} is invalid: expected None or an integer >= 1")
-        if self.disk_bytes > 0 and self.disk_dir is None:
-            raise ValueError(f"PrefixCacheConfig.disk_bytes={self.disk_bytes} needs disk_dir (a directory for the disk tier)")
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Where a request can start: `num_tokens` tokens are cached in `tier` (None: a miss)."""
-
-    num_tokens: int
-    tier: TierKind | None
-    key: bytes | None
-    page_ids: tuple[int, ...]  # device hit: full pages to share
-    tail_page: int | None  # device hit: the page to copy for the tail positions
-    slot: int | None  # device hit: the snapshot slot to copy
-    matched_tokens: int  # deepest token-level match in the device index, with or without a state
-    buffer: torch.Tensor | None = None  # host/disk hit: the loaded prefix (CacheManager.fetch)
-    fallback: PrefixMatch | None = None  # host/disk hit: the device match to use if the load fails
-
-    @staticmethod
-    def miss(matched_tokens: int = 0) -> PrefixMatch:
-        return PrefixMatch(0, None, None, (), None, None, matched_tokens)
-
-
-@dataclass
-class PrefixCounters:
-    queries: int = 0
-    hits: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    snapshots_taken: int = 0
-    snapshots_evicted: int = 0
-    device_bytes_copied: int = 0
 
 
 class PrefixCache:

@@ -1,0 +1,44 @@
+"""POST /v1/completions and POST /v1/chat/completions (behind the API key): read and check the body, build the engine jobs,
+then stream SSE or answer JSON; a client that leaves before a JSON answer gets 499 and its requests are aborted.
+The checks run in this order so that a bad body is a 4xx even while the engine is down: key, body, model, prompt, engine."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
+
+from openk3.api.errors import read_json
+from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
+from openk3.api.routes.state import State, authorize, check_model, check_open
+from openk3.api.routes.streams import EventStreamResponse, until_disconnect
+from openk3.api.serving import chat_job, chat_response, chat_stream, completion_jobs, completion_response, completion_stream
+
+router = APIRouter(dependencies=[Depends(authorize)])
+
+
+def _json_or_gone(result: BaseModel | None) -> Response:
+    return Response(status_code=499) if result is None else Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: State) -> Response:
+    served = state.served
+    req = await read_json(request, CompletionRequest, state.config.max_body_bytes)
+    check_model(state.config, req.model)
+    jobs, texts = completion_jobs(served, req)
+    check_open(served)
+    if req.stream:
+        return EventStreamResponse(completion_stream(served, req, jobs, texts))
+    return _json_or_gone(await until_disconnect(request, completion_response(served, req, jobs, texts)))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: State) -> Response:
+    served = state.served
+    req = await read_json(request, ChatCompletionRequest, state.config.max_body_bytes)
+    check_model(state.config, req.model)
+    job = chat_job(served, req)
+    check_open(served)
+    if req.stream:
+        return EventStreamResponse(chat_stream(served, req, job))
+    return _json_or_gone(await until_disconnect(request, chat_response(served, req, job)))

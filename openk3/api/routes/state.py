@@ -1,0 +1,65 @@
+"""What every route shares: the server's config, the served engine and metrics (one `ServerState` on `app.state`), reached
+through FastAPI dependencies instead of closures, and the checks the routes run (API key, model name, engine alive)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from openk3.api.errors import APIError
+from openk3.api.metrics import ServerMetrics
+from openk3.api.serving import Served
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    model_root: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20  # a 10 MB body is refused with 413 before it is read
+    stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json)
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Fixed for the app's lifetime; create_app stores it as `app.state.server`."""
+
+    config: ServerConfig
+    served: Served
+    metrics: ServerMetrics
+
+
+# Dependencies are async so that FastAPI runs them on the event loop rather than hopping to its thread pool per request.
+async def server_state(request: Request) -> ServerState:
+    state = request.app.state.server
+    assert isinstance(state, ServerState), "the app was not built by openk3.api.server.create_app"
+    return state
+
+
+State = Annotated[ServerState, Depends(server_state)]
+
+
+async def authorize(request: Request, state: State) -> None:
+    """The /v1 routes' API-key check (as vLLM checks /v1 only); a no-op when the server has no key."""
+    key = state.config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+def check_model(config: ServerConfig, name: str | None) -> None:
+    if name is not None and name != config.model_name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{config.model_name}`.", param="model", code="model_not_found")
+
+
+def check_open(served: Served) -> None:
+    frontend = served.frontend
+    if not frontend.is_healthy:
+        raise APIError(503, "the engine is not running" if frontend.error is None else f"the engine failed: {frontend.error!r}", code="unavailable")

@@ -1,0 +1,37 @@
+"""POST /tokenize and POST /detokenize (vLLM's extensions, outside /v1 and so without the API key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from openk3.api.errors import APIError, read_json
+from openk3.api.protocol import DetokenizeRequest, TokenizeRequest
+from openk3.api.routes.state import State, check_model
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, state: State) -> dict:
+    served = state.served
+    req = await read_json(request, TokenizeRequest, state.config.max_body_bytes)
+    check_model(state.config, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
+    if req.messages is not None:
+        text, special = served.render_chat(req.messages), False
+    else:
+        text, special = req.prompt or "", True
+    ids = served.tokenizer.encode(text, add_special_tokens=special if req.add_special_tokens is None else req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, state: State) -> dict:
+    tokenizer = state.served.tokenizer
+    req = await read_json(request, DetokenizeRequest, state.config.max_body_bytes)
+    check_model(state.config, req.model)
+    bad = next((t for t in req.tokens if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens has id {bad}: expected ids in 0..{tokenizer.vocab_size - 1}", param="tokens", code="invalid_value")
+    return {"prompt": tokenizer.decode(req.tokens)}

@@ -10,6 +10,8 @@ exp(G_r - G_j) computed on the masked lower triangle (never the factorised exp(G
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,6 +91,6 @@ def attach_training_kda(model: torch.nn.Module, chunk_size: int = 32) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
-            module.kda_prefill = lambda *a, **kw: kda_chunk_autograd(*a, **kw, chunk_size=chunk_size)
+            module.kda_prefill = functools.partial(kda_chunk_autograd, chunk_size=chunk_size)
             count += 1
     return count

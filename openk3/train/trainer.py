@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from openk3.config import ModelConfig
 from openk3.model import K3ForCausalLM
-from openk3.model.moe import LatentMoE, LocalExperts
+from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts
 from openk3.ops.moe import moe_experts_op
 from openk3.ops.moe.router import RouterOutput
 from openk3.train.balance import BalanceConfig, RouterBalancer
@@ -74,6 +74,7 @@ class FakeQuantExperts:
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         ex = layer.experts
+        assert isinstance(ex, DenseExperts), "QAT fake-quantises the dense master experts; a packed MXFP4 bank has none"
         bank = FakeQuantExpertBank(ex.w1, ex.w3, ex.w2)
         return self.op(z_TD, routing.topk_idx, routing.topk_weight, bank, layer.expert_act)
 
@@ -81,7 +82,7 @@ class FakeQuantExperts:
 class RecordingExperts:
     """Expert backend that reports each layer's routing to the balancer (when one is attached), then delegates."""
 
-    def __init__(self, inner, balancer: RouterBalancer | None) -> None:
+    def __init__(self, inner: ExpertBackend, balancer: RouterBalancer | None) -> None:
         self.inner, self.balancer = inner, balancer
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
@@ -105,7 +106,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         (no_decay if any(s in name for s in NO_DECAY) or p.dim() < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -155,7 +157,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg
-        if self.qat_active and not isinstance(self.model.moe_layers()[0].backend.inner, FakeQuantExperts):
+        backend = self.model.moe_layers()[0].backend
+        if self.qat_active and not (isinstance(backend, RecordingExperts) and isinstance(backend.inner, FakeQuantExperts)):
             self._set_backend()
         t0 = time.perf_counter()
         qat = self.qat_active

@@ -10,6 +10,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -28,11 +29,11 @@ PAGE_SIZE = 8
 MAX_NUM_SEQS = 16
 
 
-def debug_engine(**overrides) -> LLMEngine:
+def debug_engine(**overrides: Any) -> LLMEngine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, tokenizer = build_model("debug", torch.float32, "cpu", seed=0)
-    cfg = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_batched_tokens=512)
+    cfg: dict[str, Any] = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_batched_tokens=512)
     cfg.update(overrides)
     return LLMEngine(model, tokenizer, EngineConfig(**cfg))
 
@@ -78,7 +79,10 @@ def start_server(api_key: str | None = None, max_body_bytes: int = 2**20, gracef
     config = ServerConfig(model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s)
     app = create_app(engine, engine.tokenizer, ChatTemplate.default(), config)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=graceful_s))
+    # uvicorn annotates an int, but hands the value to asyncio.wait_for, which takes the fractions of a second tests use
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=graceful_s)  # type: ignore[arg-type]
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -42,7 +42,7 @@ def post(client, path: str, body) -> httpx.Response:
     return client.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
-CASES = [
+CASES: list[tuple[str, str, bytes | dict[str, object], int, str | None, str]] = [
     ("malformed json", "/v1/completions", b'{"model": "debug", "prompt": "hi",', 400, None, "not valid JSON"),
     ("not an object", "/v1/completions", b"[1, 2]", 400, None, "JSON object"),
     ("wrong type", "/v1/completions", {**OK_COMPLETION, "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),

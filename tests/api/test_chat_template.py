@@ -82,7 +82,7 @@ def test_generation_config_end_tokens_join_every_request_unless_ignore_eos(tmp_p
     assert generation_stop_ids(tmp_path) == (5, 7)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
     assert generation_stop_ids(tmp_path) == (3,)
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}], stop_token_ids=[1])
+    req = ChatCompletionRequest(messages=[ChatMessage(role="user", content="q")], stop_token_ids=[1])
     assert sampling_params(req, 8, None, extra_stop=("</s>",), extra_stop_ids=(3,)).stop_token_ids == (1, 3)
     assert sampling_params(req, 8, None, extra_stop=("</s>",), extra_stop_ids=(3,)).stop == ("</s>",)
     ignoring = req.model_copy(update={"ignore_eos": True})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -63,8 +64,8 @@ def test_packed_batch_equals_separate_runs(debug_model: K3ForCausalLM) -> None:
     table = pages_for(3, 8)
     with torch.no_grad():
         # dirty slots: a fresh sequence must read zeros whatever its slot holds
-        for s in cache.kda_state + cache.conv_state:
-            s.normal_()
+        for state in cache.kda_state + cache.conv_state:
+            state.normal_()
         logits = debug_model(ForwardBatch.for_step(seqs, [0, 0, 0], [3, 0, 1], table), cache)
         for i, s in enumerate(seqs):
             alone = debug_model.forward_tokens(torch.tensor([s]))[0, -1]
@@ -134,7 +135,12 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if kernel is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
     calls: list[int] = []
-    monkeypatch.setattr(decode_fused, "_kernel", lambda: lambda *args: calls.append(args[0]) or kernel(*args))
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(decode_fused, "_kernel", lambda: counted)
     yield request.param
     assert calls, "the decode steps did not reach the fused kernel"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from openk3.cli import main
 from openk3.config import debug, save_config
 from openk3.model import load_model, save_model
 from openk3.model.moe import DenseExperts, LocalExperts, PackedExperts
-from openk3.ops.moe.packed_bank import dense_bank_nbytes
+from openk3.ops.moe.bank import DenseExpertBank
+from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank, dense_bank_nbytes
 
 from .conftest import build
 
@@ -28,10 +30,12 @@ def dequantised_copy(packed_model):
     dense.load_state_dict({k: v for k, v in packed_model.state_dict().items() if "experts.w" not in k}, strict=False)
     for src, dst in zip(packed_model.moe_layers(), dense.moe_layers(), strict=True):
         full = src.experts.bank().materialize(torch.float32)
+        experts = dst.experts
+        assert isinstance(experts, DenseExperts)
         with torch.no_grad():
-            dst.experts.w1.copy_(full.w1_EID)
-            dst.experts.w3.copy_(full.w3_EID)
-            dst.experts.w2.copy_(full.w2_EDI)
+            experts.w1.copy_(full.w1_EID)
+            experts.w3.copy_(full.w3_EID)
+            experts.w2.copy_(full.w2_EDI)
     return dense
 
 
@@ -46,9 +50,9 @@ def test_packed_model_equals_materialised_dequantised_weights() -> None:
 
 def test_packed_bytes_are_4_25_bits_per_weight() -> None:
     model = build(debug())
-    dense_bytes = sum(dense_bank_nbytes(m.experts.bank()) for m in model.moe_layers())  # fp32 here
+    dense_bytes = sum(dense_bank_nbytes(cast(DenseExpertBank, m.experts.bank())) for m in model.moe_layers())  # fp32 here
     model.quantize_experts()
-    packed_bytes = sum(m.experts.bank().nbytes for m in model.moe_layers())
+    packed_bytes = sum(cast(PackedMXFP4ExpertBank, m.experts.bank()).nbytes for m in model.moe_layers())
     assert packed_bytes / dense_bytes == pytest.approx(4.25 / 32)
 
 

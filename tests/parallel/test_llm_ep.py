@@ -14,6 +14,7 @@ import torch
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
+from openk3.model.moe import DenseExperts
 from openk3.model.weights import load_model, save_model
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
@@ -55,6 +56,12 @@ def test_llm_ep2_tokens_equal_single_process(method: str, single_process: list[l
     assert any(a != b for a, b in zip(got[0], got[2], strict=True)), "temperature 1 should leave the greedy path somewhere"
 
 
+def first_w1(model: K3ForCausalLM) -> torch.Tensor:
+    experts = model.moe_layers()[0].experts
+    assert isinstance(experts, DenseExperts)
+    return experts.w1
+
+
 @pytest.mark.distributed
 def test_llm_ep_from_module_leaves_the_module_intact() -> None:
     torch.set_num_threads(1)
@@ -63,11 +70,11 @@ def test_llm_ep_from_module_leaves_the_module_intact() -> None:
     model.eval()
     want = run(LLM(model, max_num_batched_tokens=16))[0]
     backends = [moe.backend for moe in model.moe_layers()]
-    w1 = model.moe_layers()[0].experts.w1.detach().clone()
+    w1 = first_w1(model).detach().clone()
     got = run(LLM(model, max_num_batched_tokens=16, ep=2, ep_method="eplb"))[0]
     assert got == want
     assert [moe.backend for moe in model.moe_layers()] == backends, "close() gives the module its own expert backends back"
-    assert torch.equal(model.moe_layers()[0].experts.w1, w1), "rank 0 copies its shard: the caller's bank is untouched"
+    assert torch.equal(first_w1(model), w1), "rank 0 copies its shard: the caller's bank is untouched"
 
 
 def test_ep_arguments_are_checked() -> None:

@@ -76,6 +76,7 @@ def test_step_channel_refuses_half_a_cache_addressing() -> None:
     with pytest.raises(ValueError, match="has state_slots but page_table is None"):
         StepChannel.encode_step(dataclasses.replace(cached, page_table=None))
     header, payload = StepChannel.encode_step(cached)
+    assert cached.page_table is not None
     assert header[3] == cached.page_table.shape[1]
     assert payload.numel() == 4 + 4 + 3 + 2 + 2 + 6 + 2  # ids, positions, cu_seqlens, context, slots, table, logits rows
 

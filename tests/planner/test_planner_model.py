@@ -102,6 +102,7 @@ def test_search_meets_slo_at_lowest_cost_and_labels_binding() -> None:
     for c in result.candidates:
         assert c.metrics.binding in ("memory", "HBM bandwidth", "compute", "interconnect")
         assert c.meets_slo == (c.metrics.per_user_tok_s >= 20 and c.metrics.ttft_s <= 20)
+    assert result.best is not None
     assert result.best.layout.num_accelerators == 72  # 8 GB300s hold the weights but almost no cache
     assert result.best_per_size()[8].metrics.binding == "memory"
 

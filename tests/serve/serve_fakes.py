@@ -49,6 +49,7 @@ class FakeModel(nn.Module):
         rows = []
         cu = batch.cu_seqlens.tolist()
         for i in range(batch.num_seqs):
+            assert batch.state_slots is not None and batch.page_table is not None, "the engine addresses the cache in every step"
             slot = int(batch.state_slots[i])
             ctx = int(batch.context_lens[i])
             table = batch.page_table[i].tolist()

@@ -27,6 +27,7 @@ def test_all_or_nothing_allocation() -> None:
 def test_ref_counts_free_on_last_holder() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(2)
+    assert blocks is not None
     pool.share(blocks)
     assert [pool.ref_count(b) for b in blocks] == [2, 2]
     pool.free(blocks)
@@ -40,6 +41,7 @@ def test_ref_counts_free_on_last_holder() -> None:
 def test_double_free_and_bad_share_are_refused() -> None:
     pool = BlockPool(2)
     b = pool.allocate(1)
+    assert b is not None
     pool.free(b)
     with pytest.raises(ValueError, match="double free"):
         pool.free(b)
@@ -65,7 +67,8 @@ def test_state_pool_slots() -> None:
     assert [pool.allocate(), pool.allocate()] == [2, 0]
     assert pool.allocate() is None
     with pytest.raises(ValueError, match="double free"):
-        pool.free(1) or pool.free(1)
+        pool.free(1)
+        pool.free(1)
     pool.check_integrity()
     pool._held[2] = False
     with pytest.raises(AssertionError, match="slot 2"):

@@ -61,10 +61,13 @@ def test_deepest_boundary_matches_tail_tokens() -> None:
         host.put(entry(toks[:p]))
     keys = chain_keys(SALT, toks[:16], 4)
     stack = TierStack(host, None)
-    assert stack.deepest(SALT, keys, toks, 4, limit=19)[1:] == (entry(toks[:13]).key, 13)
-    assert stack.deepest(SALT, keys, toks, 4, limit=12)[2] == 9
+    found = stack.deepest(SALT, keys, toks, 4, limit=19)
+    assert found is not None and found[1:] == (entry(toks[:13]).key, 13)
+    found = stack.deepest(SALT, keys, toks, 4, limit=12)
+    assert found is not None and found[2] == 9
     other = toks[:8] + [0] * 12  # shares the first two pages only: the boundary at 9 has a different tail
-    assert stack.deepest(SALT, chain_keys(SALT, other[:16], 4), other, 4, limit=19)[2] == 6
+    found = stack.deepest(SALT, chain_keys(SALT, other[:16], 4), other, 4, limit=19)
+    assert found is not None and found[2] == 6
 
 
 def test_disk_tier_roundtrip_checksum_and_budget(tmp_path) -> None:
@@ -72,7 +75,8 @@ def test_disk_tier_roundtrip_checksum_and_budget(tmp_path) -> None:
     a, b, c = (entry([i] * 6, nbytes=1000, fill=i) for i in (1, 2, 3))
     disk.put(a)
     disk.flush()
-    assert torch.equal(disk.load(a.key), a.buffer)
+    loaded = disk.load(a.key)
+    assert loaded is not None and torch.equal(loaded, a.buffer)
     disk.put(b)
     disk.put(c)  # three files do not fit: the least recently used (a, loaded before b and c were written) goes
     disk.flush()
@@ -85,7 +89,8 @@ def test_disk_tier_roundtrip_checksum_and_budget(tmp_path) -> None:
     assert disk.load(b.key) is None and not os.path.exists(path)
     s = disk.stats()
     assert (s.checksum_failures, s.hits, s.entries) == (1, 1, 1)
-    assert torch.equal(disk.load(c.key), c.buffer)
+    loaded = disk.load(c.key)
+    assert loaded is not None and torch.equal(loaded, c.buffer)
     disk.close()
     assert not os.path.exists(disk.dir) and os.path.isdir(tmp_path)
 
@@ -96,7 +101,9 @@ def test_stack_sends_host_overflow_to_disk(tmp_path) -> None:
     stack.offload(a)
     stack.offload(b)  # a no longer fits in the host tier: it moves to disk
     stack.flush()
+    assert stack.host is not None and stack.disk is not None
     assert a.key not in stack.host and a.key in stack.disk and b.key in stack.host
-    assert torch.equal(stack.load(TierKind.DISK, a.key), a.buffer)
+    loaded = stack.load(TierKind.DISK, a.key)
+    assert loaded is not None and torch.equal(loaded, a.buffer)
     assert stack.load(TierKind.HOST, a.key) is None
     stack.close()

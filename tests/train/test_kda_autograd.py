@@ -10,14 +10,17 @@ from openk3.ops.kda.naive import kda_recurrent
 from openk3.train.kda_autograd import kda_chunk_autograd
 
 
-def inputs(B: int, T: int, H: int = 2, K: int = 16, V: int = 8, seed: int = 0, lower_bound: float = -5.0):
+def inputs(
+    B: int, T: int, H: int = 2, K: int = 16, V: int = 8, seed: int = 0, lower_bound: float = -5.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v, g (log decay), beta, each requiring grad."""
     g = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
     v = torch.randn(B, T, H, V, generator=g)
     decay = lower_bound * torch.sigmoid(torch.randn(B, T, H, K, generator=g))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
-    return [x.requires_grad_() for x in (q, k, v, decay, beta)]
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), decay.requires_grad_(), beta.requires_grad_()
 
 
 @pytest.mark.parametrize("T,chunk", [(70, 16), (32, 32), (5, 16)])

@@ -13,10 +13,13 @@ from openk3.train.qat import FakeQuantExpertBank, fake_quantize_mxfp4
 
 E, I, D = 4, 64, 32
 
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1, w3, w2 (or x, idx, weight for a layer's inputs)
 
-def master(seed: int = 0) -> list[torch.Tensor]:
+
+def master(seed: int = 0) -> Weights:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g).mul(0.1).requires_grad_() for s in ((E, I, D), (E, I, D), (E, D, I))]
+    w1, w3, w2 = (torch.randn(*s, generator=g).mul(0.1).requires_grad_() for s in ((E, I, D), (E, I, D), (E, D, I)))
+    return w1, w3, w2
 
 
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
@@ -34,6 +37,7 @@ def test_straight_through_gradient_equals_the_identitys() -> None:
     (x @ fake_quantize_mxfp4(w).T).backward(upstream)
     w_id = w.detach().clone().requires_grad_()
     (x @ w_id.T).backward(upstream)  # the same graph with the identity in place of the rounding
+    assert w.grad is not None and w_id.grad is not None
     assert torch.equal(w.grad, w_id.grad)
 
 
@@ -69,7 +73,7 @@ def test_unknown_scale_mode_is_named() -> None:
         FakeQuantExpertBank(*master(), scale_mode="stochastic")
 
 
-def _fit(qat: bool, steps: int = 30) -> tuple[list[torch.Tensor], torch.Tensor, tuple]:
+def _fit(qat: bool, steps: int = 30) -> tuple[Weights, torch.Tensor, Weights]:
     """Fit a student expert layer to a teacher's outputs, with or without fake quantisation in the forward."""
     g = torch.Generator().manual_seed(0)
     teacher = [torch.randn(*s, generator=g) * 0.2 for s in ((E, I, D), (E, I, D), (E, D, I))]
@@ -77,7 +81,8 @@ def _fit(qat: bool, steps: int = 30) -> tuple[list[torch.Tensor], torch.Tensor, 
     idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(64)])
     weight = torch.rand(64, 2, generator=g)
     target = moe_experts_grouped(x, idx, weight, DenseExpertBank(*teacher), situ_glu)
-    student = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.2) for s in ((E, I, D), (E, I, D), (E, D, I))]
+    w1, w3, w2 = (torch.nn.Parameter(torch.randn(*s, generator=g) * 0.2) for s in ((E, I, D), (E, I, D), (E, D, I)))
+    student = (w1, w3, w2)
     opt = torch.optim.Adam(student, lr=1e-2)
     for _ in range(steps):
         bank = FakeQuantExpertBank(*student) if qat else DenseExpertBank(*student)
@@ -89,7 +94,7 @@ def _fit(qat: bool, steps: int = 30) -> tuple[list[torch.Tensor], torch.Tensor, 
 
 
 def test_qat_beats_post_training_quantisation_and_exports_exactly() -> None:
-    def loss(bank: ExpertBank, target: torch.Tensor, inputs: tuple) -> float:
+    def loss(bank: ExpertBank, target: torch.Tensor, inputs: Weights) -> float:
         with torch.no_grad():
             return float((moe_experts_grouped(*inputs, bank, situ_glu) - target).square().mean())
 

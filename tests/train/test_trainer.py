@@ -11,7 +11,7 @@ import torch
 from openk3.config import debug
 from openk3.train.balance import BalanceConfig, BalanceMethod
 from openk3.train.data import TokenWindows, eval_windows
-from openk3.train.trainer import FakeQuantExperts, TrainConfig, Trainer, lr_factor
+from openk3.train.trainer import FakeQuantExperts, RecordingExperts, TrainConfig, Trainer, lr_factor
 
 STEPS = 20
 
@@ -69,7 +69,7 @@ def test_qat_phase_stays_within_five_percent(baseline):
     trainer = make_trainer(qat_fraction=0.5)
     log = trainer.fit(progress=False)
     assert [r["qat"] for r in log] == [False] * 10 + [True] * 10
-    assert all(isinstance(m.backend.inner, FakeQuantExperts) for m in trainer.model.moe_layers())
+    assert all(isinstance(m.backend, RecordingExperts) and isinstance(m.backend.inner, FakeQuantExperts) for m in trainer.model.moe_layers())
     assert log[-1]["held_out_loss"] == pytest.approx(baseline[-1]["held_out_loss"], rel=0.05)
     assert log[-1]["held_out_loss"] != baseline[-1]["held_out_loss"]  # the experts really were quantised
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -56,7 +57,7 @@ def rank_expert_ids(placements: Mapping[int, Placement], rank: int) -> dict[int,
 
 def _cut(experts: DenseExperts | PackedExperts, ids: torch.Tensor) -> DenseExperts | PackedExperts:
     """A module holding only experts `ids` (copied rows, so the full bank can be freed)."""
-    e, rows, cols = experts.w1.shape if isinstance(experts, DenseExperts) else experts.w1_weight_packed.shape
+    e, rows, cols = experts.w1.shape if isinstance(experts, DenseExperts) else cast(torch.Tensor, experts.w1_weight_packed).shape
     cut = DenseExperts(ids.numel(), cols, rows) if isinstance(experts, DenseExperts) else PackedExperts(ids.numel(), 2 * cols, rows)
     with torch.no_grad():
         for name, t in list(experts.named_parameters()) + list(experts.named_buffers()):

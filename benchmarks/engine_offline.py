@@ -109,6 +109,7 @@ def main() -> None:
     from transformers import KimiLinearForCausalLM
 
     from openk3.llm import LLM
+    from openk3.serve.cpu_heap import keep_heap_for_reuse
 
     s = lambda n: max(1, int(n * args.scale))
     g = torch.Generator().manual_seed(5)
@@ -125,6 +126,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp) / "mixed", mla_layers=(3, 7), std=args.init_std)
         hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        keep_heap_for_reuse()  # as `openk3 serve` does; process-wide, so transformers' runs below have it too
         llm = LLM(str(path), max_num_seqs=64, max_num_batched_tokens=2048, cache_memory_bytes=512 * 2**20)
         print("\n| scenario | new tokens | engine tok/s | transformers tok/s | speed-up | engine mean TTFT s | greedy tokens equal |")
         print("|---|---|---|---|---|---|---|")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openk3.api.engine_args import add_prefix_cache_arguments, prefix_cache_options
+from openk3.api.engine_args import add_prefix_cache_arguments, add_process_arguments, prefix_cache_options
 
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on CPU, do not keep a second copy of the large projections in oneDNN's blocked layout (saves their memory, slower above 16 rows)",
     )
     add_prefix_cache_arguments(p)
+    add_process_arguments(p)
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
@@ -145,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
+    from openk3.serve.cpu_heap import apply_heap_mode
+
+    apply_heap_mode(args.cpu_heap)  # the process's own setting, on every rank (serve/cpu_heap.py)
     if args.ep > 1:
         return run_expert_parallel(args)
     try:

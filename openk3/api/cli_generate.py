@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from openk3.api.engine_args import add_prefix_cache_arguments, prefix_cache_options
+from openk3.api.engine_args import add_prefix_cache_arguments, add_process_arguments, prefix_cache_options
 from openk3.serve.sampling import SamplingParams
 
 
@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, spawned here (this process drives; docs/ep.md)")
     p.add_argument("--ep-method", choices=("moonep", "ep", "eplb"), default="moonep")
     add_prefix_cache_arguments(p)
+    add_process_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -33,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from openk3.llm import LLM
+    from openk3.serve.cpu_heap import apply_heap_mode
 
+    apply_heap_mode(args.cpu_heap)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
         llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, ep=args.ep, ep_method=args.ep_method, **prefix_cache_options(args))

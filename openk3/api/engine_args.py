@@ -23,3 +23,16 @@ def prefix_cache_options(args: argparse.Namespace) -> dict:
         "disk_offload_dir": args.disk_offload_dir,
         "disk_offload_bytes": int(args.disk_offload_gb * 2**30),
     }
+
+
+def add_process_arguments(p: argparse.ArgumentParser) -> None:
+    """Process-wide settings of a serving process (not of an engine): the C heap (serve/cpu_heap.py)."""
+    from openk3.serve.cpu_heap import HEAP_MODES, default_heap_mode
+
+    p.add_argument(
+        "--cpu-heap",
+        choices=HEAP_MODES,
+        default=default_heap_mode(),
+        help="keep: freed heap memory stays in the process for the next step's temporaries (faster CPU steps, RSS stays at its "
+        "high-water mark); system: the C library's defaults (default: $OPENK3_CPU_HEAP, else keep)",
+    )

@@ -19,8 +19,7 @@ from torch import nn
 
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
-from openk3.model.fused import FusedRows
-from openk3.model.layers import Linear, RMSNorm
+from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
 from openk3.ops.kda import kda_prefill_op
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
@@ -28,7 +27,6 @@ from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_avail
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
-from openk3.ops.linear import linear
 from openk3.ops.norm import l2_norm, rms_norm
 from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, causal_conv1d_update_
 
@@ -96,10 +94,9 @@ class KimiDeltaAttention(nn.Module):
         self.kda_prefill = kda_prefill_op(kda_impl)
         self.reference_ops = kda_impl == "naive"  # rule 1: "naive" runs the definitions on every kind of step
         self.conv_prefill = causal_conv1d_op(conv_impl)
-        gate_width = p if c.full_rank_output_gate else c.head_dim
-        self._in_split = [3 * p, c.head_dim, gate_width, c.num_heads]  # [q | k | v] pre-conv, f_a, g (or g_a), b
-        self._fused_in = FusedRows()
-        self._fused_conv = FusedRows()
+        # the projections of the input: [q | k | v] (pre-conv, side by side), f_a, g (or g_a), b
+        self.in_proj = ProjectionGroup(self._in_linears(), pieces=(3, 1, 1, 1))
+        self.conv_weights = StackedWeights([self.q_conv1d, self.k_conv1d, self.v_conv1d])  # q | k | v, as the conv windows are
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -115,33 +112,14 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
         return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
 
-    def _convs(self) -> list[torch.Tensor]:
-        return [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-
-    def fuse_projections(self) -> None:
-        """Store q|k|v|f_a|g|b and the three conv kernels as one block each (model/fused.py)."""
-        self._fused_in.tie([m.weight for m in self._in_linears()])
-        self._fused_conv.tie(self._convs())
-
-    def pack_weights(self) -> None:
-        self._fused_in.pack_weights()
-
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
-        convs = self._convs()
-        fused = self._fused_conv.rows(convs)
-        return (fused if fused is not None else torch.cat(convs, dim=0)).squeeze(1)
+        return self.conv_weights().squeeze(1)
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H]): one matmul once fused."""
-        linears = self._in_linears()
-        weights = [m.weight for m in linears]
-        fused = self._fused_in.rows(weights)
-        if fused is not None:
-            qkv, f_a, g, b = linear(x_TD, fused, self._fused_in.packed, weights).split(self._in_split, dim=-1)
-            return qkv, f_a, g, b
-        q, k, v, f_a, g, b = (m(x_TD) for m in linears)
-        return torch.cat([q, k, v], dim=-1), f_a, g, b
+        """([q | k | v] before the conv [T, 3P], f_a [T, K], g or g_a [T, P or K], b [T, H])."""
+        qkv, f_a, g, b = self.in_proj(x_TD)
+        return qkv, f_a, g, b
 
     def _decode_fused(
         self, qkv_TC: torch.Tensor, f_TP: torch.Tensor, gate: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
@@ -201,7 +179,7 @@ class KimiDeltaAttention(nn.Module):
                     "openk3.train.kda_autograd.attach_training_kda(model), or run under torch.no_grad()"
                 )
             init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
-            if cache is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
+            if init is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
                 o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
             else:
                 o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init, batch.cu_seqlens)

@@ -1,19 +1,19 @@
-"""Small building blocks shared by the layers: RMSNorm and the gated (SiLU/SiTU) MLP. Legend: [T, D] packed tokens.
+"""Small building blocks shared by the layers: RMSNorm, Linear, the gated (SiLU/SiTU) MLP, and the two places where a
+serving layout attaches (ProjectionGroup, StackedWeights). Legend: [T, D] packed tokens, N output width.
 
 Attribute names match the checkpoint (`weight`, `gate_proj`, `up_proj`, `down_proj`) so state-dict keys need no renaming.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from openk3.config import Activation
-from openk3.model.fused import FusedRows
 from openk3.ops.activation import glu
-from openk3.ops.linear import PackedWeight, linear
+from openk3.ops.linear import linear
 from openk3.ops.norm import rms_norm
 
 
@@ -31,16 +31,54 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict keys) whose product takes the fastest form for a few rows
     (ops/linear.py); with a bias it is nn.Linear's own."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
-
-    def pack_weights(self) -> None:
-        """Use the weight in oneDNN's blocked layout on CPU above KERNEL_ROWS rows (ops/linear.py); made on first use."""
-        self.packed.enable()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.bias is not None else linear(x, self.weight, self.packed)
+        return super().forward(x) if self.bias is not None else linear(x, self.weight)
+
+
+class ProjectionGroup(nn.Module):
+    """Projections of the same input, returned as `pieces` (consecutive members whose outputs come side by side; one piece
+    per member by default): here one matmul per member. The members stay registered where the checkpoint names them (this
+    module holds them by reference and owns no parameter); a serving layout swaps in a module that stores them as one
+    block and runs one matmul whose output pieces are views (serve/prepare.py)."""
+
+    def __init__(self, members: Sequence[Linear], pieces: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.members = tuple(members)  # a tuple, so nn.Module does not register them a second time
+        self.pieces = tuple(pieces) if pieces is not None else (1,) * len(self.members)
+        if sum(self.pieces) != len(self.members) or min(self.pieces) < 1:
+            raise ValueError(f"ProjectionGroup: pieces={self.pieces} must split the {len(self.members)} members into non-empty runs")
+
+    @property
+    def widths(self) -> list[int]:
+        """Output width of each piece."""
+        out, start = [], 0
+        for n in self.pieces:
+            out.append(sum(m.out_features for m in self.members[start : start + n]))
+            start += n
+        return out
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs, start = [], 0
+        for n in self.pieces:
+            run = [m(x) for m in self.members[start : start + n]]
+            outs.append(run[0] if n == 1 else torch.cat(run, dim=-1))
+            start += n
+        return tuple(outs)
+
+
+class StackedWeights(nn.Module):
+    """The weights of several modules stacked along dim 0 (the KDA conv kernels): here a concatenation per call; a serving
+    layout keeps them stacked in one block instead (serve/prepare.py). Members held by reference, as in ProjectionGroup."""
+
+    def __init__(self, members: Sequence[nn.Conv1d]) -> None:
+        super().__init__()
+        self.members = tuple(members)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.members]
+
+    def forward(self) -> torch.Tensor:
+        return torch.cat(self.weights(), dim=0)
 
 
 class GatedMLP(nn.Module):
@@ -54,20 +92,8 @@ class GatedMLP(nn.Module):
         self.act = act
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
         self.intermediate = intermediate
-        self._fused_gate_up = FusedRows()
-
-    def fuse_projections(self) -> None:
-        """Store gate|up as one block (model/fused.py)."""
-        self._fused_gate_up.tie([self.gate_proj.weight, self.up_proj.weight])
-
-    def pack_weights(self) -> None:
-        self._fused_gate_up.pack_weights()
+        self.gate_up = ProjectionGroup([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [self.gate_proj.weight, self.up_proj.weight]
-        fused = self._fused_gate_up.rows(weights)
-        if fused is not None:  # one matmul for gate and up
-            gate, up = linear(x, fused, self._fused_gate_up.packed, weights).split(self.intermediate, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

@@ -15,9 +15,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
-from openk3.model.fused import FusedRows
-from openk3.model.layers import Linear, RMSNorm
-from openk3.ops.linear import linear
+from openk3.model.layers import Linear, ProjectionGroup, RMSNorm
 from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
@@ -62,28 +60,15 @@ class GatedMLA(nn.Module):
             self.g_proj = Linear(d, m.num_heads * m.v_head_dim, bias=False)
         self.o_proj = Linear(m.num_heads * m.v_head_dim, d, bias=False)
         self.prefill = mla_prefill_op(prefill_impl)
-        self._fused_in = FusedRows()
+        self.in_proj = ProjectionGroup(self._in_linears())  # q (or q_a), kv_a, g: the projections of the input
 
     def _in_linears(self) -> list[Linear]:
         linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
         return linears + [self.g_proj] if self.output_gate else linears
 
-    def fuse_projections(self) -> None:
-        """Store q (or q_a) | kv_a | g as one block (model/fused.py)."""
-        self._fused_in.tie([m.weight for m in self._in_linears()])
-
-    def pack_weights(self) -> None:
-        self._fused_in.pack_weights()
-
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x, one matmul once fused (model/fused.py)."""
-        linears = self._in_linears()
-        weights = [m.weight for m in linears]
-        fused = self._fused_in.rows(weights)
-        if fused is not None:
-            outs = list(linear(x_TD, fused, self._fused_in.packed, weights).split([m.out_features for m in linears], dim=-1))
-        else:
-            outs = [m(x_TD) for m in linears]
+        """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x."""
+        outs = self.in_proj(x_TD)
         return outs[0], outs[1], outs[2] if self.output_gate else None
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:

@@ -172,33 +172,6 @@ class K3ForCausalLM(nn.Module):
         b, seq_len = input_ids_BL.shape
         return self.forward(ForwardBatch.from_tokens(input_ids_BL)).view(b, seq_len, -1)
 
-    def fuse_projections(self) -> None:
-        """Serving layout: every group of projections of the same input becomes one block (model/fused.py). Idempotent; the
-        model re-ties after `.to()` and cast_model. Training needs nothing of it (autograd always takes the per-weight path)."""
-        self.projections_fused = True
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
-
-    def pack_weights(self) -> None:
-        """CPU serving: every projection of at least ops/linear.LARGE_WEIGHT elements is used in oneDNN's blocked layout above
-        ops/linear.KERNEL_ROWS rows, a second copy made on first use (ops/linear.py PackedWeight). Idempotent; a weight that is written,
-        moved or cast is packed again on its next use."""
-        self.weights_packed = True
-        for module in self.modules():
-            if module is not self and hasattr(module, "pack_weights"):
-                module.pack_weights()
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
-        # .to() / .float() / .cuda() give every parameter new storage: tie again so the old blocks are not kept alive, and
-        # drop the packed copies of the old weights
-        out = super()._apply(fn, recurse)
-        if getattr(self, "projections_fused", False):
-            self.fuse_projections()
-        if getattr(self, "weights_packed", False):
-            self.pack_weights()
-        return out
-
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""
         for moe in self.moe_layers():

@@ -261,8 +261,6 @@ def cast_model(model: K3ForCausalLM, dtype: torch.dtype) -> None:
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.is_floating_point():
             p.data = p.data.to(torch.float32 if name.endswith(KEEP_FP32) else dtype)
-    if getattr(model, "projections_fused", False):  # the casts gave the tied weights new storage (model/fused.py)
-        model.fuse_projections()
 
 
 def export_state_dict(model: K3ForCausalLM) -> dict[str, torch.Tensor]:

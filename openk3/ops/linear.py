@@ -48,7 +48,7 @@ _reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _onednn 
 
 class PackedWeight:
     """oneDNN's blocked copy of one projection weight for CPU fp32 inference, held by the module that owns the weight and
-    made on first use once `enabled` (K3ForCausalLM.pack_weights).
+    made on first use once `enabled` (the serving layout enables them: serve/prepare.py).
 
     It is a cache, so every use checks it against its sources: the weight's address and shape, and the address and version
     counter of every parameter the weight is made of (a fused block's parameters are views whose writes do not show in the

@@ -9,7 +9,9 @@ chunked prefill of a 16 x 128-token packed step takes 18-25 ms with the default 
 This is what the usual advice for CPU inference with torch (preloading tcmalloc or jemalloc) buys, done from inside the
 process. It is process-wide and keeps the heap at its high-water mark, which a serving process reaches anyway.
 
-Set OPENK3_CPU_HEAP=system to leave the C library's defaults alone. Not glibc (macOS, musl): nothing to do.
+So it is a process option, never a side effect of building an engine: `openk3 serve` and `openk3 generate` apply it unless
+`--cpu-heap system` (default from OPENK3_CPU_HEAP, else keep); a program using `LLM` calls keep_heap_for_reuse() itself.
+Not glibc (macOS, musl): nothing to do.
 """
 
 from __future__ import annotations
@@ -24,10 +26,25 @@ _KEEP_BELOW = 1 << 30  # allocations below 1 GiB come from the heap, and freed o
 _KEEP_BELOW_CAPPED = 32 << 20  # the largest threshold every 64-bit glibc accepts
 
 
+HEAP_MODES = ("keep", "system")
+
+
+def default_heap_mode() -> str:
+    """The CLI's default for --cpu-heap: OPENK3_CPU_HEAP when set, else keep."""
+    return os.environ.get("OPENK3_CPU_HEAP", "keep")
+
+
 @functools.cache
 def keep_heap_for_reuse() -> bool:
     """Apply the setting once per process; True when it is in effect."""
-    return os.environ.get("OPENK3_CPU_HEAP", "keep") != "system" and _mallopt()
+    return _mallopt()
+
+
+def apply_heap_mode(mode: str) -> bool:
+    """The --cpu-heap option: "keep" applies the setting, "system" leaves the C library's defaults; True when applied."""
+    if mode not in HEAP_MODES:
+        raise ValueError(f"--cpu-heap {mode!r} is invalid: expected one of {list(HEAP_MODES)} (OPENK3_CPU_HEAP gives the default)")
+    return mode == "keep" and keep_heap_for_reuse()
 
 
 def _mallopt() -> bool:

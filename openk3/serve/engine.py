@@ -19,7 +19,6 @@ from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
-from openk3.serve.cpu_heap import keep_heap_for_reuse
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -47,10 +46,10 @@ class EngineConfig:
     cpu_offload_bytes: int = 0  # host-DRAM tier budget (0: none)
     disk_offload_dir: str | None = None
     disk_offload_bytes: int = 0  # disk tier budget (needs disk_offload_dir)
-    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; ops/linear.py PackedWeight), used
-    # above 16 rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy
-    # follows load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no
-    # version counter (an in-process trainer's).
+    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; serve/prepare.py), used above 16
+    # rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy follows
+    # load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no version
+    # counter (an in-process trainer's).
     pack_cpu_weights: bool = False
 
     def __post_init__(self) -> None:
@@ -105,18 +104,10 @@ class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
-        fuse = getattr(model, "fuse_projections", None)
-        if callable(fuse):  # one matmul per group of projections of the same input while serving (model/fused.py)
-            fuse()
         self.model_config = model.config
         self.tokenizer = tokenizer
         p = _param(model)
         self.device = p.device if p is not None else torch.device("cpu")
-        if self.device.type == "cpu":
-            keep_heap_for_reuse()  # step temporaries reuse freed memory instead of page-faulting afresh (serve/cpu_heap.py)
-            pack = getattr(model, "pack_weights", None)
-            if self.config.pack_cpu_weights and callable(pack):
-                pack()
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
         snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype).kda.bytes_per_sequence)
@@ -142,7 +133,7 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: {num_pages} pages x {cfg.page_size} tokens = {capacity}"
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device)
+        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device, pack_cpu_weights=cfg.pack_cpu_weights)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id

@@ -1,6 +1,8 @@
 """ModelRunner: applies the scheduler's diff to its own copy of the running requests, packs the step into one
 variable-length ForwardBatch (sequences end to end, no padding), runs the model under inference_mode and samples.
 
+A model that is an nn.Module gets the serving layout when the runner is built (serve/prepare.py: fused projections, and on
+CPU with pack_cpu_weights oneDNN's blocked weights); a multi-rank driver's ranks have prepared theirs at start-up.
 It keeps, per request, the tokens (it appends what it samples, so a decode step needs no token from the scheduler), the slot
 and the page list. A request samples when its computed tokens catch up with its tokens this step; only those rows get logits.
 """
@@ -16,6 +18,7 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.prepare import prepare_for_serving
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.sampling import SamplingParams
@@ -45,7 +48,9 @@ class _RunningState:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheManager, sampler: Sampler, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: CausalLM, cache: CacheManager, sampler: Sampler, device: torch.device | str = "cpu", pack_cpu_weights: bool = False) -> None:
+        if isinstance(model, torch.nn.Module):
+            prepare_for_serving(model, torch.device(device), pack_cpu_weights)
         self.model = model
         self.cache = cache
         self.sampler = sampler

@@ -12,14 +12,25 @@ import pytest
 from openk3.serve import cpu_heap
 
 
-def test_opt_out_leaves_the_c_library_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_the_process_option_touches_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building an engine leaves the C library alone; `--cpu-heap system` (or OPENK3_CPU_HEAP=system) does too."""
+    from openk3.cli import build_parser
+    from openk3.serve.engine import EngineConfig, LLMEngine
+    from openk3.serve.tokenizer import ByteTokenizer
+    from tests.serve.serve_fakes import FakeModel
+
     cpu_heap.keep_heap_for_reuse.cache_clear()
-    monkeypatch.setenv("OPENK3_CPU_HEAP", "system")
     monkeypatch.setattr(cpu_heap, "_mallopt", lambda: pytest.fail("mallopt must not be called"))
     try:
-        assert cpu_heap.keep_heap_for_reuse() is False
+        LLMEngine(FakeModel(), ByteTokenizer(256), EngineConfig(num_pages=8, page_size=4))
+        assert cpu_heap.apply_heap_mode("system") is False
+        with pytest.raises(ValueError, match="--cpu-heap 'fast' is invalid"):
+            cpu_heap.apply_heap_mode("fast")
+        monkeypatch.setenv("OPENK3_CPU_HEAP", "system")
+        for command in ("serve", "generate --prompt x"):
+            assert build_parser().parse_args(command.split()).cpu_heap == "system"
         monkeypatch.delenv("OPENK3_CPU_HEAP")
-        assert cpu_heap.keep_heap_for_reuse() is False  # decided once per process
+        assert build_parser().parse_args(["serve"]).cpu_heap == "keep"
     finally:
         cpu_heap.keep_heap_for_reuse.cache_clear()
 

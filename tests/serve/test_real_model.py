@@ -1,5 +1,7 @@
 """The engine on the real K3 model (debug preset, fp32): batching, chunking and preemption never change greedy tokens."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,6 +12,13 @@ from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 
 NEW = 8
+
+
+def packed(model) -> bool:
+    """The serving layout kept oneDNN copies of the model's projections (serve/prepare.py)."""
+    from openk3.serve.prepare import PackedLinear
+
+    return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +43,7 @@ def uncached_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def run(model, prompts, **cfg) -> list[list[int]]:
-    base = dict(num_pages=48, page_size=4, max_num_seqs=4, max_model_len=64)
+    base: dict[str, Any] = dict(num_pages=48, page_size=4, max_num_seqs=4, max_model_len=64)
     base.update(cfg)
     llm = LLM(model, ByteTokenizer(256), **base)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW))
@@ -70,19 +79,20 @@ def test_preemption_recomputes_exactly(model, prompts, separate) -> None:
 def test_llm_debug_preset_warns_and_generates() -> None:
     with pytest.warns(UserWarning, match="random weights"):
         llm = LLM("debug", num_pages=32, page_size=8, max_num_seqs=2)
-    out = llm.generate(["hi", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    prompts: list[str | list[int]] = ["hi", [1, 2, 3]]
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
     assert [len(o.token_ids) for o in out] == [4, 4] and out[0].prompt == "hi"
     # a model LLM loads itself is the engine's alone: its projections may be packed for CPU; a module passed in is not
-    assert llm.engine.config.pack_cpu_weights and llm.engine.model.weights_packed
+    assert llm.engine.config.pack_cpu_weights and packed(llm.engine.model)
 
 
 def test_cpu_weight_packing_only_for_models_the_engine_owns(monkeypatch: pytest.MonkeyPatch) -> None:
     module = K3ForCausalLM(debug())
     assert not LLM(module, ByteTokenizer(256), num_pages=32, page_size=8).engine.config.pack_cpu_weights
-    assert not getattr(module, "weights_packed", False)
-    assert LLM(module, ByteTokenizer(256), num_pages=32, page_size=8, pack_cpu_weights=True).engine.model.weights_packed
+    assert not packed(module)
+    assert packed(LLM(module, ByteTokenizer(256), num_pages=32, page_size=8, pack_cpu_weights=True).engine.model)
     with pytest.warns(UserWarning, match="random weights"):
-        assert not LLM("debug", num_pages=32, page_size=8, pack_cpu_weights=False).engine.model.__dict__.get("weights_packed", False)
+        assert not packed(LLM("debug", num_pages=32, page_size=8, pack_cpu_weights=False).engine.model)
 
     import openk3.serve.engine as engine_mod
     from openk3.api.cli import build_server
@@ -111,6 +121,6 @@ def test_packed_engine_built_and_run_under_inference_mode(monkeypatch: pytest.Mo
     with torch.inference_mode(), pytest.warns(UserWarning, match="random weights"):
         llm = LLM("debug", num_pages=32, page_size=8, max_num_seqs=2)
         out = llm.generate([list(range(10, 49))], SamplingParams(temperature=0, max_tokens=3))  # 39 rows: above the kernel's
-    assert llm.engine.model.weights_packed and len(out[0].token_ids) == 3
+    assert packed(llm.engine.model) and len(out[0].token_ids) == 3
     with pytest.raises(ValueError, match="neither a preset"):
         LLM("/no/such/model")

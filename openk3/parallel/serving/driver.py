@@ -87,12 +87,6 @@ class EPDriver:
         self._closed = False
         self._failure: str | None = None
 
-    def fuse_projections(self) -> None:
-        """The engine ties its model's projections (model/fused.py); the workers tie theirs in run_worker."""
-        fuse = getattr(self.model, "fuse_projections", None)
-        if callable(fuse):
-            fuse()
-
     def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         with self._lock:
             if self._failure is not None:
@@ -140,9 +134,6 @@ def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device |
     announces their shapes; stats (when the backend collects them) are drained and dropped, rank 0 reports them."""
     cache: CacheTensors | None = None
     steps = 0
-    fuse = getattr(model, "fuse_projections", None)
-    if callable(fuse):  # the same serving layout as rank 0's engine gives its model (model/fused.py)
-        fuse()
     while True:
         message = channel.receive(device)
         if message is None:

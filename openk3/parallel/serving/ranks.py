@@ -23,6 +23,7 @@ from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.rank_model import attach_rank_experts, engine_placements, load_rank_model
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.serve.loading import resolve_model
+from openk3.serve.prepare import prepare_for_serving
 
 ModelSource = str | Path | torch.nn.Module
 
@@ -52,9 +53,15 @@ class RankModelSpec:
 
 
 def build_rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit]:
-    """This rank's model with the expert-parallel backend attached. A checkpoint folder is read per rank (own experts
-    only); a preset without a checkpoint is built from its seed on every rank, then cut; a module is cut (rank 0 copies its
-    shard, so the caller's module keeps its experts)."""
+    """This rank's model with the expert-parallel backend attached, in the serving layout (serve/prepare.py; the same on
+    every rank). A checkpoint folder is read per rank (own experts only); a preset without a checkpoint is built from its
+    seed on every rank, then cut; a module is cut (rank 0 copies its shard, so the caller's module keeps its experts)."""
+    model, backend = _rank_model(spec, ctx)
+    prepare_for_serving(model, ctx.device)
+    return model, backend
+
+
+def _rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit]:
     source, method = spec.source, spec.method
     if isinstance(source, torch.nn.Module):
         if not isinstance(source, K3ForCausalLM):

@@ -1,5 +1,6 @@
-"""Projections of the same input stored as row blocks of one tensor, so that inference runs one matmul where the checkpoint
-has several (q|k|v|f_a|g|b in KDA, q|kv_a|g in MLA, gate|up in the MLPs), without a second copy of the weights.
+"""Weights of the same input stored as row blocks of one tensor (the serving layout of a ProjectionGroup or StackedWeights,
+serve/prepare.py), so that inference runs one matmul where the checkpoint has several (q|k|v|f_a|g|b in KDA, q|kv_a|g in
+MLA, gate|up in the MLPs) without a second copy of the weights.
 
 Why: at serving step sizes a matmul over a few rows costs more in dispatch than in arithmetic, so six small projections of
 the same input cost several times one projection of their concatenation.
@@ -8,13 +9,10 @@ the same input cost several times one projection of their concatenation.
 parameters keep their names, identities and gradients, and every in-place write -- load_state_dict, an optimizer step
 (fused or not), `.data.copy_` -- lands in the fused tensor as well: the block is no cache that could go stale. (Its
 optional oneDNN-layout copy for CPU serving, `packed`, is one; it checks the parameters' addresses and version counters on
-every use, see ops/linear.py.) `rows(params)` hands the
-fused tensor out only while autograd is off (training differentiates the parameters, not the block) and while every
-parameter still sits at its place in it; whatever gives a parameter new storage (`.to()`, cast_model, `p.data = ...`,
-`torch.func.functional_call`) makes it return None and the layer falls back to one matmul per parameter -- slower, never
-wrong -- and the block is released. The serving engine ties a model once it is loaded and placed
-(`K3ForCausalLM.fuse_projections`); a tied model re-ties the groups that a `.to()` / `.float()` / `.cuda()` or cast_model moved
-(share_memory and no-op conversions leave them tied as they are); training never ties.
+every use, see ops/linear.py.) `rows(params)` hands the fused tensor out only while autograd is off (training
+differentiates the parameters, not the block) and while every parameter still sits at its place in it; whatever gives a
+parameter new storage (`.to()`, cast_model, `p.data = ...`, `torch.func.functional_call`) makes it return None and the layer
+falls back to one matmul per parameter -- slower, never wrong -- and the block is released. prepare_for_serving ties again.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class FusedRows:
 
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickling to a spawned worker) gets its parameters as separate tensors; it starts untied rather
-        # than carry a block nothing points into. Calling fuse_projections() on it ties it again.
+        # than carry a block nothing points into. prepare_for_serving ties it again.
         return {"tensor": None, "_layout": [], "packed": self.packed}
 
     @staticmethod
@@ -69,11 +67,11 @@ class FusedRows:
         if self.tensor is None or torch.is_grad_enabled():
             return None
         if not self.intact(params):
-            self.tensor, self._layout = None, []
-            self.packed.reset()
+            self.release()
             return None
         return self.tensor
 
-    def pack_weights(self) -> None:
-        """Let the block be used in oneDNN's blocked layout on CPU (ops/linear.py PackedWeight, made on first use)."""
-        self.packed.enable()
+    def release(self) -> None:
+        """Forget the block (and its packed copy): the parameters keep whatever storage they have now."""
+        self.tensor, self._layout = None, []
+        self.packed.reset()

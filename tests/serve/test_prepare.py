@@ -1,6 +1,7 @@
-"""Fused projections (model/fused.py): the tied model computes what the untied one does (up to fp32 summation order: one
-matmul over the concatenated rows), every way of changing its weights is seen by the fused blocks (nothing to go stale),
-anything that moves a weight out falls back to the per-weight path, and tying costs no memory."""
+"""The serving layout (serve/prepare.py, serve/fused.py): the prepared model computes what the plain one does (up to fp32
+summation order: one matmul over the concatenated rows), every way of changing its weights is seen by the fused blocks
+(nothing to go stale), anything that moves a weight out falls back to the per-weight path until prepared again, tying costs
+no memory, and the model's own classes and state_dict keys are untouched."""
 
 from __future__ import annotations
 
@@ -11,34 +12,42 @@ import torch
 
 from openk3.config import debug
 from openk3.model import load_model, save_model
-from openk3.model.fused import FusedRows
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
 from openk3.model.weights import cast_model
 from openk3.ops import linear as linear_mod
-from openk3.ops.linear import PackedWeight
+from openk3.serve.prepare import FusedProjections, FusedWeights, PackedLinear, prepare_for_serving
+from tests.model.conftest import build
 
-from .conftest import build
+CPU = torch.device("cpu")
 
 TOKENS = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
 
 
+def groups(model) -> list[FusedProjections | FusedWeights]:
+    return [m for m in model.modules() if isinstance(m, (FusedProjections, FusedWeights))]
+
+
 def fused_blocks(model) -> list[torch.Tensor]:
-    return [v.tensor for m in model.modules() for v in vars(m).values() if isinstance(v, FusedRows) and v.tensor is not None]
+    return [g.block.tensor for g in groups(model) if g.block.tensor is not None]
 
 
 def all_blocks_in_use(model) -> bool:
-    """Every tied block still backs its parameters (the fast path runs), checked through the layers' own accessors."""
-    from openk3.model.kda import KimiDeltaAttention
-    from openk3.model.layers import GatedMLP
-    from openk3.model.mla import GatedMLA
-
+    """Every group was swapped for its serving form and its block still backs its parameters (the fast path runs)."""
+    if any(type(m) in (ProjectionGroup, StackedWeights) for m in model.modules()):
+        return False
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (KimiDeltaAttention, GatedMLA)):
-                if m._fused_in.rows([lin.weight for lin in m._in_linears()]) is None:
-                    return False
-            if isinstance(m, GatedMLP) and m._fused_gate_up.rows([m.gate_proj.weight, m.up_proj.weight]) is None:
+        for g in groups(model):
+            weights = [m.weight for m in g.members]
+            if g.block.rows(weights) is None:
                 return False
     return True
+
+
+def kda_layer(model) -> KimiDeltaAttention:
+    layer = model.model.decoder_layers[0].self_attn
+    assert isinstance(layer, KimiDeltaAttention)
+    return layer
 
 
 def logits(model) -> torch.Tensor:
@@ -50,8 +59,8 @@ def test_tied_model_equals_untied_and_costs_no_memory() -> None:
     plain, tied = build(debug()), build(debug())
     storages_before = {p.untyped_storage().data_ptr() for p in tied.parameters()}
     bytes_before = sum(p.numel() * p.element_size() for p in tied.parameters())
-    tied.fuse_projections()
-    assert all_blocks_in_use(tied)
+    prepare_for_serving(tied, CPU)
+    assert all_blocks_in_use(tied) and len(groups(tied)) == 4 * 2 + 2 + 3  # debug(): 4 KDA (in + conv), 2 MLA, 3 MLPs
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
     # the weights now live in fewer storages whose total size equals the parameters' bytes: no second copy
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in tied.parameters()}
@@ -62,7 +71,7 @@ def test_tied_model_equals_untied_and_costs_no_memory() -> None:
 
 def test_weight_changes_reach_the_fused_blocks() -> None:
     tied, other = build(debug()), build(debug(), seed=7)
-    tied.fuse_projections()
+    prepare_for_serving(tied, CPU)
     tied.load_state_dict(other.state_dict())
     assert all_blocks_in_use(tied)
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
@@ -79,7 +88,7 @@ def test_training_steps_on_a_tied_model(fused_adam: bool) -> None:
     """Autograd takes the per-weight path (gradients reach q_proj etc.), and the optimizer's in-place updates -- including
     the fused AdamW kernel, which bumps no version counter -- are what the next no_grad forward computes with."""
     tied, plain = build(debug()), build(debug())
-    tied.fuse_projections()
+    prepare_for_serving(tied, CPU)
     from openk3.train.kda_autograd import attach_training_kda
 
     for model in (tied, plain):
@@ -90,43 +99,48 @@ def test_training_steps_on_a_tied_model(fused_adam: bool) -> None:
             opt.zero_grad()
             model.forward_tokens(TOKENS).float().logsumexp(-1).mean().backward()
             opt.step()
-    q = tied.model.decoder_layers[0].self_attn
+    q = kda_layer(tied)
     assert q.q_proj.weight.grad is not None and q.q_proj.weight.grad.abs().sum() > 0
     assert all_blocks_in_use(tied)
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
 
 
-def test_moving_weights_out_falls_back_then_reties() -> None:
+def test_moving_weights_out_falls_back_until_prepared_again() -> None:
     tied, plain = build(debug()), build(debug())
-    tied.fuse_projections()
-    kda = tied.model.decoder_layers[0].self_attn
+    prepare_for_serving(tied, CPU)
+    kda = kda_layer(tied)
     kda.q_proj.weight.data = kda.q_proj.weight.data.clone()  # new storage: that block can no longer stand in
     assert not all_blocks_in_use(tied)
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
-    tied.double()  # .to()-style conversions tie again
+    tied.double()  # .to()-style conversions release every block at once (no dead copy kept alive) ...
     plain.double()
+    assert fused_blocks(tied) == []
+    torch.testing.assert_close(logits(tied), logits(plain), atol=1e-9, rtol=1e-9)
+    prepare_for_serving(tied, CPU)  # ... and preparing again ties them
     assert all_blocks_in_use(tied)
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-9, rtol=1e-9)
     cast_model(tied, torch.bfloat16)
     cast_model(plain, torch.bfloat16)
+    torch.testing.assert_close(logits(tied).float(), logits(plain).float(), atol=1e-2, rtol=1e-2)
+    prepare_for_serving(tied, CPU)
     assert all_blocks_in_use(tied)
     torch.testing.assert_close(logits(tied).float(), logits(plain).float(), atol=1e-2, rtol=1e-2)
 
 
 def test_copies_saves_and_inference_mode_loads(tmp_path) -> None:
     tied = build(debug())
-    tied.fuse_projections()
+    prepare_for_serving(tied, CPU)
     want = logits(tied)
     clone = copy.deepcopy(tied)  # parameters are copied one by one: the copy starts untied (no dead block) and is correct
     assert not all_blocks_in_use(clone)
     torch.testing.assert_close(logits(clone), want, atol=1e-4, rtol=1e-4)
-    clone.fuse_projections()
+    prepare_for_serving(clone, CPU)
     assert all_blocks_in_use(clone)
     torch.testing.assert_close(logits(clone), want, atol=0, rtol=0)
     save_model(tied, tmp_path / "ckpt")
     with torch.inference_mode():  # a model loaded and tied under inference mode serves
         loaded = load_model(tmp_path / "ckpt")
-        loaded.fuse_projections()
+        prepare_for_serving(loaded, CPU)
         torch.testing.assert_close(loaded.forward_tokens(TOKENS), want, atol=1e-4, rtol=1e-4)
     blocks = fused_blocks(loaded)
     assert blocks and not any(b.is_inference() for b in blocks)  # tying does not turn weights into inference tensors
@@ -134,7 +148,7 @@ def test_copies_saves_and_inference_mode_loads(tmp_path) -> None:
 
 def test_share_memory_keeps_the_blocks_and_assign_releases_them() -> None:
     tied, other = build(debug()), build(debug(), seed=5)
-    tied.fuse_projections()
+    prepare_for_serving(tied, CPU)
     blocks = fused_blocks(tied)
     tied.share_memory()  # moves the blocks' storage in place: nothing to re-tie, the weights stay shared
     assert all(p.is_shared() for p in tied.parameters()) and all_blocks_in_use(tied)
@@ -145,9 +159,9 @@ def test_share_memory_keeps_the_blocks_and_assign_releases_them() -> None:
 
 
 def packed_copies(model) -> int:
-    """How many oneDNN-layout copies (ops/linear.py PackedWeight) the model's modules and fused blocks hold now."""
-    holders = [v for m in model.modules() for v in vars(m).values() if isinstance(v, (PackedWeight, FusedRows))]
-    return sum((h.packed if isinstance(h, FusedRows) else h)._packed is not None for h in holders)
+    """How many oneDNN-layout copies (ops/linear.py PackedWeight) the model's packed linears and fused blocks hold now."""
+    holders = [m.packed for m in model.modules() if isinstance(m, PackedLinear)] + [g.block.packed for g in groups(model)]
+    return sum(h._packed is not None for h in holders)
 
 
 def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,8 +170,11 @@ def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPat
         pytest.skip("this torch build has no oneDNN weight reorder")
     monkeypatch.setattr(linear_mod, "LARGE_WEIGHT", 2**10)  # the debug model's projections are below the real threshold
     tied, other, plain = build(debug()), build(debug(), seed=7), build(debug())
-    tied.fuse_projections()
-    tied.pack_weights()
+    prepare_for_serving(tied, CPU, pack_cpu_weights=True)
+    assert tied.state_dict().keys() == plain.state_dict().keys()
+    swapped = [m for m in tied.modules() if isinstance(m, PackedLinear)]
+    members = {id(lin) for g in groups(tied) for lin in g.members}
+    assert swapped and not any(type(m) is Linear and m.bias is None and id(m) not in members for m in tied.modules())
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)  # 26 rows: above SMALL_ROWS
     assert packed_copies(tied) >= 10
     tied.load_state_dict(other.state_dict())
@@ -173,5 +190,15 @@ def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-9, rtol=1e-9)  # fp64: the plain path
     tied.float()
     other.float()
+    prepare_for_serving(tied, CPU, pack_cpu_weights=True)
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
     assert packed_copies(tied) >= 10
+
+
+def test_the_model_classes_stay_plain_and_gpu_gets_no_packed_copies() -> None:
+    model = build(debug())
+    prepare_for_serving(model, torch.device("cuda"), pack_cpu_weights=True)  # the layout is chosen for the target device
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    fresh = build(debug())
+    assert any(type(m) is ProjectionGroup for m in fresh.modules())  # building a model applies no serving layout
+    assert not any(isinstance(m, (FusedProjections, FusedWeights, PackedLinear)) for m in fresh.modules())

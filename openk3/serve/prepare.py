@@ -1,0 +1,127 @@
+"""prepare_for_serving: the serving layout of a model, applied from outside it (as torchtitan's parallelize.py does), once,
+by the runner -- the model classes stay plain single-device modules.
+
+What it does, by swapping the model's attach points for serving modules that hold the same parameters:
+- every ProjectionGroup becomes FusedProjections: its members' weights tied into one block (serve/fused.py), one matmul
+  for the group, the pieces returned as views of its output;
+- every StackedWeights becomes FusedWeights: the stacked tensor is the block itself (no concatenation per call);
+- on CPU with `pack_cpu_weights`: every fused block and every other bias-free Linear also keeps oneDNN's blocked copy of
+  its weight (ops/linear.py PackedWeight, made on first use, checked against the weights on every use), used above
+  ops/linear.KERNEL_ROWS rows. A second copy of those weights: for a model only the engine writes to.
+
+Idempotent: a second call ties again whatever a `.to()`, cast_model or `p.data = ...` moved out of its block (until then
+the group falls back to one matmul per member: slower, never wrong). Parameter names, identities and state_dict keys do
+not change; autograd always takes the per-member path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
+from openk3.ops.linear import PackedWeight, linear
+from openk3.serve.fused import FusedRows
+
+
+class FusedProjections(ProjectionGroup):
+    def __init__(self, group: ProjectionGroup) -> None:
+        super().__init__(group.members, group.pieces)
+        self.block = FusedRows()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        # The members are registered (and so converted) before this module: when .to() / .float() / .cuda() gave them new
+        # storage, drop the old block and its packed copy now rather than keep them alive until a forward notices
+        # (share_memory moves the block as a whole and keeps it). prepare_for_serving ties again.
+        out = super()._apply(fn, recurse)
+        if not self.block.intact(self._weights()):
+            self.block.release()
+        return out
+
+    def tie(self) -> None:
+        self.block.tie(self._weights())
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.members]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights = self._weights()
+        fused = self.block.rows(weights)
+        if fused is None:
+            return super().forward(x)
+        return tuple(linear(x, fused, self.block.packed, weights).split(self.widths, dim=-1))
+
+
+class FusedWeights(StackedWeights):
+    def __init__(self, stack: StackedWeights) -> None:
+        super().__init__(stack.members)
+        self.block = FusedRows()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # as FusedProjections
+        out = super()._apply(fn, recurse)
+        if not self.block.intact(self.weights()):
+            self.block.release()
+        return out
+
+    def tie(self) -> None:
+        self.block.tie(self.weights())
+
+    def forward(self) -> torch.Tensor:
+        fused = self.block.rows(self.weights())
+        return fused if fused is not None else super().forward()
+
+
+class PackedLinear(Linear):
+    """A bias-free Linear that also keeps oneDNN's blocked copy of its weight for CPU serving (ops/linear.py)."""
+
+    packed: PackedWeight
+
+    @classmethod
+    def from_linear(cls, source: Linear) -> PackedLinear:
+        """The same parameter (not a copy) under the same name, with an enabled PackedWeight."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = source.in_features, source.out_features
+        new.weight = source.weight
+        new.register_parameter("bias", None)
+        new.packed = PackedWeight()
+        new.packed.enable()
+        new.train(source.training)
+        return new
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # the copy of the old weight goes with it
+        out = super()._apply(fn, recurse)
+        self.packed.reset()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed)
+
+
+def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            yield parent, name, child
+
+
+def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False) -> None:
+    """Apply the serving layout to `model` in place (module docstring)."""
+    for parent, name, child in _children(model):
+        if type(child) is ProjectionGroup:
+            setattr(parent, name, FusedProjections(child))
+        elif type(child) is StackedWeights:
+            setattr(parent, name, FusedWeights(child))
+    groups = [m for m in model.modules() if isinstance(m, (FusedProjections, FusedWeights))]
+    for g in groups:
+        g.tie()
+    if not pack_cpu_weights or device.type != "cpu":
+        return
+    in_groups = {id(member) for g in groups for member in g.members}
+    for g in groups:
+        if isinstance(g, FusedProjections) and not g.block.packed.enabled:
+            g.block.packed.enable()
+    for parent, name, child in _children(model):
+        if type(child) is Linear and child.bias is None and id(child) not in in_groups:
+            setattr(parent, name, PackedLinear.from_linear(child))

@@ -1,25 +1,33 @@
 """LLM: the offline API -- build or load a model, generate for a list of prompts, get texts, token ids, finish reasons, timings.
 
-`model` is what serve/loading.py resolves (a preset name or a checkpoint folder) or an already built module with a
-`.config`. On CPU a model loaded here
-keeps its large projections also in oneDNN's blocked layout (EngineConfig.pack_cpu_weights, a second copy of them); a module
-passed in is left as it is, since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
+`LLM(model, tokenizer=None, **overrides)`: `model` is what serve/loading.py resolves (a preset name or a checkpoint folder)
+or an already built module with a `.config`; `overrides` are EngineConfig's and ParallelConfig's settings by name
+(`max_num_seqs=8`, `dtype=torch.bfloat16`, `enable_prefix_caching=True`, `ep=2`, ...), checked as `openk3 serve` checks its
+flags; `config=` / `parallel=` take whole config objects, which overrides then amend. On CPU a model loaded here keeps its
+large projections also in oneDNN's blocked layout (pack_cpu_weights, a second copy of them); a module passed in is not,
+since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
 
 `ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
-other experts (openk3.parallel.serving.local; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the
-process group. Prefix caching is refused with ep > 1.
+other experts (openk3.parallel.serving.local; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and
+leave the process group. Prefix caching is refused with ep > 1.
+
+The C heap setting of `openk3 serve` (serve/cpu_heap.py) is a process option: call keep_heap_for_reuse() for the same here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
-from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.options import split_overrides
+from openk3.parallel.config import ParallelConfig
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine
 from openk3.serve.loading import build_model, model_tokenizer
 from openk3.serve.output import OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.runner import CausalLM
@@ -35,69 +43,34 @@ class LLM:
         model: str | Path | torch.nn.Module = "tiny",
         tokenizer: Tokenizer | None = None,
         *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_token_threshold: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        cache_memory_bytes: int = 256 * 2**20,
-        enable_prefix_caching: bool = False,
-        prefix_match_unit: int = 64,
-        prefix_snapshot_interval: int | None = None,
-        num_snapshot_slots: int | None = None,
-        cpu_offload_bytes: int = 0,
-        disk_offload_dir: str | None = None,
-        disk_offload_bytes: int = 0,
-        ep: int = 1,
-        ep_method: str = "moonep",
-        ep_threads: int = 1,
-        pack_cpu_weights: bool | None = None,
+        config: EngineConfig | None = None,
+        parallel: ParallelConfig | None = None,
+        **overrides: Any,
     ) -> None:
+        engine_overrides, parallel_overrides = split_overrides(overrides, EngineConfig, ParallelConfig)
+        config = dataclasses.replace(config or EngineConfig(), **engine_overrides)
+        parallel = dataclasses.replace(parallel or ParallelConfig(), **parallel_overrides)
+        parallel.check_engine(config)
+        if config.pack_cpu_weights is None:  # by default only a model loaded here, which nothing else can write to
+            config = dataclasses.replace(config, pack_cpu_weights=not isinstance(model, torch.nn.Module))
         net: CausalLM
         self._ep = None
-        if ep != 1:
+        if parallel.ep != 1:
             from openk3.parallel.serving.local import LocalEP
-            from openk3.parallel.serving.ranks import EPConfig
 
-            ep_config = EPConfig(ep, ep_method)
-            if enable_prefix_caching:
-                raise ValueError(f"enable_prefix_caching=True with ep={ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
             if isinstance(model, torch.nn.Module):
                 tok = tokenizer or ByteTokenizer(max(256, cast(CausalLM, model).config.vocab_size))
             else:
-                tok = tokenizer or model_tokenizer(model, seed)
-            self._ep = LocalEP(model, ep_config, dtype, device, seed, ep_threads)
+                tok = tokenizer or model_tokenizer(model, config.seed)
+            self._ep = LocalEP(model, parallel, config.torch_dtype, config.device, config.seed)
             assert self._ep.driver is not None  # set once LocalEP is up
             net = self._ep.driver
         elif isinstance(model, torch.nn.Module):
             net = cast(CausalLM, model)  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
-            net, tok = build_model(model, dtype, device, seed)
+            net, tok = build_model(model, config.torch_dtype, config.device, config.seed)
             tok = tokenizer or tok
-        config = EngineConfig(
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            page_size=page_size,
-            num_pages=num_pages,
-            cache_memory_bytes=cache_memory_bytes,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_match_unit=prefix_match_unit,
-            prefix_snapshot_interval=prefix_snapshot_interval,
-            num_snapshot_slots=num_snapshot_slots,
-            cpu_offload_bytes=cpu_offload_bytes,
-            disk_offload_dir=disk_offload_dir,
-            disk_offload_bytes=disk_offload_bytes,
-            # by default only a model loaded here, which nothing else can write to
-            pack_cpu_weights=not isinstance(model, torch.nn.Module) if pack_cpu_weights is None else pack_cpu_weights,
-        )
         try:
             self.engine = LLMEngine(net, tok, config)
         except BaseException:

@@ -16,16 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "openk3"
 
 # owner (first path component under openk3/, a package or a top-level module) -> the openk3 owners it may import
 ALLOWED = {
-    "config": set(),
-    "ops": {"config"},
-    "model": {"config", "ops"},
-    "serve": {"config", "ops", "model"},
-    "parallel": {"config", "ops", "model", "serve"},
-    "train": {"config", "ops", "model"},
-    "llm": {"config", "model", "serve", "parallel"},
-    "api": {"config", "ops", "model", "serve", "parallel", "llm"},
-    "planner": {"config"},
-    "sandbox": set(),
+    "checks": set(),  # the shared validation helpers (standard library only)
+    "options": {"checks"},  # settings dataclasses that build their own flags
+    "config": {"checks"},
+    "ops": {"config", "checks"},
+    "model": {"config", "ops", "checks"},
+    "serve": {"config", "ops", "model", "checks", "options"},
+    "parallel": {"config", "ops", "model", "serve", "checks", "options"},
+    "train": {"config", "ops", "model", "checks"},
+    "llm": {"config", "model", "serve", "parallel", "options"},
+    "api": {"config", "ops", "model", "serve", "parallel", "llm", "checks", "options"},
+    "planner": {"config", "checks"},
+    "sandbox": {"checks"},
     "cli": set(),  # finds each package's `cli` module by name (importlib), so `openk3 plan` never loads torch
     "__init__": set(),  # resolves LLM and SamplingParams lazily by name, for the same reason
     "__main__": {"cli"},

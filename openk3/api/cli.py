@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openk3.api.engine_args import add_prefix_cache_arguments, add_process_arguments, prefix_cache_options
+from openk3.api.engine_args import add_engine_arguments, add_process_arguments, engine_configs
 
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
 
+    from openk3.parallel.config import ParallelConfig
     from openk3.parallel.group import ParallelContext
     from openk3.parallel.serving.ranks import RankModelSpec
+    from openk3.serve.config import EngineConfig
     from openk3.serve.runner import CausalLM
     from openk3.serve.tokenizer import Tokenizer
 
@@ -27,29 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 (env OPENK3_API_KEY)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens (default: what the model and cache allow)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch (= KDA state slots)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=None, help="prefill chunk size per request and step")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per MLA cache page")
-    p.add_argument("--cache-memory-mb", type=int, default=256, help="memory for MLA pages and KDA state slots")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights and of unseeded sampling")
-    p.add_argument(
-        "--no-cpu-weight-packing",
-        action="store_true",
-        help="on CPU, do not keep a second copy of the large projections in oneDNN's blocked layout (saves their memory, slower above 16 rows)",
-    )
-    add_prefix_cache_arguments(p)
+    add_engine_arguments(p)
     add_process_arguments(p)
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks; start with torchrun --nproc-per-node N (rank 0 serves HTTP)")
-    p.add_argument("--ep-method", choices=("moonep", "ep", "eplb"), default="moonep", help="how experts and tokens are spread (docs/ep.md)")
     p.set_defaults(func=run)
 
     b = subparsers.add_parser("bench", help="benchmarks")
@@ -61,18 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bs.set_defaults(func=run_cli)
 
 
-def check_expert_parallel(args: argparse.Namespace) -> None:
-    """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
-    from openk3.parallel.serving.ranks import EPConfig
-
-    EPConfig(args.ep, args.ep_method)
-    if args.ep > 1 and args.enable_prefix_caching:
-        raise ValueError(f"--enable-prefix-caching with --ep {args.ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
-    if args.ep > 1 and str(args.device).startswith("cuda:"):
-        # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
-        raise ValueError(f"--device {args.device} with --ep {args.ep}: rank r uses GPU r, so name no device index (--device cuda)")
-
-
 def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, spec: RankModelSpec | None = None) -> FastAPI:
     """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py).
 
@@ -82,6 +57,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
 
     from openk3.serve.loading import build_model, model_tokenizer
 
+    config, _ = server_configs(args)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     if ctx is not None:
@@ -91,41 +67,36 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
             raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
         driver, _ = start_driver(ctx, spec)
         try:
-            app = _app(args, driver, model_tokenizer(args.model, args.seed))
+            app = _app(args, config, driver, model_tokenizer(args.model, config.seed))
         except BaseException:
             driver.close()
             raise
         app.state.ep_driver = driver
         app.state.metrics.attach_ep(driver.totals)
         return app
-    model, tokenizer = build_model(args.model, getattr(torch, args.dtype), args.device, args.seed)
-    return _app(args, model, tokenizer)
+    model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed)
+    return _app(args, config, model, tokenizer)
 
 
-def _app(args: argparse.Namespace, model: CausalLM, tokenizer: Tokenizer) -> FastAPI:
+def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
+    """The engine and parallel settings of parsed `serve` flags. The server owns its model, so on CPU its projections are
+    packed unless --no-cpu-weight-packing."""
+    engine, parallel = engine_configs(args)
+    if engine.pack_cpu_weights is None:
+        engine = dataclasses.replace(engine, pack_cpu_weights=True)
+    return engine, parallel
+
+
+def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> FastAPI:
     from openk3.api.chat import generation_stop_ids, load_chat_template
     from openk3.api.server import ServerConfig, create_app
-    from openk3.serve.engine import EngineConfig, LLMEngine
+    from openk3.serve.engine import LLMEngine
     from openk3.serve.loading import ASSETS
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
     template = load_chat_template(folder, args.chat_template)
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        EngineConfig(
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            page_size=args.page_size,
-            cache_memory_bytes=args.cache_memory_mb * 2**20,
-            seed=args.seed,
-            pack_cpu_weights=not args.no_cpu_weight_packing,  # the server's own model: nothing else writes its weights
-            **prefix_cache_options(args),
-        ),
-    )
+    engine = LLMEngine(model, tokenizer, engine_config)
     config = ServerConfig(
         model_name=args.served_model_name or str(args.model),
         model_root=str(args.model),
@@ -142,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_expert_parallel(args)
+        _, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
     from openk3.serve.cpu_heap import apply_heap_mode
 
     apply_heap_mode(args.cpu_heap)  # the process's own setting, on every rank (serve/cpu_heap.py)
-    if args.ep > 1:
+    if parallel.ep > 1:
         return run_expert_parallel(args)
     try:
         app = build_server(args)
@@ -163,13 +134,12 @@ def run(args: argparse.Namespace) -> int:
 def run_expert_parallel(args: argparse.Namespace) -> int:
     """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N` (openk3.parallel.serving.torchrun): rank 0 serves
     HTTP and drives, the others follow."""
-    import torch
-
     from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.parallel.serving.torchrun import serve_ranks
 
-    spec = RankModelSpec(args.model, args.ep_method, getattr(torch, args.dtype), args.seed, collect_stats=True)
-    return serve_ranks(args.ep, args.device, spec, lambda ctx: _serve_rank0(args, ctx, spec), "openk3 serve", args.torch_threads)
+    engine, parallel = server_configs(args)
+    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True)
+    return serve_ranks(parallel.ep, engine.device, spec, lambda ctx: _serve_rank0(args, ctx, spec), "openk3 serve", args.torch_threads)
 
 
 def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from openk3.api.engine_args import add_prefix_cache_arguments, add_process_arguments, prefix_cache_options
+from openk3.api.engine_args import add_engine_arguments, add_process_arguments, engine_configs
 from openk3.serve.sampling import SamplingParams
 
 
@@ -18,28 +18,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (the engine's own seed stays 0)")
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, timings)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, spawned here (this process drives; docs/ep.md)")
-    p.add_argument("--ep-method", choices=("moonep", "ep", "eplb"), default="moonep")
-    add_prefix_cache_arguments(p)
+    add_engine_arguments(p, exclude=("seed",))
     add_process_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from openk3.llm import LLM
     from openk3.serve.cpu_heap import apply_heap_mode
 
     apply_heap_mode(args.cpu_heap)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-        llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, ep=args.ep, ep_method=args.ep_method, **prefix_cache_options(args))
+        config, parallel = engine_configs(args)
+        llm = LLM(args.model, config=config, parallel=parallel)
         try:
             outputs = llm.generate(args.prompt, params)
         finally:

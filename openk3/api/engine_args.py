@@ -1,28 +1,32 @@
-"""Engine flags shared by `openk3 serve` and `openk3 generate`: prefix caching and its tiers (docs/serving.md)."""
+"""Flags shared by `openk3 serve` and `openk3 generate`: every EngineConfig and ParallelConfig setting (built from their
+declarations, openk3/options.py), and the process-wide settings of a serving process."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from openk3.options import add_arguments, from_args
 
 
-def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
-    """Prefix caching and its tiers (docs/serving.md, "Prefix caching and tiers"); shared with `openk3 serve`."""
-    p.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prefixes (MLA pages + KDA state snapshots)")
-    p.add_argument("--prefix-match-unit", type=int, default=64, help="tokens; prefill chunks are cut and states snapshotted at its multiples")
-    p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="host-DRAM tier for evicted prefixes (GiB; 0: none)")
-    p.add_argument("--disk-offload-dir", default=None, help="directory of the disk tier (a private subfolder is made and removed)")
-    p.add_argument("--disk-offload-gb", type=float, default=0.0, help="disk tier budget (GiB; needs --disk-offload-dir)")
+def add_engine_arguments(p: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
+    from openk3.parallel.config import ParallelConfig
+    from openk3.serve.config import EngineConfig
+
+    add_arguments(p, EngineConfig, exclude)
+    add_arguments(p, ParallelConfig, exclude)
 
 
-def prefix_cache_options(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the prefix-cache flags."""
-    return {
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "prefix_match_unit": args.prefix_match_unit,
-        "cpu_offload_bytes": int(args.cpu_offload_gb * 2**30),
-        "disk_offload_dir": args.disk_offload_dir,
-        "disk_offload_bytes": int(args.disk_offload_gb * 2**30),
-    }
+def engine_configs(args: argparse.Namespace, **fixed: Any) -> tuple[Any, Any]:
+    """(EngineConfig, ParallelConfig) from parsed flags; `fixed` sets EngineConfig fields the command decides itself."""
+    from openk3.parallel.config import ParallelConfig
+    from openk3.serve.config import EngineConfig
+
+    engine = from_args(EngineConfig, args, **fixed)
+    parallel = from_args(ParallelConfig, args)
+    parallel.check_engine(engine)
+    return engine, parallel
 
 
 def add_process_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,8 +10,28 @@ Engines and trainers need two calls: `init_from_env()` (under torchrun) for a Pa
 `attach_expert_parallel(model, ctx, method, replicated_tokens=...)`.
 """
 
-from openk3.parallel.ep.backend import EPMethod, TokenSplit, attach_expert_parallel, build_backend
-from openk3.parallel.group import ParallelContext
-from openk3.parallel.launch import init_from_env, run_ranks
+from __future__ import annotations
 
-__all__ = ["EPMethod", "ParallelContext", "TokenSplit", "attach_expert_parallel", "build_backend", "init_from_env", "run_ranks"]
+import importlib
+from typing import Any
+
+# resolved lazily, so that openk3.parallel.config (the settings the CLI builds its flags from) imports without torch
+_LAZY = {
+    "EPMethod": "openk3.parallel.config",
+    "ParallelConfig": "openk3.parallel.config",
+    "ParallelContext": "openk3.parallel.group",
+    "TokenSplit": "openk3.parallel.ep.backend",
+    "attach_expert_parallel": "openk3.parallel.ep.backend",
+    "build_backend": "openk3.parallel.ep.backend",
+    "init_from_env": "openk3.parallel.launch",
+    "run_ranks": "openk3.parallel.launch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'openk3.parallel' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -19,67 +19,13 @@ from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
+from openk3.serve.config import EngineConfig
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.scheduler import Scheduler
 from openk3.serve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by what the cache holds
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int | None = None
-    page_size: int = 16
-    num_pages: int | None = None  # None: as many as fit in cache_memory_bytes
-    cache_memory_bytes: int = 256 * 2**20
-    cache_dtype: torch.dtype | None = None  # None: the model's parameter dtype
-    seed: int = 0  # of the generator shared by unseeded requests
-    check_integrity_when_idle: bool = True
-    enable_prefix_caching: bool = False
-    prefix_match_unit: int = 64  # tokens; prefill chunks are cut (and states snapshotted) at its multiples
-    prefix_snapshot_interval: int | None = None  # also snapshot every this many prompt tokens
-    num_snapshot_slots: int | None = None  # None: see snapshot_slots; paid from cache_memory_bytes like the pages
-    cpu_offload_bytes: int = 0  # host-DRAM tier budget (0: none)
-    disk_offload_dir: str | None = None
-    disk_offload_bytes: int = 0  # disk tier budget (needs disk_offload_dir)
-    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; serve/prepare.py), used above 16
-    # rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy follows
-    # load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no version
-    # counter (an in-process trainer's).
-    pack_cpu_weights: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("prefix_match_unit",):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an integer >= 1")
-        for name in ("cpu_offload_bytes", "disk_offload_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an integer >= 0")
-        if self.disk_offload_bytes > 0 and self.disk_offload_dir is None:
-            raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
-        if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
-            raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
-
-    def snapshot_slots(self, state_bytes: int) -> int:
-        """State slots kept for prefix snapshots. By default a quarter of cache_memory_bytes (at least max_num_seqs): snapshots
-        and pages share the one budget, and a fixed share keeps dense snapshots from starving the pages."""
-        if not self.enable_prefix_caching:
-            return 0
-        if self.num_snapshot_slots is not None:
-            return self.num_snapshot_slots
-        if self.num_pages is not None or state_bytes == 0:
-            return self.max_num_seqs
-        return max(self.max_num_seqs, self.cache_memory_bytes // 4 // state_bytes)
-
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
 
 
 @dataclass(frozen=True)
@@ -133,7 +79,7 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: {num_pages} pages x {cfg.page_size} tokens = {capacity}"
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device, pack_cpu_weights=cfg.pack_cpu_weights)
+        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id

@@ -14,7 +14,8 @@ from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput
-from openk3.parallel.ep.backend import EPBackend, EPMethod, attach_expert_parallel
+from openk3.parallel.config import EPMethod
+from openk3.parallel.ep.backend import EPBackend, attach_expert_parallel
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
 from openk3.parallel.ep.placement import LoadCollector, eplb_placement
 from openk3.parallel.ep.static_backend import ExpertParallelBackend, gather_placements

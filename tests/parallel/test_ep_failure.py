@@ -6,7 +6,6 @@ tear the group down; these tests bound how long that takes and check that no wor
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 import warnings
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from openk3.api.cli import check_expert_parallel
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
@@ -178,7 +176,12 @@ def test_ep_refuses_early() -> None:
     with warnings.catch_warnings(), pytest.raises(ValueError, match=r"device='cuda:0' with ep=2: .*name no index"):
         warnings.simplefilter("ignore")
         LLM("debug", ep=2, device="cuda:0")
-    args = argparse.Namespace(ep=2, ep_method="ep", enable_prefix_caching=False, device="cuda:1")
-    with pytest.raises(ValueError, match="--device cuda:1 with --ep 2"):
-        check_expert_parallel(args)
-    check_expert_parallel(argparse.Namespace(ep=1, ep_method="ep", enable_prefix_caching=False, device="cuda:1"))
+    from openk3.api.cli import server_configs
+    from openk3.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--ep", "2", "--ep-method", "ep", "--device", "cuda:1"])
+    with pytest.raises(ValueError, match="device='cuda:1' with ep=2: .*name no index"):  # the same check as LLM's, before any rank starts
+        server_configs(args)
+    server_configs(build_parser().parse_args(["serve", "--ep", "1", "--device", "cuda:1"]))
+    with pytest.raises(ValueError, match="enable_prefix_caching=True with ep=2"):
+        LLM("debug", ep=2, enable_prefix_caching=True)

@@ -41,13 +41,14 @@ def test_tier_metrics_follow_the_engine() -> None:
 
 
 def test_cli_flags_reach_engine_config() -> None:
-    from openk3.api.engine_args import prefix_cache_options
+    from openk3.api.engine_args import engine_configs
     from openk3.cli import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--enable-prefix-caching", "--prefix-match-unit", "32", "--cpu-offload-gb", "0.5", "--disk-offload-dir", "/tmp/x", "--disk-offload-gb", "2"]
     )
-    cfg = EngineConfig(**prefix_cache_options(args))
+    cfg, _ = engine_configs(args)
+    assert isinstance(cfg, EngineConfig)
     assert (cfg.enable_prefix_caching, cfg.prefix_match_unit, cfg.cpu_offload_bytes, cfg.disk_offload_dir, cfg.disk_offload_bytes) == (
         True,
         32,

@@ -13,25 +13,18 @@ Either way every rank must run the same number of forward passes per step (an id
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum
 
 import torch
 
 from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import LatentMoE
 from openk3.ops.moe.router import RouterOutput
+from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
 from openk3.parallel.ep.placement import LoadCollector, Placement
 from openk3.parallel.ep.static_backend import ExpertParallelBackend
 from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.group import ParallelContext
-
-
-class EPMethod(str, Enum):
-    EP = "ep"  # contiguous experts, no balancing
-    EPLB = "eplb"  # static placement with replicas (needs placements)
-    MOONEP = "moonep"  # per-step balanced plan with expert prefetch
-
 
 EPBackend = ExpertParallelBackend | MoonEPBackend
 

@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from openk3.model.model import K3ForCausalLM
+from openk3.parallel.config import ParallelConfig
 from openk3.parallel.launch import free_port, join_group, rank_device
 from openk3.parallel.serving.driver import EPDriver
-from openk3.parallel.serving.ranks import EPConfig, ModelSource, RankModelSpec, run_worker_rank, start_driver
+from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_worker_rank, start_driver
 from openk3.serve.loading import resolve_model
 
 # Start-up and per-collective limit of the group LocalEP creates: a worker that died is reported, not waited for forever.
@@ -39,7 +40,7 @@ def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: 
 class LocalEP:
     """Rank 0 in the caller's process, ranks 1..N-1 spawned here; `driver` is the model the caller's engine runs."""
 
-    def __init__(self, source: ModelSource, config: EPConfig, dtype: torch.dtype, device: torch.device | str, seed: int, threads: int = 1) -> None:
+    def __init__(self, source: ModelSource, config: ParallelConfig, dtype: torch.dtype, device: torch.device | str, seed: int) -> None:
         if dist.is_initialized():
             raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
         if isinstance(source, torch.nn.Module) and not isinstance(source, K3ForCausalLM):
@@ -48,15 +49,15 @@ class LocalEP:
             resolve_model(source)  # a bad name fails here, before any rank starts
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:
-            raise ValueError(f"device={str(device)!r} with ep={config.size}: rank r takes GPU r, so name no index (device='cuda')")
-        if dev.type == "cuda" and torch.cuda.device_count() < config.size:
-            raise ValueError(f"ep={config.size} needs one GPU per rank, {torch.cuda.device_count()} visible")
+            raise ValueError(f"device={str(device)!r} with ep={config.ep}: rank r takes GPU r, so name no index (device='cuda')")
+        if dev.type == "cuda" and torch.cuda.device_count() < config.ep:
+            raise ValueError(f"ep={config.ep} needs one GPU per rank, {torch.cuda.device_count()} visible")
         port = free_port()
-        spec = RankModelSpec(source, config.method, dtype, seed, collect_stats=False)
+        spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False)
         spawn = mp.get_context("spawn")
         self.workers = [
-            spawn.Process(target=_local_worker, args=(r, config.size, port, spec, dev.type, threads), daemon=True, name=f"openk3-ep{r}")
-            for r in range(1, config.size)
+            spawn.Process(target=_local_worker, args=(r, config.ep, port, spec, dev.type, config.ep_threads), daemon=True, name=f"openk3-ep{r}")
+            for r in range(1, config.ep)
         ]
         self.module = source if isinstance(source, torch.nn.Module) else None
         self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
@@ -64,7 +65,7 @@ class LocalEP:
         try:
             for w in self.workers:
                 w.start()
-            ctx = join_group(0, config.size, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), GROUP_TIMEOUT)
+            ctx = join_group(0, config.ep, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), GROUP_TIMEOUT)
             self.driver, self.backend = start_driver(ctx, spec)
         except BaseException:
             self._teardown(JOIN_TIMEOUT_S)

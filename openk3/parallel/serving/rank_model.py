@@ -28,7 +28,8 @@ from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts, PackedExperts
 from openk3.model.weights import load_model
 from openk3.ops.moe.bank import DenseExpertBank
-from openk3.parallel.ep.backend import EPMethod, TokenSplit
+from openk3.parallel.config import EPMethod
+from openk3.parallel.ep.backend import TokenSplit
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
 from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_placement, redundant_for
 from openk3.parallel.ep.shard import ExpertShard

@@ -17,7 +17,7 @@ import torch
 
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
-from openk3.parallel.ep.backend import EPMethod, TokenSplit
+from openk3.parallel.ep.backend import TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.rank_model import attach_rank_experts, engine_placements, load_rank_model
@@ -26,19 +26,6 @@ from openk3.serve.loading import resolve_model
 from openk3.serve.prepare import prepare_for_serving
 
 ModelSource = str | Path | torch.nn.Module
-
-
-@dataclass(frozen=True)
-class EPConfig:
-    size: int
-    method: str = EPMethod.MOONEP.value
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"ep={self.size!r} is invalid: expected an integer >= 1 (ranks to spread the experts over)")
-        methods = [m.value for m in EPMethod]
-        if self.method not in methods:
-            raise ValueError(f"ep_method={self.method!r} is invalid: expected one of {methods}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""ParallelConfig: how many ranks a model is spread over and how, declared once for `LLM(**overrides)` and `openk3 serve`
+(flags built from the declarations, openk3/options.py), and the checks that concern an engine's settings together with it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from openk3.options import check_settings, setting
+from openk3.serve.config import EngineConfig
+
+
+class EPMethod(str, enum.Enum):
+    EP = "ep"  # contiguous experts, no balancing
+    EPLB = "eplb"  # static placement with replicas (needs placements)
+    MOONEP = "moonep"  # per-step balanced plan with expert prefetch
+
+
+EP_METHODS = tuple(m.value for m in EPMethod)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
+    ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
+    ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def check_engine(self, engine: EngineConfig) -> None:
+        """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
+        if self.ep > 1 and engine.enable_prefix_caching:
+            raise ValueError(f"enable_prefix_caching=True with ep={self.ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
+        if self.ep > 1 and engine.device.startswith("cuda:"):
+            # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
+            raise ValueError(f"device={engine.device!r} with ep={self.ep}: rank r takes GPU r, so name no index (device='cuda')")

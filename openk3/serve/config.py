@@ -1,0 +1,99 @@
+"""EngineConfig: every setting of a serving engine, declared once. `LLM(model, **overrides)`, `openk3 serve` and
+`openk3 generate` all read it: the flags are built from the declarations (openk3/options.py), and a value is checked the same
+way whichever of them it came through.
+
+The model's own placement (dtype, device, seed of a preset's random weights) is here too, for the entry points that build
+the model; an engine given a built model takes its dtype and device from the model's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from openk3.options import check_settings, setting
+
+if TYPE_CHECKING:  # torch is imported lazily: the CLI builds every command's flags from this class without loading it
+    import torch
+
+    from openk3.serve.scheduler import SchedulerConfig
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # the model, for the entry points that build it
+    dtype: str = setting("float32", "dtype of the weights (a torch.dtype is accepted too)", choices=DTYPES)
+    device: str = setting("cpu", "device of the model and the cache (cpu, cuda, cuda:N)")
+    seed: int = setting(0, "seed of a preset's random weights and of the generator shared by unseeded requests")
+    # scheduler and cache
+    max_model_len: int | None = setting(None, "longest prompt + completion in tokens (default: what the model and cache allow)", low=1)
+    max_num_seqs: int = setting(64, "most requests in the running batch (= KDA state slots)", low=1)
+    max_num_batched_tokens: int = setting(2048, "token budget of one engine step", low=1)
+    long_prefill_token_threshold: int | None = setting(None, "prefill chunk size per request and step (default: the step budget)", low=1)
+    page_size: int = setting(16, "tokens per MLA cache page", low=1)
+    num_pages: int | None = setting(None, "MLA cache pages (default: as many as fit in the cache memory)", low=1)
+    cache_memory_bytes: int = setting(256 * 2**20, "memory for MLA pages and KDA state slots", low=1, unit="MiB", flag="--cache-memory-mb")
+    cache_dtype: torch.dtype | None = field(default=None)  # None: the model's parameter dtype
+    # prefix caching and its tiers (docs/serving.md)
+    enable_prefix_caching: bool = setting(False, "reuse cached prefixes (MLA pages + KDA state snapshots)")
+    prefix_match_unit: int = setting(64, "tokens; prefill chunks are cut and states snapshotted at its multiples", low=1)
+    prefix_snapshot_interval: int | None = setting(None, "also snapshot every this many prompt tokens (dense, costs slots)", low=1)
+    num_snapshot_slots: int | None = setting(None, "state slots kept for prefix snapshots (default: a quarter of the cache memory)", low=0)
+    cpu_offload_bytes: int = setting(0, "host-DRAM tier for evicted prefixes (0: none)", low=0, unit="GiB", flag="--cpu-offload-gb")
+    disk_offload_dir: str | None = setting(None, "directory of the disk tier (a private subfolder is made and removed)")
+    disk_offload_bytes: int = setting(0, "disk tier budget (needs --disk-offload-dir)", low=0, unit="GiB", flag="--disk-offload-gb")
+    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; serve/prepare.py), used above 16
+    # rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy follows
+    # load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no version
+    # counter (an in-process trainer's). None: only for a model the entry point loads itself.
+    pack_cpu_weights: bool | None = setting(
+        None, "on CPU, also keep the large projections in oneDNN's blocked layout (faster above 16 rows, a second copy of them)", flag="--cpu-weight-packing"
+    )
+    check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
+
+    def __post_init__(self) -> None:
+        dtype, device = _names(self.dtype, self.device)  # LLM(dtype=torch.bfloat16) as well as "bfloat16"
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "device", device)
+        check_settings(self)
+        if self.disk_offload_bytes > 0 and self.disk_offload_dir is None:
+            raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
+        if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def snapshot_slots(self, state_bytes: int) -> int:
+        """State slots kept for prefix snapshots. By default a quarter of cache_memory_bytes (at least max_num_seqs): snapshots
+        and pages share the one budget, and a fixed share keeps dense snapshots from starving the pages."""
+        if not self.enable_prefix_caching:
+            return 0
+        if self.num_snapshot_slots is not None:
+            return self.num_snapshot_slots
+        if self.num_pages is not None or state_bytes == 0:
+            return self.max_num_seqs
+        return max(self.max_num_seqs, self.cache_memory_bytes // 4 // state_bytes)
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        from openk3.serve.scheduler import SchedulerConfig
+
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+
+
+def _names(dtype: Any, device: Any) -> tuple[Any, Any]:
+    """torch.dtype / torch.device values as the names the settings hold; anything else as given (check_settings judges it)."""
+    if "torch" in type(dtype).__module__ or "torch" in type(device).__module__:
+        import torch
+
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        if isinstance(device, torch.device):
+            device = str(device)
+    return dtype, device

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from openk3.checks import check_int, fail
+
 
 class LayerKind(str, enum.Enum):
     KDA = "kda"
@@ -28,15 +30,6 @@ class Activation(str, enum.Enum):
     SITU = "situ"
 
 
-def _fail(field_name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"ModelConfig.{field_name}={value!r} is invalid: expected {allowed}")
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        _fail(name, value, "a positive integer")
-
-
 @dataclass(frozen=True)
 class KDAConfig:
     num_heads: int
@@ -47,13 +40,13 @@ class KDAConfig:
     full_rank_output_gate: bool = False
 
     def __post_init__(self) -> None:
-        _positive("kda.num_heads", self.num_heads)
-        _positive("kda.head_dim", self.head_dim)
-        _positive("kda.conv_kernel", self.conv_kernel)
+        check_int("ModelConfig", "kda.num_heads", self.num_heads, low=1)
+        check_int("ModelConfig", "kda.head_dim", self.head_dim, low=1)
+        check_int("ModelConfig", "kda.conv_kernel", self.conv_kernel, low=1)
         if self.gate == KDAGate.LOWER_BOUND and (self.gate_lower_bound is None or self.gate_lower_bound >= 0):
-            _fail("kda.gate_lower_bound", self.gate_lower_bound, "a negative float when gate='lower_bound'")
+            fail("ModelConfig", "kda.gate_lower_bound", self.gate_lower_bound, "a negative float when gate='lower_bound'")
         if self.gate == KDAGate.SOFTPLUS and self.gate_lower_bound is not None:
-            _fail("kda.gate_lower_bound", self.gate_lower_bound, "None when gate='softplus' (the bound belongs to the K3 gate)")
+            fail("ModelConfig", "kda.gate_lower_bound", self.gate_lower_bound, "None when gate='softplus' (the bound belongs to the K3 gate)")
 
     @property
     def proj_dim(self) -> int:
@@ -72,9 +65,9 @@ class MLAConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _positive(f"mla.{name}", getattr(self, name))
+            check_int("ModelConfig", f"mla.{name}", getattr(self, name), low=1)
         if self.q_lora_rank is not None:
-            _positive("mla.q_lora_rank", self.q_lora_rank)
+            check_int("ModelConfig", "mla.q_lora_rank", self.q_lora_rank, low=1)
 
     @property
     def qk_head_dim(self) -> int:
@@ -98,16 +91,16 @@ class MoEConfig:
     renormalize: bool = True
 
     def __post_init__(self) -> None:
-        _positive("moe.num_experts", self.num_experts)
-        _positive("moe.moe_intermediate_size", self.moe_intermediate_size)
+        check_int("ModelConfig", "moe.num_experts", self.num_experts, low=1)
+        check_int("ModelConfig", "moe.moe_intermediate_size", self.moe_intermediate_size, low=1)
         if not 0 < self.num_experts_per_token <= self.num_experts:
-            _fail("moe.num_experts_per_token", self.num_experts_per_token, f"1..{self.num_experts}")
+            fail("ModelConfig", "moe.num_experts_per_token", self.num_experts_per_token, f"1..{self.num_experts}")
         if self.num_shared_experts < 0:
-            _fail("moe.num_shared_experts", self.num_shared_experts, ">= 0")
+            fail("ModelConfig", "moe.num_shared_experts", self.num_shared_experts, ">= 0")
         if self.latent_size is not None:
-            _positive("moe.latent_size", self.latent_size)
+            check_int("ModelConfig", "moe.latent_size", self.latent_size, low=1)
         if self.latent_norm and self.latent_size is None:
-            _fail("moe.latent_norm", True, "False when latent_size is None")
+            fail("ModelConfig", "moe.latent_norm", True, "False when latent_size is None")
 
 
 class ParamCount(NamedTuple):
@@ -140,27 +133,27 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        _positive("vocab_size", self.vocab_size)
-        _positive("hidden_size", self.hidden_size)
-        _positive("num_hidden_layers", self.num_hidden_layers)
-        _positive("intermediate_size", self.intermediate_size)
+        check_int("ModelConfig", "vocab_size", self.vocab_size, low=1)
+        check_int("ModelConfig", "hidden_size", self.hidden_size, low=1)
+        check_int("ModelConfig", "num_hidden_layers", self.num_hidden_layers, low=1)
+        check_int("ModelConfig", "intermediate_size", self.intermediate_size, low=1)
         if any(not 0 <= i < self.num_hidden_layers for i in self.mla_layers) or len(set(self.mla_layers)) != len(self.mla_layers):
-            _fail("mla_layers", self.mla_layers, f"distinct layer indices in 0..{self.num_hidden_layers - 1}")
+            fail("ModelConfig", "mla_layers", self.mla_layers, f"distinct layer indices in 0..{self.num_hidden_layers - 1}")
         if tuple(sorted(self.mla_layers)) != tuple(self.mla_layers):
-            _fail("mla_layers", self.mla_layers, "sorted ascending")
+            fail("ModelConfig", "mla_layers", self.mla_layers, "sorted ascending")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            _fail("first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")
+            fail("ModelConfig", "first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")
         if self.attn_res_block_size is not None:
-            _positive("attn_res_block_size", self.attn_res_block_size)
+            check_int("ModelConfig", "attn_res_block_size", self.attn_res_block_size, low=1)
         if not self.rms_norm_eps > 0:
-            _fail("rms_norm_eps", self.rms_norm_eps, "> 0")
+            fail("ModelConfig", "rms_norm_eps", self.rms_norm_eps, "> 0")
         if self.expert_quantization not in (None, "mxfp4"):
-            _fail("expert_quantization", self.expert_quantization, "None or 'mxfp4'")
+            fail("ModelConfig", "expert_quantization", self.expert_quantization, "None or 'mxfp4'")
         if self.expert_quantization == "mxfp4":
             width = self.moe.latent_size or self.hidden_size
             for dim_name, dim in (("expert input width", width), ("moe_intermediate_size", self.moe.moe_intermediate_size)):
                 if dim % 32:
-                    _fail("expert_quantization", "mxfp4", f"{dim_name} ({dim}) to be a multiple of 32")
+                    fail("ModelConfig", "expert_quantization", "mxfp4", f"{dim_name} ({dim}) to be a multiple of 32")
 
     # ---- layer schedule ------------------------------------------------------------------------------------------
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from openk3.checks import fail
+
 PRECISIONS = ("fp4", "fp8", "bf16")
-
-
-def _fail(owner: str, name: str, value: object, expected: str) -> None:
-    raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -33,12 +31,12 @@ class Quantisation:
     def __post_init__(self) -> None:
         for name in ("expert_bits", "trunk_bits", "dispatch_bits", "combine_bits"):
             if not 0 < getattr(self, name) <= 32:
-                _fail("Quantisation", name, getattr(self, name), "bits per value in (0, 32]")
+                fail("Quantisation", name, getattr(self, name), "bits per value in (0, 32]")
         for name in ("expert_compute", "trunk_compute", "attention_compute"):
             if getattr(self, name) not in PRECISIONS:
-                _fail("Quantisation", name, getattr(self, name), f"one of {PRECISIONS}")
+                fail("Quantisation", name, getattr(self, name), f"one of {PRECISIONS}")
         if self.cache_dtype_bytes not in (1, 2, 4):
-            _fail("Quantisation", "cache_dtype_bytes", self.cache_dtype_bytes, "1, 2 or 4")
+            fail("Quantisation", "cache_dtype_bytes", self.cache_dtype_bytes, "1, 2 or 4")
 
     @classmethod
     def named(cls, name: str) -> Quantisation:
@@ -79,13 +77,13 @@ class Layout:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_accelerators, int) or self.num_accelerators < 1:
-            _fail("Layout", "num_accelerators", self.num_accelerators, "a positive integer")
+            fail("Layout", "num_accelerators", self.num_accelerators, "a positive integer")
         if self.tp < 1 or self.num_accelerators % self.tp:
-            _fail("Layout", "tp", self.tp, f"a divisor of num_accelerators={self.num_accelerators}")
+            fail("Layout", "tp", self.tp, f"a divisor of num_accelerators={self.num_accelerators}")
         if self.ep is not None and (self.ep < 1 or self.num_accelerators % self.ep):
-            _fail("Layout", "ep", self.ep, f"a divisor of num_accelerators={self.num_accelerators}")
+            fail("Layout", "ep", self.ep, f"a divisor of num_accelerators={self.num_accelerators}")
         if self.redundant_experts < 0:
-            _fail("Layout", "redundant_experts", self.redundant_experts, ">= 0")
+            fail("Layout", "redundant_experts", self.redundant_experts, ">= 0")
         object.__setattr__(self, "balance", Balance(self.balance))
 
     @property
@@ -119,13 +117,13 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.context < 1:
-            _fail("Workload", "context", self.context, ">= 1 token")
+            fail("Workload", "context", self.context, ">= 1 token")
         if self.concurrency < 0:
-            _fail("Workload", "concurrency", self.concurrency, ">= 0 sequences")
+            fail("Workload", "concurrency", self.concurrency, ">= 0 sequences")
         if self.prompt is not None and self.prompt < 1:
-            _fail("Workload", "prompt", self.prompt, ">= 1 token or None")
+            fail("Workload", "prompt", self.prompt, ">= 1 token or None")
         if self.prefill_chunk < 1:
-            _fail("Workload", "prefill_chunk", self.prefill_chunk, ">= 1 token")
+            fail("Workload", "prefill_chunk", self.prefill_chunk, ">= 1 token")
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,12 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from openk3.checks import fail
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and vLLM draws the same line.
 GREEDY_TEMPERATURE = 1e-5
-
-
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
 
 
 def _is_int(value: Any) -> bool:
@@ -53,35 +51,35 @@ class SamplingParams:
             object.__setattr__(self, "top_k", None)
 
         if not _is_int(self.n) or self.n < 1:
-            _fail("n", self.n, "an integer >= 1")
+            fail("SamplingParams", "n", self.n, "an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            _fail("temperature", self.temperature, "a float >= 0 (0 means greedy)")
+            fail("SamplingParams", "temperature", self.temperature, "a float >= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            _fail("top_p", self.top_p, "a float in (0, 1]")
+            fail("SamplingParams", "top_p", self.top_p, "a float in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            _fail("top_k", self.top_k, "None, 0 or -1 (disabled) or an integer >= 1")
+            fail("SamplingParams", "top_k", self.top_k, "None, 0 or -1 (disabled) or an integer >= 1")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            _fail("min_p", self.min_p, "a float in [0, 1]")
+            fail("SamplingParams", "min_p", self.min_p, "a float in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "None or an integer")
+            fail("SamplingParams", "seed", self.seed, "None or an integer")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            _fail("max_tokens", self.max_tokens, "None or an integer >= 1")
+            fail("SamplingParams", "max_tokens", self.max_tokens, "None or an integer >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            _fail("min_tokens", self.min_tokens, "an integer >= 0")
+            fail("SamplingParams", "min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+            fail("SamplingParams", "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            _fail("stop", self.stop, "non-empty strings")
+            fail("SamplingParams", "stop", self.stop, "non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", self.stop_token_ids, "non-negative integer token ids")
+            fail("SamplingParams", "stop_token_ids", self.stop_token_ids, "non-negative integer token ids")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            _fail("logprobs", self.logprobs, "None or an integer >= 0")
+            fail("SamplingParams", "logprobs", self.logprobs, "None or an integer >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -2 <= value <= 2:
-                _fail(name, value, "a float in [-2, 2]")
+                fail("SamplingParams", name, value, "a float in [-2, 2]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            _fail("repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
+            fail("SamplingParams", "repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
 
     @property
     def greedy(self) -> bool:

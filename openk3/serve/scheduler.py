@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.request import Request, RequestStatus, TokenLogprobs
 from openk3.serve.sampling import SamplingParams
@@ -36,12 +37,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name}={value!r} is invalid: expected an integer >= 1")
-        t = self.long_prefill_token_threshold
-        if t is not None and (not isinstance(t, int) or t < 1):
-            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} is invalid: expected None or an integer >= 1")
+            check_int("SchedulerConfig", name, getattr(self, name), low=1)
+        check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, low=1, optional=True)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from openk3.checks import check_int, check_number
 from openk3.config import ModelConfig
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts
@@ -54,12 +55,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} is invalid: expected >= 1")
-        if not 0.0 <= self.qat_fraction <= 1.0:
-            raise ValueError(f"TrainConfig.qat_fraction={self.qat_fraction} is invalid: expected 0..1")
-        if self.warmup_steps < 0:
-            raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} is invalid: expected >= 0")
+            check_int("TrainConfig", name, getattr(self, name), low=1)
+        check_number("TrainConfig", "qat_fraction", self.qat_fraction, low=0.0, high=1.0)
+        check_int("TrainConfig", "warmup_steps", self.warmup_steps, low=0)
 
     @property
     def qat_start(self) -> int:

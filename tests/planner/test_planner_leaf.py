@@ -1,4 +1,4 @@
-"""The planner is a leaf: from openk3 it imports only the config and the cache byte specs, and never torch."""
+"""The planner is a leaf: from openk3 it imports only the config, the cache byte specs and the shared checks, and never torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PLANNER = Path(__file__).resolve().parents[2] / "openk3" / "planner"
-ALLOWED = ("openk3.config", "openk3.serve.cache.spec", "openk3.planner")
+ALLOWED = ("openk3.config", "openk3.serve.cache.spec", "openk3.checks", "openk3.planner")
 
 
 def _imports(path: Path) -> list[str]:

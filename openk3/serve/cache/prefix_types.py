@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.checks import check_int
 from openk3.serve.cache.tier_types import TierKind
 
 
@@ -24,12 +25,8 @@ class PrefixCacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("match_unit", "num_snapshot_slots", "host_bytes", "disk_bytes"):
-            v = getattr(self, name)
-            low = 1 if name == "match_unit" else 0
-            if not isinstance(v, int) or v < low:
-                raise ValueError(f"PrefixCacheConfig.{name}={v!r} is invalid: expected an integer >= {low}")
-        if self.snapshot_interval is not None and (not isinstance(self.snapshot_interval, int) or self.snapshot_interval < 1):
-            raise ValueError(f"PrefixCacheConfig.snapshot_interval={self.snapshot_interval!r} is invalid: expected None or an integer >= 1")
+            check_int("PrefixCacheConfig", name, getattr(self, name), low=1 if name == "match_unit" else 0)
+        check_int("PrefixCacheConfig", "snapshot_interval", self.snapshot_interval, low=1, optional=True)
         if self.disk_bytes > 0 and self.disk_dir is None:
             raise ValueError(f"PrefixCacheConfig.disk_bytes={self.disk_bytes} needs disk_dir (a directory for the disk tier)")
 

@@ -13,14 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from openk3.checks import check_int
 from openk3.config import ModelConfig
 
 FP32_BYTES = 4
-
-
-def _check_positive(owner: str, name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}.{name}={value!r} is invalid: expected a positive integer")
 
 
 @dataclass(frozen=True)
@@ -36,7 +32,7 @@ class MLAPageSpec:
         if self.num_layers < 0:
             raise ValueError(f"MLAPageSpec.num_layers={self.num_layers} is invalid: expected >= 0")
         for name in ("latent_dim", "page_size", "dtype_bytes"):
-            _check_positive("MLAPageSpec", name, getattr(self, name))
+            check_int("MLAPageSpec", name, getattr(self, name), low=1)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -73,7 +69,7 @@ class KDAStateSpec:
         if self.num_layers < 0:
             raise ValueError(f"KDAStateSpec.num_layers={self.num_layers} is invalid: expected >= 0")
         for name in ("num_heads", "head_k_dim", "head_v_dim", "conv_kernel", "conv_dtype_bytes", "state_dtype_bytes"):
-            _check_positive("KDAStateSpec", name, getattr(self, name))
+            check_int("KDAStateSpec", name, getattr(self, name), low=1)
 
     @property
     def proj_dim(self) -> int:

@@ -21,88 +21,24 @@ Threading: one thread owns a processor and its engine (the caller of LLM, or the
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from openk3.serve.engine import LLMEngine
+from openk3.serve.output_types import (
+    CompletionOutput,
+    FinishedRequest,
+    IterationStats,
+    OutputKind,
+    RequestOutput,
+    find_stop_string,
+    hold_back,
+)
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus, TokenLogprobs
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import IncrementalDetokenizer
 
-
-class OutputKind(str, enum.Enum):
-    DELTA = "delta"
-    FINAL_ONLY = "final_only"
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """One sample: with DELTA the text, ids and logprobs new since the last output, with FINAL_ONLY all of them."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: tuple[TokenLogprobs, ...] | None = None  # None unless asked for
-    metrics: RequestMetrics | None = None  # once it has finished (None for an abort)
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]  # the same tuple in every output of a request (made once)
-    outputs: tuple[CompletionOutput, ...]  # DELTA: the samples that changed this step; FINAL_ONLY: all n; index order
-    finished: bool  # every sample has ended
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first sample's)
-    prompt: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    finish_reason: str
-    queue_time: float | None
-    time_to_first_token: float | None
-    e2e_latency: float | None
-
-
-@dataclass
-class IterationStats:
-    """What one step did, for metrics (vLLM's IterationStats), whatever kind of output its requests asked for."""
-
-    inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per new token after a sample's first
-    prompts: list[tuple[int, int]] = field(default_factory=list)  # (prompt tokens, of which cached) of requests that started
-    finished: list[FinishedRequest] = field(default_factory=list)  # one per sample that ended
-
-
-def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...], include: bool) -> tuple[str, int] | None:
-    """The first stop string (in the caller's order) that ends in the last `num_new_chars` of `text`, and where to cut."""
-    for stop in stops:
-        start = max(0, len(text) - num_new_chars - len(stop) + 1)
-        idx = text.find(stop, start)
-        if idx != -1:
-            return stop, idx + len(stop) if include else idx
-    return None
-
-
-def hold_back(params: SamplingParams) -> int:
-    """Characters a streamed sample keeps unsent so that it never shows the start of a stop string that is then cut."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
+__all__ = ["CompletionOutput", "FinishedRequest", "IterationStats", "OutputKind", "OutputProcessor", "RequestOutput", "find_stop_string", "hold_back"]
 
 
 @dataclass(eq=False)

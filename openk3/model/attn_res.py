@@ -15,8 +15,7 @@ from torch import nn
 
 from openk3.model.layers import RMSNorm
 from openk3.ops.attn_res import attn_res, attn_res_merge, attn_res_phase1
-
-ATTN_RES_IMPLS = ("naive", "fast", "auto")
+from openk3.ops.thresholds import TWO_PHASE_MIN_TOKENS  # below it "auto" keeps the one-shot mix (the measurement is there)
 
 
 class Mixer(NamedTuple):
@@ -36,22 +35,10 @@ def mix(blocks: list[torch.Tensor], partial_TD: torch.Tensor, proj: nn.Linear, n
     return attn_res(sources_STD, proj.weight[0], norm.weight, norm.eps)
 
 
-# Below this many tokens in a step, "auto" keeps the one-shot mix: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per
-# block and a merge is not fewer ops than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is
-# 0-4% slower there; it is level at 64 tokens and cheaper from 256 up, where reading and normalising the stored blocks
-# dominates (benchmarks/results/attn_res.md).
-TWO_PHASE_MIN_TOKENS = 64
-
-
-def check_impl(name: str) -> str:
-    if name not in ATTN_RES_IMPLS:
-        raise ValueError(f"unknown AttnRes implementation {name!r}; choose one of {list(ATTN_RES_IMPLS)}")
-    return name
-
-
 def use_two_phase(impl: str, tokens: int) -> bool:
-    """Whether a step of `tokens` tokens takes the two-phase evaluation under implementation `impl`."""
-    return impl == "fast" or (impl == "auto" and tokens >= TWO_PHASE_MIN_TOKENS)
+    """Whether a step of `tokens` tokens takes the two-phase evaluation under implementation `impl` (a resolved name of
+    ops/registry.py "attn_res": naive, fast or sized)."""
+    return impl == "fast" or (impl == "sized" and tokens >= TWO_PHASE_MIN_TOKENS)
 
 
 class BlockMixes:

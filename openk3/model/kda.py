@@ -10,6 +10,7 @@ slot (zeros when the sequence has no context yet) and writes the state after the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,15 +21,14 @@ from torch import nn
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
-from openk3.ops.kda import kda_prefill_op
-from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.decode import kda_decode
 from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_available
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm, rms_norm
-from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, causal_conv1d_update_
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, op, registry
+from openk3.ops.short_conv import causal_conv1d_update, causal_conv1d_update_
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = Linear(c.head_dim, p, bias=False)
         self.o_norm = RMSNorm(c.head_dim, config.rms_norm_eps)
         self.o_proj = Linear(p, d, bias=False)
-        self.kda_prefill = kda_prefill_op(kda_impl)
-        self.reference_ops = kda_impl == "naive"  # rule 1: "naive" runs the definitions on every kind of step
-        self.conv_prefill = causal_conv1d_op(conv_impl)
+        self.select(kda_impl, conv_impl, CPU_INFERENCE)
         # the projections of the input: [q | k | v] (pre-conv, side by side), f_a, g (or g_a), b
         self.in_proj = ProjectionGroup(self._in_linears(), pieces=(3, 1, 1, 1))
         self.conv_weights = StackedWeights([self.q_conv1d, self.k_conv1d, self.v_conv1d])  # q | k | v, as the conv windows are
@@ -111,6 +109,18 @@ class KimiDeltaAttention(nn.Module):
     def _in_linears(self) -> tuple[Linear, ...]:
         gate = self.g_proj if self.full_rank_output_gate else self.g_a_proj
         return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
+
+    def select(self, kda_impl: str, conv_impl: str, target: OpTarget, chunk_size: int | None = None) -> None:
+        """The prefill implementations by name (ops/registry.py "kda_prefill", "short_conv"), "auto" resolved for `target`;
+        `chunk_size` for the chunkwise forms (their own default when None)."""
+        name, entry = registry().entry("kda_prefill", kda_impl, target)
+        prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = registry().get("kda_prefill", name, target)
+        if chunk_size is not None and name in ("fast", "autograd"):
+            prefill = functools.partial(prefill, chunk_size=chunk_size)
+        self.kda_prefill, self.kda_prefill_name = prefill, name
+        self.kda_prefill_differentiable = entry.differentiable
+        self.reference_ops = name == "naive"  # rule 1: "naive" runs the definitions on every kind of step
+        self.conv_prefill = op("short_conv", conv_impl, target)
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
@@ -173,10 +183,10 @@ class KimiDeltaAttention(nn.Module):
             assert cache is not None
             o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
         else:
-            if q.requires_grad and self.kda_prefill is kda_chunk:
+            if q.requires_grad and not self.kda_prefill_differentiable:
                 raise RuntimeError(
-                    "the fast KDA prefill (kda_chunk) is inference-only; for training attach the differentiable form with "
-                    "openk3.train.kda_autograd.attach_training_kda(model), or run under torch.no_grad()"
+                    f"the KDA prefill {self.kda_prefill_name!r} is inference-only; for training select the differentiable form "
+                    "by name (OpChoice(kda='autograd'), or model.select_ops(OpChoice(kda='autograd'))), or run under torch.no_grad()"
                 )
             init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
             if init is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)

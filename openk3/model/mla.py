@@ -16,7 +16,8 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm
-from openk3.ops.mla import mla_decode_paged, mla_prefill_op, split_kv_b
+from openk3.ops.mla import mla_decode_paged, split_kv_b
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
 
@@ -59,12 +60,16 @@ class GatedMLA(nn.Module):
         if m.output_gate:
             self.g_proj = Linear(d, m.num_heads * m.v_head_dim, bias=False)
         self.o_proj = Linear(m.num_heads * m.v_head_dim, d, bias=False)
-        self.prefill = mla_prefill_op(prefill_impl)
+        self.select(prefill_impl, CPU_INFERENCE)
         self.in_proj = ProjectionGroup(self._in_linears())  # q (or q_a), kv_a, g: the projections of the input
 
     def _in_linears(self) -> list[Linear]:
         linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
         return linears + [self.g_proj] if self.output_gate else linears
+
+    def select(self, prefill_impl: str, target: OpTarget) -> None:
+        """The prefill attention by name (ops/registry.py "mla_prefill"), "auto" resolved for `target`."""
+        self.prefill = op("mla_prefill", prefill_impl, target)
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x."""

@@ -15,23 +15,26 @@ import torch
 from torch import nn
 
 from openk3.config import LayerKind, ModelConfig
-from openk3.model.attn_res import BlockMixes, Mixer, check_impl, mix, new_mixer, use_two_phase
+from openk3.model.attn_res import BlockMixes, Mixer, mix, new_mixer, use_two_phase
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, registry
 
 
 @dataclass(frozen=True)
 class OpChoice:
-    """Implementations chosen by name (rule 1): "naive" is the reference, "fast" the optimised path, "auto" the best here."""
+    """Implementations chosen by name (rule 1; ops/registry.py lists them): "naive" is the reference, "auto" the best for
+    the target the model is built or prepared for (e.g. kda: "fast" for inference, "autograd" for training)."""
 
     kda: str = "auto"
     conv: str = "auto"
     mla: str = "auto"
     moe: str = "auto"
-    attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "auto": by step size
+    attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "sized": by step size
+    kda_chunk_size: int | None = None  # chunk length of the chunkwise KDA forms (None: their default)
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
 
 
@@ -78,7 +81,7 @@ class K3Model(nn.Module):
         # position of each layer inside its kind's cache list (KDA layers and MLA layers are numbered separately)
         kinds = config.layer_kinds
         self.cache_index = [sum(1 for j in range(i) if kinds[j] == kinds[i]) for i in range(config.num_hidden_layers)]
-        self.attn_res_impl = check_impl(ops.attn_res)
+        self.attn_res_impl = registry().entry("attn_res", ops.attn_res)[0]
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
@@ -158,6 +161,7 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.select_ops(self.ops)  # "auto" for inference on CPU until a trainer or the serving runner selects again
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor:
         """Logits [M, V] for the rows in `batch.logits_indices` (all T rows when None)."""
@@ -167,10 +171,25 @@ class K3ForCausalLM(nn.Module):
         return self.lm_head(h)
 
     def forward_tokens(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
-        """Cache-free forward of equal-length sequences: logits [B, L, V] (reference checks; training additionally needs the
-        differentiable KDA from openk3.train.kda_autograd.attach_training_kda)."""
+        """Cache-free forward of equal-length sequences: logits [B, L, V] (reference checks; training selects the
+        differentiable KDA first: select_ops(target=OpTarget(training=True)))."""
         b, seq_len = input_ids_BL.shape
         return self.forward(ForwardBatch.from_tokens(input_ids_BL)).view(b, seq_len, -1)
+
+    def select_ops(self, ops: OpChoice | None = None, target: OpTarget = CPU_INFERENCE) -> None:
+        """Choose every layer's implementations by name (ops/registry.py), "auto" resolved for `target` (its device, and
+        whether it trains); the parameters are untouched. Training calls it with OpTarget(training=True), the serving
+        runner with the device it serves on."""
+        self.ops = ops = ops or self.ops
+        self.model.attn_res_impl = registry().entry("attn_res", ops.attn_res, target)[0]
+        for layer in self.model.decoder_layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
+            elif isinstance(attn, GatedMLA):
+                attn.select(ops.mla, target)
+            if layer.is_moe and isinstance(layer.block_sparse_moe.backend, LocalExperts):
+                layer.block_sparse_moe.backend = LocalExperts(ops.moe)
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""

@@ -19,11 +19,11 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.ops.activation import glu
-from openk3.ops.moe import moe_experts_op
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
 from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor
+from openk3.ops.registry import op
 
 
 class ExpertBackend(Protocol):
@@ -33,10 +33,10 @@ class ExpertBackend(Protocol):
 
 
 class LocalExperts:
-    """All experts on this device; `impl` picks the MoE op ("naive" loop or "fast" grouped)."""
+    """All experts on this device; `impl` names the routed-expert implementation (ops/registry.py "moe_experts")."""
 
     def __init__(self, impl: str = "auto") -> None:
-        self.op = moe_experts_op(impl)
+        self.op = op("moe_experts", impl)
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         return self.op(z_TD, routing.topk_idx, routing.topk_weight, layer.experts.bank(), layer.expert_act)

@@ -35,12 +35,7 @@ import torch.nn.functional as F
 
 from openk3.ops.cpu import cpu_fp32, cpu_fp32_inference
 from openk3.ops.cpu.build import bind
-
-KERNEL_ROWS = 16  # up to here the C kernel, any weight size; at 32 rows it is no faster than the forms below
-LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost outweighs their faster streaming)
-SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
-
-PACKED_BATCH_HINT = 2048  # oneDNN picks the blocked layout for this row count; 16 and 2048 measured the same, 1 slower
+from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, SMALL_ROWS
 
 _onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _onednn is not None else None

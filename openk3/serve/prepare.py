@@ -1,7 +1,8 @@
 """prepare_for_serving: the serving layout of a model, applied from outside it (as torchtitan's parallelize.py does), once,
 by the runner -- the model classes stay plain single-device modules.
 
-What it does, by swapping the model's attach points for serving modules that hold the same parameters:
+What it does: "auto" implementations resolved for inference on the device (ops/registry.py), and, by swapping the model's
+attach points for serving modules that hold the same parameters:
 - every ProjectionGroup becomes FusedProjections: its members' weights tied into one block (serve/fused.py), one matmul
   for the group, the pieces returned as views of its output;
 - every StackedWeights becomes FusedWeights: the stacked tensor is the block itself (no concatenation per call);
@@ -22,7 +23,9 @@ import torch
 from torch import nn
 
 from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
+from openk3.model.model import K3ForCausalLM
 from openk3.ops.linear import PackedWeight, linear
+from openk3.ops.registry import OpTarget
 from openk3.serve.fused import FusedRows
 
 
@@ -107,7 +110,10 @@ def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
 
 
 def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False) -> None:
-    """Apply the serving layout to `model` in place (module docstring)."""
+    """Apply the serving layout to `model` in place (module docstring), and resolve its "auto" implementations for
+    inference on `device` (ops/registry.py)."""
+    if isinstance(model, K3ForCausalLM):
+        model.select_ops(target=OpTarget(device.type))
     for parent, name, child in _children(model):
         if type(child) is ProjectionGroup:
             setattr(parent, name, FusedProjections(child))

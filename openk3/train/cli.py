@@ -135,7 +135,7 @@ def final_report(trainer, held_out, export_dir: Path) -> dict:
     """Losses of the same weights three ways: dense experts, fake-quantised experts, and the exported MXFP4 folder."""
     from openk3.model import load_model
     from openk3.model.moe import LocalExperts
-    from openk3.train.kda_autograd import attach_training_kda
+    from openk3.ops.registry import OpTarget
     from openk3.train.trainer import FakeQuantExperts, evaluate
 
     model = trainer.model.eval()
@@ -144,7 +144,7 @@ def final_report(trainer, held_out, export_dir: Path) -> dict:
     model.set_expert_backend(LocalExperts())
     dense = evaluate(model, held_out)
     exported = load_model(export_dir, dtype=torch.float32)
-    attach_training_kda(exported)  # the same KDA arithmetic as the other two rows, so only the weights differ
+    exported.select_ops(target=OpTarget(training=True))  # the same KDA arithmetic as the other two rows, so only the weights differ
     mxfp4 = evaluate(exported, held_out)
     log = trainer.log
     tail = log[-20:]

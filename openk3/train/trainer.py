@@ -25,11 +25,10 @@ from openk3.checks import check_int, check_number
 from openk3.config import ModelConfig
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts
-from openk3.ops.moe import moe_experts_op
 from openk3.ops.moe.router import RouterOutput
+from openk3.ops.registry import OpTarget, op
 from openk3.train.balance import BalanceConfig, RouterBalancer
 from openk3.train.data import TokenWindows
-from openk3.train.kda_autograd import attach_training_kda
 from openk3.train.qat import FakeQuantExpertBank
 
 NO_DECAY = ("norm", "A_log", "dt_bias", "_res_proj", "e_score_correction_bias")
@@ -68,7 +67,7 @@ class FakeQuantExperts:
     """Expert backend for QAT: the layer's master weights through MXFP4 fake quantisation (straight-through gradient)."""
 
     def __init__(self, impl: str = "auto") -> None:
-        self.op = moe_experts_op(impl)
+        self.op = op("moe_experts", impl)
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         ex = layer.experts
@@ -136,7 +135,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = K3ForCausalLM(training_config(model_config))
         self.model.init_weights(cfg.seed)
-        attach_training_kda(self.model)
+        self.model.select_ops(target=OpTarget(training=True))  # "auto" is then the differentiable chunkwise KDA
         self.model.train()
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from openk3.config import ModelConfig, debug
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.attn_res import TWO_PHASE_MIN_TOKENS
-from openk3.train.kda_autograd import attach_training_kda
+from openk3.ops.registry import OpTarget
 
 from .test_model import run_chunks
 
@@ -75,7 +75,7 @@ def test_gradients_match_one_shot() -> None:
     ids = tokens((2, 24), seed=8)
     for model in (fast, naive):
         model.train()
-        attach_training_kda(model, chunk_size=8)
+        model.select_ops(OpChoice(attn_res=model.ops.attn_res, kda_chunk_size=8), OpTarget(training=True))
         logits = model.forward_tokens(ids)
         F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
     naive_grads = dict(naive.named_parameters())
@@ -105,5 +105,5 @@ def test_auto_switches_to_two_phase_at_the_threshold() -> None:
 
 
 def test_unknown_implementation_is_named() -> None:
-    with pytest.raises(ValueError, match="AttnRes implementation 'quick'"):
+    with pytest.raises(ValueError, match=r"attn_res: implementation 'quick' is unknown: expected one of \['fast', 'naive', 'sized', 'auto'\]"):
         K3ForCausalLM(config(4), OpChoice(attn_res="quick"))

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from openk3.config import KDAGate
-from openk3.ops.kda import kda_chunk, kda_decode, kda_gate, kda_prefill_op, kda_recurrent
+from openk3.ops.kda import kda_chunk, kda_decode, kda_gate, kda_recurrent
 from openk3.ops.kda.chunk import _factor_block, _intra_chunk
+from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.norm import l2_norm
+from openk3.ops.registry import OpTarget, op
 
 H, K, V = 2, 32, 16
 
@@ -95,7 +97,7 @@ def test_cu_seqlens_equals_separate_runs(impl: str, lengths: list[int]) -> None:
     parts = [make_inputs(1, n, KDAGate.LOWER_BOUND, seed=i) for i, n in enumerate(lengths)]
     q, k, v, g, beta, S0 = pack(parts)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    o, s = kda_prefill_op(impl)(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu)
+    o, s = op("kda_prefill", impl)(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu)
     assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
     for n, p in enumerate(parts):
         o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])
@@ -211,10 +213,13 @@ def test_gate_rejects_mismatched_arguments() -> None:
 
 
 def test_prefill_op_dispatch_and_input_errors() -> None:
-    assert kda_prefill_op("naive") is kda_recurrent
-    assert kda_prefill_op("fast") is kda_chunk and kda_prefill_op("auto") is kda_chunk
-    with pytest.raises(ValueError, match="auto.*fast.*naive"):
-        kda_prefill_op("triton")
+    assert op("kda_prefill", "naive") is kda_recurrent
+    assert op("kda_prefill", "fast") is kda_chunk and op("kda_prefill", "auto") is kda_chunk
+    assert op("kda_prefill", "auto", OpTarget(training=True)) is kda_chunk_autograd  # "auto" is resolved for the mode
+    with pytest.raises(ValueError, match="'fast' is inference-only; for training choose one of \\['autograd', 'naive'\\]"):
+        op("kda_prefill", "fast", OpTarget(training=True))
+    with pytest.raises(ValueError, match="'triton' is unknown: expected one of .*autograd.*fast.*naive.*auto"):
+        op("kda_prefill", "triton")
     q, k, v, g, beta, _ = make_inputs(2, 5, KDAGate.LOWER_BOUND)
     with pytest.raises(ValueError, match="B=1"):
         kda_chunk(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 5]))

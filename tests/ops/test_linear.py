@@ -136,7 +136,7 @@ def test_packed_weight_follows_writes_and_moves(rows_kernel: str) -> None:
 
         a, b = (torch.nn.Parameter(torch.randn(LARGE_WEIGHT // 256, 256, generator=g)) for _ in range(2))
         block = torch.cat([a.detach(), b.detach()])
-        a.data, b.data = block[: a.shape[0]], block[a.shape[0] :]  # how model/fused.py ties a group
+        a.data, b.data = block[: a.shape[0]], block[a.shape[0] :]  # how serve/fused.py ties a group
         block_packed = PackedWeight()
         block_packed.enabled = True
         _close(linear(x, block, block_packed, [a, b]), F.linear(x, block))

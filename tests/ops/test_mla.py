@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openk3.ops.mla import decode_cpu, mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, mla_prefill_op, split_kv_b
+from openk3.ops.mla import decode_cpu, mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, split_kv_b
+from openk3.ops.registry import op
 
 H, DN, DR, DV, LR = 3, 16, 8, 12, 20
 
@@ -147,4 +148,4 @@ def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(mla_kernel: 
 
 def test_unknown_impl_names_choices() -> None:
     with pytest.raises(ValueError, match="naive"):
-        mla_prefill_op("cuda-magic")
+        op("mla_prefill", "cuda-magic")

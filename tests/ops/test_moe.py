@@ -20,10 +20,10 @@ from openk3.ops.moe import (
     moe_experts_batched,
     moe_experts_grouped,
     moe_experts_naive,
-    moe_experts_op,
     moe_experts_single_token,
     sigmoid_topk_route,
 )
+from openk3.ops.registry import op
 
 ACTS = {kind.value: functools.partial(glu, kind=kind) for kind in Activation}
 
@@ -206,15 +206,15 @@ def test_int32_expert_ids() -> None:
         torch.testing.assert_close(fn(x, idx.int(), w, bank, ACTS["silu"]), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["naive", "fast", "batched", "auto"])
+@pytest.mark.parametrize("impl", ["naive", "fast", "batched", "sized", "auto"])
 def test_dispatch_by_name(impl: str) -> None:
-    want = {"naive": moe_experts_naive, "fast": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}[impl]
-    assert moe_experts_op(impl) is want
+    want = {"naive": moe_experts_naive, "fast": moe_experts_grouped, "batched": moe_experts_batched, "sized": moe_experts_auto, "auto": moe_experts_auto}
+    assert op("moe_experts", impl) is want[impl]
 
 
 def test_dispatch_unknown_name() -> None:
-    with pytest.raises(ValueError, match="'triton'.*naive, fast, batched, auto"):
-        moe_experts_op("triton")
+    with pytest.raises(ValueError, match=r"'triton' is unknown: expected one of \['batched', 'fast', 'naive', 'sized', 'auto'\]"):
+        op("moe_experts", "triton")
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openk3.ops.short_conv import causal_conv1d_op, causal_conv1d_update, causal_conv1d_update_, fast, naive
+from openk3.ops.registry import op
+from openk3.ops.short_conv import causal_conv1d_update, causal_conv1d_update_, fast, naive
 
 C = 6
 
@@ -45,7 +46,7 @@ def test_reference_formula_and_state_convention() -> None:
 
 @pytest.mark.parametrize("impl", ["naive", "fast"])
 def test_prefill_then_decode_equals_one_shot(impl: str) -> None:
-    conv = causal_conv1d_op(impl)
+    conv = op("short_conv", impl)
     x, w, s0 = rand(3, 12, C), rand(C, 4, seed=1), rand(3, C, 3, seed=2)
     y_all, s_all = conv(x, w, s0)
     y_pre, s = conv(x[:, :5], w, s0)
@@ -77,9 +78,9 @@ def test_in_place_update_equals_the_reference_update(state_dtype: torch.dtype) -
 @pytest.mark.parametrize("impl", ["naive", "fast"])
 def test_sequence_shorter_than_window_keeps_old_state(impl: str) -> None:
     x, w, s0 = rand(2, 2, C), rand(C, 4, seed=1), rand(2, C, 3, seed=2)
-    _, s = causal_conv1d_op(impl)(x, w, s0)
+    _, s = op("short_conv", impl)(x, w, s0)
     assert torch.equal(s, torch.cat((s0[:, :, 2:], x.transpose(1, 2)), dim=2))
-    _, s_fresh = causal_conv1d_op(impl)(x[:, :1], w)
+    _, s_fresh = op("short_conv", impl)(x[:, :1], w)
     assert torch.equal(s_fresh[:, :, :2], torch.zeros(2, C, 2)) and torch.equal(s_fresh[:, :, 2], x[:, 0])
 
 
@@ -90,7 +91,7 @@ def test_cu_seqlens_equals_separate_runs(impl: str) -> None:
     s0 = rand(4, C, 3, seed=3)
     w = rand(C, 4, seed=1)
     cu = torch.tensor([0, 2, 2, 9, 10], dtype=torch.int64)
-    y, s = causal_conv1d_op(impl)(torch.cat(xs, dim=1), w, s0, cu_seqlens=cu)
+    y, s = op("short_conv", impl)(torch.cat(xs, dim=1), w, s0, cu_seqlens=cu)
     for n, x_n in enumerate(xs):
         y_n, s_n = naive.causal_conv1d(x_n, w, s0[n : n + 1])
         assert y[:, cu[n] : cu[n + 1]].shape == y_n.shape
@@ -110,10 +111,10 @@ def test_bf16_input_keeps_dtypes() -> None:
 
 
 def test_dispatch_and_errors() -> None:
-    assert causal_conv1d_op("naive") is naive.causal_conv1d
-    assert causal_conv1d_op("fast") is fast.causal_conv1d and causal_conv1d_op("auto") is fast.causal_conv1d
-    with pytest.raises(ValueError, match="auto.*fast.*naive"):
-        causal_conv1d_op("cuda")
+    assert op("short_conv", "naive") is naive.causal_conv1d
+    assert op("short_conv", "fast") is fast.causal_conv1d and op("short_conv", "auto") is fast.causal_conv1d
+    with pytest.raises(ValueError, match="fast.*naive.*auto"):
+        op("short_conv", "cuda")
     x, w = rand(1, 4, C), rand(C, 4)
     with pytest.raises(ValueError, match="activation"):
         fast.causal_conv1d(x, w, activation="gelu")

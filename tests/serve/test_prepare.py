@@ -89,10 +89,10 @@ def test_training_steps_on_a_tied_model(fused_adam: bool) -> None:
     the fused AdamW kernel, which bumps no version counter -- are what the next no_grad forward computes with."""
     tied, plain = build(debug()), build(debug())
     prepare_for_serving(tied, CPU)
-    from openk3.train.kda_autograd import attach_training_kda
+    from openk3.ops.registry import OpTarget
 
     for model in (tied, plain):
-        attach_training_kda(model)
+        model.select_ops(target=OpTarget(training=True))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused_adam) for m in (tied, plain)]
     for _ in range(2):
         for model, opt in zip((tied, plain), opts, strict=True):

@@ -4,13 +4,11 @@ Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk
 Inputs and outputs as in openk3.ops.kda.naive.kda_recurrent (the definition; tests compare values and gradients with it).
 
 The serving fast path (ops/kda/chunk.py) updates buffers in place for speed, which autograd rejects; training needs the
-backward, so the trainer attaches this function to each KDA layer (`attach_training_kda`). Intra-chunk pairs use
+backward, so training selects this implementation by name (`kda="autograd"`, ops/registry.py). Intra-chunk pairs use
 exp(G_r - G_j) computed on the masked lower triangle (never the factorised exp(G_r) exp(-G_j)), so no decay can overflow.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -82,15 +80,3 @@ def kda_chunk_autograd(
     else:
         o = torch.cat([O[i, : e - s] for i, (_, s, e) in enumerate(spans)]).unsqueeze(0)
     return o.to(v.dtype), S.view(N, H, K, V)
-
-
-def attach_training_kda(model: torch.nn.Module, chunk_size: int = 32) -> int:
-    """Point every KDA layer's prefill at the differentiable form; returns how many layers it changed."""
-    from openk3.model.kda import KimiDeltaAttention
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, KimiDeltaAttention):
-            module.kda_prefill = functools.partial(kda_chunk_autograd, chunk_size=chunk_size)
-            count += 1
-    return count

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
 from openk3.ops.kda.naive import kda_recurrent
-from openk3.train.kda_autograd import kda_chunk_autograd
 
 
 def inputs(

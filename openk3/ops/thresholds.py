@@ -1,0 +1,29 @@
+"""Every tuned size switch of the CPU fast paths, in one place, each with the measurement that chose it. Values are for the
+2-core dev box (AMD EPYC Zen 4 VM, 32 MiB L3, fp32, 2 threads); rerun the named benchmark before changing one.
+
+The ops read them as their own module names (ops/linear.py, ops/moe/__init__.py, model/attn_res.py), so a test can move a
+switch for one op with monkeypatch.
+"""
+
+# ops/linear.py -- benchmarks/ops_linear.py, benchmarks/results/ops_linear.md
+KERNEL_ROWS = 16  # up to here the C few-row kernel, any weight size; at 32 rows it is no faster than the forms below
+LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost outweighs their faster streaming)
+SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
+PACKED_BATCH_HINT = 2048  # oneDNN picks the blocked layout for this row count; 16 and 2048 measured the same, 1 slower
+
+# ops/moe/__init__.py moe_experts_auto -- benchmarks/ops_moe.py, benchmarks/results/ops_moe.md (E 16, k 2 and 4).
+# The batched path pays for padding rows and a fixed ~25 ops; the grouped loop pays ~10 ops per active expert: from 16
+# (token, expert) pairs up to 16 pairs per expert batched is 1.0-1.9x the grouped loop; at 32 pairs per expert it is 0.5x
+# (padding then costs more than the loop's dispatch), and below 16 pairs the loop's few iterations are cheaper.
+BATCHED_MIN_PAIRS = 16
+BATCHED_MAX_PAIRS_PER_EXPERT = 16
+# With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 7-9x the
+# grouped loop up to 16 tokens, ~3.5x the single-token path at one token, 1.4-3.4x from 4 to 64 pairs per expert, and 0.7x
+# at 128-256 pairs per expert, where the loop's large per-expert GEMMs win.
+C_LOOP_MAX_PAIRS_PER_EXPERT = 64
+
+# model/attn_res.py "auto" -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the
+# one-shot mix is kept: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per block and a merge is not fewer ops
+# than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is 0-4% slower there; it is level
+# at 64 tokens and cheaper from 256 up, where reading and normalising the stored blocks dominates.
+TWO_PHASE_MIN_TOKENS = 64

@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 from openk3.api.engine_args import add_engine_arguments, engine_configs
-from openk3.checks import check_choice, check_int, check_number
 from openk3.cli import build_parser
 from openk3.options import add_arguments, from_args, setting, split_overrides
 from openk3.parallel.config import ParallelConfig
@@ -89,16 +88,3 @@ def test_a_settings_class_of_ones_own() -> None:
     add_arguments(p, Demo)
     args = p.parse_args(["--rate", "0.25", "--name", "x"])
     assert from_args(Demo, args) == Demo(0.25, "x", 3) and not hasattr(args, "hidden")
-
-
-def test_check_helpers() -> None:
-    check_int("A", "n", 3, low=1)
-    check_int("A", "n", None, low=1, optional=True)
-    with pytest.raises(ValueError, match=r"A.n=True is invalid: expected an integer >= 1"):
-        check_int("A", "n", True, low=1)  # a bool is not an int here
-    with pytest.raises(ValueError, match=r"A.n=5 is invalid: expected None or an integer in \[1, 4\]"):
-        check_int("A", "n", 5, low=1, high=4, optional=True)
-    with pytest.raises(ValueError, match=r"A.x=nan is invalid: expected a finite number >= 0"):
-        check_number("A", "x", float("nan"), low=0)
-    with pytest.raises(ValueError, match=r"A.k='z' is invalid: expected one of \['a', 'b'\]"):
-        check_choice("A", "k", "z", ("a", "b"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from openk3.checks import fail
 from openk3.config import ModelConfig
 from openk3.planner.inputs import Balance, Layout
 
@@ -31,9 +32,9 @@ class BalanceParams:
 
     def __post_init__(self) -> None:
         if self.expert_load_cv < 0:
-            raise ValueError(f"BalanceParams.expert_load_cv={self.expert_load_cv!r} is invalid: expected >= 0")
+            fail("BalanceParams", "expert_load_cv", self.expert_load_cv, ">= 0")
         if not 0 <= self.eplb_residual <= 1:
-            raise ValueError(f"BalanceParams.eplb_residual={self.eplb_residual!r} is invalid: expected a fraction in [0, 1]")
+            fail("BalanceParams", "eplb_residual", self.eplb_residual, "a fraction in [0, 1]")
 
 
 def slots_per_rank(config: ModelConfig, layout: Layout) -> float:

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from openk3.checks import fail
 from openk3.planner.perf import Efficiency, Scenario, decode_step, prefill_step
 
 FACTORS = ("hbm", "gemm", "attention", "comm_overlap")
@@ -27,9 +28,9 @@ class Measurement:
 
     def __post_init__(self) -> None:
         if not self.step_s > 0:
-            raise ValueError(f"Measurement.step_s={self.step_s!r} is invalid: expected seconds > 0")
+            fail("Measurement", "step_s", self.step_s, "seconds > 0")
         if self.phase not in ("decode", "prefill"):
-            raise ValueError(f"Measurement.phase={self.phase!r} is invalid: expected 'decode' or 'prefill'")
+            fail("Measurement", "phase", self.phase, "'decode' or 'prefill'")
 
 
 def predict(m: Measurement, eff: Efficiency) -> float:

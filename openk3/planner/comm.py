@@ -12,6 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from openk3.checks import fail
 from openk3.config import ModelConfig
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Quantisation
@@ -34,10 +35,10 @@ class CommParams:
     def __post_init__(self) -> None:
         for name in ("scale_up_efficiency", "scale_out_efficiency"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"CommParams.{name}={getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
+                fail("CommParams", name, getattr(self, name), "a fraction in (0, 1]")
         for name in ("dispatch_floor_s", "combine_floor_s", "allreduce_floor_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"CommParams.{name}={getattr(self, name)!r} is invalid: expected seconds >= 0")
+                fail("CommParams", name, getattr(self, name), "seconds >= 0")
 
 
 def dispatch_bytes_per_copy(config: ModelConfig, quant: Quantisation) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
+from openk3.checks import fail
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
 from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
@@ -48,9 +49,9 @@ class Efficiency:
     def __post_init__(self) -> None:
         for name in ("hbm", "gemm", "attention"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"Efficiency.{name}={getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
+                fail("Efficiency", name, getattr(self, name), "a fraction in (0, 1]")
         if not 0 <= self.comm_overlap <= 1:
-            raise ValueError(f"Efficiency.comm_overlap={self.comm_overlap!r} is invalid: expected a fraction in [0, 1]")
+            fail("Efficiency", "comm_overlap", self.comm_overlap, "a fraction in [0, 1]")
 
     @classmethod
     def ideal(cls) -> Efficiency:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from openk3.checks import fail
 from openk3.config import ModelConfig
 from openk3.planner.balance import BalanceParams
 from openk3.planner.comm import CommParams
@@ -27,9 +28,9 @@ class SLO:
 
     def __post_init__(self) -> None:
         if self.min_user_tok_s < 0:
-            raise ValueError(f"SLO.min_user_tok_s={self.min_user_tok_s!r} is invalid: expected >= 0")
+            fail("SLO", "min_user_tok_s", self.min_user_tok_s, ">= 0")
         if not self.max_ttft_s > 0:
-            raise ValueError(f"SLO.max_ttft_s={self.max_ttft_s!r} is invalid: expected seconds > 0")
+            fail("SLO", "max_ttft_s", self.max_ttft_s, "seconds > 0")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from openk3.checks import fail
+from openk3.checks import check_int, fail
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and vLLM draws the same line.
 GREEDY_TEMPERATURE = 1e-5
@@ -50,8 +50,7 @@ class SamplingParams:
         if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
 
-        if not _is_int(self.n) or self.n < 1:
-            fail("SamplingParams", "n", self.n, "an integer >= 1")
+        check_int("SamplingParams", "n", self.n, low=1)
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             fail("SamplingParams", "temperature", self.temperature, "a float >= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -60,20 +59,16 @@ class SamplingParams:
             fail("SamplingParams", "top_k", self.top_k, "None, 0 or -1 (disabled) or an integer >= 1")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             fail("SamplingParams", "min_p", self.min_p, "a float in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("SamplingParams", "seed", self.seed, "None or an integer")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            fail("SamplingParams", "max_tokens", self.max_tokens, "None or an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            fail("SamplingParams", "min_tokens", self.min_tokens, "an integer >= 0")
+        check_int("SamplingParams", "seed", self.seed, optional=True)
+        check_int("SamplingParams", "max_tokens", self.max_tokens, low=1, optional=True)
+        check_int("SamplingParams", "min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("SamplingParams", "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("SamplingParams", "stop", self.stop, "non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("SamplingParams", "stop_token_ids", self.stop_token_ids, "non-negative integer token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            fail("SamplingParams", "logprobs", self.logprobs, "None or an integer >= 0")
+        check_int("SamplingParams", "logprobs", self.logprobs, low=0, optional=True)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -2 <= value <= 2:

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from openk3.checks import fail
+
 REPLACEMENT = "\ufffd"
 
 
@@ -36,7 +38,7 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int = 256 + len(SPECIALS)) -> None:
         if vocab_size < 256:
-            raise ValueError(f"ByteTokenizer.vocab_size={vocab_size} is invalid: expected >= 256 (one id per byte)")
+            fail("ByteTokenizer", "vocab_size", vocab_size, ">= 256 (one id per byte)")
         self._vocab_size = vocab_size
         # Specials only exist where the vocabulary has room for them.
         self._specials = {256 + i: s for i, s in enumerate(self.SPECIALS) if 256 + i < vocab_size}

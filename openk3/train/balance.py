@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.checks import fail
+
 
 class BalanceMethod(enum.Enum):
     QUANTILE = "qb"
@@ -54,15 +56,15 @@ class BalanceConfig:
 
     def __post_init__(self) -> None:
         if self.iterations < 1:
-            raise ValueError(f"BalanceConfig.iterations={self.iterations} is invalid: expected >= 1")
+            fail("BalanceConfig", "iterations", self.iterations, ">= 1")
         if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"BalanceConfig.ema={self.ema} is invalid: expected 0 <= ema < 1")
+            fail("BalanceConfig", "ema", self.ema, "0 <= ema < 1")
         if self.sign_rate <= 0:
-            raise ValueError(f"BalanceConfig.sign_rate={self.sign_rate} is invalid: expected > 0")
+            fail("BalanceConfig", "sign_rate", self.sign_rate, "> 0")
         if self.temperature < 0 or self.final_temperature <= 0:
             raise ValueError(f"BalanceConfig.temperature={self.temperature}, final_temperature={self.final_temperature}: expected >= 0 and > 0")
         if self.histogram_bins < 2:
-            raise ValueError(f"BalanceConfig.histogram_bins={self.histogram_bins} is invalid: expected >= 2")
+            fail("BalanceConfig", "histogram_bins", self.histogram_bins, ">= 2")
 
 
 def kth_largest(x: torch.Tensor, rank: float, dim: int) -> torch.Tensor:

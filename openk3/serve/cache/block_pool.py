@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from openk3.checks import fail
+
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
-            raise ValueError(f"BlockPool.num_blocks={num_blocks} is invalid: expected >= 0")
+            fail("BlockPool", "num_blocks", num_blocks, ">= 0")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from openk3.checks import fail
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
@@ -44,9 +45,9 @@ class CacheManager:
         prefix: PrefixCacheConfig | None = None,
     ) -> None:
         if page_size < 1:
-            raise ValueError(f"CacheManager.page_size={page_size} is invalid: expected >= 1")
+            fail("CacheManager", "page_size", page_size, ">= 1")
         if num_pages < 1:
-            raise ValueError(f"CacheManager.num_pages={num_pages} is invalid: expected >= 1")
+            fail("CacheManager", "num_pages", num_pages, ">= 1")
         self.config = config
         self.page_size = page_size
         self.block_pool = BlockPool(num_pages)

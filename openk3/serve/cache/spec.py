@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from openk3.checks import check_int
+from openk3.checks import check_int, fail
 from openk3.config import ModelConfig
 
 FP32_BYTES = 4
@@ -30,7 +30,7 @@ class MLAPageSpec:
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
-            raise ValueError(f"MLAPageSpec.num_layers={self.num_layers} is invalid: expected >= 0")
+            fail("MLAPageSpec", "num_layers", self.num_layers, ">= 0")
         for name in ("latent_dim", "page_size", "dtype_bytes"):
             check_int("MLAPageSpec", name, getattr(self, name), low=1)
 
@@ -67,7 +67,7 @@ class KDAStateSpec:
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
-            raise ValueError(f"KDAStateSpec.num_layers={self.num_layers} is invalid: expected >= 0")
+            fail("KDAStateSpec", "num_layers", self.num_layers, ">= 0")
         for name in ("num_heads", "head_k_dim", "head_v_dim", "conv_kernel", "conv_dtype_bytes", "state_dtype_bytes"):
             check_int("KDAStateSpec", name, getattr(self, name), low=1)
 

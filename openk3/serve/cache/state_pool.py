@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from openk3.checks import fail
+
 
 class StatePool:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
-            raise ValueError(f"StatePool.num_slots={num_slots} is invalid: expected >= 1")
+            fail("StatePool", "num_slots", num_slots, ">= 1")
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self._held = [False] * num_slots

@@ -9,7 +9,8 @@ since its owner may still change its weights. `pack_cpu_weights=True / False` ov
 
 `ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
 other experts (openk3.parallel.serving.local; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and
-leave the process group. Prefix caching is refused with ep > 1.
+leave the process group. Prefix caching is refused with ep > 1, and the ranks do not pack their projections for CPU
+(pack_cpu_weights applies to a single-process engine).
 
 The C heap setting of `openk3 serve` (serve/cpu_heap.py) is a process option: call keep_heap_for_reuse() for the same here.
 """

@@ -99,11 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Sequence[
         parser.add_argument(_flag(f, meta), **kwargs)
 
 
-def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
-    """`cls` from parsed flags (the fields that have a flag), plus `fixed` values; validation is the dataclass's own."""
+def from_args(cls: type, args: argparse.Namespace, exclude: Sequence[str] = (), **fixed: Any) -> Any:
+    """`cls` from parsed flags (the fields that have a flag, but those `exclude`d as in add_arguments: a command may use
+    the same name for a flag of its own), plus `fixed` values; validation is the dataclass's own."""
     values: dict[str, Any] = {}
     for f, meta, _ in _settings(cls):
-        if not meta["cli"] or not hasattr(args, f.name):
+        if not meta["cli"] or f.name in exclude or not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
         if meta["unit"] is not None and value is not None:

@@ -67,8 +67,8 @@ def test_torch_dtypes_and_devices_are_accepted_by_name() -> None:
 
     c = EngineConfig(dtype=torch.bfloat16, device=torch.device("cpu"))  # type: ignore[arg-type]  # LLM(dtype=torch.bfloat16)
     assert (c.dtype, c.device, c.torch_dtype) == ("bfloat16", "cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="EngineConfig.dtype='float16' is invalid"):
-        EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match="EngineConfig.dtype='float64' is invalid"):
+        EngineConfig(dtype="float64")
 
 
 def test_unknown_overrides_are_named() -> None:
@@ -88,3 +88,12 @@ def test_a_settings_class_of_ones_own() -> None:
     add_arguments(p, Demo)
     args = p.parse_args(["--rate", "0.25", "--name", "x"])
     assert from_args(Demo, args) == Demo(0.25, "x", 3) and not hasattr(args, "hidden")
+
+
+def test_generate_runs_and_its_seed_is_the_sampling_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    from openk3.cli import main
+
+    for extra in ([], ["--seed", "5", "--temperature", "1"]):
+        with pytest.warns(UserWarning, match="random weights"):
+            assert main(["generate", "--model", "debug", "--prompt", "hi", "--max-tokens", "2", "--cache-memory-mb", "4", "--json", *extra]) == 0
+    assert capsys.readouterr().out.count('"finish_reason"') == 2

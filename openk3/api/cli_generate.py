@@ -9,6 +9,8 @@ import sys
 from openk3.api.engine_args import add_engine_arguments, add_process_arguments, engine_configs
 from openk3.serve.sampling import SamplingParams
 
+ENGINE_FLAGS_NOT_TAKEN = ("seed",)  # --seed here is the sampling seed; the engine's own stays at its default
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts, offline")
@@ -21,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (the engine's own seed stays 0)")
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, timings)")
-    add_engine_arguments(p, exclude=("seed",))
+    add_engine_arguments(p, exclude=ENGINE_FLAGS_NOT_TAKEN)
     add_process_arguments(p)
     p.set_defaults(func=run)
 
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     apply_heap_mode(args.cpu_heap)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-        config, parallel = engine_configs(args)
+        config, parallel = engine_configs(args, exclude=ENGINE_FLAGS_NOT_TAKEN)
         llm = LLM(args.model, config=config, parallel=parallel)
         try:
             outputs = llm.generate(args.prompt, params)

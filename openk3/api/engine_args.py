@@ -18,13 +18,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, exclude: Sequence[str] = ()
     add_arguments(p, ParallelConfig, exclude)
 
 
-def engine_configs(args: argparse.Namespace, **fixed: Any) -> tuple[Any, Any]:
-    """(EngineConfig, ParallelConfig) from parsed flags; `fixed` sets EngineConfig fields the command decides itself."""
+def engine_configs(args: argparse.Namespace, exclude: Sequence[str] = (), **fixed: Any) -> tuple[Any, Any]:
+    """(EngineConfig, ParallelConfig) from parsed flags (`exclude`: as given to add_engine_arguments); `fixed` sets
+    EngineConfig fields the command decides itself."""
     from openk3.parallel.config import ParallelConfig
     from openk3.serve.config import EngineConfig
 
-    engine = from_args(EngineConfig, args, **fixed)
-    parallel = from_args(ParallelConfig, args)
+    engine = from_args(EngineConfig, args, exclude, **fixed)
+    parallel = from_args(ParallelConfig, args, exclude)
     parallel.check_engine(engine)
     return engine, parallel
 

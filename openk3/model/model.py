@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from openk3.checks import check_int, fail
 from openk3.config import LayerKind, ModelConfig
 from openk3.model.attn_res import BlockMixes, Mixer, mix, new_mixer, use_two_phase
 from openk3.model.batch import CacheTensors, ForwardBatch
@@ -36,6 +37,12 @@ class OpChoice:
     attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "sized": by step size
     kda_chunk_size: int | None = None  # chunk length of the chunkwise KDA forms (None: their default)
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
+
+    def __post_init__(self) -> None:
+        size = self.kda_chunk_size
+        check_int("OpChoice", "kda_chunk_size", size, low=1, optional=True)
+        if size is not None and size & (size - 1):
+            fail("OpChoice", "kda_chunk_size", size, "None or a power of two (the chunkwise KDA forms' block size)")
 
 
 class DecoderLayer(nn.Module):
@@ -180,7 +187,8 @@ class K3ForCausalLM(nn.Module):
         """Choose every layer's implementations by name (ops/registry.py), "auto" resolved for `target` (its device, and
         whether it trains); the parameters are untouched. Training calls it with OpTarget(training=True), the serving
         runner with the device it serves on."""
-        self.ops = ops = ops or self.ops
+        previous, self.ops = self.ops, ops or self.ops
+        ops = self.ops
         self.model.attn_res_impl = registry().entry("attn_res", ops.attn_res, target)[0]
         for layer in self.model.decoder_layers:
             attn = layer.self_attn
@@ -188,8 +196,9 @@ class K3ForCausalLM(nn.Module):
                 attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
             elif isinstance(attn, GatedMLA):
                 attn.select(ops.mla, target)
-            if layer.is_moe and isinstance(layer.block_sparse_moe.backend, LocalExperts):
-                layer.block_sparse_moe.backend = LocalExperts(ops.moe)
+            backend = layer.block_sparse_moe.backend if layer.is_moe else None
+            if isinstance(backend, LocalExperts):  # a name set on the backend itself is kept; the model's own follows ops
+                layer.block_sparse_moe.backend = LocalExperts(ops.moe if backend.impl == previous.moe else backend.impl, target)
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""

@@ -23,7 +23,7 @@ from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
 from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor
-from openk3.ops.registry import op
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 
 class ExpertBackend(Protocol):
@@ -35,8 +35,9 @@ class ExpertBackend(Protocol):
 class LocalExperts:
     """All experts on this device; `impl` names the routed-expert implementation (ops/registry.py "moe_experts")."""
 
-    def __init__(self, impl: str = "auto") -> None:
-        self.op = op("moe_experts", impl)
+    def __init__(self, impl: str = "auto", target: OpTarget = CPU_INFERENCE) -> None:
+        self.impl = impl
+        self.op = op("moe_experts", impl, target)
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         return self.op(z_TD, routing.topk_idx, routing.topk_weight, layer.experts.bank(), layer.expert_act)

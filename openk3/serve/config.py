@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch is imported lazily: the CLI builds every command's fl
 
     from openk3.serve.scheduler import SchedulerConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

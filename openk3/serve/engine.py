@@ -107,6 +107,8 @@ class LLMEngine:
             return None
         self.scheduler.finish(request_id, status)
         req.timings.finished = time.monotonic()
+        if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
+            self.check_integrity()  # a request the output processor finished (a stop string) can be the last one
         return req.metrics()
 
     def abort(self, request_id: str) -> None:

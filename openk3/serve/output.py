@@ -248,7 +248,8 @@ class OutputProcessor:
     @staticmethod
     def _delta(s: _Sample) -> CompletionOutput:
         """What is new since this sample's last output: its new tokens at once, its text but the held-back end."""
-        keep = 0 if s.finished else min(s.hold, len(s.unsent))
+        # an aborted sample never learns whether its held-back end starts a stop string: that text stays unsent
+        keep = 0 if s.finished and s.finish_reason != "abort" else min(s.hold, len(s.unsent))
         text, s.unsent = s.unsent[: len(s.unsent) - keep], s.unsent[len(s.unsent) - keep :]
         sent, s.num_sent_tokens = s.num_sent_tokens, len(s.token_ids)
         logprobs = None if s.logprobs is None else tuple(s.logprobs[sent:])

@@ -1,8 +1,8 @@
 """prepare_for_serving: the serving layout of a model, applied from outside it (as torchtitan's parallelize.py does), once,
 by the runner -- the model classes stay plain single-device modules.
 
-What it does: "auto" implementations resolved for inference on the device (ops/registry.py), and, by swapping the model's
-attach points for serving modules that hold the same parameters:
+What it does: "auto" implementations resolved for inference on the device (ops/registry.py; a model in training mode keeps
+its owner's choices), and, by swapping the model's attach points for serving modules that hold the same parameters:
 - every ProjectionGroup becomes FusedProjections: its members' weights tied into one block (serve/fused.py), one matmul
   for the group, the pieces returned as views of its output;
 - every StackedWeights becomes FusedWeights: the stacked tensor is the block itself (no concatenation per call);
@@ -18,6 +18,7 @@ not change; autograd always takes the per-member path.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -83,16 +84,13 @@ class PackedLinear(Linear):
 
     @classmethod
     def from_linear(cls, source: Linear) -> PackedLinear:
-        """The same parameter (not a copy) under the same name, with an enabled PackedWeight."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = source.in_features, source.out_features
-        new.weight = source.weight
-        new.register_parameter("bias", None)
-        new.packed = PackedWeight()
-        new.packed.enable()
-        new.train(source.training)
-        return new
+        """The same module, turned into a PackedLinear in place: its parameter, name, hooks and attributes stay, and so does
+        every outside reference to it; it gains an enabled PackedWeight."""
+        source.__class__ = cls
+        packed = cast(PackedLinear, source)
+        packed.packed = PackedWeight()
+        packed.packed.enable()
+        return packed
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # the copy of the old weight goes with it
         out = super()._apply(fn, recurse)
@@ -112,7 +110,7 @@ def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
 def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False) -> None:
     """Apply the serving layout to `model` in place (module docstring), and resolve its "auto" implementations for
     inference on `device` (ops/registry.py)."""
-    if isinstance(model, K3ForCausalLM):
+    if isinstance(model, K3ForCausalLM) and not model.training:  # a module in training mode keeps the choices its owner made
         model.select_ops(target=OpTarget(device.type))
     for parent, name, child in _children(model):
         if type(child) is ProjectionGroup:
@@ -128,6 +126,6 @@ def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights
     for g in groups:
         if isinstance(g, FusedProjections) and not g.block.packed.enabled:
             g.block.packed.enable()
-    for parent, name, child in _children(model):
+    for child in list(model.modules()):
         if type(child) is Linear and child.bias is None and id(child) not in in_groups:
-            setattr(parent, name, PackedLinear.from_linear(child))
+            PackedLinear.from_linear(child)

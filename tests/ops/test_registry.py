@@ -65,6 +65,8 @@ def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     model.init_weights(0)
     model.forward_tokens(torch.randint(0, 256, (1, 6))).sum().backward()  # and it differentiates
     prepare_for_serving(model, torch.device("cpu"))
-    assert kda_prefills(model) == {kda_chunk}  # the runner resolves "auto" again, for inference
+    assert kda_prefills(model) == {kda_chunk_autograd}  # a module in training mode keeps what its owner chose
+    prepare_for_serving(model.eval(), torch.device("cpu"))
+    assert kda_prefills(model) == {kda_chunk}  # an eval-mode one gets "auto" resolved again, for inference
     with pytest.raises(ValueError, match="'fast' is inference-only"):
         model.select_ops(OpChoice(kda="fast"), OpTarget(training=True))

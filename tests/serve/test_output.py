@@ -114,3 +114,15 @@ def test_a_refused_prompt_leaves_nothing_queued() -> None:
     assert not p.engine.has_unfinished() and "r" not in p
     with pytest.raises(ValueError, match="one sample per request"):
         p.engine.add_request("x", [1], SamplingParams(n=2))
+
+
+def test_an_aborted_stream_keeps_its_held_back_text_unsent() -> None:
+    p = OutputProcessor(engine())
+    p.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=60, stop=("world!",)), OutputKind.DELTA)
+    sent = ""
+    for _ in range(8):
+        for out in p.process(p.engine.step()):
+            sent += out.outputs[0].text
+    last = p.abort("r")
+    assert last is not None and last.outputs[0].finish_reason == "abort" and last.outputs[0].text == ""
+    assert sent == "llo"  # 8 characters out, len("world!") - 1 = 5 of them held back, and still held at the abort

@@ -202,3 +202,30 @@ def test_the_model_classes_stay_plain_and_gpu_gets_no_packed_copies() -> None:
     fresh = build(debug())
     assert any(type(m) is ProjectionGroup for m in fresh.modules())  # building a model applies no serving layout
     assert not any(isinstance(m, (FusedProjections, FusedWeights, PackedLinear)) for m in fresh.modules())
+
+
+def test_packing_keeps_the_module_and_a_training_model_keeps_its_choices() -> None:
+    from openk3.model import OpChoice
+    from openk3.model.kda import KimiDeltaAttention
+    from openk3.model.moe import LocalExperts
+    from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+    from openk3.ops.moe.naive import moe_experts_naive
+    from openk3.ops.registry import OpTarget
+
+    model = build(debug())
+    o_proj = kda_layer(model).o_proj
+    o_proj.tag = "mine"  # type: ignore[assignment]
+    calls: list[int] = []
+    o_proj.register_forward_pre_hook(lambda m, args: calls.append(1))
+    moe = model.moe_layers()[0]
+    moe.backend = LocalExperts("naive")  # a name set on the backend itself
+    model.select_ops(target=OpTarget(training=True))
+    model.train()
+    prepare_for_serving(model, CPU, pack_cpu_weights=True)
+    assert kda_layer(model).o_proj is o_proj and isinstance(o_proj, PackedLinear) and o_proj.tag == "mine"
+    logits(model)
+    assert calls  # its hooks still run
+    assert {m.kda_prefill for m in model.modules() if isinstance(m, KimiDeltaAttention)} == {kda_chunk_autograd}
+    assert isinstance(moe.backend, LocalExperts) and moe.backend.op is moe_experts_naive
+    with pytest.raises(ValueError, match="OpChoice.kda_chunk_size=5 is invalid: expected None or a power of two"):
+        OpChoice(kda_chunk_size=5)

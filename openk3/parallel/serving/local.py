@@ -47,9 +47,7 @@ class LocalEP:
             raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
         if not isinstance(source, torch.nn.Module):
             resolve_model(source)  # a bad name fails here, before any rank starts
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is not None:
-            raise ValueError(f"device={str(device)!r} with ep={config.ep}: rank r takes GPU r, so name no index (device='cuda')")
+        dev = torch.device(device)  # the caller has checked the settings together (ParallelConfig.check_engine: no cuda:N)
         if dev.type == "cuda" and torch.cuda.device_count() < config.ep:
             raise ValueError(f"ep={config.ep} needs one GPU per rank, {torch.cuda.device_count()} visible")
         port = free_port()

@@ -19,16 +19,14 @@ from collections.abc import Callable
 import torch
 
 from openk3.config import Activation, KDAGate
-from openk3.ops import linear as linear_mod
-from openk3.ops import norm
 from openk3.ops.activation import glu
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.kda import decode_fused
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
-from openk3.ops.linear import linear
-from openk3.ops.mla import decode_cpu, mla_decode_paged
-from openk3.ops.moe import DenseExpertBank, cpu_pairs, moe_experts_batched, sigmoid_topk_route
+from openk3.ops.moe import DenseExpertBank
 from openk3.ops.norm import l2_norm, rms_norm
+from openk3.ops.registry import OpTarget, op
 from openk3.ops.short_conv import causal_conv1d_update_
 
 H, D, HIDDEN, EXPERTS, TOP_K, INTER = 4, 64, 256, 16, 2, 128
@@ -60,7 +58,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2000)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not decode_fused.kda_decode_fused_available():
+    if not kernels_available():
         raise SystemExit("the CPU kernels could not be built here (no C compiler?): nothing to compare")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"command: python benchmarks/cpu_kernels.py --threads {args.threads} --repeats {args.repeats}")
@@ -90,7 +88,8 @@ def timings_at(n: int, repeats: int, g: torch.Generator) -> list[tuple[str, floa
     bank = DenseExpertBank(rand(EXPERTS, INTER, HIDDEN) * 0.05, rand(EXPERTS, INTER, HIDDEN) * 0.05, rand(EXPERTS, HIDDEN, INTER) * 0.05)
     router_w, router_b = rand(EXPERTS, HIDDEN) * 0.05, rand(EXPERTS) * 0.01
     act = functools.partial(glu, kind=Activation.SILU)
-    # (name, the call, the loader whose None answer sends the same call down the torch path)
+    # (name, the op, a call of it with the op's entry): the "c" backend's entry against the torch one (ops/registry.py)
+    c_target, torch_target = OpTarget(), OpTarget(c_kernels=False)
     proj = rand(3 * p + D + D + H, HIDDEN) * 0.05  # KDA's fused q|k|v|f_a|g_a|b
     pages = CONTEXT // PAGE
     pool = rand(n * pages + 4, PAGE, RANK + ROPE)
@@ -98,25 +97,19 @@ def timings_at(n: int, repeats: int, g: torch.Generator) -> list[tuple[str, floa
     lens = torch.full((n,), CONTEXT)
     q_nope, q_pe = rand(n, MLA_HEADS, NOPE), rand(n, MLA_HEADS, ROPE)
     w_uk, w_uv = rand(MLA_HEADS, NOPE, RANK) * 0.1, rand(MLA_HEADS, V_DIM, RANK) * 0.1
-    rows = [
-        (f"projection [{proj.shape[0]}, {HIDDEN}] (ops.linear)", lambda: linear(h, proj), (linear_mod, "_rows_kernel")),
-        (f"MLA decode attention, {CONTEXT} tokens", lambda: mla_decode_paged(q_nope, q_pe, pool, table, lens, w_uk, w_uv, 0.1), (decode_cpu, "_kernel")),
-        ("RMSNorm [n, 256]", lambda: rms_norm(h, ones, 1e-6), (norm, "_kernel")),
+    rows: list[tuple[str, str, str, Callable[[Callable[..., object]], object]]] = [
+        (f"projection [{proj.shape[0]}, {HIDDEN}] (linear)", "linear", "fast", lambda fn: fn(h, proj)),
+        (f"MLA decode attention, {CONTEXT} tokens", "mla_decode", "auto", lambda fn: fn(q_nope, q_pe, pool, table, lens, w_uk, w_uv, 0.1)),
+        ("RMSNorm [n, 256]", "rms_norm", "fast", lambda fn: fn(h, ones, 1e-6)),
+        ("router top-2 of 16", "moe_route", "auto", lambda fn: fn(h, router_w, router_b, TOP_K, True, 2.446)),
     ]
-    rows.append(("router top-2 of 16", lambda: sigmoid_topk_route(h, router_w, router_b, TOP_K, True, 2.446), (cpu_pairs, "_lib")))
     if n > 1:
         idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(n)])
         wts = torch.rand(n, TOP_K, generator=g)
-        rows.append(("batched routed experts", lambda: moe_experts_batched(h, idx, wts, bank, act), (cpu_pairs, "_lib")))
-    for name, call, (module, loader) in rows:
-        fast = per_call_us(call, repeats)
-        real = getattr(module, loader)
-        setattr(module, loader, lambda: None)
-        try:
-            slow = per_call_us(call, repeats)
-        finally:
-            setattr(module, loader, real)
-        timings.append((name, slow, fast))
+        rows.append(("batched routed experts", "moe_experts", "batched", lambda fn: fn(h, idx, wts, bank, act)))
+    for name, op_name, impl, call in rows:
+        slow, fast = (functools.partial(call, op(op_name, impl, t)) for t in (torch_target, c_target))
+        timings.append((name, per_call_us(slow, repeats), per_call_us(fast, repeats)))
     return timings
 
 

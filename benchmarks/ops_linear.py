@@ -1,8 +1,8 @@
-"""Projection speed at serving step sizes: `ops.linear` / `ops.bmm_weight_t` against F.linear / matmul, same run, CPU fp32.
+"""Projection speed at serving step sizes: `ops.linear`'s CPU forms / `ops.bmm_weight_t` against F.linear / matmul, same run, CPU fp32.
 
-`ops.linear` is shown twice: with its C kernel for up to KERNEL_ROWS rows (ops/cpu/linear.c), and with the torch forms it
-falls back to without a compiler (weight-first mm, oneDNN); the packed-weight form needs a model's PackedWeight and is left
-to the engine benchmark.
+The registry's CPU "linear" is shown twice: with the C kernel for up to KERNEL_ROWS rows (`linear_c`, ops/cpu/linear.c, the
+"c" backend), and in the torch forms alone (`linear_cpu`: weight-first mm, oneDNN; the "cpu" backend, what runs without a
+compiler); the packed-weight form needs a model's PackedWeight and is left to the engine benchmark.
 
 Two cache regimes, because the choice in ops/linear.py depends on whether the weight is streamed from memory:
   cold: the call cycles over enough copies of the weight to overflow the last-level cache (what a decode step sees when its
@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from openk3.ops import linear as linear_mod
-from openk3.ops.linear import bmm_weight_t, linear
+from openk3.ops.cpu.build import kernels_available
+from openk3.ops.linear import bmm_weight_t, linear_c, linear_cpu
 
 CACHE_BYTES = 96 * 2**20  # cycled working set for "cold": above the L3 of the machines this runs on
 
@@ -55,7 +55,7 @@ def main() -> None:
     print(f"command: python benchmarks/ops_linear.py --threads {args.threads} --rows {args.rows}")
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads; commit {commit}\n")
 
-    print("| weight [N, K] | what | regime | rows | F.linear us | torch forms us | ops.linear us | vs F.linear | vs torch forms |")
+    print("| weight [N, K] | what | regime | rows | F.linear us | torch forms us | with the C kernel us | vs F.linear | vs torch forms |")
     print("|---|---|---|---|---|---|---|---|---|")
     shapes = [
         ((4096, 256), "LM head"),
@@ -65,7 +65,8 @@ def main() -> None:
         ((256, 128), "shared-expert down"),
         ((256, 64), "KDA f_b"),
     ]
-    kernel = linear_mod._rows_kernel
+    if not kernels_available():
+        raise SystemExit("the CPU kernels could not be built here (no C compiler?): the C column cannot be measured")
     with torch.inference_mode():
         for (n, k), what in shapes:
             for regime in ("cold", "hot"):
@@ -74,12 +75,8 @@ def main() -> None:
                     x = torch.randn(m, k)
                     repeats = max(3, 2000 // len(weights))
                     base = per_call_us([lambda w=w, x=x: F.linear(x, w) for w in weights], repeats)
-                    linear_mod._rows_kernel = lambda: None  # type: ignore[assignment]
-                    try:
-                        forms = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], repeats)
-                    finally:
-                        linear_mod._rows_kernel = kernel  # type: ignore[assignment]
-                    ours = per_call_us([lambda w=w, x=x: linear(x, w) for w in weights], repeats)
+                    forms = per_call_us([lambda w=w, x=x: linear_cpu(x, w) for w in weights], repeats)
+                    ours = per_call_us([lambda w=w, x=x: linear_c(x, w) for w in weights], repeats)
                     print(f"| [{n}, {k}] | {what} | {regime} | {m} | {base:.1f} | {forms:.1f} | {ours:.1f} | {base / ours:.2f}x | {forms / ours:.2f}x |")
 
         print("\n| experts [A, N, K] | regime | rows per expert | matmul(x, W^T) us | bmm_weight_t us | ratio |")

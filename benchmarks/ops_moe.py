@@ -24,16 +24,14 @@ from openk3.ops.activation import glu
 from openk3.ops.moe import (
     DenseExpertBank,
     MoEExpertsFn,
-    moe_experts_auto,
-    moe_experts_batched,
-    moe_experts_grouped,
     moe_experts_naive,
     sigmoid_topk_route,
 )
+from openk3.ops.registry import OpTarget, op
 
 D, I = 256, 128
 TOKENS = (1, 4, 16, 64, 256, 1024)
-FAST: dict[str, MoEExpertsFn] = {"grouped": moe_experts_grouped, "batched": moe_experts_batched, "auto": moe_experts_auto}  # type: ignore[dict-item]
+PATHS = (("grouped", "fast"), ("batched", "batched"), ("auto", "sized"))  # (column, the registry's "moe_experts" name)
 
 
 def _sync(device: torch.device) -> None:
@@ -67,6 +65,8 @@ def main() -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    target = OpTarget(device.type, dtype=dtype)  # each path's entry for this device and dtype (ops/registry.py)
+    fast: dict[str, MoEExpertsFn] = {name: op("moe_experts", impl, target) for name, impl in PATHS}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
@@ -94,13 +94,13 @@ def main() -> int:
         route = sigmoid_topk_route(x, router_w, router_b, K, True, 1.0)
         call = (x, route.topk_idx, route.topk_weight, bank, act)
         want = moe_experts_naive(*call).float()
-        diffs = {name: (fn(*call).float() - want).abs().max().item() for name, fn in FAST.items()}
+        diffs = {name: (fn(*call).float() - want).abs().max().item() for name, fn in fast.items()}
         if max(diffs.values()) > tol:
             ok = False
             print(f"| {t} | refused: a fast path != naive ({diffs}) |")
             continue
         naive = _tokens_per_s(moe_experts_naive, call, t, args.seconds, device)
-        rate = {name: _tokens_per_s(fn, call, t, args.seconds, device) for name, fn in FAST.items()}
+        rate = {name: _tokens_per_s(fn, call, t, args.seconds, device) for name, fn in fast.items()}
         g_, b_, a_ = rate["grouped"], rate["batched"], rate["auto"]
         print(f"| {t} | {naive:,.0f} | {g_:,.0f} | {b_:,.0f} | {a_:,.0f} | {g_ / naive:.2f}x | {b_ / g_:.2f}x | {a_ / g_:.2f}x |")
     return 0 if ok else 1

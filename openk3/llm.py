@@ -52,8 +52,7 @@ class LLM:
         config = dataclasses.replace(config or EngineConfig(), **engine_overrides)
         parallel = dataclasses.replace(parallel or ParallelConfig(), **parallel_overrides)
         parallel.check_engine(config)
-        if config.pack_cpu_weights is None:  # by default only a model loaded here, which nothing else can write to
-            config = dataclasses.replace(config, pack_cpu_weights=not isinstance(model, torch.nn.Module))
+        config = config.with_packing_default(owns_model=not isinstance(model, torch.nn.Module))  # nothing else writes to it
         net: CausalLM
         self._ep = None
         if parallel.ep != 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -82,9 +81,7 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
     """The engine and parallel settings of parsed `serve` flags. The server owns its model, so on CPU its projections are
     packed unless --no-cpu-weight-packing."""
     engine, parallel = engine_configs(args)
-    if engine.pack_cpu_weights is None:
-        engine = dataclasses.replace(engine, pack_cpu_weights=True)
-    return engine, parallel
+    return engine.with_packing_default(owns_model=True), parallel
 
 
 def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> FastAPI:

@@ -22,11 +22,11 @@ from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
 from openk3.ops.kda.decode import kda_decode
-from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_available
+from openk3.ops.kda.decode_fused import MAX_HEAD_DIM, kda_decode_fused
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.mixed import kda_mixed
-from openk3.ops.norm import l2_norm, rms_norm
+from openk3.ops.norm import l2_norm
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op, registry
 from openk3.ops.short_conv import causal_conv1d_update, causal_conv1d_update_
 
@@ -119,8 +119,16 @@ class KimiDeltaAttention(nn.Module):
             prefill = functools.partial(prefill, chunk_size=chunk_size)
         self.kda_prefill, self.kda_prefill_name = prefill, name
         self.kda_prefill_differentiable = entry.differentiable
-        self.reference_ops = name == "naive"  # rule 1: "naive" runs the definitions on every kind of step
         self.conv_prefill = op("short_conv", conv_impl, target)
+        # the decode token ("kda_decode"): the definitions when the prefill runs them too (naive), else "auto" for the target
+        decode, decode_entry = registry().entry("kda_decode", "naive" if name == "naive" else "auto", target)
+        if decode == "naive":
+            self.decode_form = "reference"  # old state in, new state out: differentiable, and the order every form is checked in
+        elif decode_entry.backend == "c" and self.head_dim <= MAX_HEAD_DIM:
+            self.decode_form = "fused"  # the whole token in one C call (ops/kda/decode_fused.py)
+        else:
+            self.decode_form = "in_pool"  # conv windows and states advanced where they live, torch ops
+        self.reference_ops = name == "naive"  # rule 1: "naive" runs the definitions on every kind of step
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
@@ -133,16 +141,21 @@ class KimiDeltaAttention(nn.Module):
 
     def _decode_fused(
         self, qkv_TC: torch.Tensor, f_TP: torch.Tensor, gate: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
-    ) -> torch.Tensor | None:
-        """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py), or
-        None when it cannot run here (the torch ops below then do the same)."""
+    ) -> torch.Tensor:
+        """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py)."""
         assert cache is not None and batch.state_slots is not None
-        if not qkv_TC.is_cpu or qkv_TC.dtype != torch.float32 or cache.conv_SCW.dtype != torch.float32 or not kda_decode_fused_available():
-            return None
         return kda_decode_fused(
             qkv_TC, self.conv_weight(), cache.conv_SCW, batch.state_slots, batch.fresh_seqs, f_TP, self.A_log, self.dt_bias,
             b_logit, cache.state_SHKV, self.gate_kind, self.gate_lower_bound, self.o_norm.weight, self.eps, gate,
         )  # fmt: skip
+
+    @staticmethod
+    def _refuse_autograd(x: torch.Tensor, step: str, form: str) -> None:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(
+                f"the KDA {step} {form!r} is inference-only; for training select the differentiable forms (model.select_ops("
+                "target=OpTarget(training=True)), or OpChoice(kda='autograd') / 'naive' by name), or run under torch.no_grad()"
+            )
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
         t = x_TD.shape[0]
@@ -151,11 +164,12 @@ class KimiDeltaAttention(nn.Module):
         f_TP = self.f_b_proj(f_a)  # both paths below need the gate pre-activation and the output gate
         gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
         decode = batch.is_decode and cache is not None
-        # the serving fast path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
-        in_pool = decode and not self.reference_ops and not torch.is_grad_enabled()
-
-        if in_pool and (fused := self._decode_fused(qkv_TC, f_TP, gate, b_logit, batch, cache)) is not None:
-            return self.o_proj(fused.to(x_TD.dtype))
+        if decode and self.decode_form != "reference":
+            self._refuse_autograd(qkv_TC, "decode", self.decode_form)
+            if self.decode_form == "fused":
+                return self.o_proj(self._decode_fused(qkv_TC, f_TP, gate, b_logit, batch, cache).to(x_TD.dtype))
+        # the serving path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
+        in_pool = decode and self.decode_form == "in_pool"
 
         conv_state = None
         if in_pool:
@@ -183,11 +197,8 @@ class KimiDeltaAttention(nn.Module):
             assert cache is not None
             o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
         else:
-            if q.requires_grad and not self.kda_prefill_differentiable:
-                raise RuntimeError(
-                    f"the KDA prefill {self.kda_prefill_name!r} is inference-only; for training select the differentiable form "
-                    "by name (OpChoice(kda='autograd'), or model.select_ops(OpChoice(kda='autograd'))), or run under torch.no_grad()"
-                )
+            if not self.kda_prefill_differentiable:
+                self._refuse_autograd(q, "prefill", self.kda_prefill_name)
             init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
             if init is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
                 o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
@@ -200,5 +211,5 @@ class KimiDeltaAttention(nn.Module):
             cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
 
         # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)
-        o32 = rms_norm(o_THV.float(), self.o_norm.weight, self.eps) * torch.sigmoid(gate.view(t, h, k).float())
+        o32 = self.o_norm(o_THV.float()) * torch.sigmoid(gate.view(t, h, k).float())
         return self.o_proj(o32.to(x_TD.dtype).reshape(t, h * k))

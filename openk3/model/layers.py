@@ -13,26 +13,39 @@ from torch import nn
 
 from openk3.config import Activation
 from openk3.ops.activation import glu
-from openk3.ops.linear import linear
-from openk3.ops.norm import rms_norm
+from openk3.ops.registry import OpTarget, op
 
 
 class RMSNorm(nn.Module):
+    """The norm by the registry's "rms_norm" ("auto" resolved for inference where the weight was made, until the model
+    selects again: K3ForCausalLM.select_ops)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.select(OpTarget(self.weight.device.type, dtype=self.weight.dtype))
+
+    def select(self, target: OpTarget, impl: str = "auto") -> None:
+        self.norm = op("rms_norm", impl, target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state-dict keys) whose product takes the fastest form for a few rows
-    (ops/linear.py); with a bias it is nn.Linear's own."""
+    """nn.Linear (same parameters, same state-dict keys) whose bias-free product is the registry's "linear" (the fastest
+    form for a few rows on CPU: ops/linear.py); with a bias it is nn.Linear's own."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.select(OpTarget(self.weight.device.type, dtype=self.weight.dtype))
+
+    def select(self, target: OpTarget, impl: str = "auto") -> None:
+        self.linear = op("linear", impl, target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.bias is not None else linear(x, self.weight)
+        return super().forward(x) if self.bias is not None else self.linear(x, self.weight)
 
 
 class ProjectionGroup(nn.Module):

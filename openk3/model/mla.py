@@ -16,7 +16,7 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm
-from openk3.ops.mla import mla_decode_paged, split_kv_b
+from openk3.ops.mla import split_kv_b
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
@@ -68,8 +68,10 @@ class GatedMLA(nn.Module):
         return linears + [self.g_proj] if self.output_gate else linears
 
     def select(self, prefill_impl: str, target: OpTarget) -> None:
-        """The prefill attention by name (ops/registry.py "mla_prefill"), "auto" resolved for `target`."""
+        """The prefill attention by name (ops/registry.py "mla_prefill"), "auto" resolved for `target`, and the decode
+        attention over the pages ("mla_decode": the definition's torch ops when the prefill is "naive")."""
         self.prefill = op("mla_prefill", prefill_impl, target)
+        self.decode = op("mla_decode", "naive" if prefill_impl == "naive" else "auto", target)
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x."""
@@ -90,7 +92,7 @@ class GatedMLA(nn.Module):
             write_latents(latent_pool, batch.page_table, batch, latent_TR)
         if batch.is_decode and latent_pool is not None:
             assert batch.page_table is not None
-            out_THV = mla_decode_paged(q_nope, q_pe, latent_pool, batch.page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
+            out_THV = self.decode(q_nope, q_pe, latent_pool, batch.page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
         else:
             out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, w_uk, w_uv)
 

@@ -21,7 +21,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
-from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts
+from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts, Router
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, registry
 
 
@@ -35,6 +35,9 @@ class OpChoice:
     mla: str = "auto"
     moe: str = "auto"
     attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "sized": by step size
+    linear: str = "auto"  # the bias-free projections ("naive": F.linear; "fast": the CPU forms, ops/linear.py)
+    norm: str = "auto"  # every RMSNorm
+    route: str = "auto"  # the MoE router's top-k ("moe_route")
     kda_chunk_size: int | None = None  # chunk length of the chunkwise KDA forms (None: their default)
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
 
@@ -189,6 +192,13 @@ class K3ForCausalLM(nn.Module):
         runner with the device it serves on."""
         previous, self.ops = self.ops, ops or self.ops
         ops = self.ops
+        for module in self.modules():  # the building blocks
+            if isinstance(module, Linear):
+                module.select(target, ops.linear)
+            elif isinstance(module, RMSNorm):
+                module.select(target, ops.norm)
+            elif isinstance(module, Router):
+                module.select(target, ops.route)
         self.model.attn_res_impl = registry().entry("attn_res", ops.attn_res, target)[0]
         for layer in self.model.decoder_layers:
             attn = layer.self_attn

@@ -21,7 +21,7 @@ from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.ops.activation import glu
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
 from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
-from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
+from openk3.ops.moe.router import RouterOutput
 from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
@@ -44,13 +44,18 @@ class LocalExperts:
 
 
 class Router(nn.Module):
-    """`weight` [E, D] and `e_score_correction_bias` [E], both fp32 (the checkpoint keeps them in fp32)."""
+    """`weight` [E, D] and `e_score_correction_bias` [E], both fp32 (the checkpoint keeps them in fp32); the top-k by the
+    registry's "moe_route"."""
 
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
         self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.select(CPU_INFERENCE)
+
+    def select(self, target: OpTarget, impl: str = "auto") -> None:
+        self.route = op("moe_route", impl, target)
 
 
 class DenseExperts(nn.Module):
@@ -117,7 +122,7 @@ class LatentMoE(nn.Module):
         self.backend: ExpertBackend = backend or LocalExperts()
 
     def route(self, x_TD: torch.Tensor) -> RouterOutput:
-        return sigmoid_topk_route(x_TD, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        return self.gate.route(x_TD, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         routing = self.route(x_TD)

@@ -1,5 +1,7 @@
 """Projections at serving step sizes on CPU: x W^T through a C kernel for a few rows, oneDNN (with the weight in its own
 blocked layout when the model is served) or MKL for more; and the stacked experts' product computed weight-first.
+The registry's "linear" entries (ops/registry.py): `linear_torch` (F.linear; "any"), `linear_cpu` (the CPU forms below;
+"cpu") and `linear_c` (the same with the C rows kernel; "c").
 
 Legend: M rows, K input width, N output width; batched: A stacked matrices (experts), C rows each.
 
@@ -10,15 +12,16 @@ not fit in the last-level cache). Up to KERNEL_ROWS rows, `ops/cpu/linear.c` rea
 into L2, once for all rows: a decode step of the benchmark model 14% faster than with the forms below at 1 and at 16
 sequences, 21% at 4 (benchmarks/results/engine_offline.md; op figures in benchmarks/results/ops_linear.md).
 
-Without a C compiler, and above KERNEL_ROWS: weights of at least LARGE_WEIGHT elements (512 KiB in fp32) go weight-first,
-(W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache; one row is padded to two, or the call becomes a GEMV, as slow
-as F.linear), then through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, inference only, the kernel torch's own
-CPU compiler emits), 1.1-1.8x. Both cost a few microseconds more per call, which a smaller weight does not earn back: it
-stays with F.linear. A weight whose caller holds an enabled `PackedWeight` (the serving engine enables them on CPU) goes to
-oneDNN in oneDNN's own blocked layout, made once: given the plain weight, `_linear_pointwise` reorders it on every call
-(the packed call is 1.4-2x faster at 16-32 rows out of cache, ~4% at prefill sizes). It keeps a second copy of each packed weight in
-memory, so it is for serving only. The stacked experts' batched product behaves like the few-row case. Elsewhere (GPU,
-autograd, bf16) these are F.linear and matmul.
+Without the "c" backend (no C compiler, OpTarget(c_kernels=False)) and above KERNEL_ROWS: weights of at least
+LARGE_WEIGHT elements (512 KiB in fp32) go weight-first, (W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache;
+one row is padded to two, or the call becomes a GEMV, as slow as F.linear), then through oneDNN's matmul
+(`torch.ops.mkldnn._linear_pointwise`, inference only, the kernel torch's own CPU compiler emits), 1.1-1.8x. Both cost a
+few microseconds more per call, which a smaller weight does not earn back: it stays with F.linear. A weight whose caller
+holds an enabled `PackedWeight` (the serving engine enables them on CPU) goes to oneDNN in oneDNN's own blocked layout,
+made once: given the plain weight, `_linear_pointwise` reorders it on every call (the packed call is 1.4-2x faster at
+16-32 rows out of cache, ~4% at prefill sizes). It keeps a second copy of each packed weight in memory, so it is for
+serving only. The stacked experts' batched product behaves like the few-row case. Elsewhere (GPU, autograd, bf16) the
+registry chooses F.linear, and bmm_weight_t is a plain matmul.
 
 Every path computes the same sums in another order: results agree with F.linear to fp32 rounding, not bit for bit.
 """
@@ -27,14 +30,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.cpu import cpu_fp32, cpu_fp32_inference
-from openk3.ops.cpu.build import bind
+from openk3.ops.cpu import cpu_fp32, require_inference
+from openk3.ops.cpu.build import kernel
 from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, SMALL_ROWS
 
 _onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -85,35 +88,39 @@ class PackedWeight:
 
 @functools.cache
 def _rows_kernel() -> Any:
-    """ops/cpu/linear.c's function, built and loaded once per process; None when it cannot be (no compiler, switched off)."""
+    """ops/cpu/linear.c's function, built and loaded once per process (the "c" backend's entry only)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return bind("linear.c", "openk3_linear_rows", [i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], None)
+    return kernel("linear.c", "openk3_linear_rows", [i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], None)
 
 
-def _linear_rows_cpu(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> torch.Tensor | None:
-    kernel = _rows_kernel()
-    if kernel is None:
-        return None
+def _linear_rows_c(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> torch.Tensor:
     width, out_features = weight_NK.shape[1], weight_NK.shape[0]
     x_MK = x.reshape(rows, width)
     if x_MK.stride(1) != 1:
         x_MK = x_MK.contiguous()
     y = x.new_empty(rows, out_features)
-    kernel(rows, out_features, width, x_MK.data_ptr(), x_MK.stride(0), weight_NK.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    _rows_kernel()(rows, out_features, width, x_MK.data_ptr(), x_MK.stride(0), weight_NK.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)
 
 
-def linear(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight). `packed`: the caller's PackedWeight for this weight, and
-    `sources` the parameters the weight is made of (default: the weight itself)."""
-    if not cpu_fp32_inference(x, weight_NK) or weight_NK.dim() != 2:
-        return F.linear(x, weight_NK)
+def linear_torch(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """F.linear (the "any" backend, and the definition): `packed` and `sources` are for the CPU forms, which alone use them."""
+    return F.linear(x, weight_NK)
+
+
+def linear_cpu(
+    x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = (), *, rows_kernel: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight), in the CPU forms chosen by rows and weight size (module
+    docstring); `rows_kernel`: up to KERNEL_ROWS rows through ops/cpu/linear.c (the "c" backend). `packed`: the caller's
+    PackedWeight for this weight, and `sources` the parameters the weight is made of (default: the weight itself)."""
+    require_inference("linear", x, weight_NK)
+    if weight_NK.dim() != 2:
+        raise ValueError(f"linear: weight shape {tuple(weight_NK.shape)}, expected [N, K]")
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
-    if 1 <= rows <= KERNEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
-        y = _linear_rows_cpu(x, weight_NK, rows)
-        if y is not None:
-            return y
+    if rows_kernel and 1 <= rows <= KERNEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
+        return _linear_rows_c(x, weight_NK, rows)
     if weight_NK.numel() < LARGE_WEIGHT:
         return F.linear(x, weight_NK)
     if 1 <= rows <= SMALL_ROWS:
@@ -122,10 +129,14 @@ def linear(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None
             x_MK = torch.cat([x_MK, x_MK])
         y_NM = torch.mm(weight_NK, x_MK.t())
         return y_NM[:, :rows].t().contiguous().view(*x.shape[:-1], weight_NK.shape[0])
-    if _onednn is None:
+    if _onednn is None:  # a torch built without oneDNN: its GEMM is the form left
         return F.linear(x, weight_NK)
     blocked = packed.get(weight_NK, sources or (weight_NK,)) if packed is not None else None
     return _onednn(x, blocked if blocked is not None else weight_NK, None, "none", [], "")
+
+
+linear_c = functools.partial(linear_cpu, rows_kernel=True)
+LinearFn = Callable[..., torch.Tensor]  # (x, weight, packed=None, sources=()) -> x @ weight^T: an entry of "linear"
 
 
 def bmm_weight_t(x_ACK: torch.Tensor, weight_ANK: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost ou
 SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
 PACKED_BATCH_HINT = 2048  # oneDNN picks the blocked layout for this row count; 16 and 2048 measured the same, 1 slower
 
-# ops/moe/__init__.py moe_experts_auto -- benchmarks/ops_moe.py, benchmarks/results/ops_moe.md (E 16, k 2 and 4).
+# ops/moe/__init__.py moe_experts_sized -- benchmarks/ops_moe.py, benchmarks/results/ops_moe.md (E 16, k 2 and 4).
 # The batched path pays for padding rows and a fixed ~25 ops; the grouped loop pays ~10 ops per active expert: from 16
 # (token, expert) pairs up to 16 pairs per expert batched is 1.0-1.9x the grouped loop; at 32 pairs per expert it is 0.5x
 # (padding then costs more than the loop's dispatch), and below 16 pairs the loop's few iterations are cheaper.

@@ -8,6 +8,7 @@ the model; an engine given a built model takes its dtype and device from the mod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
         if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
+        if self.pack_cpu_weights and not self._cpu_fp32:
+            raise ValueError(f"EngineConfig.pack_cpu_weights=True: oneDNN's packed weights are for CPU fp32 inference, not {self.device} {self.dtype}")
+
+    @property
+    def _cpu_fp32(self) -> bool:
+        return str(self.device).split(":")[0] == "cpu" and self.dtype == "float32"
+
+    def with_packing_default(self, owns_model: bool) -> EngineConfig:
+        """pack_cpu_weights resolved when unset: on for a model the entry point owns (nothing else writes to it), where it
+        applies (CPU fp32); as set otherwise."""
+        if self.pack_cpu_weights is not None:
+            return self
+        return dataclasses.replace(self, pack_cpu_weights=owns_model and self._cpu_fp32)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,7 +25,7 @@ from torch import nn
 
 from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
 from openk3.model.model import K3ForCausalLM
-from openk3.ops.linear import PackedWeight, linear
+from openk3.ops.linear import PackedWeight
 from openk3.ops.registry import OpTarget
 from openk3.serve.fused import FusedRows
 
@@ -55,7 +55,7 @@ class FusedProjections(ProjectionGroup):
         fused = self.block.rows(weights)
         if fused is None:
             return super().forward(x)
-        return tuple(linear(x, fused, self.block.packed, weights).split(self.widths, dim=-1))
+        return tuple(self.members[0].linear(x, fused, self.block.packed, weights).split(self.widths, dim=-1))
 
 
 class FusedWeights(StackedWeights):
@@ -98,7 +98,7 @@ class PackedLinear(Linear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed)
+        return self.linear(x, self.weight, self.packed)
 
 
 def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
@@ -109,9 +109,13 @@ def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
 
 def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False) -> None:
     """Apply the serving layout to `model` in place (module docstring), and resolve its "auto" implementations for
-    inference on `device` (ops/registry.py)."""
+    inference on `device` in the model's dtype (ops/registry.py). `pack_cpu_weights` needs the CPU forms of "linear"
+    (fp32 inference on CPU): asked for elsewhere, it is an error, not a flag quietly dropped."""
+    target = OpTarget(device.type, dtype=model.lm_head.weight.dtype if isinstance(model, K3ForCausalLM) else torch.float32)
     if isinstance(model, K3ForCausalLM) and not model.training:  # a module in training mode keeps the choices its owner made
-        model.select_ops(target=OpTarget(device.type))
+        model.select_ops(target=target)
+    if pack_cpu_weights and "cpu" not in target.backends():
+        raise ValueError(f"pack_cpu_weights: oneDNN's packed weights are for CPU fp32 inference, not {device.type} {target.dtype} (leave it unset or off)")
     for parent, name, child in _children(model):
         if type(child) is ProjectionGroup:
             setattr(parent, name, FusedProjections(child))

@@ -141,7 +141,7 @@ def final_report(trainer, held_out, export_dir: Path) -> dict:
     model = trainer.model.eval()
     model.set_expert_backend(FakeQuantExperts())
     fake_quant = evaluate(model, held_out)
-    model.set_expert_backend(LocalExperts())
+    model.set_expert_backend(LocalExperts(target=OpTarget(training=True)))  # the trainer's arithmetic, as the other rows
     dense = evaluate(model, held_out)
     exported = load_model(export_dir, dtype=torch.float32)
     exported.select_ops(target=OpTarget(training=True))  # the same KDA arithmetic as the other two rows, so only the weights differ

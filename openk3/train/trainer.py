@@ -63,11 +63,14 @@ class TrainConfig:
         return self.steps - round(self.steps * self.qat_fraction)
 
 
+TRAINING = OpTarget(training=True)  # what the trainer's implementations are resolved for
+
+
 class FakeQuantExperts:
     """Expert backend for QAT: the layer's master weights through MXFP4 fake quantisation (straight-through gradient)."""
 
-    def __init__(self, impl: str = "auto") -> None:
-        self.op = op("moe_experts", impl)
+    def __init__(self, impl: str = "auto", target: OpTarget = TRAINING) -> None:
+        self.op = op("moe_experts", impl, target)
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         ex = layer.experts
@@ -135,7 +138,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = K3ForCausalLM(training_config(model_config))
         self.model.init_weights(cfg.seed)
-        self.model.select_ops(target=OpTarget(training=True))  # "auto" is then the differentiable chunkwise KDA
+        self.model.select_ops(target=TRAINING)  # "auto" is then the differentiable chunkwise KDA, F.linear, torch's norm
         self.model.train()
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
@@ -145,7 +148,7 @@ class Trainer:
         self._set_backend()
 
     def _set_backend(self) -> None:
-        inner = FakeQuantExperts() if self.qat_active else LocalExperts()
+        inner = FakeQuantExperts() if self.qat_active else LocalExperts(target=TRAINING)
         self.model.set_expert_backend(RecordingExperts(inner, self.balancer))
 
     @property

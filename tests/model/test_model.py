@@ -10,7 +10,9 @@ import torch
 
 from openk3.config import Activation, KDAGate, debug, k3, kimi_linear_48b
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM, OpChoice
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.kda import decode_fused
+from openk3.ops.registry import OpTarget
 
 from .conftest import build
 
@@ -124,16 +126,18 @@ def test_k3_param_count_matches_spec() -> None:
 
 
 @pytest.fixture(params=["cpu kernel", "torch ops"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The serving decode step runs the fused CPU kernel when it is built (ops/kda/decode_fused.py), else the torch ops:
-    the decode tests run both, and the kernel's side checks that it really ran."""
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, debug_model: K3ForCausalLM) -> Iterator[str]:
+    """The serving decode step runs the fused CPU kernel (ops/kda/decode_fused.py: the "c" backend's "kda_decode") or the
+    torch ops (chosen with OpTarget(c_kernels=False)): the decode tests run both, and the kernel's side checks that it
+    really ran."""
     if request.param == "torch ops":
-        monkeypatch.setattr(decode_fused, "_kernel", lambda: None)
+        debug_model.select_ops(target=OpTarget(c_kernels=False))
         yield request.param
+        debug_model.select_ops()
         return
-    kernel = decode_fused._kernel()
-    if kernel is None:
+    if not kernels_available():
         pytest.skip("no C compiler: the kernel cannot be built here")
+    kernel = decode_fused._kernel()
     calls: list[int] = []
 
     def counted(*args: Any) -> Any:

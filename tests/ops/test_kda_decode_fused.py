@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from openk3.config import KDAGate
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.kda import decode_fused
-from openk3.ops.kda.decode_fused import kda_decode_fused, kda_decode_fused_available
+from openk3.ops.kda.decode_fused import kda_decode_fused
 from openk3.ops.kda.decode_inplace import kda_decode_
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.norm import l2_norm, rms_norm
 from openk3.ops.short_conv import causal_conv1d_update_
 
-pytestmark = pytest.mark.skipif(not kda_decode_fused_available(), reason="no C compiler: the kernel cannot be built here")
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C compiler: the kernel cannot be built here")
 
 H, D = 3, 16
 P = H * D
@@ -110,19 +111,28 @@ def _args(n: int = 2, dtype: torch.dtype = torch.float32, heads: int = H, dim: i
     )  # fmt: skip
 
 
-def test_declines_what_it_cannot_take_without_touching_anything() -> None:
+def test_refuses_what_it_cannot_take_without_touching_anything() -> None:
+    """Chosen once for CPU fp32 inference (the "c" backend), it never quietly declines: another dtype, a layout other than
+    the layer's, a head wider than its stack arrays (the layer chooses the torch ops for those) or autograd on is an error,
+    and nothing is written."""
     with torch.inference_mode():
-        args = _args(dtype=torch.float64)
-        assert kda_decode_fused(*args) is None  # fp64
+        with pytest.raises(RuntimeError, match="kda decode: .* chosen for CPU fp32 inference, but got torch.float64"):
+            kda_decode_fused(*_args(dtype=torch.float64))
         args = _args()
         args = args._replace(x_pre_NC=args.x_pre_NC.t().contiguous().t())  # x with a non-unit inner stride
         before = args.state_pool_SHDD.clone()
-        assert kda_decode_fused(*args) is None and torch.equal(args.state_pool_SHDD, before)
+        with pytest.raises(ValueError, match="laid out other than the KDA layer"):
+            kda_decode_fused(*args)
+        assert torch.equal(args.state_pool_SHDD, before)
         args = _args()._replace(dt_bias=torch.zeros(D, H).t())  # dt_bias [H, D] as a transposed view: the kernel reads flat arrays
-        assert kda_decode_fused(*args) is None
-        big = decode_fused.MAX_HEAD_DIM + 1  # one head wider than the kernel's stack arrays: the torch ops take it
-        assert kda_decode_fused(*_args(heads=1, dim=big)) is None
-    assert kda_decode_fused(*_args()) is None  # autograd on: the torch ops keep the graph
+        with pytest.raises(ValueError, match="laid out other than the KDA layer"):
+            kda_decode_fused(*args)
+        big = decode_fused.MAX_HEAD_DIM + 1
+        with pytest.raises(ValueError, match=f"head dim {big} of at most {big - 1}"):
+            kda_decode_fused(*_args(heads=1, dim=big))
+    args = _args()
+    with pytest.raises(RuntimeError, match="with autograd on"):
+        kda_decode_fused(*args._replace(f_NP=args.f_NP.requires_grad_()))
 
 
 def test_slot_ids_outside_the_pools_are_refused() -> None:

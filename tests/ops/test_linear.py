@@ -1,4 +1,5 @@
-"""ops.linear / ops.bmm_weight_t against F.linear / matmul on every path they choose between (fp32 rounding apart)."""
+"""ops.linear / ops.bmm_weight_t against F.linear / matmul on every path they choose between (fp32 rounding apart): the
+registry's CPU entries of "linear", with the C rows kernel ("c" backend) and without it ("cpu")."""
 
 from __future__ import annotations
 
@@ -10,18 +11,32 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops import linear as linear_mod
-from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, SMALL_ROWS, PackedWeight, bmm_weight_t, linear
+from openk3.ops.cpu.build import kernels_available
+from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, SMALL_ROWS, LinearFn, PackedWeight, bmm_weight_t, linear_c, linear_cpu, linear_torch
+from openk3.ops.registry import OpTarget, op
+
+PARAMS = [pytest.param("C kernel", marks=pytest.mark.skipif(not kernels_available(), reason="no C compiler: the kernel cannot be built here")), "torch forms"]
 
 
-@pytest.fixture(params=["C kernel", "torch forms"])
-def rows_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """On CPU up to KERNEL_ROWS rows run ops/cpu/linear.c when it can be built; every `linear` test runs with it and with the
-    torch forms that take those rows without it."""
-    if request.param == "torch forms":
-        monkeypatch.setattr(linear_mod, "_rows_kernel", lambda: None)
-    elif linear_mod._rows_kernel() is None:
-        pytest.skip("no C compiler: the kernel cannot be built here")
-    return request.param
+@pytest.fixture(params=PARAMS)
+def rows_kernel(request: pytest.FixtureRequest) -> str:
+    """On CPU up to KERNEL_ROWS rows run ops/cpu/linear.c (the "c" backend); every test runs with it and with the torch
+    forms that take those rows without it (the "cpu" backend)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def linear(rows_kernel: str) -> LinearFn:
+    return linear_c if rows_kernel == "C kernel" else linear_cpu
+
+
+def test_the_registry_offers_them_by_target() -> None:
+    assert op("linear", "auto", OpTarget(c_kernels=False)) is linear_cpu
+    assert op("linear", "auto", OpTarget(training=True)) is linear_torch  # autograd: F.linear
+    assert op("linear", "auto", OpTarget(dtype=torch.bfloat16)) is linear_torch
+    assert op("linear", "auto", OpTarget("cuda")) is linear_torch
+    if kernels_available():
+        assert op("linear", "auto") is linear_c
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -31,7 +46,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 16, 17, 64])
 @pytest.mark.parametrize("out_features,width", [(64, 256), (LARGE_WEIGHT // 256 + 3, 256), (13, 37)])  # small, large, odd sizes
-def test_linear_matches_f_linear(rows: int, out_features: int, width: int, rows_kernel: str) -> None:
+def test_linear_matches_f_linear(rows: int, out_features: int, width: int, rows_kernel: str, linear: LinearFn) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, width, generator=g)
     x = torch.randn(rows, width, generator=g)
@@ -40,25 +55,27 @@ def test_linear_matches_f_linear(rows: int, out_features: int, width: int, rows_
         _close(linear(x.view(1, rows, width), w), F.linear(x, w).view(1, rows, out_features))  # leading dims kept
 
 
-def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPatch, rows_kernel: str) -> None:
+def test_linear_paths_by_weight_size_and_rows(monkeypatch: pytest.MonkeyPatch, rows_kernel: str, linear: LinearFn) -> None:
     """The C kernel up to KERNEL_ROWS rows, any fp32 weight; without it the weight-first mm up to SMALL_ROWS rows on a large
     weight. oneDNN above those on a large fp32 weight only."""
     if linear_mod._onednn is None:
         pytest.skip("this torch build has no oneDNN linear")
     onednn: list[tuple[int, ...]] = []
     kernel: list[int] = []
-    real, real_kernel = linear_mod._onednn, linear_mod._rows_kernel()
+    real = linear_mod._onednn
 
     def spy(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
         onednn.append(tuple(x.shape))
         return real(x, w, *rest)
 
-    def kernel_spy(rows: int, *rest: object) -> None:
-        kernel.append(rows)
-        real_kernel(rows, *rest)
-
     monkeypatch.setattr(linear_mod, "_onednn", spy)
-    if real_kernel is not None:
+    if rows_kernel == "C kernel":
+        real_kernel = linear_mod._rows_kernel()
+
+        def kernel_spy(rows: int, *rest: object) -> None:
+            kernel.append(rows)
+            real_kernel(rows, *rest)
+
         monkeypatch.setattr(linear_mod, "_rows_kernel", lambda: kernel_spy)
     big, small = torch.randn(LARGE_WEIGHT // 128, 128), torch.randn(16, 128)
     above = KERNEL_ROWS if rows_kernel == "C kernel" else SMALL_ROWS
@@ -68,9 +85,6 @@ def test_linear_paths_by_weight_size_rows_and_dtype(monkeypatch: pytest.MonkeyPa
         linear(few, big)  # the kernel or weight-first, not oneDNN
         linear(many, small)
         linear(few, small)
-        linear(many.double(), big.double())  # fp32 only
-        with torch.enable_grad():
-            linear(few, big.requires_grad_())  # no backward in the kernel
     assert onednn == [tuple(many.shape)]
     assert kernel == ([above, above] if rows_kernel == "C kernel" else [])
 
@@ -80,7 +94,7 @@ def _needs_packing() -> None:
         pytest.skip("this torch build has no oneDNN weight reorder")
 
 
-def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: pytest.MonkeyPatch, rows_kernel: str) -> None:
+def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: pytest.MonkeyPatch, rows_kernel: str, linear: LinearFn) -> None:
     _needs_packing()
     seen: list[bool] = []
     real = linear_mod._onednn
@@ -110,7 +124,7 @@ def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: 
     assert seen == [False, True, True, False, True, True, False, True, True]
 
 
-def test_packed_weight_follows_writes_and_moves(rows_kernel: str) -> None:
+def test_packed_weight_follows_writes_and_moves(rows_kernel: str, linear: LinearFn) -> None:
     """Rebuilt after an in-place write (version counter) and a new tensor (address); for a fused block, after a write to
     one of its parameters, whose counter the block's own does not share. A write through .data is seen after reset()."""
     _needs_packing()
@@ -145,7 +159,7 @@ def test_packed_weight_follows_writes_and_moves(rows_kernel: str) -> None:
         _close(linear(x, block, block_packed, [a, b]), F.linear(x, torch.cat([a, b])))
 
 
-def test_inference_tensors_are_not_packed(rows_kernel: str) -> None:
+def test_inference_tensors_are_not_packed(rows_kernel: str, linear: LinearFn) -> None:
     """A weight made under inference mode has no version counter, so a copy of it could not be checked: the plain one is used."""
     _needs_packing()
     with torch.inference_mode():
@@ -157,7 +171,7 @@ def test_inference_tensors_are_not_packed(rows_kernel: str) -> None:
     assert packed._packed is None
 
 
-def test_packed_weight_copies_start_empty(rows_kernel: str) -> None:
+def test_packed_weight_copies_start_empty(rows_kernel: str, linear: LinearFn) -> None:
     _needs_packing()
     w = torch.randn(LARGE_WEIGHT // 256, 256)
     packed = PackedWeight()
@@ -169,7 +183,7 @@ def test_packed_weight_copies_start_empty(rows_kernel: str) -> None:
         assert clone.enabled and clone._packed is None
 
 
-def test_linear_rows_of_a_block_and_strided_input(rows_kernel: str) -> None:
+def test_linear_rows_of_a_block_and_strided_input(rows_kernel: str, linear: LinearFn) -> None:
     block = torch.randn(3 * 700, 256)
     w = block[700:1400]  # a fused projection's rows: a view, contiguous
     x = torch.randn(8, 512)[:, ::2]  # strided activations
@@ -177,13 +191,14 @@ def test_linear_rows_of_a_block_and_strided_input(rows_kernel: str) -> None:
         _close(linear(x, w), F.linear(x, w))
 
 
-def test_linear_under_autograd_matches_f_linear_gradients(rows_kernel: str) -> None:
+def test_the_cpu_forms_refuse_what_they_were_not_chosen_for(linear: LinearFn) -> None:
+    """Chosen once for CPU fp32 inference, they never quietly drop a gradient or take another dtype: the error says to
+    select again (training gets F.linear, test_the_registry_offers_them_by_target)."""
     w = torch.randn(LARGE_WEIGHT // 256, 256, requires_grad=True)
-    x = torch.randn(4, 256, requires_grad=True)
-    got = torch.autograd.grad(linear(x, w).square().sum(), (x, w))
-    want = torch.autograd.grad(F.linear(x, w).square().sum(), (x, w))
-    for a, b in zip(got, want, strict=True):
-        _close(a, b)
+    with pytest.raises(RuntimeError, match="chosen for CPU fp32 inference, but got torch.float32 on cpu with autograd on.*select_ops"):
+        linear(torch.randn(4, 256), w)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="but got torch.float64 on cpu. Choose again"):
+        linear(torch.randn(4, 256).double(), w.double())
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, SMALL_ROWS, SMALL_ROWS + 1, 16])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.mla import decode_cpu, mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, split_kv_b
-from openk3.ops.registry import op
+from openk3.ops.registry import OpTarget, op
 
 H, DN, DR, DV, LR = 3, 16, 8, 12, 20
 
@@ -48,19 +51,17 @@ def test_expanded_is_causal_with_offset() -> None:
 
 
 def _needs_kernel() -> None:
-    if decode_cpu._kernel() is None:
+    if not kernels_available():
         pytest.skip("no C compiler: the kernel cannot be built here")
 
 
 @pytest.fixture(params=["C kernel", "torch ops"])
-def paged_decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """On CPU the paged decode's attention runs as one C call when it can be built (ops/mla/decode_cpu.py); the tests that
-    take this fixture run with it and with the torch ops it replaces."""
-    if request.param == "torch ops":
-        monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
-    else:
+def paged_decode(request: pytest.FixtureRequest) -> Callable[..., torch.Tensor]:
+    """The registry's "mla_decode" with the paged attention as one C call (ops/mla/decode_cpu.py, the "c" backend) and in
+    the torch ops it replaces; the tests that take this fixture run with both."""
+    if request.param == "C kernel":
         _needs_kernel()
-    return request.param
+    return op("mla_decode", "auto", OpTarget(c_kernels=request.param == "C kernel"))
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def mla_kernel() -> None:
     _needs_kernel()
 
 
-def test_paged_decode_equals_last_row_of_expanded(paged_decode: str) -> None:
+def test_paged_decode_equals_last_row_of_expanded(paged_decode: Callable[..., torch.Tensor]) -> None:
     page_size, lens = 4, [1, 6, 9]
     scale = (DN + DR) ** -0.5
     pool = torch.zeros(12, page_size, LR + DR)
@@ -82,7 +83,8 @@ def test_paged_decode_equals_last_row_of_expanded(paged_decode: str) -> None:
         for p in range(n):
             pool[page_table[i, p // page_size], p % page_size] = lat[p]
         expected.append(mla_expanded(q_nope[i : i + 1], q_pe[i : i + 1], c, k_pe, w_uk, w_uv, scale, n - 1)[0])
-    out = mla_decode_paged(q_nope, q_pe, pool, page_table, torch.tensor(lens), w_uk, w_uv, scale)
+    with torch.no_grad():
+        out = paged_decode(q_nope, q_pe, pool, page_table, torch.tensor(lens), w_uk, w_uv, scale)
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
@@ -120,9 +122,8 @@ def test_paged_decode_kernel_equals_torch_ops(mla_kernel: None, monkeypatch: pyt
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            got = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3)
+            got = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3, decode_cpu.latent_attention_c)
             exact = torch.stack([paged_decode_fp64(q_nope[i], q_pe[i], pool, page_table[i], lens[i], w_uk, w_uv, 0.3) for i in range(n)])
-            monkeypatch.setattr(decode_cpu, "_kernel", lambda: None)
             torch_fp32 = mla_decode_paged(q_nope, q_pe, pool, page_table, kv_lens, w_uk, w_uv, 0.3)
     finally:
         torch.set_num_threads(before)
@@ -134,16 +135,19 @@ def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(mla_kernel: 
     pool = torch.randn(4, 8, LR + DR)
     q = torch.randn(2, H, LR + DR)
     table = torch.tensor([[0, 1], [2, 3]])
-    assert decode_cpu.latent_attention_cpu(q, pool, table, torch.tensor([16, 9]), LR) is not None
-    empty = decode_cpu.latent_attention_cpu(q[:0], pool, table[:0], torch.tensor([], dtype=torch.int64), LR)
-    assert empty is not None and empty.shape == (0, H, LR)
+    with torch.inference_mode():
+        want = decode_cpu.latent_attention_torch(q, pool, table, torch.tensor([16, 9]), LR)
+        torch.testing.assert_close(decode_cpu.latent_attention_c(q, pool, table, torch.tensor([16, 9]), LR), want)
+        # a strided pool and int32 ids are laid out for the kernel first
+        strided = pool.transpose(0, 1).contiguous().transpose(0, 1)
+        torch.testing.assert_close(decode_cpu.latent_attention_c(q, strided, table.int(), torch.tensor([16, 9]), LR), want)
+    empty = decode_cpu.latent_attention_c(q[:0], pool, table[:0], torch.tensor([], dtype=torch.int64), LR)
+    assert empty.shape == (0, H, LR)
     for lens, bad_table in (([0, 3], table), ([17, 3], table), ([3, 3], torch.tensor([[0, 1], [4, 3]])), ([3, 9], torch.tensor([[0, 1], [2, -1]]))):
         with pytest.raises(ValueError, match="kv_lens"):
-            decode_cpu.latent_attention_cpu(q, pool, bad_table, torch.tensor(lens), LR)
-    # what the kernel does not take goes back to the torch path: a strided pool, int32 ids, autograd
-    assert decode_cpu.latent_attention_cpu(q, pool.transpose(0, 1), table, torch.tensor([3, 3]), LR) is None
-    assert decode_cpu.latent_attention_cpu(q, pool, table.int(), torch.tensor([3, 3]), LR) is None
-    assert decode_cpu.latent_attention_cpu(q.requires_grad_(), pool, table, torch.tensor([3, 3]), LR) is None
+            decode_cpu.latent_attention_c(q, pool, bad_table, torch.tensor(lens), LR)
+    with pytest.raises(RuntimeError, match="mla decode: .* with autograd on"):  # chosen for inference: never a quiet fallback
+        decode_cpu.latent_attention_c(q.requires_grad_(), pool, table, torch.tensor([3, 3]), LR)
 
 
 def test_unknown_impl_names_choices() -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openk3.ops.norm import rms_norm, rms_norm_reference
+from openk3.ops.cpu.build import kernels_available
+from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
+from openk3.ops.registry import OpTarget, op
+
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler: the kernel cannot be built here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,9 +30,10 @@ def test_rms_norm_of_zeros_is_zero_not_nan() -> None:
 
 @pytest.mark.parametrize("layout", ["contiguous", "row views", "transposed", "empty"])
 @pytest.mark.parametrize("with_weight", [True, False])
+@needs_kernels
 def test_cpu_kernel_path_equals_definition(layout: str, with_weight: bool) -> None:
-    """At inference on CPU in fp32 rms_norm runs the C kernel of ops/cpu/norm.c (when it could be built): every input layout
-    it takes or hands back to torch gives the definition's values."""
+    """At inference on CPU in fp32 the C kernel of ops/cpu/norm.c (the "c" backend): every input layout gives the
+    definition's values."""
     g = torch.Generator().manual_seed(1)
     base = torch.randn(6, 5, 200, generator=g) * 3
     x = {
@@ -39,26 +44,16 @@ def test_cpu_kernel_path_equals_definition(layout: str, with_weight: bool) -> No
     }[layout]
     weight = torch.randn(96, generator=g) if with_weight else None
     with torch.inference_mode():
-        got = rms_norm(x, weight, 1e-6)
+        got = rms_norm_c(x, weight, 1e-6)
     assert got.shape == x.shape and got.is_contiguous()
     torch.testing.assert_close(got, rms_norm_reference(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
 
 
-def test_cpu_kernel_path_is_taken_at_inference_and_not_under_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
-    from openk3.ops import norm
-
-    if norm._rms_norm_cpu(torch.ones(1, 4), None, 1e-6) is None:
-        pytest.skip("no C compiler: the kernel cannot be built here")
-    calls: list[int] = []
-    real = norm._kernel()
-
-    def counting(rows: int, *rest: object) -> None:
-        calls.append(rows)
-        real(rows, *rest)
-
-    monkeypatch.setattr(norm, "_kernel", lambda: counting)
+@needs_kernels
+def test_the_kernel_is_chosen_for_inference_and_refuses_autograd() -> None:
+    assert op("rms_norm", "auto") is rms_norm_c
+    assert op("rms_norm", "auto", OpTarget(training=True)) is rms_norm  # the graph needs torch's op
+    assert op("rms_norm", "auto", OpTarget(dtype=torch.bfloat16)) is rms_norm
     w = torch.ones(8, requires_grad=True)
-    with torch.inference_mode():
-        rms_norm(torch.randn(3, 8), w, 1e-6)
-    rms_norm(torch.randn(3, 8), w, 1e-6).sum().backward()  # the graph needs torch's op
-    assert calls == [3] and w.grad is not None
+    with pytest.raises(RuntimeError, match="rms_norm: .* with autograd on"):
+        rms_norm_c(torch.randn(3, 8), w, 1e-6)

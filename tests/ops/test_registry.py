@@ -1,5 +1,5 @@
-"""ops/registry.py: implementations by (op, name, device), "auto" resolved once for a target, and the model choosing by
-name through it (select_ops) instead of a hidden switch or a monkeypatch."""
+"""ops/registry.py: implementations by (op, name, backend), "auto" resolved once for a target, and the model choosing by
+name through it (select_ops) instead of a hidden switch, a per-call kernel check or a monkeypatch."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def toy() -> OpRegistry:
     r = OpRegistry()
     r.register("add", "naive", lambda a, b: a + b, "the definition", differentiable=True)
     r.register("add", "fast", lambda a, b: "any-device fast", "fast anywhere")
-    r.register("add", "fast", lambda a, b: "cpu fast", "the CPU backend", device="cpu")
+    r.register("add", "fast", lambda a, b: "cpu fast", "the CPU backend", backend="cpu")
+    r.register("add", "fast", lambda a, b: "cuda fast", "a device's own", backend="cuda")
     r.register_auto("add", lambda t: "naive" if t.training else "fast")
     return r
 
@@ -27,9 +28,27 @@ def toy() -> OpRegistry:
 def test_a_device_backend_is_preferred_and_auto_follows_the_target() -> None:
     r = toy()
     assert r.get("add", "fast", OpTarget("cpu"))(1, 2) == "cpu fast"
-    assert r.get("add", "fast", OpTarget("cuda"))(1, 2) == "any-device fast"
+    assert r.get("add", "fast", OpTarget("cuda"))(1, 2) == "cuda fast"
+    assert r.get("add", "fast", OpTarget("mps"))(1, 2) == "any-device fast"
+    assert r.get("add", "fast", OpTarget("cpu", dtype=torch.bfloat16))(1, 2) == "any-device fast"  # the CPU forms are fp32 inference
     assert r.get("add", "auto", OpTarget("cuda", training=True))(1, 2) == 3
     assert r.names("add") == ["fast", "naive", "auto"]
+    assert r.entry("add", "fast", OpTarget("cpu"))[1].backend == "cpu"
+
+
+def test_the_backends_a_target_offers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from openk3.ops.cpu import build
+
+    monkeypatch.setattr(build, "kernels_available", lambda: True)
+    assert OpTarget().backends() == ("c", "cpu", "any")
+    assert OpTarget(c_kernels=False).backends() == ("cpu", "any")
+    assert OpTarget(training=True).backends() == ("any",)
+    assert OpTarget(dtype=torch.bfloat16).backends() == ("any",)
+    assert OpTarget("cuda").backends() == ("cuda", "any")
+    monkeypatch.setattr(build, "kernels_available", lambda: False)  # no compiler, or OPENK3_CPU_KERNELS=0
+    assert OpTarget().backends() == ("cpu", "any")
+    assert registry().entry("rms_norm", "auto")[1].backend == "any"
+    assert registry().entry("linear", "auto")[1].backend == "cpu"
 
 
 def test_errors_name_the_choices() -> None:
@@ -48,7 +67,7 @@ def test_errors_name_the_choices() -> None:
 
 def test_every_builtin_op_has_a_differentiable_reference() -> None:
     r = registry()
-    for name in ("kda_prefill", "short_conv", "mla_prefill", "moe_experts", "attn_res"):
+    for name in ("kda_prefill", "kda_decode", "short_conv", "mla_prefill", "mla_decode", "moe_route", "moe_experts", "attn_res", "linear", "rms_norm"):
         assert r.entry(name, "naive")[1].differentiable, name
         assert "auto" in r.names(name)
 
@@ -70,3 +89,21 @@ def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     assert kda_prefills(model) == {kda_chunk}  # an eval-mode one gets "auto" resolved again, for inference
     with pytest.raises(ValueError, match="'fast' is inference-only"):
         model.select_ops(OpChoice(kda="fast"), OpTarget(training=True))
+
+
+def test_a_model_moved_or_put_under_autograd_after_choosing_is_told_to_choose_again() -> None:
+    """Chosen once for CPU fp32 inference: a cast, or autograd, reaches an error naming select_ops, never a kernel that
+    misreads the dtype or drops the gradient; selecting for what runs now works."""
+    model = K3ForCausalLM(debug())
+    model.init_weights(0)
+    ids = torch.randint(0, 256, (1, 6))
+    if "c" in OpTarget().backends():
+        with pytest.raises(RuntimeError, match="chosen for CPU fp32 inference, but got .*with autograd on.*select_ops"):
+            model.forward_tokens(ids)
+    model.double()
+    with torch.no_grad():
+        if "c" in OpTarget().backends():
+            with pytest.raises(RuntimeError, match="but got torch.float64 on cpu"):
+                model.forward_tokens(ids)
+        model.select_ops(target=OpTarget(dtype=torch.float64))
+        assert model.forward_tokens(ids).dtype == torch.float64

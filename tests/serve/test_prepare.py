@@ -16,6 +16,7 @@ from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
 from openk3.model.weights import cast_model
 from openk3.ops import linear as linear_mod
+from openk3.ops.registry import OpTarget
 from openk3.serve.prepare import FusedProjections, FusedWeights, PackedLinear, prepare_for_serving
 from tests.model.conftest import build
 
@@ -114,6 +115,8 @@ def test_moving_weights_out_falls_back_until_prepared_again() -> None:
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-4, rtol=1e-4)
     tied.double()  # .to()-style conversions release every block at once (no dead copy kept alive) ...
     plain.double()
+    for model in (tied, plain):  # ... and the ops are chosen again for what the model now is
+        model.select_ops(target=OpTarget(dtype=torch.float64))
     assert fused_blocks(tied) == []
     torch.testing.assert_close(logits(tied), logits(plain), atol=1e-9, rtol=1e-9)
     prepare_for_serving(tied, CPU)  # ... and preparing again ties them
@@ -187,9 +190,12 @@ def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPat
     tied.double()
     other.double()
     assert packed_copies(tied) == 0  # the old copies are dropped with the old weights
+    for model in (tied, other):
+        model.select_ops(target=OpTarget(dtype=torch.float64))
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-9, rtol=1e-9)  # fp64: the plain path
     tied.float()
     other.float()
+    other.select_ops()
     prepare_for_serving(tied, CPU, pack_cpu_weights=True)
     torch.testing.assert_close(logits(tied), logits(other), atol=1e-4, rtol=1e-4)
     assert packed_copies(tied) >= 10
@@ -197,7 +203,9 @@ def test_packed_weights_follow_every_weight_change(monkeypatch: pytest.MonkeyPat
 
 def test_the_model_classes_stay_plain_and_gpu_gets_no_packed_copies() -> None:
     model = build(debug())
-    prepare_for_serving(model, torch.device("cuda"), pack_cpu_weights=True)  # the layout is chosen for the target device
+    with pytest.raises(ValueError, match="pack_cpu_weights: oneDNN's packed weights are for CPU fp32 inference, not cuda"):
+        prepare_for_serving(model, torch.device("cuda"), pack_cpu_weights=True)  # asked for where it cannot apply: an error
+    prepare_for_serving(model, torch.device("cuda"))  # the layout is chosen for the target device
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     fresh = build(debug())
     assert any(type(m) is ProjectionGroup for m in fresh.modules())  # building a model applies no serving layout

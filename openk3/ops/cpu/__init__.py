@@ -1,7 +1,9 @@
 """Fused CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes (build.py).
 
-Each kernel has a torch reference it is tested against and a caller that falls back to that reference when the kernel is
-unavailable (no compiler, OPENK3_CPU_KERNELS=0, another device or dtype). The two checks every caller makes live here.
+Each kernel is the "c" backend's entry of an op in ops/registry.py, beside the torch entries it is tested against; the
+registry offers it only to CPU fp32 inference targets where every kernel builds. An entry is chosen once for its target,
+so `require_inference` is not a choice but a guard: a model moved, cast or put under autograd after its ops were chosen
+gets an error telling it to choose again, never a kernel that drops the gradient or misreads the dtype.
 """
 
 from __future__ import annotations
@@ -18,3 +20,16 @@ def cpu_fp32_inference(*tensors: torch.Tensor) -> bool:
     """Every tensor is fp32 on CPU and autograd would record no op on them: what a kernel (or oneDNN's linear, which has
     no backward either) may take."""
     return cpu_fp32(*tensors) and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def require_inference(op: str, *tensors: torch.Tensor) -> None:
+    """Raise unless `tensors` are what an entry of the "c" or "cpu" backend was chosen for (CPU, fp32, autograd off)."""
+    if cpu_fp32_inference(*tensors):
+        return
+    got = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    raise RuntimeError(
+        f"{op}: this implementation was chosen for CPU fp32 inference, but got {', '.join(got)}{' with autograd on' if grad else ''}. "
+        "Choose again for what runs now: model.select_ops(target=OpTarget(device, training=..., dtype=...)) after moving or casting "
+        "the model (prepare_for_serving does it for serving), OpTarget(training=True) to train, or run under torch.no_grad()"
+    )

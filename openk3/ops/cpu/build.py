@@ -7,7 +7,8 @@ headers compiles in about a second (a torch C++ extension takes about a minute) 
 The library is cached under $OPENK3_CACHE_DIR (default ~/.cache/openk3)/kernels, keyed by a hash of the source, the headers,
 the flags, the compiler's version and the CPU's flags, and written atomically, so concurrent first uses (several test
 workers, EP ranks) are safe. No compiler, a failed build, no writable cache or OPENK3_CPU_KERNELS=0: `load` returns None
-(with a warning when a build was attempted) and callers keep their torch path.
+(with a warning when a build was attempted), `kernels_available()` is False and the op registry offers no "c" backend:
+every op is then resolved to its torch entries, once, when a model is built or prepared (ops/registry.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def _cpu_flags() -> str:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+SOURCES = ("norm.c", "linear.c", "moe.c", "mla_decode.c", "kda_decode.c")  # every library the "c" backend's entries call
+
+
+@cache
+def kernels_available() -> bool:
+    """Every kernel library builds and loads here (built on first call): the op registry's "c" backend exists."""
+    return all(load(source) is not None for source in SOURCES)
+
+
+def kernel(source_name: str, function: str, argtypes: list[Any], restype: Any) -> Any:
+    """`bind`, for an entry of the "c" backend, which the registry only offers where every library loads: a missing one
+    here is a broken install (a library deleted under a running process), not a case to work around."""
+    fn = bind(source_name, function, argtypes, restype)
+    if fn is None:
+        raise RuntimeError(f"the C kernel {source_name}:{function} is not available, though kernels_available() said it was")
+    return fn
 
 
 def bind(source_name: str, function: str, argtypes: list[Any], restype: Any) -> Any:

@@ -7,8 +7,9 @@ gate, the delta-rule read and update, the output norm and gate). At serving batc
 dispatch for nanoseconds of arithmetic, so on CPU they are most of the layer's time. The kernel does the same steps per
 (sequence, head) in one pass, addressing the conv-window and state pools through the slot ids (no gather or scatter).
 
-`kda_decode_fused` returns None, having touched nothing, whenever the kernel cannot take the call (not built, not CPU, not
-fp32, an unexpected layout); the caller then runs the torch ops, which are also the reference the kernel is tested against.
+It is the "c" backend's "kda_decode" (ops/registry.py; the layer reads the resolved name, model/kda.py), beside the torch
+ops it is tested against. A call outside what it was chosen for (autograd on, not CPU fp32) or with tensors laid out other
+than the layer lays them out raises, having touched nothing.
 """
 
 from __future__ import annotations
@@ -20,23 +21,18 @@ from typing import Any
 import torch
 
 from openk3.config import KDAGate
-from openk3.ops.cpu import cpu_fp32
-from openk3.ops.cpu.build import bind
+from openk3.ops.cpu import cpu_fp32, require_inference
+from openk3.ops.cpu.build import kernel
 
 MAX_HEAD_DIM = 512  # the kernel keeps a head's vectors on the stack (MAX_D in kda_decode.c)
 
 
 @functools.cache
 def _kernel() -> Any:
-    """The ctypes function, built and loaded once per process; None when it cannot be (no compiler, switched off)."""
+    """The ctypes function, built and loaded once per process (the "c" backend's entry only)."""
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32, f32, f32, ptr, f32, ptr, i64, ptr, i32]
-    return bind("kda_decode.c", "openk3_kda_decode_step", argtypes, i32)
-
-
-def kda_decode_fused_available() -> bool:
-    """The kernel is built and loaded (building it on first call)."""
-    return _kernel() is not None
+    return kernel("kda_decode.c", "openk3_kda_decode_step", argtypes, i32)
 
 
 def _rows(t: torch.Tensor, n: int, width: int) -> bool:
@@ -64,12 +60,10 @@ def kda_decode_fused(
     norm_weight_D: torch.Tensor,
     norm_eps: float,
     out_gate_NP: torch.Tensor,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Advance the slots' conv windows and states in place by one token each; returns the normalised, gated output [N, P]
-    (fp32), or None without touching anything when the kernel cannot take these tensors."""
-    fn = _kernel()
-    if fn is None or torch.is_grad_enabled():
-        return None
+    (fp32). Head dims up to MAX_HEAD_DIM (the layer chooses the torch ops above that)."""
+    require_inference("kda decode", x_pre_NC, conv_weight_CW, conv_pool_SCW, f_NP, A_log, dt_bias, b_NH, state_pool_SHDD, norm_weight_D, out_gate_NP)
     n = slots_N.numel()
     num_slots, h, d, _ = state_pool_SHDD.shape
     p, width = h * d, conv_weight_CW.shape[-1]
@@ -89,14 +83,18 @@ def kda_decode_fused(
         and (gate_kind == KDAGate.SOFTPLUS or lower_bound is not None)
         and d <= MAX_HEAD_DIM and width >= 1
     )  # fmt: skip
-    if not ok or n == 0:
-        return None
+    if not ok:
+        named = (("x", x_pre_NC), ("conv weight", conv_weight_CW), ("conv pool", conv_pool_SCW), ("state pool", state_pool_SHDD))
+        shapes = {name: tuple(t.shape) for name, t in named}
+        raise ValueError(f"kda_decode_fused: tensors laid out other than the KDA layer lays them out ({shapes}, head dim {d} of at most {MAX_HEAD_DIM})")
+    if n == 0:
+        return torch.empty(0, p, dtype=torch.float32)
     low, high = (int(v) for v in torch.aminmax(slots_N))
     if low < 0 or high >= num_slots:  # the kernel writes through these ids: never let one point outside the pools
         raise ValueError(f"kda_decode_fused: slot ids span {low}..{high}, expected 0..{num_slots - 1}")
     out = torch.empty(n, p, dtype=torch.float32)
     fresh_ptr = None if fresh_N is None else fresh_N.view(torch.uint8).data_ptr()
-    status = fn(
+    status = _kernel()(
         n, h, d, width,
         x_pre_NC.data_ptr(), x_pre_NC.stride(0),
         conv_weight_CW.data_ptr(), conv_pool_SCW.data_ptr(),

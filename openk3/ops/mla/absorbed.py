@@ -9,10 +9,14 @@ W_o in K3 because the output gate sits between them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from openk3.ops.mla.decode_cpu import latent_attention_cpu
+from openk3.ops.mla.decode_cpu import latent_attention_torch
 from openk3.ops.mla.naive import causal_mask
+
+LatentAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def mla_absorbed(
@@ -44,26 +48,19 @@ def mla_decode_paged(
     w_uk_HDL: torch.Tensor,
     w_uv_HDL: torch.Tensor,
     scale: float,
+    latent_attention: LatentAttention = latent_attention_torch,
 ) -> torch.Tensor:
     """One query token per sequence attending its first kv_lens[n] cached latents (the new token's latent included).
 
     latent_pool [NP, PS, R]; page_table [N, P] (entries past a sequence's length may hold any page id: masked out).
-    Returns [N, H, Dv]. Every kv_lens[n] must lie in 1..P * PS; on CPU a length or page id out of range raises ValueError.
+    Returns [N, H, Dv]. Every kv_lens[n] must lie in 1..P * PS; the C form raises ValueError for a length or page id out
+    of range. `latent_attention`: the form of the attention over the latents (ops/mla/decode_cpu.py; the registry's
+    "mla_decode" entries bind it).
     """
     lr = w_uk_HDL.shape[-1]
-    n, num_pages = page_table_NP.shape
-    ps = latent_pool.shape[1]
-    # Whole pages gathered as rows (index_select), then the cached [c | k_pe] rows are used as they lie: the query is
-    # [q~ | q_pe], so the scores are one batched matmul, and the weighted sum runs over the full rows, dropping the k_pe
-    # columns after (Dr / Lr more arithmetic instead of copying the strided c_kv columns out). Plain matmuls over heads,
+    # The query is [q~ | q_pe], so the scores against a cached [c | k_pe] row are one product. Plain matmuls over heads,
     # not einsum: at decode sizes einsum's own permutes and reshapes cost as much as the products.
     q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
     q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)  # scaled here: H x R values, not H x S
-    u_NHL = latent_attention_cpu(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)  # CPU fp32: one C call (decode_cpu.py)
-    if u_NHL is None:
-        rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
-        scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
-        valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-        scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
-        u_NHL = torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
+    u_NHL = latent_attention(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)
     return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1).to(q_nope_NHD.dtype)

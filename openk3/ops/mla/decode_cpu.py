@@ -1,9 +1,7 @@
-"""MLA decode attention over the paged latents on CPU in one call: the C kernel of ops/cpu/mla_decode.c.
+"""The latent attention of MLA decode over the paged latents: in torch ops, and on CPU in one call of the C kernel of
+ops/cpu/mla_decode.c (the "c" backend's "mla_decode", ops/registry.py), tested against the torch form.
 
 Legend: N sequences, H heads, R = Lr + Dr latent row width, Lr kv_lora_rank, NP pages, PS rows per page, P page-table width.
-
-`latent_attention_cpu` returns None whenever the kernel cannot take the call (not built, not CPU fp32 inference, an
-unexpected layout); mla_decode_paged then runs its torch ops, which are the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from typing import Any
 
 import torch
 
-from openk3.ops.cpu import cpu_fp32_inference
-from openk3.ops.cpu.build import bind
+from openk3.ops.cpu import require_inference
+from openk3.ops.cpu.build import kernel
 
 MAX_HEADS, MAX_PAGE = 128, 64  # mla_decode.c keeps a page's scores and each head's running max and sum on the stack
 
@@ -24,39 +22,52 @@ MAX_HEADS, MAX_PAGE = 128, 64  # mla_decode.c keeps a page's scores and each hea
 def _kernel() -> Any:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-    return bind("mla_decode.c", "openk3_mla_decode_latent", argtypes, ctypes.c_int)
+    return kernel("mla_decode.c", "openk3_mla_decode_latent", argtypes, ctypes.c_int)
 
 
-def latent_attention_cpu(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor | None:
-    """u [N, H, Lr] = softmax over each sequence's first kv_lens[n] cached rows of (q . row) times row[:Lr], or None.
+def latent_attention_c(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor:
+    """latent_attention_torch's u [N, H, Lr] in one C call (the "c" backend).
 
-    q_NHR is the absorbed query [q~ | q_pe], already scaled. Stricter than the torch path: a length outside 1..P * PS or a
-    page id outside the pool raises ValueError (the torch path would return NaN for an empty sequence, attend every
-    slot of an over-long one, or fail in index_select)."""
-    if q_NHR.dim() != 3 or latent_pool.dim() != 3 or page_table_NP.dim() != 2:
-        return None
+    Stricter than the torch form: a length outside 1..P * PS or a page id outside the pool raises ValueError (the torch
+    form would return NaN for an empty sequence, attend every slot of an over-long one, or fail in index_select). More
+    than MAX_HEADS heads or pages of more than MAX_PAGE rows are beyond the kernel's stack buffers: the torch form runs."""
+    require_inference("mla decode", q_NHR, latent_pool)
     n, h, r = q_NHR.shape
-    if not (cpu_fp32_inference(q_NHR, latent_pool) and q_NHR.is_contiguous() and latent_pool.is_contiguous()):
-        return None
-    if latent_pool.shape[2] != r or not 1 <= lr <= r or not 1 <= h <= MAX_HEADS or not 1 <= latent_pool.shape[1] <= MAX_PAGE or page_table_NP.shape[0] != n:
-        return None
-    if page_table_NP.dtype != torch.int64 or page_table_NP.stride(1) != 1 or kv_lens_N.dtype != torch.int64 or kv_lens_N.shape != (n,):
-        return None
-    if not (page_table_NP.is_cpu and kv_lens_N.is_cpu and kv_lens_N.is_contiguous()):
-        return None
-    kernel = _kernel()
-    if kernel is None:
-        return None
+    pool_ok = latent_pool.dim() == 3 and latent_pool.shape[2] == r and 1 <= lr <= r
+    if not pool_ok or page_table_NP.dim() != 2 or page_table_NP.shape[0] != n or kv_lens_N.shape != (n,):
+        raise ValueError(
+            f"mla decode: q {tuple(q_NHR.shape)}, latent pool {tuple(latent_pool.shape)}, page table {tuple(page_table_NP.shape)}, "
+            f"kv_lens {tuple(kv_lens_N.shape)}, lr {lr}: expected [N, H, R], [pages, PS, R], [N, P], [N] and 1 <= lr <= R"
+        )
+    if not (1 <= h <= MAX_HEADS and 1 <= latent_pool.shape[1] <= MAX_PAGE):
+        return latent_attention_torch(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)
+    q_NHR, latent_pool = q_NHR.contiguous(), latent_pool.contiguous()
+    table = page_table_NP.to(device="cpu", dtype=torch.int64)
+    table = table if table.stride(1) == 1 else table.contiguous()
+    lens = kv_lens_N.to(device="cpu", dtype=torch.int64).contiguous()
     num_pages, page_size = latent_pool.shape[:2]
     u = q_NHR.new_empty(n, h, lr)
     if n == 0:
         return u
-    failed = kernel(
-        n, h, r, lr, num_pages, page_size, page_table_NP.shape[1], q_NHR.data_ptr(), latent_pool.data_ptr(), page_table_NP.data_ptr(),
-        page_table_NP.stride(0), kv_lens_N.data_ptr(), u.data_ptr(), torch.get_num_threads(),
+    failed = _kernel()(
+        n, h, r, lr, num_pages, page_size, table.shape[1], q_NHR.data_ptr(), latent_pool.data_ptr(), table.data_ptr(),
+        table.stride(0), lens.data_ptr(), u.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
-        raise ValueError(
-            f"mla decode: kv_lens {kv_lens_N.tolist()} must lie in 1..{page_table_NP.shape[1] * page_size} and the pages they cover in 0..{num_pages - 1}"
-        )
+        raise ValueError(f"mla decode: kv_lens {lens.tolist()} must lie in 1..{table.shape[1] * page_size} and the pages they cover in 0..{num_pages - 1}")
     return u
+
+
+def latent_attention_torch(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor:
+    """u [N, H, Lr] = softmax over each sequence's first kv_lens[n] cached rows of (q . row) times row[:Lr], in torch ops.
+
+    q_NHR is the absorbed query [q~ | q_pe], already scaled. Whole pages are gathered as rows (index_select) and the cached
+    [c | k_pe] rows used as they lie: the scores are one batched matmul, and the weighted sum runs over the full rows,
+    dropping the k_pe columns after (Dr / Lr more arithmetic instead of copying the strided c_kv columns out)."""
+    n, num_pages = page_table_NP.shape
+    ps = latent_pool.shape[1]
+    rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
+    scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
+    valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
+    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]

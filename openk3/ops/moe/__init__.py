@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import torch
 
+from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
 from openk3.ops.moe.batched import moe_experts_batched
-from openk3.ops.moe.cpu_pairs import expert_loop_in_c
+from openk3.ops.moe.cpu_pairs import c_loop_fits
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
@@ -19,17 +20,33 @@ from openk3.ops.thresholds import BATCHED_MAX_PAIRS_PER_EXPERT, BATCHED_MIN_PAIR
 MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, Act], torch.Tensor]
 
 
-def moe_experts_auto(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
-    """Dense banks whose expert MLPs run in C: batched up to C_LOOP_MAX_PAIRS_PER_EXPERT; otherwise one token: its experts in
-    turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4 banks): grouped."""
+def moe_experts_sized(
+    x_TD: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    bank: ExpertBank,
+    act: Act,
+    *,
+    linear: LinearFn = linear_torch,
+    batched_c: MoEExpertsFn | None = None,
+) -> torch.Tensor:
+    """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
+    backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
+    Otherwise one token: its experts in turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4
+    banks): grouped. `linear`: the products of the per-expert forms."""
     pairs = topk_idx.numel()
-    if isinstance(bank, DenseExpertBank) and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and expert_loop_in_c(x_TD, bank, act):
-        return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
+    if (
+        batched_c is not None
+        and isinstance(bank, DenseExpertBank)
+        and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts
+        and c_loop_fits(x_TD, bank, act)
+    ):
+        return batched_c(x_TD, topk_idx, topk_weight, bank, act)
     if topk_idx.shape[0] == 1:
-        return moe_experts_single_token(x_TD, topk_idx, topk_weight, bank, act)
+        return moe_experts_single_token(x_TD, topk_idx, topk_weight, bank, act, linear=linear)
     if isinstance(bank, DenseExpertBank) and BATCHED_MIN_PAIRS <= pairs <= BATCHED_MAX_PAIRS_PER_EXPERT * bank.num_experts:
-        return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
-    return moe_experts_grouped(x_TD, topk_idx, topk_weight, bank, act)
+        return (batched_c or moe_experts_batched)(x_TD, topk_idx, topk_weight, bank, act)
+    return moe_experts_grouped(x_TD, topk_idx, topk_weight, bank, act, linear=linear)
 
 
 __all__ = [
@@ -39,7 +56,7 @@ __all__ = [
     "ExpertWeights",
     "MoEExpertsFn",
     "RouterOutput",
-    "moe_experts_auto",
+    "moe_experts_sized",
     "moe_experts_batched",
     "moe_experts_grouped",
     "moe_experts_naive",

@@ -7,7 +7,7 @@ Why: at decode-sized steps (a few to a few hundred pairs) the grouped path's per
 expert, and that launch overhead, not arithmetic, is the step time. Here the op count is fixed whatever the routing: pairs are
 scattered into a zero-padded [A, C, D] block (the layout DeepEP's low-latency kernels use), each projection is one bmm over all
 experts, and the outputs are gathered back and weight-summed per token. The cost is compute on padding rows, (A * C - P)
-rows, which is why `moe_experts_auto` only picks this path for small steps.
+rows, which is why `moe_experts_sized` only picks this path for small steps.
 
 Only experts with pairs are read: their weights are gathered into [A, I, D] unless at least half of the experts are active, in
 which case the stacked bank is used in place (reading a few idle experts is cheaper than copying most of the bank).
@@ -20,7 +20,6 @@ import torch
 
 from openk3.ops.linear import bmm_weight_t
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
-from openk3.ops.moe.cpu_pairs import batched_experts_cpu
 from openk3.ops.moe.naive import Act, check_moe_inputs
 
 
@@ -42,9 +41,6 @@ def moe_experts_batched(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     num_experts, dev = bank.num_experts, x_TD.device
     if num_tokens == 0:
         return torch.zeros_like(x_TD)
-    fast = batched_experts_cpu(x_TD, topk_idx, topk_weight, bank, act)
-    if fast is not None:  # the whole bank, the pair bookkeeping in C (ops/moe/cpu_pairs.py)
-        return fast
     flat_P = topk_idx.reshape(-1).long()
     counts_E = torch.bincount(flat_P, minlength=num_experts)
     order_P = torch.sort(flat_P, stable=True).indices

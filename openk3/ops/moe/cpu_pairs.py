@@ -7,9 +7,10 @@ cumsum / scatter / gather / scatter-add are ~35 torch ops per MoE layer that mov
 is most of the layer's time outside the expert matmuls. The expert MLPs themselves -- three batched products over the padded
 block plus the activation -- become one C loop over experts that multiplies only each expert's real rows, straight from the
 stored weights (ops/cpu/rows_gemm.h); torch's batched product packs every expert's weight first and computes the padding
-rows too. Each function here returns None when the C library is unavailable
-or the call is outside what it handles (not CPU fp32, autograd on), and its caller runs the torch ops, which remain the
-reference (tests/ops/test_moe.py compares the two).
+rows too. These are the "c" backend's entries of "moe_route" and "moe_experts" (ops/registry.py); the torch ops remain
+the reference (tests/ops/test_moe.py compares the two). They refuse what they were not chosen for (autograd on, not CPU
+fp32: ops/cpu/__init__.py); a top-k wider than MAX_K, or a step where too few experts are active for the padded batched
+products to pay, is a size the C loops leave to the torch form.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import torch
 
 from openk3.config import Activation
 from openk3.ops.activation import glu
-from openk3.ops.cpu import cpu_fp32_inference
-from openk3.ops.cpu.build import bind, load
+from openk3.ops.cpu import require_inference
+from openk3.ops.cpu.build import kernel, load
 from openk3.ops.linear import bmm_weight_t
-from openk3.ops.moe.bank import DenseExpertBank
-from openk3.ops.moe.naive import Act
+from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
+from openk3.ops.moe.batched import moe_experts_batched
+from openk3.ops.moe.naive import Act, check_moe_inputs
 
 MAX_K = 64  # the C top-k keeps its candidates on the stack
 _ACT_CODES = {Activation.SILU: 0, Activation.SITU: 1}  # moe.c's ACT_SILU, ACT_SITU
@@ -34,7 +36,7 @@ _ACT_CODES = {Activation.SILU: 0, Activation.SITU: 1}  # moe.c's ACT_SILU, ACT_S
 
 @functools.cache
 def _lib() -> Any:
-    """ops/cpu/moe.c, loaded once per process; None when it cannot be built or is switched off."""
+    """ops/cpu/moe.c, loaded once per process, its functions typed (the "c" backend's entries only)."""
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "openk3_moe_route": ([i64, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, ptr], None),
@@ -43,29 +45,25 @@ def _lib() -> Any:
         "openk3_moe_combine": ([i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr], None),
         "openk3_moe_experts_glu": ([i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, f32, f32, ptr, ctypes.c_int], ctypes.c_int),
     }
-    if any(bind("moe.c", name, argtypes, restype) is None for name, (argtypes, restype) in signatures.items()):
-        return None
+    for name, (argtypes, restype) in signatures.items():
+        kernel("moe.c", name, argtypes, restype)
     return load("moe.c")  # the library object now holds the typed functions
 
 
-def route_cpu(
-    logits_TE: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def route_c(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_idx [T, k] int64, topk_weight [T, k] fp32, scores [T, E] fp32) from fp32 router logits, as sigmoid_topk_route
-    computes them, or None. The logits tensor becomes the scores (it is the caller's temporary). Ties in the biased score
-    go to the lower expert id (torch.topk leaves their order unspecified); a NaN score is never selected."""
-    if logits_TE.dim() != 2 or not logits_TE.is_contiguous() or not cpu_fp32_inference(logits_TE, *([bias_E] if bias_E is not None else [])):
-        return None  # checked before the library is asked for, so that other devices never build it
-    lib = _lib()
-    if lib is None:
-        return None
+    computes them (1 <= k <= MAX_K). The logits tensor becomes the scores (it is the caller's temporary). Ties in the
+    biased score go to the lower expert id (torch.topk leaves their order unspecified)."""
+    require_inference("moe router", logits_TE, *([bias_E] if bias_E is not None else []))
+    if not 1 <= k <= min(MAX_K, logits_TE.shape[1]):
+        raise ValueError(f"moe router: k={k}, the C loop takes 1..{min(MAX_K, logits_TE.shape[1])}")
+    logits_TE = logits_TE.contiguous()
+    bias = bias_E.contiguous() if bias_E is not None else None
     num_tokens, num_experts = logits_TE.shape
-    if not 1 <= k <= min(num_experts, MAX_K) or (bias_E is not None and (not bias_E.is_contiguous() or bias_E.numel() != num_experts)):
-        return None  # the torch path raises for what is invalid; k > MAX_K is valid and simply not ours
     idx = torch.empty(num_tokens, k, dtype=torch.int64)
     weight = torch.empty(num_tokens, k, dtype=torch.float32)
-    bias_ptr = bias_E.data_ptr() if bias_E is not None else None
-    lib.openk3_moe_route(num_tokens, num_experts, k, logits_TE.data_ptr(), bias_ptr, int(renormalize), scaling, idx.data_ptr(), weight.data_ptr())
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    _lib().openk3_moe_route(num_tokens, num_experts, k, logits_TE.data_ptr(), bias_ptr, int(renormalize), scaling, idx.data_ptr(), weight.data_ptr())
     return idx, weight, logits_TE
 
 
@@ -82,30 +80,31 @@ def _glu_in_c(act: Act) -> tuple[int, float, float] | None:
     return code, float(kw.get("beta", 4.0)), float(kw.get("linear_beta", 25.0))
 
 
-def expert_loop_in_c(x_TD: torch.Tensor, bank: DenseExpertBank, act: Act) -> bool:
-    """The batched path's expert MLPs will run as moe.c's expert loop for these inputs: CPU fp32 inference, contiguous
-    stacked weights, an activation it knows, and the library at hand. moe_experts_auto then widens the batched path's
-    window (the loop computes no padding rows and reads no idle expert's weights)."""
+def c_loop_fits(x_TD: torch.Tensor, bank: DenseExpertBank, act: Act) -> bool:
+    """The batched path's expert MLPs run as moe.c's expert loop for these inputs: an activation it knows, contiguous
+    stacked weights. moe_experts_sized then widens the batched path's window (the loop computes no padding rows and reads
+    no idle expert's weights)."""
     weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if x_TD.dim() != 2 or x_TD.stride(-1) != 1 or not cpu_fp32_inference(x_TD, *weights) or not all(w.is_contiguous() for w in weights):
-        return False
-    return _glu_in_c(act) is not None and _lib() is not None
+    return x_TD.dim() == 2 and all(w.is_contiguous() for w in weights) and _glu_in_c(act) is not None
 
 
-def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: DenseExpertBank, act: Act) -> torch.Tensor | None:
-    """moe_experts_batched's result with the whole stacked bank and the pair bookkeeping in C, or None (the caller's torch
-    path then runs). The expert MLPs run in C too when `expert_loop_in_c`; otherwise they are three batched products over the
-    padded block, and when fewer than half of the experts are active this returns None (the torch path reads only those)."""
-    weights = (bank.w1_EID, bank.w3_EID, bank.w2_EDI)
-    if x_TD.dim() != 2 or topk_idx.dim() != 2 or not cpu_fp32_inference(x_TD, *weights) or x_TD.stride(-1) != 1:
-        return None
-    lib = _lib()
-    if lib is None:
-        return None
+def moe_experts_batched_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+    """moe_experts_batched's result with the whole stacked bank and the pair bookkeeping in C. The expert MLPs run in C
+    too when `c_loop_fits`; otherwise they are three batched products over the padded block, and when fewer than half of the
+    experts are active the torch form runs (it reads only those)."""
+    check_moe_inputs(x_TD, topk_idx, topk_weight, bank, check_ids=False)  # openk3_moe_plan checks the ids
+    if not isinstance(bank, DenseExpertBank):
+        raise TypeError(f"moe_experts_batched needs a DenseExpertBank (stacked weights), got {type(bank).__name__}")
+    weights = tuple(w.contiguous() for w in (bank.w1_EID, bank.w3_EID, bank.w2_EDI))
+    require_inference("moe experts", x_TD, *weights)
     num_tokens, k = topk_idx.shape
     num_experts, width = bank.num_experts, x_TD.shape[1]
-    if x_TD.shape[0] != num_tokens or topk_weight.shape != topk_idx.shape or weights[0].shape[2] != width or not all(w.is_contiguous() for w in weights):
-        return None  # moe_experts_batched checks the shapes first; the C loops trust them
+    if weights[0].shape[2] != width:
+        raise ValueError(f"moe experts: w1 {tuple(weights[0].shape)}, expected [E, I, {width}] for input width {width}")
+    if num_tokens == 0:
+        return torch.zeros_like(x_TD)
+    x_TD = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
+    lib = _lib()
     idx = topk_idx.to(torch.int64).contiguous()
     weight = topk_weight.to(torch.float32).contiguous()
     counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)
@@ -114,7 +113,7 @@ def batched_experts_cpu(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
         raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
     glu_c = _glu_in_c(act)
     if glu_c is None and 2 * int((counts > 0).sum()) < num_experts:
-        return None
+        return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
     # the C expert loop reads only each expert's first counts[e] rows; the batched products read the padding as well
     x_ECD = x_TD.new_empty(num_experts, rows, width) if glu_c is not None else x_TD.new_zeros(num_experts, rows, width)
     lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import ExpertBank
 from openk3.ops.moe.naive import Act, check_moe_inputs, expert_forward
 
 
-def moe_experts_grouped(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+def moe_experts_grouped(
+    x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act, *, linear: LinearFn = linear_torch
+) -> torch.Tensor:
     check_moe_inputs(x_TD, topk_idx, topk_weight, bank)
     k = topk_idx.shape[1]
     flat_P = topk_idx.reshape(-1)
@@ -36,7 +39,7 @@ def moe_experts_grouped(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
         if count == 0:
             continue
         end = start + count
-        out = expert_forward(x_PD[start:end], bank.expert(e, x_TD.dtype), act, e)
+        out = expert_forward(x_PD[start:end], bank.expert(e, x_TD.dtype), act, e, linear)
         y32.index_put_((token_P[start:end],), out.float() * weight_P[start:end].unsqueeze(1), accumulate=True)
         start = end
     return y32.to(x_TD.dtype)

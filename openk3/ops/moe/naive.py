@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from openk3.ops.linear import linear
+from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import ExpertBank, ExpertWeights
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,8 +32,9 @@ def check_moe_inputs(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight: to
         raise ValueError(f"moe experts: expert ids span {int(topk_idx.min())}..{int(topk_idx.max())}, expected 0..{bank.num_experts - 1}")
 
 
-def expert_forward(x_ND: torch.Tensor, weights: ExpertWeights, act: Act, e: int) -> torch.Tensor:
-    """W2 act(W1 x, W3 x) for one expert's rows; checks the bank's shapes against x so a wrong bank names the expert."""
+def expert_forward(x_ND: torch.Tensor, weights: ExpertWeights, act: Act, e: int, linear: LinearFn = linear_torch) -> torch.Tensor:
+    """W2 act(W1 x, W3 x) for one expert's rows, the products by `linear` (an entry of the registry's "linear"); checks the
+    bank's shapes against x so a wrong bank names the expert."""
     w1, w3, w2 = weights
     width = x_ND.shape[1]
     if w1.dim() != 2 or w1.shape[1] != width or w3.shape != w1.shape or w2.shape != (width, w1.shape[0]):

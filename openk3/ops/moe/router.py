@@ -8,11 +8,12 @@ gradient path; the combine weights come from the unbiased scores so the bias nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from openk3.ops.moe.cpu_pairs import route_cpu
+from openk3.ops.moe.cpu_pairs import MAX_K, route_c
 
 
 class RouterOutput(NamedTuple):
@@ -21,7 +22,7 @@ class RouterOutput(NamedTuple):
     scores: torch.Tensor  # [T, E] fp32 sigmoid scores (unbiased; training-time balancing reads them)
 
 
-def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float) -> RouterOutput:
+def _logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int) -> torch.Tensor:
     if x_TD.dim() != 2 or weight_ED.dim() != 2 or x_TD.shape[1] != weight_ED.shape[1]:
         raise ValueError(f"router: x shape {tuple(x_TD.shape)} and weight shape {tuple(weight_ED.shape)}, expected [T, D] and [E, D]")
     num_experts = weight_ED.shape[0]
@@ -29,11 +30,12 @@ def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
         raise ValueError(f"router: bias shape {tuple(bias_E.shape)}, expected ({num_experts},)")
     if not 1 <= k <= num_experts:
         raise ValueError(f"router: k={k}, expected 1..{num_experts} (the number of experts)")
-    logits_TE = x_TD.float() @ weight_ED.float().t()
-    fast = route_cpu(logits_TE, bias_E.float() if bias_E is not None else None, k, renormalize, scaling)
-    if fast is not None:  # the same steps as below in one C loop (CPU inference)
-        return RouterOutput(*fast)
-    scores_TE = torch.sigmoid(logits_TE)
+    return x_TD.float() @ weight_ED.float().t()
+
+
+def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float) -> RouterOutput:
+    """The router in torch ops (the registry's "moe_route" "naive", on every backend)."""
+    scores_TE = torch.sigmoid(_logits(x_TD, weight_ED, bias_E, k))
     selection_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
     topk_idx = torch.topk(selection_TE, k, dim=-1).indices
     weight_Tk = scores_TE.gather(1, topk_idx)
@@ -41,3 +43,14 @@ def sigmoid_topk_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
         # 1e-20 only guards an all-zero row (every selected score underflowed); it is below any real sigmoid sum.
         weight_Tk = weight_Tk / (weight_Tk.sum(-1, keepdim=True) + 1e-20)
     return RouterOutput(topk_idx, weight_Tk * scaling, scores_TE)
+
+
+def sigmoid_topk_route_c(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, k: int, renormalize: bool, scaling: float) -> RouterOutput:
+    """The same steps after the logits in one C loop ("fast" on the "c" backend: ops/moe/cpu_pairs.py); a top-k wider
+    than the loop's stack buffer (MAX_K) runs in torch."""
+    if k > MAX_K:
+        return sigmoid_topk_route(x_TD, weight_ED, bias_E, k, renormalize, scaling)
+    return RouterOutput(*route_c(_logits(x_TD, weight_ED, bias_E, k), bias_E.float() if bias_E is not None else None, k, renormalize, scaling))
+
+
+RouterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool, float], RouterOutput]

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import ExpertBank
 from openk3.ops.moe.naive import Act, check_moe_inputs, expert_forward
 
 
-def moe_experts_single_token(x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act) -> torch.Tensor:
+def moe_experts_single_token(
+    x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, bank: ExpertBank, act: Act, *, linear: LinearFn = linear_torch
+) -> torch.Tensor:
     if x_1D.dim() != 2 or x_1D.shape[0] != 1:
         raise ValueError(f"moe_experts_single_token: x shape {tuple(x_1D.shape)}, expected [1, D] (one token)")
     check_moe_inputs(x_1D, topk_idx, topk_weight, bank, check_ids=False)
@@ -26,5 +29,5 @@ def moe_experts_single_token(x_1D: torch.Tensor, topk_idx: torch.Tensor, topk_we
     weights = topk_weight[0].float().tolist()  # on the host with the ids: each expert's weight folds into its add
     y32 = torch.zeros(x_1D.shape, dtype=torch.float32, device=x_1D.device)
     for e, w in zip(ids, weights, strict=True):
-        y32.add_(expert_forward(x_1D, bank.expert(e, x_1D.dtype), act, e).float(), alpha=w)
+        y32.add_(expert_forward(x_1D, bank.expert(e, x_1D.dtype), act, e, linear).float(), alpha=w)
     return y32.to(x_1D.dtype)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openk3.api.engine_args import add_engine_arguments, add_process_arguments, engine_configs
+from openk3.api.engine_args import add_engine_arguments, add_process_arguments, add_server_arguments, engine_configs, server_settings
 
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 (env OPENK3_API_KEY)")
     add_engine_arguments(p)
+    add_server_arguments(p)
     add_process_arguments(p)
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
@@ -94,6 +95,7 @@ def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM,
     folder = model_dir if model_dir.is_dir() else None
     template = load_chat_template(folder, args.chat_template)
     engine = LLMEngine(model, tokenizer, engine_config)
+    frontend, limits = server_settings(args)
     config = ServerConfig(
         model_name=args.served_model_name or str(args.model),
         model_root=str(args.model),
@@ -101,6 +103,8 @@ def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_timeout_s=args.shutdown_timeout,
         stop_token_ids=generation_stop_ids(folder),
+        frontend=frontend,
+        limits=limits,
     )
     return create_app(engine, tokenizer, template, config)
 

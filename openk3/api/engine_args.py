@@ -41,3 +41,21 @@ def add_process_arguments(p: argparse.ArgumentParser) -> None:
         help="keep: freed heap memory stays in the process for the next step's temporaries (faster CPU steps, RSS stays at its "
         "high-water mark); system: the C library's defaults (default: $OPENK3_CPU_HEAP, else keep)",
     )
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """`openk3 serve`'s admission settings: the front end's queue (FrontendConfig) and what one request may ask for
+    (RequestLimits)."""
+    from openk3.api.limits import RequestLimits
+    from openk3.serve.config import FrontendConfig
+
+    add_arguments(p, FrontendConfig)
+    add_arguments(p, RequestLimits)
+
+
+def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(FrontendConfig, RequestLimits) from flags added by add_server_arguments."""
+    from openk3.api.limits import RequestLimits
+    from openk3.serve.config import FrontendConfig
+
+    return from_args(FrontendConfig, args), from_args(RequestLimits, args)

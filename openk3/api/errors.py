@@ -28,24 +28,34 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
@@ -110,3 +120,22 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
     if unknown:
         log.info("ignoring unknown fields in %s %s: %s", request.method, request.url.path, ", ".join(unknown))
     return parsed
+
+
+# The queue moves at the engine's step rate, so a refused client may come back soon; one second keeps retries from spinning.
+RETRY_AFTER_S = 1
+
+
+def frontend_error(e: BaseException) -> APIError | None:
+    """The front end's refusals as 503s (queue full or timed out: with Retry-After); None for any other error."""
+    from openk3.serve.admission import QueueFullError, QueueTimeoutError
+    from openk3.serve.frontend import EngineDeadError, FrontendClosedError
+
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(e, QueueFullError):
+        return APIError(503, f"the server is overloaded: {e}", code="queue_full", headers=retry)
+    if isinstance(e, QueueTimeoutError):
+        return APIError(503, f"the server is overloaded: {e}", code="queue_timeout", headers=retry)
+    if isinstance(e, (EngineDeadError, FrontendClosedError)):
+        return APIError(503, str(e), code="unavailable")
+    return None

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage, _SamplingFields
-from openk3.serve.frontend import AsyncEngine
+from openk3.serve.frontend import AsyncEngine, RequestStream
 from openk3.serve.output import OutputKind, RequestOutput
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
@@ -56,6 +56,8 @@ def sampling_params(
     """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos)."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+    if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop += [s for s in extra_stop if s not in stop]
     stop_ids = list(req.stop_token_ids or ())
@@ -85,49 +87,67 @@ def sampling_params(
         raise from_value_error(e) from e
 
 
-async def merged_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob], kind: OutputKind) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(prompt index, output) for every engine request of one HTTP request, as they come; leaving early aborts them all."""
-    if len(jobs) == 1:
-        gen = frontend.generate(request_id, jobs[0].prompt_token_ids, jobs[0].params, kind)
-        try:
-            async for update in gen:
-                yield 0, update
-        finally:
-            await gen.aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+class Updates:
+    """(prompt index, output) for every engine request of one HTTP request, as they come; `aclose` aborts those unfinished."""
 
-    async def pump(i: int, job: EngineJob) -> None:
-        gen = frontend.generate(f"{request_id}-{i}", job.prompt_token_ids, job.params, kind)
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._remaining = len(streams)
+        self._tasks = [asyncio.ensure_future(self._pump(i, stream)) for i, stream in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
         try:
-            async for update in gen:
-                queue.put_nowait((i, update))
+            async for update in stream:
+                self._queue.put_nowait((i, update))
         except Exception as e:  # handed to the consumer, which raises it
-            queue.put_nowait((i, e))
-        finally:
-            await gen.aclose()
+            self._queue.put_nowait((i, e))
 
-    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
-    remaining = len(jobs)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for task in tasks:
+    def __aiter__(self) -> Updates:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._remaining:
+            raise StopAsyncIteration
+        i, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            self._remaining -= 1
+        return i, item
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()
+
+
+async def open_updates(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob], kind: OutputKind) -> Updates:
+    """Add every prompt of one HTTP request to the engine, all or none (a refusal -- bad input, a full queue -- aborts those
+    already added), before the first byte of the response: so a refusal is still a plain HTTP error."""
+    streams: list[RequestStream] = []
+    try:
+        for i, job in enumerate(jobs):
+            engine_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
+            streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return Updates(streams)
 
 
 async def final_outputs(frontend: AsyncEngine, request_id: str, jobs: list[EngineJob]) -> list[RequestOutput]:
     """Run every prompt of one HTTP request to its end; one whole output per prompt, in prompt order."""
     done: dict[int, RequestOutput] = {}
-    async for i, out in merged_updates(frontend, request_id, jobs, OutputKind.FINAL_ONLY):
-        done[i] = out
+    updates = await open_updates(frontend, request_id, jobs, OutputKind.FINAL_ONLY)
+    try:
+        async for i, out in updates:
+            done[i] = out
+    finally:
+        await updates.aclose()
     return [done[i] for i in range(len(jobs))]
 
 

@@ -17,7 +17,9 @@ INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on alternatives per token
 MAX_N = 128
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# strict: JSON true is not the integer 1 (pydantic's lax mode would take it as one, silently)
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)]
+Int = Annotated[int, Field(strict=True)]
 
 
 class _Request(BaseModel):
@@ -36,11 +38,11 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model (vLLM's leniency; the openai client always sends one)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)
+    seed: Int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -48,10 +50,10 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0, le=100)
-    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    min_tokens: Int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -60,11 +62,11 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT64_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int | None = Field(default=16, ge=1, le=INT64_MAX)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    best_of: Int | None = Field(default=None, ge=1, le=MAX_N)
 
 
 class ContentPart(BaseModel):
@@ -82,10 +84,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -21,12 +21,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.api.chat import ChatTemplate
-from openk3.api.errors import APIError
+from openk3.api.errors import APIError, frontend_error
 from openk3.api.generation import TokenTexts
 from openk3.api.metrics import ServerMetrics
+from openk3.api.prompt_text import PromptEncoder
 from openk3.api.routes import completions, health, models, tokens
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.serving import Served
+from openk3.serve.admission import QueueFullError, QueueTimeoutError
 from openk3.serve.engine import LLMEngine
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
 from openk3.serve.tokenizer import Tokenizer
@@ -38,7 +40,7 @@ log = logging.getLogger("openk3.api")
 
 def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
-    frontend = AsyncEngine(engine, observer=metrics)
+    frontend = AsyncEngine(engine, observer=metrics, config=config.frontend)
     chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)
     served = Served(
         frontend=frontend,
@@ -49,6 +51,8 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         max_model_len=engine.max_model_len,
         vocab_size=min(engine.model_config.vocab_size, max(tokenizer.vocab_size, 1)),
         texts=TokenTexts(tokenizer),
+        encoder=PromptEncoder(tokenizer, engine.max_model_len),
+        limits=config.limits,
         stop_token_ids=config.stop_token_ids,
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
@@ -60,6 +64,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         frontend.start()
         yield
         await frontend.shutdown(config.shutdown_timeout_s)
+        served.encoder.close()
         if frontend.error is not None:
             log.error("the engine ended in error: %r", frontend.error)
 
@@ -92,8 +97,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(FrontendClosedError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(QueueFullError)
+    @app.exception_handler(QueueTimeoutError)
     async def _unavailable(request: Request, e: Exception) -> JSONResponse:
-        return APIError(503, str(e), code="unavailable").response()
+        error = frontend_error(e)
+        assert error is not None, "registered for the front end's errors only"
+        return error.response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:

@@ -7,18 +7,21 @@ stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice ind
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
 from openk3.api.chat import ChatTemplate
-from openk3.api.errors import APIError
-from openk3.api.generation import EngineJob, TokenTexts, check_prompt, final_outputs, merged_updates, sampling_params, usage
+from openk3.api.errors import APIError, frontend_error
+from openk3.api.generation import EngineJob, TokenTexts, Updates, check_prompt, final_outputs, open_updates, sampling_params, usage
+from openk3.api.limits import RequestLimits
+from openk3.api.prompt_text import PromptEncoder
 from openk3.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -32,7 +35,7 @@ from openk3.api.protocol import (
     CompletionResponse,
     DeltaMessage,
 )
-from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.frontend import AsyncEngine
 from openk3.serve.output import OutputKind
 from openk3.serve.tokenizer import Tokenizer
 
@@ -52,6 +55,8 @@ class Served:
     max_model_len: int
     vocab_size: int
     texts: TokenTexts
+    encoder: PromptEncoder  # text -> token ids on its own threads, after the size check
+    limits: RequestLimits = field(default_factory=RequestLimits)
     stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json), for every request
     chat_stop: tuple[str, ...] = ()  # the chat template's end of turn, when it is text
     chat_stop_token_ids: tuple[int, ...] = ()  # ... or when it is one special token
@@ -82,13 +87,17 @@ DONE = b"data: [DONE]\n\n"
 def _stream_error(e: Exception) -> bytes:
     if isinstance(e, APIError):
         return sse(e.body())
-    status = 503 if isinstance(e, (EngineDeadError, FrontendClosedError)) else 400 if isinstance(e, ValueError) else 500
+    unavailable = frontend_error(e)
+    if unavailable is not None:
+        return sse(unavailable.body())
+    status = 400 if isinstance(e, ValueError) else 500
     if status == 500:
         log.exception("error while streaming", exc_info=e)
     return sse(APIError(status, str(e)).body())
 
 
-def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob], list[str]]:
+async def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob], list[str]]:
+    s.limits.check(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -103,17 +112,19 @@ def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[EngineJob],
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n", code="invalid_value")
     jobs, texts = [], []
     for prompt in prompts:
-        ids = s.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
+        ids = await s.encoder.encode(prompt, "prompt", add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
         max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
         jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.stop_token_ids)))
-        texts.append(prompt if isinstance(prompt, str) else s.tokenizer.decode(ids))
+        texts.append(prompt if isinstance(prompt, str) else await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
     return jobs, texts
 
 
-def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
+async def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
+    s.limits.check(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
-    ids = s.tokenizer.encode(s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs))
+    text = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs))
+    ids = await s.encoder.encode(text, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
@@ -140,11 +151,19 @@ async def completion_response(s: Served, req: CompletionRequest, jobs: list[Engi
     return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
-async def completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> AsyncGenerator[bytes, None]:
-    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+async def open_completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> tuple[AsyncGenerator[bytes, None], Updates]:
+    """The engine requests added (a refusal is still a plain HTTP error), and the events that will stream their outputs."""
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    updates = await open_updates(s.frontend, request_id, jobs, OutputKind.DELTA)
+    return completion_stream(s, req, jobs, texts, request_id, updates), updates
+
+
+async def completion_stream(
+    s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str], request_id: str, updates: Updates
+) -> AsyncGenerator[bytes, None]:
+    created = int(time.time())
     offsets: dict[int, int] = {}
     completion_tokens, cached = 0, dict[int, int]()
-    updates = merged_updates(s.frontend, request_id, jobs, OutputKind.DELTA)
     try:
         async for i, update in updates:
             cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
@@ -186,14 +205,19 @@ async def chat_response(s: Served, req: ChatCompletionRequest, job: EngineJob) -
     return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
-async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> AsyncGenerator[bytes, None]:
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+async def open_chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    updates = await open_updates(s.frontend, request_id, [job], OutputKind.DELTA)
+    return chat_stream(s, req, job, request_id, updates), updates
+
+
+async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
+    created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
 
     completion_tokens, cached, opened = 0, 0, set()
-    updates = merged_updates(s.frontend, request_id, [job], OutputKind.DELTA)
     try:
         async for _, update in updates:
             cached = max(cached, update.num_cached_tokens)

@@ -111,3 +111,17 @@ def _names(dtype: Any, device: Any) -> tuple[Any, Any]:
         if isinstance(device, torch.device):
             device = str(device)
     return dtype, device
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Admission control of the async front end (serve/frontend.py), the server's: `LLM.generate` takes every request it is
+    given, but a server under more load than it can serve should refuse early rather than queue without end. A request counts
+    as waiting from the moment the engine accepts it until one of its samples is first scheduled (preempted samples are
+    admitted work and do not count)."""
+
+    max_waiting_requests: int | None = setting(256, "most requests waiting to be scheduled; beyond it a new request gets 503 with Retry-After", low=1)
+    queue_timeout_s: float | None = setting(None, "seconds a request may wait to be scheduled before it is aborted with 503 (default: no limit)", low=0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)

@@ -7,21 +7,27 @@ HTTP while a step runs.
 The engine thread runs the engine core and its OutputProcessor (serve/output.py) together: each step's outputs come out of
 the processor as RequestOutputs of the kind the caller asked for (DELTA for streams, with the stop-string hold-back applied
 there, once; FINAL_ONLY for whole responses) and go to the requests' queues as they are; the step's IterationStats go to the
-observer. Leaving `generate` early (client disconnect, cancellation) aborts the request, which frees its pages and state slot
-in the engine's next iteration. `shutdown` refuses new requests, waits for in-flight ones up to a timeout, aborts the
-rest and checks the engine's integrity before the thread ends.
+observer. Leaving a request's stream early (client disconnect, cancellation) aborts the request, which frees its pages and
+state slot in the engine's next iteration; a caller that leaves while its add is still queued behind a running step has
+nothing added at all (futures the event loop may have cancelled are claimed with `set_running_or_notify_cancel` before
+any work, so the engine thread never answers a cancelled one). `shutdown` refuses new requests, waits for in-flight ones
+up to a timeout, aborts the rest and checks the engine's integrity before the thread ends.
+Admission (serve/admission.py, on the engine thread): an add is refused while `max_waiting_requests` requests wait
+unscheduled (QueueFullError), and after each step those that have waited longer than `queue_timeout_s` are aborted
+(QueueTimeoutError, delivered to their streams).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol, TypeVar
 
+from openk3.serve.admission import Admission
+from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
@@ -50,17 +56,56 @@ class EngineObserver(Protocol):
     def observe_finished(self, done: FinishedRequest) -> None: ...
 
 
+class RequestStream:
+    """The outputs of one added request, until every sample has finished; `aclose` before that aborts it. Event loop only."""
+
+    def __init__(self, frontend: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._frontend = frontend
+        self._queue = queue
+        self._open = True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._open:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):  # the engine thread has already dropped the request (failure, queue timeout)
+            self._release(abort=False)
+            raise item
+        if item.finished:
+            self._release(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._release(abort=True)
+
+    def _release(self, abort: bool) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._frontend._active -= 1
+        if abort:
+            self._frontend._abort_soon(self.request_id)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, observer: EngineObserver | None = None, config: FrontendConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.engine = engine
         self.processor = OutputProcessor(engine)  # engine thread only, like the engine
         self.observer = observer
+        self.config = config or FrontendConfig()
+        self.admission = Admission(engine, self.processor, self.config, clock)  # engine thread only
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stop = False
         self._closed = False
         self._queues: dict[str, asyncio.Queue] = {}  # engine thread only: the requests in flight
-        self._active = 0  # generate() calls in progress; event loop only
+        self._active = 0  # requests added or being added and not yet closed; event loop only
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -96,11 +141,19 @@ class AsyncEngine:
             self._commands.append(command)
             self._cv.notify()
 
+    def _abort_soon(self, request_id: str) -> None:
+        try:
+            self._submit(lambda: self._abort(request_id, notify=False))
+        except FrontendClosedError:
+            pass  # a stopped engine thread has aborted everything already
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread, between steps, and return its result (e.g. check_integrity)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller was cancelled while this waited: fn is not run, and nobody waits for an answer
             try:
                 fut.set_result(fn(self.engine))
             except BaseException as e:  # handed to the caller, not swallowed
@@ -109,44 +162,52 @@ class AsyncEngine:
         self._submit(command)
         return await asyncio.wrap_future(fut)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs for one request until every sample has finished (DELTA: one per step that changed it; FINAL_ONLY: one
-        at the end); leaving early aborts it. Raises ValueError on bad input."""
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+        """Add a request and return its output stream (DELTA: one output per step that changed it; FINAL_ONLY: one at the
+        end). Raises ValueError on bad input, QueueFullError, EngineDeadError or FrontendClosedError before anything is
+        added; a caller cancelled meanwhile leaves nothing behind."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
         if not self._accepting or self._thread is None:
             raise FrontendClosedError("the server is shutting down")
-        self._active += 1
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        finished = False
 
         def add() -> None:
+            if not added.set_running_or_notify_cancel():
+                return  # the caller left while this waited behind a step: add nothing (and answer no cancelled future)
             try:
-                self.processor.add_request(request_id, prompt_token_ids, params, kind)
+                self._admit(request_id, prompt_token_ids, params, kind)
             except BaseException as e:
                 added.set_exception(e)
                 return
             self._queues[request_id] = queue
             added.set_result(None)
 
+        self._active += 1
         try:
             self._submit(add)
             await asyncio.wrap_future(added)
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+        except asyncio.CancelledError:
+            self._active -= 1
+            if not added.cancel():  # too late to withdraw: the add ran (or is running), so the abort goes in behind it
+                self._abort_soon(request_id)
+            raise
+        except BaseException:
+            self._active -= 1
+            raise
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`add`, then its outputs until every sample has finished; leaving early aborts the request."""
+        stream = await self.add(request_id, prompt_token_ids, params, kind)
+        try:
+            async for item in stream:
                 yield item
         finally:
-            self._active -= 1
-            add_failed = added.done() and added.exception() is not None  # then the id is not ours to abort
-            if not finished and not add_failed:
-                with contextlib.suppress(FrontendClosedError):  # a stopped engine thread has aborted everything already
-                    self._submit(lambda: self._abort(request_id, notify=False))
+            await stream.aclose()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `timeout` seconds, abort the rest, stop the engine thread."""
@@ -170,13 +231,19 @@ class AsyncEngine:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, items)
 
-    def _abort(self, request_id: str, notify: bool) -> None:
+    def _abort(self, request_id: str, notify: bool, error: BaseException | None = None) -> None:
+        """Abort; with `notify` the stream gets the last output, with `error` it gets that instead."""
         stats = IterationStats()
         last = self.processor.abort(request_id, stats)
         queue = self._queues.pop(request_id, None)
         self._observe(stats)
-        if notify and last is not None and queue is not None:
-            self._deliver([(queue, last)])
+        item = error if error is not None else last if notify else None
+        if item is not None and queue is not None:
+            self._deliver([(queue, item)])
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind) -> None:
+        self.admission.check_room()
+        self.admission.arrived(request_id, self.processor.add_request(request_id, prompt_token_ids, params, kind))
 
     def _observe(self, stats: IterationStats) -> None:
         if self.observer is None:
@@ -206,6 +273,8 @@ class AsyncEngine:
                     stats = IterationStats()
                     self._dispatch(self.processor.process(self.engine.step(), stats))
                     self._observe(stats)
+                    for request_id, error in self.admission.expired():
+                        self._abort(request_id, notify=False, error=error)
                 self._publish_stats()
             except Exception as e:  # the engine state is now unknown: fail every request, refuse new ones
                 self._fail(e)
@@ -229,6 +298,7 @@ class AsyncEngine:
             except Exception:  # best effort: the engine is already broken and reported as such
                 pass
         self._queues.clear()
+        self.admission.clear()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         items: list[tuple[asyncio.Queue, Any]] = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.config import PRESETS, config_from_hf, preset
+from openk3.config import PRESETS, ModelConfig, config_from_hf, preset
 from openk3.serve.runner import CausalLM
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -51,7 +51,7 @@ def build_model(model: str | Path, dtype: torch.dtype, device: torch.device | st
         net = net.to(device=device, dtype=dtype).eval()
         return net, ByteTokenizer(config.vocab_size)
     net = load_model(path, dtype=dtype, device=device)
-    return net, load_tokenizer(path, net.config.vocab_size)
+    return net, checkpoint_tokenizer(path, net.config)
 
 
 def model_tokenizer(model: str | Path, seed: int) -> Tokenizer:
@@ -60,4 +60,31 @@ def model_tokenizer(model: str | Path, seed: int) -> Tokenizer:
     if path is None:
         _warn_random(str(model), seed)
         return ByteTokenizer(preset(str(model)).vocab_size)
-    return load_tokenizer(path, config_from_hf(path).vocab_size)
+    return checkpoint_tokenizer(path, config_from_hf(path))
+
+
+class ConfigIdsByteTokenizer(ByteTokenizer):
+    """The byte tokenizer of a checkpoint folder that ships no tokenizer, with the bos/eos ids its config names: the
+    checkpoint was trained to end on its config's eos, and the fallback's own <|eos|> is an id the model never learned to
+    emit, so generation would never stop there. An id the config leaves unset keeps the fallback's."""
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None) -> None:
+        super().__init__(vocab_size)
+        self._config_bos = bos_token_id
+        self._config_eos = eos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._config_eos if self._config_eos is not None else super().eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._config_bos if self._config_bos is not None else super().bos_token_id
+
+
+def checkpoint_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    """The folder's tokenizer; without one, the byte fallback with the config's bos/eos ids."""
+    tokenizer = load_tokenizer(path, config.vocab_size)
+    if isinstance(tokenizer, ByteTokenizer) and (config.bos_token_id is not None or config.eos_token_id is not None):
+        return ConfigIdsByteTokenizer(tokenizer.vocab_size, config.bos_token_id, config.eos_token_id)
+    return tokenizer

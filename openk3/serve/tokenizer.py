@@ -9,6 +9,7 @@ window ends in a replacement character (an incomplete byte sequence), the scheme
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Protocol
@@ -112,6 +113,20 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 input bytes one token can stand for, when that is certain: a byte-level BPE without a normalizer
+        (which could shrink the text before it is split) reads every input byte into exactly one vocabulary character, so a
+        token covers at most its own length in input bytes, and an added token its content's bytes. None otherwise."""
+        spec = json.loads(self._tok.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        byte_level = pre.get("type") == "ByteLevel" or any(p.get("type") == "ByteLevel" for p in pre.get("pretokenizers", []))
+        if spec.get("normalizer") is not None or not byte_level or spec["model"].get("type") != "BPE":
+            return None
+        vocab = spec["model"]["vocab"]
+        added = [len(t["content"].encode("utf-8")) for t in spec.get("added_tokens", [])]
+        return max([len(token) for token in vocab] + added)
 
 
 def load_tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:

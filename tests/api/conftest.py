@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.frontend import AsyncEngine
 from openk3.serve.loading import build_model
+from openk3.serve.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 256
 NUM_PAGES = 256
@@ -74,23 +75,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(api_key: str | None = None, max_body_bytes: int = 2**20, graceful_s: float = 5, **engine_overrides) -> LiveServer:
+def start_server(
+    api_key: str | None = None,
+    max_body_bytes: int = 2**20,
+    graceful_s: float = 5,
+    tokenizer: Tokenizer | None = None,
+    before_start: Callable[[LLMEngine], None] | None = None,
+    server: dict[str, Any] | None = None,
+    **engine_overrides,
+) -> LiveServer:
+    """`tokenizer`: the server's (default: the engine's); `before_start`: called with the engine before the engine thread
+    exists (to swap in a fake step); `server`: more ServerConfig fields (frontend, limits, ...)."""
     engine = debug_engine(**engine_overrides)
-    config = ServerConfig(model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s)
-    app = create_app(engine, engine.tokenizer, ChatTemplate.default(), config)
+    if before_start is not None:
+        before_start(engine)
+    config = ServerConfig(
+        model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s, **(server or {})
+    )
+    app = create_app(engine, tokenizer or engine.tokenizer, ChatTemplate.default(), config)
     port = _free_port()
     # uvicorn annotates an int, but hands the value to asyncio.wait_for, which takes the fractions of a second tests use
-    server = uvicorn.Server(
+    uv = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=graceful_s)  # type: ignore[arg-type]
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
-    while not server.started:
+    while not uv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", server, thread, app.state.served.frontend, app)
+    return LiveServer(f"http://127.0.0.1:{port}", uv, thread, app.state.served.frontend, app)
+
+
+class GatedStep:
+    """A fake slow engine step: the real step, then -- on the first call -- it signals `entered` and waits for `release`.
+    Threading events, because the step runs on the engine thread, which has no event loop. Requests submitted while it
+    waits queue up behind it in their order, so a test can force "queued behind a running step" without timing anything."""
+
+    def __init__(self, engine: LLMEngine, before: bool = False) -> None:
+        self.step = engine.step
+        self.before = before  # hold before the real step (nothing of this step is scheduled yet) rather than after
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        engine.step = self  # type: ignore[method-assign]  # the test holds the step on purpose
+
+    def __call__(self):
+        out = None if self.before else self.step()
+        self.entered.set()
+        self.release.wait()
+        return self.step() if self.before else out
 
 
 def stop_server(live: LiveServer) -> None:

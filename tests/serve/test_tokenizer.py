@@ -1,4 +1,5 @@
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -83,3 +84,23 @@ def test_fallback_and_missing(tmp_path) -> None:
     assert isinstance(load_tokenizer(tmp_path, vocab_size=300), ByteTokenizer)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer(tmp_path)
+
+
+def test_byte_level_bpe_reports_the_most_bytes_a_token_covers(tmp_path) -> None:
+    """The size check before tokenising (api/prompt_text.py) relies on bytes <= bound * tokens for every text: checked on the
+    shipped tiny tokenizer over text built to favour long tokens, added tokens and multi-byte characters; a tokenizer with
+    a normalizer (which may shrink the text first) or of another model has no bound."""
+    from openk3.serve.loading import ASSETS
+
+    tok = HFTokenizer(ASSETS / "tiny")
+    bound = tok.max_bytes_per_token
+    assert bound is not None and bound >= max(len(c) for c in ("<|im_start|>", "<|eos|>"))
+    rng = random.Random(0)
+    pieces = ["the", " and", " of", "\u00e9", "\u4e2d\u6587", "\U0001f600", "<|im_start|>", "<|eos|>", " ", "\n\n", "0123456789"]
+    for _ in range(50):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 400)))
+        assert len(text.encode("utf-8")) <= bound * len(tok.encode(text)), text[:80]
+    spec = json.loads((ASSETS / "tiny" / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "NFKC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert HFTokenizer(tmp_path).max_bytes_per_token is None

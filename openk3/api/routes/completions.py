@@ -11,7 +11,7 @@ from openk3.api.errors import read_json
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
 from openk3.api.routes.state import State, authorize, check_model, check_open
 from openk3.api.routes.streams import EventStreamResponse, until_disconnect
-from openk3.api.serving import chat_job, chat_response, chat_stream, completion_jobs, completion_response, completion_stream
+from openk3.api.serving import chat_job, chat_response, completion_jobs, completion_response, open_chat_stream, open_completion_stream
 
 router = APIRouter(dependencies=[Depends(authorize)])
 
@@ -25,10 +25,11 @@ async def completions(request: Request, state: State) -> Response:
     served = state.served
     req = await read_json(request, CompletionRequest, state.config.max_body_bytes)
     check_model(state.config, req.model)
-    jobs, texts = completion_jobs(served, req)
+    jobs, texts = await completion_jobs(served, req)
     check_open(served)
     if req.stream:
-        return EventStreamResponse(completion_stream(served, req, jobs, texts))
+        events, updates = await open_completion_stream(served, req, jobs, texts)
+        return EventStreamResponse(events, updates.aclose)
     return _json_or_gone(await until_disconnect(request, completion_response(served, req, jobs, texts)))
 
 
@@ -37,8 +38,9 @@ async def chat_completions(request: Request, state: State) -> Response:
     served = state.served
     req = await read_json(request, ChatCompletionRequest, state.config.max_body_bytes)
     check_model(state.config, req.model)
-    job = chat_job(served, req)
+    job = await chat_job(served, req)
     check_open(served)
     if req.stream:
-        return EventStreamResponse(chat_stream(served, req, job))
+        events, updates = await open_chat_stream(served, req, job)
+        return EventStreamResponse(events, updates.aclose)
     return _json_or_gone(await until_disconnect(request, chat_response(served, req, job)))

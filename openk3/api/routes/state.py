@@ -4,14 +4,16 @@ through FastAPI dependencies instead of closures, and the checks the routes run 
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from openk3.api.errors import APIError
+from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
 from openk3.api.serving import Served
+from openk3.serve.config import FrontendConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20  # a 10 MB body is refused with 413 before it is read
     stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json)
     shutdown_timeout_s: float = 30.0
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)  # admission: waiting-queue bound and timeout
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
 
 
 @dataclass(frozen=True)

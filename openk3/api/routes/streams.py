@@ -4,7 +4,7 @@ race of a non-streaming generation against it, so the engine frees the request's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -17,8 +17,11 @@ T = TypeVar("T")
 class EventStreamResponse(StreamingResponse):
     """SSE that stops (and aborts its request) as soon as the client disconnects, not at the next failed send."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        """`on_close` releases what the events would have released (the engine requests) when they never start: a
+        generator closed before its first step runs no `finally`."""
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
@@ -35,6 +38,7 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await self.on_close()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

@@ -18,11 +18,14 @@ async def tokenize(request: Request, state: State) -> dict:
     check_model(state.config, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
-    if req.messages is not None:
-        text, special = served.render_chat(req.messages), False
+    messages = req.messages
+    if messages is not None:
+        text, special = await served.encoder.run(lambda: served.render_chat(messages)), False
     else:
         text, special = req.prompt or "", True
-    ids = served.tokenizer.encode(text, add_special_tokens=special if req.add_special_tokens is None else req.add_special_tokens)
+    # no size check: /tokenize answers how long a text is, even one too long to serve (the body limit bounds it)
+    add_special = special if req.add_special_tokens is None else req.add_special_tokens
+    ids = await served.encoder.run(lambda: served.tokenizer.encode(text, add_special_tokens=add_special))
     return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
 
@@ -34,4 +37,4 @@ async def detokenize(request: Request, state: State) -> dict:
     bad = next((t for t in req.tokens if t >= tokenizer.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"tokens has id {bad}: expected ids in 0..{tokenizer.vocab_size - 1}", param="tokens", code="invalid_value")
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return {"prompt": await state.served.encoder.run(lambda: tokenizer.decode(req.tokens))}

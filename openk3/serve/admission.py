@@ -1,0 +1,75 @@
+"""Admission control of the async front end (FrontendConfig): a bounded waiting queue and a queue timeout.
+
+A server under more load than it can serve should refuse early (503 with Retry-After) rather than queue without end, and a
+request that cannot be scheduled in time should end rather than hold its client forever. Only the engine thread sees the
+queue exactly, so this object lives there (serve/frontend.py calls it between steps). A request counts as waiting from the
+moment the engine accepts it until one of its samples is first scheduled; preempted samples are admitted work and do not
+count. Time comes from an injectable clock, so tests step it instead of sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from openk3.serve.config import FrontendConfig
+from openk3.serve.engine import LLMEngine
+from openk3.serve.output import OutputProcessor
+
+
+class QueueFullError(RuntimeError):
+    """FrontendConfig.max_waiting_requests requests already wait to be scheduled; the request was not added."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited to be scheduled longer than FrontendConfig.queue_timeout_s and was aborted."""
+
+
+class Admission:
+    """Engine thread only."""
+
+    def __init__(self, engine: LLMEngine, processor: OutputProcessor, config: FrontendConfig, clock: Callable[[], float]) -> None:
+        self.engine, self.processor, self.config, self._clock = engine, processor, config, clock
+        # request id -> (core ids, arrival) of requests none of whose samples has been scheduled yet, in arrival order
+        self._waiting: dict[str, tuple[list[str], float]] = {}
+
+    @property
+    def tracking(self) -> bool:
+        return self.config.max_waiting_requests is not None or self.config.queue_timeout_s is not None
+
+    def check_room(self) -> None:
+        """Raise QueueFullError when `max_waiting_requests` requests wait already."""
+        limit = self.config.max_waiting_requests
+        if not self.tracking:
+            return
+        self._prune()
+        if limit is not None and len(self._waiting) >= limit:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting to be scheduled (the limit): retry later")
+
+    def arrived(self, request_id: str, core_ids: list[str]) -> None:
+        if self.tracking:
+            self._waiting[request_id] = (core_ids, self._clock())
+
+    def expired(self) -> list[tuple[str, QueueTimeoutError]]:
+        """The requests that have waited longer than `queue_timeout_s`, forgotten here (the caller aborts them)."""
+        timeout = self.config.queue_timeout_s
+        if timeout is None or not self._waiting:
+            return []
+        self._prune()
+        now, out = self._clock(), []
+        for request_id, (_, arrival) in list(self._waiting.items()):  # in arrival order: the first one still in time ends it
+            waited = now - arrival
+            if waited <= timeout:
+                break
+            del self._waiting[request_id]
+            out.append((request_id, QueueTimeoutError(f"the request waited {waited:.1f} s to be scheduled, longer than the limit of {timeout:g} s")))
+        return out
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+    def _prune(self) -> None:
+        """Forget requests that have left the queue: a sample scheduled, or the request finished or aborted."""
+        requests = self.engine.scheduler.requests
+        for request_id, (core_ids, _) in list(self._waiting.items()):
+            if request_id not in self.processor or any(c not in requests or requests[c].timings.first_scheduled is not None for c in core_ids):
+                del self._waiting[request_id]

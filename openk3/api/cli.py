@@ -7,9 +7,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from openk3.api.engine_args import add_engine_arguments, add_process_arguments, add_server_arguments, engine_configs, server_settings
+from openk3.api.engine_args import (
+    add_engine_arguments,
+    add_process_arguments,
+    add_server_arguments,
+    connection_settings,
+    engine_configs,
+    server_settings,
+)
 
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
@@ -97,6 +104,7 @@ def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM,
     engine = LLMEngine(model, tokenizer, engine_config)
     frontend, limits = server_settings(args)
     config = ServerConfig(
+        connection=connection_settings(args),
         model_name=args.served_model_name or str(args.model),
         model_root=str(args.model),
         api_key=args.api_key,
@@ -105,8 +113,14 @@ def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM,
         stop_token_ids=generation_stop_ids(folder),
         frontend=frontend,
         limits=limits,
+        heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
     )
     return create_app(engine, tokenizer, template, config)
+
+
+def _uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = dict(host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    return options | connection_settings(args).uvicorn_options()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.run(app, **_uvicorn_options(args))
     return 0
 
 
@@ -159,7 +173,7 @@ def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModel
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+        uvicorn.run(app, **_uvicorn_options(args))
     finally:
         # after a failed step this sends nothing (the workers are stuck in that step); destroying the group afterwards
         # closes the sockets they wait on, so they fail and exit instead of waiting out its timeout

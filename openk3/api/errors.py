@@ -8,6 +8,7 @@ own 4xx and message.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -16,6 +17,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from openk3.api.protocol import ErrorInfo, ErrorResponse
 
@@ -27,6 +29,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     503: "service_unavailable_error",
@@ -79,20 +82,45 @@ def _describe(err: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else ""), first
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+class ClientGone(Exception):
+    """The client closed its connection before its request body was complete: nobody to answer, one INFO line to log."""
+
+
+def check_json_content_type(request: Request) -> None:
+    """A 415 unless the body is declared `application/json` (a charset parameter may only say UTF-8). A web page can POST
+    form data or text/plain to any address without a CORS preflight, but not JSON, so this keeps pages off a local server."""
+    header = request.headers.get("content-type")
+    media, *params = [part.strip().lower() for part in (header or "").split(";")]
+    charsets = [value.strip('" ') for name, _, value in (p.partition("=") for p in params) if name.strip() == "charset"]
+    if media != "application/json" or any(c not in ("utf-8", "utf8") for c in charsets):
+        got = "no Content-Type" if header is None else f"Content-Type {header[:100]!r}"
+        raise APIError(415, f"request body must be JSON sent as 'Content-Type: application/json', got {got}", code="unsupported_media_type")
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, at most `limit` bytes (413) and within `timeout_s` seconds of the first read (408)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body of {int(length)} bytes is larger than the limit of {limit} bytes", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    except TimeoutError as e:
+        message = f"the request body was not received within {timeout_s:g} s ({len(body)} bytes arrived; openk3 serve --body-read-timeout-s)"
+        raise APIError(408, message, code="request_timeout", headers={"Connection": "close"}) from e
+    except ClientDisconnect as e:
+        expected = f" of {int(length)}" if length is not None and length.isdigit() else ""
+        raise ClientGone(f"client left during the request body of {request.method} {request.url.path} ({len(body)}{expected} bytes received)") from e
     return bytes(body)
 
 
-async def read_json(request: Request, model: type[M], limit: int) -> M:
-    body = await read_body(request, limit)
+async def read_json(request: Request, model: type[M], limit: int, timeout_s: float | None = None) -> M:
+    check_json_content_type(request)
+    body = await read_body(request, limit, timeout_s)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from openk3.serve.cache.manager import CacheManager
@@ -22,11 +22,24 @@ if TYPE_CHECKING:
 
 PREFIX = "openk3:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+CACHE_INFO = (
+    "page_size",
+    "num_pages",
+    "num_state_slots",
+    "cache_memory_bytes",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "prefix_match_unit",
+    "cpu_offload_bytes",
+    "disk_offload_bytes",
+)  # cache_config_info's labels
 TIERS = ("device", "host", "disk")  # storage tiers of the prefix cache (openk3.serve.cache.tiers.TierKind values)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)) + (1e7,)  # vLLM's 1-2-5 series, to 10M tokens
+ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0)
 
 
 class ServerMetrics:
@@ -42,6 +55,12 @@ class ServerMetrics:
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, ("model_name",), buckets=buckets, registry=r)
+
+        # the process's own (process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, python_info), as
+        # the default registry has them; ProcessCollector reads /proc and exports nothing where there is none. No
+        # GCCollector: each one adds a gc callback for the life of the interpreter, one per server built.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch").labels(**label)
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled").labels(**label)
@@ -75,6 +94,21 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS).labels(**label)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
+        self.time_per_output_token = histogram("time_per_output_token_seconds", "Per request: decode time / (generated tokens - 1)", ITL_BUCKETS).labels(
+            **label
+        )
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token", E2E_BUCKETS).labels(**label)
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token", E2E_BUCKETS).labels(**label)
+        self.request_inference_time = histogram("request_inference_time_seconds", "First scheduled to last token", E2E_BUCKETS).labels(**label)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per prompt, when its prefill ends", TOKEN_BUCKETS).labels(**label)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per request (sample)", TOKEN_BUCKETS).labels(**label)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Per engine step that sampled tokens: tokens sampled + prompt tokens of prefills it ended", ITERATION_BUCKETS
+        ).labels(**label)
+        self.cache_config_info = Gauge(PREFIX + "cache_config_info", "The cache's configuration (labels; value 1)", ("model_name", *CACHE_INFO), registry=r)
+        self._prefix_caching = False  # learnt from the engine's first snapshot, before any prompt is observed
+        self._described = False
+        self._iteration_prompt_tokens = 0
         self._last_totals: dict[str, int] = {"preemptions": 0, "prompt": 0, "generation": 0}
         self._ep: EPTotals | None = None
 
@@ -119,8 +153,15 @@ class ServerMetrics:
                 self._last_totals[key] = total
 
     def observe_engine(self, engine: LLMEngine) -> None:
-        """Mirror the engine after a step; on the engine thread (or before it starts), reading only."""
+        """Mirror the engine after each iteration of the engine loop (a step or not); on the engine thread (or before it
+        starts), reading only."""
         stats, cache = engine.stats(), engine.cache
+        if not self._described:
+            self._describe(engine)
+        generated = stats.generation_tokens_total - self._last_totals["generation"]
+        if generated or self._iteration_prompt_tokens:
+            self.iteration_tokens.observe(generated + self._iteration_prompt_tokens)
+        self._iteration_prompt_tokens = 0
         pages, slots = cache.num_pages, cache.state_pool.num_slots
         used_pages, used_slots = pages - cache.num_free_pages, stats.state_slots_used
         page_bytes, slot_bytes = _unit_bytes(cache)
@@ -162,19 +203,51 @@ class ServerMetrics:
             self.inter_token_latency.observe(itl)
 
     def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        self.prefix_cache_queries.inc(num_prompt_tokens)
-        self.prefix_cache_hits.inc(num_cached_tokens)
+        """A prompt whose prefill has ended (its first token is out)."""
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self._iteration_prompt_tokens += num_prompt_tokens
+        if self._prefix_caching:  # with caching off nothing is looked up (vLLM keeps these at 0 too)
+            self.prefix_cache_queries.inc(num_prompt_tokens)
+            self.prefix_cache_hits.inc(num_cached_tokens)
         self.prompt_tokens_cached.inc(num_cached_tokens)
 
+    def observe_first_tokens(self, first_token_latencies: list[float]) -> None:
+        """Samples whose first token left in the last step (an abort after it does not take it back)."""
+        for ttft in first_token_latencies:
+            self.time_to_first_token.observe(ttft)
+
     def observe_finished(self, done: FinishedRequest) -> None:
+        """A sample that ended."""
         self._success.labels(model_name=self.model_name, finished_reason=done.finish_reason).inc()
+        self.request_generation_tokens.observe(done.num_generation_tokens)
         for value, hist in (
-            (done.time_to_first_token, self.time_to_first_token),
             (done.e2e_latency, self.e2e_request_latency),
             (done.queue_time, self.request_queue_time),
+            (done.prefill_time, self.request_prefill_time),
+            (done.decode_time, self.request_decode_time),
+            (done.inference_time, self.request_inference_time),
+            (done.time_per_output_token, self.time_per_output_token),
         ):
             if value is not None:
                 hist.observe(value)
+
+    def _describe(self, engine: LLMEngine) -> None:
+        c, cache = engine.config, engine.cache
+        self._prefix_caching = c.enable_prefix_caching
+        tensors = [*cache.tensors.mla_latent, *cache.tensors.kda_state]
+        values = {
+            "page_size": cache.page_size,
+            "num_pages": cache.num_pages,
+            "num_state_slots": cache.state_pool.num_slots,
+            "cache_memory_bytes": c.cache_memory_bytes,
+            "cache_dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "prefix_match_unit": c.prefix_match_unit,
+            "cpu_offload_bytes": c.cpu_offload_bytes,
+            "disk_offload_bytes": c.disk_offload_bytes,
+        }
+        self.cache_config_info.labels(model_name=self.model_name, **{k: str(v) for k, v in values.items()}).set(1)
+        self._described = True
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over the AsyncEngine front end, built from the routers in api/routes/.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need `Authorization: Bearer <key>` when
-the server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text), GET /version,
-POST /tokenize, POST /detokenize. Every error is an OpenAI error body; a handler never lets a client's mistake become a 5xx.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need `Authorization:
+Bearer <key>` when the server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text),
+GET /version, POST /tokenize, POST /detokenize; POST bodies must be `application/json` (415), CORS only for --allowed-origins.
+Every error is an OpenAI error body; a handler never lets a client's mistake become a 5xx.
 A client that disconnects aborts its request: streaming responses race the stream against ASGI `http.disconnect`, and
 non-streaming handlers race the generation against it, so the engine frees the request's pages and state slot at once.
 The app's lifespan starts the engine thread and, on shutdown, drains in-flight requests, then aborts what is left.
@@ -17,12 +18,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from openk3.api.chat import ChatTemplate
-from openk3.api.errors import APIError, frontend_error
+from openk3.api.connection import ConnectionConfig
+from openk3.api.errors import APIError, ClientGone, frontend_error
 from openk3.api.generation import TokenTexts
+from openk3.api.idle import IdleCallback
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.routes import completions, health, models, tokens
@@ -31,6 +36,7 @@ from openk3.api.serving import Served
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
 from openk3.serve.engine import LLMEngine
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.heap_trim import HeapTrimmer
 from openk3.serve.tokenizer import Tokenizer
 
 __all__ = ["ServerConfig", "create_app"]  # ServerConfig lives in routes/state.py (the routes read it); callers import it here
@@ -58,10 +64,14 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
         chat_stop_token_ids=chat_stop_token_ids,
     )
 
+    trimmer = HeapTrimmer(config.heap_trim_slack_bytes) if config.heap_trim_slack_bytes is not None else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.observe_engine(engine)  # before the engine thread starts, so no other thread reads it
         frontend.start()
+        if trimmer is not None:
+            trimmer.start()
         yield
         await frontend.shutdown(config.shutdown_timeout_s)
         served.encoder.close()
@@ -73,9 +83,29 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
     app.state.served = served  # by these two names for the CLI (EP metrics) and the tests (the front end)
     app.state.metrics = metrics
     _install_error_handlers(app)
+    _install_cors(app, config.connection)
     for module in (health, models, completions, tokens):
         app.include_router(module.router)
+    if trimmer is not None:
+        app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)
+        app.state.heap_trimmer = trimmer
     return app
+
+
+def _install_cors(app: FastAPI, connection: ConnectionConfig) -> None:
+    """Browsers may call the API from the allowed origins only (none by default: no CORS headers at all, so a page on
+    another origin can neither read answers nor send the preflighted JSON POSTs; api/errors.py refuses other bodies)."""
+    origins = connection.origins
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type"],
+        allow_credentials=False,  # the API key travels in a header the page sets, never in cookies
+        max_age=600,
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -85,7 +115,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=str(e.status_code)).response()
+        # the routing's own headers stay: a 405 names the methods the path has in `Allow`
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return APIError(e.status_code, message, code=str(e.status_code), headers=dict(e.headers or {})).response()
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: Exception) -> Response:
+        # nobody reads the answer; what happened is worth one line, not a traceback
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s: %s", client, e if isinstance(e, ClientGone) else f"client left during {request.method} {request.url.path}")
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -7,7 +7,8 @@ tens of MB of short-lived tensors (projections, chunk buffers, conv buffers), so
 page fault per 4 KiB -- on a virtual machine that is most of the cost of a plain copy. Measured on the dev box: the KDA
 chunked prefill of a 16 x 128-token packed step takes 18-25 ms with the default settings and 10-11 ms with the heap kept.
 This is what the usual advice for CPU inference with torch (preloading tcmalloc or jemalloc) buys, done from inside the
-process. It is process-wide and keeps the heap at its high-water mark, which a serving process reaches anyway.
+process. It is process-wide and keeps the heap at its high-water mark while requests keep coming; a server that goes idle gives
+the excess back (serve/heap_trim.py).
 
 So it is a process option, never a side effect of building an engine: `openk3 serve` and `openk3 generate` apply it unless
 `--cpu-heap system` (default from OPENK3_CPU_HEAP, else keep); a program using `LLM` calls keep_heap_for_reuse() itself.

@@ -51,6 +51,8 @@ class EngineObserver(Protocol):
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None: ...
 
+    def observe_first_tokens(self, first_token_latencies: list[float]) -> None: ...
+
     def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None: ...
 
     def observe_finished(self, done: FinishedRequest) -> None: ...
@@ -250,6 +252,8 @@ class AsyncEngine:
             return
         if stats.inter_token_latencies:
             self.observer.observe_tokens(stats.inter_token_latencies)
+        if stats.first_token_latencies:
+            self.observer.observe_first_tokens(stats.first_token_latencies)
         for num_prompt, num_cached in stats.prompts:
             self.observer.observe_prompt(num_prompt, num_cached)
         for done in stats.finished:

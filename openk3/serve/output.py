@@ -93,6 +93,7 @@ class _Group:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     started: bool = False
+    arrival: float = field(default_factory=time.monotonic)  # when the caller's request reached the engine
 
     @property
     def finished(self) -> bool:
@@ -159,11 +160,11 @@ class OutputProcessor:
         for s in group.samples:
             del self._by_core_id[s.core_id]
             if not s.finished:
-                self.engine.abort(s.core_id)
+                metrics = self.engine.finish(s.core_id, RequestStatus.FINISHED_ABORTED)
                 s.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
                 changed.append(s)
                 if stats is not None:
-                    stats.finished.append(FinishedRequest("abort", None, None, None))
+                    stats.finished.append(_finished("abort", metrics))
         return self._output(group, changed)
 
     def process(self, core_outputs: list[EngineCoreOutput], stats: IterationStats | None = None) -> list[RequestOutput]:
@@ -195,13 +196,14 @@ class OutputProcessor:
     def _record(stats: IterationStats, group: _Group, s: _Sample, num_new: int, now: float) -> None:
         if s.last_token_time is not None and num_new:
             stats.inter_token_latencies.extend([(now - s.last_token_time) / num_new] * num_new)
+        elif num_new:  # its first token: recorded now, so that a sample aborted later still counts
+            stats.first_token_latencies.append(now - group.arrival)
         s.last_token_time = now
         if not group.started:
             group.started = True
             stats.prompts.append((len(group.prompt_token_ids), group.num_cached_tokens))
         if s.finished:
-            m = s.metrics
-            stats.finished.append(FinishedRequest(s.finish_reason or "abort", *((m.queue_time, m.time_to_first_token, m.e2e_latency) if m else (None,) * 3)))
+            stats.finished.append(_finished(s.finish_reason or "abort", s.metrics))
 
     def _advance(self, group: _Group, s: _Sample, out: EngineCoreOutput) -> None:
         if s.index == 0:
@@ -254,3 +256,9 @@ class OutputProcessor:
         sent, s.num_sent_tokens = s.num_sent_tokens, len(s.token_ids)
         logprobs = None if s.logprobs is None else tuple(s.logprobs[sent:])
         return CompletionOutput(s.index, text, tuple(s.token_ids[sent:]), s.finish_reason, s.stop_reason, logprobs, s.metrics)
+
+
+def _finished(reason: str, m: RequestMetrics | None) -> FinishedRequest:
+    if m is None:
+        return FinishedRequest(reason, None, None, None)
+    return FinishedRequest(reason, m.queue_time, m.time_to_first_token, m.e2e_latency, m.prefill_time, m.decode_time, m.num_output_tokens)

@@ -52,10 +52,25 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class FinishedRequest:
+    """One sample that ended; seconds are None where it never got that far (an abort before its first token)."""
+
     finish_reason: str
-    queue_time: float | None
-    time_to_first_token: float | None
-    e2e_latency: float | None
+    queue_time: float | None  # arrival -> first scheduled
+    time_to_first_token: float | None  # arrival -> first token
+    e2e_latency: float | None  # arrival -> finished
+    prefill_time: float | None = None  # first scheduled -> first token
+    decode_time: float | None = None  # first token -> last token
+    num_generation_tokens: int = 0
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled -> last token."""
+        return None if self.prefill_time is None or self.decode_time is None else self.prefill_time + self.decode_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """The sample's decode time / (generated tokens - 1), for two tokens or more."""
+        return None if self.decode_time is None or self.num_generation_tokens < 2 else self.decode_time / (self.num_generation_tokens - 1)
 
 
 @dataclass
@@ -63,6 +78,7 @@ class IterationStats:
     """What one step did, for metrics (vLLM's IterationStats), whatever kind of output its requests asked for."""
 
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per new token after a sample's first
+    first_token_latencies: list[float] = field(default_factory=list)  # arrival -> first token, per sample that got it this step
     prompts: list[tuple[int, int]] = field(default_factory=list)  # (prompt tokens, of which cached) of requests that started
     finished: list[FinishedRequest] = field(default_factory=list)  # one per sample that ended
 

@@ -132,6 +132,7 @@ class Request:
             num_output_tokens=self.num_output_tokens,
             num_preemptions=self.num_preemptions,
             num_cached_tokens=self.num_cached_tokens,
+            decode_time=None if t.first_token is None or t.last_token is None else t.last_token - t.first_token,
         )
 
 
@@ -153,6 +154,12 @@ class RequestMetrics:
         return (self.e2e_latency - self.time_to_first_token) / (self.num_output_tokens - 1)
 
     num_cached_tokens: int = 0
+    decode_time: float | None = None  # first token -> last token
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled -> first token."""
+        return None if self.time_to_first_token is None or self.queue_time is None else self.time_to_first_token - self.queue_time
 
 
 @dataclass(frozen=True, slots=True)

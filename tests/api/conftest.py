@@ -96,7 +96,14 @@ def start_server(
     port = _free_port()
     # uvicorn annotates an int, but hands the value to asyncio.wait_for, which takes the fractions of a second tests use
     uv = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=graceful_s)  # type: ignore[arg-type]
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+            **config.connection.uvicorn_options(),
+        )
     )
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 
-from openk3.api.errors import APIError
+from openk3.api.connection import ConnectionConfig
+from openk3.api.errors import APIError, read_json
 from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
 from openk3.api.serving import Served
 from openk3.serve.config import FrontendConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     frontend: FrontendConfig = field(default_factory=FrontendConfig)  # admission: waiting-queue bound and timeout
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # body deadline and CORS (and uvicorn's bounds, for the CLI)
+    heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,11 @@ async def authorize(request: Request, state: State) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+async def read_request(request: Request, state: ServerState, model: type[M]) -> M:
+    """The request's JSON body as `model`, within the server's size limit and body deadline (api/errors.py read_json)."""
+    return await read_json(request, model, state.config.max_body_bytes, state.config.connection.body_read_timeout_s)
 
 
 def check_model(config: ServerConfig, name: str | None) -> None:

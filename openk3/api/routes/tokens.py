@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from openk3.api.errors import APIError, read_json
+from openk3.api.errors import APIError
 from openk3.api.protocol import DetokenizeRequest, TokenizeRequest
-from openk3.api.routes.state import State, check_model
+from openk3.api.routes.schema import json_body
+from openk3.api.routes.state import State, check_model, read_request
 
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
 async def tokenize(request: Request, state: State) -> dict:
     served = state.served
-    req = await read_json(request, TokenizeRequest, state.config.max_body_bytes)
+    req = await read_request(request, state, TokenizeRequest)
     check_model(state.config, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
@@ -29,10 +30,10 @@ async def tokenize(request: Request, state: State) -> dict:
     return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
 async def detokenize(request: Request, state: State) -> dict:
     tokenizer = state.served.tokenizer
-    req = await read_json(request, DetokenizeRequest, state.config.max_body_bytes)
+    req = await read_request(request, state, DetokenizeRequest)
     check_model(state.config, req.model)
     bad = next((t for t in req.tokens if t >= tokenizer.vocab_size), None)
     if bad is not None:

@@ -84,8 +84,9 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue one sample of a prompt given as token ids (OutputProcessor.add_request takes text and n > 1)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None:
+        """Queue one sample of a prompt given as token ids (OutputProcessor.add_request takes text and n > 1); `group_id`:
+        the caller's request this sample belongs to, so that its samples share slots fairly with other requests."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -97,7 +98,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum model length of {self.max_model_len}")
-        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos))
+        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id))
         self._prompt_tokens_total += len(ids)
 
     def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None:

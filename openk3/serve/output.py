@@ -136,7 +136,7 @@ class OutputProcessor:
         try:
             for i, core_id in enumerate(core_ids):
                 child = params if params.n == 1 else params.for_child(i)
-                self.engine.add_request(core_id, ids, child)
+                self.engine.add_request(core_id, ids, child, group_id=request_id if params.n > 1 else None)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
                 logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
                 samples.append(_Sample(i, core_id, child, detok, window, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))

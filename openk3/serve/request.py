@@ -85,6 +85,7 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when seeded; survives preemption so draws never repeat
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
+    group_id: str | None = None  # the caller's request when this is one of its n samples (the scheduler shares slots by it)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -100,6 +101,11 @@ class Request:
         if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
             ids.add(self.eos_token_id)
         self.stop_token_ids = frozenset(ids)
+
+    @property
+    def group(self) -> str:
+        """What the scheduler shares slots between: the caller's request (all its samples), or this request alone."""
+        return self.group_id if self.group_id is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,11 +2,14 @@
 (`num_tokens - num_computed_tokens`, prompt and outputs alike) within the step's token budget -- prefill, chunked prefill,
 recompute after preemption and decode are all this one rule.
 
-Order of a step: running requests first (oldest first), each capped by the budget and `long_prefill_token_threshold`; when pages
-run out the newest running request is preempted (its pages and slot freed, back to the front of the waiting queue, recomputed
-from token 0 later). Then, if nothing was preempted, waiting requests are admitted in FIFO order while a slot, pages, budget and
-`max_num_seqs` allow. What goes to the runner is a diff: requests it has not seen (all their tokens, slot and pages), page ids
-added to the ones it knows, the tokens to compute per request, and the ids it must forget.
+Order of a step: running requests first (oldest first), each capped by the budget and `long_prefill_token_threshold`;
+when pages run out the newest running request is preempted (its pages and slot freed, back to the front of the waiting
+queue, recomputed from token 0 later). Then, if nothing was preempted, waiting requests are admitted while a slot,
+pages, budget and `max_num_seqs` allow, in FIFO order with one exception that keeps one caller from starving the rest:
+the n samples of one caller's request (its `group`) take turns with other requests -- the next admitted is the waiting
+request whose group has the fewest running samples (preempted ones first, then arrival order). With n = 1 everywhere
+that is plain FIFO. What goes to the runner is a diff: requests it has not seen (all their tokens, slot and pages), page
+ids added to the ones it knows, the tokens to compute per request, and the ids it must forget.
 Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
 hit), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points and fixed intervals always,
 and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States
@@ -17,7 +20,7 @@ Single-threaded: the engine loop calls schedule / update_from_output / finish in
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -160,7 +163,15 @@ class Scheduler:
             req.num_cached_tokens = start
         return n
 
+    def _next_waiting(self, running_per_group: Counter[str]) -> Request:
+        """The waiting request whose turn it is (module docstring): O(1) while every group is a single request."""
+        head = self.waiting[0]
+        if not running_per_group or head.status == RequestStatus.PREEMPTED or running_per_group[head.group] == 0:
+            return head  # nothing beats a preempted request, or one whose group has nothing running
+        return min(self.waiting, key=lambda r: (r.status != RequestStatus.PREEMPTED, running_per_group[r.group]))  # min is stable: arrival order
+
     def _preempt(self, req: Request) -> None:
+
         self.cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -197,13 +208,15 @@ class Scheduler:
             i += 1
 
         now = time.monotonic()
+        running_per_group = Counter(r.group for r in self.running)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting(running_per_group)
             admitted = self._admit(req, budget)
             if admitted is None:
-                break  # FIFO: later requests wait behind the head rather than overtaking it
+                break  # later requests wait behind the one whose turn it is rather than overtaking it
             n = admitted
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            running_per_group[req.group] += 1
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now

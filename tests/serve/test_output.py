@@ -66,7 +66,10 @@ def test_n_samples_regroup_in_index_order_and_reuse_the_prompt_tuple() -> None:
     p = OutputProcessor(engine(FakeModel()))
     ids = p.add_request("r", [1, 2, 3], SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=4), OutputKind.DELTA)
     assert ids == ["0_r", "1_r", "2_r"]
-    outs = run(p)
+    assert {p.engine.scheduler.requests[i].group for i in ids} == {"r"}  # the scheduler shares slots by the caller's request
+    p.add_request("single", [1, 2], SamplingParams(max_tokens=2))
+    assert p.engine.scheduler.requests["single"].group == "single"
+    outs = [out for out in run(p) if out.request_id == "r"]
     assert all(out.request_id == "r" for out in outs)
     assert all([c.index for c in out.outputs] == sorted(c.index for c in out.outputs) for out in outs)
     assert len({id(out.prompt_token_ids) for out in outs}) == 1  # made once, not copied per step

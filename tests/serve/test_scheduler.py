@@ -175,3 +175,22 @@ def test_config_errors_name_the_field() -> None:
         eng.add_request("x", [1] * 129)
     with pytest.raises(ValueError, match="token ids"):
         eng.add_request("y", [300])
+
+
+def test_the_samples_of_one_request_take_turns_with_other_requests() -> None:
+    """One caller's n = 6 samples arrive first, two other requests after them: with 4 slots the others are admitted in the
+    first step (the samples' group takes turns), not after the whole group; requests of one sample each stay FIFO."""
+    s = make(40, 8, max_num_batched_tokens=64, max_num_seqs=4)
+    for i in range(6):
+        s.add_request(Request(f"{i}_A", [1, 2, 3], GREEDY, group_id="A"))
+    s.add_request(Request("B", [1, 2, 3], GREEDY))
+    s.add_request(Request("C", [1, 2, 3], GREEDY))
+    out = s.schedule()
+    assert [n.request_id for n in out.new_requests] == ["0_A", "B", "C", "1_A"]
+    fake_run(s, out)
+    s.finish("B", RequestStatus.FINISHED_STOPPED)
+    assert [n.request_id for n in s.schedule().new_requests] == ["2_A"]  # the group's next sample, in arrival order
+    fifo = make(40, 8, max_num_batched_tokens=64, max_num_seqs=2)
+    for rid in ("X", "Y", "Z"):
+        fifo.add_request(Request(rid, [1, 2, 3], GREEDY))
+    assert [n.request_id for n in fifo.schedule().new_requests] == ["X", "Y"]

@@ -123,9 +123,24 @@ def _uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | connection_settings(args).uvicorn_options()
 
 
-def run(args: argparse.Namespace) -> int:
+def serve_until_stopped(app: FastAPI, args: argparse.Namespace) -> int:
+    """Serve until a signal stops the server (0) or the engine loop fails (1): a dead engine cannot recover, so the process
+    ends non-zero and its supervisor (torchrun, Kubernetes, Ray) restarts it, instead of answering 503 for good."""
     import uvicorn
 
+    server = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args)))
+    frontend = app.state.served.frontend
+
+    def stop(error: BaseException) -> None:  # on the engine thread; uvicorn's main loop polls the flag
+        logging.getLogger("openk3.api").error("the engine loop failed (%r): stopping the server", error)
+        server.should_exit = True
+
+    frontend.on_failure = stop
+    server.run()
+    return 1 if frontend.error is not None else 0
+
+
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group
@@ -142,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, **_uvicorn_options(args))
-    return 0
+    return serve_until_stopped(app, args)
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
@@ -154,13 +168,12 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
 
     engine, parallel = server_configs(args)
     spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True)
-    return serve_ranks(parallel.ep, engine.device, spec, lambda ctx: _serve_rank0(args, ctx, spec), "openk3 serve", args.torch_threads)
+    rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
+    return serve_ranks(parallel.ep, engine.device, spec, rank0, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
 
 
 def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:
     import signal
-
-    import uvicorn
 
     log = logging.getLogger("openk3.parallel.serving")
     try:
@@ -173,7 +186,7 @@ def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModel
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
     try:
-        uvicorn.run(app, **_uvicorn_options(args))
+        rc = serve_until_stopped(app, args)
     finally:
         # after a failed step this sends nothing (the workers are stuck in that step); destroying the group afterwards
         # closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
@@ -181,4 +194,4 @@ def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModel
     if app.state.ep_driver.failed:
         log.error("rank 0: an expert-parallel step failed; tearing the group down")
         return 1
-    return 0
+    return rc

@@ -24,6 +24,9 @@ class ParallelConfig:
     ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
+    ep_timeout_s: float = setting(
+        300.0, "seconds one collective of the expert-parallel group may wait for a rank before the step fails (a stalled or dead rank)", low=1
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

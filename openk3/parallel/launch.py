@@ -46,14 +46,15 @@ def join_group(rank: int, world_size: int, init_method: str, device: torch.devic
     return ParallelContext.from_group(device)
 
 
-def init_from_env(device: str | None = None) -> ParallelContext:
-    """Join the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); one GPU per local rank."""
+def init_from_env(device: str | None = None, timeout: datetime.timedelta | None = None) -> ParallelContext:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); one GPU per local rank.
+    `timeout`: how long start-up and each collective wait for the other ranks (torch's default when None)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: environment lacks {', '.join(missing)}; start with torchrun or use run_ranks")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"), local_rank)
-    return join_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", dev)
+    return join_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", dev, timeout)
 
 
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, device: str, threads: int, results: Any, args: tuple) -> None:

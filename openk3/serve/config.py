@@ -122,6 +122,7 @@ class FrontendConfig:
 
     max_waiting_requests: int | None = setting(256, "most requests waiting to be scheduled; beyond it a new request gets 503 with Retry-After", low=1)
     queue_timeout_s: float | None = setting(None, "seconds a request may wait to be scheduled before it is aborted with 503 (default: no limit)", low=0)
+    step_timeout_s: float = setting(300.0, "a step running longer than this makes /health answer 503 (a stalled device or expert-parallel rank)", low=0.001)
 
     def __post_init__(self) -> None:
         check_settings(self)

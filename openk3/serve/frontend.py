@@ -102,6 +102,10 @@ class AsyncEngine:
         self.observer = observer
         self.config = config or FrontendConfig()
         self.admission = Admission(engine, self.processor, self.config, clock)  # engine thread only
+        self._clock = clock
+        self._step_started: float | None = None  # written by the engine thread around each step, read by /health
+        # called on the engine thread once the loop has failed (the server's entry point stops the process with it)
+        self.on_failure: Callable[[BaseException], None] | None = None
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stop = False
@@ -125,7 +129,15 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._thread is not None and self._thread.is_alive() and self.stalled_for() is None
+
+    def stalled_for(self) -> float | None:
+        """Seconds the current step has run, when that is longer than `step_timeout_s` (a stalled device or rank); else None."""
+        started = self._step_started
+        if started is None:
+            return None
+        running = self._clock() - started
+        return running if running > self.config.step_timeout_s else None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -275,7 +287,12 @@ class AsyncEngine:
                     return
                 if self.error is None and self.engine.has_unfinished():
                     stats = IterationStats()
-                    self._dispatch(self.processor.process(self.engine.step(), stats))
+                    self._step_started = self._clock()
+                    try:
+                        core_outputs = self.engine.step()
+                    finally:
+                        self._step_started = None
+                    self._dispatch(self.processor.process(core_outputs, stats))
                     self._observe(stats)
                     for request_id, error in self.admission.expired():
                         self._abort(request_id, notify=False, error=error)
@@ -303,6 +320,8 @@ class AsyncEngine:
                 pass
         self._queues.clear()
         self.admission.clear()
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         items: list[tuple[asyncio.Queue, Any]] = []

@@ -77,4 +77,11 @@ def check_model(config: ServerConfig, name: str | None) -> None:
 def check_open(served: Served) -> None:
     frontend = served.frontend
     if not frontend.is_healthy:
-        raise APIError(503, "the engine is not running" if frontend.error is None else f"the engine failed: {frontend.error!r}", code="unavailable")
+        stalled = frontend.stalled_for()
+        if frontend.error is not None:
+            message = f"the engine failed: {frontend.error!r}"
+        elif stalled is not None:
+            message = f"the engine's current step has run for {stalled:.0f} s, longer than --step-timeout-s {frontend.config.step_timeout_s:g}"
+        else:
+            message = "the engine is not running"
+        raise APIError(503, message, code="unavailable")

@@ -22,15 +22,13 @@ from openk3.parallel.serving.driver import EPDriver
 from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_worker_rank, start_driver
 from openk3.serve.loading import resolve_model
 
-# Start-up and per-collective limit of the group LocalEP creates: a worker that died is reported, not waited for forever.
-GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 JOIN_TIMEOUT_S = 60.0  # all workers together, after STOP
 KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
 
 
-def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int) -> None:
+def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float) -> None:
     torch.set_num_threads(threads)
-    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), GROUP_TIMEOUT)
+    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), datetime.timedelta(seconds=timeout_s))
     try:
         run_worker_rank(ctx, spec)
     finally:
@@ -54,7 +52,12 @@ class LocalEP:
         spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False)
         spawn = mp.get_context("spawn")
         self.workers = [
-            spawn.Process(target=_local_worker, args=(r, config.ep, port, spec, dev.type, config.ep_threads), daemon=True, name=f"openk3-ep{r}")
+            spawn.Process(
+                target=_local_worker,
+                args=(r, config.ep, port, spec, dev.type, config.ep_threads, config.ep_timeout_s),
+                daemon=True,
+                name=f"openk3-ep{r}",
+            )
             for r in range(1, config.ep)
         ]
         self.module = source if isinstance(source, torch.nn.Module) else None
@@ -63,7 +66,8 @@ class LocalEP:
         try:
             for w in self.workers:
                 w.start()
-            ctx = join_group(0, config.ep, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), GROUP_TIMEOUT)
+            # start-up and each collective wait at most ep_timeout_s: a worker that died is reported, not waited for forever
+            ctx = join_group(0, config.ep, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
             self.driver, self.backend = start_driver(ctx, spec)
         except BaseException:
             self._teardown(JOIN_TIMEOUT_S)

@@ -11,6 +11,7 @@ so no rank waits in a collective for a rank that already left.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
@@ -27,11 +28,14 @@ from openk3.parallel.serving.ranks import RankModelSpec, run_worker_rank
 log = logging.getLogger("openk3.parallel.serving")
 
 
-def serve_ranks(size: int, device: str, spec: RankModelSpec, rank0: Callable[[ParallelContext], int], prog: str, threads: int | None = None) -> int:
+def serve_ranks(
+    size: int, device: str, spec: RankModelSpec, rank0: Callable[[ParallelContext], int], prog: str, threads: int | None = None, timeout_s: float = 300.0
+) -> int:
     """Run this process's rank; returns 2 when it could not join a group, else leaves the process with rank 0's exit code
-    on rank 0 (`rank0(ctx)`), 0 on a worker that stopped cleanly."""
+    on rank 0 (`rank0(ctx)`), 0 on a worker that stopped cleanly. `timeout_s` bounds each collective (a rank that stalls
+    or dies fails the step within it, rank 0's server then exits non-zero and the supervisor restarts the group)."""
     try:
-        ctx = init_from_env(device)
+        ctx = init_from_env(device, datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         print(f"{prog}: --ep {size} runs one process per rank: {e}", file=sys.stderr)
         return 2

@@ -2,8 +2,13 @@
 
 Per request, from the client's clock: TTFT (send -> first chunk carrying tokens), ITL (gaps between such chunks), E2EL (send ->
 end of stream) and TPOT = (E2EL - TTFT) / (output_tokens - 1). Output tokens are the server's `usage` (stream_options.
-include_usage), else the number of content chunks. Load is a seeded Poisson arrival process (`--request-rate`, default inf:
-all at once) and/or a cap on requests in flight (`--max-concurrency`). Goodput counts requests that meet every SLO given.
+include_usage), else the number of content chunks. Load is a seeded gamma arrival process (`--request-rate`, default inf: all
+at once; `--burstiness`, 1: Poisson) and/or a cap on requests in flight (`--max-concurrency`). Goodput counts requests that
+meet every SLO given. The arithmetic and the table are in bench_metrics.py, the workloads in bench_data.py.
+
+A server that cannot be reached ends the run before it starts with one line (exit 1); a run where every request failed prints
+N/A for what it could not measure and exits 1; bad arguments exit 2. The clock, the sleeper and the HTTP transport are
+parameters of `benchmark`, so tests run it against a fake server in fake time.
 """
 
 from __future__ import annotations
@@ -14,22 +19,41 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
-from openk3.api.bench_data import BenchRequest, DatasetConfig, ideal_prefix_hit_rate, make_requests, word_corpus
+from openk3.api.bench_data import (
+    DATASETS,
+    BenchRequest,
+    DatasetConfig,
+    arrival_intervals,
+    ideal_prefix_hit_rate,
+    make_requests,
+    sharegpt_requests,
+    word_corpus,
+)
+from openk3.api.bench_metrics import RequestResult, format_table, parse_goodput, parse_metric_percentiles, parse_percentile_metrics, summarize
 
-SLO_KEYS = ("ttft", "tpot", "e2el")
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+class BenchError(Exception):
+    """The server cannot be used at all (unreachable, no model to name, no /tokenize for a ShareGPT file)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (the /v1 paths are appended)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=("random", "prefix_repetition", "multiturn"), default="random")
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: output length of every request (default: the reply's)")
     p.add_argument("--num-prompts", type=int, default=100, help="requests in all (multiturn: turns in all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="arrivals per second (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps between arrivals (1: Poisson; < 1 burstier)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -39,84 +63,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--num-turns", type=int, default=4)
     p.add_argument("--turn-len", type=int, default=32)
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos, so each request makes exactly its output length (default: on; --no-ignore-eos lets EOS end it)",
+    )
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="metrics the table shows, of ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="99", help="percentiles of each metric, e.g. 50,90,99")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2el)")
-    p.add_argument("--save-result", default=None, help="write the results as JSON to this file")
+    p.add_argument("--save-result", default=None, help="write the results (with per-request arrays) as JSON to this file")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
-@dataclass
-class RequestResult:
-    success: bool = False
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-    reply: str = ""
-
-
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    slos = {}
-    for item in items or []:
-        key, _, value = item.partition(":")
-        if key not in SLO_KEYS:
-            raise ValueError(f"--goodput {item!r}: the key must be one of {', '.join(SLO_KEYS)}")
-        try:
-            slos[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: the value must be a number of milliseconds") from None
-    return slos
-
-
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    v = np.asarray(values_s or [0.0], dtype=np.float64) * 1000
-    return {
-        f"mean_{name}_ms": float(v.mean()),
-        f"median_{name}_ms": float(np.median(v)),
-        f"std_{name}_ms": float(v.std()),
-        f"p90_{name}_ms": float(np.percentile(v, 90)),
-        f"p99_{name}_ms": float(np.percentile(v, 99)),
-    }
-
-
-def tpot(r: RequestResult) -> float | None:
-    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
-
-
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict[str, Any]:
-    ok = [r for r in results if r.success]
-    tpots = [t for t in (tpot(r) for r in ok) if t is not None]
-    total_in, total_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
-    good = 0
-    for r in ok:
-        measured = {"ttft": r.ttft * 1000, "tpot": (tpot(r) or 0.0) * 1000, "e2el": r.latency * 1000}
-        good += all(measured[k] <= v for k, v in slos.items())
-    out: dict[str, Any] = {
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-        "request_goodput": good / duration if slos else None,
-        "goodput_slos_ms": slos,
-    }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", [x for r in ok for x in r.itl]), ("e2el", [r.latency for r in ok])):
-        out.update(_stats(name, values))
-    out["errors"] = sorted({r.error for r in results if r.error})[:10]
-    return out
-
-
-async def send(client, url: str, payload: dict, headers: dict) -> RequestResult:
+async def send(client, url: str, payload: dict, headers: dict, clock: Clock = time.perf_counter, prompt_len: int = 0) -> RequestResult:
     """One streaming request, timed from the client."""
-    res, chat = RequestResult(), "messages" in payload
-    start = last = time.perf_counter()
+    res, chat = RequestResult(prompt_tokens=prompt_len), "messages" in payload
+    res.start = start = last = clock()
     chunks, parts = 0, []
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
@@ -140,14 +104,14 @@ async def send(client, url: str, payload: dict, headers: dict) -> RequestResult:
                     delta = c.get("delta") or {}
                     if chat and delta.get("role"):
                         continue  # the role chunk comes with the first content chunk; count tokens, not the announcement
-                    now = time.perf_counter()
+                    now = clock()
                     if chunks == 0:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
                     last, chunks = now, chunks + 1
                     parts.append((delta.get("content") if chat else c.get("text")) or "")
-        res.latency = time.perf_counter() - start
+        res.latency = clock() - start
         res.output_tokens = res.output_tokens or chunks
         res.reply = "".join(parts)
         res.success = chunks > 0 or res.output_tokens == 0
@@ -156,6 +120,25 @@ async def send(client, url: str, payload: dict, headers: dict) -> RequestResult:
     except Exception as e:  # a failed request is a result, not the end of the benchmark
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+async def _model_or_fail(client, base: str, headers: dict, model: str | None, timeout: float) -> str:
+    """Reach the server once before the run (any answer will do when --model is given); name its first model otherwise."""
+    import httpx
+
+    try:
+        r = await client.get(f"{base}/v1/models", headers=headers, timeout=timeout)
+    except (httpx.TransportError, httpx.InvalidURL) as e:
+        raise BenchError(f"cannot reach the server at {base} ({type(e).__name__}: {e}); is it running, and is --base-url right?") from None
+    if model is not None:
+        return model
+    if r.status_code != 200:
+        hint = " (pass --api-key)" if r.status_code == 401 else " (pass --model)"
+        raise BenchError(f"GET {base}/v1/models answered HTTP {r.status_code}: {r.text[:200]!r}{hint}")
+    try:
+        return str(r.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"GET {base}/v1/models names no model: {r.text[:200]!r} (pass --model)") from None
 
 
 async def _token_pool(client, base: str, model: str, headers: dict, seed: int) -> list[int] | None:
@@ -167,118 +150,140 @@ async def _token_pool(client, base: str, model: str, headers: dict, seed: int) -
     return r.json().get("tokens") if r.status_code == 200 else None
 
 
-async def benchmark(args: argparse.Namespace) -> dict:
+def _token_counter(client, base: str, model: str, headers: dict) -> Callable[[list[str], bool], Awaitable[list[int]]]:
+    """The server's token count of each text (ShareGPT lengths), through /tokenize."""
+    import httpx
+
+    async def one(text: str, special: bool) -> int:
+        why = "--dataset sharegpt measures lengths with the server's /tokenize"
+        try:
+            r = await client.post(f"{base}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": special}, headers=headers)
+        except httpx.HTTPError as e:
+            raise BenchError(f"{why}, which failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise BenchError(f"{why}, which answered HTTP {r.status_code}: {r.text[:200]!r}")
+        body = r.json()
+        return int(body["count"]) if "count" in body else len(body["tokens"])
+
+    async def count(texts: list[str], special: bool) -> list[int]:
+        return list(await asyncio.gather(*(one(t, special) for t in texts)))
+
+    return count
+
+
+def dataset_config(args: argparse.Namespace) -> DatasetConfig:
+    return DatasetConfig(
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        num_prefixes=args.num_prefixes,
+        num_turns=args.num_turns,
+        turn_len=args.turn_len,
+        dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len,
+    )
+
+
+async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Clock = time.perf_counter, sleep: Sleep = asyncio.sleep) -> dict:
+    """Run the benchmark; `transport` (an httpx async transport), `clock` and `sleep` replace the network and time in tests."""
     import httpx
     from tqdm import tqdm
 
     slos = parse_goodput(args.goodput)
-    cfg = DatasetConfig(
-        args.dataset,
-        args.num_prompts,
-        args.seed,
-        args.input_len,
-        args.output_len,
-        args.range_ratio,
-        args.prefix_len,
-        args.suffix_len,
-        args.num_prefixes,
-        args.num_turns,
-        args.turn_len,
-    )
+    metrics, percentiles = parse_percentile_metrics(args.percentile_metrics), parse_metric_percentiles(args.metric_percentiles)
+    cfg = dataset_config(args)
+    arrival_intervals(1, args.request_rate, args.burstiness, args.seed)  # bad values stop here, before the server is asked
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(f"{base}/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        pool = None if cfg.name == "multiturn" else await _token_pool(client, base, model, headers, cfg.seed)
-        work = make_requests(cfg, pool)
+    # an injected transport is the whole network: proxy variables from the environment must not route around it
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, transport=transport, trust_env=transport is None) as client:
+        model = await _model_or_fail(client, base, headers, args.model, min(args.timeout, 30.0))
+        if cfg.name == "sharegpt":
+            work = await sharegpt_requests(cfg, _token_counter(client, base, model, headers))
+        else:
+            work = make_requests(cfg, None if cfg.name == "multiturn" else await _token_pool(client, base, model, headers, cfg.seed))
         total = sum(len(w.turns) for w in work) if cfg.name == "multiturn" else len(work)
         bar = tqdm(total=total, disable=args.disable_tqdm, desc="bench serve", file=sys.stderr)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        results: list[RequestResult] = []
+        results: list[RequestResult] = []  # in the order sent
 
-        async def one(payload: dict, path: str) -> RequestResult:
+        async def one(payload: dict, path: str, prompt_len: int) -> RequestResult:
+            slot = len(results)
+            results.append(RequestResult())
             if gate is None:
-                res = await send(client, base + path, payload, headers)
+                res = await send(client, base + path, payload, headers, clock, prompt_len)
             else:
                 async with gate:
-                    res = await send(client, base + path, payload, headers)
-            results.append(res)
+                    res = await send(client, base + path, payload, headers, clock, prompt_len)
+            results[slot] = res
             bar.update(1)
             return res
 
-        common = {"model": model, "max_tokens": None, "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        common = {"model": model, "temperature": 0.0, "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
 
         async def run_one(w: BenchRequest) -> None:
             if not w.turns:
-                await one({**common, "prompt": w.prompt, "max_tokens": w.output_len}, "/v1/completions")
+                known = w.input_len if isinstance(w.prompt, list) or w.prompt_len is not None else 0
+                await one({**common, "prompt": w.prompt, "max_tokens": w.output_len}, "/v1/completions", known)
                 return
             messages: list[dict] = []
             for turn in w.turns:
                 messages.append({"role": "user", "content": turn})
-                res = await one({**common, "messages": list(messages), "max_tokens": w.output_len}, "/v1/chat/completions")
+                res = await one({**common, "messages": list(messages), "max_tokens": w.output_len}, "/v1/chat/completions", 0)
                 if not res.success:
                     return
                 messages.append({"role": "assistant", "content": res.reply})
 
-        rng = random.Random(args.seed)
-        start = time.perf_counter()
+        gaps = arrival_intervals(len(work), args.request_rate, args.burstiness, args.seed)
+        start = clock()
         tasks = []
-        for w in work:
+        for i, w in enumerate(work):
             tasks.append(asyncio.ensure_future(run_one(w)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if i < len(gaps) and gaps[i] > 0:
+                await sleep(gaps[i])
         await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration = clock() - start
         bar.close()
-    out = summarize(results, duration, slos)
+    out = summarize(results, duration, slos, percentiles)
     out.update(
         dataset=cfg.name,
         dataset_config=asdict(cfg),
         model=model,
         base_url=base,
         request_rate=args.request_rate,
+        burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
         num_prompts=total,
+        percentile_metrics=metrics,
     )
     if cfg.name == "prefix_repetition":
         out["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(cfg)
     return out
 
 
-def format_table(result: dict) -> str:
-    rows = [
-        ("Successful requests", result["completed"]),
-        ("Failed requests", result["failed"]),
-        ("Duration (s)", result["duration"]),
-        ("Total input tokens", result["total_input_tokens"]),
-        ("Total output tokens", result["total_output_tokens"]),
-        ("Request throughput (req/s)", result["request_throughput"]),
-        ("Output token throughput (tok/s)", result["output_throughput"]),
-        ("Total token throughput (tok/s)", result["total_token_throughput"]),
-    ]
-    if result["request_goodput"] is not None:
-        rows.append(("Request goodput (req/s)", result["request_goodput"]))
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "p90", "p99"):
-            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", result[f"{stat}_{name}_ms"]))
-    return "\n".join(f"{k:<34}{v:>12.2f}" if isinstance(v, float) else f"{k:<34}{v:>12}" for k, v in rows)
-
-
-def run_cli(args: argparse.Namespace) -> int:
+def run_cli(args: argparse.Namespace, transport: Any = None) -> int:
     try:
-        result = asyncio.run(benchmark(args))
+        result = asyncio.run(benchmark(args, transport))
     except ValueError as e:
         print(f"openk3 bench serve: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    for error in result["errors"]:
+    except BenchError as e:
+        print(f"openk3 bench serve: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result, result["percentile_metrics"]))
+    for error in result["error_kinds"]:
         print(f"error: {error}", file=sys.stderr)
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["completed"] > 0 else 1
+    if result["completed"] == 0:
+        print(f"openk3 bench serve: all {result['failed']} requests failed; nothing was measured", file=sys.stderr)
+        return 1
+    return 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
-from openk3.api.bench import RequestResult, add_arguments, benchmark, parse_goodput, summarize, tpot
+from openk3.api.bench import add_arguments, benchmark
 from openk3.api.bench_data import DatasetConfig, ideal_prefix_hit_rate, make_requests
+from openk3.api.bench_metrics import RequestResult, parse_goodput, summarize, tpot
 from openk3.api.metrics import ServerMetrics
 from openk3.serve.frontend import FinishedRequest
 from openk3.serve.sampling import SamplingParams
@@ -71,8 +73,11 @@ def test_summary_arithmetic() -> None:
     assert s["completed"] == 2 and s["failed"] == 1 and s["total_output_tokens"] == 6
     assert s["request_throughput"] == 1.0 and s["output_throughput"] == 3.0 and s["total_token_throughput"] == 13.0
     assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_tpot_ms"] == pytest.approx(100.0)
+    assert s["p99_ttft_ms"] == pytest.approx(298.0) and "p90_ttft_ms" not in s  # vLLM's default percentiles: 99 only
+    assert summarize(results, 2.0, {}, [50, 90])["p90_ttft_ms"] == pytest.approx(280.0)
     assert s["request_goodput"] == 0.5  # only the first meets ttft <= 200 ms
-    assert s["errors"] == ["HTTP 500"]
+    assert s["error_kinds"] == ["HTTP 500"] and s["errors"] == ["", "", "HTTP 500"] and s["itls"] == [[0.1] * 4, [], []]
+    assert s["input_lens"] == [10, 10, 0] and s["output_lens"] == [5, 1, 0]
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="key"):
         parse_goodput(["speed:1"])
@@ -90,15 +95,19 @@ def test_datasets_are_seeded_and_exact() -> None:
     convs = make_requests(DatasetConfig("multiturn", 7, num_turns=3), None)
     assert [len(c.turns) for c in convs] == [3, 3, 1]
     with pytest.raises(ValueError, match="dataset"):
+        DatasetConfig("alpaca", 1)
+    with pytest.raises(ValueError, match="dataset-path"):
         DatasetConfig("sharegpt", 1)
 
 
-@pytest.mark.parametrize("dataset", ["random", "multiturn"])
+@pytest.mark.parametrize("dataset", ["random", "multiturn", "sharegpt"])
 def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    sharegpt = ["--dataset-path", str(Path(__file__).parent / "data" / "sharegpt_sample.json"), "--sharegpt-output-len", "5"]
     args = parser.parse_args(
         [
+            *(sharegpt if dataset == "sharegpt" else []),
             "--base-url",
             live.base_url,
             "--dataset",
@@ -125,6 +134,9 @@ def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     if dataset == "random":
         assert result["total_input_tokens"] == 4 * 16
+    if dataset == "sharegpt":  # the debug tokenizer is bytes: all four human turns fit (8, 35, 54 and 63 bytes)
+        assert sorted(result["input_lens"]) == [8, 35, 54, 63]
+    assert result["max_output_tokens_per_s"] > 0 and len(result["ttfts"]) == 4 and result["errors"] == [""] * 4
     json.dumps(result)
 
 
@@ -136,6 +148,10 @@ def test_cli_registers_serve_and_bench_serve() -> None:
     assert (args.model, args.port, args.api_key, args.max_model_len, args.max_num_seqs) == ("debug", 9, "k", 64, 4)
     args = parser.parse_args(["bench", "serve", "--dataset", "prefix_repetition", "--request-rate", "5", "--num-prompts", "3", "--seed", "2"])
     assert (args.dataset, args.request_rate, args.num_prompts, args.seed) == ("prefix_repetition", 5.0, 3, 2)
+    assert (args.burstiness, args.ignore_eos, args.percentile_metrics, args.metric_percentiles) == (1.0, True, "ttft,tpot,itl", "99")
+    argv = ["bench", "serve", "--dataset", "sharegpt", "--dataset-path", "f.json", "--burstiness", "0.5", "--no-ignore-eos"]
+    args = parser.parse_args([*argv, "--sharegpt-output-len", "7", "--percentile-metrics", "e2el", "--metric-percentiles", "50,99"])
+    assert (args.dataset_path, args.burstiness, args.ignore_eos, args.sharegpt_output_len) == ("f.json", 0.5, False, 7)
 
 
 def test_build_server_from_cli_arguments(tmp_path) -> None:

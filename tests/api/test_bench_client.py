@@ -1,0 +1,193 @@
+"""`openk3 bench serve` against a fake server (an httpx MockTransport) in fake time: errors, percentiles, arrivals, ignore_eos,
+peak throughput and the per-request arrays. The fake clock moves only when the fake server streams or the benchmark sleeps."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+from itertools import accumulate
+
+import httpx
+import pytest
+
+from openk3.api.bench import add_arguments, benchmark, run_cli
+from openk3.api.bench_data import arrival_intervals
+from openk3.api.bench_metrics import RequestResult, peaks, summarize
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, dt: float) -> None:
+        self.sleeps.append(dt)
+        await asyncio.sleep(0)  # the request just created runs up to its first await (it reads the clock there)
+        self.now += dt
+
+
+class FakeServer:
+    """Streams max_tokens chunks of one token: the first `ttft` after the send, then one every `gap` (fake seconds)."""
+
+    def __init__(self, clock: FakeClock, status: int = 200, ttft: float = 0.5, gap: float = 0.25, tokenize: bool = True) -> None:
+        self.clock, self.status, self.ttft, self.gap, self.tokenize = clock, status, ttft, gap, tokenize
+        self.payloads: list[dict] = []
+        self.tokenized: list[dict] = []
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        body = json.loads(request.content)
+        if path == "/tokenize":
+            if not self.tokenize:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            self.tokenized.append(body)
+            ids = [len(w) for w in body["prompt"].split()]  # one token a word
+            return httpx.Response(200, json={"tokens": ids, "count": len(ids)})
+        self.payloads.append(body)
+        if self.status != 200:
+            return httpx.Response(self.status, text="boom")
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.stream(body))
+
+    async def stream(self, body: dict):
+        prompt = body["prompt"]
+        for i in range(body["max_tokens"]):
+            self.clock.now += self.ttft if i == 0 else self.gap
+            yield b"data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode() + b"\n\n"
+        usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list) else len(prompt.split()), "completion_tokens": body["max_tokens"]}
+        yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--base-url", "http://fake", "--disable-tqdm", "--num-prompts", "3", "--input-len", "8", "--output-len", "5", *argv])
+
+
+def run_fake(server: FakeServer, clock: FakeClock, *argv: str) -> dict:
+    return asyncio.run(benchmark(bench_args(*argv), server.transport(), clock, clock.sleep))
+
+
+def test_unreachable_server_is_one_clear_line(capsys) -> None:
+    with socket.socket() as closed:  # bound but not listening: connecting is refused, and no one else can take the port
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        for extra in ([], ["--model", "m"]):
+            args = bench_args("--base-url", f"http://127.0.0.1:{port}", *extra)
+            assert run_cli(args) == 1
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1, err
+            assert f"cannot reach the server at http://127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_all_failed_run_prints_na_and_exits_nonzero(tmp_path, capsys) -> None:
+    clock = FakeClock()
+    server = FakeServer(clock, status=500)
+    out_file = tmp_path / "r.json"
+    assert run_cli(bench_args("--save-result", str(out_file), "--goodput", "ttft:100"), server.transport()) == 1
+    out, err = capsys.readouterr()
+    assert len(server.payloads) == 3
+    for label in ("Mean TTFT (ms)", "P99 ITL (ms)", "Request throughput (req/s)", "Request goodput (req/s)", "Peak output token throughput (tok/s)"):
+        assert next(line for line in out.splitlines() if line.startswith(label)).split(":")[1].strip() == "N/A", label
+    assert "Successful requests:" in out and "all 3 requests failed" in err and "error: HTTP 500: b'boom'" in err
+    saved = json.loads(out_file.read_text())
+    assert saved["completed"] == 0 and saved["failed"] == 3
+    assert saved["mean_ttft_ms"] is None and saved["output_throughput"] is None and saved["max_output_tokens_per_s"] is None
+    assert saved["errors"] == ["HTTP 500: b'boom'"] * 3 and saved["ttfts"] == [0.0] * 3 and saved["input_lens"] == [8] * 3
+
+
+def test_timings_percentiles_peak_and_arrays_in_fake_time(tmp_path, capsys) -> None:
+    clock = FakeClock()
+    server = FakeServer(clock)
+    r = run_fake(server, clock, "--max-concurrency", "1", "--metric-percentiles", "50,90,99.9", "--percentile-metrics", "ttft,e2el")
+    assert r["completed"] == 3 and r["duration"] == 4.5  # three requests of 0.5 + 4 x 0.25 s, one after another
+    assert r["ttfts"] == [0.5] * 3 and r["itls"] == [[0.25] * 4] * 3 and r["e2els"] == [1.5] * 3
+    assert r["start_times"] == [0.0, 1.5, 3.0] and r["input_lens"] == [8] * 3 and r["output_lens"] == [5] * 3
+    assert r["generated_texts"] == ["xxxxx"] * 3 and r["errors"] == [""] * 3
+    assert r["mean_tpot_ms"] == 250.0 and r["p50_ttft_ms"] == 500.0 and r["p90_itl_ms"] == 250.0 and r["p99.9_e2el_ms"] == 1500.0
+    assert "p99_ttft_ms" not in r
+    # tokens land at 100.5, 100.75, 101, 101.25, 101.5 | 102 ... 103 | 103.5 ... 104.5: the window [102, 103) holds four
+    assert r["max_output_tokens_per_s"] == 4.0 and r["max_concurrent_requests"] == 2
+    assert r["output_throughput"] == pytest.approx(15 / 4.5)
+    for p in server.payloads:  # greedy, streamed, ignore_eos on by default
+        assert (p["temperature"], p["stream"], p["ignore_eos"], p["max_tokens"], p["model"]) == (0.0, True, True, 5, "fake-model")
+
+    assert run_cli(bench_args("--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90"), FakeServer(FakeClock()).transport()) == 0
+    table = capsys.readouterr().out
+    assert "P50 TTFT (ms)" in table and "P90 E2EL (ms)" in table and "Median E2EL (ms)" in table
+    assert "TPOT" not in table and "ITL" not in table and "P99" not in table
+
+
+def test_ignore_eos_is_on_by_default_and_can_be_turned_off() -> None:
+    sent = {}
+    for flag, expected in (([], True), (["--ignore-eos"], True), (["--no-ignore-eos"], False)):
+        clock = FakeClock()
+        server = FakeServer(clock)
+        result = run_fake(server, clock, *flag)
+        sent[expected] = {p["ignore_eos"] for p in server.payloads}
+        assert result["ignore_eos"] is expected and sent[expected] == {expected}
+
+
+def test_arrivals_are_seeded_gamma_with_mean_one_over_rate() -> None:
+    assert arrival_intervals(50, 4.0, 0.5, seed=1) == arrival_intervals(50, 4.0, 0.5, seed=1) != arrival_intervals(50, 4.0, 0.5, seed=2)
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps = arrival_intervals(4001, 4.0, burstiness, seed=0)
+        assert len(gaps) == 4000 and statistics.fmean(gaps) == pytest.approx(0.25, rel=0.05)
+        # gamma(shape k): coefficient of variation 1 / sqrt(k); 1 for the Poisson process (exponential gaps)
+        assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness**-0.5, rel=0.1)
+    assert arrival_intervals(4, float("inf"), 1.0, seed=0) == [0.0] * 3
+    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, float("inf")), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="request-rate"):
+            arrival_intervals(3, rate, burstiness, seed=0)
+
+
+def test_the_benchmark_sleeps_the_seeded_gaps_between_sends() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock, ttft=0.0, gap=0.0)  # answers take no time: only the sleeps move the clock
+    r = run_fake(server, clock, "--num-prompts", "5", "--request-rate", "2", "--burstiness", "0.5", "--seed", "3")
+    gaps = arrival_intervals(5, 2.0, 0.5, seed=3)
+    assert clock.sleeps == gaps and r["burstiness"] == 0.5
+    assert r["start_times"] == pytest.approx([0.0, *accumulate(gaps)])
+    assert r["duration"] == pytest.approx(sum(gaps))
+
+
+def test_peaks_count_tokens_per_one_second_window() -> None:
+    results = [
+        RequestResult(True, 4, 4, ttft=0.1, latency=0.8, itl=[0.2] * 3, start=10.0),  # tokens at 10.1 .. 10.7: window 0
+        RequestResult(True, 4, 6, ttft=0.6, latency=0.9, itl=[0.1, 0.1], start=10.5),  # 3 chunks of 2 tokens at 11.1 .. 11.3: window 1
+        RequestResult(False, 4, error="HTTP 500", start=9.0),  # failed: neither the windows' origin nor their counts
+    ]
+    assert peaks(results) == (6.0, 2)  # both requests are in flight during window 0
+    s = summarize(results, duration=2.0, slos={})
+    assert s["max_output_tokens_per_s"] == 6.0 and s["max_concurrent_requests"] == 2 and s["output_throughput"] == 5.0
+    assert s["start_times"] == [1.0, 1.5, 0.0] and s["output_lens"] == [4, 6, 0] and s["errors"] == ["", "", "HTTP 500"]
+    assert peaks([RequestResult(False, error="x")]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
+        (["--metric-percentiles", "50,101"], "--metric-percentiles"),
+        (["--burstiness", "0"], "--burstiness"),
+        (["--dataset", "sharegpt"], "--dataset-path"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_request(argv, message, capsys) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"the server was asked {request.url}")
+
+    assert run_cli(bench_args(*argv), httpx.MockTransport(refuse)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

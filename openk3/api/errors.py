@@ -121,6 +121,20 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
 async def read_json(request: Request, model: type[M], limit: int, timeout_s: float | None = None) -> M:
     check_json_content_type(request)
     body = await read_body(request, limit, timeout_s)
+    if len(body) <= PARSE_ON_LOOP_BYTES:
+        parsed = _parse(body, model)
+    else:  # parsing and validating a multi-MB body takes tens of ms: off the event loop, so other streams keep flowing
+        parsed = await asyncio.get_running_loop().run_in_executor(None, _parse, body, model)
+    unknown = sorted(getattr(parsed, "model_extra", None) or {})
+    if unknown:
+        log.info("ignoring unknown fields in %s %s: %s", request.method, request.url.path, ", ".join(unknown))
+    return parsed
+
+
+PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+def _parse(body: bytes, model: type[M]) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -140,14 +154,10 @@ async def read_json(request: Request, model: type[M], limit: int, timeout_s: flo
             400, f"request body contains an unpaired surrogate escape ({e.object[e.start : e.end]!a}): text must be valid Unicode", code="invalid_encoding"
         ) from e
     try:
-        parsed = model.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         message, param = _describe(e)
         raise APIError(400, message, param=param, code="invalid_value") from e
-    unknown = sorted(getattr(parsed, "model_extra", None) or {})
-    if unknown:
-        log.info("ignoring unknown fields in %s %s: %s", request.method, request.url.path, ", ".join(unknown))
-    return parsed
 
 
 # The queue moves at the engine's step rate, so a refused client may come back soon; one second keeps retries from spinning.

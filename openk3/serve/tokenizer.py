@@ -109,7 +109,9 @@ class HFTokenizer:
         return self._bos
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but it releases the GIL while it works (encode holds it throughout, so a
+        # multi-MB prompt tokenised on a server's worker thread froze the event loop and the engine thread with it)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

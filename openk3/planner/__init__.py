@@ -7,27 +7,31 @@ Pure arithmetic on `openk3.config.ModelConfig` and the engine's cache byte specs
     print(render_text(plan))
 
 Lower-level pieces: `working_set` / `max_concurrency` / `min_accelerators` (memory), `evaluate(Scenario)` (step time and
-cost), `search` (layouts x batch sizes under SLOs), `tier_table` (offload), `calibrate` (fit efficiencies).
+cost), `search` (layouts x batch sizes under SLOs), `tier_table` (offload), `calibrate` (fit efficiencies), `why_not`
+(what does not fit, by how much), `support` (who can run a layout: openk3 today, and which engines).
 """
 
 from openk3.config import k3
 from openk3.planner.balance import BalanceParams, rank_imbalance
 from openk3.planner.calibrate import Fit, Measurement, calibrate
 from openk3.planner.comm import CommParams, a2a_layer_time, bytes_per_token_per_layer, expected_destination_ranks
+from openk3.planner.energy import PowerParams
 from openk3.planner.hardware import Accelerator, Catalogue, System, load_catalogue
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload, parse_tokens
 from openk3.planner.memory import MemoryBreakdown, max_concurrency, min_accelerators, weight_bytes, working_set
 from openk3.planner.models import deepseek_v3, k3_all_mla, kimi_k2, model_by_name
-from openk3.planner.perf import Efficiency, Metrics, Scenario, decode_step, evaluate, prefill_step
+from openk3.planner.perf import Efficiency, Metrics, Scenario, decode_step, evaluate, prefill_batch_step, prefill_step
 from openk3.planner.plan import Plan, PlanRequest, make_plan
 from openk3.planner.report import render_json, render_text, write_plot
-from openk3.planner.search import SLO, SearchSpace, search
+from openk3.planner.runtime import Support, support
+from openk3.planner.search import SLO, Candidate, Misfit, SearchSpace, search, why_not
 from openk3.planner.tiers import break_even_tokens, tier_table
 
 __all__ = [
     "SLO",
     "Accelerator",
     "Balance",
+    "Candidate",
     "BalanceParams",
     "Catalogue",
     "CommParams",
@@ -37,11 +41,14 @@ __all__ = [
     "Measurement",
     "MemoryBreakdown",
     "Metrics",
+    "Misfit",
     "Plan",
     "PlanRequest",
+    "PowerParams",
     "Quantisation",
     "Scenario",
     "SearchSpace",
+    "Support",
     "System",
     "Workload",
     "a2a_layer_time",
@@ -61,13 +68,16 @@ __all__ = [
     "min_accelerators",
     "model_by_name",
     "parse_tokens",
+    "prefill_batch_step",
     "prefill_step",
     "rank_imbalance",
     "render_json",
     "render_text",
     "search",
+    "support",
     "tier_table",
     "weight_bytes",
+    "why_not",
     "working_set",
     "write_plot",
 ]

@@ -27,12 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--catalogue", default=None, help="extra JSON/YAML catalogue file adding or overriding systems")
     p.add_argument("--context", default="32k", help="tokens cached per sequence, e.g. 32k, 128k, 1m (default 32k)")
     p.add_argument("--prompt", default=None, help="prompt length for TTFT (default: the context)")
-    p.add_argument("--concurrency", type=int, default=None, help="sequences decoding at once (default: as many as fit)")
+    p.add_argument("--concurrency", type=int, default=None, help="sequences decoding at once (default: the cheapest batch meeting the SLO)")
     p.add_argument("--quant", default="mxfp4", help="mxfp4 (K3 release), mxfp4-fp8, mxfp4-w4a4, fp8, bf16 (default mxfp4)")
-    p.add_argument("--accelerators", type=int, default=None, help="instance size (default: one system unit, or enough whole units)")
-    p.add_argument("--tp", type=int, default=None, help="trunk tensor parallelism (default: the cheapest the search finds; 1 = replicated)")
-    p.add_argument("--balance", default="eplb", choices=[b.value for b in Balance], help="expert balancing (default eplb)")
-    p.add_argument("--redundant-experts", type=int, default=0, help="extra expert replicas in the instance (default 0)")
+    p.add_argument("--accelerators", type=int, default=None, help="instance size (default: the cheapest size the search finds)")
+    p.add_argument("--tp", type=int, default=None, help="trunk tensor parallelism, a divisor of the attention heads (default: searched; 1 = DP attention)")
+    p.add_argument("--balance", default=None, choices=[b.value for b in Balance], help="expert balancing (default: searched, eplb or moonep)")
+    p.add_argument("--redundant-experts", type=int, default=None, help="extra expert replicas in the instance (default: searched, 0 or one per rank)")
     p.add_argument("--price", type=float, default=None, help="USD per accelerator-hour (default: the catalogue's)")
     p.add_argument("--min-user-tok-s", type=float, default=0.0, help="SLO: decode tokens/s per user (default 0)")
     p.add_argument("--max-ttft", type=float, default=float("inf"), help="SLO: time to first token in seconds (default none)")
@@ -72,7 +72,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         quant=Quantisation.named(args.quant),
         accelerators=args.accelerators,
         tp=args.tp,
-        balance=Balance(args.balance),
+        balance=Balance(args.balance) if args.balance else None,
         redundant_experts=args.redundant_experts,
         slo=SLO(min_user_tok_s=args.min_user_tok_s, max_ttft_s=args.max_ttft),
         efficiency=_efficiency(args),
@@ -82,15 +82,19 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 with a plan, 1 when no layout fits or meets the SLO (the reason is printed), 2 on a bad input."""
     try:
         plan = make_plan(build_request(args))
     except (ValueError, OSError) as exc:
         print(f"openk3 plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(render_json(plan), indent=2, default=float))
+        print(json.dumps(render_json(plan), indent=2, allow_nan=False))
     else:
         print(render_text(plan))
+    if plan.problem is not None:
+        print(f"openk3 plan: no plan: {plan.problem}", file=sys.stderr)
+        return 1
     if args.plot:
         try:
             path = write_plot(plan, args.plot)

@@ -126,10 +126,15 @@ def a2a_layer_time(
 
 
 def allreduce_time(bytes_per_rank: float, tp: int, system: System, comm: CommParams) -> float:
-    """Ring all-reduce inside the scale-up domain: 2 (tp-1)/tp of the buffer crosses each link."""
+    """Ring all-reduce: 2 (tp-1)/tp of the buffer crosses each link. Inside the scale-up domain every link is NVLink;
+    a ring that spans domains runs at the pace of its NIC hops."""
     if tp <= 1:
         return 0.0
-    return comm.allreduce_floor_s + 2 * (tp - 1) / tp * bytes_per_rank / (system.accelerator.scale_up_bw * comm.scale_up_efficiency)
+    if tp <= system.scale_up_domain:
+        bw = system.accelerator.scale_up_bw * comm.scale_up_efficiency
+    else:
+        bw = system.scale_out_bw * comm.scale_out_efficiency
+    return comm.allreduce_floor_s + 2 * (tp - 1) / tp * bytes_per_rank / bw
 
 
 def prefetch_time(num_experts: float, bytes_per_expert: float, ranks: int, system: System, comm: CommParams) -> float:

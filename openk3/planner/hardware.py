@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CATALOGUE_PATH = Path(__file__).with_name("catalogue.json")
+PLACEHOLDER = "[placeholder]"  # a figure's source starting with this is a stand-in, not a published or measured value
 
 # json key -> (dataclass field, factor to SI, required)
 _ACCEL_KEYS = {
@@ -82,6 +83,11 @@ class System:
     power_w: float  # wall power per accelerator (its share of CPU, NIC, switches, cooling)
     price_per_hour: float  # USD per accelerator-hour: an input
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def price_is_placeholder(self) -> bool:
+        """The catalogue has no published rate for this system: its price is a stand-in the user should replace."""
+        return self.sources.get("price_per_hour", "").startswith(PLACEHOLDER)
 
     def with_price(self, price_per_hour: float) -> System:
         if not price_per_hour > 0:

@@ -172,10 +172,23 @@ def max_concurrency(config: ModelConfig, quant: Quantisation, layout: Layout, co
     return int(free // per_seq) * layout.dp
 
 
-def candidate_tps(num_accelerators: int, system: System, max_tp: int = 16) -> list[int]:
-    """TP sizes that divide the instance and stay inside one scale-up domain (TP all-reduces every layer)."""
+def tp_problem(config: ModelConfig, tp: int) -> str | None:
+    """Why `tp` cannot shard this model's attention (None when it can): TP splits MLA and KDA heads, so it must divide both."""
+    heads = {"MLA": config.mla.num_heads}
+    if config.kda_layers:
+        heads["KDA"] = config.kda.num_heads
+    bad = [f"{h} {kind} heads" for kind, h in heads.items() if h % tp]
+    if not bad:
+        return None
+    return f"tp={tp} does not divide {' and '.join(bad)}; TP must split the attention heads evenly"
+
+
+def candidate_tps(num_accelerators: int, system: System, max_tp: int = 16, config: ModelConfig | None = None) -> list[int]:
+    """TP sizes that divide the instance, stay inside one scale-up domain (TP all-reduces every layer) and, given the
+    config, divide its attention heads."""
     limit = min(system.scale_up_domain, max_tp, num_accelerators)
-    return [t for t in range(1, limit + 1) if num_accelerators % t == 0]
+    tps = [t for t in range(1, limit + 1) if num_accelerators % t == 0]
+    return [t for t in tps if config is None or tp_problem(config, t) is None]
 
 
 def min_accelerators(
@@ -189,7 +202,7 @@ def min_accelerators(
 ) -> Layout | None:
     """The smallest instance (and its TP) whose fullest rank holds the weights and the workload's cache."""
     for n in range(1, limit + 1):
-        for tp in candidate_tps(n, system):
+        for tp in candidate_tps(n, system, config=config):
             layout = Layout(num_accelerators=n, tp=tp, balance=balance)
             if working_set(config, quant, layout, workload, system, fill).fits:
                 return layout

@@ -3,8 +3,14 @@
 Each component (trunk GEMMs, routed experts, MLA attention, KDA recurrence, AttnRes) takes
 max(bytes / (HBM BW x eff_hbm), FLOPs / (peak x eff)) on its own; components run one after another, so their times
 add. Communication per MoE layer (dispatch + combine on the busiest rank, MoonEP weight prefetch) and TP all-reduces
-add too, except the `comm_overlap` fraction hidden under compute (two-batch overlap). The KDA state is read and
-written every decode step, which is what makes it cost HBM bandwidth and not only capacity.
+add too, except the `comm_overlap` fraction hidden under compute (two-batch overlap, which needs two micro-batches: with
+fewer than two sequences per group nothing is hidden). TP all-reduces run over NVLink inside the scale-up domain and over
+the NIC when TP spans domains. The KDA state is read and written every decode step, which is what makes it cost HBM
+bandwidth and not only capacity.
+
+Prefill: a chunk of `prefill_chunk` tokens at `kv_len` cached tokens; causal attention, so its queries see kv_len plus
+(chunk + 1) / 2 keys on average. TTFT is one prompt's chunks run alone (service time); prefill throughput, $ per input
+token and prefill energy come from steps that pack as many whole prompts as a chunk holds.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from openk3.checks import fail
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
 from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
+from openk3.planner.energy import PowerParams, step_power_w
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import (
@@ -70,6 +77,7 @@ class Scenario:
     comm: CommParams = field(default_factory=CommParams)
     balance: BalanceParams = field(default_factory=BalanceParams)
     fill: float = DEFAULT_FILL
+    power: PowerParams = field(default_factory=PowerParams)
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -149,15 +157,17 @@ def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: 
     return num_moe_layers(config) * (a2a + fetch) + 2 * config.num_hidden_layers * ar
 
 
-def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool) -> StepTime:
-    """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each."""
+def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, prompts: int = 1, mean_keys: float | None = None) -> StepTime:
+    """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each.
+    Prefill: the tokens belong to `prompts` sequences, and each query attends to `mean_keys` keys on average (default:
+    kv_len plus the causal half of its own prompt's chunk)."""
     config, quant, layout, acc = sc.config, sc.quant, sc.layout, sc.system.accelerator
     tp, eff = layout.tp, sc.efficiency
     spec = cache_spec(config, quant)
     n_mla, n_kda = _layer_counts(config)
     moe_layers = num_moe_layers(config)
     k = config.moe.num_experts_per_token
-    seqs = tokens_per_group if decode else 1.0  # prefill: one sequence's chunk per group
+    seqs = tokens_per_group if decode else float(prompts)
 
     w = weight_bytes(config, quant)
     trunk_read = (w.trunk_bytes - w.embedding_params * quant.trunk_bits / 8) / tp  # embedding rows are gathered, not streamed
@@ -179,9 +189,10 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool) ->
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * (m.latent_dim + m.kv_lora_rank)
         mla_bytes = seqs * kv_len * spec.mla.bytes_per_token
-    else:  # naive MLA over the chunk: causal, so the average query sees kv_len / 2 keys
-        mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len / 2 * (m.qk_head_dim + m.v_head_dim)
-        mla_bytes = (kv_len + tokens_per_group) * spec.mla.bytes_per_token
+    else:  # naive MLA over the chunk: the cached keys plus, causally, the average query's half of its own chunk
+        keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
+        mla_flops = n_mla * tokens_per_group * 2 * heads * keys * (m.qk_head_dim + m.v_head_dim)
+        mla_bytes = (seqs * kv_len + tokens_per_group) * spec.mla.bytes_per_token
     mla = _component("mla_attention", mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
 
     kda_state = seqs * 2 * spec.kda.bytes_per_sequence / tp  # read and written back every step
@@ -198,7 +209,8 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool) ->
     comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance)
     components = tuple(c for c in (trunk, experts, mla, kda, attn_res) if c.bytes or c.flops)
     local = sum(c.time_s for c in components)
-    exposed = comm - eff.comm_overlap * min(comm, local)
+    overlap = eff.comm_overlap if tokens_per_group >= 2 else 0.0  # two-batch overlap needs two micro-batches
+    exposed = comm - overlap * min(comm, local)
     return StepTime(components, comm, exposed, imbalance, tokens_per_group)
 
 
@@ -207,11 +219,22 @@ def decode_step(sc: Scenario) -> StepTime:
     return _step(sc, seqs_per_group, float(sc.workload.context), decode=True)
 
 
-def prefill_step(sc: Scenario, kv_len: float | None = None) -> StepTime:
-    """One chunk of `prefill_chunk` tokens per group at `kv_len` already-cached tokens (default: the middle of the prompt)."""
+def prefill_step(sc: Scenario, kv_len: float | None = None, mean_keys: float | None = None) -> StepTime:
+    """One chunk of one prompt per group at `kv_len` already-cached tokens. Default: the middle chunk, (prompt - chunk) / 2,
+    whose queries see (prompt + 1) / 2 keys on average -- the mean over the whole prompt, so chunks x this step is the
+    prompt's attention work exactly. `mean_keys` overrides the keys each query attends to."""
     prompt = sc.workload.prompt_tokens
     chunk = min(sc.workload.prefill_chunk, prompt)
-    return _step(sc, float(chunk), prompt / 2 if kv_len is None else kv_len, decode=False)
+    return _step(sc, float(chunk), (prompt - chunk) / 2 if kv_len is None else kv_len, decode=False, mean_keys=mean_keys)
+
+
+def prefill_batch_step(sc: Scenario) -> StepTime:
+    """A throughput prefill step: as many whole prompts as one chunk holds (at least one prompt's chunk)."""
+    prompt = sc.workload.prompt_tokens
+    if prompt >= sc.workload.prefill_chunk:
+        return prefill_step(sc)
+    prompts = sc.workload.prefill_chunk // prompt
+    return _step(sc, float(prompts * prompt), 0.0, decode=False, prompts=prompts)
 
 
 def binding(step: StepTime, memory: MemoryBreakdown, memory_limited: bool) -> str:
@@ -230,7 +253,10 @@ class Metrics:
     per_user_tok_s: float
     ttft_s: float
     prefill_tok_s: float
-    tokens_per_joule: float
+    tokens_per_joule: float  # decode output tokens per joule at the modelled load
+    prefill_tokens_per_joule: float
+    decode_power_w: float  # mean wall power per accelerator while decoding
+    prefill_power_w: float
     usd_per_m_output: float
     usd_per_m_input: float
     binding: str
@@ -246,11 +272,14 @@ def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
     memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill)
     dec = decode_step(sc)
     pre = prefill_step(sc)
+    batch = prefill_batch_step(sc)
     chunk = min(sc.workload.prefill_chunk, sc.workload.prompt_tokens)
     chunks = -(-sc.workload.prompt_tokens // chunk)
     throughput = sc.workload.concurrency / dec.total_s if sc.workload.concurrency else 0.0
-    prefill_tok_s = chunk * sc.layout.dp / pre.total_s
+    prefill_tok_s = batch.tokens_per_group * sc.layout.dp / batch.total_s
     usd_per_s = sc.system.price_per_hour * n / 3600
+    tdp, wall = sc.system.accelerator.tdp_w, sc.system.power_w
+    decode_w, prefill_w = step_power_w(dec, tdp, wall, sc.power), step_power_w(batch, tdp, wall, sc.power)
     return Metrics(
         memory=memory,
         decode=dec,
@@ -259,7 +288,10 @@ def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
         per_user_tok_s=1 / dec.total_s,
         ttft_s=chunks * pre.total_s,
         prefill_tok_s=prefill_tok_s,
-        tokens_per_joule=throughput / (n * sc.system.power_w),
+        tokens_per_joule=throughput / (n * decode_w),
+        prefill_tokens_per_joule=prefill_tok_s / (n * prefill_w),
+        decode_power_w=decode_w,
+        prefill_power_w=prefill_w,
         usd_per_m_output=usd_per_s / throughput * 1e6 if throughput else float("inf"),
         usd_per_m_input=usd_per_s / prefill_tok_s * 1e6,
         binding=binding(dec, memory, memory_limited),

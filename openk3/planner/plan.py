@@ -2,21 +2,27 @@
 
 `make_plan` gathers every section the report prints (weights, cache per sequence, minimum accelerators, the chosen
 layout's memory and step breakdown, maximum concurrency, the SLO search, the offload tiers); `report.py` only renders.
+
+The headline is the cheapest candidate that meets every constraint: the SLO and whatever the request pins (size, TP,
+balance, redundant experts, concurrency); what it leaves open is searched. When no candidate qualifies there is no
+headline: `problem` says why (the closest layout's memory, or the best speed and TTFT any fitting layout reaches), and
+no speed or cost is reported for a layout that does not fit.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from openk3.config import ModelConfig
 from openk3.planner.balance import BalanceParams
 from openk3.planner.comm import CommParams
+from openk3.planner.energy import PowerParams
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
-from openk3.planner.memory import DEFAULT_FILL, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
-from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
-from openk3.planner.search import SLO, SearchResult, SearchSpace, default_sizes, search
+from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, tp_problem, weight_bytes
+from openk3.planner.perf import Efficiency, Metrics, Scenario
+from openk3.planner.runtime import Support, support
+from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
 from openk3.planner.tiers import TierRow, break_even_tokens, tier_table
 
 
@@ -25,19 +31,38 @@ class PlanRequest:
     config: ModelConfig
     system: System
     context: int
-    concurrency: int | None = None  # None: as many as the chosen layout holds at this context
+    concurrency: int | None = None  # None: searched (the cheapest batch meeting the SLO)
     prompt: int | None = None
     quant: Quantisation = field(default_factory=Quantisation)
-    accelerators: int | None = None  # None: one system unit, or the fewest whole units that hold the weights
-    tp: int | None = None  # None: the cheapest TP for that size found by the search
-    balance: Balance = Balance.EPLB
-    redundant_experts: int = 0
+    accelerators: int | None = None  # None: searched up to space.max_accelerators
+    tp: int | None = None  # None: searched (divisors of the heads inside the scale-up domain)
+    balance: Balance | None = None  # None: searched (space.balances)
+    redundant_experts: int | None = None  # None: searched (none, or one per rank with EPLB)
     slo: SLO = field(default_factory=SLO)
     efficiency: Efficiency = field(default_factory=Efficiency)
     comm: CommParams = field(default_factory=CommParams)
     balance_params: BalanceParams = field(default_factory=BalanceParams)
+    power: PowerParams = field(default_factory=PowerParams)
     fill: float = DEFAULT_FILL
     space: SearchSpace = field(default_factory=SearchSpace)
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency!r} is invalid: expected >= 1 sequence (or None to search it)")
+        if self.accelerators is not None and self.accelerators < 1:
+            raise ValueError(f"accelerators={self.accelerators!r} is invalid: expected >= 1")
+        if self.tp is not None:
+            if self.tp < 1:
+                raise ValueError(f"tp={self.tp!r} is invalid: expected >= 1")
+            problem = tp_problem(self.config, self.tp)
+            if problem:
+                raise ValueError(f"{problem} ({self.config.name})")
+            if self.accelerators is not None and self.accelerators % self.tp:
+                raise ValueError(f"tp={self.tp} is invalid: expected a divisor of accelerators={self.accelerators}")
+
+    @property
+    def pinned(self) -> bool:
+        return any(v is not None for v in (self.accelerators, self.tp, self.balance, self.redundant_experts, self.concurrency))
 
 
 @dataclass(frozen=True)
@@ -48,63 +73,108 @@ class Plan:
     kda_bytes_per_sequence: int
     min_for_weights: Layout | None
     min_for_workload: Layout | None
-    layout: Layout
+    search: SearchResult  # the whole space, for the tables
+    choice: Candidate | None  # the headline; None when nothing meets every constraint
+    problem: str | None  # why there is no headline
+    layout: Layout | None  # the headline's layout, else the closest one that does not fit (when that is the problem)
+    memory: MemoryBreakdown | None  # of `layout`
     workload: Workload
-    metrics: Metrics
     max_concurrency: int
-    search: SearchResult
     tiers: tuple[TierRow, ...]
     break_even: dict[str, int | None]
 
+    @property
+    def metrics(self) -> Metrics | None:
+        return self.choice.metrics if self.choice else None
 
-def _default_size(req: PlanRequest) -> int:
-    if req.accelerators is not None:
-        return req.accelerators
-    unit = req.system.accelerators_per_unit
-    weights_only = Workload(context=req.context, concurrency=0)
-    smallest = min_accelerators(req.config, req.quant, weights_only, req.system, req.balance, req.fill)
-    need = smallest.num_accelerators if smallest else unit
-    return unit * math.ceil(need / unit)
+    @property
+    def support(self) -> Support | None:
+        if self.layout is None:
+            return None
+        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant)
 
 
-def _choose_tp(req: PlanRequest, n: int, result: SearchResult) -> int:
-    if req.tp is not None:
-        return req.tp
-    same = [c for c in result.candidates if c.layout.num_accelerators == n and c.layout.balance == req.balance]
-    good = sorted((c for c in same if c.meets_slo), key=lambda c: c.metrics.usd_per_m_output)
-    if good:
-        return good[0].layout.tp
-    return 1 if n <= req.system.scale_up_domain else 8
+def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:
+    s = req.space
+    return replace(
+        s,
+        sizes=(req.accelerators,) if req.accelerators is not None else sizes,
+        tps=(req.tp,) if req.tp is not None else s.tps,
+        balances=(req.balance,) if req.balance is not None else s.balances,
+        redundant=(req.redundant_experts,) if req.redundant_experts is not None else s.redundant,
+    )
+
+
+def _slo_problem(result: SearchResult, slo: SLO) -> str:
+    fastest = max(result.candidates, key=lambda c: c.metrics.per_user_tok_s)
+    quickest = min(result.candidates, key=lambda c: c.metrics.ttft_s)
+    parts = [f"no layout meets the SLO (>= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s)"]
+    parts.append(
+        f"the fastest fitting candidate reaches {fastest.metrics.per_user_tok_s:.1f} tok/s per user "
+        f"({fastest.layout.describe()}, {fastest.concurrency:,} sequences)"
+    )
+    parts.append(f"the lowest TTFT is {quickest.metrics.ttft_s:.2f} s ({quickest.layout.describe()})")
+    return "; ".join(parts)
 
 
 def make_plan(req: PlanRequest) -> Plan:
     spec = cache_spec(req.config, req.quant)
     weights_only = Workload(context=req.context, concurrency=0)
-    n = _default_size(req)
-    # the instance the user asked about is always among the searched sizes, so its TP choice is a searched one
-    sizes = tuple(sorted(set(req.space.sizes or default_sizes(req.system, req.space.max_accelerators)) | {n}))
-    space = replace(req.space, sizes=sizes)
-    result = search(req.config, req.quant, req.system, req.context, req.slo, req.prompt, space, req.efficiency, req.comm, req.balance_params, req.fill)
-    tp = _choose_tp(req, n, result)
-    layout = Layout(num_accelerators=n, tp=tp, redundant_experts=req.redundant_experts, balance=req.balance)
-    limit = max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill)
-    concurrency = req.concurrency if req.concurrency is not None else max(limit, layout.dp)
+    asked = {req.accelerators} if req.accelerators is not None else set()
+    sizes = tuple(sorted(set(req.space.sizes or default_sizes(req.system, req.space.max_accelerators)) | asked))
+
+    def run(space: SearchSpace, concurrency: int | None) -> SearchResult:
+        return search(
+            req.config, req.quant, req.system, req.context, req.slo, req.prompt, space,
+            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power,
+        )  # fmt: skip
+
+    full = run(replace(req.space, sizes=sizes), None)
+    pinned_space = _pinned_space(req, sizes)
+    result = run(pinned_space, req.concurrency) if req.pinned else full
+    choice = result.best
+    balance = req.balance or Balance.EPLB
+    problem: str | None = None
+    layout: Layout | None = None
+    memory: MemoryBreakdown | None = None
+    if choice is not None:
+        layout, memory = choice.layout, choice.metrics.memory
+    elif result.candidates:
+        problem = _slo_problem(result, req.slo)
+    else:
+        misfits = why_not(
+            req.config, req.quant, req.system, req.context, pinned_space.sizes or sizes, req.fill, pinned_space.tps, req.concurrency, pinned_space.balances
+        )
+        if misfits:
+            closest = min(misfits.values(), key=lambda m: m.memory.total - m.memory.capacity)
+            layout, memory = closest.layout, closest.memory
+            limit = max_concurrency(req.config, req.quant, closest.layout, req.context, req.system, req.fill)
+            room = f"; at most {limit:,} sequences fit" if req.concurrency is not None and limit else ""
+            problem = closest.describe(req.context) + room
+        else:
+            problem = "no layout in the search space fits"
+    concurrency = choice.concurrency if choice else (req.concurrency or (layout.dp if layout else 1))
     workload = Workload(context=req.context, concurrency=concurrency, prompt=req.prompt)
-    sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill)
-    metrics = evaluate(sc, memory_limited=req.concurrency is None)
-    min_work = min_accelerators(req.config, req.quant, workload, req.system, req.balance, req.fill)
+    tiers: tuple[TierRow, ...] = ()
+    break_even: dict[str, int | None] = {}
+    if choice is not None and layout is not None:
+        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+        tiers = tier_table(sc, req.context)
+        break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
         mla_bytes_per_token=spec.mla.bytes_per_token,
         kda_bytes_per_sequence=spec.kda.bytes_per_sequence,
-        min_for_weights=min_accelerators(req.config, req.quant, weights_only, req.system, req.balance, req.fill),
-        min_for_workload=min_work,
+        min_for_weights=min_accelerators(req.config, req.quant, weights_only, req.system, balance, req.fill),
+        min_for_workload=min_accelerators(req.config, req.quant, workload, req.system, balance, req.fill),
+        search=full,
+        choice=choice,
+        problem=problem,
         layout=layout,
+        memory=memory,
         workload=workload,
-        metrics=metrics,
-        max_concurrency=limit,
-        search=result,
-        tiers=tier_table(sc, req.context),
-        break_even={t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")},
+        max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill) if layout else 0,
+        tiers=tiers,
+        break_even=break_even,
     )

@@ -1,15 +1,31 @@
-"""Render a `Plan`: readable text tables, a JSON document, and (optionally, with matplotlib) PNG charts."""
+"""Render a `Plan`: readable text tables, a JSON document, and (optionally, with matplotlib) PNG charts.
+
+Numbers are printed at a precision that does not mislead (449 MB is "449.4 MB", not "0.4 GB"); a placeholder price is
+marked wherever a cost is printed; a layout that does not fit is shown only as the memory that explains why. The JSON
+document echoes every input (prices and their sources, SLO, efficiencies, quantisation, power model, catalogue figures)
+and holds every candidate of the search; it contains only finite numbers (a non-finite value is null).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from openk3.planner.plan import Plan
+from openk3.planner.report_json import render_json
+from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
 
+__all__ = ["PlotUnavailable", "render_json", "render_text", "write_plot"]
 
-def _gb(x: float) -> str:
+
+def _size(x: float) -> str:
+    """Bytes in the unit that keeps three significant figures: 449.4 MB, 27.6 GB, 1,559.9 GB."""
+    if x == 0:
+        return "0 B"
+    if abs(x) < 1e6:
+        return f"{x / 1e3:,.1f} kB"
+    if abs(x) < 1e9:
+        return f"{x / 1e6:,.1f} MB"
     return f"{x / 1e9:,.1f} GB"
 
 
@@ -19,55 +35,98 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def _candidate_row(c: Candidate) -> list[str]:
+def _price_note(plan: Plan) -> str:
+    return " [placeholder price: no published rate; set --price]" if plan.request.system.price_is_placeholder else ""
+
+
+def _candidate_row(c: Candidate, plan: Plan) -> list[str]:
     m = c.metrics
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant)
     return [
         c.layout.describe(),
         str(c.seqs_per_group),
         f"{m.per_user_tok_s:.1f}",
         f"{m.ttft_s:.2f}",
         f"{m.per_accelerator_tok_s:,.0f}",
-        f"{m.usd_per_m_output:.3f}",
+        f"{m.usd_per_m_output:.3f}" + ("*" if plan.request.system.price_is_placeholder else ""),
         m.binding,
         m.decode.dominant,
+        "yes" if runs.openk3 else "no",
         c.miss or "ok",
     ]
 
 
-def render_text(plan: Plan) -> str:
-    req, m, w = plan.request, plan.metrics, plan.weights
+HEADERS = ["layout", "seqs/group", "tok/s/user", "TTFT s", "tok/s/acc", "$/1M out", "binding", "step dominated by", "openk3", "SLO"]
+
+
+def _header(plan: Plan) -> list[str]:
+    req, w = plan.request, plan.weights
     acc = req.system.accelerator
-    out: list[str] = []
     pc = req.config.param_count()
-    out.append(
-        f"openk3 plan: {req.config.name} on {req.system.name} ({acc.name}, {_gb(acc.usable_hbm)} usable HBM, "
-        f"{acc.hbm_bw / 1e12:.2f} TB/s, ${req.system.price_per_hour:.2f}/acc-h)"
-    )
-    out.append(
-        f"parameters {pc.total / 1e12:.3f}T total, {pc.active / 1e9:.1f}B active; checkpoint {_gb(w.checkpoint_bytes)} "
-        f"= routed experts {_gb(w.routed_bytes)} ({req.quant.expert_bits:g} bit) + rest {_gb(w.trunk_bytes)} "
-        f"({req.quant.trunk_bits:g} bit)"
-    )
+    q, e = req.quant, req.efficiency
     ctx = plan.workload.context
-    out.append(
-        f"cache per sequence at {ctx:,} tokens: MLA {plan.mla_bytes_per_token:,} B/token -> {_gb(ctx * plan.mla_bytes_per_token)}"
-        f", KDA state + conv {_gb(plan.kda_bytes_per_sequence)}"
-    )
     mw, mk = plan.min_for_weights, plan.min_for_workload
-    out.append(
-        f"minimum accelerators: weights only {mw.num_accelerators if mw else 'n/a'} (fill {req.fill:.0%}); "
-        f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}"
-    )
+    return [
+        f"openk3 plan: {req.config.name} on {req.system.name} ({acc.name}, {_size(acc.usable_hbm)} usable HBM, "
+        f"{acc.hbm_bw / 1e12:.2f} TB/s, ${req.system.price_per_hour:.2f}/acc-h{_price_note(plan)})",
+        f"parameters {pc.total / 1e12:.3f}T total, {pc.active / 1e9:.1f}B active; checkpoint {_size(w.checkpoint_bytes)} "
+        f"= routed experts {_size(w.routed_bytes)} ({q.expert_bits:g} bit) + rest {_size(w.trunk_bytes)} ({q.trunk_bits:g} bit)",
+        f"cache per sequence at {ctx:,} tokens: MLA {plan.mla_bytes_per_token:,} B/token -> {_size(ctx * plan.mla_bytes_per_token)}"
+        f", KDA state + conv {_size(plan.kda_bytes_per_sequence)}",
+        f"minimum accelerators (TP dividing the heads): weights only {mw.num_accelerators if mw else 'n/a'} (fill {req.fill:.0%}); "
+        f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}",
+        f"inputs: efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
+        f"experts {q.expert_bits:g} bit ({q.expert_compute} GEMM), trunk {q.trunk_bits:g} bit ({q.trunk_compute}), "
+        f"cache {q.cache_dtype_bytes} B/value; power x TDP compute {req.power.compute:g} / HBM {req.power.hbm:g} / idle {req.power.idle:g} [estimates]",
+    ]
+
+
+def _memory_table(plan: Plan) -> str:
+    assert plan.memory is not None
+    mem = plan.memory.as_dict()
+    return _table(["memory per accelerator", "bytes"], [[k, _size(v)] for k, v in mem.items()])
+
+
+def _search_tables(plan: Plan) -> list[str]:
+    slo = plan.request.slo
+    out = [f"search (SLO: >= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s), cheapest first:"]
+    feasible = plan.search.feasible[:5]
+    out.append(_table(HEADERS, [_candidate_row(c, plan) for c in feasible]) if feasible else "  no candidate meets the SLO")
     out.append("")
+    out.append("best per instance size (what binds; sizes where nothing fits are absent):")
+    out.append(_table(HEADERS, [_candidate_row(c, plan) for c in plan.search.best_per_size().values()]))
+    if plan.request.system.price_is_placeholder:
+        out.append("* at a placeholder price: scale by your $/accelerator-hour")
+    return out
+
+
+def _cap_note(plan: Plan) -> str:
+    cap = plan.choice.batch_cap if plan.choice else ""
+    return {"memory": "; batch capped by HBM capacity", "SLO": "; batch capped by the SLO (one more sequence per group misses it)"}.get(cap, "")
+
+
+def render_text(plan: Plan) -> str:
+    out = _header(plan)
+    out.append("")
+    m = plan.metrics
+    if m is None or plan.layout is None:
+        out.append(f"no plan: {plan.problem}")
+        if plan.memory is not None and plan.layout is not None:
+            out.append(f"closest layout: {plan.layout.describe()}")
+            out.append(_memory_table(plan))
+        out.append("")
+        out.extend(_search_tables(plan))
+        return "\n".join(out)
     out.append(
-        f"layout: {plan.layout.describe()}; {plan.workload.concurrency:,} sequences "
+        f"plan: {plan.layout.describe()}; {plan.workload.concurrency:,} sequences "
         f"({m.memory.seqs_per_group} per DP group); max concurrency at this context {plan.max_concurrency:,}"
     )
-    mem = m.memory.as_dict()
-    out.append(_table(["memory per accelerator", "bytes"], [[k, _gb(v)] for k, v in mem.items()]))
+    if plan.support is not None:
+        out.append(f"who can run it: {plan.support.describe()}")
+    out.append(_memory_table(plan))
     out.append(f"fits: {m.memory.fits}")
     out.append("")
-    rows = [[c.name, _gb(c.bytes), f"{c.flops / 1e12:,.1f} TF", f"{c.time_s * 1e3:.2f} ms", c.bound] for c in m.decode.components]
+    rows = [[c.name, _size(c.bytes), f"{c.flops / 1e12:,.1f} TF", f"{c.time_s * 1e3:.2f} ms", c.bound] for c in m.decode.components]
     rows.append(["communication (exposed)", "", "", f"{m.decode.exposed_comm_s * 1e3:.2f} ms", f"of {m.decode.comm_s * 1e3:.2f} ms"])
     out.append(_table(["decode step, busiest rank", "HBM bytes", "FLOPs", "time", "bound"], rows))
     out.append(
@@ -77,25 +136,23 @@ def render_text(plan: Plan) -> str:
     )
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")
     out.append(
-        f"{m.tokens_per_joule:.2f} tok/J; ${m.usd_per_m_output:.3f} per 1M output tokens, ${m.usd_per_m_input:.3f} per 1M input"
-        f" tokens; binding: {m.binding} (step dominated by {m.decode.dominant})"
+        f"energy: decode {m.tokens_per_joule:.2f} tok/J ({m.decode_power_w:,.0f} W per accelerator), prefill "
+        f"{m.prefill_tokens_per_joule:.2f} tok/J ({m.prefill_power_w:,.0f} W)"
+    )
+    out.append(
+        f"${m.usd_per_m_output:.3f} per 1M output tokens, ${m.usd_per_m_input:.3f} per 1M input tokens{_price_note(plan)}; "
+        f"binding: {m.binding} (step dominated by {m.decode.dominant})" + _cap_note(plan)
     )
     out.append("")
-    slo = req.slo
-    out.append(f"search (SLO: >= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s), cheapest first:")
-    headers = ["layout", "seqs/group", "tok/s/user", "TTFT s", "tok/s/acc", "$/1M out", "binding", "step dominated by", "SLO"]
-    feasible = plan.search.feasible[:5]
-    out.append(_table(headers, [_candidate_row(c) for c in feasible]) if feasible else "  no candidate meets the SLO")
+    out.extend(_search_tables(plan))
     out.append("")
-    out.append("best per instance size (what binds):")
-    out.append(_table(headers, [_candidate_row(c) for c in plan.search.best_per_size().values()]))
-    out.append("")
+    ctx = plan.workload.context
     out.append(f"offload tiers for a parked {ctx:,}-token prefix (reload vs recompute):")
     out.append(
         _table(
             ["tier", "GB/s", "capacity", "prefixes", "reload s", "recompute s", "pays off"],
             [
-                [r.tier, f"{r.bandwidth / 1e9:,.0f}", _gb(r.capacity), f"{r.sequences:,}", f"{r.reload_s:.4f}", f"{r.recompute_s:.3f}", str(r.pays_off)]
+                [r.tier, f"{r.bandwidth / 1e9:,.0f}", _size(r.capacity), f"{r.sequences:,}", f"{r.reload_s:.4f}", f"{r.recompute_s:.3f}", str(r.pays_off)]
                 for r in plan.tiers
             ],
         )
@@ -103,89 +160,6 @@ def render_text(plan: Plan) -> str:
     be = ", ".join(f"{k} from {v:,} tokens" if v else f"{k} never" for k, v in plan.break_even.items())
     out.append(f"reload beats recompute: {be}")
     return "\n".join(out)
-
-
-def _candidate_json(c: Candidate) -> dict[str, Any]:
-    m = c.metrics
-    return {
-        "layout": c.layout.describe(),
-        "accelerators": c.layout.num_accelerators,
-        "tp": c.layout.tp,
-        "ep": c.layout.ep_size,
-        "redundant_experts": c.layout.redundant_experts,
-        "balance": c.layout.balance.value,
-        "seqs_per_group": c.seqs_per_group,
-        "concurrency": c.concurrency,
-        "per_user_tok_s": m.per_user_tok_s,
-        "ttft_s": m.ttft_s,
-        "tok_s_per_accelerator": m.per_accelerator_tok_s,
-        "usd_per_m_output": m.usd_per_m_output,
-        "binding": m.binding,
-        "step_dominated_by": m.decode.dominant,
-        "meets_slo": c.meets_slo,
-        "miss": c.miss,
-    }
-
-
-def render_json(plan: Plan) -> dict[str, Any]:
-    req, m = plan.request, plan.metrics
-    pc = req.config.param_count()
-    return {
-        "model": req.config.name,
-        "hardware": req.system.name,
-        "context": plan.workload.context,
-        "params": {"total": pc.total, "active": pc.active},
-        "weights": {"routed_bytes": plan.weights.routed_bytes, "trunk_bytes": plan.weights.trunk_bytes, "checkpoint_bytes": plan.weights.checkpoint_bytes},
-        "cache": {"mla_bytes_per_token": plan.mla_bytes_per_token, "kda_bytes_per_sequence": plan.kda_bytes_per_sequence},
-        "min_accelerators": {
-            "weights": plan.min_for_weights.num_accelerators if plan.min_for_weights else None,
-            "workload": plan.min_for_workload.num_accelerators if plan.min_for_workload else None,
-        },
-        "layout": {
-            "describe": plan.layout.describe(),
-            "accelerators": plan.layout.num_accelerators,
-            "tp": plan.layout.tp,
-            "ep": plan.layout.ep_size,
-            "balance": plan.layout.balance.value,
-        },
-        "concurrency": plan.workload.concurrency,
-        "max_concurrency": plan.max_concurrency,
-        "memory": m.memory.as_dict() | {"fits": m.memory.fits},
-        "decode": {
-            "step_s": m.decode.total_s,
-            "comm_s": m.decode.comm_s,
-            "exposed_comm_s": m.decode.exposed_comm_s,
-            "imbalance": m.decode.imbalance,
-            "components": [{"name": c.name, "bytes": c.bytes, "flops": c.flops, "time_s": c.time_s, "bound": c.bound} for c in m.decode.components],
-        },
-        "metrics": {
-            "throughput_tok_s": m.throughput_tok_s,
-            "per_user_tok_s": m.per_user_tok_s,
-            "ttft_s": m.ttft_s,
-            "prefill_tok_s": m.prefill_tok_s,
-            "tokens_per_joule": m.tokens_per_joule,
-            "usd_per_m_output": m.usd_per_m_output,
-            "usd_per_m_input": m.usd_per_m_input,
-            "binding": m.binding,
-        },
-        "search": {
-            "best": _candidate_json(plan.search.best) if plan.search.best else None,
-            "per_size": [_candidate_json(c) for c in plan.search.best_per_size().values()],
-        },
-        "tiers": [
-            {
-                "tier": r.tier,
-                "bandwidth": r.bandwidth,
-                "capacity": r.capacity,
-                "prefixes": r.sequences,
-                "reload_s": r.reload_s,
-                "recompute_s": r.recompute_s,
-                "pays_off": r.pays_off,
-            }
-            for r in plan.tiers
-        ],
-        "break_even_tokens": plan.break_even,
-    }
 
 
 class PlotUnavailable(RuntimeError):
@@ -201,8 +175,10 @@ def write_plot(plan: Plan, path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise PlotUnavailable("--plot needs matplotlib, an optional extra: pip install 'openk3[plot]'") from exc
+    if plan.memory is None or plan.layout is None:
+        raise PlotUnavailable(f"nothing to plot: {plan.problem}")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    mem = plan.metrics.memory.as_dict()
+    mem = plan.memory.as_dict()
     parts = [k for k in mem if k not in ("total", "capacity")]
     bottom = 0.0
     for k in parts:

@@ -1,23 +1,27 @@
 """Search layouts and batch sizes for the cheapest one that meets the SLOs, and say what binds each candidate.
 
-Candidates: instance sizes (powers of two and whole system units), TP sizes inside the scale-up domain, balance
-policies, redundant experts (none, or one per rank), and sequences per attention-DP group in powers of two up to what
-HBM holds. A candidate is feasible when it fits, its per-user decode speed is at least `min_user_tok_s` and its TTFT at
-most `max_ttft_s`. Feasible candidates are ranked by $ per 1M output tokens.
+Candidates: instance sizes (powers of two and whole system units), TP sizes inside the scale-up domain that divide the
+attention heads, balance policies, redundant experts (none, or one per rank), and sequences per attention-DP group: powers
+of two up to what HBM holds, the memory limit itself, and -- under an SLO -- the largest batch that still meets it (found
+by bisection between the grid points, since per-user speed falls as the batch grows). A layout whose weights and one
+sequence per group do not fit is not a candidate at all; `why_not` says how far it misses. A candidate is feasible when
+its per-user decode speed is at least `min_user_tok_s` and its TTFT at most `max_ttft_s`; feasible candidates are ranked
+by $ per 1M output tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from openk3.checks import fail
 from openk3.config import ModelConfig
 from openk3.planner.balance import BalanceParams
 from openk3.planner.comm import CommParams
+from openk3.planner.energy import PowerParams
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
-from openk3.planner.memory import DEFAULT_FILL, candidate_tps, max_concurrency
+from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, candidate_tps, max_concurrency, tp_problem, working_set
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
 
 
@@ -25,6 +29,10 @@ from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
 class SLO:
     min_user_tok_s: float = 0.0
     max_ttft_s: float = float("inf")
+
+    @property
+    def binds(self) -> bool:
+        return self.min_user_tok_s > 0 or self.max_ttft_s != float("inf")
 
     def __post_init__(self) -> None:
         if self.min_user_tok_s < 0:
@@ -36,22 +44,21 @@ class SLO:
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    seqs_per_group: int
+    seqs_per_group: int  # on the fullest attention-DP group
+    concurrency: int  # sequences decoding at once in the instance
     metrics: Metrics
     meets_slo: bool
     miss: str  # why it misses the SLO ("" when it meets it)
-
-    @property
-    def concurrency(self) -> int:
-        return self.seqs_per_group * self.layout.dp
+    batch_cap: str = ""  # what sets the batch: "memory" (the HBM limit), "SLO" (one more sequence misses it), "fixed" (asked for)
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     sizes: tuple[int, ...] | None = None  # None: derived from the system
-    tps: tuple[int, ...] | None = None  # None: every divisor inside the scale-up domain up to 8
+    tps: tuple[int, ...] | None = None  # None: every divisor of the heads inside the scale-up domain up to 8
     balances: tuple[Balance, ...] = (Balance.EPLB, Balance.MOONEP)
     redundancy: bool = True
+    redundant: tuple[int, ...] | None = None  # explicit redundant-expert counts; None: 0, and one per rank when `redundancy`
     max_seqs_per_group: int = 4096
     max_accelerators: int = 288
 
@@ -97,12 +104,38 @@ class SearchResult:
 def _layouts(config: ModelConfig, system: System, space: SearchSpace) -> Iterable[Layout]:
     sizes = space.sizes or default_sizes(system, space.max_accelerators)
     for n in sizes:
-        tps = [t for t in (space.tps or candidate_tps(n, system, max_tp=8)) if n % t == 0 and t <= system.scale_up_domain]
+        if space.tps is None:
+            tps = candidate_tps(n, system, max_tp=8, config=config)
+        else:  # asked for explicitly: may leave the scale-up domain (then priced over the NIC), never split a head
+            tps = [t for t in space.tps if n % t == 0 and tp_problem(config, t) is None]
         for tp in tps:
             for balance in space.balances:
-                redundant = (0, n) if space.redundancy and balance == Balance.EPLB and n > 1 else (0,)
+                if space.redundant is not None:
+                    redundant: tuple[int, ...] = space.redundant
+                else:
+                    redundant = (0, n) if space.redundancy and balance == Balance.EPLB and n > 1 else (0,)
                 for r in redundant:
                     yield Layout(num_accelerators=n, tp=tp, redundant_experts=r, balance=balance)
+
+
+def _refine(limit: int, grid: dict[int, Candidate], make: Callable[[int], Candidate]) -> Candidate | None:
+    """The largest batch meeting the SLO between the largest feasible grid point and the next one (bisection: the SLO
+    terms only get worse as the batch grows)."""
+    ok = [b for b, c in grid.items() if c.meets_slo]
+    if not ok:
+        return None
+    lo = max(ok)
+    above = [b for b in grid if b > lo]
+    hi = min(above) if above else limit + 1
+    best = None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = make(mid)
+        if c.meets_slo:
+            lo, best = mid, c
+        else:
+            hi = mid
+    return replace(best, batch_cap="SLO") if best is not None else None
 
 
 def search(
@@ -117,39 +150,90 @@ def search(
     comm: CommParams | None = None,
     balance: BalanceParams | None = None,
     fill: float = DEFAULT_FILL,
+    concurrency: int | None = None,
+    power: PowerParams | None = None,
 ) -> SearchResult:
+    """Every layout of `space` that holds the weights and its batch; `concurrency` fixes the instance's batch instead of
+    searching it."""
     slo, space = slo or SLO(), space or SearchSpace()
-    efficiency, comm, balance = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams()
+    efficiency, comm, balance, power = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams(), power or PowerParams()
     out: list[Candidate] = []
     for layout in _layouts(config, system, space):
-        limit_total = max_concurrency(config, quant, layout, context, system, fill)
-        limit = limit_total // layout.dp
-        if limit < 1:
-            continue
-        for b in _batches(limit, space.max_seqs_per_group):
-            workload = Workload(context=context, concurrency=b * layout.dp, prompt=prompt)
-            sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill)
-            m = evaluate(sc, memory_limited=2 * b > limit)
+        limit = max_concurrency(config, quant, layout, context, system, fill) // layout.dp
+
+        def make(b: int, total: int | None = None, layout: Layout = layout, limit: int = limit) -> Candidate:
+            # memory binds a searched batch that is the HBM limit itself; a batch the caller fixed is its own choice
+            capped = total is None and b >= limit
+            cap = "fixed" if total is not None else ("memory" if capped else "")
+            total = b * layout.dp if total is None else total
+            workload = Workload(context=context, concurrency=total, prompt=prompt)
+            sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill, power)
+            m = evaluate(sc, memory_limited=capped)
             miss = []
             if m.per_user_tok_s < slo.min_user_tok_s:
                 miss.append(f"{m.per_user_tok_s:.1f} tok/s/user < {slo.min_user_tok_s:g}")
             if m.ttft_s > slo.max_ttft_s:
                 miss.append(f"TTFT {m.ttft_s:.2f}s > {slo.max_ttft_s:g}s")
-            out.append(Candidate(layout, b, m, not miss, "; ".join(miss)))
+            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap)
+
+        if concurrency is not None:
+            b = -(-concurrency // layout.dp)
+            if 1 <= b <= limit:
+                out.append(make(b, concurrency))
+            continue
+        if limit < 1:
+            continue
+        grid = {b: make(b) for b in _batches(limit, space.max_seqs_per_group)}
+        out.extend(grid.values())
+        refined = _refine(min(limit, space.max_seqs_per_group), grid, make) if slo.binds else None
+        if refined is not None:
+            out.append(refined)
     return SearchResult(tuple(out))
 
 
-def why_not(config: ModelConfig, quant: Quantisation, system: System, context: int, sizes: Sequence[int], fill: float = DEFAULT_FILL) -> dict[int, str]:
-    """For instance sizes where nothing fits: how far the weights alone are over the fullest rank's HBM."""
-    from openk3.planner.memory import working_set
+@dataclass(frozen=True)
+class Misfit:
+    """The layout of one instance size that comes closest to holding the weights and the batch, and by how much it misses."""
 
-    out: dict[int, str] = {}
+    layout: Layout
+    concurrency: int
+    memory: MemoryBreakdown
+
+    def describe(self, context: int) -> str:
+        m = self.memory
+        return (
+            f"{self.layout.describe()} does not fit: {self.concurrency:,} sequence{'' if self.concurrency == 1 else 's'} of {context:,} tokens need "
+            f"{m.total / 1e9:,.1f} GB per accelerator (weights {m.weights / 1e9:,.1f} GB, cache {m.cache / 1e9:,.1f} GB) "
+            f"> {m.capacity / 1e9:,.1f} GB usable"
+        )
+
+
+def why_not(
+    config: ModelConfig,
+    quant: Quantisation,
+    system: System,
+    context: int,
+    sizes: Sequence[int],
+    fill: float = DEFAULT_FILL,
+    tps: Sequence[int] | None = None,
+    concurrency: int | None = None,
+    balances: Sequence[Balance] = (Balance.EPLB,),
+) -> dict[int, Misfit]:
+    """For each size where no layout holds the weights and the batch (`concurrency`, else one sequence per DP group):
+    the closest layout. Sizes where something fits are left out."""
+    out: dict[int, Misfit] = {}
     for n in sizes:
-        best = None
-        for tp in candidate_tps(n, system):
-            ws = working_set(config, quant, Layout(n, tp=tp), Workload(context=context, concurrency=0), system, fill)
-            if best is None or ws.total < best.total:
-                best = ws
-        if best is not None and not best.fits:
-            out[n] = f"weights need {best.weights / 1e9:.0f} GB per accelerator > {best.capacity / 1e9:.0f} GB usable"
+        options = candidate_tps(n, system, config=config) if tps is None else [t for t in tps if n % t == 0 and tp_problem(config, t) is None]
+        closest: Misfit | None = None
+        fits = False
+        for tp in options:
+            for b in balances:
+                layout = Layout(n, tp=tp, balance=b)
+                c = layout.dp if concurrency is None else concurrency
+                ws = working_set(config, quant, layout, Workload(context=context, concurrency=c), system, fill)
+                fits = fits or ws.fits
+                if closest is None or ws.total - ws.capacity < closest.memory.total - closest.memory.capacity:
+                    closest = Misfit(layout, c, ws)
+        if closest is not None and not fits:
+            out[n] = closest
     return out

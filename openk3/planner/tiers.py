@@ -37,10 +37,12 @@ def parked_bytes(sc: Scenario, prefix_tokens: int) -> float:
 
 def recompute_time(sc: Scenario, prefix_tokens: int) -> float:
     """Marginal prefill cost of `prefix_tokens` inside full prefill chunks: the weight reads of a step are shared with
-    the other tokens of the chunk, so a short prefix pays its FLOPs, not a whole step of weight streaming."""
+    the other tokens of the chunk, so a short prefix pays its FLOPs, not a whole step of weight streaming. Its queries
+    attend to (prefix + 1) / 2 keys on average (causal over the prefix)."""
     chunk = sc.workload.prefill_chunk
-    full = Workload(context=max(prefix_tokens, chunk), concurrency=0, prompt=max(prefix_tokens, chunk), prefill_chunk=chunk)
-    step = prefill_step(sc.with_(workload=full), kv_len=prefix_tokens / 2)
+    full = Workload(context=max(prefix_tokens, chunk), concurrency=1, prompt=max(prefix_tokens, chunk), prefill_chunk=chunk)
+    kv_len = max(0.0, (prefix_tokens - chunk) / 2)
+    step = prefill_step(sc.with_(workload=full), kv_len=kv_len, mean_keys=(prefix_tokens + 1) / 2)
     return prefix_tokens * step.total_s / chunk
 
 

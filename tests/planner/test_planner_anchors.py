@@ -13,6 +13,7 @@ from openk3.planner import (
     CommParams,
     Efficiency,
     Layout,
+    PowerParams,
     Quantisation,
     Scenario,
     Workload,
@@ -113,8 +114,15 @@ def test_deepseek_on_gb200_nvl72_decode() -> None:
 def test_gb300_nvl72_decode_roofline_from_first_principles() -> None:
     # spec section 1: EP72, 64 sequences/GPU at 32K, bf16 trunk: ~220 GB per GPU, ~250 GB read per step, >= 31 ms per
     # step, ~32 tok/s per user, ~148k tok/s per rack, ~1.1 tok/J. Pure roofline (ideal efficiencies). Tolerance 5%.
+    # The spec's tok/J charges the rack's nameplate power (135 kW) whatever the load: PowerParams.nameplate().
     sc = Scenario(
-        k3(), Quantisation(), Layout(72, tp=1), Workload(context=32768, concurrency=64 * 72), CAT.system("gb300-nvl72"), efficiency=Efficiency.ideal()
+        k3(),
+        Quantisation(),
+        Layout(72, tp=1),
+        Workload(context=32768, concurrency=64 * 72),
+        CAT.system("gb300-nvl72"),
+        efficiency=Efficiency.ideal(),
+        power=PowerParams.nameplate(),
     )
     m = evaluate(sc)
     assert m.memory.total == pytest.approx(220e9, rel=0.05)

@@ -1,0 +1,176 @@
+"""The plan as a JSON document: every input echoed (prices and their sources, SLO, efficiencies, quantisation, power
+model, catalogue figures), the headline or the reason there is none, and every candidate of the search. Only finite
+numbers: a non-finite value is null."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+from openk3.planner.plan import Plan
+from openk3.planner.runtime import support
+from openk3.planner.search import Candidate
+
+
+def _candidate_json(c: Candidate, plan: Plan) -> dict[str, Any]:
+    m = c.metrics
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant)
+    return {
+        "layout": c.layout.describe(),
+        "accelerators": c.layout.num_accelerators,
+        "tp": c.layout.tp,
+        "ep": c.layout.ep_size,
+        "redundant_experts": c.layout.redundant_experts,
+        "balance": c.layout.balance.value,
+        "seqs_per_group": c.seqs_per_group,
+        "concurrency": c.concurrency,
+        "per_user_tok_s": m.per_user_tok_s,
+        "ttft_s": m.ttft_s,
+        "tok_s_per_accelerator": m.per_accelerator_tok_s,
+        "usd_per_m_output": m.usd_per_m_output,
+        "usd_per_m_input": m.usd_per_m_input,
+        "tokens_per_joule": m.tokens_per_joule,
+        "binding": m.binding,
+        "step_dominated_by": m.decode.dominant,
+        "meets_slo": c.meets_slo,
+        "miss": c.miss,
+        "batch_cap": c.batch_cap or None,
+        "runnable": {"openk3": runs.openk3, "openk3_missing": list(runs.openk3_missing), "engines": list(runs.engines)},
+    }
+
+
+def _figures(obj: Any, skip: tuple[str, ...]) -> dict[str, Any]:
+    sources = getattr(obj, "sources", {})
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = {"value": value, "source": sources.get(f.name)} if f.name in sources else value
+    return out
+
+
+def _inputs(plan: Plan) -> dict[str, Any]:
+    req = plan.request
+    system = req.system
+    return {
+        "model": req.config.name,
+        "hardware": system.name,
+        "context": req.context,
+        "prompt": plan.workload.prompt_tokens,
+        "concurrency": req.concurrency,
+        "accelerators": req.accelerators,
+        "tp": req.tp,
+        "balance": req.balance.value if req.balance else None,
+        "redundant_experts": req.redundant_experts,
+        "slo": dataclasses.asdict(req.slo),
+        "price": {
+            "usd_per_accelerator_hour": system.price_per_hour,
+            "source": system.sources.get("price_per_hour"),
+            "placeholder": system.price_is_placeholder,
+        },
+        "quantisation": dataclasses.asdict(req.quant),
+        "efficiency": dataclasses.asdict(req.efficiency),
+        "comm": dataclasses.asdict(req.comm),
+        "balance_params": dataclasses.asdict(req.balance_params),
+        "power": dataclasses.asdict(req.power) | {"note": "fractions of TDP by step phase; estimates"},
+        "fill": req.fill,
+        "search_space": dataclasses.asdict(req.space),
+        "system": _figures(system, skip=("name", "accelerator", "sources")),
+        "accelerator": {"name": system.accelerator.name} | _figures(system.accelerator, skip=("name", "sources")),
+    }
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no Infinity or NaN: a non-finite number becomes null; enums become their values."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def render_json(plan: Plan) -> dict[str, Any]:
+    req, m = plan.request, plan.metrics
+    pc = req.config.param_count()
+    layout = plan.layout
+    doc: dict[str, Any] = {
+        "model": req.config.name,
+        "hardware": req.system.name,
+        "context": plan.workload.context,
+        "inputs": _inputs(plan),
+        "problem": plan.problem,
+        "params": {"total": pc.total, "active": pc.active},
+        "weights": {"routed_bytes": plan.weights.routed_bytes, "trunk_bytes": plan.weights.trunk_bytes, "checkpoint_bytes": plan.weights.checkpoint_bytes},
+        "cache": {"mla_bytes_per_token": plan.mla_bytes_per_token, "kda_bytes_per_sequence": plan.kda_bytes_per_sequence},
+        "min_accelerators": {
+            "weights": plan.min_for_weights.num_accelerators if plan.min_for_weights else None,
+            "workload": plan.min_for_workload.num_accelerators if plan.min_for_workload else None,
+        },
+        "layout": None
+        if layout is None
+        else {
+            "describe": layout.describe(),
+            "accelerators": layout.num_accelerators,
+            "tp": layout.tp,
+            "ep": layout.ep_size,
+            "redundant_experts": layout.redundant_experts,
+            "balance": layout.balance.value,
+            "fits": plan.memory.fits if plan.memory else None,
+        },
+        "runnable": None
+        if plan.support is None
+        else {"openk3": plan.support.openk3, "openk3_missing": list(plan.support.openk3_missing), "engines": list(plan.support.engines)},
+        "concurrency": plan.workload.concurrency,
+        "max_concurrency": plan.max_concurrency,
+        "memory": None if plan.memory is None else plan.memory.as_dict() | {"fits": plan.memory.fits},
+        "decode": None,
+        "metrics": None,
+        "search": {
+            "best": _candidate_json(plan.search.best, plan) if plan.search.best else None,
+            "per_size": [_candidate_json(c, plan) for c in plan.search.best_per_size().values()],
+            "candidates": [_candidate_json(c, plan) for c in plan.search.candidates],
+        },
+        "tiers": [
+            {
+                "tier": r.tier,
+                "bandwidth": r.bandwidth,
+                "capacity": r.capacity,
+                "prefixes": r.sequences,
+                "reload_s": r.reload_s,
+                "recompute_s": r.recompute_s,
+                "pays_off": r.pays_off,
+            }
+            for r in plan.tiers
+        ],
+        "break_even_tokens": plan.break_even,
+    }
+    if m is not None:
+        doc["decode"] = {
+            "step_s": m.decode.total_s,
+            "comm_s": m.decode.comm_s,
+            "exposed_comm_s": m.decode.exposed_comm_s,
+            "imbalance": m.decode.imbalance,
+            "components": [{"name": c.name, "bytes": c.bytes, "flops": c.flops, "time_s": c.time_s, "bound": c.bound} for c in m.decode.components],
+        }
+        doc["metrics"] = {
+            "throughput_tok_s": m.throughput_tok_s,
+            "per_user_tok_s": m.per_user_tok_s,
+            "ttft_s": m.ttft_s,
+            "prefill_tok_s": m.prefill_tok_s,
+            "tokens_per_joule": m.tokens_per_joule,
+            "prefill_tokens_per_joule": m.prefill_tokens_per_joule,
+            "decode_power_w": m.decode_power_w,
+            "prefill_power_w": m.prefill_power_w,
+            "usd_per_m_output": m.usd_per_m_output,
+            "usd_per_m_input": m.usd_per_m_input,
+            "price_is_placeholder": req.system.price_is_placeholder,
+            "binding": m.binding,
+        }
+    return _finite(doc)  # type: ignore[no-any-return]

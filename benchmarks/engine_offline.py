@@ -110,6 +110,7 @@ def main() -> None:
 
     from openk3.llm import LLM
     from openk3.serve.cpu_heap import keep_heap_for_reuse
+    from openk3.serve.tokenizer import ByteTokenizer
 
     s = lambda n: max(1, int(n * args.scale))
     g = torch.Generator().manual_seed(5)
@@ -127,7 +128,8 @@ def main() -> None:
         path = make_checkpoint(Path(tmp) / "mixed", mla_layers=(3, 7), std=args.init_std)
         hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         keep_heap_for_reuse()  # as `openk3 serve` does; process-wide, so transformers' runs below have it too
-        llm = LLM(str(path), max_num_seqs=64, max_num_batched_tokens=2048, cache_memory_bytes=512 * 2**20)
+        tok = ByteTokenizer(VOCAB)  # token-id prompts; the transformers checkpoint ships no tokenizer
+        llm = LLM(str(path), tok, max_num_seqs=64, max_num_batched_tokens=2048, cache_memory_bytes=512 * 2**20)
         print("\n| scenario | new tokens | engine tok/s | transformers tok/s | speed-up | engine mean TTFT s | greedy tokens equal |")
         print("|---|---|---|---|---|---|---|")
         for key in args.scenarios:
@@ -152,7 +154,7 @@ def main() -> None:
         print("|---|---|---|---|")
         for label, mla in (("KDA-only", ()), ("mixed 2/8 MLA", (3, 7))):
             ckpt = make_checkpoint(Path(tmp) / f"ctx{len(mla)}", mla_layers=mla, std=args.init_std)
-            ctx_llm = LLM(str(ckpt), max_num_seqs=4, max_num_batched_tokens=2048, cache_memory_bytes=256 * 2**20)
+            ctx_llm = LLM(str(ckpt), tok, max_num_seqs=4, max_num_batched_tokens=2048, cache_memory_bytes=256 * 2**20)
             for c in contexts:
                 ttft, ms = context_latency(ctx_llm, c, args.decode_steps)
                 print(f"| {label} | {c} | {ttft:.3f} | {ms:.1f} |")

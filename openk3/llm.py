@@ -69,8 +69,7 @@ class LLM:
             net = cast(CausalLM, model)  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
-            net, tok = build_model(model, config.torch_dtype, config.device, config.seed)
-            tok = tokenizer or tok
+            net, tok = build_model(model, config.torch_dtype, config.device, config.seed, tokenizer=tokenizer)
         try:
             self.engine = LLMEngine(net, tok, config)
         except BaseException:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from openk3.api.errors import APIError
+from openk3.serve.kimi_tokenizer import KimiTokenizer
 from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 T = TypeVar("T")
@@ -29,6 +30,8 @@ def bytes_per_token_bound(tokenizer: Tokenizer) -> int | None:
         return 1  # one id per UTF-8 byte: its encode reads no special tokens out of the text
     if isinstance(tokenizer, HFTokenizer):
         return tokenizer.max_bytes_per_token  # byte-level BPE without a normalizer (serve/tokenizer.py)
+    if isinstance(tokenizer, KimiTokenizer):
+        return tokenizer.max_bytes_per_token  # byte-level BPE ranks and named specials (serve/kimi_tokenizer.py)
     return None
 
 

@@ -64,12 +64,22 @@ def _first_dense(tc: dict[str, Any]) -> int:
     return int(_first(tc, "first_k_dense_replace", default=1))
 
 
-def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
+def _read(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if isinstance(source, dict):
-        raw = source
-    else:
-        path = Path(source)
-        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        return source
+    path = Path(source)
+    return dict(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+
+
+def mtp_layer_count(source: str | Path | dict[str, Any]) -> int:
+    """How many multi-token-prediction layers the checkpoint declares (`num_nextn_predict_layers`, DeepSeek-V3's name, which
+    Kimi's configs use): they are stored as decoder layers num_hidden_layers.. and are not part of this model (yet)."""
+    raw = _read(source)
+    return int(_first(_text_config(raw), "num_nextn_predict_layers", default=raw.get("num_nextn_predict_layers") or 0))
+
+
+def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
+    raw = _read(source)
     tc = _text_config(raw)
     lac = tc.get("linear_attn_config") or {}
     num_layers = int(_require(tc, "num_hidden_layers"))

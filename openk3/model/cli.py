@@ -9,7 +9,18 @@ from pathlib import Path
 import torch
 
 # files besides the weights that a model folder carries and the converted folder should keep
-SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "MODEL_CARD.md")
+# what a folder keeps beside its weights: both tokenizer formats (tokenizer.json; Kimi's tiktoken.model with its code), the
+# chat template when it is a file of its own, generation defaults and the card
+SIDECAR_FILES = (
+    "tokenizer.json",
+    "tiktoken.model",
+    "tokenization_kimi.py",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "MODEL_CARD.md",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

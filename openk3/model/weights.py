@@ -2,6 +2,8 @@
 
 Accepted tensor names: the official K3/Kimi-Linear names (with or without the multimodal `language_model.` prefix) and
 what transformers' Kimi-Linear port writes (A_log as [1, 1, H, 1]; the dense first layer under `block_sparse_moe.`).
+The K3 release's quirks (zero-padded A_log, its vision tower and multi-token-prediction layers) are model/release.py's;
+any other tensor this model lacks is an error.
 Routed experts arrive one tensor per expert (`experts.{e}.w1.weight`) and are stacked per layer here ([E, I, D]).
 Every problem is reported with the tensor's name, its shape and the expected shape; nothing is loaded half-way.
 An expert-parallel rank loads only its own experts (`load_model(..., experts={layer: global ids})`): the other experts'
@@ -21,8 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from openk3.config import ModelConfig, config_from_hf, save_config
+from openk3.config.hf import mtp_layer_count
 from openk3.model.model import K3ForCausalLM, OpChoice
 from openk3.model.moe import DenseExperts, PackedExperts
+from openk3.model.release import fit_a_log, log_extras, release_extras
 
 EXPERT_SUFFIXES = "weight|weight_packed|weight_scale|weight_blocks|weight_scales|weight_shape"
 EXPERT_RE = re.compile(rf"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.({EXPERT_SUFFIXES})$")
@@ -123,11 +127,10 @@ def canonical_name(name: str, config: ModelConfig) -> str:
     return name
 
 
-def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], text_only: bool = False, experts: ExpertIds | None = None) -> None:
-    """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape.
+def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], experts: ExpertIds | None = None) -> None:
+    """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape
+    (tensors that are not part of the model, release_extras, are filtered out before, by load_model).
 
-    `text_only`: the checkpoint is multimodal (text tensors under `language_model.`); the other towers' tensors
-    (vision_tower.*, mm_projector.*) are not part of this model and are skipped rather than reported as unexpected.
     `experts`: listed layers' banks hold only those experts (global id ids[i] goes to row i, to every such row when an id
     is listed twice); other experts are skipped."""
     config = model.config
@@ -138,8 +141,6 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
     problems: list[str] = []
     with torch.no_grad():
         for raw_name, tensor in tensors:
-            if text_only and not raw_name.startswith("language_model."):
-                continue
             name = canonical_name(raw_name, config)
             m = EXPERT_RE.match(name)
             if m and m.group(4) == "weight_shape":
@@ -174,8 +175,11 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
                 problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
                 continue
             target = expected[name]
-            if name.endswith("self_attn.A_log") and tensor.numel() == target.numel():
-                tensor = tensor.reshape(target.shape)  # transformers stores [1, 1, H, 1]
+            if name.endswith("self_attn.A_log"):
+                tensor, problem = fit_a_log(raw_name, tensor, target)
+                if problem:
+                    problems.append(problem)
+                    continue
             if tuple(tensor.shape) != tuple(target.shape):
                 problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
                 continue
@@ -226,7 +230,10 @@ def load_model(
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
     config = config_from_hf(path)
-    names = checkpoint_names(path)
+    all_names = checkpoint_names(path)
+    extras = release_extras(all_names, config, mtp_layer_count(path))
+    log_extras(extras, config)
+    names = [n for n in all_names if n not in extras]
     ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):
         model = K3ForCausalLM(config, ops)
@@ -234,9 +241,12 @@ def load_model(
             check_expert_ids(experts, config.moe.num_experts)
             keep_expert_slots(model, {layer: len(ids) for layer, ids in experts.items()})
     model = model.to_empty(device=device)
-    text_only = any(n.startswith("language_model.") for n in names)
-    keep = expert_filter(experts) if experts is not None else None
-    load_state_dict_into(model, iter_checkpoint(path, keep), text_only=text_only, experts=experts)
+    expert_keep = expert_filter(experts) if experts is not None else None
+
+    def keep(name: str) -> bool:  # the release's extras are never read
+        return name not in extras and (expert_keep is None or expert_keep(name))
+
+    load_state_dict_into(model, iter_checkpoint(path, keep), experts=experts)
     cast_model(model, dtype)
     return model.eval()
 

@@ -1,8 +1,9 @@
 """Tokenizers the engine can use, and incremental detokenisation.
 
 `Tokenizer` is the interface: encode, decode, eos/bos ids, vocab size. `HFTokenizer` wraps a `tokenizer.json` through the
-`tokenizers` package; `ByteTokenizer` is the offline fallback: ids 0..255 are the raw bytes, then a few specials, and any other
-id the model's vocabulary has is a reserved token with no text. `IncrementalDetokenizer` turns a growing token list into text
+`tokenizers` package; `KimiTokenizer` (serve/kimi_tokenizer.py) a Kimi `tiktoken.model`; `ByteTokenizer`, used only where asked
+for (random-weight presets, tests, a caller's explicit choice): ids 0..255 are the raw bytes, then a few specials, and any
+other id the model's vocabulary has is a reserved token with no text. `IncrementalDetokenizer` turns a growing token list into text
 deltas that never end inside a UTF-8 character: it decodes a short window of recent tokens and holds the text back while the
 window ends in a replacement character (an incomplete byte sequence), the scheme vLLM uses.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from openk3.checks import fail
+from openk3.serve.kimi_tokenizer import RANKS_FILE, KimiTokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -131,12 +133,31 @@ class HFTokenizer:
         return max([len(token) for token in vocab] + added)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model + tokenizer_config.json")
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+    """A folder with no tokenizer openk3 can load; the message names the files looked for."""
+
+
 def load_tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:
-    """The checkpoint's tokenizer.json when it has one, else the byte tokenizer sized to the model's vocabulary."""
+    """The tokenizer of a checkpoint folder: its tokenizer.json (the `tokenizers` package), else a Kimi tiktoken.model with
+    its tokenizer_config.json (serve/kimi_tokenizer.py). Never a silent fallback: without either it is an error, and the byte
+    tokenizer is only used where a caller asks for it. `vocab_size` is the model's: a tokenizer with more ids is an error."""
     path = Path(path)
+    tokenizer: Tokenizer
     if (path / "tokenizer.json").is_file() or (path.is_file() and path.name.endswith(".json")):
-        return HFTokenizer(path)
-    return ByteTokenizer(max(vocab_size, 256))  # a vocabulary smaller than 256 still decodes; the engine rejects ids it lacks
+        tokenizer = HFTokenizer(path)
+    elif (path / RANKS_FILE).is_file():
+        tokenizer = KimiTokenizer(path)
+    else:
+        raise TokenizerNotFoundError(
+            f"no tokenizer in {path}: looked for {' and for '.join(TOKENIZER_FILES)}; "
+            "to run it without one, pass a tokenizer (LLM(path, tokenizer)) or ask for the byte tokenizer (byte_tokenizer=True)"
+        )
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer in {path} has {tokenizer.vocab_size} ids, more than the model's vocab_size={vocab_size}")
+    return tokenizer
 
 
 class IncrementalDetokenizer:

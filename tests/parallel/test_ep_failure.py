@@ -24,6 +24,7 @@ from openk3.model.weights import save_model
 from openk3.parallel.serving.driver import EPDriver
 from openk3.parallel.serving.local import LocalEP
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CLOSE_WITHIN_S = 20.0
@@ -144,7 +145,7 @@ def checkpoint_missing_rank1_expert(tmp_path_factory: pytest.TempPathFactory) ->
 def test_worker_failing_at_start_up_is_reported_by_llm(checkpoint_missing_rank1_expert: Path) -> None:
     torch.set_num_threads(1)
     with pytest.raises(RuntimeError, match=r"(?s)start-up failed on 1 rank\(s\): rank 1: CheckpointError: .*missing experts \[7\]"):
-        LLM(str(checkpoint_missing_rank1_expert), ep=2, ep_method="ep")
+        LLM(str(checkpoint_missing_rank1_expert), ByteTokenizer(256), ep=2, ep_method="ep")  # it ships no tokenizer
     assert not dist.is_initialized()
 
 

@@ -20,6 +20,7 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from openk3.parallel.serving.rank_model import load_rank_model, resident_expert_bytes
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import ByteTokenizer
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [200, 1, 1, 7], list(range(30, 70))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -125,5 +126,6 @@ def test_each_rank_loads_only_its_experts(packed_checkpoint: Path) -> None:
 @pytest.mark.distributed
 def test_llm_ep2_from_checkpoint_equals_single_process(packed_checkpoint: Path) -> None:
     torch.set_num_threads(1)
-    want = run(LLM(str(packed_checkpoint), max_num_batched_tokens=16))[0]
-    assert run(LLM(str(packed_checkpoint), max_num_batched_tokens=16, ep=2))[0] == want
+    tok = ByteTokenizer(256)  # the checkpoint ships no tokenizer
+    want = run(LLM(str(packed_checkpoint), tok, max_num_batched_tokens=16))[0]
+    assert run(LLM(str(packed_checkpoint), tok, max_num_batched_tokens=16, ep=2))[0] == want

@@ -8,6 +8,7 @@ import torch
 
 from openk3.llm import LLM
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.tokenizer import ByteTokenizer
 
 pytest.importorskip("transformers", minversion="5.24", reason="transformers>=5.24 (native kimi_linear) is a test dependency")
 
@@ -56,7 +57,7 @@ def expected(checkpoint) -> tuple[list[list[int]], list[list[int]]]:
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_llm_generate_equals_transformers_generate(checkpoint, expected, chunk) -> None:
     prompts, want = expected
-    llm = LLM(str(checkpoint), num_pages=64, page_size=4, max_num_seqs=4, max_model_len=64, long_prefill_token_threshold=chunk)
+    llm = LLM(str(checkpoint), ByteTokenizer(256), num_pages=64, page_size=4, max_num_seqs=4, max_model_len=64, long_prefill_token_threshold=chunk)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [list(o.token_ids) for o in outs] == want
     llm.engine.check_integrity()

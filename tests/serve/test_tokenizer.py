@@ -4,7 +4,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
+from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, TokenizerNotFoundError, load_tokenizer
 
 SAMPLES = ["plain ascii", "caf\u00e9 na\u00efve \u00fcber", "\u20ac 100 \u2014 \u65e5\u672c\u8a9e", "emoji \U0001f600\U0001f680!", ""]
 
@@ -80,8 +80,9 @@ def test_hf_specials(hf_dir) -> None:
     assert tok.vocab_size <= 400
 
 
-def test_fallback_and_missing(tmp_path) -> None:
-    assert isinstance(load_tokenizer(tmp_path, vocab_size=300), ByteTokenizer)
+def test_no_silent_fallback_and_missing(tmp_path) -> None:
+    with pytest.raises(TokenizerNotFoundError, match="looked for tokenizer.json and for tiktoken.model"):
+        load_tokenizer(tmp_path, vocab_size=300)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer(tmp_path)
 

@@ -51,9 +51,15 @@ def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens
 
 
 def sampling_params(
-    req: _SamplingFields, max_tokens: int, logprobs: int | None, extra_stop: Sequence[str] = (), extra_stop_ids: Sequence[int] = ()
+    req: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    extra_stop: Sequence[str] = (),
+    extra_stop_ids: Sequence[int] = (),
+    skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos)."""
+    """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
+    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text)."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
@@ -81,7 +87,7 @@ def sampling_params(
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         )
     except ValueError as e:
         raise from_value_error(e) from e

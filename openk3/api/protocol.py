@@ -1,9 +1,10 @@
 """The OpenAI wire format the server speaks, as pydantic models: requests (validated) and responses (built, then dumped).
 
 Requests accept the OpenAI fields plus vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...). Unknown fields are kept in `model_extra` so the server can log and ignore them instead of failing, as
-OpenAI clients send fields a server may not know. Bounds that would otherwise reach torch as an overflow (seeds, token ids,
-top_k) are checked here, so that every bad value becomes a 400 naming the field.
+stop_token_ids, ...). Every model forbids fields it does not declare: a field the server would not honour is a 400 naming
+it (pydantic's `extra_forbidden`, param = the field), never a 200 that drops it. A few OpenAI fields that cannot change an
+answer are declared as accepted no-ops (`NOOP_FIELDS`, docs/serving.md "Agent API"). Bounds that would otherwise reach torch
+as an overflow (seeds, token ids, top_k) are checked here, so that every bad value becomes a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on alternatives per token
@@ -22,15 +23,19 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)]
 Int = Annotated[int, Field(strict=True)]
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+# tool names as OpenAI allows them, plus dots (MCP servers name tools `server.tool`); no ':' or quotes, which the Kimi formats
+# use around the name
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+# OpenAI fields that cannot change an answer, accepted and not acted on (docs/serving.md lists them with the reason)
+NOOP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
@@ -48,7 +53,14 @@ class _SamplingFields(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # accepted no-ops (NOOP_FIELDS): identifiers and tags for the caller's own bookkeeping; nothing is stored, so `store`
+    # may only be false and `service_tier` only ask for the one tier there is
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache keys on the tokens themselves
     # vLLM extensions
     top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0, le=1)
@@ -70,16 +82,60 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # api/chat.py refuses every part but text, naming the part and its type
     type: str
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and returns it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+    reasoning_content: str | None = None  # assistant turns: the reasoning the server returned (vLLM also says `reasoning`)
+    reasoning: str | None = None
+    refusal: None = None  # what the openai client may echo back from a response; only its empty value
+    function_call: None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true needs structured output (refused in api/tool_choice.py)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -90,6 +146,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -166,7 +225,9 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -186,9 +247,34 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of a tool call, as OpenAI streams them: the first with id, type and name (arguments ""), then the
+    arguments; unset fields are left out rather than sent as null."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -3,6 +3,8 @@
 Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
 `delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
 stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
+Chat replies in a Kimi format go through one `ChoiceParser` per choice (api/agent_output.py): `reasoning_content`, content
+and `tool_calls`, whole or as `delta.reasoning_content` / `delta.content` / `delta.tool_calls` pieces.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from openk3.api.agent_output import ChoiceParser, call_deltas
 from openk3.api.chat import ChatTemplate
+from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.errors import APIError, frontend_error
 from openk3.api.generation import EngineJob, TokenTexts, Updates, check_prompt, final_outputs, open_updates, sampling_params, usage
 from openk3.api.limits import RequestLimits
@@ -34,7 +38,9 @@ from openk3.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    ToolCall,
 )
+from openk3.api.tool_choice import ToolPlan, plan_tools
 from openk3.serve.frontend import AsyncEngine
 from openk3.serve.output import OutputKind
 from openk3.serve.tokenizer import Tokenizer
@@ -67,13 +73,30 @@ class Served:
             out[name] = "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
         return out
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         if not messages:
             raise APIError(400, "messages is empty: expected at least one message", param="messages", code="invalid_value")
         try:
-            return self.chat_template.render(messages, add_generation_prompt, self.special_tokens(), kwargs)
+            self.chat_template.check_kwargs(kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs", code="unsupported") from e
+        try:
+            return self.chat_template.render(messages, add_generation_prompt, self.special_tokens(), kwargs, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from e
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A chat request's engine job and what its replies are parsed with (nothing without a Kimi chat format)."""
+
+    job: EngineJob
+    plan: ToolPlan
+    end: PromptEnd | None = None  # the block the prompt left open
+    forced_prefix: str = ""  # written into the prompt to force a call; the parser reads it as the reply's start
+
+    def parser(self) -> ChoiceParser | None:
+        return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix)
 
 
 def sse(payload: BaseModel | dict) -> bytes:
@@ -119,18 +142,30 @@ async def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[Engin
     return jobs, texts
 
 
-async def chat_job(s: Served, req: ChatCompletionRequest) -> EngineJob:
+async def chat_job(s: Served, req: ChatCompletionRequest) -> ChatJob:
     s.limits.check(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
-    text = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs))
-    ids = await s.encoder.encode(text, "messages")
+    template = s.chat_template
+    plan = plan_tools(req, template.format, template.uses_tools)
+    tools = plan.template_tools()
+    text = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools))
+    end = None if plan.fmt is None else prompt_end(plan.fmt, text)
+    forced = ""
+    if plan.forced is not None and plan.fmt is not None and end is not None:
+        forced = forced_call_prefix(plan.fmt, end, plan.forced, sum(len(m.tool_calls or ()) for m in req.messages))
+    ids = await s.encoder.encode(text + forced, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stop_ids = s.stop_token_ids + s.chat_stop_token_ids
-    return EngineJob(ids, sampling_params(req, max_tokens, logprobs, extra_stop=s.chat_stop, extra_stop_ids=stop_ids))
+    call_stop = plan.call_stop()
+    stops = s.chat_stop + ((call_stop,) if call_stop is not None else ())
+    # the parsers read the format's markers, which a Kimi tokenizer has as special tokens: keep them in the text
+    skip = None if plan.fmt is None else False
+    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip)
+    return ChatJob(EngineJob(ids, params), plan, end, forced)
 
 
 async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
@@ -192,32 +227,58 @@ async def completion_stream(
     yield DONE
 
 
-async def chat_response(s: Served, req: ChatCompletionRequest, job: EngineJob) -> ChatCompletionResponse:
+async def chat_response(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> ChatCompletionResponse:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    job = chat.job
     (result,) = await final_outputs(s.frontend, request_id, [job])
     out = []
     for c in result.outputs:
         logprobs = s.texts.chat_logprobs(c.logprobs or ()) if req.logprobs else None
-        message = ChatResponseMessage(content=c.text)
-        out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        finish = c.finish_reason
+        parser = chat.parser()
+        if parser is None:
+            message = ChatResponseMessage(content=c.text)
+        else:
+            piece = parser.feed(c.text, final=True, stop_reason=c.stop_reason)
+            calls: list[ToolCall] | None = piece.calls or None
+            content = None if calls and not piece.content else piece.content
+            message = ChatResponseMessage(content=content, reasoning_content=piece.reasoning if parser.has_reasoning else None, tool_calls=calls)
+            finish = parser.finish_reason(finish)
+        out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in result.outputs)
     u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
 
 
-async def open_chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
+async def open_chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    updates = await open_updates(s.frontend, request_id, [job], OutputKind.DELTA)
-    return chat_stream(s, req, job, request_id, updates), updates
+    updates = await open_updates(s.frontend, request_id, [chat.job], OutputKind.DELTA)
+    return chat_stream(s, req, chat, request_id, updates), updates
 
 
-async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
+def _chat_deltas(parser: ChoiceParser | None, text: str, finished: bool, stop_reason: int | str | None) -> list[DeltaMessage]:
+    """One step's text as the deltas to send: reasoning, then content, then each completed call's two pieces."""
+    if parser is None:
+        return [DeltaMessage(content=text)]
+    piece = parser.feed(text, final=finished, stop_reason=stop_reason)
+    out = []
+    if piece.reasoning:
+        out.append(DeltaMessage(reasoning_content=piece.reasoning))
+    if piece.content:
+        out.append(DeltaMessage(content=piece.content))
+    out += [DeltaMessage(tool_calls=calls) for calls in call_deltas(piece.calls, parser.num_calls - len(piece.calls))]
+    return out or [DeltaMessage(content="")]
+
+
+async def chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
     created = int(time.time())
+    job = chat.job
 
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
 
     completion_tokens, cached, opened = 0, 0, set()
+    parsers: dict[int, ChoiceParser | None] = {}
     try:
         async for _, update in updates:
             cached = max(cached, update.num_cached_tokens)
@@ -225,12 +286,24 @@ async def chat_stream(s: Served, req: ChatCompletionRequest, job: EngineJob, req
                 completion_tokens += len(d.token_ids)
                 if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
                     opened.add(d.index)
+                    parsers[d.index] = chat.parser()
                     yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
                 if not d.text and d.finish_reason is None and not d.token_ids:
                     continue
                 logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
-                delta = DeltaMessage(content=d.text)
-                yield chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                parser = parsers[d.index]
+                deltas = _chat_deltas(parser, d.text, d.finish_reason is not None, d.stop_reason)
+                finish = d.finish_reason if parser is None else parser.finish_reason(d.finish_reason)
+                for k, delta in enumerate(deltas):  # logprobs ride on the first piece, the finish reason on the last
+                    last = k == len(deltas) - 1
+                    choice = ChatChunkChoice(
+                        index=d.index,
+                        delta=delta,
+                        logprobs=logprobs if k == 0 else None,
+                        finish_reason=finish if last else None,
+                        stop_reason=d.stop_reason if last else None,
+                    )
+                    yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
     except Exception as e:

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from openk3.api.chat import CHATML_END, ChatTemplate, generation_stop_ids, load_chat_template
+from openk3.api.chat_format import ChatFormat
 from openk3.api.generation import sampling_params
 from openk3.api.protocol import ChatCompletionRequest, ChatMessage
+from openk3.serve.loading import ASSETS
 from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -87,3 +89,39 @@ def test_generation_config_end_tokens_join_every_request_unless_ignore_eos(tmp_p
     assert sampling_params(req, 8, None, extra_stop=("</s>",), extra_stop_ids=(3,)).stop == ("</s>",)
     ignoring = req.model_copy(update={"ignore_eos": True})
     assert sampling_params(ignoring, 8, None, extra_stop_ids=(3,)).stop_token_ids == (1,)
+
+
+def test_every_end_of_turn_marker_stops_and_kimi_formats_are_recognised() -> None:
+    both = ChatTemplate("{{ '<|im_end|>' }}{{ '<|end_of_msg|>' }}", "test")
+    assert both.stops(ByteTokenizer(256)) == (("<|im_end|>", "<|end_of_msg|>"), ())
+    tiny = load_chat_template(ASSETS / "tiny")
+    assert tiny.format is ChatFormat.KIMI_K3 and tiny.end_of_turn_markers == ("<|end_of_msg|>",) and tiny.uses_tools
+    assert ChatTemplate.default().format is None and not ChatTemplate.default().uses_tools
+
+
+def test_tojson_is_plain_json_and_kwargs_must_be_read_by_the_template() -> None:
+    t = ChatTemplate("{{ tools | tojson }}{% if thinking %}T{% endif %}", "test")
+    assert t.render(msgs(("user", "q")), tools=[{"d": "<a & b>"}]) == '[{"d": "<a & b>"}]'  # Jinja's own would escape <, & for HTML
+    t.check_kwargs({"thinking": True})
+    with pytest.raises(ValueError, match="enable_thinking is not read"):
+        t.check_kwargs({"enable_thinking": True})
+    with pytest.raises(ValueError, match="set by the server"):
+        t.check_kwargs({"messages": []})
+
+
+def test_tool_history_reaches_the_template() -> None:
+    t = ChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.reasoning_content }}|"
+        "{% for c in m.tool_calls or [] %}{{ c.id }}={{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+        "{{ m.tool_call_id }}>{{ m.name }};{% endfor %}",
+        "test",
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}
+    history = [
+        ChatMessage(role="user", content="q"),
+        ChatMessage.model_validate({"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [call]}),
+        ChatMessage(role="tool", tool_call_id="c1", content="sunny"),
+    ]
+    assert t.render(history) == "user:q||>;assistant:|r|c1=w(Oslo)>;tool:sunny||c1>w;"
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_call_id 'zz' answers no tool call"):
+        t.render([ChatMessage(role="user", content="q"), ChatMessage(role="tool", tool_call_id="zz", content="x")])

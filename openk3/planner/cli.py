@@ -6,13 +6,15 @@ import argparse
 import json
 import sys
 
+from openk3.planner.dtypes import CACHE_BYTES, STATE_BYTES, WEIGHT_FORMATS, with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Quantisation, parse_tokens
-from openk3.planner.models import MODELS, model_by_name
+from openk3.planner.models import MODELS, resolve_model
 from openk3.planner.perf import Efficiency
 from openk3.planner.plan import PlanRequest, make_plan
 from openk3.planner.report import PlotUnavailable, render_json, render_text, write_plot
 from openk3.planner.search import SLO, SearchSpace
+from openk3.planner.workload import RequestMix
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,13 +24,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Plan a deployment of a K3-class model: memory per accelerator, decode/prefill step time, "
         "throughput, TTFT, tokens per joule, $ per 1M tokens, and the cheapest layout meeting SLOs.",
     )
-    p.add_argument("--model", default="k3", help=f"model preset: {', '.join(sorted(MODELS))} (default k3)")
+    p.add_argument(
+        "--model",
+        default="k3",
+        help=f"model preset ({', '.join(sorted(MODELS))}) or an HF config.json / its folder "
+        "(kimi_k3, kimi_linear, deepseek_v3, kimi_k2, qwen3_moe; default k3)",
+    )
     p.add_argument("--hardware", default="gb300-nvl72", help="system name from the catalogue (default gb300-nvl72)")
     p.add_argument("--catalogue", default=None, help="extra JSON/YAML catalogue file adding or overriding systems")
-    p.add_argument("--context", default="32k", help="tokens cached per sequence, e.g. 32k, 128k, 1m (default 32k)")
+    p.add_argument("--context", default=None, help="tokens cached per sequence, e.g. 32k, 128k, 1m (default 32k; derived with --input/--requests)")
     p.add_argument("--prompt", default=None, help="prompt length for TTFT (default: the context)")
+    p.add_argument("--input", default=None, help="workload: input tokens per request (with --output)")
+    p.add_argument("--output", default=None, help="workload: output tokens per request (with --input)")
+    p.add_argument("--requests", default=None, metavar="JSON", help="workload: a JSON list of [input, output] pairs, one per request")
+    p.add_argument("--rate", type=float, default=None, help="workload: requests per second -> replicas and accelerators")
     p.add_argument("--concurrency", type=int, default=None, help="sequences decoding at once (default: the cheapest batch meeting the SLO)")
-    p.add_argument("--quant", default="mxfp4", help="mxfp4 (K3 release), mxfp4-fp8, mxfp4-w4a4, fp8, bf16 (default mxfp4)")
+    p.add_argument(
+        "--quant", default=None, help="mxfp4 (K3 release), mxfp4-fp8, mxfp4-w4a4, fp8, bf16 (default: mxfp4 for presets, the checkpoint's for a config.json)"
+    )
+    p.add_argument("--expert-dtype", default=None, choices=sorted(WEIGHT_FORMATS), help="routed-expert weight format (overrides --quant)")
+    p.add_argument("--trunk-dtype", default=None, choices=sorted(WEIGHT_FORMATS), help="format of everything else (overrides --quant)")
+    p.add_argument("--kv-dtype", default=None, choices=sorted(CACHE_BYTES), help="KV cache / MLA latent format (default bf16)")
+    p.add_argument("--state-dtype", default=None, choices=sorted(STATE_BYTES), help="KDA recurrent state format (default fp32)")
     p.add_argument("--accelerators", type=int, default=None, help="instance size (default: the cheapest size the search finds)")
     p.add_argument("--tp", type=int, default=None, help="trunk tensor parallelism, a divisor of the attention heads (default: searched; 1 = DP attention)")
     p.add_argument("--balance", default=None, choices=[b.value for b in Balance], help="expert balancing (default: searched, eplb or moonep)")
@@ -59,17 +76,42 @@ def _efficiency(args: argparse.Namespace) -> Efficiency:
     return Efficiency(**{**base.__dict__, **changes})
 
 
+def _requests(args: argparse.Namespace) -> RequestMix | None:
+    if args.requests is not None:
+        if args.input is not None or args.output is not None:
+            raise ValueError("--requests replaces --input/--output: give one or the other")
+        return RequestMix.from_file(args.requests, args.rate)
+    if (args.input is None) != (args.output is None):
+        raise ValueError("--input and --output go together (tokens per request)")
+    if args.input is not None:
+        return RequestMix(((parse_tokens(args.input), parse_tokens(args.output)),), args.rate)
+    if args.rate is not None:
+        raise ValueError("--rate needs a workload: --input and --output, or --requests")
+    return None
+
+
 def build_request(args: argparse.Namespace) -> PlanRequest:
     system = load_catalogue(args.catalogue).system(args.hardware)
     if args.price is not None:
         system = system.with_price(args.price)
+    source = resolve_model(args.model)
+    mix = _requests(args)
+    if mix is not None and (args.context is not None or args.prompt is not None):
+        raise ValueError("with a workload (--input/--output or --requests) the context and prompt are derived: drop --context/--prompt")
+    context = mix.decode_context if mix else parse_tokens(args.context or "32k")
+    prompt = mix.ttft_prompt if mix else (parse_tokens(args.prompt) if args.prompt else None)
+    longest = max(i + o for i, o in mix.pairs) if mix else max(context, prompt or 0)
+    if longest > source.config.max_position_embeddings:
+        raise ValueError(f"{longest:,} tokens exceed the model's max_position_embeddings={source.config.max_position_embeddings:,}")
+    quant = with_dtypes(Quantisation.named(args.quant or source.default_quant), args.expert_dtype, args.trunk_dtype, args.kv_dtype, args.state_dtype)
     return PlanRequest(
-        config=model_by_name(args.model),
+        config=source.config,
         system=system,
-        context=parse_tokens(args.context),
+        context=context,
         concurrency=args.concurrency,
-        prompt=parse_tokens(args.prompt) if args.prompt else None,
-        quant=Quantisation.named(args.quant),
+        prompt=prompt,
+        quant=quant,
+        requests=mix,
         accelerators=args.accelerators,
         tp=args.tp,
         balance=Balance(args.balance) if args.balance else None,

@@ -14,9 +14,12 @@ PRECISIONS = ("fp4", "fp8", "bf16")
 class Quantisation:
     """Storage bits per weight and the GEMM precision that runs them.
 
-    MXFP4 is 4 bits plus one E8M0 scale byte per 32 values = 4.25 bits. FP8 block scaling (one fp32 per 128 x 128)
-    adds 0.002 bits, ignored. The dispatch payload is FP8 plus one 8-bit scale per 32 (K3, 8.25 bits), which is also
-    DeepEP's FP8 with one fp32 scale per 128 (8.25 bits); combine returns bf16.
+    MXFP4 is 4 bits plus one E8M0 scale byte per 32 values = 4.25 bits; NVFP4 4.5 bits plus 4 bytes per tensor
+    (`expert_tensor_scale_bytes`, counted per routed-expert tensor). FP8 block scaling (one fp32 per 128 x 128) adds
+    0.002 bits, ignored. The dispatch payload is FP8 plus one 8-bit scale per 32 (K3, 8.25 bits), which is also
+    DeepEP's FP8 with one fp32 scale per 128 (8.25 bits); combine returns bf16. The KV cache (MLA latent or GQA K/V) and
+    the KDA conv windows take `cache_dtype_bytes`; the KDA recurrent state `state_dtype_bytes` (fp32 as the engine keeps
+    it). `expert_format` / `trunk_format` only name the formats for the report (`dtypes.py` sets them with the bits).
     """
 
     expert_bits: float = 4.25
@@ -27,6 +30,10 @@ class Quantisation:
     cache_dtype_bytes: int = 2
     dispatch_bits: float = 8.25
     combine_bits: float = 16.0
+    state_dtype_bytes: int = 4
+    expert_tensor_scale_bytes: float = 0.0
+    expert_format: str = "mxfp4"
+    trunk_format: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("expert_bits", "trunk_bits", "dispatch_bits", "combine_bits"):
@@ -37,15 +44,19 @@ class Quantisation:
                 fail("Quantisation", name, getattr(self, name), f"one of {PRECISIONS}")
         if self.cache_dtype_bytes not in (1, 2, 4):
             fail("Quantisation", "cache_dtype_bytes", self.cache_dtype_bytes, "1, 2 or 4")
+        if self.state_dtype_bytes not in (2, 4):
+            fail("Quantisation", "state_dtype_bytes", self.state_dtype_bytes, "2 (bf16) or 4 (fp32)")
+        if self.expert_tensor_scale_bytes < 0:
+            fail("Quantisation", "expert_tensor_scale_bytes", self.expert_tensor_scale_bytes, ">= 0 bytes per tensor")
 
     @classmethod
     def named(cls, name: str) -> Quantisation:
         presets = {
             "mxfp4": cls(),  # K3 as released: MXFP4 routed experts, bf16 everything else
-            "mxfp4-fp8": cls(trunk_bits=8.0, trunk_compute="fp8"),
+            "mxfp4-fp8": cls(trunk_bits=8.0, trunk_compute="fp8", trunk_format="fp8"),
             "mxfp4-w4a4": cls(expert_compute="fp4"),
-            "fp8": cls(expert_bits=8.0, trunk_bits=8.0, trunk_compute="fp8"),  # DeepSeek-V3 / Kimi K2 block-FP8 checkpoints
-            "bf16": cls(expert_bits=16.0, expert_compute="bf16"),
+            "fp8": cls(expert_bits=8.0, trunk_bits=8.0, trunk_compute="fp8", expert_format="fp8", trunk_format="fp8"),  # DeepSeek-V3 / Kimi K2
+            "bf16": cls(expert_bits=16.0, expert_compute="bf16", expert_format="bf16"),
         }
         try:
             return presets[name]

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openk3.config import ModelConfig
+from openk3.planner.attention import attention_shape, attention_tp_problem, gqa_of
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
-from openk3.serve.cache.spec import CacheSpec
+from openk3.serve.cache.spec import CacheSpec, MLAPageSpec
 
 DEFAULT_FILL = 0.9
 PAGE_SIZE = 64  # only names the page; the planner counts cache bytes token-exact
+EXPERT_TENSORS = 3  # w1, w3, w2 of one routed expert
 
 
 @dataclass(frozen=True)
@@ -47,14 +49,14 @@ def weight_bytes(config: ModelConfig, quant: Quantisation) -> WeightBytes:
         routed_params=routed,
         trunk_params=trunk,
         embedding_params=config.vocab_size * config.hidden_size,
-        routed_bytes=routed * quant.expert_bits / 8,
+        routed_bytes=routed * quant.expert_bits / 8 + num_moe_layers(config) * config.moe.num_experts * EXPERT_TENSORS * quant.expert_tensor_scale_bytes,
         trunk_bytes=trunk * quant.trunk_bits / 8,
     )
 
 
 def expert_bytes(config: ModelConfig, quant: Quantisation) -> float:
-    """One routed expert of one layer (w1, w3, w2)."""
-    return config.routed_expert_params() * quant.expert_bits / 8
+    """One routed expert of one layer (w1, w3, w2), with any per-tensor scales (NVFP4)."""
+    return config.routed_expert_params() * quant.expert_bits / 8 + EXPERT_TENSORS * quant.expert_tensor_scale_bytes
 
 
 def experts_per_rank(config: ModelConfig, layout: Layout) -> int:
@@ -62,8 +64,17 @@ def experts_per_rank(config: ModelConfig, layout: Layout) -> int:
     return math.ceil((config.moe.num_experts + layout.redundant_experts) / layout.ep_size)
 
 
+@functools.lru_cache(maxsize=64)
 def cache_spec(config: ModelConfig, quant: Quantisation) -> CacheSpec:
-    return CacheSpec.from_config(config, page_size=PAGE_SIZE, cache_dtype_bytes=quant.cache_dtype_bytes)
+    """The engine's spec, with the KDA state in `quant.state_dtype_bytes`; for a GQA model the per-token page entry is
+    K and V of every KV head (the engine's spec names it MLA: one entry per full-attention layer per token)."""
+    spec = CacheSpec.from_config(config, page_size=PAGE_SIZE, cache_dtype_bytes=quant.cache_dtype_bytes)
+    kda = replace(spec.kda, state_dtype_bytes=quant.state_dtype_bytes)
+    if gqa_of(config) is None:
+        return replace(spec, kda=kda)
+    shape = attention_shape(config)
+    mla = MLAPageSpec(num_layers=shape.num_layers, latent_dim=shape.cache_values_per_token_per_layer, page_size=PAGE_SIZE, dtype_bytes=quant.cache_dtype_bytes)
+    return CacheSpec(mla=mla, kda=kda)
 
 
 def attn_res_slots(config: ModelConfig) -> int:
@@ -130,7 +141,7 @@ def _fixed_bytes(config: ModelConfig, quant: Quantisation, layout: Layout) -> tu
 def _per_sequence_bytes(config: ModelConfig, quant: Quantisation, layout: Layout, context: int) -> tuple[float, float, float, float]:
     """(mla, kda, workspace, comm) bytes one more sequence in a DP group adds to each of the group's ranks."""
     spec = cache_spec(config, quant)
-    mla = context * spec.mla.bytes_per_token  # the latent is replicated on each TP rank
+    mla = context * spec.mla.bytes_per_token / attention_shape(config).kv_split(layout.tp)  # an MLA latent is replicated on each TP rank
     kda = spec.kda.bytes_per_sequence / layout.tp  # the state splits by head
     ws = workspace_bytes_per_token(config, layout)
     per_token_a2a = config.moe.num_experts_per_token * (a2a_width(config) * (quant.dispatch_bits + quant.combine_bits) / 8)
@@ -173,14 +184,8 @@ def max_concurrency(config: ModelConfig, quant: Quantisation, layout: Layout, co
 
 
 def tp_problem(config: ModelConfig, tp: int) -> str | None:
-    """Why `tp` cannot shard this model's attention (None when it can): TP splits MLA and KDA heads, so it must divide both."""
-    heads = {"MLA": config.mla.num_heads}
-    if config.kda_layers:
-        heads["KDA"] = config.kda.num_heads
-    bad = [f"{h} {kind} heads" for kind, h in heads.items() if h % tp]
-    if not bad:
-        return None
-    return f"tp={tp} does not divide {' and '.join(bad)}; TP must split the attention heads evenly"
+    """Why `tp` cannot shard this model's attention (None when it can): TP splits MLA (or GQA) and KDA heads."""
+    return attention_tp_problem(config, tp)
 
 
 def candidate_tps(num_accelerators: int, system: System, max_tp: int = 16, config: ModelConfig | None = None) -> list[int]:

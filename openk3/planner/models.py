@@ -7,8 +7,11 @@ MLA. `k3_all_mla` is K3 with every layer MLA: the counterfactual that shows what
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from openk3.config import PRESETS, MLAConfig, ModelConfig, MoEConfig, k3
+from openk3.planner.hf_load import HFModel, load_hf_model
 
 
 def kimi_k2() -> ModelConfig:
@@ -57,3 +60,21 @@ def model_by_name(name: str) -> ModelConfig:
         return MODELS[name]()
     except KeyError:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    config: ModelConfig
+    default_quant: str  # the Quantisation preset used when --quant is not given
+    hf: HFModel | None  # what was read, when the model came from a config.json
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """A preset name (default formats: K3's release, MXFP4 experts + bf16) or a path to an HF config.json / its folder
+    (default formats: the checkpoint's own quantization_config)."""
+    if spec in MODELS:
+        return ModelSource(MODELS[spec](), "mxfp4", None)
+    if spec.endswith(".json") or Path(spec).exists():
+        hf = load_hf_model(spec)
+        return ModelSource(hf.config, hf.checkpoint_quant, hf)
+    raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(sorted(MODELS))}) and no such config.json or folder")

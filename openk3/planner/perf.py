@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from openk3.checks import fail
 from openk3.config import LayerKind, ModelConfig
+from openk3.planner.attention import attention_shape
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
 from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
 from openk3.planner.energy import PowerParams, step_power_w
@@ -184,16 +185,17 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     expert_flops = moe_layers * 2 * config.routed_expert_params() * assignments_per_rank * imbalance
     experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc)
 
-    m = config.mla
-    heads = m.num_heads / tp
-    if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part
-        mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * (m.latent_dim + m.kv_lora_rank)
-        mla_bytes = seqs * kv_len * spec.mla.bytes_per_token
-    else:  # naive MLA over the chunk: the cached keys plus, causally, the average query's half of its own chunk
+    attn = attention_shape(config)
+    heads = attn.num_heads / tp
+    cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
+    if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
+        mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
+        mla_bytes = seqs * kv_len * cache_per_token
+    else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
-        mla_flops = n_mla * tokens_per_group * 2 * heads * keys * (m.qk_head_dim + m.v_head_dim)
-        mla_bytes = (seqs * kv_len + tokens_per_group) * spec.mla.bytes_per_token
-    mla = _component("mla_attention", mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
+        mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
+        mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
+    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
 
     kda_state = seqs * 2 * spec.kda.bytes_per_sequence / tp  # read and written back every step
     hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim

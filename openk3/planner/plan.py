@@ -24,6 +24,7 @@ from openk3.planner.perf import Efficiency, Metrics, Scenario
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
 from openk3.planner.tiers import TierRow, break_even_tokens, tier_table
+from openk3.planner.workload import Demand, RequestMix, demand, seconds_per_request
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PlanRequest:
     power: PowerParams = field(default_factory=PowerParams)
     fill: float = DEFAULT_FILL
     space: SearchSpace = field(default_factory=SearchSpace)
+    requests: RequestMix | None = None  # a workload: rank by $ per request and size the fleet (context/prompt derived from it)
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 1:
@@ -82,6 +84,7 @@ class Plan:
     max_concurrency: int
     tiers: tuple[TierRow, ...]
     break_even: dict[str, int | None]
+    demand: Demand | None = None  # with a workload: replicas, accelerators, $ per request, times per request
 
     @property
     def metrics(self) -> Metrics | None:
@@ -133,6 +136,9 @@ def make_plan(req: PlanRequest) -> Plan:
     pinned_space = _pinned_space(req, sizes)
     result = run(pinned_space, req.concurrency) if req.pinned else full
     choice = result.best
+    if req.requests is not None and result.feasible:
+        mix = req.requests
+        choice = min(result.feasible, key=lambda c: c.layout.num_accelerators * seconds_per_request(c.metrics, mix))
     balance = req.balance or Balance.EPLB
     problem: str | None = None
     layout: Layout | None = None
@@ -157,10 +163,12 @@ def make_plan(req: PlanRequest) -> Plan:
     workload = Workload(context=req.context, concurrency=concurrency, prompt=req.prompt)
     tiers: tuple[TierRow, ...] = ()
     break_even: dict[str, int | None] = {}
+    sized: Demand | None = None
     if choice is not None and layout is not None:
         sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
+        sized = demand(sc, choice.metrics, req.requests) if req.requests is not None and choice is not None else None
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
@@ -177,4 +185,5 @@ def make_plan(req: PlanRequest) -> Plan:
         max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill) if layout else 0,
         tiers=tiers,
         break_even=break_even,
+        demand=sized,
     )

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openk3.planner.attention import attention_shape
+from openk3.planner.dtypes import describe as describe_quant
 from openk3.planner.plan import Plan
 from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
+from openk3.planner.workload import describe as describe_demand
 
 __all__ = ["PlotUnavailable", "render_json", "render_text", "write_plot"]
 
@@ -66,18 +69,18 @@ def _header(plan: Plan) -> list[str]:
     q, e = req.quant, req.efficiency
     ctx = plan.workload.context
     mw, mk = plan.min_for_weights, plan.min_for_workload
+    kv_name = "MLA latent" if attention_shape(req.config).kind == "mla" else "GQA K/V"
     return [
         f"openk3 plan: {req.config.name} on {req.system.name} ({acc.name}, {_size(acc.usable_hbm)} usable HBM, "
         f"{acc.hbm_bw / 1e12:.2f} TB/s, ${req.system.price_per_hour:.2f}/acc-h{_price_note(plan)})",
         f"parameters {pc.total / 1e12:.3f}T total, {pc.active / 1e9:.1f}B active; checkpoint {_size(w.checkpoint_bytes)} "
         f"= routed experts {_size(w.routed_bytes)} ({q.expert_bits:g} bit) + rest {_size(w.trunk_bytes)} ({q.trunk_bits:g} bit)",
-        f"cache per sequence at {ctx:,} tokens: MLA {plan.mla_bytes_per_token:,} B/token -> {_size(ctx * plan.mla_bytes_per_token)}"
+        f"cache per sequence at {ctx:,} tokens: {kv_name} {plan.mla_bytes_per_token:,} B/token -> {_size(ctx * plan.mla_bytes_per_token)}"
         f", KDA state + conv {_size(plan.kda_bytes_per_sequence)}",
         f"minimum accelerators (TP dividing the heads): weights only {mw.num_accelerators if mw else 'n/a'} (fill {req.fill:.0%}); "
         f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}",
         f"inputs: efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
-        f"experts {q.expert_bits:g} bit ({q.expert_compute} GEMM), trunk {q.trunk_bits:g} bit ({q.trunk_compute}), "
-        f"cache {q.cache_dtype_bytes} B/value; power x TDP compute {req.power.compute:g} / HBM {req.power.hbm:g} / idle {req.power.idle:g} [estimates]",
+        f"{describe_quant(q)}; power x TDP compute {req.power.compute:g} / HBM {req.power.hbm:g} / idle {req.power.idle:g} [estimates]",
     ]
 
 
@@ -143,6 +146,8 @@ def render_text(plan: Plan) -> str:
         f"${m.usd_per_m_output:.3f} per 1M output tokens, ${m.usd_per_m_input:.3f} per 1M input tokens{_price_note(plan)}; "
         f"binding: {m.binding} (step dominated by {m.decode.dominant})" + _cap_note(plan)
     )
+    if plan.demand is not None:
+        out.extend(describe_demand(plan.demand, _price_note(plan)))
     out.append("")
     out.extend(_search_tables(plan))
     out.append("")

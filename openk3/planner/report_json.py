@@ -41,6 +41,14 @@ def _candidate_json(c: Candidate, plan: Plan) -> dict[str, Any]:
     }
 
 
+def _demand(plan: Plan) -> dict[str, Any] | None:
+    d = plan.demand
+    if d is None:
+        return None
+    out = {k: v for k, v in dataclasses.asdict(d).items() if k != "mix"}
+    return out | {"accelerators": d.accelerators, "decode_context": d.mix.decode_context, "ttft_prompt": d.mix.ttft_prompt}
+
+
 def _figures(obj: Any, skip: tuple[str, ...]) -> dict[str, Any]:
     sources = getattr(obj, "sources", {})
     out: dict[str, Any] = {}
@@ -173,4 +181,6 @@ def render_json(plan: Plan) -> dict[str, Any]:
             "price_is_placeholder": req.system.price_is_placeholder,
             "binding": m.binding,
         }
+    if req.requests is not None:
+        doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
     return _finite(doc)  # type: ignore[no-any-return]

@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Debian packages the tests need: bubblewrap (sandbox namespaces), zstd (snapshot export), gcc (the CPU kernels of
-# openk3/ops/cpu, built on first use; without a compiler the engine runs the torch ops and their tests skip).
+# openk3/ops/cpu, built on first use; without a compiler the engine runs the torch ops and their tests skip), libc6-dev
+# (the static libc the sandbox's host-side helper openk3-enter links against; gcc only recommends it).
 # Skipped when not root or already present.
 system-deps:
-	@if { ! command -v bwrap >/dev/null 2>&1 || ! command -v zstd >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; } && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd gcc >/dev/null; fi
+	@if { ! command -v bwrap >/dev/null 2>&1 || ! command -v zstd >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1 || ! dpkg -s libc6-dev >/dev/null 2>&1; } && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd gcc libc6-dev >/dev/null; fi
 
 test: venv system-deps
 	$(PY) -m pytest -q

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> str:
         svc.destroy(sid)
         svc.delete_snapshot(image.snapshot_id)
         # Process snapshots of a Python env with a 100 MB heap.
-        eid = svc.create_env("openk3.sandbox.process.demo_env:RandomWalkEnv", {"ballast_mb": args.process_mb})
+        eid = svc.create_env("demo", {"ballast_mb": args.process_mb})
         svc.call_env(eid, "step", [1])
         for i in range(args.cycles):
             psnap = timed(t["process snapshot"], svc.snapshot, eid, kind="process")

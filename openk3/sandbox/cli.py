@@ -6,6 +6,7 @@ import argparse
 import signal
 
 from openk3.sandbox.namespace.settings import BackendConfig
+from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import SandboxError
 
 
@@ -18,6 +19,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--state-dir", default="/run/openk3-sandbox", help="tmpfs mount point for layers and sandbox roots")
     serve.add_argument("--store-bytes", type=int, default=8 * 2**30, help="size of the layer/state tmpfs")
     serve.add_argument("--workers", type=int, default=8, help="threads running blocking sandbox operations")
+    serve.add_argument(
+        "--sandbox-uid",
+        type=int,
+        default=BackendConfig.sandbox_uid,
+        help="host uid and gid of every sandbox's root (default 100000); no user, group or /etc/subuid range may use it",
+    )
+    serve.add_argument(
+        "--env-factory",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:CALLABLE",
+        help="allow create_env(factory=NAME) to start MODULE:CALLABLE as a host-side Python environment (repeatable; 'demo' is built in)",
+    )
+    serve.add_argument("--env-pythonpath", action="append", default=[], metavar="DIR", help="extra import directory for --env-factory modules (repeatable)")
     parser.set_defaults(func=run)
 
 
@@ -29,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"--workers={args.workers}: expected >= 1")
         return 2
     try:
-        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes))
+        factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
+        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid), factories)
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")
         return 1

@@ -26,6 +26,9 @@ class Limits:
     pids: int | None = 256
     cpus: float | None = 1.0
     disk_bytes: int = 256 * 2**20
+    # Files, directories and links the sandbox may create (upper layer and /dev/shm together): tmpfs inodes cost kernel
+    # memory that `disk_bytes` does not bound (an empty file uses no blocks).
+    inodes: int = 65536
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None and self.memory_bytes < 4 * 2**20:
@@ -36,6 +39,8 @@ class Limits:
             raise InvalidArgument(f"limits.cpus={self.cpus}: expected None or 0.01..1024")
         if self.disk_bytes < 1 * 2**20:
             raise InvalidArgument(f"limits.disk_bytes={self.disk_bytes}: expected >= 1 MiB")
+        if not 64 <= self.inodes <= 2**31:
+            raise InvalidArgument(f"limits.inodes={self.inodes}: expected 64..2**31")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,7 +16,8 @@ from openk3.sandbox.api.service import SandboxService
 from openk3.sandbox.linux import syscalls
 from openk3.sandbox.linux.cgroups import pids_under
 from openk3.sandbox.linux.host import probe
-from openk3.sandbox.namespace.settings import BackendConfig
+from openk3.sandbox.namespace.settings import BackendConfig, check_unshared_id
+from openk3.sandbox.protocol import InvalidArgument
 
 
 @pytest.fixture(scope="session")
@@ -26,18 +28,42 @@ def host_features():
     return features
 
 
-@pytest.fixture(scope="session")
-def service(host_features, tmp_path_factory):
-    # Not under pytest's 0700 tmp tree: bwrap runs as the unprivileged sandbox uid and must traverse the state dir's parents.
-    state = tempfile.mkdtemp(prefix="openk3-sandbox-test-", dir="/tmp")
-    cache = str(tmp_path_factory.mktemp("sandbox-cache"))
-    svc = SandboxService(BackendConfig(state_dir=state, cache_dir=cache, store_bytes=2 * 2**30))
+def started(config: BackendConfig) -> Iterator[SandboxService]:
+    svc = SandboxService(config)
     yield svc
     svc.close()
     assert syscalls.mounts_under(svc.backend.state) == [], "mounts left after close"
     for root in cgroup_roots(svc):
         assert not os.path.exists(os.path.join(root, svc.backend.cg_prefix)), "cgroup subtree left after close"
-    assert not os.path.exists(state)
+    assert not os.path.exists(config.state_dir)
+
+
+def state_dir() -> str:
+    # Not under pytest's 0700 tmp tree: bwrap runs as the unprivileged sandbox uid and must traverse the state dir's parents.
+    return tempfile.mkdtemp(prefix="openk3-sandbox-test-", dir="/tmp")
+
+
+def sandbox_uid() -> int:
+    """The default sandbox uid, or, where this host gives it to someone (a subuid range), one far above the usual ranges."""
+    for uid in (100_000, 1_900_000_000):
+        try:
+            check_unshared_id(uid)
+            return uid
+        except InvalidArgument:
+            continue
+    pytest.skip("no free sandbox uid: 100000 and 1900000000 both belong to a host user, group or subordinate id range")
+
+
+@pytest.fixture(scope="session")
+def service(host_features, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("sandbox-cache"))
+    yield from started(BackendConfig(state_dir=state_dir(), cache_dir=cache, store_bytes=2 * 2**30, sandbox_uid=sandbox_uid()))
+
+
+@pytest.fixture(scope="session")
+def root_service(service):
+    """A second daemon whose sandboxes run as host root (sandbox_uid=None), for the checks that must hold either way."""
+    yield from started(BackendConfig(state_dir=state_dir(), cache_dir=service.backend.config.cache_dir, store_bytes=512 * 2**20, sandbox_uid=None))
 
 
 def cgroup_roots(svc: SandboxService) -> set[str]:
@@ -72,9 +98,8 @@ def leftovers(svc: SandboxService) -> list[str]:
     return found
 
 
-@pytest.fixture
-def svc(service):
-    """The session service, checked to be empty after the test (and cleaned so one leak does not fail every later test)."""
+def checked(service: SandboxService) -> Iterator[SandboxService]:
+    """`service`, checked to be empty after the test (and cleaned so one leak does not fail every later test)."""
     yield service
     leaks = leftovers(service)
     for sid in service.backend.sandboxes():
@@ -84,3 +109,14 @@ def svc(service):
     for snap in service.backend.snapshots():
         service.delete_snapshot(snap.snapshot_id)
     assert leaks == [], f"test left resources behind: {leaks}"
+
+
+@pytest.fixture
+def svc(service):
+    yield from checked(service)
+
+
+@pytest.fixture(params=["uid", "root"], ids=["sandbox_uid=100000", "sandbox_uid=None"])
+def either_svc(request, service):
+    """The session service and the host-root one in turn, for properties that must not depend on the sandbox uid."""
+    yield from checked(service if request.param == "uid" else request.getfixturevalue("root_service"))

@@ -89,7 +89,7 @@ def test_async_client_parallel(base_url):
             try:
                 results = await asyncio.gather(*(c.exec(s, f"echo {i}") for i, s in enumerate(sids)))
                 assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
-                eid = await c.create_env("openk3.sandbox.process.demo_env:RandomWalkEnv")
+                eid = await c.create_env("demo")
                 await c.call_env(eid, "step", [2])
                 snap = await c.snapshot(eid, kind="process")
                 (copy,) = await c.fork(snap.snapshot_id, 1)

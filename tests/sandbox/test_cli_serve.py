@@ -15,6 +15,7 @@ import pytest
 
 from openk3.sandbox.linux import syscalls
 from openk3.sandbox.namespace.lifecycle import instance_name
+from tests.sandbox.conftest import sandbox_uid
 
 pytestmark = pytest.mark.sandbox
 
@@ -40,10 +41,27 @@ def free_port() -> int:
 
 
 def test_serve_then_sigterm_cleans_up(host_features):
+    uid = str(sandbox_uid())
     state = tempfile.mkdtemp(prefix="openk3-sandbox-serve-", dir="/tmp")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "sandbox", "serve", "--port", str(port), "--state-dir", state, "--store-bytes", str(256 * 2**20), "--workers", "2"],
+        [
+            sys.executable,
+            "-c",
+            SERVE,
+            "sandbox",
+            "serve",
+            "--port",
+            str(port),
+            "--state-dir",
+            state,
+            "--store-bytes",
+            str(256 * 2**20),
+            "--workers",
+            "2",
+            "--sandbox-uid",
+            uid,
+        ],
         env={**os.environ, "PYTHONPATH": ROOT},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -37,6 +37,22 @@ def test_timeout_kills_whole_tree(svc):
         svc.destroy(sid)
 
 
+def test_a_deadline_that_passes_before_the_command_starts_still_holds(svc):
+    """A deadline can pass, and a shell be closed, before openk3-enter has joined the command's cgroup, so a cgroup kill
+    alone would miss the helper and the command it is about to start: it is killed first."""
+    sid = svc.create()
+    try:
+        baseline = len(svc.backend.box(sid).cg.pids())
+        for _ in range(5):
+            r = svc.exec(sid, "sleep 30; echo late", timeout_s=1e-6)
+            assert r.timed_out and r.exit_code == 137 and r.stdout == b"", r
+            assert len(svc.backend.box(sid).cg.pids()) == baseline
+            svc.close_shell(svc.open_shell(sid))  # closed at once: must neither hang nor leave a shell behind
+            assert len(svc.backend.box(sid).cg.pids()) == baseline
+    finally:
+        svc.destroy(sid)
+
+
 def test_memory_limit_oom_kills_inside_only(svc):
     sid = svc.create(limits=Limits(memory_bytes=64 * 2**20, disk_bytes=512 * 2**20))
     try:

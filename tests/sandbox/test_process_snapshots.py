@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from openk3.sandbox.protocol import InvalidArgument, NotFound
+from openk3.sandbox.protocol import InvalidArgument, NotFound, SandboxError
 
 pytestmark = pytest.mark.sandbox
 
-FACTORY = "openk3.sandbox.process.demo_env:RandomWalkEnv"
+FACTORY = "demo"
 
 
 def test_process_snapshot_restore_fork(svc):
@@ -61,8 +61,11 @@ def test_process_snapshot_restore_fork(svc):
             svc.delete_snapshot(snap.snapshot_id)
 
 
-def test_bad_factory_is_a_clear_error(svc):
-    with pytest.raises(Exception, match="no_such_module"):
-        svc.create_env("no_such_module:Env")
-    with pytest.raises(InvalidArgument):
-        svc.create_env("no-colon")
+def test_registered_factory_that_fails_is_a_clear_error(service):
+    from openk3.sandbox.process.envs import ProcessEnvs
+    from openk3.sandbox.process.registry import EnvFactories
+
+    envs = ProcessEnvs(service.backend.layout, service.backend.cg_prefix, "h", service.backend.helper, EnvFactories({"broken": "no_such_module:Env"}))
+    with pytest.raises(SandboxError, match="no_such_module"):
+        envs.create("broken")
+    assert envs.ids() == []

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.sandbox
 
 def test_restart_recovers_crashed_daemon_state(service):
     state = tempfile.mkdtemp(prefix="openk3-sandbox-crash-", dir="/tmp")
-    config = BackendConfig(state_dir=state, cache_dir=service.backend.config.cache_dir, store_bytes=256 * 2**20)
+    config = BackendConfig(state_dir=state, cache_dir=service.backend.config.cache_dir, store_bytes=256 * 2**20, sandbox_uid=service.backend.config.sandbox_uid)
     # prewarm off: a live background thread of the "crashed" daemon would keep building after the recovery ran
     crashed = NamespaceBackend(dataclasses.replace(config, prewarm=False))
     sid = crashed.create()

@@ -83,7 +83,8 @@ def test_cli_registers_sandbox_serve():
     parser = argparse.ArgumentParser(prog="openk3")
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["sandbox", "serve", "--port", "8123", "--workers", "2"])
-    assert (args.func, args.port, args.workers, args.host) == (cli.run, 8123, 2, "127.0.0.1")
+    assert (args.func, args.port, args.workers, args.host, args.sandbox_uid) == (cli.run, 8123, 2, "127.0.0.1", 100_000)
+    assert parser.parse_args(["sandbox", "serve", "--sandbox-uid", "1900000000"]).sandbox_uid == 1_900_000_000
 
 
 def test_probe_names_what_is_missing(monkeypatch):
@@ -93,8 +94,8 @@ def test_probe_names_what_is_missing(monkeypatch):
     reason = host.probe().unavailable_reason
     assert reason is not None and reason.startswith("not root")
     monkeypatch.setattr(host.os, "geteuid", lambda: 0)
-    real_which = host.shutil.which
-    monkeypatch.setattr(host.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    real_which = host.helper.shutil.which
+    monkeypatch.setattr(host.helper.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
     reason = host.probe().unavailable_reason
     assert reason is not None and "bubblewrap" in reason
 
@@ -107,6 +108,7 @@ def test_backend_config_validation_names_the_field():
         ({"sandbox_uid": 0}, "sandbox_uid=0"),
         ({"store_bytes": 1}, "store_bytes=1"),
         ({"host": "a@b"}, "host='a@b'"),
+        ({"init_timeout_s": 0}, "init_timeout_s=0"),
     ):
         with pytest.raises(InvalidArgument, match=field):
             BackendConfig(**kwargs)

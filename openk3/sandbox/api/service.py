@@ -20,6 +20,7 @@ from openk3.sandbox.namespace.backend import NamespaceBackend
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.namespace.shell import ShellSession
 from openk3.sandbox.process.envs import ProcessEnvs
+from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import (
     DirEntry,
     ExecResult,
@@ -36,9 +37,9 @@ MAX_TRANSFER_BYTES = 1 << 30
 
 
 class SandboxService:
-    def __init__(self, config: BackendConfig | None = None) -> None:
+    def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None) -> None:
         self.backend = NamespaceBackend(config)
-        self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host)
+        self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host, self.backend.helper, factories)
         self._lock = threading.Lock()
         self._shells: dict[str, tuple[str, ShellSession]] = {}
 
@@ -122,7 +123,13 @@ class SandboxService:
 
     # Python-native environments (process snapshots)
     def create_env(self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None, memory_bytes: int | None = None) -> str:
-        return self.envs.create(factory, kwargs, pythonpath, memory_bytes)
+        """Start the registered environment factory `factory`; `pythonpath` is refused (the operator sets it, see registry.py)."""
+        if pythonpath:
+            raise InvalidArgument(
+                f"pythonpath={pythonpath!r}: callers cannot extend the import path of host-side environments; "
+                "the operator sets it with `openk3 sandbox serve --env-pythonpath DIR`"
+            )
+        return self.envs.create(factory, kwargs, memory_bytes)
 
     def call_env(self, env_id: str, method: str, args: list | None = None, kwargs: dict | None = None):
         return self.envs.call(env_id, method, args, kwargs)

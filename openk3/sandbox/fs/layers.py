@@ -32,7 +32,10 @@ class LayerStore:
     def __init__(self, root: str) -> None:
         self.root = root
         self.tmp = os.path.join(root, ".tmp")
-        os.makedirs(self.tmp, exist_ok=True)
+        # Root only: layers are shared by every sandbox over them and owned by the sandbox uid (their files come from uppers),
+        # so a process of that uid outside its mount namespace must not be able to reach, let alone change, them.
+        os.makedirs(self.tmp, mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)
         self._lock = threading.Lock()
         self._layers: dict[str, Layer] = {}
         self._refs: dict[str, int] = {}

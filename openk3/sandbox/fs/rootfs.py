@@ -15,9 +15,13 @@ import shutil
 import subprocess
 import tempfile
 
+from openk3.sandbox.linux.helper import HOST_ENV, host_binary
+
 FORMAT = "openk3-rootfs-1"
-REQUIRED = ("sh", "bash", "sleep", "cat", "setpriv", "tar", "env")
+REQUIRED = ("sh", "bash", "sleep", "cat", "tar")
 TOOLS = REQUIRED + (
+    "env",
+    "setpriv",
     "ls",
     "cp",
     "mv",
@@ -105,7 +109,12 @@ def _resolve_tools() -> list[tuple[str, str]]:
 
 
 def _libraries(binaries: list[str]) -> set[str]:
-    out = subprocess.run(["ldd", *binaries], capture_output=True, text=True, check=False).stdout
+    # ldd by its absolute system path with the fixed host environment: the daemon's PATH or LD_* variables must not choose
+    # what runs as root here or which libraries end up in every sandbox.
+    ldd = host_binary("ldd")
+    if ldd is None:
+        raise FileNotFoundError("base rootfs: host tool 'ldd' not found in the system directories; install libc-bin")
+    out = subprocess.run([ldd, *binaries], capture_output=True, text=True, check=False, env=HOST_ENV).stdout
     libs = set()
     for line in out.splitlines():
         for word in line.split():

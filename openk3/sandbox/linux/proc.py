@@ -1,11 +1,9 @@
-"""Starting processes inside a sandbox and collecting their output under a deadline and a byte cap.
+"""Running a command started through openk3-enter (helper.py) and collecting its output under a deadline and a byte cap.
 
-A command enters the sandbox in four hops, each an exec: a host `/bin/sh` that writes its own pid into the sandbox's
-cgroups (so everything it becomes and forks is accounted, limited and killable before any user code runs), `nsenter` into the
-init's user, mount, pid, net, ipc, uts and cgroup namespaces and root, and the sandbox's `setpriv`, which clears the capability
-bounding and inheritable sets so the command holds no capability even inside its own user namespace (the same as the init,
-which bwrap starts without capabilities), then the command, which changes to its working directory itself (nsenter's
---wd would resolve the directory on the host).
+The command line comes from `Helper.enter_argv`: one static host program joins the sandbox's cgroups (so everything the
+command becomes and forks is accounted, limited and killable before any user code runs), its namespaces and root, drops every
+capability, loads the seccomp filter and execs the command with the caller's environment; the host side of this runs with
+`helper.HOST_ENV` only.
 """
 
 from __future__ import annotations
@@ -18,41 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 DRAIN_GRACE_S = 0.02  # after the command exits, how long background holders of its pipes may keep us reading
-
-
-def cgroup_trampoline(procs_files: list[str]) -> list[str]:
-    return ["/bin/sh", "-c", JOIN_CGROUPS, "sh", *procs_files, "--"]
-
-
-def enter_argv(init_pid: int) -> list[str]:
-    return [
-        "nsenter",
-        "-t",
-        str(init_pid),
-        "-U",
-        "-m",
-        "-p",
-        "-n",
-        "-i",
-        "-u",
-        "-C",
-        "-r",
-        "-w",
-        "--",
-        "/usr/bin/setpriv",
-        "--bounding-set=-all",
-        "--inh-caps=-all",
-        "--",
-    ]
-
-
-def command_argv(cmd: str | list[str], cwd: str) -> list[str]:
-    """The command itself, started in `cwd` (a shell string runs under /bin/sh, an argv list directly)."""
-    if isinstance(cmd, str):
-        return ["/bin/sh", "-c", f"cd {shell_quote(cwd)} || exit 1\n{cmd}"]
-    return ["/usr/bin/env", f"--chdir={cwd}", "--", *cmd]
 
 
 def shell_quote(s: str) -> str:
@@ -93,6 +57,7 @@ def run_captured(
     timeout_s: float,
     max_output_bytes: int,
     on_timeout: Callable[[], None],
+    pass_fds: tuple[int, ...] = (),
 ) -> Captured:
     """Run argv, feed stdin, keep at most `max_output_bytes` of each stream; at the deadline call `on_timeout` (kill the tree).
 
@@ -101,7 +66,10 @@ def run_captured(
     """
     start = time.monotonic()
     deadline = start + timeout_s
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True)
+    # A session of its own for the helper, as for every process the daemon starts for a sandbox (see helper_source.py).
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True, pass_fds=pass_fds, start_new_session=True
+    )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
@@ -128,6 +96,9 @@ def run_captured(
                 break
             if now >= deadline and not timed_out:
                 timed_out = True
+                # The helper too, first: a deadline that passes before it has joined the command's cgroup (a tiny
+                # timeout_s) would leave it to start the command after the cgroup kill, with nobody to stop it.
+                proc.kill()
                 on_timeout()
                 # Killed processes release the pipes at once; give the kernel a moment, then stop waiting.
                 deadline = now + 0.05
@@ -162,6 +133,7 @@ def run_captured(
     if proc.poll() is None and not _wait_exit(proc.pid, deadline):
         # It closed both pipes but kept running (e.g. `exec >&-`): the deadline still holds.
         timed_out = True
+        proc.kill()
         on_timeout()
     returncode = proc.wait()
     return Captured(

@@ -47,6 +47,25 @@ def umount(target: str, detach: bool = False) -> None:
     _check(LIBC.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
 
 
+def mount_overlay(target: str, lower_top_first: list[str], upper: str, work: str) -> None:
+    """overlayfs at `target`, naming every directory by /proc/self/fd/N of an O_PATH fd opened here.
+
+    The kernel keeps the option string as given and shows it in /proc/<pid>/mountinfo, also inside the sandbox: fd names keep
+    the daemon's state and cache paths out of it (and keep the string short, so more layers fit its 4 KiB).
+    """
+    fds = []
+    try:
+        for path in [*lower_top_first, upper, work]:
+            fds.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        names = [f"/proc/self/fd/{fd}" for fd in fds]
+        lower = ":".join(names[:-2])
+        opts = f"lowerdir={lower},upperdir={names[-2]},workdir={names[-1]},redirect_dir=off,metacopy=off,index=off"
+        mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def make_private(target: str) -> None:
     # The state root must not propagate our per-sandbox mounts into other mount namespaces (or theirs into ours).
     mount("none", target, None, MS_PRIVATE)

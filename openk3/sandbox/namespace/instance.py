@@ -1,14 +1,15 @@
 """One namespace sandbox: its tmpfs, overlay root, cgroups and persistent init under bwrap.
 
-Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` (the disk quota) holding `u` (overlay
-upper), `w` (overlay work dir) and `m` (the merged root). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup
-namespaces and no network, whose pid 1 is a `bash` blocked on a pipe from the daemon; commands join its namespaces with nsenter.
+Layout on the daemon's state tmpfs: `sbx/<short id>/` is a tmpfs of `limits.disk_bytes` and `limits.inodes` (the disk quota)
+holding `u` (overlay upper), `w` (overlay work dir), `m` (the merged root) and `shm` (the sandbox's /dev/shm, so shared memory
+files count against the same quota). The init is bwrap with user, mount, pid, net, ipc, uts and cgroup namespaces, no network,
+no further user namespaces and the seccomp filter (linux/seccomp.py), whose pid 1 is a `bash` blocked on a pipe from the
+daemon; commands join it through openk3-enter (linux/helper.py), which also drops their capabilities and loads the filter.
 Contract: the caller (lifecycle.py, backend.py) holds `lock` around every method that mounts, unmounts or (re)starts the init.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -16,6 +17,9 @@ import time
 
 from openk3.sandbox.linux import proc, syscalls
 from openk3.sandbox.linux.cgroups import CgroupSet
+from openk3.sandbox.linux.helper import ENTER_ERROR_PREFIX, ENTER_FAILED, HOST_ENV, Helper, command_argv, command_spec, environment
+from openk3.sandbox.namespace.bwrap import init_argv
+from openk3.sandbox.namespace.startup import StartupError, pin, wait_ready
 from openk3.sandbox.protocol import ExecResult, Limits, SandboxError
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
@@ -47,7 +51,9 @@ class Instance:
         env: dict[str, str],
         workdir: str,
         bwrap: str,
+        helper: Helper,
         uid: int | None,
+        init_timeout_s: float = 10.0,
     ) -> None:
         self.sid = sid
         self.layers = layers  # digests of the layer stack, bottom first; fixed for the instance's life
@@ -58,10 +64,13 @@ class Instance:
         self.env = {**BASE_ENV, **env}
         self.workdir = workdir
         self.bwrap = bwrap
+        self.helper = helper
         self.uid = uid  # host uid of the sandbox's root; None = host root
+        self.init_timeout_s = init_timeout_s
         self.lock = threading.RLock()
         self.init: subprocess.Popen[bytes] | None = None
         self.init_pid: int | None = None
+        self.init_pidfd: int | None = None  # pins the init for openk3-enter: a pid alone could be reused after it dies
         self._leaf_lock = threading.Lock()
         self._next_leaf = 0
         self.lingering: set[str] = set()
@@ -73,17 +82,23 @@ class Instance:
         return os.path.join(self.dir, "m")
 
     def mount_root(self, layer_paths: list[str]) -> None:
-        """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs."""
+        """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs.
+
+        The sandbox's tmpfs is 0710 root:<sandbox gid>: bwrap, running as the sandbox uid, must resolve the root's path (see
+        settings.check_traversable), and no other host user may reach its files, although the path is in the host's
+        mountinfo. `shm` (its /dev/shm) belongs to the sandbox's root, mode 0700, like the rest of its tree.
+        """
         os.makedirs(self.dir, exist_ok=True)
-        syscalls.mount("tmpfs", self.dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={self.limits.disk_bytes},mode=0755")
+        group, mode = (0, "0700") if self.uid is None else (self.uid, "0710")
+        opts = f"size={self.limits.disk_bytes},nr_inodes={self.limits.inodes},mode={mode},uid=0,gid={group}"
+        syscalls.mount("tmpfs", self.dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
         try:
-            for d in ("u", "w", "m"):
-                os.mkdir(os.path.join(self.dir, d))
+            for d in ("u", "w", "m", "shm"):
+                os.mkdir(os.path.join(self.dir, d), 0o700 if d in ("w", "shm") else 0o755)
             if self.uid is not None:
-                os.chown(os.path.join(self.dir, "u"), self.uid, self.uid)  # the merged "/" takes the upper root's owner
-            lower = ":".join([*reversed(layer_paths), self.base])
-            opts = f"lowerdir={lower},upperdir={self.dir}/u,workdir={self.dir}/w,redirect_dir=off,metacopy=off,index=off"
-            syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
+                for d in ("u", "shm"):  # the merged "/" takes the upper root's owner
+                    os.chown(os.path.join(self.dir, d), self.uid, self.uid)
+            syscalls.mount_overlay(self.merged, [*reversed(layer_paths), self.base], os.path.join(self.dir, "u"), os.path.join(self.dir, "w"))
         except OSError:
             syscalls.umount(self.dir, detach=True)
             raise
@@ -106,78 +121,58 @@ class Instance:
             return f"x{self._next_leaf}"
 
     def start_init(self) -> None:
-        """Start bwrap as the sandbox uid, wait for "ready", then move its two processes into the sandbox's cgroups.
+        """Start bwrap as the sandbox uid inside the sandbox's cgroups, wait for "ready", then pin the init with a pidfd.
 
-        Moving them afterwards (instead of through the cgroup trampoline execs use) saves two execs on every create and cold
-        restore, and is race-free: until now only bwrap and the init's own `bash` exist, and no user code has run.
+        openk3-enter joins the cgroups before it execs bwrap, so bwrap's cgroup namespace is rooted at the sandbox's own
+        cgroup (no host cgroup path is visible inside) and nothing runs outside the limits even for a moment.
         """
         info_r, info_w = os.pipe()
-        # The root is handed over as an open fd: bwrap runs as the sandbox uid, which may not traverse the state dir's parents.
+        filter_r, filter_w = os.pipe()
+        os.write(filter_w, bytes.fromhex(self.helper.seccomp_hex))  # a few hundred bytes: fits the pipe buffer
+        os.close(filter_w)
+        # The root and /dev/shm are handed over as open fds, so the init's command line shows no host path; bwrap still
+        # resolves their paths as the sandbox uid (see settings.check_traversable).
         root_fd = os.open(self.merged, os.O_PATH | os.O_DIRECTORY)
-        argv = [
-            self.bwrap,
-            "--unshare-user",
-            "--unshare-pid",
-            "--unshare-net",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--uid",
-            "0",
-            "--gid",
-            "0",
-            "--hostname",
-            "sandbox",
-            "--bind-fd",
-            str(root_fd),
-            "/",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--new-session",
-            "--as-pid-1",
-            "--info-fd",
-            str(info_w),
-            "--chdir",
-            "/",
-            "--",
-            *INIT_COMMAND,
-        ]
+        shm_fd = os.open(os.path.join(self.dir, "shm"), os.O_PATH | os.O_DIRECTORY)
+        # The init gets the base environment only: it runs no task code, and a caller's variable (an LD_PRELOAD of a library
+        # that is not there) must not be able to stop it from starting. Commands get the sandbox's env from openk3-enter.
+        bwrap = init_argv(self.bwrap, root_fd, shm_fd, filter_r, info_w, BASE_ENV, INIT_COMMAND)
         try:
+            # A session of its own: in the daemon's process group, `kill 0` from inside would reach the daemon (sandbox_uid
+            # None) and every other sandbox's bwrap; in its session, /dev/tty would be the operator's terminal.
             self.init = subprocess.Popen(
-                argv,
+                self.helper.spawn_argv(self.cg.procs_files("init"), self.uid, bwrap),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(info_w, root_fd),
-                env=self.env,
-                user=self.uid,
-                group=self.uid,
-                extra_groups=None if self.uid is None else [],
+                pass_fds=(info_w, root_fd, shm_fd, filter_r),
+                env=HOST_ENV,
+                start_new_session=True,
             )
+        except BaseException:
+            os.close(info_r)
+            raise
         finally:
-            os.close(info_w)
-            os.close(root_fd)
-        assert self.init.stdout is not None
-        first = self.init.stdout.readline()
-        with os.fdopen(info_r, "rb") as f:
-            info = f.read()
-        if first != b"ready\n":
-            rest = first + self.init.stdout.read() if self.init.poll() is not None else first
-            self.init.stdout.close()
+            for fd in (info_w, root_fd, shm_fd, filter_r):
+                os.close(fd)
+        out = self.init.stdout
+        assert out is not None
+        try:
+            with os.fdopen(info_r, "rb") as info:
+                pid = wait_ready(out.fileno(), info.fileno(), self.init_timeout_s)
+                self.init_pidfd = pin(pid, self.init.pid)
+        except StartupError as e:
+            # The helper first (if the deadline passed before it joined the cgroups, a cgroup kill would miss it), then the
+            # whole sandbox: whatever the init started must not outlive the failed start.
             self.init.kill()
+            self.cg.kill()
+            out.close()
             self.init.wait()
             self._close_stdin()
-            raise SandboxError(f"sandbox {self.sid}: init failed to start: {rest.decode(errors='replace').strip()}")
-        self.init.stdout.close()
-        self.init_pid = int(json.loads(info)["child-pid"])
-        with open(f"/proc/{self.init_pid}/task/{self.init_pid}/children") as f:
-            pids = [self.init.pid, self.init_pid, *(int(p) for p in f.read().split())]
-        for procs in self.cg.procs_files("init"):
-            for pid in pids:
-                with open(procs, "w") as f:
-                    f.write(str(pid))
+            self.init = None
+            raise SandboxError(f"sandbox {self.sid}: init failed to start: {e}") from e
+        out.close()
+        self.init_pid = pid
 
     def _close_stdin(self) -> None:
         if self.init is not None and self.init.stdin is not None and not self.init.stdin.closed:
@@ -200,23 +195,36 @@ class Instance:
             self._close_stdin()
             self.init = None
             self.init_pid = None
+        if self.init_pidfd is not None:
+            os.close(self.init_pidfd)
+            self.init_pidfd = None
         if not self.cg.wait_empty():
             raise SandboxError(f"sandbox {self.sid}: processes survived SIGKILL: {self.cg.pids()}")
         for leaf in list(self.lingering):
             if self.cg.remove_child(leaf):
                 self.lingering.discard(leaf)
 
-    def ensure_init(self) -> int:
+    def ensure_init(self) -> tuple[int, int]:
+        """The init's pid and a duplicate of its pidfd (the caller closes it), so a concurrent restart cannot close it under us."""
         with self.lock:
             if not self.alive():
                 # Someone killed pid 1 from inside (kill -9 -1); files survive, so start a fresh init.
                 self.stop_all()
                 self.start_init()
-            assert self.init_pid is not None
-            return self.init_pid
+            assert self.init_pid is not None and self.init_pidfd is not None
+            return self.init_pid, os.dup(self.init_pidfd)
 
-    def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None) -> list[str]:
-        return proc.cgroup_trampoline(self.cg.procs_files(leaf)) + proc.enter_argv(self.ensure_init()) + proc.command_argv(cmd, cwd or self.workdir)
+    def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None, env: dict[str, str]) -> tuple[list[str], tuple[int, int]]:
+        """openk3-enter's command line for `cmd` with the sandbox's env plus `env`, and the descriptors it names (its pidfd of
+        the init and the memfd holding the command): pass them, then close them."""
+        variables = environment({**self.env, **env}, "env")
+        spec = command_spec(cwd or self.workdir, variables, command_argv(cmd))
+        try:
+            pid, pidfd = self.ensure_init()
+        except BaseException:
+            os.close(spec)
+            raise
+        return self.helper.enter_argv(pidfd, pid, spec, self.cg.procs_files(leaf)), (pidfd, spec)
 
     def finish_leaf(self, leaf: str) -> None:
         """Drop an exec's cgroup, or remember it while background children it left (nohup, daemons) still run."""
@@ -230,7 +238,7 @@ class Instance:
         self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None, max_output_bytes: int, retry: bool = True
     ) -> ExecResult:
         leaf = self.new_leaf()
-        argv = self.enter_argv(leaf, cmd, cwd)
+        argv, fds = self.enter_argv(leaf, cmd, cwd, env)
         leaf_path = os.path.join(self.cg.control, leaf)
         ooms = self.cg.oom_kills()
 
@@ -238,13 +246,15 @@ class Instance:
             self.cg.kill(leaf_path)
 
         try:
-            got = proc.run_captured(argv, {**self.env, **env}, stdin, timeout_s, max_output_bytes, kill_tree)
+            got = proc.run_captured(argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds)
             if got.timed_out:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
         finally:
+            for fd in fds:
+                os.close(fd)
             self.finish_leaf(leaf)
-        if retry and got.stderr.startswith(b"nsenter: ") and got.returncode == 1 and not self.alive():
-            # The init died between our liveness check and nsenter (e.g. after `kill -9 -1`): the command never
+        if retry and got.returncode == ENTER_FAILED and got.stderr.startswith(ENTER_ERROR_PREFIX) and not self.alive():
+            # The init died between our liveness check and openk3-enter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
             return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False)
         return ExecResult(

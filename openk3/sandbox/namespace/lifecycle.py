@@ -19,11 +19,11 @@ import uuid
 
 from openk3.sandbox.fs import rootfs
 from openk3.sandbox.fs.layers import LayerStore
-from openk3.sandbox.linux import cgroups, syscalls
+from openk3.sandbox.linux import cgroups, helper, seccomp, syscalls
 from openk3.sandbox.linux.host import probe
 from openk3.sandbox.linux.proc import shell_quote
 from openk3.sandbox.namespace.instance import Instance
-from openk3.sandbox.namespace.settings import BackendConfig, check_traversable
+from openk3.sandbox.namespace.settings import BackendConfig, check_traversable, check_unshared_id
 from openk3.sandbox.namespace.standby import Standbys
 from openk3.sandbox.protocol import (
     Conflict,
@@ -61,6 +61,11 @@ class SandboxLifecycle:
             if self.layout.control_root is None:
                 raise Unsupported("cgroups='v1': this host has no v1 freezer hierarchy")
         self.bwrap = features.bwrap
+        if config.sandbox_uid is not None:
+            check_unshared_id(config.sandbox_uid)
+        # The cache holds the helper the daemon runs as root and the base of every sandbox: only root may be able to change it.
+        helper.check_private_dir(config.cache_dir, "cache_dir")
+        self.helper = helper.Helper(helper.build(config.cache_dir), seccomp.program().hex())
         self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
         self.instance_name = instance_name(config.state_dir)
         self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
@@ -71,9 +76,17 @@ class SandboxLifecycle:
         for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
             syscalls.umount(point, detach=True)  # a crashed daemon's mounts on this state dir
         os.makedirs(self.state, exist_ok=True)
-        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, f"size={config.store_bytes},mode=0711")
+        # 0710 root:<sandbox gid> down to each sandbox's root: bwrap, running as the sandbox uid, must resolve that path (the
+        # paths are in the host's mountinfo, so hiding names would not help), and no other host user may pass at all; the
+        # layer store (layers.py) is 0700, reachable by the overlays (mounted by root) and by nothing else.
+        group, mode = (0, 0o700) if config.sandbox_uid is None else (config.sandbox_uid, 0o710)
+        opts = f"size={config.store_bytes},mode={mode:04o},uid=0,gid={group}"
+        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
         syscalls.make_private(self.state)
-        os.makedirs(os.path.join(self.state, "sbx"))
+        sbx = os.path.join(self.state, "sbx")
+        os.mkdir(sbx)
+        os.chown(sbx, 0, group)
+        os.chmod(sbx, mode)
         self.store = LayerStore(os.path.join(self.state, "layers"))
         self._lock = threading.Lock()
         self._boxes: dict[str, Instance] = {}
@@ -111,6 +124,9 @@ class SandboxLifecycle:
         if self._closed:
             raise Conflict("backend is closed")
         limits = limits or Limits()
+        helper.environment(dict(env or {}), "env")
+        if "\0" in workdir:
+            raise InvalidArgument(f"workdir={workdir!r}: expected a path without NUL bytes")
         layers: tuple[str, ...] = ()
         if image is not None:
             snap = self.snapshot_info(image)
@@ -150,7 +166,9 @@ class SandboxLifecycle:
                 env,
                 workdir,
                 self.bwrap,
+                self.helper,
                 self.config.sandbox_uid,
+                self.config.init_timeout_s,
             )
             box.start_init()
             return box
@@ -191,6 +209,8 @@ class SandboxLifecycle:
             raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected >= 0")
         if isinstance(cmd, list) and not cmd:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
+        if any("\0" in part for part in ([cmd] if isinstance(cmd, str) else cmd)) or (cwd is not None and "\0" in cwd):
+            raise InvalidArgument("cmd, cwd: expected strings without NUL bytes")
         return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
 
     def destroy(self, sid: str) -> None:

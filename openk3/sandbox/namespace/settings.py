@@ -21,8 +21,14 @@ class BackendConfig:
     # running; see standby.py), so a restore or fork costs a swap instead of an init start. Costs one idle init per snapshot.
     prewarm: bool = True
     # Host uid (and gid) that a sandbox's root maps to. Not 0: a process that escaped its mount namespace would otherwise own
-    # every root-owned host file. None runs sandboxes as host root (uid 0 mapped to 0), without capabilities either way.
+    # every root-owned host file. It must be nobody else's: no /etc/passwd user or group, no /etc/subuid or /etc/subgid range
+    # (checked at start), since whoever holds that id can read every sandbox's files. None runs sandboxes as host root
+    # (uid 0 mapped to 0): still without capabilities (bwrap --cap-drop ALL for the init, openk3-enter for commands), but an
+    # escape from the mount namespace would then own the host's root-owned files.
     sandbox_uid: int | None = 100_000
+    # How long an init may take to say it is up before its sandbox is killed and the call fails: after a restore the init
+    # runs the sandbox's own files, which may never say it.
+    init_timeout_s: float = 10.0
     host: str = dataclasses.field(default_factory=socket.gethostname)
     # "auto" uses whatever the host mounts (see linux/cgroups.py); "v1" ignores a v2 tree and freezes/kills through the v1 freezer,
     # for hosts whose v2 tree is not writable (some containers), and to test that path on hybrid hosts.
@@ -37,6 +43,8 @@ class BackendConfig:
             raise InvalidArgument(f"default_ttl_s={self.default_ttl_s}: expected > 0")
         if self.sandbox_uid is not None and not 1 <= self.sandbox_uid < 2**32 - 1:
             raise InvalidArgument(f"sandbox_uid={self.sandbox_uid}: expected None (host root) or 1..2**32-2")
+        if not 0 < self.init_timeout_s <= 600:
+            raise InvalidArgument(f"init_timeout_s={self.init_timeout_s}: expected 0 < init_timeout_s <= 600")
         if self.cgroups not in ("auto", "v1"):
             raise InvalidArgument(f"cgroups={self.cgroups!r}: expected 'auto' or 'v1'")
         if "@" in self.host or "/" in self.host:
@@ -56,3 +64,41 @@ def check_traversable(path: str, uid: int) -> None:
         if parent == "/":
             return
         parent = os.path.dirname(parent)
+
+
+def _id_files(etc: str) -> list[tuple[str, list[str]]]:
+    found = []
+    for name in ("passwd", "group", "subuid", "subgid"):
+        try:
+            with open(os.path.join(etc, name)) as f:
+                found.append((name, [line.strip() for line in f if line.strip() and not line.startswith("#")]))
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def check_unshared_id(uid: int, etc: str = "/etc") -> None:
+    """Refuse a sandbox uid that a host user or group has, or that a subordinate id range hands out.
+
+    Every sandbox's root is that uid (and gid) on the host, and the sandbox dirs are open to that group (instance.py): a user
+    with that id, in that group, or allowed to map it in a user namespace of their own (newuidmap) could read and change
+    every sandbox's files.
+    """
+    for name, lines in _id_files(etc):
+        for line in lines:
+            fields = line.split(":")
+            try:
+                if name == "passwd" and uid in (int(fields[2]), int(fields[3])):
+                    hit = f"user {fields[0]!r} (uid {fields[2]}, gid {fields[3]})"
+                elif name == "group" and int(fields[2]) == uid:
+                    hit = f"group {fields[0]!r}"
+                elif name in ("subuid", "subgid") and int(fields[1]) <= uid < int(fields[1]) + int(fields[2]):
+                    hit = f"the range of {fields[0]!r} ({fields[1]}, {fields[2]} ids)"
+                else:
+                    continue
+            except (IndexError, ValueError):
+                continue  # a malformed line names no id
+            raise InvalidArgument(
+                f"sandbox_uid={uid}: {os.path.join(etc, name)} gives it to {hit}, who could then read and change every "
+                "sandbox's files; pick an id no user, group or subordinate range uses (openk3 sandbox serve --sandbox-uid)"
+            )

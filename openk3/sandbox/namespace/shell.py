@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 
+from openk3.sandbox.linux.helper import HOST_ENV
 from openk3.sandbox.linux.proc import exit_status
 from openk3.sandbox.namespace.instance import Instance
 from openk3.sandbox.protocol import Conflict, ExecResult
@@ -27,13 +28,19 @@ class ShellSession:
         self.box = box
         self.leaf = box.new_leaf()
         self.leaf_path = os.path.join(box.cg.control, self.leaf)
-        argv = box.enter_argv(self.leaf, ["/bin/bash", "--noprofile", "--norc"], cwd)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**box.env, **env})
+        argv, fds = box.enter_argv(self.leaf, ["/bin/bash", "--noprofile", "--norc"], cwd, env)
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=HOST_ENV, pass_fds=fds, start_new_session=True
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.lock = threading.Lock()
         self.closed = False
 
     def _shell_pids(self) -> frozenset[int]:
-        """nsenter and the bash it forked: the two processes a timeout must spare."""
+        """openk3-enter and the bash it forked: the two processes a timeout must spare."""
         try:
             with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
                 return frozenset([self.proc.pid, *(int(p) for p in f.read().split())])
@@ -114,6 +121,9 @@ class ShellSession:
         if self.proc.returncode is not None and self.closed:
             return
         self.closed = True
+        # The helper first: until it has joined the leaf a cgroup kill misses it (and the shell it would then start); once
+        # killed it forks nothing more, and whatever it forked before is in the leaf.
+        self.proc.kill()
         self.box.cg.kill(self.leaf_path)
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):

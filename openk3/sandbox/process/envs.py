@@ -8,7 +8,6 @@ thread-safe; calls to one environment are serialised by its lock.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
 import select
@@ -22,8 +21,9 @@ import time
 import uuid
 
 from openk3.sandbox.linux.cgroups import CgroupSet, Layout
-from openk3.sandbox.linux.proc import cgroup_trampoline
+from openk3.sandbox.linux.helper import Helper
 from openk3.sandbox.process import wire
+from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import InvalidArgument, NotFound, SandboxError, SnapshotInfo, SnapshotKind
 
 PROCESS_CAPTURES = "memory of one Python environment process (fork of a frozen template); no files, sockets or other threads"
@@ -40,8 +40,10 @@ class _Member:
 
 
 class ProcessEnvs:
-    def __init__(self, layout: Layout, cg_prefix: str, host: str) -> None:
+    def __init__(self, layout: Layout, cg_prefix: str, host: str, helper: Helper, factories: EnvFactories | None = None) -> None:
         self.layout = layout
+        self.helper = helper
+        self.factories = factories or EnvFactories()
         self.cg_prefix = cg_prefix
         self.host = host
         self._lock = threading.Lock()
@@ -58,31 +60,26 @@ class ProcessEnvs:
                 raise NotFound(f"id={mid!r}: no such process environment or process snapshot on host {self.host}")
             return self._members[mid]
 
-    def create(
-        self, factory: str, kwargs: dict | None = None, pythonpath: list[str] | None = None, memory_bytes: int | None = None, timeout_s: float = 60.0
-    ) -> str:
-        """Start a fork server that builds `factory(**kwargs)` ("package.module:callable")."""
-        if ":" not in factory:
-            raise InvalidArgument(f"factory={factory!r}: expected 'package.module:callable'")
+    def create(self, factory: str, kwargs: dict | None = None, memory_bytes: int | None = None, timeout_s: float = 60.0) -> str:
+        """Start a fork server that builds the registered factory `factory` with `kwargs` (see registry.py)."""
+        spec = self.factories.resolve(factory)
         family = "pf" + uuid.uuid4().hex[:12]
         cg = CgroupSet(self.layout, self.cg_prefix, family)
         cg.set_limits(memory_bytes, None, None)
         host_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *(pythonpath or [])]))
-        argv = cgroup_trampoline(cg.procs_files("env")) + [
-            sys.executable,
-            "-m",
-            "openk3.sandbox.process.forkserver",
-            factory,
-            json.dumps(kwargs or {}),
-            str(child_end.fileno()),
-        ]
+        # The daemon's own environment: a fork server is operator code run as host root (registry.py); callers choose only kwargs.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *self.factories.pythonpath]))
+        server = [sys.executable, "-m", "openk3.sandbox.process.forkserver", spec, str(child_end.fileno())]
+        argv = self.helper.spawn_argv(cg.procs_files("env"), None, server)
         # stderr goes to an anonymous file, not a pipe: nobody reads it after start-up, and a full pipe would block the env.
         with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(argv, pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL, stderr=log)
+            # Its own session, like every process the daemon starts: a signal to the daemon's group (Ctrl-C) is not its.
+            proc = subprocess.Popen(argv, pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL, stderr=log, start_new_session=True)
             child_end.close()
             host_end.settimeout(timeout_s)
             try:
+                # The caller's kwargs go over the socket: a command line is readable by every host user.
+                wire.send(host_end, {"kwargs": kwargs or {}})
                 reply, _ = wire.recv(host_end)
             except (EOFError, TimeoutError, OSError) as e:
                 proc.kill()

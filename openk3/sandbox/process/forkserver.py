@@ -1,7 +1,8 @@
 """The process side of `kind="process"` snapshots: a Python environment that can fork frozen templates and live copies.
 
-Run as `python -m openk3.sandbox.process.forkserver module:factory '<json kwargs>' <socket fd>`. The process builds the environment
-once and serves requests on its socket:
+Run as `python -m openk3.sandbox.process.forkserver module:factory <socket fd>`; the first message on the socket carries the
+factory's kwargs (not the command line, which every host user can read). The process builds the environment once and serves
+requests on its socket:
 
   call      run env.<method>(*args, **kwargs) and reply with its JSON result (live copies only);
   snapshot  fork a *template*: a child that keeps this exact memory and only waits for `spawn` (the snapshot);
@@ -16,7 +17,6 @@ main one and external state are not (see docs/sandbox.md). Forked children are r
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import random
 import signal
@@ -103,9 +103,10 @@ def load_factory(spec: str) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    factory, kwargs, fd = argv[0], json.loads(argv[1]), int(argv[2])
+    factory, fd = argv[0], int(argv[1])
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
+    kwargs = wire.recv(sock)[0]["kwargs"]  # from the host, not argv: a command line is readable by every host user
     env = load_factory(factory)(**kwargs)
     wire.send(sock, {"ok": True, "pid": os.getpid()})
     serve_live(sock, env)

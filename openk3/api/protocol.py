@@ -39,6 +39,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`; `strict` is accepted either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of the kinds; whitespace as in docs/serving.md."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF in xgrammar's syntax
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None  # xgrammar's structural tag
+    disable_any_whitespace: bool | None = None  # None / True: compact JSON; False: any whitespace between tokens
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -70,6 +99,13 @@ class _SamplingFields(_Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output (docs/serving.md "Structured output"): vLLM's structured_outputs and its older guided_* fields, and
+    # on chat OpenAI's response_format (legacy completions have none); at most one of them per request
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -118,7 +154,7 @@ class FunctionDefinition(BaseModel):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # true needs structured output (refused in api/tool_choice.py)
+    strict: bool | None = None  # the arguments always match `parameters` when a call is enforced (api/tool_choice.py)
 
 
 class Tool(BaseModel):
@@ -149,6 +185,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Request):

@@ -23,7 +23,19 @@ from openk3.api.agent_output import ChoiceParser, call_deltas
 from openk3.api.chat import ChatTemplate
 from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.errors import APIError, frontend_error
-from openk3.api.generation import EngineJob, TokenTexts, Updates, check_prompt, final_outputs, open_updates, sampling_params, usage
+from openk3.api.generation import (
+    EngineJob,
+    StructuredRequest,
+    TokenTexts,
+    Updates,
+    check_prompt,
+    compile_structured,
+    final_outputs,
+    open_updates,
+    sampling_params,
+    structured_request,
+    usage,
+)
 from openk3.api.limits import RequestLimits
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.protocol import (
@@ -40,9 +52,11 @@ from openk3.api.protocol import (
     DeltaMessage,
     ToolCall,
 )
-from openk3.api.tool_choice import ToolPlan, plan_tools
+from openk3.api.tool_choice import ToolPlan, plan_tools, required_call_prefix, structured_reply_prefix
 from openk3.serve.frontend import AsyncEngine
 from openk3.serve.output import OutputKind
+from openk3.serve.structured.compiler import GrammarCompiler
+from openk3.serve.structured.spec import Grammar
 from openk3.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("openk3.api")
@@ -66,6 +80,16 @@ class Served:
     stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json), for every request
     chat_stop: tuple[str, ...] = ()  # the chat template's end of turn, when it is text
     chat_stop_token_ids: tuple[int, ...] = ()  # ... or when it is one special token
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output grammars for this tokenizer, compiled once per spec (built on first use, on a worker thread)."""
+        # the model's vocabulary (the logits width), which may run past the tokenizer's ids (`vocab_size` is the smaller)
+        return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size)
+
+    async def grammar(self, req: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
+        asked = structured_request(req)
+        return None if asked is None else await self.encoder.run(lambda: compile_structured(self.grammars, asked))
 
     def special_tokens(self) -> dict[str, str]:
         tok, out = self.tokenizer, {}
@@ -133,11 +157,12 @@ async def completion_jobs(s: Served, req: CompletionRequest) -> tuple[list[Engin
         raise APIError(400, "prompt is empty: expected a string, a list of strings or token ids", param="prompt", code="invalid_value")
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n", code="invalid_value")
+    grammar = await s.grammar(req)
     jobs, texts = [], []
     for prompt in prompts:
         ids = await s.encoder.encode(prompt, "prompt", add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
         max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
-        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.stop_token_ids)))
+        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.stop_token_ids, grammar=grammar)))
         texts.append(prompt if isinstance(prompt, str) else await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
     return jobs, texts
 
@@ -151,9 +176,19 @@ async def chat_job(s: Served, req: ChatCompletionRequest) -> ChatJob:
     tools = plan.template_tools()
     text = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools))
     end = None if plan.fmt is None else prompt_end(plan.fmt, text)
+    grammar = await s.grammar(req)
     forced = ""
-    if plan.forced is not None and plan.fmt is not None and end is not None:
-        forced = forced_call_prefix(plan.fmt, end, plan.forced, sum(len(m.tool_calls or ()) for m in req.messages))
+    calls_before = sum(len(m.tool_calls or ()) for m in req.messages)
+    if plan.fmt is not None and end is not None:
+        if plan.forced is not None:
+            forced = forced_call_prefix(plan.fmt, end, plan.forced, calls_before)
+        elif plan.required:
+            forced = required_call_prefix(plan.fmt, end)
+        elif grammar is not None:
+            forced = structured_reply_prefix(plan.fmt, end)
+        call = plan.call_grammar(calls_before)
+        if call is not None:
+            grammar = await s.encoder.run(lambda: compile_structured(s.grammars, StructuredRequest("tools", call)))
     ids = await s.encoder.encode(text + forced, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -164,7 +199,7 @@ async def chat_job(s: Served, req: ChatCompletionRequest) -> ChatJob:
     stops = s.chat_stop + ((call_stop,) if call_stop is not None else ())
     # the parsers read the format's markers, which a Kimi tokenizer has as special tokens: keep them in the text
     skip = None if plan.fmt is None else False
-    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip)
+    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar)
     return ChatJob(EngineJob(ids, params), plan, end, forced)
 
 

@@ -4,17 +4,19 @@
 - "none": the tools are not shown to the template (so the model is not invited to call them) and nothing is parsed as a
   call: any section the model still writes is plain content.
 - "auto" (the default with tools): the template gets the tools; complete, valid calls are parsed out of the reply.
-- named (`{"type": "function", "function": {"name": N}}`), and "required" with exactly one tool (the same thing): enforced
-  by writing the start of the call into the prompt (the open blocks closed, the tool section opened, the call header up to
-  its arguments: `chat_format.forced_call_prefix`), so the reply is the arguments of a call of N. The arguments are the
-  model's own, not checked against the schema -- OpenAI's non-strict function calling; `strict: true` is refused.
-- "required" with several tools: refused (400) -- choosing among names is a constraint on the tokens themselves, which
-  needs the grammar engine (structured output, issue 19 item 5).
+- named (`{"type": "function", "function": {"name": N}}`), and "required" with exactly one tool (the same thing): the start
+  of the call is written into the prompt (the open blocks closed, the tool section opened, the call header up to its
+  arguments: `chat_format.forced_call_prefix`) and a grammar (`ToolPlan.call_grammar`) makes the reply the arguments of N,
+  matching its `parameters` schema, and the call's end. A schema the K3 argument grammar cannot express (an argument without
+  one JSON type) leaves the arguments free, as before -- unless the tool is `strict`, which is then a 400.
+- "required" with several tools: the prompt opens the tool section (`required_call_prefix`) and the grammar picks one of
+  the tools' call headers, then that tool's arguments: exactly one call.
+- `strict: true`: honoured by the grammar of named and required calls; with "auto" a 400 (a call the model may or may not
+  make would need the grammar to start at the call's trigger, which this server does not do).
 - `parallel_tool_calls: false`: enforced by stopping at the end of the first call.
 
-`ToolPlan` is the seam for that grammar: it names the chat format, the tools the reply may call and the one it must call;
-a structured-output backend can turn it into a structural tag (section begin, one of the names, the schema's arguments)
-and then lift the two refusals above, without touching the parsers.
+`ToolPlan` is the seam between the parsers and the grammar engine: it names the chat format, the tools the reply may call
+and the one it must call, and builds the structural tag (serve/structured) of the enforced call.
 """
 
 from __future__ import annotations
@@ -23,11 +25,82 @@ from dataclasses import dataclass
 from typing import Any
 
 from openk3.api import chat_format as f
-from openk3.api.chat_format import ChatFormat
+from openk3.api.chat_format import ChatFormat, PromptEnd
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from openk3.serve.structured.spec import StructuredOutputs, dump_json
 
-STRUCTURED = "needs structured-output support (constrained decoding, not in this server yet)"
+STRICT_AUTO = "needs the call to be enforced: use tool_choice 'required' or name the function (with 'auto' the schema is not enforced)"
+K3_STRING = "[^<]*"  # a K3 string argument is raw text up to its close marker; an enforced one holds no '<'
+K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null", "object": "object", "array": "array"}
+
+
+class Unexpressible(ValueError):
+    """A parameters schema the K3 argument grammar cannot express."""
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def _json(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "style": "json"}
+
+
+def _k3_value(key: str, schema: Any) -> tuple[str, dict[str, Any]]:
+    """The `type` attribute and the value format of one K3 argument."""
+    if not isinstance(schema, dict):
+        raise Unexpressible(f"properties.{key} is not a schema object")
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if enum is not None and enum and all(isinstance(v, str) for v in enum):
+        return "string", {"type": "or", "elements": [_const(v) for v in enum]}
+    kind = schema.get("type")
+    if kind is None and enum:
+        kinds = {"boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else "null" if v is None else "" for v in enum}
+        kind = kinds.pop() if len(kinds) == 1 and "" not in kinds else None
+    if not isinstance(kind, str) or kind not in K3_TYPES:
+        raise Unexpressible(f"properties.{key} needs exactly one JSON type, got {kind!r}")
+    if kind == "string":
+        if "pattern" in schema:
+            return "string", {"type": "regex", "pattern": schema["pattern"]}
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        if low is None and high is None:
+            return "string", {"type": "regex", "pattern": K3_STRING}
+        return "string", {"type": "regex", "pattern": f"[^<]{{{low or 0},{'' if high is None else high}}}"}
+    return K3_TYPES[kind], _json(schema)
+
+
+def _k3_arguments(parameters: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """K3 argument blocks for a parameters schema: its properties in order, the required ones always, the others optional."""
+    props = (parameters or {}).get("properties") or {}
+    required = set((parameters or {}).get("required") or ())
+    if not required <= set(props):
+        raise Unexpressible(f"required names {sorted(required - set(props))}, which properties do not declare")
+    out = []
+    for key, schema in props.items():
+        attr, value = _k3_value(key, schema)
+        block = {"type": "sequence", "elements": [_const(f'{f.K3_ARG_OPEN} key="{key}" type="{attr}"{f.SEP}'), value, _const(f.K3_ARG_CLOSE)]}
+        out.append(block if key in required else {"type": "optional", "content": block})
+    return out
+
+
+def _arguments(fmt: ChatFormat, tool: Tool) -> list[dict[str, Any]]:
+    params = tool.function.parameters
+    if fmt is ChatFormat.KIMI_K2:
+        return [_json(params if params is not None else {"type": "object", "properties": {}})]
+    return _k3_arguments(params)
+
+
+def _header(fmt: ChatFormat, name: str, index: int) -> str:
+    if fmt is ChatFormat.KIMI_K2:
+        return f"{f.CALL_BEGIN}functions.{name}:{index}{f.ARGS_BEGIN}"
+    return f'{f.K3_CALL_OPEN} tool="{name}" index="1"{f.SEP}'
+
+
+def _section_end(fmt: ChatFormat) -> list[dict[str, Any]]:
+    if fmt is ChatFormat.KIMI_K2:
+        return [_const(f.CALL_END), _const(f.SECTION_END)]
+    return [_const(f.K3_CALL_CLOSE), _const(f.K3_TOOLS_CLOSE), _const(f.K3_MESSAGE_CLOSE)]
 
 
 @dataclass(frozen=True)
@@ -37,6 +110,7 @@ class ToolPlan:
     tool_names: frozenset[str] | None = None  # the names a parsed call may have; None: nothing is parsed as a call
     forced: str | None = None  # the function the reply must call
     parallel: bool = True
+    required: bool = False  # "required" over several tools: the grammar picks the call
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
@@ -47,6 +121,49 @@ class ToolPlan:
             return None
         return f.CALL_END if self.fmt is ChatFormat.KIMI_K2 else f.K3_CALL_CLOSE
 
+    def call_grammar(self, index: int) -> StructuredOutputs | None:
+        """The structural tag of the enforced call (`index`: K2's conversation-wide call index), or None when the call is not
+        enforced or, for a non-strict named tool, its schema cannot be expressed (its arguments are then the model's own)."""
+        if self.fmt is None or (self.forced is None and not self.required):
+            return None
+        fmt = self.fmt
+        tools = [t for t in self.tools if self.forced is None or t.function.name == self.forced]
+        try:
+            if self.forced is not None:
+                elements = _arguments(fmt, tools[0]) + _section_end(fmt)
+            else:
+                calls = [{"type": "sequence", "elements": [_const(_header(fmt, t.function.name, index)), *_arguments(fmt, t)]} for t in tools]
+                elements = [{"type": "or", "elements": calls}, *_section_end(fmt)]
+        except Unexpressible as e:
+            if self.forced is not None and not tools[0].function.strict:
+                return None
+            i = next(k for k, t in enumerate(self.tools) if t.function.name in {x.function.name for x in tools})
+            raise APIError(400, f"tools[{i}].function.parameters: {e}, which a K3 call grammar cannot enforce", param="tools", code="unsupported") from e
+        return StructuredOutputs(structural_tag=dump_json({"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}))
+
+
+def required_call_prefix(fmt: ChatFormat, end: PromptEnd) -> str:
+    """The prompt's end for "required" over several tools: the open blocks closed and the tool section opened; the
+    grammar writes the call header."""
+    if fmt is ChatFormat.KIMI_K3:
+        head = f.K3_THINK_CLOSE + f.K3_RESPONSE_OPEN + f.K3_RESPONSE_CLOSE if end.in_reasoning else f.K3_RESPONSE_CLOSE if end.in_response else ""
+        return head + f.K3_TOOLS_OPEN
+    return (f.THINK_CLOSE if end.in_reasoning else "") + f.SECTION_BEGIN
+
+
+def structured_reply_prefix(fmt: ChatFormat, end: PromptEnd) -> str:
+    """What is appended to the prompt of a request with structured output, so that the grammar's text is the answer: the
+    reasoning block closed (skipped, as for a forced call) and, in K3, the response block opened."""
+    if fmt is ChatFormat.KIMI_K3:
+        return f.K3_THINK_CLOSE + f.K3_RESPONSE_OPEN if end.in_reasoning else ""
+    return f.THINK_CLOSE if end.in_reasoning else ""
+
+
+def _structured_field(req: ChatCompletionRequest) -> str | None:
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return next((n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, n) is not None), None)
+
 
 def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses_tools: bool) -> ToolPlan:
     tools = tuple(req.tools or ())
@@ -56,8 +173,6 @@ def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses
         dup = next(n for n in names if names.count(n) > 1)
         raise APIError(400, f"tools names {dup!r} twice: tool names must be unique", param="tools", code="invalid_value")
     strict = next((t.function.name for t in tools if t.function.strict), None)
-    if strict is not None:
-        raise APIError(400, f"tools[{names.index(strict)}].function.strict=true {STRUCTURED}", param="tools", code="unsupported")
     if not tools:
         if choice != "none" and choice != "auto":
             raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice", code="invalid_value")
@@ -66,6 +181,10 @@ def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses
         return ToolPlan(fmt)
     if choice == "none":
         return ToolPlan(fmt, parallel=req.parallel_tool_calls is not False)
+    structured = _structured_field(req)
+    if structured is not None:
+        message = f"{structured} with tools is not supported: the reply is either a call or the structured answer (use tool_choice 'none')"
+        raise APIError(400, message, param=structured, code="unsupported")
     if fmt is None or not template_uses_tools:
         why = "does not render tools" if not template_uses_tools else "writes tool calls in a format this server does not parse"
         raise APIError(400, f"tools are not supported for this model: its chat template {why} (use tool_choice 'none')", param="tools", code="unsupported")
@@ -74,9 +193,8 @@ def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses
         forced = choice.function.name
         if forced not in names:
             raise APIError(400, f"tool_choice names {forced!r}, which is not among tools ({', '.join(names)})", param="tool_choice", code="invalid_value")
-    elif choice == "required":
-        if len(tools) > 1:
-            message = f"tool_choice 'required' with {len(tools)} tools {STRUCTURED}: name the function, or pass one tool"
-            raise APIError(400, message, param="tool_choice", code="unsupported")
+    elif choice == "required" and len(tools) == 1:
         forced = names[0]
-    return ToolPlan(fmt, tools, frozenset(names), forced, req.parallel_tool_calls is not False)
+    elif choice == "auto" and strict is not None:
+        raise APIError(400, f"tools[{names.index(strict)}].function.strict=true {STRICT_AUTO}", param="tools", code="unsupported")
+    return ToolPlan(fmt, tools, frozenset(names), forced, req.parallel_tool_calls is not False, required=choice == "required" and forced is None)

@@ -1,10 +1,12 @@
 """Sampler: one call turns the logits of every request that samples this step into tokens (vLLM's order and meanings).
 
-Order: min_tokens mask (stop tokens forbidden until min_tokens are out) -> penalties (repetition over prompt and output,
-frequency and presence over output) -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p -> draw.
+Order: structured-output grammar mask (serve/structured/matchers.py: one bitmask for the constrained rows, applied in one
+call; each row's grammar advanced with its token after the draw) -> min_tokens mask (stop tokens forbidden until min_tokens
+are out) -> penalties (repetition over prompt and output, frequency and presence over output) -> greedy rows take the
+argmax -> temperature -> min_p -> top_k -> top_p -> draw.
 Drawing is the exponential race argmax(p / q), q ~ Exp(1): a seeded request draws q from its own generator, so its tokens do
 not depend on what else is in the batch; unseeded rows share the sampler's generator. Logprobs are of the model's raw
-distribution (before penalties and temperature), as vLLM returns them by default.
+distribution (before the grammar mask, penalties and temperature), as vLLM returns them by default.
 Legend: M rows (requests sampling this step), V vocabulary.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.structured.matchers import GrammarStates
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+        self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' token lists
 
     def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         m, vocab = logits_MV.shape
@@ -122,6 +126,10 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits_MV.log_softmax(-1) if any(want_logprobs) else None
         device = logits_MV.device
+        constrained = any(r.params.structured_outputs is not None for r in rows)
+        if constrained:
+            logits_MV = logits_MV.clone()
+        picked = self.grammars.mask(logits_MV, rows) if constrained or len(self.grammars) else []
 
         early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         masked = [(i, t) for i in early for t in rows[i].stop_token_ids if t < vocab]
@@ -154,6 +162,8 @@ class Sampler:
             tokens[rand] = (probs / q.to(device)).argmax(-1)
 
         token_list = tokens.tolist()
+        if picked:
+            self.grammars.advance(picked, token_list)
         logprobs: list[TokenLogprobs | None] = [None] * m
         if raw_logprobs is not None:
             for i, r in enumerate(rows):

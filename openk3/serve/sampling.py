@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openk3.checks import check_int, fail
+from openk3.serve.structured.spec import Grammar
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and vLLM draws the same line.
 GREEDY_TEMPERATURE = 1e-5
@@ -39,6 +40,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # the grammar the output must match, compiled for the model's vocabulary (serve/structured: GrammarCompiler.compile)
+    structured_outputs: Grammar | None = None
 
     def __post_init__(self) -> None:
         # Accept the list/str spellings callers use and store immutable tuples.
@@ -75,6 +78,17 @@ class SamplingParams:
                 fail("SamplingParams", name, value, "a float in [-2, 2]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             fail("SamplingParams", "repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
+        if self.structured_outputs is not None:
+            self._check_structured()
+
+    def _check_structured(self) -> None:
+        if not isinstance(self.structured_outputs, Grammar):
+            fail("SamplingParams", "structured_outputs", self.structured_outputs, "None or a Grammar (GrammarCompiler.compile(StructuredOutputs(...)))")
+        # the grammar decides where the reply may end: a floor on its length would leave no token allowed
+        if self.min_tokens:
+            fail("SamplingParams", "min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the output ends)")
+        if self.ignore_eos and not self.stop_token_ids:
+            fail("SamplingParams", "ignore_eos", self.ignore_eos, "False with structured_outputs unless stop_token_ids end the output")
 
     @property
     def greedy(self) -> bool:

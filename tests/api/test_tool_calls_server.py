@@ -193,7 +193,6 @@ def test_a_malformed_call_is_content_not_an_error(scripted, client) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tool_choice": "required"}, "tool_choice"),  # two tools: choosing the name needs a grammar
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}, "tools"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # the template reads `thinking`

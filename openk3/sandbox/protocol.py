@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import Any
 
 
@@ -41,6 +42,38 @@ class Limits:
             raise InvalidArgument(f"limits.disk_bytes={self.disk_bytes}: expected >= 1 MiB")
         if not 64 <= self.inodes <= 2**31:
             raise InvalidArgument(f"limits.inodes={self.inodes}: expected 64..2**31")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchiveLimits:
+    """What one archive transfer (upload_tar, download_tar, import_snapshot) may expand to; None means "the server's".
+
+    `max_bytes` bounds both the uncompressed tar stream and the sum of its members' apparent sizes (a sparse file counts at
+    its full length); `max_window_bytes` is the largest zstd window the decompressor accepts. A caller may lower any of them
+    per call, never raise one above the server's (`BackendConfig.archive_limits`, documented in docs/sandbox.md).
+    """
+
+    max_bytes: int | None = None
+    max_members: int | None = None
+    max_member_bytes: int | None = None
+    max_path_bytes: int | None = None
+    max_window_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidArgument(f"limits.{f.name}={value!r}: expected None or an integer >= 1")
+
+    def within(self, server: ArchiveLimits) -> ArchiveLimits:
+        """These limits with the server's filled in; refuses any above the server's."""
+        resolved = {}
+        for f in dataclasses.fields(self):
+            mine, cap = getattr(self, f.name), getattr(server, f.name)
+            if mine is not None and cap is not None and mine > cap:
+                raise InvalidArgument(f"limits.{f.name}={mine}: expected <= {cap}, the server's limit (callers may only lower it)")
+            resolved[f.name] = cap if mine is None else mine
+        return ArchiveLimits(**resolved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,3 +179,47 @@ class Unsupported(SandboxError):
 
 
 ERRORS_BY_NAME: dict[str, type[SandboxError]] = {c.__name__: c for c in (SandboxError, InvalidArgument, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)}
+
+
+# Archive streams over HTTP (download_tar, export_snapshot): a sequence of frames, each a kind byte, a 4-byte big-endian length
+# and the payload: data chunks, then END, or ERROR carrying {"type", "message"} when the stream fails part way (the status
+# line was sent long before). A stream that stops without END or ERROR was cut off.
+FRAME_DATA, FRAME_ERROR, FRAME_END = b"D", b"E", b"Z"
+FRAME_HEADER = 5
+MAX_FRAME_BYTES = 1 << 24
+
+
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return kind + len(payload).to_bytes(4, "big") + payload
+
+
+class FrameParser:
+    """Incremental reader of those frames: `feed` returns the data chunks completed so far, raises on an ERROR frame."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk
+        out = []
+        while len(self._buf) >= FRAME_HEADER and not self.ended:
+            kind, size = bytes(self._buf[:1]), int.from_bytes(self._buf[1:FRAME_HEADER], "big")
+            if kind not in (FRAME_DATA, FRAME_ERROR, FRAME_END) or size > MAX_FRAME_BYTES:
+                raise SandboxError(f"archive stream: bad frame (kind {kind!r}, {size} bytes)")
+            if len(self._buf) < FRAME_HEADER + size:
+                break
+            payload = bytes(self._buf[FRAME_HEADER : FRAME_HEADER + size])
+            del self._buf[: FRAME_HEADER + size]
+            if kind == FRAME_DATA:
+                out.append(payload)
+            elif kind == FRAME_END:
+                self.ended = True
+            else:
+                err = json.loads(payload)
+                raise ERRORS_BY_NAME.get(err.get("type", ""), SandboxError)(err.get("message", "archive stream failed"))
+        return out
+
+    def close(self) -> None:
+        if not self.ended:
+            raise SandboxError("archive stream: the connection ended before the archive did")

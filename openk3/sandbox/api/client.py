@@ -4,19 +4,26 @@ Both share one method table (`_Methods`); each method returns `self._invoke(...)
 awaitable in the async one. Errors come back as the server's exception types (NotFound, InvalidArgument, Busy, ...) with its
 message; an unreachable server raises SandboxError naming the URL. The async client bounds its concurrent requests with a
 connection pool of `max_connections`.
+
+Archives stream both ways: `upload_tar`/`import_snapshot` send bytes or a binary file object as the request body (read in
+1 MiB chunks), `download_tar`/`export_snapshot` read the server's frames and return bytes, or write into `out` when given.
+`limits` (protocol.ArchiveLimits) lowers the server's archive limits for one call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import IO, Any
 
 import httpx
 
 from openk3.sandbox.protocol import (
     ERRORS_BY_NAME,
+    ArchiveLimits,
     DirEntry,
     ExecResult,
+    FrameParser,
     Limits,
     SandboxError,
     SandboxStats,
@@ -45,8 +52,32 @@ def _raise_for(response: httpx.Response) -> Any:
     return payload["result"]
 
 
+Archive = bytes | IO[bytes]
+UPLOAD_CHUNK = 1 << 20
+
+
+def _args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return to_jsonable({k: v for k, v in kwargs.items() if v is not None})
+
+
+def _chunks(data: IO[bytes]) -> Iterator[bytes]:
+    while chunk := data.read(UPLOAD_CHUNK):
+        yield chunk
+
+
+async def _achunks(data: IO[bytes]) -> AsyncIterator[bytes]:
+    for chunk in _chunks(data):
+        yield chunk
+
+
 class _Methods:
     def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    def _send(self, method: str, kwargs: dict[str, Any], data: Archive, convert: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    def _receive(self, method: str, kwargs: dict[str, Any], out: IO[bytes] | None) -> Any:
         raise NotImplementedError
 
     def create(
@@ -85,11 +116,11 @@ class _Methods:
     def list_dir(self, sandbox_id: str, path: str = "/") -> Any:
         return self._invoke("list_dir", {"sandbox_id": sandbox_id, "path": path}, lambda r: [from_jsonable(DirEntry, e) for e in r])
 
-    def upload_tar(self, sandbox_id: str, data: bytes, dest: str = "/") -> Any:
-        return self._invoke("upload_tar", {"sandbox_id": sandbox_id, "data": data, "dest": dest}, _same)
+    def upload_tar(self, sandbox_id: str, data: Archive, dest: str = "/", limits: ArchiveLimits | None = None) -> Any:
+        return self._send("upload_tar", {"sandbox_id": sandbox_id, "dest": dest, "limits": limits}, data, _same)
 
-    def download_tar(self, sandbox_id: str, path: str) -> Any:
-        return self._invoke("download_tar", {"sandbox_id": sandbox_id, "path": path}, _bytes)
+    def download_tar(self, sandbox_id: str, path: str, limits: ArchiveLimits | None = None, out: IO[bytes] | None = None) -> Any:
+        return self._receive("download_tar", {"sandbox_id": sandbox_id, "path": path, "limits": limits}, out)
 
     def open_shell(self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None) -> Any:
         return self._invoke("open_shell", {"sandbox_id": sandbox_id, "cwd": cwd, "env": env}, _same)
@@ -131,11 +162,11 @@ class _Methods:
     def heartbeat(self, sandbox_id: str, ttl_s: float | None = None) -> Any:
         return self._invoke("heartbeat", {"sandbox_id": sandbox_id, "ttl_s": ttl_s}, _same)
 
-    def export_snapshot(self, snapshot_id: str, skip_layers: tuple[str, ...] = ()) -> Any:
-        return self._invoke("export_snapshot", {"snapshot_id": snapshot_id, "skip_layers": list(skip_layers)}, _bytes)
+    def export_snapshot(self, snapshot_id: str, skip_layers: tuple[str, ...] = (), out: IO[bytes] | None = None) -> Any:
+        return self._receive("export_snapshot", {"snapshot_id": snapshot_id, "skip_layers": list(skip_layers)}, out)
 
-    def import_snapshot(self, data: bytes) -> Any:
-        return self._invoke("import_snapshot", {"data": data}, lambda r: from_jsonable(SnapshotInfo, r))
+    def import_snapshot(self, data: Archive, limits: ArchiveLimits | None = None) -> Any:
+        return self._send("import_snapshot", {"limits": limits}, data, lambda r: from_jsonable(SnapshotInfo, r))
 
 
 class SandboxClient(_Methods):
@@ -144,12 +175,34 @@ class SandboxClient(_Methods):
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
     def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
-        body = to_jsonable({k: v for k, v in kwargs.items() if v is not None})
         try:
-            response = self._http.post(f"/v1/{method}", json=body)
+            response = self._http.post(f"/v1/{method}", json=_args(kwargs))
         except httpx.TransportError as e:
             raise SandboxError(f"cannot reach sandbox server at {self.base_url}: {e}") from e
         return convert(_raise_for(response))
+
+    def _send(self, method: str, kwargs: dict[str, Any], data: Archive, convert: Callable[[Any], Any]) -> Any:
+        content = data if isinstance(data, bytes) else _chunks(data)
+        try:
+            response = self._http.post(f"/v1/{method}", params={"args": json.dumps(_args(kwargs))}, content=content)
+        except httpx.TransportError as e:
+            raise SandboxError(f"cannot reach sandbox server at {self.base_url}: {e}") from e
+        return convert(_raise_for(response))
+
+    def _receive(self, method: str, kwargs: dict[str, Any], out: IO[bytes] | None) -> Any:
+        parser, parts = FrameParser(), []
+        try:
+            with self._http.stream("POST", f"/v1/{method}", json=_args(kwargs)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for(response)
+                for raw in response.iter_bytes():
+                    for chunk in parser.feed(raw):
+                        parts.append(chunk) if out is None else out.write(chunk)
+        except httpx.TransportError as e:
+            raise SandboxError(f"{method}: the stream from {self.base_url} failed: {e}") from e
+        parser.close()
+        return b"".join(parts) if out is None else None
 
     def close(self) -> None:
         self._http.close()
@@ -167,15 +220,43 @@ class AsyncSandboxClient(_Methods):
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections))
 
     async def _call(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
-        body = to_jsonable({k: v for k, v in kwargs.items() if v is not None})
         try:
-            response = await self._http.post(f"/v1/{method}", json=body)
+            response = await self._http.post(f"/v1/{method}", json=_args(kwargs))
         except httpx.TransportError as e:
             raise SandboxError(f"cannot reach sandbox server at {self.base_url}: {e}") from e
         return convert(_raise_for(response))
 
     def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
         return self._call(method, kwargs, convert)
+
+    async def _asend(self, method: str, kwargs: dict[str, Any], data: Archive, convert: Callable[[Any], Any]) -> Any:
+        content = data if isinstance(data, bytes) else _achunks(data)
+        try:
+            response = await self._http.post(f"/v1/{method}", params={"args": json.dumps(_args(kwargs))}, content=content)
+        except httpx.TransportError as e:
+            raise SandboxError(f"cannot reach sandbox server at {self.base_url}: {e}") from e
+        return convert(_raise_for(response))
+
+    def _send(self, method: str, kwargs: dict[str, Any], data: Archive, convert: Callable[[Any], Any]) -> Any:
+        return self._asend(method, kwargs, data, convert)
+
+    async def _areceive(self, method: str, kwargs: dict[str, Any], out: IO[bytes] | None) -> Any:
+        parser, parts = FrameParser(), []
+        try:
+            async with self._http.stream("POST", f"/v1/{method}", json=_args(kwargs)) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    _raise_for(response)
+                async for raw in response.aiter_bytes():
+                    for chunk in parser.feed(raw):
+                        parts.append(chunk) if out is None else out.write(chunk)
+        except httpx.TransportError as e:
+            raise SandboxError(f"{method}: the stream from {self.base_url} failed: {e}") from e
+        parser.close()
+        return b"".join(parts) if out is None else None
+
+    def _receive(self, method: str, kwargs: dict[str, Any], out: IO[bytes] | None) -> Any:
+        return self._areceive(method, kwargs, out)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -8,20 +8,19 @@ on top of the backend's primitives.
 from __future__ import annotations
 
 import io
-import json
-import tarfile
 import threading
 import uuid
+from collections.abc import Iterator
 
-import zstandard
-
-from openk3.sandbox.fs import safefs
+from openk3.sandbox.api import transfer
+from openk3.sandbox.fs import archive, safefs
 from openk3.sandbox.namespace.backend import NamespaceBackend
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.namespace.shell import ShellSession
 from openk3.sandbox.process.envs import ProcessEnvs
 from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import (
+    ArchiveLimits,
     DirEntry,
     ExecResult,
     InvalidArgument,
@@ -32,8 +31,6 @@ from openk3.sandbox.protocol import (
     SnapshotInfo,
     SnapshotKind,
 )
-
-MAX_TRANSFER_BYTES = 1 << 30
 
 
 class SandboxService:
@@ -76,21 +73,21 @@ class SandboxService:
     def list_dir(self, sandbox_id: str, path: str = "/") -> list[DirEntry]:
         return safefs.list_dir(self.backend.merged_root(sandbox_id), path)
 
-    def upload_tar(self, sandbox_id: str, data: bytes, dest: str = "/") -> None:
-        """Unpack a tar (optionally zstd-compressed) at `dest`; the sandbox's own tar does it, so paths stay inside."""
-        if data[:4] == b"\x28\xb5\x2f\xfd":
-            data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-        r = self.exec(sandbox_id, ["tar", "-x", "--no-same-owner", "-f", "-", "-C", dest], stdin=data, timeout_s=300)
-        if r.exit_code != 0:
-            raise InvalidArgument(f"upload_tar to {dest!r} failed: {r.stderr.decode(errors='replace').strip()}")
+    def _archive_limits(self, limits: ArchiveLimits | None) -> ArchiveLimits:
+        return (limits or ArchiveLimits()).within(self.backend.config.archive_limits)
 
-    def download_tar(self, sandbox_id: str, path: str, max_bytes: int = MAX_TRANSFER_BYTES) -> bytes:
-        r = self.exec(sandbox_id, ["tar", "-c", "-f", "-", "-C", path, "."], timeout_s=300, max_output_bytes=max_bytes)
-        if r.exit_code != 0:
-            raise InvalidArgument(f"download_tar of {path!r} failed: {r.stderr.decode(errors='replace').strip()}")
-        if r.truncated:
-            raise InvalidArgument(f"download_tar of {path!r}: archive exceeds max_bytes={max_bytes}")
-        return r.stdout
+    def upload_tar(self, sandbox_id: str, data: bytes | archive.Reader, dest: str = "/", limits: ArchiveLimits | None = None) -> None:
+        """Unpack a tar (optionally zstd-compressed) at `dest`, streamed from `data` within `limits`; the sandbox's own tar
+        does it, so paths stay inside."""
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        transfer.upload_tar(self.backend, sandbox_id, source, dest, self._archive_limits(limits))
+
+    def download_tar_stream(self, sandbox_id: str, path: str, limits: ArchiveLimits | None = None) -> Iterator[bytes]:
+        """The tar of `path` as chunks (what the HTTP server sends); errors come while iterating."""
+        return transfer.download_tar(self.backend, sandbox_id, path, self._archive_limits(limits))
+
+    def download_tar(self, sandbox_id: str, path: str, limits: ArchiveLimits | None = None) -> bytes:
+        return b"".join(self.download_tar_stream(sandbox_id, path, limits))
 
     # shell sessions
     def open_shell(self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None) -> str:
@@ -189,27 +186,16 @@ class SandboxService:
         return reaped
 
     # transport: snapshots travel as tar.zst of a manifest plus the layers the receiver lacks, addressed by digest
-    def export_snapshot(self, snapshot_id: str, skip_layers: tuple[str, ...] = ()) -> bytes:
-        snap = self.backend.snapshot_info(snapshot_id)
-        raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w") as tar:
-            manifest = json.dumps({"layers": list(snap.layers), "captures": snap.captures}).encode()
-            _add_bytes(tar, "manifest.json", manifest)
-            for digest in snap.layers:
-                if digest not in skip_layers:
-                    _add_bytes(tar, f"layers/{digest}.tar.zst", self.backend.store.export(digest))
-        return zstandard.ZstdCompressor(level=1).compress(raw.getvalue())
+    def export_snapshot_stream(self, snapshot_id: str, skip_layers: tuple[str, ...] = ()) -> Iterator[bytes]:
+        return transfer.export_snapshot(self.backend, snapshot_id, tuple(skip_layers))
 
-    def import_snapshot(self, data: bytes) -> SnapshotInfo:
+    def export_snapshot(self, snapshot_id: str, skip_layers: tuple[str, ...] = ()) -> bytes:
+        return b"".join(self.export_snapshot_stream(snapshot_id, skip_layers))
+
+    def import_snapshot(self, data: bytes | archive.Reader, limits: ArchiveLimits | None = None) -> SnapshotInfo:
         """Verify every shipped layer against its digest, reuse layers already here, and register a new snapshot."""
-        try:
-            raw = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-            with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-                files = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
-            digests = json.loads(files["manifest.json"])["layers"]
-        except (zstandard.ZstdError, tarfile.TarError, KeyError, ValueError) as e:
-            raise InvalidArgument(f"snapshot archive: not a tar.zst with a manifest.json ({e})") from e
-        return self.backend.register_snapshot(digests, {d: files.get(f"layers/{d}.tar.zst") for d in digests})
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        return transfer.import_snapshot(self.backend, source, self._archive_limits(limits))
 
     def close(self) -> None:
         with self._lock:
@@ -221,9 +207,3 @@ class SandboxService:
                 continue
         self.envs.close()
         self.backend.close()
-
-
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))

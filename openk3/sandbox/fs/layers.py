@@ -13,8 +13,9 @@ import os
 import shutil
 import threading
 import uuid
+from typing import BinaryIO
 
-from openk3.sandbox.fs import tree
+from openk3.sandbox.fs import archive, tree
 from openk3.sandbox.protocol import InvalidArgument, NotFound
 
 DIGEST_DIR_CHARS = 32  # enough to be unique, short enough to stack 32+ lowerdirs in one 4 KiB mount option string
@@ -78,12 +79,15 @@ class LayerStore:
         tree.squash([self.get(d).path for d in digests], staged)
         return self._adopt(staged)
 
-    def add_archive(self, data: bytes, expected_digest: str | None = None) -> Layer:
+    def add_archive(self, source: archive.Reader, budget: archive.Budget, expected_digest: str | None = None) -> Layer:
+        """A layer from a tar.zst streamed from `source` (never held whole), within `budget`; one reference taken."""
         staged = self._scratch()
         try:
-            tree.import_tar_zst(data, staged)
-        except (ValueError, OSError) as e:
+            tree.import_tar_zst(source, staged, budget)
+        except (ValueError, OSError, InvalidArgument) as e:
             shutil.rmtree(staged, ignore_errors=True)
+            if isinstance(e, InvalidArgument):
+                raise
             raise InvalidArgument(f"layer archive: {e}") from e
         digest = tree.tree_digest(staged)
         if expected_digest is not None and digest != expected_digest:
@@ -91,8 +95,8 @@ class LayerStore:
             raise InvalidArgument(f"layer archive: content digest {digest} does not match the expected {expected_digest}")
         return self._adopt(staged, digest)
 
-    def export(self, digest: str) -> bytes:
-        return tree.export_tar_zst(self.get(digest).path)
+    def export(self, digest: str, out: BinaryIO) -> None:
+        tree.export_tar_zst(self.get(digest).path, out)
 
     def get(self, digest: str) -> Layer:
         with self._lock:

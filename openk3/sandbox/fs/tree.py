@@ -8,13 +8,15 @@ entry below them). Everything here preserves both. Hard links are copied as sepa
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import shutil
 import stat
 import tarfile
+from typing import BinaryIO
 
 import zstandard
+
+from openk3.sandbox.fs import archive
 
 OVERLAY_XATTRS = ("trusted.overlay.opaque",)
 XATTR_PAX = "SCHILY.xattr."
@@ -166,66 +168,63 @@ def squash(layers_bottom_first: list[str], dst: str) -> None:
                 copy_entry(src, target, st)
 
 
-def export_tar_zst(root: str) -> bytes:
-    """A layer as tar.zst; opaque markers travel as pax xattr records, whiteouts as character devices 0:0."""
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel, _st in walk_entries(root):
-            full = os.path.join(root, rel) if rel else root
-            info = tar.gettarinfo(full, arcname=rel or ".")  # "." carries the layer root's owner and mode
-            info.uname = info.gname = ""
-            if info.isdir():
-                info.pax_headers = {XATTR_PAX + k: v.decode("latin-1") for k, v in _xattrs(full).items()}
-            if info.isreg():
-                with open(full, "rb") as f:
-                    tar.addfile(info, f)
-            else:
-                tar.addfile(info)
-    return zstandard.ZstdCompressor(level=3).compress(raw.getvalue())
+def export_tar_zst(root: str, out: BinaryIO) -> None:
+    """Write a layer as tar.zst to `out` in chunks; opaque markers travel as pax xattr records, whiteouts as char devices 0:0."""
+    with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as z:
+        with tarfile.open(fileobj=z, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for rel, _st in walk_entries(root):
+                full = os.path.join(root, rel) if rel else root
+                info = tar.gettarinfo(full, arcname=rel or ".")  # "." carries the layer root's owner and mode
+                info.uname = info.gname = ""
+                if info.isdir():
+                    info.pax_headers = {XATTR_PAX + k: v.decode("latin-1") for k, v in _xattrs(full).items()}
+                if info.isreg():
+                    with open(full, "rb") as f:
+                        tar.addfile(info, f)
+                else:
+                    tar.addfile(info)
 
 
-def import_tar_zst(data: bytes, dst: str) -> None:
-    """Unpack a layer into a fresh `dst`, refusing absolute names, `..`, links leaving the tree and writes through symlinks."""
-    raw = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+def import_tar_zst(source: archive.Reader, dst: str, budget: archive.Budget) -> None:
+    """Unpack a layer streamed from `source` into a fresh `dst` within `budget`, refusing absolute names, `..`, links leaving
+    the tree, devices other than whiteouts and writes through symlinks."""
+    stream = archive.TarStream(archive.decompressed(source, budget.limits, budget.what), budget, whiteouts=True)
     os.mkdir(dst)
-    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-        dirs = []
-        for info in tar:
-            name = os.path.normpath(info.name)
-            if name == "." and info.isdir():
-                dirs.append((dst, info))
-                continue
-            if name.startswith(("/", "..")) or "/../" in f"/{name}/" or name == ".":
-                raise ValueError(f"layer archive entry {info.name!r}: expected a relative path inside the layer")
-            parent = os.path.dirname(name)
-            if parent and not stat.S_ISDIR(os.lstat(os.path.join(dst, parent)).st_mode):
-                raise ValueError(f"layer archive entry {info.name!r}: parent is not a directory")
-            target = os.path.join(dst, name)
-            if info.isdir():
-                os.mkdir(target)
-                for key, value in info.pax_headers.items():
-                    if key.startswith(XATTR_PAX) and key[len(XATTR_PAX) :] in OVERLAY_XATTRS:
-                        os.setxattr(target, key[len(XATTR_PAX) :], value.encode("latin-1"))
-                dirs.append((target, info))
-                continue
-            if info.isreg():
-                src = tar.extractfile(info)
-                assert src is not None
-                with open(target, "xb") as f:
-                    shutil.copyfileobj(src, f)
-            elif info.issym():
-                os.symlink(info.linkname, target)
-            elif info.ischr() and (info.devmajor, info.devminor) == (0, 0):
-                os.mknod(target, stat.S_IFCHR | 0o000, 0)
-            elif info.isfifo():
-                os.mkfifo(target)
-            else:
-                raise ValueError(f"layer archive entry {info.name!r}: unsupported type {info.type!r}")
-            os.lchown(target, info.uid, info.gid)
-            if not info.issym():
-                os.chmod(target, info.mode)
-            os.utime(target, (info.mtime, info.mtime), follow_symlinks=False)
-        for target, info in reversed(dirs):
-            os.chown(target, info.uid, info.gid)
+    dirs = []
+    for info in stream:
+        name = os.path.normpath(info.name)
+        if name == "." and info.isdir():
+            dirs.append((dst, info))
+            continue
+        if name.startswith(("/", "..")) or "/../" in f"/{name}/" or name == ".":
+            raise ValueError(f"layer archive entry {info.name!r}: expected a relative path inside the layer")
+        parent = os.path.dirname(name)
+        if parent and not stat.S_ISDIR(os.lstat(os.path.join(dst, parent)).st_mode):
+            raise ValueError(f"layer archive entry {info.name!r}: parent is not a directory")
+        target = os.path.join(dst, name)
+        if info.isdir():
+            os.mkdir(target)
+            for key, value in info.pax_headers.items():
+                if key.startswith(XATTR_PAX) and key[len(XATTR_PAX) :] in OVERLAY_XATTRS:
+                    os.setxattr(target, key[len(XATTR_PAX) :], value.encode("latin-1"))
+            dirs.append((target, info))
+            continue
+        if info.isreg():
+            with open(target, "xb") as f:
+                shutil.copyfileobj(stream.extract(info), f)
+        elif info.issym():
+            os.symlink(info.linkname, target)
+        elif info.ischr() and (info.devmajor, info.devminor) == (0, 0):
+            os.mknod(target, stat.S_IFCHR | 0o000, 0)
+        elif info.isfifo():
+            os.mkfifo(target)
+        else:
+            raise ValueError(f"layer archive entry {info.name!r}: unsupported type {info.type!r}")
+        os.lchown(target, info.uid, info.gid)
+        if not info.issym():
             os.chmod(target, info.mode)
-            os.utime(target, (info.mtime, info.mtime))
+        os.utime(target, (info.mtime, info.mtime), follow_symlinks=False)
+    for target, info in reversed(dirs):
+        os.chown(target, info.uid, info.gid)
+        os.chmod(target, info.mode)
+        os.utime(target, (info.mtime, info.mtime))

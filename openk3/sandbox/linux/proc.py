@@ -53,38 +53,47 @@ def _wait_exit(pid: int, deadline: float) -> bool:
 def run_captured(
     argv: list[str],
     env: dict[str, str],
-    stdin: bytes | None,
+    stdin: bytes | int | None,
     timeout_s: float,
     max_output_bytes: int,
     on_timeout: Callable[[], None],
     pass_fds: tuple[int, ...] = (),
+    stdout_fd: int | None = None,
 ) -> Captured:
     """Run argv, feed stdin, keep at most `max_output_bytes` of each stream; at the deadline call `on_timeout` (kill the tree).
 
     The caller's `on_timeout` must kill every process that may hold the pipes, which the cgroup kill does; output beyond the
-    cap is read and dropped so a chatty command cannot block on a full pipe.
+    cap is read and dropped so a chatty command cannot block on a full pipe. `stdin` as an int and `stdout_fd` are descriptors
+    the command reads or writes directly (archives streamed by another thread, never held here); the caller closes them.
     """
     start = time.monotonic()
     deadline = start + timeout_s
     # A session of its own for the helper, as for every process the daemon starts for a sandbox (see helper_source.py).
     proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True, pass_fds=pass_fds, start_new_session=True
+        argv,
+        stdin=stdin if isinstance(stdin, int) else subprocess.PIPE,
+        stdout=subprocess.PIPE if stdout_fd is None else stdout_fd,
+        stderr=subprocess.PIPE,
+        env=env,
+        close_fds=True,
+        pass_fds=pass_fds,
+        start_new_session=True,
     )
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    bufs = {out_fd: bytearray(), err_fd: bytearray()}
+    assert proc.stderr is not None
+    out_fd, err_fd = (-1 if proc.stdout is None else proc.stdout.fileno()), proc.stderr.fileno()
+    bufs = {fd: bytearray() for fd in (out_fd, err_fd) if fd >= 0}
     truncated = False
     timed_out = False
     sel = selectors.DefaultSelector()
     for fd in bufs:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    pending = memoryview(stdin or b"")
-    in_fd = proc.stdin.fileno()
-    if pending:
+    pending = memoryview(b"" if isinstance(stdin, int) else stdin or b"")
+    in_fd = -1 if proc.stdin is None else proc.stdin.fileno()
+    if pending and proc.stdin is not None:
         os.set_blocking(in_fd, False)
         sel.register(in_fd, selectors.EVENT_WRITE)
-    else:
+    elif proc.stdin is not None:
         proc.stdin.close()
     exited_at: float | None = None
     try:
@@ -113,7 +122,7 @@ def run_captured(
                         pending = pending[os.write(fd, pending[: 1 << 16]) :]
                     except BrokenPipeError:
                         pending = memoryview(b"")
-                    if not pending:
+                    if not pending and proc.stdin is not None:
                         sel.unregister(fd)
                         proc.stdin.close()
                     continue
@@ -128,7 +137,7 @@ def run_captured(
     finally:
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
-            if not f.closed:
+            if f is not None and not f.closed:
                 f.close()
     if proc.poll() is None and not _wait_exit(proc.pid, deadline):
         # It closed both pipes but kept running (e.g. `exec >&-`): the deadline still holds.
@@ -138,7 +147,7 @@ def run_captured(
     returncode = proc.wait()
     return Captured(
         returncode=exit_status(returncode),
-        stdout=bytes(bufs[out_fd]),
+        stdout=bytes(bufs.get(out_fd, b"")),
         stderr=bytes(bufs[err_fd]),
         timed_out=timed_out,
         truncated=truncated,

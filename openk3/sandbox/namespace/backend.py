@@ -96,21 +96,24 @@ class NamespaceBackend(SandboxLifecycle):
         self.standbys.wait(snapshot_id)
         self.store.decref(snap.layers)
 
-    def register_snapshot(self, digests: list[str], archives: dict[str, bytes | None]) -> SnapshotInfo:
-        """A snapshot made of layers already here or shipped as tar.zst archives (each verified against its digest)."""
+    def register_snapshot(self, digests: list[str], held: list[str]) -> SnapshotInfo:
+        """A snapshot of layers in the store: `held` are layers just imported (each verified against its digest when it was
+        added, each carrying one reference that passes to the snapshot); the others must already be here."""
+        spare = list(held)
         taken: list[str] = []
         try:
             for d in digests:
-                if self.store.has(d):
+                if d in spare:
+                    spare.remove(d)
+                elif self.store.has(d):
                     self.store.incref([d])
-                elif archives.get(d) is None:
-                    raise NotFound(f"layer {d}: neither in this host's store nor in the archive")
                 else:
-                    self.store.add_archive(archives[d] or b"", expected_digest=d)
+                    raise NotFound(f"layer {d}: neither in this host's store nor in the archive")
                 taken.append(d)
         except BaseException:
-            self.store.decref(taken)
+            self.store.decref(taken + spare)
             raise
+        self.store.decref(spare)
         info = SnapshotInfo(
             snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import", created_at=time.time(), captures=FS_CAPTURES
         )

@@ -235,7 +235,15 @@ class Instance:
                 self.lingering.discard(old)
 
     def exec(
-        self, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str], stdin: bytes | None, max_output_bytes: int, retry: bool = True
+        self,
+        cmd: str | list[str],
+        timeout_s: float,
+        cwd: str | None,
+        env: dict[str, str],
+        stdin: bytes | int | None,
+        max_output_bytes: int,
+        retry: bool = True,
+        stdout_fd: int | None = None,
     ) -> ExecResult:
         leaf = self.new_leaf()
         argv, fds = self.enter_argv(leaf, cmd, cwd, env)
@@ -246,7 +254,7 @@ class Instance:
             self.cg.kill(leaf_path)
 
         try:
-            got = proc.run_captured(argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds)
+            got = proc.run_captured(argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds, stdout_fd=stdout_fd)
             if got.timed_out:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
         finally:
@@ -256,7 +264,7 @@ class Instance:
         if retry and got.returncode == ENTER_FAILED and got.stderr.startswith(ENTER_ERROR_PREFIX) and not self.alive():
             # The init died between our liveness check and openk3-enter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
-            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False)
+            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False, stdout_fd=stdout_fd)
         return ExecResult(
             exit_code=got.returncode,
             stdout=got.stdout,

@@ -200,9 +200,11 @@ class SandboxLifecycle:
         timeout_s: float = 60.0,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
-        stdin: bytes | None = None,
+        stdin: bytes | int | None = None,
         max_output_bytes: int = 1 << 20,
+        stdout_fd: int | None = None,
     ) -> ExecResult:
+        """Run `cmd` in the sandbox; `stdin` as an int and `stdout_fd` are descriptors it reads or writes directly (archives)."""
         if not 0 < timeout_s <= 86400:
             raise InvalidArgument(f"timeout_s={timeout_s}: expected 0 < timeout_s <= 86400")
         if max_output_bytes < 0:
@@ -211,7 +213,7 @@ class SandboxLifecycle:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
         if any("\0" in part for part in ([cmd] if isinstance(cmd, str) else cmd)) or (cwd is not None and "\0" in cwd):
             raise InvalidArgument("cmd, cwd: expected strings without NUL bytes")
-        return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes)
+        return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes, stdout_fd=stdout_fd)
 
     def destroy(self, sid: str) -> None:
         with self._lock:

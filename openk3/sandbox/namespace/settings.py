@@ -7,7 +7,9 @@ import os
 import socket
 
 from openk3.sandbox.fs import rootfs
-from openk3.sandbox.protocol import InvalidArgument
+from openk3.sandbox.protocol import ArchiveLimits, InvalidArgument
+
+DEFAULT_ARCHIVE_LIMITS = ArchiveLimits(max_bytes=1 << 30, max_members=200_000, max_member_bytes=1 << 30, max_path_bytes=4096, max_window_bytes=8 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,9 @@ class BackendConfig:
     # "auto" uses whatever the host mounts (see linux/cgroups.py); "v1" ignores a v2 tree and freezes/kills through the v1 freezer,
     # for hosts whose v2 tree is not writable (some containers), and to test that path on hybrid hosts.
     cgroups: str = "auto"
+    # Ceilings for every archive a caller sends or receives (upload_tar, download_tar, import_snapshot, export_snapshot's
+    # receiver); a call may lower them, never raise them. See docs/sandbox.md, Transport.
+    archive_limits: ArchiveLimits = dataclasses.field(default_factory=lambda: DEFAULT_ARCHIVE_LIMITS)
 
     def __post_init__(self) -> None:
         if self.store_bytes < 16 * 2**20:
@@ -47,6 +52,9 @@ class BackendConfig:
             raise InvalidArgument(f"init_timeout_s={self.init_timeout_s}: expected 0 < init_timeout_s <= 600")
         if self.cgroups not in ("auto", "v1"):
             raise InvalidArgument(f"cgroups={self.cgroups!r}: expected 'auto' or 'v1'")
+        unset = [f.name for f in dataclasses.fields(self.archive_limits) if getattr(self.archive_limits, f.name) is None]
+        if unset:
+            raise InvalidArgument(f"archive_limits: {', '.join(unset)} must be set (the server's ceilings)")
         if "@" in self.host or "/" in self.host:
             raise InvalidArgument(f"host={self.host!r}: expected a host name without '@' or '/' (it ends every id)")
 

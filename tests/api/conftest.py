@@ -93,21 +93,18 @@ def start_server(
         model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s, **(server or {})
     )
     app = create_app(engine, tokenizer or engine.tokenizer, ChatTemplate.default(), config)
-    port = _free_port()
     # uvicorn annotates an int, but hands the value to asyncio.wait_for, which takes the fractions of a second tests use
-    uv = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
-            **config.connection.uvicorn_options(),
-        )
-    )
+    return serve_app(app, timeout_graceful_shutdown=graceful_s, **config.connection.uvicorn_options())  # type: ignore[arg-type]
+
+
+def serve_app(app: Any, startup_s: float = 30, **uvicorn_options: Any) -> LiveServer:
+    """`app` served by uvicorn on a free loopback port in a background thread, once it has started (`startup_s` bounds a
+    hang; the wait itself is on uvicorn's own `started` flag)."""
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **uvicorn_options))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + startup_s
     while not uv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")

@@ -4,20 +4,17 @@ has never seen (validated with `jsonschema` when installed), json_object, vLLM's
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import uvicorn
 
 from openk3.api.chat import load_chat_template
 from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import ASSETS, build_model
-from tests.api.conftest import LiveServer, _free_port, stop_server
+from tests.api.conftest import LiveServer, serve_app, stop_server
 
 openai = pytest.importorskip("openai", reason="the openai client is the peer oracle for the wire format")
 
@@ -57,15 +54,7 @@ def live(torch_one_thread) -> Iterator[LiveServer]:
     model, tokenizer = build_model("tiny", torch.float32, "cpu", seed=0)
     engine = LLMEngine(model, tokenizer, EngineConfig(num_pages=256, page_size=16, max_num_seqs=8, max_model_len=2048))
     app = create_app(engine, tokenizer, load_chat_template(ASSETS / "tiny"), ServerConfig(model_name="tiny", model_root="tiny"))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    live = LiveServer(f"http://127.0.0.1:{port}", server, thread, app.state.served.frontend, app)
+    live = serve_app(app, startup_s=60)
     yield live
     stop_server(live)
 

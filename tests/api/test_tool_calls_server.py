@@ -4,13 +4,11 @@ after the demo model's K3-style template, streamed and not; tool_choice none / a
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from openk3.api.chat import load_chat_template
 from openk3.api.protocol import ChatMessage
@@ -18,7 +16,7 @@ from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import ASSETS
 from openk3.serve.tokenizer import ByteTokenizer
-from tests.api.conftest import LiveServer, _free_port, stop_server
+from tests.api.conftest import serve_app, stop_server
 from tests.serve.serve_fakes import ScriptedModel
 
 openai = pytest.importorskip("openai", reason="the openai client is the peer oracle for the wire format")
@@ -47,15 +45,7 @@ class Scripted:
         self.model = ScriptedModel([0], vocab_size=260)
         engine = LLMEngine(self.model, TOKENIZER, EngineConfig(num_pages=512, page_size=16, max_num_seqs=4, max_model_len=4096))
         app = create_app(engine, TOKENIZER, TEMPLATE, ServerConfig(model_name="k3", model_root="k3"))
-        port = _free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.02)
-        self.live = LiveServer(f"http://127.0.0.1:{port}", server, thread, app.state.served.frontend, app)
+        self.live = serve_app(app)
 
     def script(self, messages: list[dict], reply: str, tools: list[dict] | None = None, forced: str = "", **kwargs) -> None:
         prompt = TEMPLATE.render([ChatMessage.model_validate(m) for m in messages], tools=tools, extra=kwargs or None) + forced

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from openk3.api.errors import APIError
-from openk3.serve.kimi_tokenizer import KimiTokenizer
-from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from openk3.serve.tokenizer import Tokenizer
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 2  # a long prompt occupies one thread; the other keeps short requests moving
@@ -26,13 +25,10 @@ TOKENIZER_THREADS = 2  # a long prompt occupies one thread; the other keeps shor
 def bytes_per_token_bound(tokenizer: Tokenizer) -> int | None:
     """The most input bytes one token can stand for, where that is certain; None where it is not known (then only the
     token count after tokenising is checked)."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return 1  # one id per UTF-8 byte: its encode reads no special tokens out of the text
-    if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.max_bytes_per_token  # byte-level BPE without a normalizer (serve/tokenizer.py)
-    if isinstance(tokenizer, KimiTokenizer):
-        return tokenizer.max_bytes_per_token  # byte-level BPE ranks and named specials (serve/kimi_tokenizer.py)
-    return None
+    # an optional member of the Tokenizer interface: ByteTokenizer's 1, a byte-level BPE's longest token (HFTokenizer without
+    # a normalizer, KimiTokenizer), None or absent where no bound is certain
+    bound = getattr(tokenizer, "max_bytes_per_token", None)
+    return bound if isinstance(bound, int) else None
 
 
 class PromptEncoder:

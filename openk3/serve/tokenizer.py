@@ -38,6 +38,7 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+    max_bytes_per_token = 1  # one id per UTF-8 byte; its encode reads no special tokens out of the text (api/prompt_text.py)
 
     def __init__(self, vocab_size: int = 256 + len(SPECIALS)) -> None:
         if vocab_size < 256:

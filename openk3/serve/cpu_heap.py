@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from typing import Any
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _KEEP_BELOW = 1 << 30  # allocations below 1 GiB come from the heap, and freed ones stay there for reuse
@@ -48,14 +49,20 @@ def apply_heap_mode(mode: str) -> bool:
     return mode == "keep" and keep_heap_for_reuse()
 
 
-def _mallopt() -> bool:
-    name = ctypes.util.find_library("c")
+def libc_function(name: str, argtypes: list, restype: object) -> Any:
+    """The C library's `name`, typed for ctypes; None where there is none of that name (not glibc: macOS, musl)."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
     except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _mallopt() -> bool:
+    mallopt = libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # glibc's mallopt returns 1 on success; some versions cap the mmap threshold at 32 MiB. The trim threshold above the
     # mmap threshold keeps freed memory in the heap (the C int caps it at 2 GiB - 1).
     for keep_below in (_KEEP_BELOW, _KEEP_BELOW_CAPPED):

@@ -21,6 +21,8 @@ import os
 import threading
 from collections.abc import Callable
 
+from openk3.serve.cpu_heap import libc_function
+
 
 def resident_bytes() -> int:
     """This process's resident set size (/proc/self/statm), 0 where it cannot be read."""
@@ -33,12 +35,7 @@ def resident_bytes() -> int:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def malloc_trim() -> bool:

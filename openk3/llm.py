@@ -55,7 +55,7 @@ class LLM:
         config = config.with_packing_default(owns_model=not isinstance(model, torch.nn.Module))  # nothing else writes to it
         net: CausalLM
         self._ep = None
-        if parallel.ep != 1:
+        if parallel.world_size != 1:
             from openk3.parallel.serving.local import LocalEP
 
             if isinstance(model, torch.nn.Module):

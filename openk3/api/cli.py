@@ -40,6 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_server_arguments(p)
     add_process_arguments(p)
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
+    p.add_argument(
+        "--tokenizer",
+        choices=("auto", "byte"),
+        default="auto",
+        help="auto: the checkpoint's own (tokenizer.json or Kimi's tiktoken.model; a folder without one is an error); "
+        "byte: the byte tokenizer, with the checkpoint's bos/eos ids",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
@@ -74,14 +81,14 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
             raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
         driver, _ = start_driver(ctx, spec)
         try:
-            app = _app(args, config, driver, model_tokenizer(args.model, config.seed))
+            app = _app(args, config, driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"))
         except BaseException:
             driver.close()
             raise
         app.state.ep_driver = driver
         app.state.metrics.attach_ep(driver.totals)
         return app
-    model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed)
+    model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed, byte_tokenizer=args.tokenizer == "byte")
     return _app(args, config, model, tokenizer)
 
 
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from openk3.serve.cpu_heap import apply_heap_mode
 
     apply_heap_mode(args.cpu_heap)  # the process's own setting, on every rank (serve/cpu_heap.py)
-    if parallel.ep > 1:
+    if parallel.world_size > 1:
         return run_expert_parallel(args)
     try:
         app = build_server(args)
@@ -161,15 +168,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
-    """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N` (openk3.parallel.serving.torchrun): rank 0 serves
-    HTTP and drives, the others follow."""
+    """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N` (or `--tp N`; openk3.parallel.serving.torchrun):
+    rank 0 serves HTTP and drives, the others follow."""
     from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.parallel.serving.torchrun import serve_ranks
 
     engine, parallel = server_configs(args)
-    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True)
+    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True, tp=parallel.tp, ep=parallel.ep > 1)
     rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
-    return serve_ranks(parallel.ep, engine.device, spec, rank0, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
+    return serve_ranks(parallel.world_size, engine.device, spec, rank0, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
 
 
 def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:

@@ -21,7 +21,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
-from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts, Router
+from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts, Router, SelectsExpertOps
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, registry
 
 
@@ -209,6 +209,8 @@ class K3ForCausalLM(nn.Module):
             backend = layer.block_sparse_moe.backend if layer.is_moe else None
             if isinstance(backend, LocalExperts):  # a name set on the backend itself is kept; the model's own follows ops
                 layer.block_sparse_moe.backend = LocalExperts(ops.moe if backend.impl == previous.moe else backend.impl, target)
+            elif isinstance(backend, SelectsExpertOps):
+                backend.select(ops.moe, target)
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""

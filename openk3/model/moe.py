@@ -11,7 +11,7 @@ attaches. The default backend runs every expert locally from the layer's expert 
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -30,6 +30,14 @@ class ExpertBackend(Protocol):
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         """Return sum_j w[t, j] * expert_{idx[t, j]}(z[t]) for every token, [T, Dl]."""
         ...
+
+
+@runtime_checkable
+class SelectsExpertOps(Protocol):
+    """A backend that runs routed experts locally through a registry op (a tensor-parallel slice of every expert, say):
+    K3ForCausalLM.select_ops hands it the model's choice and target, as it rebuilds LocalExperts."""
+
+    def select(self, impl: str, target: OpTarget) -> None: ...
 
 
 class LocalExperts:

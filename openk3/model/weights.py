@@ -7,7 +7,9 @@ any other tensor this model lacks is an error.
 Routed experts arrive one tensor per expert (`experts.{e}.w1.weight`) and are stacked per layer here ([E, I, D]).
 Every problem is reported with the tensor's name, its shape and the expected shape; nothing is loaded half-way.
 An expert-parallel rank loads only its own experts (`load_model(..., experts={layer: global ids})`): the other experts'
-tensors are never read, and that layer's bank holds just the listed experts, in list order.
+tensors are never read, and that layer's bank holds just the listed experts, in list order. A tensor-parallel rank reads
+only its block of each split tensor (`load_model(..., layout=...)`: the layout cuts the model on the meta device and says
+which keys it split along which dimension; safetensors' slices read just those rows or columns).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -46,6 +49,32 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model: the message names every offending tensor."""
 
 
+class TensorSlices(Protocol):
+    """A rank's part of a model split along one dimension per key: key -> dim (None: held whole); the rank holds block
+    `index` of `parts` equal blocks of that dimension."""
+
+    parts: int
+    index: int
+
+    def dim_of(self, key: str) -> int | None: ...
+
+
+# (dim, start, length) of the block to read from a checkpoint tensor, or None to read it whole
+ReadPart = Callable[[str, Sequence[int]], tuple[int, int, int] | None]
+
+
+def _rank_block(tensor: torch.Tensor, shape: Sequence[int], dim: int | None, slices: TensorSlices | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(the rank's block of `tensor` when it was read whole, the full shape the checkpoint must have) for a model tensor of
+    `shape` split along `dim`."""
+    if slices is None or dim is None:
+        return tensor, tuple(shape)
+    full = list(shape)
+    full[dim] *= slices.parts
+    if tensor.dim() == len(full) and tensor.shape[dim] == full[dim]:
+        tensor = tensor.narrow(dim, slices.index * shape[dim], shape[dim])
+    return tensor, tuple(full)
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -71,13 +100,49 @@ def has_packed_experts(names: list[str]) -> bool:
     return any((m := EXPERT_RE.match(n.removeprefix("language_model."))) and m.group(4) in PACKED_SUFFIXES for n in names)
 
 
-def iter_checkpoint(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor (name, value); with `keep`, tensors it refuses are skipped before they are read."""
+def iter_checkpoint(path: Path, keep: Callable[[str], bool] | None = None, part: ReadPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor (name, value); with `keep`, tensors it refuses are skipped before they are read; with `part`, only the
+    block it names is read of a tensor (given the tensor's name and its shape in the file)."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if keep is None or keep(name):
+                if keep is not None and not keep(name):
+                    continue
+                block = part(name, f.get_slice(name).get_shape()) if part is not None else None
+                if block is None:
                     yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = block
+                index = [slice(None)] * len(f.get_slice(name).get_shape())
+                index[dim] = slice(start, start + length)
+                yield name, f.get_slice(name)[tuple(index)]
+
+
+def slice_reader(model: K3ForCausalLM, slices: TensorSlices) -> ReadPart:
+    """The `part` of iter_checkpoint for a model cut by `slices`: a split tensor whose shape in the file is the full shape
+    is read as the rank's block; anything else whole (load_state_dict_into then cuts or reports it)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    config = model.config
+
+    def part(raw_name: str, file_shape: Sequence[int]) -> tuple[int, int, int] | None:
+        name = canonical_name(raw_name, config)
+        m = EXPERT_RE.match(name)
+        if m is not None:
+            if m.group(4) not in ("weight", "weight_packed", "weight_scale"):
+                return None
+            key, offset = f"{m.group(1)}.{m.group(3)}{STACKED_SUFFIX[m.group(4)]}", 1  # per-expert tensor: the stacked dims less one
+        else:
+            key, offset = name, 0
+        dim = slices.dim_of(key)
+        if dim is None or key not in expected or name.endswith("self_attn.A_log"):  # A_log may be padded: cut after fitting
+            return None
+        shape = expected[key][offset:]
+        dim -= offset
+        if len(file_shape) != len(shape) or file_shape[dim] != shape[dim] * slices.parts:
+            return None
+        return dim, slices.index * shape[dim], shape[dim]
+
+    return part
 
 
 ExpertIds = Mapping[int, Sequence[int]]  # MoE layer index -> the global expert ids this process keeps, in bank order
@@ -127,12 +192,15 @@ def canonical_name(name: str, config: ModelConfig) -> str:
     return name
 
 
-def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], experts: ExpertIds | None = None) -> None:
+def load_state_dict_into(
+    model: K3ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], experts: ExpertIds | None = None, slices: TensorSlices | None = None
+) -> None:
     """Copy checkpoint tensors into the model's (already allocated) parameters and buffers, checking every name and shape
     (tensors that are not part of the model, release_extras, are filtered out before, by load_model).
 
     `experts`: listed layers' banks hold only those experts (global id ids[i] goes to row i, to every such row when an id
-    is listed twice); other experts are skipped."""
+    is listed twice); other experts are skipped. `slices`: the model holds blocks of the keys it lists; a tensor that
+    arrives whole is cut to the block, and shapes are checked against the full (unsplit) shape."""
     config = model.config
     rows_of = {layer: rows_by_expert(ids) for layer, ids in (experts or {}).items()}
     expected = dict(model.state_dict())
@@ -164,8 +232,10 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
                     tensor = tensor.reshape(tensor.shape[0], -1)  # [rows, K/32, 16] -> [rows, K/2], same nibble order
                 if tensor.dtype in (torch.int8, torch.float8_e8m0fnu) and target.dtype == torch.uint8:
                     tensor = tensor.view(torch.uint8)  # packed codes and E8M0 scales are raw bytes whatever the file calls them
+                dim = slices.dim_of(key) if slices is not None else None
+                tensor, full = _rank_block(tensor, target.shape[1:], dim - 1 if dim is not None else None, slices)
                 if (layer not in rows_of and not 0 <= e < target.shape[0]) or tuple(tensor.shape) != tuple(target.shape[1:]):
-                    problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape[1:])} (expert < {target.shape[0]})")
+                    problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {full} (expert < {target.shape[0]})")
                     continue
                 for row in rows:
                     target[row].copy_(tensor)
@@ -175,13 +245,16 @@ def load_state_dict_into(model: K3ForCausalLM, tensors: Iterator[tuple[str, torc
                 problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
                 continue
             target = expected[name]
+            dim = slices.dim_of(name) if slices is not None else None
             if name.endswith("self_attn.A_log"):
-                tensor, problem = fit_a_log(raw_name, tensor, target)
+                full_shape = _rank_block(target, target.shape, dim, slices)[1]
+                tensor, problem = fit_a_log(raw_name, tensor, torch.empty(full_shape, device="meta"))
                 if problem:
                     problems.append(problem)
                     continue
+            tensor, full = _rank_block(tensor, target.shape, dim, slices)
             if tuple(tensor.shape) != tuple(target.shape):
-                problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                problems.append(f"tensor {raw_name} has shape {tuple(tensor.shape)}, expected {full}")
                 continue
             target.copy_(tensor)
             filled.add(name)
@@ -220,12 +293,15 @@ def load_model(
     device: torch.device | str = "cpu",
     ops: OpChoice | None = None,
     experts: ExpertIds | None = None,
+    layout: Callable[[K3ForCausalLM], TensorSlices] | None = None,
 ) -> K3ForCausalLM:
     """Build the model described by `path/config.json` and load its safetensors weights (the public entry point).
 
     `experts` (expert parallelism): per MoE layer, the global ids of the experts this process holds; those layers' banks
     are allocated with just these experts and the rest are never read. Such a model is only correct with an expert
-    backend that knows the ids (openk3.parallel.serving.rank_model)."""
+    backend that knows the ids (openk3.parallel.serving.rank_model).
+    `layout` (tensor parallelism): called on the model while it is still on the meta device, it cuts the model to one
+    rank's part and returns what it split (openk3.parallel.tp.shard); only those blocks are read."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
@@ -240,13 +316,15 @@ def load_model(
         if experts is not None:
             check_expert_ids(experts, config.moe.num_experts)
             keep_expert_slots(model, {layer: len(ids) for layer, ids in experts.items()})
+        slices = layout(model) if layout is not None else None
     model = model.to_empty(device=device)
     expert_keep = expert_filter(experts) if experts is not None else None
 
     def keep(name: str) -> bool:  # the release's extras are never read
         return name not in extras and (expert_keep is None or expert_keep(name))
 
-    load_state_dict_into(model, iter_checkpoint(path, keep), experts=experts)
+    part = slice_reader(model, slices) if slices is not None else None
+    load_state_dict_into(model, iter_checkpoint(path, keep, part), experts=experts, slices=slices)
     cast_model(model, dtype)
     return model.eval()
 

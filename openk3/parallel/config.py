@@ -21,6 +21,7 @@ EP_METHODS = tuple(m.value for m in EPMethod)
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    tp: int = setting(1, "tensor-parallel ranks: attention heads, MLPs, shared experts and vocabulary split over them (docs/parallel.md)", low=1)
     ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
@@ -30,11 +31,24 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.tp > 1 and self.ep > 1 and self.ep != self.tp:
+            # every rank of a TP group holds the same tokens; experts over more ranks than that needs DP-attention groups
+            raise ValueError(
+                f"ParallelConfig: tp={self.tp} with ep={self.ep}: expert parallelism runs over the tensor-parallel group "
+                f"(ep=1 or ep={self.tp}); ep larger than tp needs data-parallel attention, which is not built yet (docs/parallel.md)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: the TP group, whose ranks also hold the experts when ep > 1."""
+        return max(self.tp, self.ep)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
-        if self.ep > 1 and engine.enable_prefix_caching:
-            raise ValueError(f"enable_prefix_caching=True with ep={self.ep}: prefix caching is not supported expert-parallel (docs/ep.md)")
-        if self.ep > 1 and engine.device.startswith("cuda:"):
+        ranks = f"ep={self.ep}" if self.tp == 1 else f"tp={self.tp}, ep={self.ep}"
+        if self.world_size > 1 and engine.enable_prefix_caching:
+            # prefix-cache snapshot copies and tier loads write the pools outside model calls, which the workers never see
+            raise ValueError(f"enable_prefix_caching=True with {ranks}: prefix caching is not supported on more than one rank yet (docs/parallel.md)")
+        if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
-            raise ValueError(f"device={engine.device!r} with ep={self.ep}: rank r takes GPU r, so name no index (device='cuda')")
+            raise ValueError(f"device={engine.device!r} with {ranks}: rank r takes GPU r, so name no index (device='cuda')")

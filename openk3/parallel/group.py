@@ -22,12 +22,25 @@ class ParallelContext:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None  # the EP group; None only for a world of one (no collectives are issued)
+    sizing_only: bool = False  # a rank's place without a group: shapes a model (meta device), any collective raises
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"ParallelContext: rank={self.rank}, world_size={self.world_size}, expected 0 <= rank < world_size")
-        if self.group is None and self.world_size != 1:
+        if self.group is None and self.world_size != 1 and not self.sizing_only:
             raise ValueError(f"ParallelContext: world_size={self.world_size} needs a process group (group=None only for one rank)")
+
+    @classmethod
+    def for_sizing(cls, rank: int, world_size: int) -> ParallelContext:
+        """Rank `rank` of `world_size` with no process group: enough to cut a model on the meta device and count one
+        rank's bytes (tests, capacity checks); running it raises at the first collective."""
+        return cls(rank, world_size, torch.device("meta"), None, sizing_only=True)
+
+    def connected(self) -> bool:
+        """Whether collectives have ranks to talk to (False for one rank, which needs none); a sizing-only context raises."""
+        if self.sizing_only and self.world_size > 1:
+            raise RuntimeError(f"ParallelContext: rank {self.rank} of {self.world_size} was made for sizing only (no process group)")
+        return self.group is not None
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -46,7 +59,7 @@ class ParallelContext:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[W, *t.shape]: every rank's `t` (same shape on every rank), stacked by rank."""
-        if self.group is None:
+        if not self.connected():
             return t.unsqueeze(0)
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
@@ -54,7 +67,7 @@ class ParallelContext:
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """send_counts [W, C] (row w: what this rank sends to rank w) -> [W, C] (row w: what rank w sends here)."""
-        if self.group is None:
+        if not self.connected():
             return send_counts.clone()
         send = send_counts.to(self.device).contiguous()
         recv = torch.empty_like(send)
@@ -67,7 +80,7 @@ class ParallelContext:
             raise ValueError(f"all_to_all: {len(send_counts)} send and {len(recv_counts)} receive counts, expected {self.world_size}")
         if sum(send_counts) != send_N.shape[0]:
             raise ValueError(f"all_to_all: send counts sum to {sum(send_counts)}, tensor has {send_N.shape[0]} rows")
-        if self.group is None:
+        if not self.connected():
             return send_N
         out = send_N.new_empty((sum(recv_counts), *send_N.shape[1:]))
         dist.all_to_all_single(out, send_N.contiguous(), list(recv_counts), list(send_counts), group=self.group)

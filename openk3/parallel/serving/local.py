@@ -1,5 +1,5 @@
-"""`LLM(..., ep=N)`: expert-parallel serving in one call. The caller's process is rank 0 and drives its engine, N - 1
-workers are spawned here (torch.multiprocessing; gloo on CPU, or one GPU per rank); each rank starts as ranks.py says.
+"""`LLM(..., ep=N)` / `LLM(..., tp=N)`: multi-rank serving in one call. The caller's process is rank 0 and drives its
+engine, N - 1 workers are spawned here (torch.multiprocessing; gloo on CPU, or one GPU per rank); each rank starts as ranks.py says.
 
 The caller's process joins a default process group for the LLM's lifetime, so it must not be in one already (under
 torchrun, use `openk3 serve --ep N`, torchrun.py). As with any spawn, the caller's script needs an
@@ -42,23 +42,24 @@ class LocalEP:
         if dist.is_initialized():
             raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
         if isinstance(source, torch.nn.Module) and not isinstance(source, K3ForCausalLM):
-            raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
+            raise ValueError(f"ep/tp: the model must be a K3ForCausalLM to shard it, got {type(source).__name__}")
+        world = config.world_size
         if not isinstance(source, torch.nn.Module):
             resolve_model(source)  # a bad name fails here, before any rank starts
         dev = torch.device(device)  # the caller has checked the settings together (ParallelConfig.check_engine: no cuda:N)
-        if dev.type == "cuda" and torch.cuda.device_count() < config.ep:
-            raise ValueError(f"ep={config.ep} needs one GPU per rank, {torch.cuda.device_count()} visible")
+        if dev.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tp={config.tp}, ep={config.ep} needs one GPU per rank ({world}), {torch.cuda.device_count()} visible")
         port = free_port()
-        spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False)
+        spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False, tp=config.tp, ep=config.ep > 1)
         spawn = mp.get_context("spawn")
         self.workers = [
             spawn.Process(
                 target=_local_worker,
-                args=(r, config.ep, port, spec, dev.type, config.ep_threads, config.ep_timeout_s),
+                args=(r, world, port, spec, dev.type, config.ep_threads, config.ep_timeout_s),
                 daemon=True,
                 name=f"openk3-ep{r}",
             )
-            for r in range(1, config.ep)
+            for r in range(1, world)
         ]
         self.module = source if isinstance(source, torch.nn.Module) else None
         self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
@@ -67,7 +68,7 @@ class LocalEP:
             for w in self.workers:
                 w.start()
             # start-up and each collective wait at most ep_timeout_s: a worker that died is reported, not waited for forever
-            ctx = join_group(0, config.ep, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
+            ctx = join_group(0, world, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
             self.driver, self.backend = start_driver(ctx, spec)
         except BaseException:
             self._teardown(JOIN_TIMEOUT_S)

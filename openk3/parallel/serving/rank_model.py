@@ -35,6 +35,7 @@ from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_p
 from openk3.parallel.ep.shard import ExpertShard
 from openk3.parallel.ep.static_backend import ExpertParallelBackend
 from openk3.parallel.group import ParallelContext
+from openk3.parallel.tp.shard import parallelize_tensor
 
 EPLB_REDUNDANT_FRACTION = 0.1
 
@@ -109,12 +110,19 @@ def load_rank_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     collect_stats: bool = True,
-) -> tuple[K3ForCausalLM, TokenSplit]:
-    """Load a checkpoint folder with only this rank's experts and attach the expert-parallel backend."""
+    tp: int = 1,
+    ep: bool = True,
+) -> tuple[K3ForCausalLM, TokenSplit | None]:
+    """Load a checkpoint folder with only this rank's part: its experts (ep), its tensor-parallel blocks (tp > 1: the
+    group is the TP group; without ep every expert is split by width instead). Returns the expert-parallel backend
+    attached, None without ep."""
+    layout = (lambda model: parallelize_tensor(model, ctx, split_experts=not ep)) if tp > 1 else None
+    if not ep:
+        return load_model(folder, dtype=dtype, device=device, layout=layout), None
     config = config_from_hf(Path(folder))
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
-    model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank))
+    model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank), layout=layout)
     return model, attach_rank_experts(model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats)
 
 

@@ -1,5 +1,6 @@
-"""One rank's start-up in expert-parallel serving, the same on every rank because group creation is collective: open the
-step channel (its own gloo group), build this rank's model (trunk + its experts only, rank_model.py), report the outcome
+"""One rank's start-up in multi-rank serving, the same on every rank because group creation is collective: open the
+step channel (its own gloo group), build this rank's model (its tensor-parallel shard of the trunk, and its experts only
+with expert parallelism: rank_model.py, openk3.parallel.tp), report the outcome
 in a handshake (so a rank that failed is reported by rank 0 and the others leave), then rank 0 wraps its model in an
 EPDriver for its engine while the others run the worker loop until rank 0 closes the driver.
 
@@ -10,6 +11,7 @@ Used by both ways of starting the ranks: LocalEP (this process is rank 0, the wo
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.rank_model import attach_rank_experts, engine_placements, load_rank_model
 from openk3.parallel.serving.step_channel import StepChannel
+from openk3.parallel.tp.shard import parallelize_tensor
 from openk3.serve.loading import resolve_model
 from openk3.serve.prepare import prepare_for_serving
 
@@ -37,33 +40,49 @@ class RankModelSpec:
     dtype: torch.dtype
     seed: int
     collect_stats: bool
+    tp: int = 1  # the group's ranks are one tensor-parallel group when > 1 (then equal to the world size)
+    ep: bool = True  # experts sharded by expert over the group (else, with tp > 1, every expert split by width)
 
 
-def build_rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit]:
-    """This rank's model with the expert-parallel backend attached, in the serving layout (serve/prepare.py; the same on
-    every rank). A checkpoint folder is read per rank (own experts only); a preset without a checkpoint is built from its
-    seed on every rank, then cut; a module is cut (rank 0 copies its shard, so the caller's module keeps its experts)."""
+def build_rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | None]:
+    """This rank's model (and its expert-parallel backend, None without expert parallelism), in the serving layout
+    (serve/prepare.py; the same on every rank). A checkpoint folder is read per rank (own shard and experts only); a
+    preset without a checkpoint is built from its seed on every rank, then cut; a module is cut (rank 0 cuts a copy or
+    copies its expert shard, so the caller's module keeps its weights)."""
+    if spec.tp > 1 and spec.tp != ctx.world_size:
+        raise ValueError(f"tensor parallel: tp={spec.tp} but the group has {ctx.world_size} ranks")
     model, backend = _rank_model(spec, ctx)
     prepare_for_serving(model, ctx.device)
     return model, backend
 
 
-def _rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit]:
+def _rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | None]:
     source, method = spec.source, spec.method
+    tensor_parallel = spec.tp > 1
     if isinstance(source, torch.nn.Module):
         if not isinstance(source, K3ForCausalLM):
-            raise ValueError(f"ep: the model must be a K3ForCausalLM to shard its experts, got {type(source).__name__}")
+            raise ValueError(f"ep/tp: the model must be a K3ForCausalLM to shard it, got {type(source).__name__}")
+        if tensor_parallel:  # the workers hold their own (pickled) copy; rank 0 must not cut the caller's module
+            source = copy.deepcopy(source) if ctx.rank == 0 else source
+            parallelize_tensor(source, ctx, split_experts=not spec.ep)
+        if not spec.ep:
+            return source, None
         layers = [moe.layer_index for moe in source.moe_layers()]
         placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method)
-        backend = attach_rank_experts(source, ctx, method, placements, loaded_per_rank=False, drop_full_banks=ctx.rank != 0, collect_stats=spec.collect_stats)
+        drop = tensor_parallel or ctx.rank != 0
+        backend = attach_rank_experts(source, ctx, method, placements, loaded_per_rank=False, drop_full_banks=drop, collect_stats=spec.collect_stats)
         return source, backend
     folder = resolve_model(source)
     if folder is not None:
-        return load_rank_model(folder, ctx, method, spec.dtype, ctx.device, spec.collect_stats)
+        return load_rank_model(folder, ctx, method, spec.dtype, ctx.device, spec.collect_stats, tp=spec.tp, ep=spec.ep)
     config = preset(str(source))
     net = K3ForCausalLM(config)
     net.init_weights(spec.seed)
     net = net.to(device=ctx.device, dtype=spec.dtype).eval()
+    if tensor_parallel:
+        parallelize_tensor(net, ctx, split_experts=not spec.ep)
+    if not spec.ep:
+        return net, None
     placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method)
     return net, attach_rank_experts(net, ctx, method, placements, loaded_per_rank=False, drop_full_banks=True, collect_stats=spec.collect_stats)
 
@@ -86,7 +105,7 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
     return run_worker(model, channel, ctx.device, backend)
 
 
-def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, TokenSplit]:
+def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, TokenSplit | None]:
     """Rank 0's side of the start-up: the channel, its model, the handshake, and the driver the engine is given in place
     of the model. Raises this rank's own error, else the first worker's that failed to build its model."""
     channel = StepChannel(ctx)
@@ -99,5 +118,5 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
         raise
     failures = [f for f in channel.report_ready(None) if f is not None]
     if failures:
-        raise RuntimeError(f"expert-parallel start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
-    return EPDriver(model, channel, backend.inner), backend
+        raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
+    return EPDriver(model, channel, backend.inner if backend is not None else None), backend

@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node N -m openk3 serve --ep N`: one process per rank; rank 0 serves and drives, the others follow.
+"""`torchrun --nproc-per-node N -m openk3 serve --ep N` (or `--tp N`): one process per rank; rank 0 serves and drives, the others follow.
 
 Every rank joins the group torchrun describes (launch.init_from_env), then rank 0 runs the caller's `rank0` (the HTTP
 server, whose engine drives the workers through an EPDriver, ranks.start_driver) and the others run the worker loop
@@ -37,12 +37,12 @@ def serve_ranks(
     try:
         ctx = init_from_env(device, datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        print(f"{prog}: --ep {size} runs one process per rank: {e}", file=sys.stderr)
+        print(f"{prog}: {size} ranks (--tp/--ep) run one process per rank: {e}", file=sys.stderr)
         return 2
     rc = 0
     try:
         if ctx.world_size != size:
-            print(f"{prog}: --ep {size} but torchrun started {ctx.world_size} ranks; use --nproc-per-node {size}", file=sys.stderr)
+            print(f"{prog}: --tp/--ep ask for {size} ranks but torchrun started {ctx.world_size}; use --nproc-per-node {size}", file=sys.stderr)
             rc = 2
         elif ctx.rank != 0:
             for sig in (signal.SIGINT, signal.SIGTERM):

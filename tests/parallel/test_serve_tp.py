@@ -1,0 +1,61 @@
+"""`torchrun --nproc-per-node 2 -m openk3 serve --tp 2`: each rank reads its tensor-parallel blocks of the embedded tiny
+checkpoint (MXFP4 experts split by width), rank 0 serves and drives; the completion equals a single process's and
+SIGTERM to rank 0 stops both ranks cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from openk3.llm import LLM
+from openk3.parallel.launch import free_port
+from openk3.serve.sampling import SamplingParams
+from tests.parallel.test_serve_ep import PROMPT, ROOT, STOP_TIMEOUT_S, wait_until_up
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_serve_tp2_under_torchrun(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "openk3", "serve", "--model", "tiny", "--tp", "2"]
+    cmd += ["--port", str(port), "--torch-threads", "1", "--max-num-seqs", "4", "--log-level", "info"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_up(url, proc, log)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
+        assert reply.status_code == 200, reply.text
+
+        torch.set_num_threads(1)
+        llm = LLM("tiny")
+        want = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+        llm.close()
+        assert reply.json()["choices"][0]["text"] == want.text
+
+        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
+        assert started, log.read_text()[-3000:]
+        os.kill(int(started.group(1)), signal.SIGTERM)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"rank 1: stopped after [1-9]\d* steps", text), text[-3000:]

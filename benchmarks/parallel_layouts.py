@@ -4,11 +4,13 @@ process drives, the other ranks are spawned) against one process, same prompts, 
 Greedy decoding of P prompts x T new tokens (ignore_eos), after one untimed warm-up generate per engine; every process
 runs torch with --threads intra-op threads. tok/s = generated tokens / wall time of the timed generate; the ratio is
 against the single process of the same run; a layout whose tokens differ from it is reported as MISMATCH, without a
-time. Collectives are counted on rank 0 (every rank issues the same ones) by wrapping torch.distributed's calls, per
+time (in bfloat16, where reduction order changes roundings, the check says how many sequences diverge and where, and
+the time is kept). Collectives are counted on rank 0 (every rank issues the same ones) by wrapping torch.distributed's calls, per
 model forward, split into the model's (all-reduce, all-gather, all-to-all) and the step channel's broadcasts.
 
   python benchmarks/parallel_layouts.py                       # tiny, 4 prompts x 32 tokens, tp2 / ep2 / tp2+ep2
   python benchmarks/parallel_layouts.py --model debug --tokens 16
+  python benchmarks/parallel_layouts.py --dtype bfloat16 --layouts tp2    # the bf16 divergence rate of TP2
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ PROMPTS = [
     "In the beginning was the Word",
     "The quick brown fox jumps over",
     "Once upon a time, in a land far away,",
-]
+] + [f"Prompt number {i}: the story of" for i in range(4, 16)]
 LAYOUTS: dict[str, dict[str, Any]] = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2+ep2": {"tp": 2, "ep": 2}}
 COUNTED = ("all_reduce", "all_gather", "all_to_all_single", "broadcast")
 calls: collections.Counter[str] = collections.Counter()
@@ -78,6 +80,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts {args.prompts}: expected 1..{len(PROMPTS)}")
@@ -91,19 +94,24 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print("command: python " + " ".join(sys.argv))
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s) per process, commit {commit}")
-    print(f"model {args.model}, {args.prompts} prompts x {args.tokens} greedy tokens\n")
+    print(f"model {args.model} ({args.dtype}), {args.prompts} prompts x {args.tokens} greedy tokens\n")
 
-    want, base, _ = timed(LLM(args.model), prompts, params)
+    want, base, _ = timed(LLM(args.model, dtype=args.dtype), prompts, params)
     header = "| layout | tok/s | vs one process | all-reduce / fwd | all-gather / fwd | all-to-all / fwd | step broadcasts / fwd | check |"
     rows = [f"| one process | {new_tokens / base:.1f} | 1.00 | 0 | 0 | 0 | 0 | reference |"]
     for name in args.layouts:
-        got, wall, counted = timed(LLM(args.model, ep_threads=args.threads, **LAYOUTS[name]), prompts, params)
+        got, wall, counted = timed(LLM(args.model, dtype=args.dtype, ep_threads=args.threads, **LAYOUTS[name]), prompts, params)
         forwards = max(counted.get("forward", 0), 1)
         per = [f"{counted.get(c, 0) / forwards:.1f}" for c in COUNTED]
-        if got != want:
+        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None) for x, y in zip(want, got, strict=True)]
+        diverged = [i for i in first if i is not None]
+        if not diverged:
+            rows.append(f"| {name} | {new_tokens / wall:.1f} | {base / wall:.2f} | {' | '.join(per)} | tokens equal |")
+        elif args.dtype == "float32":
             rows.append(f"| {name} | - | - | {' | '.join(per)} | MISMATCH |")
         else:
-            rows.append(f"| {name} | {new_tokens / wall:.1f} | {base / wall:.2f} | {' | '.join(per)} | tokens equal |")
+            check = f"{len(diverged)}/{len(prompts)} sequences diverge (first at token {min(diverged)})"
+            rows.append(f"| {name} | {new_tokens / wall:.1f} | {base / wall:.2f} | {' | '.join(per)} | {check} |")
     print(header)
     print("|" + "---|" * 8)
     print("\n".join(rows))

@@ -7,10 +7,12 @@ flags; `config=` / `parallel=` take whole config objects, which overrides then a
 large projections also in oneDNN's blocked layout (pack_cpu_weights, a second copy of them); a module passed in is not,
 since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
 
-`ep=N` runs the model expert-parallel over N local ranks: this process is rank 0 and drives, N - 1 spawned workers hold the
-other experts (openk3.parallel.serving.local; docs/ep.md). Call close() (or use `with LLM(...) as llm:`) to stop them and
-leave the process group. Prefix caching is refused with ep > 1, and the ranks do not pack their projections for CPU
-(pack_cpu_weights applies to a single-process engine).
+`ep=N` runs the model expert-parallel over N local ranks, `tp=N` tensor-parallel (and `tp=N, ep=N` both): this process
+is rank 0 and drives, N - 1 spawned workers hold the other shards (openk3.parallel.serving.local; docs/parallel.md).
+`dp=N, ep=N` is data-parallel attention: every rank runs an engine of these settings over the requests rank 0 places on
+it (openk3.parallel.dp). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the process group. Prefix
+caching is refused on more than one rank except with dp > 1 (each rank's engine owns its cache), and the ranks do not
+pack their projections for CPU (pack_cpu_weights applies to a single-process engine).
 
 The C heap setting of `openk3 serve` (serve/cpu_heap.py) is a process option: call keep_heap_for_reuse() for the same here.
 """
@@ -28,7 +30,7 @@ import torch
 from openk3.options import split_overrides
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.config import EngineConfig
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import EngineCore, LLMEngine
 from openk3.serve.loading import build_model, model_tokenizer
 from openk3.serve.output import OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.runner import CausalLM
@@ -53,7 +55,7 @@ class LLM:
         parallel = dataclasses.replace(parallel or ParallelConfig(), **parallel_overrides)
         parallel.check_engine(config)
         config = config.with_packing_default(owns_model=not isinstance(model, torch.nn.Module))  # nothing else writes to it
-        net: CausalLM
+        net: CausalLM | None
         self._ep = None
         if parallel.world_size != 1:
             from openk3.parallel.serving.local import LocalEP
@@ -62,16 +64,20 @@ class LLM:
                 tok = tokenizer or ByteTokenizer(max(256, cast(CausalLM, model).config.vocab_size))
             else:
                 tok = tokenizer or model_tokenizer(model, config.seed)
-            self._ep = LocalEP(model, parallel, config.torch_dtype, config.device, config.seed)
-            assert self._ep.driver is not None  # set once LocalEP is up
-            net = self._ep.driver
+            self._ep = LocalEP(model, parallel, config.torch_dtype, config.device, config.seed, config, tok)
+            net = self._ep.driver  # None with dp > 1: the ranks' own engines run the model
         elif isinstance(model, torch.nn.Module):
             net = cast(CausalLM, model)  # any module obeying the contract (tests pass fakes)
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
             net, tok = build_model(model, config.torch_dtype, config.device, config.seed, tokenizer=tokenizer)
+        self.engine: EngineCore
         try:
-            self.engine = LLMEngine(net, tok, config)
+            if self._ep is not None and self._ep.dp_engine is not None:
+                self.engine = self._ep.dp_engine
+            else:
+                assert net is not None
+                self.engine = LLMEngine(net, tok, config)
         except BaseException:
             if self._ep is not None:
                 self._ep.close()

@@ -154,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
+    if parallel.dp > 1:
+        # the server's front end, metrics and admission read one engine's scheduler and cache; DP ranks each have their own
+        print(f"openk3 serve: --dp {parallel.dp}: data-parallel attention runs offline (LLM(dp=N, ep=N)) only so far, not behind the server", file=sys.stderr)
+        return 2
     from openk3.serve.cpu_heap import apply_heap_mode
 
     apply_heap_mode(args.cpu_heap)  # the process's own setting, on every rank (serve/cpu_heap.py)

@@ -23,6 +23,9 @@ EP_METHODS = tuple(m.value for m in EPMethod)
 class ParallelConfig:
     tp: int = setting(1, "tensor-parallel ranks: attention heads, MLPs, shared experts and vocabulary split over them (docs/parallel.md)", low=1)
     ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
+    dp: int = setting(
+        1, "data-parallel attention ranks: each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp (docs/parallel.md)", low=1
+    )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
     ep_timeout_s: float = setting(
@@ -31,6 +34,11 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.dp > 1 and (self.tp != 1 or self.ep != self.dp):
+            raise ValueError(
+                f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention runs with ep={self.dp} (the MoE "
+                "layers are what the ranks share) and tp=1; tensor parallelism inside each DP rank is not built yet (docs/parallel.md)"
+            )
         if self.tp > 1 and self.ep > 1 and self.ep != self.tp:
             # every rank of a TP group holds the same tokens; experts over more ranks than that needs DP-attention groups
             raise ValueError(
@@ -40,14 +48,15 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes one engine runs on: the TP group, whose ranks also hold the experts when ep > 1."""
-        return max(self.tp, self.ep)
+        """Processes one engine runs on: the DP ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
+        return self.dp if self.dp > 1 else max(self.tp, self.ep)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = f"ep={self.ep}" if self.tp == 1 else f"tp={self.tp}, ep={self.ep}"
-        if self.world_size > 1 and engine.enable_prefix_caching:
+        if self.world_size > 1 and self.dp == 1 and engine.enable_prefix_caching:
             # prefix-cache snapshot copies and tier loads write the pools outside model calls, which the workers never see
+            # (with dp > 1 each rank's engine owns its pools, prefix cache included)
             raise ValueError(f"enable_prefix_caching=True with {ranks}: prefix caching is not supported on more than one rank yet (docs/parallel.md)")
         if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device

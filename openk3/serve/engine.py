@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,6 +41,29 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
+
+
+class EngineCore(Protocol):
+    """What OutputProcessor and LLM drive: LLMEngine, or an engine of the same surface spread over ranks
+    (openk3.parallel.dp.DataParallelEngine)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def model(self) -> CausalLM: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None: ...
+
+    def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[EngineCoreOutput]: ...
+
+    def close(self) -> None: ...
 
 
 def _param(model: CausalLM) -> torch.Tensor | None:
@@ -91,6 +115,12 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
+        self.check_prompt(ids)
+        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id))
+        self._prompt_tokens_total += len(ids)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt this engine cannot take (empty, ids outside the vocabulary, longer than the model length)."""
         if not ids:
             raise ValueError("prompt is empty: expected at least one token")
         vocab = self.model_config.vocab_size
@@ -98,8 +128,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum model length of {self.max_model_len}")
-        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id))
-        self._prompt_tokens_total += len(ids)
 
     def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None:
         """End a request wherever it is (frees its pages and slot at once); its metrics, or None for an unknown id."""

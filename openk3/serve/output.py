@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import EngineCore
 from openk3.serve.output_types import (
     CompletionOutput,
     FinishedRequest,
@@ -103,7 +103,7 @@ class _Group:
 class OutputProcessor:
     """Owns, for one engine, every caller request's samples, their text and their stop strings (module docstring)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._groups: dict[str, _Group] = {}

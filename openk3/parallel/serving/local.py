@@ -17,28 +17,45 @@ import torch.multiprocessing as mp
 
 from openk3.model.model import K3ForCausalLM
 from openk3.parallel.config import ParallelConfig
+from openk3.parallel.dp.engine import DataParallelEngine
 from openk3.parallel.launch import free_port, join_group, rank_device
 from openk3.parallel.serving.driver import EPDriver
-from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_worker_rank, start_driver
+from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_dp_worker_rank, run_worker_rank, start_dp_leader, start_driver
+from openk3.serve.config import EngineConfig
 from openk3.serve.loading import resolve_model
+from openk3.serve.tokenizer import Tokenizer
 
 JOIN_TIMEOUT_S = 60.0  # all workers together, after STOP
 KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
 
 
-def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float) -> None:
+def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float, engine: EngineConfig | None) -> None:
     torch.set_num_threads(threads)
     ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), datetime.timedelta(seconds=timeout_s))
     try:
-        run_worker_rank(ctx, spec)
+        if engine is not None:
+            run_dp_worker_rank(ctx, spec, engine)
+        else:
+            run_worker_rank(ctx, spec)
     finally:
         dist.destroy_process_group()
 
 
 class LocalEP:
-    """Rank 0 in the caller's process, ranks 1..N-1 spawned here; `driver` is the model the caller's engine runs."""
+    """Rank 0 in the caller's process, ranks 1..N-1 spawned here; `driver` is the model the caller's engine runs, or with
+    data-parallel attention (dp > 1) `dp_engine` is the engine the caller steps (every rank runs an engine of `engine`'s
+    settings; rank 0's uses `tokenizer`)."""
 
-    def __init__(self, source: ModelSource, config: ParallelConfig, dtype: torch.dtype, device: torch.device | str, seed: int) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        config: ParallelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        seed: int,
+        engine: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         if dist.is_initialized():
             raise ValueError("LLM(ep=N) spawns its own ranks, but this process is already in a process group (torchrun?): use `openk3 serve --ep N`")
         if isinstance(source, torch.nn.Module) and not isinstance(source, K3ForCausalLM):
@@ -50,12 +67,15 @@ class LocalEP:
         if dev.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tp={config.tp}, ep={config.ep} needs one GPU per rank ({world}), {torch.cuda.device_count()} visible")
         port = free_port()
-        spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False, tp=config.tp, ep=config.ep > 1)
+        if config.dp > 1 and (engine is None or tokenizer is None):
+            raise ValueError("LocalEP: data-parallel attention (dp > 1) runs an engine on every rank: give its EngineConfig and rank 0's tokenizer")
+        spec = RankModelSpec(source, config.ep_method, dtype, seed, collect_stats=False, tp=config.tp, ep=config.ep > 1, dp=config.dp)
+        worker_engine = engine if config.dp > 1 else None
         spawn = mp.get_context("spawn")
         self.workers = [
             spawn.Process(
                 target=_local_worker,
-                args=(r, world, port, spec, dev.type, config.ep_threads, config.ep_timeout_s),
+                args=(r, world, port, spec, dev.type, config.ep_threads, config.ep_timeout_s, worker_engine),
                 daemon=True,
                 name=f"openk3-ep{r}",
             )
@@ -64,12 +84,17 @@ class LocalEP:
         self.module = source if isinstance(source, torch.nn.Module) else None
         self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
         self.driver: EPDriver | None = None
+        self.dp_engine: DataParallelEngine | None = None
         try:
             for w in self.workers:
                 w.start()
             # start-up and each collective wait at most ep_timeout_s: a worker that died is reported, not waited for forever
             ctx = join_group(0, world, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
-            self.driver, self.backend = start_driver(ctx, spec)
+            if config.dp > 1:
+                assert engine is not None and tokenizer is not None
+                self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer)
+            else:
+                self.driver, self.backend = start_driver(ctx, spec)
         except BaseException:
             self._teardown(JOIN_TIMEOUT_S)
             raise
@@ -79,13 +104,18 @@ class LocalEP:
 
         After a failed step the workers are stuck in that step's collectives and cannot read a STOP: they are killed,
         so close() returns in seconds instead of waiting out the group's timeout."""
-        if self.driver is not None and self.driver.failed:
-            self.driver.close()
+        failed = (self.driver is not None and self.driver.failed) or (self.dp_engine is not None and self.dp_engine.failed)
+        if failed:
+            for stopper in (self.driver, self.dp_engine):
+                if stopper is not None:
+                    stopper.close()  # sends nothing once failed
             self._teardown(0.0)
             return
         try:
             if dist.is_initialized() and self.driver is not None and not self.driver.closed:
                 self.driver.close()
+            if dist.is_initialized() and self.dp_engine is not None:
+                self.dp_engine.close()
         finally:
             self._teardown(JOIN_TIMEOUT_S)
 

@@ -29,7 +29,7 @@ from openk3.model.moe import DenseExperts, PackedExperts
 from openk3.model.weights import load_model
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.parallel.config import EPMethod
-from openk3.parallel.ep.backend import TokenSplit
+from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
 from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_placement, redundant_for
 from openk3.parallel.ep.shard import ExpertShard
@@ -75,8 +75,10 @@ def attach_rank_experts(
     loaded_per_rank: bool,
     drop_full_banks: bool = True,
     collect_stats: bool = True,
-) -> TokenSplit:
-    """Attach the expert-parallel backend (tokens replicated, experts sharded) and return it.
+    replicated_tokens: bool = True,
+) -> TokenSplit | EPBackend:
+    """Attach the expert-parallel backend (experts sharded; tokens replicated, so wrapped in TokenSplit, or each rank's own
+    with data-parallel attention) and return it.
 
     loaded_per_rank: the model's banks already hold exactly this rank's experts in placement order (load_rank_model);
     otherwise they are full banks, cut here (and replaced when drop_full_banks, else copied so the caller's module keeps
@@ -98,7 +100,7 @@ def attach_rank_experts(
         inner: ExpertParallelBackend | MoonEPBackend = MoonEPBackend(ctx, shards, collect_stats=collect_stats)
     else:
         inner = ExpertParallelBackend(ctx, shards, placements, collect_stats)
-    backend = TokenSplit(ctx, inner)
+    backend: TokenSplit | EPBackend = TokenSplit(ctx, inner) if replicated_tokens else inner
     model.set_expert_backend(backend)
     return backend
 
@@ -112,7 +114,8 @@ def load_rank_model(
     collect_stats: bool = True,
     tp: int = 1,
     ep: bool = True,
-) -> tuple[K3ForCausalLM, TokenSplit | None]:
+    replicated_tokens: bool = True,
+) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
     """Load a checkpoint folder with only this rank's part: its experts (ep), its tensor-parallel blocks (tp > 1: the
     group is the TP group; without ep every expert is split by width instead). Returns the expert-parallel backend
     attached, None without ep."""
@@ -123,14 +126,15 @@ def load_rank_model(
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
     model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank), layout=layout)
-    return model, attach_rank_experts(model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats)
+    return model, attach_rank_experts(model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats, replicated_tokens=replicated_tokens)
 
 
-def resident_expert_bytes(model: K3ForCausalLM, backend: TokenSplit | None = None) -> int:
+def resident_expert_bytes(model: K3ForCausalLM, backend: TokenSplit | EPBackend | None = None) -> int:
     """Bytes of routed-expert weights this process holds: the model's banks and the backend's shards, each storage once."""
     tensors = [t for moe in model.moe_layers() for t in list(moe.experts.parameters()) + list(moe.experts.buffers())]
     if backend is not None:
-        for shard in getattr(backend.inner, "shards", {}).values():
+        inner = backend.inner if isinstance(backend, TokenSplit) else backend
+        for shard in getattr(inner, "shards", {}).values():
             bank = shard.bank
             if isinstance(bank, DenseExpertBank):
                 tensors += [bank.w1_EID, bank.w3_EID, bank.w2_EDI]

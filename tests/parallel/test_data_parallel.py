@@ -1,0 +1,113 @@
+"""Data-parallel attention with expert parallelism (`LLM(dp=2, ep=2)`): every rank runs an engine of its own over the
+requests rank 0 places on it, the MoE layers exchange tokens across the ranks, and the tokens equal one process's,
+with the prefix cache on and with stop strings that rank 0 applies to a remote rank's request."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from openk3.config import debug
+from openk3.llm import LLM
+from openk3.model import K3ForCausalLM
+from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.parallel.config import ParallelConfig
+from openk3.parallel.dp.engine import DataParallelEngine
+from openk3.parallel.dp.lockstep import LockstepModel
+from openk3.parallel.dp.router import DPRouter
+from openk3.serve.sampling import SamplingParams
+
+SHARED = [9] * 70  # two prompts share their first 64-token match unit: one rank's prefix cache serves both
+PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [200, 1, 1, 7], list(range(30, 70)), SHARED, [*SHARED, 3]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+
+
+def generate(dp: int = 1, prefix: bool = False) -> tuple[list[list[list[int]]], list[int]]:
+    """Greedy and seeded tokens for PROMPTS, and the prompt tokens each DP rank received."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the preset's "random weights" warning
+        with LLM("debug", max_num_batched_tokens=16, dp=dp, ep=dp, enable_prefix_caching=prefix) as llm:
+            tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, p)] for p in (GREEDY, SEEDED)]
+            engine = llm.engine
+            received = [s.prompt_tokens_total if s else 0 for s in engine.rank_stats()] if isinstance(engine, DataParallelEngine) else []
+            return tokens, received
+
+
+@pytest.fixture(scope="module")
+def single_process() -> list[list[list[int]]]:
+    return generate()[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_dp2_ep2_tokens_equal_single_process(prefix: bool, single_process: list[list[list[int]]]) -> None:
+    got, received = generate(dp=2, prefix=prefix)
+    assert got[0] == single_process[0], "greedy"
+    assert got[1] == single_process[1], "seeded sampling (per-request generators)"
+    assert all(n > 0 for n in received), f"both ranks served requests: {received}"
+
+
+@pytest.mark.distributed
+def test_dp2_stop_strings_end_remote_requests_as_one_process_does() -> None:
+    torch.set_num_threads(1)
+    prompts = ["And God said", "In the beginning", "Once upon a time"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM("debug") as llm:
+            free = [o.outputs[0].text for o in llm.generate(prompts, GREEDY)]
+        # a stop string from the middle of each greedy text: every request ends on a stop string rank 0 finds
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=(text[3:5],)) for text in free]
+        with LLM("debug") as llm:
+            want = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+        with LLM("debug", dp=2, ep=2) as llm:
+            got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+            assert not llm.engine.has_unfinished()
+    assert got == want and all(reason == "stop" for _, reason in got)
+
+
+def test_router_keeps_a_prefix_home_and_balances_the_rest() -> None:
+    router = DPRouter(2, match_unit=4, max_imbalance_tokens=10)
+    assert router.place("a", [1, 2, 3, 4, 5], max_tokens=5) == 0  # least loaded (tie: lowest rank)
+    assert router.place("b", [7, 7], max_tokens=1) == 1  # least loaded
+    assert router.place("c", [1, 2, 3, 4, 9], max_tokens=1) == 0  # the prefix's home, within the imbalance bound
+    assert router.load == [16, 3]
+    assert router.place("d", [1, 2, 3, 4, 8], max_tokens=20) == 1  # home 16 vs 3: 13 > 10, the lighter rank wins...
+    router.release("b")
+    router.release("b")  # idempotent
+    assert router.load == [16, 25] and router.rank_of("b") is None
+    assert router.place("e", [1, 2, 3, 4], max_tokens=0) == 1  # ...and is the prefix's home now: 25 vs 16 is within 10
+    assert router.num_placed == 4
+    with pytest.raises(ValueError, match="already placed"):
+        router.place("a", [1], 1)
+
+
+def test_lockstep_runs_one_forward_per_step() -> None:
+    model = K3ForCausalLM(debug()).eval()
+    lockstep = LockstepModel(model, torch.device("cpu"))
+    lockstep.end_step()  # the engine ran nothing: a dummy forward keeps the collectives in step
+    assert lockstep.dummy_forwards == 1
+    cache = CacheTensors.allocate(model.config, 1, 2, 16)
+    batch = ForwardBatch.for_step([[1, 2]], [0], [0], torch.tensor([[0, 1]]))
+    with torch.inference_mode():
+        lockstep(batch, cache)
+        lockstep.end_step()
+        assert lockstep.dummy_forwards == 1
+        lockstep(batch, cache)
+        lockstep(batch, cache)
+    with pytest.raises(RuntimeError, match="ran 2 forwards in one step"):
+        lockstep.end_step()
+
+
+def test_dp_layouts_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"dp=2 with tp=1, ep=1: data-parallel attention runs with ep=2"):
+        ParallelConfig(dp=2)
+    with pytest.raises(ValueError, match=r"dp=2 with tp=2, ep=2: .*tensor parallelism inside each DP rank is not built yet"):
+        ParallelConfig(dp=2, tp=2, ep=2)
+    assert ParallelConfig(dp=4, ep=4).world_size == 4
+    from openk3.serve.config import EngineConfig
+
+    ParallelConfig(dp=2, ep=2).check_engine(EngineConfig(enable_prefix_caching=True))  # each rank's engine owns its cache

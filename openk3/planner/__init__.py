@@ -9,7 +9,9 @@ Pure arithmetic on `openk3.config.ModelConfig` and the engine's cache byte specs
 Lower-level pieces: `working_set` / `max_concurrency` / `min_accelerators` (memory), `evaluate(Scenario)` (step time and
 cost), `search` (layouts x batch sizes under SLOs), `tier_table` (offload), `calibrate` (fit efficiencies), `why_not`
 (what does not fit, by how much), `support` (who can run a layout: openk3 today, and which engines), `resolve_model` /
-`load_hf_model` (presets or HF config.json files), `with_dtypes` (mixed quantisation), `RequestMix` / `demand` (workloads).
+`load_hf_model` (presets or HF config.json files), `with_dtypes` (mixed quantisation), `RequestMix` / `demand` (workloads),
+`pareto_rows` (the SLO-constrained front), `step_traffic` (decode-step bytes by flow), `compare` (xPyD disaggregation
+vs aggregated), `long_prefill` / `KDASplit` (PP and CP for long prompts).
 """
 
 from openk3.config import k3
@@ -17,6 +19,7 @@ from openk3.planner.attention import GQAConfig, GQAModelConfig, attention_shape
 from openk3.planner.balance import BalanceParams, rank_imbalance
 from openk3.planner.calibrate import Fit, Measurement, calibrate
 from openk3.planner.comm import CommParams, a2a_layer_time, bytes_per_token_per_layer, expected_destination_ranks
+from openk3.planner.disagg import Comparison, compare
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.energy import PowerParams
 from openk3.planner.hardware import Accelerator, Catalogue, System, load_catalogue
@@ -24,15 +27,27 @@ from openk3.planner.hf_load import HFModel, load_hf_model
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload, parse_tokens
 from openk3.planner.memory import MemoryBreakdown, max_concurrency, min_accelerators, weight_bytes, working_set
 from openk3.planner.models import ModelSource, deepseek_v3, k3_all_mla, kimi_k2, model_by_name, resolve_model
+from openk3.planner.pareto import FrontRow, pareto_rows
 from openk3.planner.perf import Efficiency, Metrics, Scenario, decode_step, evaluate, prefill_batch_step, prefill_step
 from openk3.planner.plan import Plan, PlanRequest, make_plan
+from openk3.planner.pp_cp import KDASplit, LongPrefill, long_prefill
 from openk3.planner.report import render_json, render_text, write_plot
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, Misfit, SearchSpace, search, why_not
 from openk3.planner.tiers import break_even_tokens, tier_table
+from openk3.planner.traffic import Traffic, step_traffic
 from openk3.planner.workload import Demand, RequestMix, demand
 
 __all__ = [
+    "Comparison",
+    "FrontRow",
+    "KDASplit",
+    "LongPrefill",
+    "Traffic",
+    "compare",
+    "long_prefill",
+    "pareto_rows",
+    "step_traffic",
     "SLO",
     "Accelerator",
     "Balance",

@@ -12,6 +12,7 @@ from openk3.planner.inputs import Balance, Quantisation, parse_tokens
 from openk3.planner.models import MODELS, resolve_model
 from openk3.planner.perf import Efficiency
 from openk3.planner.plan import PlanRequest, make_plan
+from openk3.planner.pp_cp import KDASplit
 from openk3.planner.report import PlotUnavailable, render_json, render_text, write_plot
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.workload import RequestMix
@@ -59,9 +60,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--eff-attention", type=float, default=None, help="attention kernel efficiency (default 0.3)")
     p.add_argument("--comm-overlap", type=float, default=None, help="fraction of communication hidden (default 0.7)")
     p.add_argument("--ideal", action="store_true", help="pure roofline: every efficiency 1, communication hidden")
+    p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
+    p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
+    p.add_argument(
+        "--kda-cp", default="sequential", choices=[k.value for k in KDASplit], help="KDA across CP ranks: state handed rank to rank, or a chunk-parallel scan"
+    )
+    p.add_argument("--disagg", action="store_true", help="with a workload: best prefill/decode-disaggregated (xPyD) plan beside the aggregated one")
     p.add_argument("--fill", type=float, default=0.9, help="fraction of usable HBM the plan may fill (default 0.9)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write charts (needs the optional matplotlib extra)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write charts (PNG/SVG by suffix): memory, Pareto front, bytes by flow; matplotlib extra")
     p.set_defaults(func=run)
     return p
 
@@ -119,7 +126,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         slo=SLO(min_user_tok_s=args.min_user_tok_s, max_ttft_s=args.max_ttft),
         efficiency=_efficiency(args),
         fill=args.fill,
-        space=SearchSpace(max_accelerators=args.max_accelerators),
+        disaggregate=args.disagg,
+        space=SearchSpace(max_accelerators=args.max_accelerators, max_pp=args.max_pp, max_cp=args.max_cp, kda_cp=KDASplit(args.kda_cp)),
     )
 
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from openk3.config import ModelConfig
+from openk3.config.tensor_parallel import tensor_parallel_split_params
 from openk3.planner.attention import attention_shape, attention_tp_problem, gqa_of
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
@@ -57,6 +58,18 @@ def weight_bytes(config: ModelConfig, quant: Quantisation) -> WeightBytes:
 def expert_bytes(config: ModelConfig, quant: Quantisation) -> float:
     """One routed expert of one layer (w1, w3, w2), with any per-tensor scales (NVFP4)."""
     return config.routed_expert_params() * quant.expert_bits / 8 + EXPERT_TENSORS * quant.expert_tensor_scale_bytes
+
+
+def trunk_bytes_per_rank(config: ModelConfig, quant: Quantisation, tp: int) -> float:
+    """Trunk bytes one TP rank holds: the part tensor parallelism splits over tp ranks plus the part every rank keeps whole
+    (norms, router, latent MoE projections, MLA's q_a/kv_a, KDA's f_a/g_a: config/tensor_parallel.py, which a runtime test
+    checks against openk3's own TP cut). A GQA model's trunk is treated as split whole (its small replicated part is not
+    counted)."""
+    w = weight_bytes(config, quant)
+    if tp == 1 or gqa_of(config) is not None:
+        return w.trunk_bytes / tp
+    split = tensor_parallel_split_params(config)
+    return w.trunk_bytes * (w.trunk_params - split + split / tp) / w.trunk_params
 
 
 def experts_per_rank(config: ModelConfig, layout: Layout) -> int:
@@ -128,9 +141,8 @@ class MemoryBreakdown:
 
 
 def _fixed_bytes(config: ModelConfig, quant: Quantisation, layout: Layout) -> tuple[float, float, float]:
-    w = weight_bytes(config, quant)
     routed = num_moe_layers(config) * experts_per_rank(config, layout) * expert_bytes(config, quant)
-    trunk = w.trunk_bytes / layout.tp
+    trunk = trunk_bytes_per_rank(config, quant, layout.tp)
     prefetch = 0.0
     if layout.balance == Balance.MOONEP:
         # up to E/R remote experts per rank for one layer, double-buffered so layer l+1 loads while l computes

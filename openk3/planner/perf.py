@@ -34,6 +34,7 @@ from openk3.planner.memory import (
     expert_bytes,
     experts_per_rank,
     num_moe_layers,
+    trunk_bytes_per_rank,
     weight_bytes,
     working_set,
 )
@@ -171,7 +172,7 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     seqs = tokens_per_group if decode else float(prompts)
 
     w = weight_bytes(config, quant)
-    trunk_read = (w.trunk_bytes - w.embedding_params * quant.trunk_bits / 8) / tp  # embedding rows are gathered, not streamed
+    trunk_read = trunk_bytes_per_rank(config, quant, tp) - w.embedding_params * quant.trunk_bits / 8 / tp  # embedding rows are gathered, not streamed
     trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc)
 
     total_tokens = tokens_per_group * layout.dp

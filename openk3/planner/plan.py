@@ -11,60 +11,19 @@ no speed or cost is reported for a layout that does not fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from openk3.config import ModelConfig
-from openk3.planner.balance import BalanceParams
-from openk3.planner.comm import CommParams
-from openk3.planner.energy import PowerParams
-from openk3.planner.hardware import System
-from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
-from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, tp_problem, weight_bytes
-from openk3.planner.perf import Efficiency, Metrics, Scenario
+from openk3.planner.disagg import Comparison, compare
+from openk3.planner.inputs import Balance, Layout, Workload
+from openk3.planner.memory import MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
+from openk3.planner.pareto import FrontRow, pareto_rows
+from openk3.planner.perf import Metrics, Scenario
+from openk3.planner.request import PlanRequest
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
 from openk3.planner.tiers import TierRow, break_even_tokens, tier_table
-from openk3.planner.workload import Demand, RequestMix, demand, seconds_per_request
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    config: ModelConfig
-    system: System
-    context: int
-    concurrency: int | None = None  # None: searched (the cheapest batch meeting the SLO)
-    prompt: int | None = None
-    quant: Quantisation = field(default_factory=Quantisation)
-    accelerators: int | None = None  # None: searched up to space.max_accelerators
-    tp: int | None = None  # None: searched (divisors of the heads inside the scale-up domain)
-    balance: Balance | None = None  # None: searched (space.balances)
-    redundant_experts: int | None = None  # None: searched (none, or one per rank with EPLB)
-    slo: SLO = field(default_factory=SLO)
-    efficiency: Efficiency = field(default_factory=Efficiency)
-    comm: CommParams = field(default_factory=CommParams)
-    balance_params: BalanceParams = field(default_factory=BalanceParams)
-    power: PowerParams = field(default_factory=PowerParams)
-    fill: float = DEFAULT_FILL
-    space: SearchSpace = field(default_factory=SearchSpace)
-    requests: RequestMix | None = None  # a workload: rank by $ per request and size the fleet (context/prompt derived from it)
-
-    def __post_init__(self) -> None:
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency={self.concurrency!r} is invalid: expected >= 1 sequence (or None to search it)")
-        if self.accelerators is not None and self.accelerators < 1:
-            raise ValueError(f"accelerators={self.accelerators!r} is invalid: expected >= 1")
-        if self.tp is not None:
-            if self.tp < 1:
-                raise ValueError(f"tp={self.tp!r} is invalid: expected >= 1")
-            problem = tp_problem(self.config, self.tp)
-            if problem:
-                raise ValueError(f"{problem} ({self.config.name})")
-            if self.accelerators is not None and self.accelerators % self.tp:
-                raise ValueError(f"tp={self.tp} is invalid: expected a divisor of accelerators={self.accelerators}")
-
-    @property
-    def pinned(self) -> bool:
-        return any(v is not None for v in (self.accelerators, self.tp, self.balance, self.redundant_experts, self.concurrency))
+from openk3.planner.traffic import Traffic, step_traffic
+from openk3.planner.workload import Demand, demand, seconds_per_request
 
 
 @dataclass(frozen=True)
@@ -85,6 +44,9 @@ class Plan:
     tiers: tuple[TierRow, ...]
     break_even: dict[str, int | None]
     demand: Demand | None = None  # with a workload: replicas, accelerators, $ per request, times per request
+    traffic: Traffic | None = None  # the headline's decode-step bytes by flow (weights, KV/state, all-to-all up/out)
+    front: tuple[FrontRow, ...] = ()  # every candidate of the whole search, flagged feasible / on the Pareto front
+    disagg: Comparison | None = None  # with `disaggregate`: best xPyD vs best aggregated under the same SLO and rate
 
     @property
     def metrics(self) -> Metrics | None:
@@ -94,7 +56,8 @@ class Plan:
     def support(self) -> Support | None:
         if self.layout is None:
             return None
-        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant)
+        lp = self.choice.long_prefill if self.choice else None
+        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, lp)
 
 
 def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:
@@ -164,11 +127,13 @@ def make_plan(req: PlanRequest) -> Plan:
     tiers: tuple[TierRow, ...] = ()
     break_even: dict[str, int | None] = {}
     sized: Demand | None = None
+    traffic: Traffic | None = None
     if choice is not None and layout is not None:
         sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
-        sized = demand(sc, choice.metrics, req.requests) if req.requests is not None and choice is not None else None
+        sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None
+        traffic = step_traffic(sc, choice.metrics.decode)
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
@@ -186,4 +151,7 @@ def make_plan(req: PlanRequest) -> Plan:
         tiers=tiers,
         break_even=break_even,
         demand=sized,
+        traffic=traffic,
+        front=pareto_rows(full.candidates),
+        disagg=compare(req) if req.disaggregate else None,
     )

@@ -1,4 +1,4 @@
-"""Render a `Plan`: readable text tables, a JSON document, and (optionally, with matplotlib) PNG charts.
+"""Render a `Plan`: readable text tables, a JSON document, and (optionally, with matplotlib, `plot.py`) charts.
 
 Numbers are printed at a precision that does not mislead (449 MB is "449.4 MB", not "0.4 GB"); a placeholder price is
 marked wherever a cost is printed; a layout that does not fit is shown only as the memory that explains why. The JSON
@@ -8,11 +8,12 @@ and holds every candidate of the search; it contains only finite numbers (a non-
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from openk3.planner.attention import attention_shape
 from openk3.planner.dtypes import describe as describe_quant
+from openk3.planner.pareto import front
 from openk3.planner.plan import Plan
+from openk3.planner.plot import PlotUnavailable, write_plot
+from openk3.planner.report_disagg import comparison_lines
 from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
@@ -44,9 +45,9 @@ def _price_note(plan: Plan) -> str:
 
 def _candidate_row(c: Candidate, plan: Plan) -> list[str]:
     m = c.metrics
-    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant)
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, c.long_prefill)
     return [
-        c.layout.describe(),
+        c.describe(),
         str(c.seqs_per_group),
         f"{m.per_user_tok_s:.1f}",
         f"{m.ttft_s:.2f}",
@@ -103,6 +104,34 @@ def _search_tables(plan: Plan) -> list[str]:
     return out
 
 
+def _front_table(plan: Plan) -> list[str]:
+    rows = front(plan.front)
+    n_ok = sum(r.feasible for r in plan.front)
+    out = [f"Pareto front of the whole search under the SLO ({len(plan.front):,} points, {n_ok:,} feasible, {len(rows)} on the front):"]
+    if not rows:
+        return [*out, "  empty: no point meets the SLO"]
+    body = [[r.candidate.describe(), f"{r.candidate.concurrency:,}", f"{r.per_user_tok_s:.1f}", f"{r.per_accelerator_tok_s:,.0f}",
+             f"{r.candidate.metrics.usd_per_m_output:.3f}"] for r in rows]  # fmt: skip
+    return [*out, _table(["layout", "sequences", "tok/s/user", "tok/s/acc", "$/1M out"], body)]
+
+
+def _traffic_table(plan: Plan) -> list[str]:
+    t = plan.traffic
+    if t is None:
+        return []
+    n = max(t.tokens, 1e-9)
+    rows = [
+        ["weights (HBM read)", _size(t.weights), _size(t.weights / n)],
+        ["KV/state (HBM read + KDA write)", _size(t.kv_state), _size(t.kv_state / n)],
+        ["expert all-to-all, scale-up (NVLink)", _size(t.a2a_scale_up), _size(t.a2a_scale_up / n)],
+        ["expert all-to-all, scale-out (NIC)", _size(t.a2a_scale_out), _size(t.a2a_scale_out / n)],
+        ["TP all-reduce, scale-up / scale-out", f"{_size(t.allreduce_scale_up)} / {_size(t.allreduce_scale_out)}", ""],
+        ["MoonEP weight prefetch", _size(t.prefetch), ""],
+    ]
+    head = f"bytes per decode step on the busiest rank ({t.tokens:,.0f} tokens; fabric bytes are sent + received):"
+    return [head, _table(["flow", "per step", "per token"], rows)]
+
+
 def _cap_note(plan: Plan) -> str:
     cap = plan.choice.batch_cap if plan.choice else ""
     return {"memory": "; batch capped by HBM capacity", "SLO": "; batch capped by the SLO (one more sequence per group misses it)"}.get(cap, "")
@@ -138,6 +167,13 @@ def render_text(plan: Plan) -> str:
         f"({m.per_accelerator_tok_s:,.0f} per accelerator)"
     )
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")
+    lp = plan.choice.long_prefill if plan.choice else None
+    if lp is not None:
+        out.append(
+            f"  prefill {lp.describe()}: TTFT {lp.plain_ttft_s:.2f} s -> {lp.ttft_s:.2f} s ({lp.chunks_per_rank} chunks per rank, "
+            f"{lp.stage_s * 1e3:.1f} ms per stage, bubble {lp.bubble:.1%}, ring {lp.ring_s:.2f} s of which {lp.ring_exposed_s:.2f} s exposed, "
+            f"KDA recurrence +{lp.kda_extra_s:.2f} s, shard gather {lp.gather_s:.2f} s, decode +{lp.decode_hop_s * 1e6:.0f} us per step)"
+        )
     out.append(
         f"energy: decode {m.tokens_per_joule:.2f} tok/J ({m.decode_power_w:,.0f} W per accelerator), prefill "
         f"{m.prefill_tokens_per_joule:.2f} tok/J ({m.prefill_power_w:,.0f} W)"
@@ -148,8 +184,15 @@ def render_text(plan: Plan) -> str:
     )
     if plan.demand is not None:
         out.extend(describe_demand(plan.demand, _price_note(plan)))
+    if plan.disagg is not None:
+        out.append("")
+        out.extend(comparison_lines(plan.disagg, _price_note(plan)))
+    out.append("")
+    out.extend(_traffic_table(plan))
     out.append("")
     out.extend(_search_tables(plan))
+    out.append("")
+    out.extend(_front_table(plan))
     out.append("")
     ctx = plan.workload.context
     out.append(f"offload tiers for a parked {ctx:,}-token prefix (reload vs recompute):")
@@ -165,42 +208,3 @@ def render_text(plan: Plan) -> str:
     be = ", ".join(f"{k} from {v:,} tokens" if v else f"{k} never" for k, v in plan.break_even.items())
     out.append(f"reload beats recompute: {be}")
     return "\n".join(out)
-
-
-class PlotUnavailable(RuntimeError):
-    pass
-
-
-def write_plot(plan: Plan, path: str | Path) -> Path:
-    """Two charts in one PNG: the memory breakdown per accelerator, and instance throughput vs per-user speed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlotUnavailable("--plot needs matplotlib, an optional extra: pip install 'openk3[plot]'") from exc
-    if plan.memory is None or plan.layout is None:
-        raise PlotUnavailable(f"nothing to plot: {plan.problem}")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    mem = plan.memory.as_dict()
-    parts = [k for k in mem if k not in ("total", "capacity")]
-    bottom = 0.0
-    for k in parts:
-        ax1.bar([plan.layout.describe()], [mem[k] / 1e9], bottom=bottom, label=k)
-        bottom += mem[k] / 1e9
-    ax1.axhline(mem["capacity"] / 1e9, color="k", linestyle="--", label="usable HBM")
-    ax1.set_ylabel("GB per accelerator")
-    ax1.legend(fontsize=8)
-    ax1.set_title("memory breakdown")
-    for c in plan.search.candidates:
-        if c.metrics.memory.fits:
-            ax2.scatter(c.metrics.per_user_tok_s, c.metrics.per_accelerator_tok_s, s=8, color="tab:green" if c.meets_slo else "tab:gray")
-    ax2.set_xlabel("tokens/s per user")
-    ax2.set_ylabel("tokens/s per accelerator")
-    ax2.set_title("throughput vs per-user speed (green: meets SLO)")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -9,16 +9,21 @@ import enum
 import math
 from typing import Any
 
+from openk3.planner.inputs import Workload
+from openk3.planner.pareto import front
+from openk3.planner.perf import Scenario
 from openk3.planner.plan import Plan
+from openk3.planner.report_disagg import comparison_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
+from openk3.planner.traffic import step_traffic
 
 
-def _candidate_json(c: Candidate, plan: Plan) -> dict[str, Any]:
+def _candidate_json(c: Candidate, plan: Plan, on_front: frozenset[int] = frozenset()) -> dict[str, Any]:
     m = c.metrics
-    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant)
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, c.long_prefill)
     return {
-        "layout": c.layout.describe(),
+        "layout": c.describe(),
         "accelerators": c.layout.num_accelerators,
         "tp": c.layout.tp,
         "ep": c.layout.ep_size,
@@ -35,10 +40,22 @@ def _candidate_json(c: Candidate, plan: Plan) -> dict[str, Any]:
         "binding": m.binding,
         "step_dominated_by": m.decode.dominant,
         "meets_slo": c.meets_slo,
+        "pareto": id(c) in on_front,
         "miss": c.miss,
         "batch_cap": c.batch_cap or None,
+        "long_prefill": None if c.long_prefill is None else dataclasses.asdict(c.long_prefill),
+        "traffic": _traffic(c, plan),
         "runnable": {"openk3": runs.openk3, "openk3_missing": list(runs.openk3_missing), "engines": list(runs.engines)},
     }
+
+
+def _traffic(c: Candidate, plan: Plan) -> dict[str, float]:
+    """The candidate's decode-step bytes by flow on its busiest rank (the same counts as the headline's `traffic`)."""
+    req = plan.request
+    workload = Workload(context=req.context, concurrency=c.concurrency, prompt=req.prompt)
+    sc = Scenario(req.config, req.quant, c.layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+    t = step_traffic(sc, c.metrics.decode)
+    return {"weights": t.weights, "kv_state": t.kv_state, "a2a_scale_up": t.a2a_scale_up, "a2a_scale_out": t.a2a_scale_out}
 
 
 def _demand(plan: Plan) -> dict[str, Any] | None:
@@ -108,6 +125,7 @@ def render_json(plan: Plan) -> dict[str, Any]:
     req, m = plan.request, plan.metrics
     pc = req.config.param_count()
     layout = plan.layout
+    on_front = frozenset(id(r.candidate) for r in plan.front if r.pareto)
     doc: dict[str, Any] = {
         "model": req.config.name,
         "hardware": req.system.name,
@@ -143,8 +161,11 @@ def render_json(plan: Plan) -> dict[str, Any]:
         "search": {
             "best": _candidate_json(plan.search.best, plan) if plan.search.best else None,
             "per_size": [_candidate_json(c, plan) for c in plan.search.best_per_size().values()],
-            "candidates": [_candidate_json(c, plan) for c in plan.search.candidates],
+            "candidates": [_candidate_json(c, plan, on_front) for c in plan.search.candidates],
         },
+        # the SLO-constrained front of the whole search, fastest per user first (the same rows as in candidates)
+        "pareto": [_candidate_json(r.candidate, plan, on_front) for r in front(plan.front)],
+        "traffic": None if plan.traffic is None else plan.traffic.as_dict() | {"per": "decode step, busiest rank; fabric bytes sent + received"},
         "tiers": [
             {
                 "tier": r.tier,
@@ -183,4 +204,6 @@ def render_json(plan: Plan) -> dict[str, Any]:
         }
     if req.requests is not None:
         doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
+    if plan.disagg is not None:
+        doc["disaggregation"] = comparison_json(plan.disagg)
     return _finite(doc)  # type: ignore[no-any-return]

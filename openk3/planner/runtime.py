@@ -2,16 +2,20 @@
 
 The planner prices DP attention (trunk replicated, each rank its own batch) or TP attention, expert parallelism with
 EPLB or MoonEP balance, FP8 dispatch, and a fraction of communication hidden by two-batch overlap. openk3's own runtime
-(docs/ep.md) serves expert parallelism with attention *replicated*: every rank runs the whole batch that rank 0
-schedules, dispatching 1/W of its tokens; it has no tensor parallelism, overlaps no communication, dispatches in the
-activation dtype, and its multi-rank path has run on CPU/gloo only. So on more than one accelerator no layout the
-planner prices is what openk3 runs today; a single accelerator is.
+(docs/parallel.md) runs TP over all of an instance's ranks (`--tp N`, with `--ep N` or experts split by width), and DP
+attention with EP over all ranks (`LLM(dp=N, ep=N)`: offline only, not yet behind the HTTP server); not TP inside DP
+groups, nor experts over fewer ranks than the instance. It overlaps no communication, dispatches in the activation
+dtype, and its multi-rank path has run on CPU/gloo only. So on more than one accelerator no layout the planner prices is
+what openk3 runs today (the GPU path is the first gap); a single accelerator is.
 
 Engines are matched on documented features only (DP attention, TP, wide EP with EPLB/redundant experts, two-batch
 overlap): SGLang (`--enable-dp-attention`, `--enable-two-batch-overlap`, EPLB), vLLM (`--data-parallel-size` with
 `--enable-expert-parallel`, `--enable-eplb`, dual-batch overlap), TensorRT-LLM (attention DP, wide EP with EPLB). Whether
 an engine supports the model itself (KDA, AttnRes) is not checked. MoonEP's per-batch balancing is a library
 (MoonshotAI/MoonEP) that none of the three documents as integrated, so a MoonEP layout names no engine but openk3.
+Pipeline parallelism for prefill is documented by all three (`--pp-size`, `--pipeline-parallel-size`, `pp_size`);
+context parallelism over a KDA recurrence (state handed between ranks, or a chunk-parallel scan) is documented by none
+of them, so a CP plan names no engine. openk3 runs neither PP nor CP.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openk3.planner.inputs import Balance, Layout, Quantisation
+from openk3.planner.pp_cp import LongPrefill
 
 ENGINES = ("SGLang", "vLLM", "TensorRT-LLM")
 
@@ -34,17 +39,25 @@ class Support:
         return f"{ours}; engines: {', '.join(self.engines) if self.engines else 'none known'}"
 
 
-def support(layout: Layout, comm_overlap: float, quant: Quantisation) -> Support:
+def support(layout: Layout, comm_overlap: float, quant: Quantisation, long_prefill: LongPrefill | None = None) -> Support:
     missing: list[str] = []
-    if layout.num_accelerators > 1:
-        if layout.tp > 1:
-            missing.append(f"TP{layout.tp} attention (openk3 has no tensor parallelism)")
-        else:
-            missing.append("DP attention (openk3's EP serving replicates attention: every rank runs the whole batch)")
+    pp, cp = (long_prefill.pp, long_prefill.cp) if long_prefill else (1, 1)
+    if pp > 1:
+        missing.append(f"PP{pp} (openk3 has no pipeline parallelism)")
+    if cp > 1:
+        missing.append(f"CP{cp} (openk3 has no context parallelism: no ring attention, no KDA state hand-off between ranks)")
+    n = layout.num_accelerators
+    if n > 1:
+        if 1 < layout.tp < n:
+            missing.append(f"TP{layout.tp} inside {n // layout.tp} DP-attention groups (openk3 runs TP over all {n} ranks, or DP attention with TP1)")
+        elif layout.tp == 1:
+            missing.append("DP attention behind the HTTP server (openk3 runs it offline only: LLM(dp=N, ep=N))")
+        if layout.ep_size != n:
+            missing.append(f"EP{layout.ep_size} with the expert set replicated {n // layout.ep_size}x (openk3 spreads experts over all {n} ranks)")
         if comm_overlap > 0:
             missing.append(f"two-batch overlap hiding {comm_overlap:.0%} of communication (openk3 overlaps none)")
         if quant.dispatch_bits < 16:
             missing.append("FP8 dispatch (openk3 dispatches in the activation dtype)")
         missing.append("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)")
-    engines = () if layout.balance == Balance.MOONEP and layout.num_accelerators > 1 else ENGINES
+    engines = () if (layout.balance == Balance.MOONEP and layout.num_accelerators > 1) or cp > 1 else ENGINES
     return Support(openk3=not missing, openk3_missing=tuple(missing), engines=engines)

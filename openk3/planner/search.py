@@ -23,6 +23,7 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, candidate_tps, max_concurrency, tp_problem, working_set
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
+from openk3.planner.pp_cp import KDASplit, LongPrefill, fix_ttft, with_long_prefill
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Candidate:
     meets_slo: bool
     miss: str  # why it misses the SLO ("" when it meets it)
     batch_cap: str = ""  # what sets the batch: "memory" (the HBM limit), "SLO" (one more sequence misses it), "fixed" (asked for)
+    long_prefill: LongPrefill | None = None  # PP/CP for the prompt, when the search needed them for the TTFT SLO
+
+    def describe(self) -> str:
+        return self.layout.describe() + (f", prefill {self.long_prefill.describe()}" if self.long_prefill else "")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,15 @@ class SearchSpace:
     redundant: tuple[int, ...] | None = None  # explicit redundant-expert counts; None: 0, and one per rank when `redundancy`
     max_seqs_per_group: int = 4096
     max_accelerators: int = 288
+    max_pp: int = 1  # pipeline stages the search may use for a prompt that misses the TTFT SLO (pp_cp.py)
+    max_cp: int = 1  # context-parallel ranks per prompt, likewise
+    kda_cp: KDASplit = KDASplit.SEQUENTIAL  # how KDA's recurrence crosses CP ranks
+
+    def __post_init__(self) -> None:
+        if self.max_pp < 1:
+            fail("SearchSpace", "max_pp", self.max_pp, ">= 1 stage")
+        if self.max_cp < 1:
+            fail("SearchSpace", "max_cp", self.max_cp, ">= 1 rank")
 
 
 def default_sizes(system: System, max_accelerators: int) -> tuple[int, ...]:
@@ -69,7 +83,7 @@ def default_sizes(system: System, max_accelerators: int) -> tuple[int, ...]:
     return tuple(sorted(s for s in sizes if s <= max_accelerators))
 
 
-def _batches(limit: int, cap: int) -> list[int]:
+def batch_grid(limit: int, cap: int) -> list[int]:
     out = [b for b in (2**i for i in range(0, 13)) if b <= min(limit, cap)]
     if limit <= cap and limit not in out and limit > 0:
         out.append(limit)  # the memory-limited batch itself
@@ -101,7 +115,7 @@ class SearchResult:
         return dict(sorted(out.items()))
 
 
-def _layouts(config: ModelConfig, system: System, space: SearchSpace) -> Iterable[Layout]:
+def candidate_layouts(config: ModelConfig, system: System, space: SearchSpace) -> Iterable[Layout]:
     sizes = space.sizes or default_sizes(system, space.max_accelerators)
     for n in sizes:
         if space.tps is None:
@@ -158,7 +172,7 @@ def search(
     slo, space = slo or SLO(), space or SearchSpace()
     efficiency, comm, balance, power = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams(), power or PowerParams()
     out: list[Candidate] = []
-    for layout in _layouts(config, system, space):
+    for layout in candidate_layouts(config, system, space):
         limit = max_concurrency(config, quant, layout, context, system, fill) // layout.dp
 
         def make(b: int, total: int | None = None, layout: Layout = layout, limit: int = limit) -> Candidate:
@@ -169,12 +183,19 @@ def search(
             workload = Workload(context=context, concurrency=total, prompt=prompt)
             sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill, power)
             m = evaluate(sc, memory_limited=capped)
+            lp = None
+            if m.ttft_s > slo.max_ttft_s and (space.max_pp > 1 or space.max_cp > 1):
+                lp = fix_ttft(sc, slo.max_ttft_s, space.max_pp, space.max_cp, space.kda_cp)
+                if lp is not None and lp.ttft_s < m.ttft_s:
+                    m = with_long_prefill(m, lp)
+                else:
+                    lp = None
             miss = []
             if m.per_user_tok_s < slo.min_user_tok_s:
                 miss.append(f"{m.per_user_tok_s:.1f} tok/s/user < {slo.min_user_tok_s:g}")
             if m.ttft_s > slo.max_ttft_s:
                 miss.append(f"TTFT {m.ttft_s:.2f}s > {slo.max_ttft_s:g}s")
-            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap)
+            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp)
 
         if concurrency is not None:
             b = -(-concurrency // layout.dp)
@@ -183,7 +204,7 @@ def search(
             continue
         if limit < 1:
             continue
-        grid = {b: make(b) for b in _batches(limit, space.max_seqs_per_group)}
+        grid = {b: make(b) for b in batch_grid(limit, space.max_seqs_per_group)}
         out.extend(grid.values())
         refined = _refine(min(limit, space.max_seqs_per_group), grid, make) if slo.binds else None
         if refined is not None:

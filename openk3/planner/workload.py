@@ -24,6 +24,7 @@ from pathlib import Path
 
 from openk3.checks import check_int, check_number
 from openk3.planner.perf import Metrics, Scenario, prefill_batch_step, prefill_step
+from openk3.planner.pp_cp import LongPrefill, long_prefill
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,24 @@ class RequestMix:
         return inputs[max(0, math.ceil(0.9 * len(inputs)) - 1)]
 
 
+def prefill_times(sc: Scenario, prompt: int, split: LongPrefill | None = None) -> tuple[float, float]:
+    """(replica busy seconds to prefill one `prompt`-token request at packed throughput, its TTFT run alone) on `sc`'s
+    layout; with `split`, the TTFT of that PP/CP split of the prompt (the busy seconds are the same work)."""
+    s = sc.with_(workload=replace(sc.workload, prompt=prompt))
+    batch = prefill_batch_step(s)
+    busy = prompt / (batch.tokens_per_group * sc.layout.dp / batch.total_s)
+    if split is not None:
+        return busy, long_prefill(s, split.pp, split.cp, split.kda).ttft_s
+    chunk = min(s.workload.prefill_chunk, prompt)
+    return busy, -(-prompt // chunk) * prefill_step(s).total_s
+
+
+def mean_prefill_busy(sc: Scenario, mix: RequestMix) -> float:
+    """Replica busy seconds of prefill per request, averaged over the mix."""
+    times = {p: prefill_times(sc, p)[0] for p in {i for i, _ in mix.pairs}}
+    return sum(times[i] for i, _ in mix.pairs) / len(mix.pairs)
+
+
 def seconds_per_request(metrics: Metrics, mix: RequestMix) -> float:
     """Replica busy seconds per request from a candidate's own prefill and decode throughput (the search's ranking)."""
     return mix.mean_input / metrics.prefill_tok_s + mix.mean_output / metrics.throughput_tok_s
@@ -115,15 +134,12 @@ class Demand:
         return None if self.replicas is None else self.replicas * self.replica_accelerators
 
 
-def demand(sc: Scenario, metrics: Metrics, mix: RequestMix) -> Demand:
-    """Size the fleet for `mix` on the layout of `sc` (whose decode batch gave `metrics`)."""
-    prefill_busy, ttft = {}, {}
-    for prompt in sorted({i for i, _ in mix.pairs}):
-        s = sc.with_(workload=replace(sc.workload, prompt=prompt))
-        batch = prefill_batch_step(s)
-        prefill_busy[prompt] = prompt / (batch.tokens_per_group * sc.layout.dp / batch.total_s)
-        chunk = min(s.workload.prefill_chunk, prompt)
-        ttft[prompt] = -(-prompt // chunk) * prefill_step(s).total_s
+def demand(sc: Scenario, metrics: Metrics, mix: RequestMix, split: LongPrefill | None = None) -> Demand:
+    """Size the fleet for `mix` on the layout of `sc` (whose decode batch gave `metrics`); `split` is the PP/CP the
+    candidate prefills its prompts with, if any."""
+    times = {prompt: prefill_times(sc, prompt, split) for prompt in sorted({i for i, _ in mix.pairs})}
+    prefill_busy = {p: t[0] for p, t in times.items()}
+    ttft = {p: t[1] for p, t in times.items()}
     pre = sum(prefill_busy[i] for i, _ in mix.pairs) / len(mix.pairs)
     dec = mix.mean_output / metrics.throughput_tok_s
     busy = pre + dec
@@ -132,7 +148,7 @@ def demand(sc: Scenario, metrics: Metrics, mix: RequestMix) -> Demand:
     served = replica_rps if mix.rate is None or replicas is None else mix.rate / replicas
     stretch = 1 / (1 - served * pre)  # decode steps share the replica with the prefill of arriving requests
     usd_per_s = sc.system.price_per_hour * sc.layout.num_accelerators / 3600
-    step = metrics.decode.total_s
+    step = 1 / metrics.per_user_tok_s  # the decode step, with any PP hops
     decode = [o * step * stretch for _, o in mix.pairs]
     prefill = [ttft[i] for i, _ in mix.pairs]
     return Demand(

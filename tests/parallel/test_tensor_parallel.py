@@ -18,10 +18,14 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from openk3.parallel.tp.layout import check_tensor_parallel, rank_config
 from openk3.parallel.tp.shard import parallelize_tensor
+from openk3.planner.hardware import load_catalogue
+from openk3.planner.inputs import Layout, Quantisation, Workload
+from openk3.planner.memory import working_set
 from openk3.serve.cache.spec import CacheSpec
 from openk3.serve.sampling import SamplingParams
 from tests.parallel.tp_cases import forward_difference
 
+CAT = load_catalogue()
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [200, 1, 1, 7], list(range(30, 70))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
@@ -102,3 +106,9 @@ def test_k3_rank_bytes_on_meta_equal_the_config_count_and_the_cache_spec() -> No
     whole, rank = CacheSpec.from_config(config, 64), CacheSpec.from_config(rank_config(config, 8), 64)
     assert rank.kda.bytes_per_sequence * 8 == whole.kda.bytes_per_sequence
     assert rank.mla.bytes_per_token == whole.mla.bytes_per_token  # the latent is shared by all heads: replicated
+    # the planner charges a TP8 rank the same: trunk bytes in bf16, and per sequence 1/8 of the state, the whole latent
+    quant = Quantisation()
+    planned = working_set(config, quant, Layout(8, tp=8), Workload(context=4096, concurrency=8), CAT.system("gb300-nvl72"))
+    assert quant.trunk_bits == 16 and planned.trunk == pytest.approx(2 * trunk(model))
+    assert planned.kda_state == pytest.approx(8 * rank.kda.bytes_per_sequence)  # 8 sequences on every rank of the group
+    assert planned.mla_cache == pytest.approx(8 * 4096 * rank.mla.bytes_per_token)

@@ -175,6 +175,8 @@ def test_slo_batch_is_the_largest_that_meets_it() -> None:
 
 # defect 7: each layout says whether openk3 runs it today, and which engines can
 
+BF16_DISPATCH = Quantisation(dispatch_bits=16)  # what openk3 dispatches (the activation dtype)
+
 
 def test_layouts_say_who_can_run_them(capsys: pytest.CaptureFixture[str]) -> None:
     tp2 = support(Layout(72, tp=2), 0.7, Q)
@@ -183,6 +185,11 @@ def test_layouts_say_who_can_run_them(capsys: pytest.CaptureFixture[str]) -> Non
     assert not dp.openk3 and any("DP attention" in r for r in dp.openk3_missing)
     assert support(Layout(1), 0.7, Q).openk3
     assert support(Layout(72, balance=Balance.MOONEP), 0.7, Q).engines == ()
+    # openk3 runs TP over all ranks (tp=N) and DP attention with EP over all ranks: what is missing then is the rest
+    whole_tp = support(Layout(8, tp=8), 0.0, BF16_DISPATCH)
+    assert whole_tp.openk3_missing == ("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)",)
+    assert any("inside 4 DP-attention groups" in r for r in support(Layout(8, tp=2), 0.0, BF16_DISPATCH).openk3_missing)
+    assert any("replicated 2x" in r for r in support(Layout(8, tp=8, ep=4), 0.0, BF16_DISPATCH).openk3_missing)
     rc, doc = _json(["plan", "--context", "8k", "--accelerators", "72", "--json", *FAST], capsys)
     assert rc == 0 and doc["runnable"]["openk3"] is False and doc["runnable"]["engines"]
     assert all("runnable" in c for c in doc["search"]["candidates"])

@@ -1,19 +1,25 @@
 """One chat choice's text as the agent API returns it: reasoning, content and tool calls, streamed or whole.
 
 A `ChoiceParser` is fed the sample's decoded text (each step's new text, or the whole text once) and returns what is
-settled: reasoning first (api/reasoning.py), then the answer split into content and complete calls (api/tool_calls.py). The
-text written into the prompt to force a call (api/tool_choice.py) is parsed first, as the start of the reply, and shows up
-nowhere. Streams and whole responses run the same parser, so a stream's pieces always add up to the whole response.
+settled: reasoning first (api/reasoning.py), then the answer split into content and tool-call pieces (api/tool_calls.py),
+as OpenAI streams them: a call's first piece carries its `index` (0, 1, ... within the reply), `id`, `type` and name with
+arguments "", each later piece the same `index` and the next fragment of its arguments. A whole response is the same
+pieces put together (`assemble`). The text written into the prompt to force a call (api/tool_choice.py) is parsed first, as
+the start of the reply, and shows up nowhere. Streams and whole responses run the same parser, so a stream's pieces always
+add up to the whole response.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from openk3.api.chat_format import PromptEnd, call_id
-from openk3.api.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from openk3.api.chat_format import ChatFormat, PromptEnd, call_id
+from openk3.api.protocol import FunctionCall, ToolCall
 from openk3.api.reasoning import ReasoningSplitter
-from openk3.api.tool_calls import tool_parser
+from openk3.api.responses import DeltaFunctionCall, DeltaToolCall
+from openk3.api.tool_calls import CallOpened, CallParser
+from openk3.api.tool_calls_k2 import KimiK2ToolParser
+from openk3.api.tool_calls_k3 import KimiK3ToolParser
 from openk3.api.tool_choice import ToolPlan
 
 
@@ -21,7 +27,10 @@ from openk3.api.tool_choice import ToolPlan
 class Piece:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)  # a call's opening piece, then its argument fragments
+
+    def calls(self) -> list[ToolCall]:
+        return assemble(self.tool_calls)
 
 
 class ChoiceParser:
@@ -35,8 +44,9 @@ class ChoiceParser:
         self._text_tail = ""  # the last characters fed, to see whether the stop string is already there
         self.num_calls = 0
         self.has_reasoning = False
-        if forced_prefix:
-            self.feed(forced_prefix)
+        self._opened_by_prompt: list[DeltaToolCall] = []
+        # a forced K3 call is opened by the prompt itself: its opening piece goes out with the reply's first piece
+        self._opened_by_prompt = self.feed(forced_prefix).tool_calls if forced_prefix else []
 
     def feed(self, text: str, final: bool = False, stop_reason: int | str | None = None) -> Piece:
         stop = self.plan.call_stop()
@@ -44,12 +54,22 @@ class ChoiceParser:
             text += stop  # the reply was stopped at the end of its first call (parallel_tool_calls false): close it
         self._text_tail = (self._text_tail + text)[-32:]
         reasoning, answer = self._reasoning.feed(text, final)
-        content, calls = self._tools.feed(answer, final)
+        content, events = self._tools.feed(answer, final)
         self.has_reasoning = self.has_reasoning or self._reasoning.saw_reasoning
-        out = Piece(reasoning, content)
-        for c in calls:  # with parallel_tool_calls false generation stops after the first, so there is at most one
-            out.calls.append(ToolCall(id=self._unique(call_id(self._fmt, c.name, c.index)), function=FunctionCall(name=c.name, arguments=c.arguments)))
-            self.num_calls += 1
+        out = Piece(reasoning, content, self._opened_by_prompt)
+        self._opened_by_prompt = []
+        for event in events:
+            if isinstance(event, CallOpened):
+                cid = self._unique(call_id(self._fmt, event.name, event.index))
+                opened = DeltaFunctionCall(name=event.name, arguments="")
+                out.tool_calls.append(DeltaToolCall(index=self.num_calls, id=cid, type="function", function=opened))
+                self.num_calls += 1
+                continue
+            last = out.tool_calls[-1] if out.tool_calls else None
+            if last is not None and last.id is None:  # this step's fragments of one call go out as one piece
+                last.function.arguments = (last.function.arguments or "") + event.text
+            else:
+                out.tool_calls.append(DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=event.text)))
         return out
 
     def _unique(self, base: str) -> str:
@@ -66,11 +86,17 @@ class ChoiceParser:
         return "tool_calls" if engine_reason == "stop" and self.num_calls else engine_reason
 
 
-def call_deltas(calls: list[ToolCall], first_index: int) -> list[list[DeltaToolCall]]:
-    """The stream pieces of complete calls, as OpenAI streams them: per call one piece with its id, type and name (and
-    empty arguments), then one with its arguments."""
-    out = []
-    for i, c in enumerate(calls, start=first_index):
-        out.append([DeltaToolCall(index=i, id=c.id, type="function", function=DeltaFunctionCall(name=c.function.name, arguments=""))])
-        out.append([DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=c.function.arguments))])
-    return out
+def assemble(pieces: list[DeltaToolCall]) -> list[ToolCall]:
+    """Whole calls out of their stream pieces (what a client does with a stream)."""
+    calls: dict[int, ToolCall] = {}
+    for p in pieces:
+        if p.id is not None:
+            calls[p.index] = ToolCall(id=p.id, function=FunctionCall(name=p.function.name or "", arguments=""))
+        calls[p.index].function.arguments += p.function.arguments or ""
+    return list(calls.values())
+
+
+def tool_parser(fmt: ChatFormat, tool_names: frozenset[str] | None, in_response: bool) -> CallParser:
+    if fmt is ChatFormat.KIMI_K3:
+        return KimiK3ToolParser(tool_names, in_response)
+    return KimiK2ToolParser(tool_names)

@@ -10,13 +10,14 @@ A reply must end where the template ends a turn: every end-of-turn marker the te
 `<|end_of_msg|>` and the like) becomes a stop token when the tokenizer has it as one special token, else a stop string (a
 byte tokenizer spells it out). Checkpoints also name their end tokens in `generation_config.json` (`eos_token_id`, an id or
 a list), which every request stops at, as in vLLM.
-Templates render in Jinja's immutable sandbox: a checkpoint's template is data, not code we trust.
+Templates render in Jinja's immutable sandbox: a checkpoint's template is data, not code we trust. Request text is rendered with
+its special-token strings hidden (`render_prompt`, api/user_text.py), so that a marker in a message stays text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from openk3.api.chat_format import ChatFormat, detect_format
 from openk3.api.protocol import ChatMessage
+from openk3.api.user_text import PromptText, UserText
 from openk3.serve.tokenizer import Tokenizer
 
 CHATML_END = "<|im_end|>"
@@ -104,12 +106,26 @@ class ChatTemplate:
         extra: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        context = dict(extra or {})
+        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools).text
+
+    def render_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        special_tokens: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        markers: Iterable[str] = (),
+    ) -> PromptText:
+        """The prompt, and where in it request text holds one of `markers` (the tokenizer's special-token strings), which
+        must stay text (api/user_text.py); the template's own markers and `special_tokens` are not request text."""
+        user = UserText(markers)
+        context = user.hide(dict(extra or {}))
         context.update(special_tokens or {})
-        dicts = message_dicts(messages)
-        context.update(messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+        dicts = [{**user.hide(d), "role": d["role"]} for d in message_dicts(messages)]  # roles are the server's checked names
+        context.update(messages=dicts, add_generation_prompt=add_generation_prompt, tools=user.hide(tools))
         try:
-            return self._template.render(**context)
+            return user.reveal(self._template.render(**context))
         except TemplateError as e:
             raise ValueError(f"messages could not be rendered with the chat template ({self.origin}): {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError) as e:

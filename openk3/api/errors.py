@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from openk3.api.protocol import ErrorInfo, ErrorResponse
+from openk3.api.responses import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("openk3.api")
 M = TypeVar("M", bound=BaseModel)

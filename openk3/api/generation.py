@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from openk3.api.errors import APIError, from_value_error
-from openk3.api.protocol import ChatCompletionRequest, ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage, _SamplingFields
+from openk3.api.protocol import ChatCompletionRequest, _SamplingFields
+from openk3.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 from openk3.serve.frontend import AsyncEngine, RequestStream
 from openk3.serve.output import OutputKind, RequestOutput
 from openk3.serve.request import TokenLogprobs

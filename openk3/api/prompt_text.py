@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from openk3.api.errors import APIError
+from openk3.api.user_text import PromptText
 from openk3.serve.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -63,6 +64,11 @@ class PromptEncoder:
     async def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         self.check_size(text, param)
         return await self.run(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_prompt(self, prompt: PromptText, param: str) -> list[int]:
+        """A rendered chat prompt: special tokens are read only outside its spans of request text (api/user_text.py)."""
+        self.check_size(prompt.text, param)
+        return await self.run(lambda: self.tokenizer.encode_with_plain(prompt.text, prompt.plain))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

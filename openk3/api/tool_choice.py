@@ -11,8 +11,11 @@
   one JSON type) leaves the arguments free, as before -- unless the tool is `strict`, which is then a 400.
 - "required" with several tools: the prompt opens the tool section (`required_call_prefix`) and the grammar picks one of
   the tools' call headers, then that tool's arguments: exactly one call.
-- `strict: true`: honoured by the grammar of named and required calls; with "auto" a 400 (a call the model may or may not
-  make would need the grammar to start at the call's trigger, which this server does not do).
+- `strict: true`: honoured by the grammar of named and required calls; with "auto" by a triggered grammar
+  (`ToolPlan.call_grammar`): the reply is free text until it opens the tool section (K2 `<|tool_calls_section_begin|>`,
+  K3 `<|open|>tools<|sep|>`), and from there one or more calls of the offered tools, each strict tool's arguments matching
+  its schema (a non-strict tool's: any JSON object in K2, its argument blocks where they can be expressed in K3, else free
+  text), up to the section's end; a call header outside a section cannot be written.
 - `parallel_tool_calls: false`: enforced by stopping at the end of the first call.
 
 `ToolPlan` is the seam between the parsers and the grammar engine: it names the chat format, the tools the reply may call
@@ -30,7 +33,6 @@ from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from openk3.serve.structured.spec import StructuredOutputs, dump_json
 
-STRICT_AUTO = "needs the call to be enforced: use tool_choice 'required' or name the function (with 'auto' the schema is not enforced)"
 K3_STRING = "[^<]*"  # a K3 string argument is raw text up to its close marker; an enforced one holds no '<'
 K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null", "object": "object", "array": "array"}
 
@@ -111,6 +113,7 @@ class ToolPlan:
     forced: str | None = None  # the function the reply must call
     parallel: bool = True
     required: bool = False  # "required" over several tools: the grammar picks the call
+    strict_auto: bool = False  # "auto" with a strict tool: the grammar lets the reply be text or schema-valid calls
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
@@ -123,9 +126,10 @@ class ToolPlan:
 
     def call_grammar(self, index: int) -> StructuredOutputs | None:
         """The structural tag of the enforced call (`index`: K2's conversation-wide call index), or None when the call is not
-        enforced or, for a non-strict named tool, its schema cannot be expressed (its arguments are then the model's own)."""
+        enforced or, for a non-strict named tool, its schema cannot be expressed (its arguments are then the model's own).
+        With "auto" and a strict tool: free text or a section of schema-valid calls (`_auto_grammar`)."""
         if self.fmt is None or (self.forced is None and not self.required):
-            return None
+            return self._auto_grammar() if self.fmt is not None and self.strict_auto else None
         fmt = self.fmt
         tools = [t for t in self.tools if self.forced is None or t.function.name == self.forced]
         try:
@@ -138,8 +142,39 @@ class ToolPlan:
             if self.forced is not None and not tools[0].function.strict:
                 return None
             i = next(k for k, t in enumerate(self.tools) if t.function.name in {x.function.name for x in tools})
-            raise APIError(400, f"tools[{i}].function.parameters: {e}, which a K3 call grammar cannot enforce", param="tools", code="unsupported") from e
+            raise _unexpressible(i, e) from e
         return StructuredOutputs(structural_tag=dump_json({"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}))
+
+    def _auto_grammar(self) -> StructuredOutputs:
+        assert self.fmt is not None
+        k2 = self.fmt is ChatFormat.KIMI_K2
+        tags = []
+        for i, t in enumerate(self.tools):
+            strict = bool(t.function.strict)
+            try:
+                args = _arguments(self.fmt, t) if strict or not k2 else [_json({"type": "object"})]
+            except Unexpressible as e:
+                if strict:
+                    raise _unexpressible(i, e) from e
+                args = [{"type": "any_text", "excludes": [f.K3_CALL_CLOSE, f.K3_TOOLS_CLOSE]}]
+            name = t.function.name
+            begin = f"{f.CALL_BEGIN}functions.{name}:" if k2 else f'{f.K3_CALL_OPEN} tool="{name}" index="'
+            head = [_regex("[0-9]+"), _const(f.ARGS_BEGIN if k2 else '"' + f.SEP)]
+            tags.append({"type": "tag", "begin": begin, "content": {"type": "sequence", "elements": head + args}, "end": f.CALL_END if k2 else f.K3_CALL_CLOSE})
+        opened, closed = (f.SECTION_BEGIN, f.SECTION_END) if k2 else (f.K3_TOOLS_OPEN, f.K3_TOOLS_CLOSE)
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": not self.parallel}
+        section = {"type": "tag", "begin": opened, "content": calls, "end": closed}
+        outside = [f.CALL_BEGIN] if k2 else [f.K3_CALL_OPEN]  # a call written outside the section would escape the grammar
+        fmt = {"type": "triggered_tags", "triggers": [opened], "tags": [section], "excludes": outside}
+        return StructuredOutputs(structural_tag=dump_json({"type": "structural_tag", "format": fmt}))
+
+
+def _regex(pattern: str) -> dict[str, Any]:
+    return {"type": "regex", "pattern": pattern}
+
+
+def _unexpressible(i: int, e: Unexpressible) -> APIError:
+    return APIError(400, f"tools[{i}].function.parameters: {e}, which a K3 call grammar cannot enforce", param="tools", code="unsupported")
 
 
 def required_call_prefix(fmt: ChatFormat, end: PromptEnd) -> str:
@@ -195,6 +230,6 @@ def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses
             raise APIError(400, f"tool_choice names {forced!r}, which is not among tools ({', '.join(names)})", param="tool_choice", code="invalid_value")
     elif choice == "required" and len(tools) == 1:
         forced = names[0]
-    elif choice == "auto" and strict is not None:
-        raise APIError(400, f"tools[{names.index(strict)}].function.strict=true {STRICT_AUTO}", param="tools", code="unsupported")
-    return ToolPlan(fmt, tools, frozenset(names), forced, req.parallel_tool_calls is not False, required=choice == "required" and forced is None)
+    required = choice == "required" and forced is None
+    strict_auto = choice == "auto" and strict is not None
+    return ToolPlan(fmt, tools, frozenset(names), forced, req.parallel_tool_calls is not False, required=required, strict_auto=strict_auto)

@@ -12,6 +12,7 @@ What `encode(text, add_special_tokens)` means, matching the HF tokenizer (`AutoT
   `build_inputs_with_special_tokens` is the identity), and its chat template writes every marker itself.
 User or tool text that must never turn into control tokens goes through `encode_ordinary` instead (tiktoken's name): there a
 special-token string is plain text, split by BPE like any other, which is how Kimi's K3 chat encoder treats message content.
+A rendered chat prompt mixes both: `encode_with_plain` reads special tokens only outside the given spans of request text.
 `decode(skip_special_tokens=True)` drops every special id (those `added_tokens_decoder` flags `special`, and the reserved ones).
 """
 
@@ -22,7 +23,7 @@ import binascii
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,37 @@ class KimiTokenizer:
     def encode_ordinary(self, text: str) -> list[int]:
         """`text` as plain text: a special-token string in it is split by BPE like any other text, never a control id."""
         return [t for piece in _pieces(text) for t in self._enc.encode_ordinary(piece)]
+
+    @functools.cached_property
+    def special_token_strings(self) -> frozenset[str]:
+        """The strings `encode` turns into special ids."""
+        return frozenset(self._names.values())
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str]:
+        return re.compile("|".join(re.escape(s) for s in sorted(self._names.values(), key=len, reverse=True)))
+
+    def encode_with_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        """As `encode`, except that a special-token string overlapping a `plain` span (character ranges of request text in a
+        rendered prompt, api/user_text.py) is ordinary text; without spans exactly `encode`."""
+        if not plain:
+            return self.encode(text)
+        by_name = {s: i for i, s in self._names.items()}
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_pattern.finditer(text):
+            if any(a < m.end() and m.start() < b for a, b in plain):
+                continue
+            ids += self.encode_ordinary(text[pos : m.start()])
+            ids.append(by_name[m.group()])
+            pos = m.end()
+        return ids + self.encode_ordinary(text[pos:])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token writes (empty for special ids): what a grammar engine matches the output's text against."""
+        if token_id < self.num_base:
+            return self._enc.decode_single_token_bytes(token_id)
+        return self.decode([token_id], skip_special_tokens=True).encode("utf-8")  # a plain added token keeps its text
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)

@@ -129,7 +129,8 @@ class ModelRunner:
             logits = self.model(batch, self.cache.tensors)
             for req_id, n in out.num_scheduled_tokens.items():
                 self._reqs[req_id].num_computed_tokens += n
-            rows = [SamplingRow(st.params, st.generator, st.token_ids, st.num_prompt_tokens, st.stop_token_ids) for st in (self._reqs[r] for r in sampling)]
+            states = [(r, self._reqs[r]) for r in sampling]
+            rows = [SamplingRow(st.params, st.generator, st.token_ids, st.num_prompt_tokens, st.stop_token_ids, r) for r, st in states]
             result = self.sampler(logits, rows)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}

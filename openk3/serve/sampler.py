@@ -25,13 +25,15 @@ from openk3.serve.structured.matchers import GrammarStates
 @dataclass(frozen=True)
 class SamplingRow:
     """One row to sample: its request's whole token list is passed as it is (no per-step copy); only the penalties, when
-    asked for, look at its prompt and output parts."""
+    asked for, look at its prompt and output parts. `request_id` keys the request's grammar state across steps
+    (serve/structured/matchers.py); a row without one is kept by its token list's identity."""
 
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: Sequence[int]  # prompt then output
     num_prompt_tokens: int
     stop_token_ids: frozenset[int]
+    request_id: str | None = None
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -114,7 +116,7 @@ def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
-        self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' token lists
+        self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' request ids
 
     def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         m, vocab = logits_MV.shape

@@ -1,6 +1,8 @@
 """Tokenizers the engine can use, and incremental detokenisation.
 
-`Tokenizer` is the interface: encode, decode, eos/bos ids, vocab size. `HFTokenizer` wraps a `tokenizer.json` through the
+`Tokenizer` is the interface: encode, decode, eos/bos ids, vocab size, and for chat prompts the special-token strings its
+encode reads as control tokens with `encode_with_plain`, which reads them only outside spans of request text
+(api/user_text.py). `HFTokenizer` wraps a `tokenizer.json` through the
 `tokenizers` package; `KimiTokenizer` (serve/kimi_tokenizer.py) a Kimi `tiktoken.model`; `ByteTokenizer`, used only where asked
 for (random-weight presets, tests, a caller's explicit choice): ids 0..255 are the raw bytes, then a few specials, and any
 other id the model's vocabulary has is a reserved token with no text. `IncrementalDetokenizer` turns a growing token list into text
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from openk3.checks import fail
 from openk3.serve.kimi_tokenizer import RANKS_FILE, KimiTokenizer
@@ -34,6 +38,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    @property
+    def special_token_strings(self) -> frozenset[str]: ...
+
+    def encode_with_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -65,6 +74,13 @@ class ByteTokenizer:
         if add_special_tokens and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @property
+    def special_token_strings(self) -> frozenset[str]:
+        return frozenset()  # encode spells every text out byte by byte: no string is a control token
+
+    def encode_with_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        return self.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
@@ -120,11 +136,64 @@ class HFTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
+    def spec(self) -> dict[str, Any]:
+        """The tokenizer.json document (model, pre-tokenizer, decoder, added tokens), for readers of its vocabulary."""
+        return json.loads(self._tok.to_str())
+
+    def get_vocab(self, with_added_tokens: bool = False) -> dict[str, int]:
+        """Token text (in the model's own encoding: byte-level alphabet, SentencePiece's ▁) -> id."""
+        return self._tok.get_vocab(with_added_tokens=with_added_tokens)
+
+    @functools.cached_property
+    def special_token_strings(self) -> frozenset[str]:
+        """The added tokens flagged special: encode reads them out of any text as their ids."""
+        return frozenset(t["content"] for t in self.spec.get("added_tokens", []) if t.get("special"))
+
+    @functools.cached_property
+    def _plain_tok(self) -> Any:
+        """A second tokenizer that reads special-token strings as text (the `tokenizers` flag is per tokenizer object, so the
+        shared one is never switched while another thread encodes)."""
+        from tokenizers import Tokenizer as _Tok
+
+        tok = _Tok.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode_with_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        """As `encode` (no added BOS/EOS), except that a special token overlapping a `plain` span is read as text. Without
+        spans exactly `encode`; with them the text is cut at the special tokens that stay special (where `encode` cuts it
+        too) and the rest encoded by the tokenizer that reads specials as text."""
+        if not plain:
+            return self.encode(text)
+        names = sorted(self.special_token_strings, key=len, reverse=True)
+        if not names:
+            return self.encode(text)
+        pieces: list[str] = []
+        special: list[int] = []
+        pos = 0
+        for m in re.finditer("|".join(re.escape(n) for n in names), text):
+            if any(a < m.end() and m.start() < b for a, b in plain):
+                continue
+            token_id = self._tok.token_to_id(m.group())
+            assert token_id is not None, "an added token has an id"
+            pieces.append(text[pos : m.start()])
+            special.append(token_id)
+            pos = m.end()
+        pieces.append(text[pos:])
+        encoded = self._plain_tok.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        for k, enc in enumerate(encoded):
+            ids += enc.ids
+            if k < len(special):
+                ids.append(special[k])
+        return ids
+
+    @functools.cached_property
     def max_bytes_per_token(self) -> int | None:
         """The most UTF-8 input bytes one token can stand for, when that is certain: a byte-level BPE without a normalizer
         (which could shrink the text before it is split) reads every input byte into exactly one vocabulary character, so a
         token covers at most its own length in input bytes, and an added token its content's bytes. None otherwise."""
-        spec = json.loads(self._tok.to_str())
+        spec = self.spec
         pre = spec.get("pre_tokenizer") or {}
         byte_level = pre.get("type") == "ByteLevel" or any(p.get("type") == "ByteLevel" for p in pre.get("pretokenizers", []))
         if spec.get("normalizer") is not None or not byte_level or spec["model"].get("type") != "BPE":

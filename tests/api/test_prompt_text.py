@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import httpx
 import pytest
@@ -95,5 +96,10 @@ def test_unknown_tokenizers_get_no_size_bound() -> None:
 
         def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
             return " ".join("w" for _ in token_ids)
+
+        special_token_strings: frozenset[str] = frozenset()
+
+        def encode_with_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+            return self.encode(text)
 
     assert bytes_per_token_bound(Words()) is None  # a token may stand for any number of bytes: only the token count decides

@@ -208,16 +208,55 @@ def check_args(args: Any, schema: dict[str, Any]) -> None:
     jsonschema.validate(args, schema)
 
 
-def test_strict_tools_need_an_enforced_call(client) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=5)
-    assert e.value.body["param"] == "tools" and "strict" in e.value.body["message"]  # type: ignore[index]
+@pytest.mark.parametrize("stream", [False, True])
+def test_strict_tools_with_auto_are_text_or_valid_calls(client, stream: bool) -> None:
+    kwargs: dict[str, Any] = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=200)
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert chunks and all(c.choices[0].finish_reason in (None, "stop", "tool_calls", "length") for c in chunks if c.choices)
+        return
+    r = client.chat.completions.create(**kwargs)
+    for call in r.choices[0].message.tool_calls or ():  # the demo model may answer in text; any call it makes is valid
+        if call.function.name == "get_weather" and r.choices[0].finish_reason != "length":
+            check_args(json.loads(call.function.arguments), schema_of("get_weather"))
     loose = [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": ["string", "null"]}}}, "strict": True}}
     ]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=ASK, tools=loose, tool_choice="required", max_tokens=5)
-    assert e.value.body["param"] == "tools"  # type: ignore[index]
+    for choice in ("required", "auto"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=ASK, tools=loose, tool_choice=choice, max_tokens=5)
+        assert e.value.body["param"] == "tools"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fmt", ["kimi_k2", "kimi_k3"])
+def test_auto_grammar_allows_text_or_a_section_of_valid_calls(fmt: str) -> None:
+    import xgrammar as xgr
+
+    from openk3.api.chat_format import ChatFormat
+    from openk3.api.protocol import ChatCompletionRequest
+    from openk3.api.tool_choice import plan_tools
+    from openk3.serve.structured.compiler import GrammarCompiler
+    from openk3.serve.tokenizer import ByteTokenizer
+
+    req = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "auto"})
+    spec = plan_tools(req, ChatFormat(fmt), True).call_grammar(0)
+    assert spec is not None
+    grammar = GrammarCompiler(ByteTokenizer(260), 260).compile(spec)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(grammar.compiled).accept_string(text)
+
+    if fmt == "kimi_k2":
+        open_, close, call = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", K2_CALL.removesuffix("<|tool_calls_section_end|>")
+        loose = '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"any": [1]}<|tool_call_end|>'
+    else:
+        open_, close, call = "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", K3_CALL.removesuffix("<|close|>tools<|sep|><|close|>message<|sep|>")
+        loose = '<|open|>call tool="get_time" index="2"<|sep|><|open|>argument key="zone" type="string"<|sep|>utc<|close|>argument<|sep|><|close|>call<|sep|>'
+    assert accepts("Just text, no call.")
+    assert accepts(f"Let me look.{open_}{call}{loose}{close}and after")
+    assert not accepts(f"x{open_}{call.replace('3', '9')}")  # a strict tool's arguments follow its schema
+    assert not accepts(f"x{open_}{close}")  # a section holds at least one call
+    assert not accepts("x" + call)  # no call outside a section
 
 
 K2_CALL = '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>'

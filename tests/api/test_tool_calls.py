@@ -48,7 +48,7 @@ def streamed(plan: ToolPlan, end: PromptEnd, pieces: list[str], prefix: str = ""
         got = parser.feed(text, final=i == len(pieces) - 1)
         out.reasoning += got.reasoning
         out.content += got.content
-        out.calls += got.calls
+        out.tool_calls += got.tool_calls
     return out
 
 
@@ -61,11 +61,11 @@ def splits(text: str, seed: int) -> list[list[str]]:
 
 def same(a: Piece, b: Piece) -> None:
     assert (a.reasoning, a.content) == (b.reasoning, b.content)
-    assert [(c.function.name, c.function.arguments) for c in a.calls] == [(c.function.name, c.function.arguments) for c in b.calls]
+    assert [(c.function.name, c.function.arguments) for c in a.calls()] == [(c.function.name, c.function.arguments) for c in b.calls()]
 
 
 def calls_of(p: Piece) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in p.calls]
+    return [(c.function.name, json.loads(c.function.arguments)) for c in p.calls()]
 
 
 PARIS = ' {"city": "Paris"} '
@@ -82,16 +82,16 @@ def test_k2_parallel_calls_with_content_before_and_model_ids() -> None:
     p = whole(K2, NOTHING_OPEN, K2_PARALLEL)
     assert p.content == "Let me check." and p.reasoning == ""
     assert calls_of(p) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert [c.id for c in p.calls] == ["functions.get_weather:0", "functions.get_time:1"]  # K2 writes these ids back into the prompt
-    assert p.calls[0].function.arguments == '{"city": "Paris"}'  # the model's own JSON, stripped (as the stream sends it)
+    assert [c.id for c in p.calls()] == ["functions.get_weather:0", "functions.get_time:1"]  # K2 writes these ids back into the prompt
+    assert p.calls()[0].function.arguments == '{"city": "Paris"}'  # the model's own JSON, stripped (as the stream sends it)
 
 
 def test_k3_typed_arguments_become_one_json_object_with_literals_kept() -> None:
     p = whole(K3, OPENED_THINK, K3_PARALLEL)
     assert p.reasoning == "The user wants weather." and p.content == "Let me check."
-    assert p.calls[0].function.arguments == '{"city": "Paris", "days": 1e2, "opts": {"a": [1, true]}}'
+    assert p.calls()[0].function.arguments == '{"city": "Paris", "days": 1e2, "opts": {"a": [1, true]}}'
     assert calls_of(p)[1] == ("get_time", {})
-    assert all(c.id.startswith("call_") for c in p.calls) and len({c.id for c in p.calls}) == 2
+    assert all(c.id.startswith("call_") for c in p.calls()) and len({c.id for c in p.calls()}) == 2
 
 
 @pytest.mark.parametrize(("plan", "end", "text"), [(K2, NOTHING_OPEN, K2_PARALLEL), (K3, OPENED_THINK, K3_PARALLEL)], ids=["k2", "k3"])
@@ -102,29 +102,58 @@ def test_any_split_of_the_stream_gives_the_whole_result(plan, end, text, seed) -
         same(streamed(plan, end, pieces), expected)
 
 
-def test_a_stream_holds_a_call_until_it_is_complete() -> None:
+def test_arguments_stream_as_they_are_written() -> None:
     parser = ChoiceParser(K2, NOTHING_OPEN)
-    head = f"Hi{SEC_B}{CALL_B}functions.get_weather:0{ARGS}" + '{"city": "Pa'
-    first = parser.feed(head)
-    assert first.content == "Hi" and first.calls == []  # no half call is ever announced
-    rest = parser.feed('ris"}' + CALL_E + SEC_E, final=True)
-    assert calls_of(rest) == [("get_weather", {"city": "Paris"})] and rest.content == ""
+    first = parser.feed(f"Hi{SEC_B}{CALL_B}functions.get_weather:0{ARGS}" + ' {"city": "Pa')
+    assert first.content == "Hi"
+    assert [(d.index, d.id, d.type, d.function.name, d.function.arguments) for d in first.tool_calls] == [
+        (0, "functions.get_weather:0", "function", "get_weather", ""),
+        (0, None, None, None, '{"city": "Pa'),
+    ]
+    rest = parser.feed('ris"} ' + CALL_E + CALL_B + "functions.get_time:1" + ARGS + "{}" + CALL_E + SEC_E, final=True)
+    assert [(d.index, d.id, d.function.arguments) for d in rest.tool_calls] == [(0, None, 'ris"}'), (1, "functions.get_time:1", ""), (1, None, "{}")]
+    k3 = ChoiceParser(K3, OPENED_RESPONSE)
+    head = '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>'
+    got = k3.feed(f'ok<|close|>response<|sep|><|open|>tools<|sep|>{head}Pa"r')
+    assert [d.function.arguments for d in got.tool_calls] == ["", '{"city": "Pa\\"r']  # string arguments stream, escaped
+    got = k3.feed('is<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3')
+    assert [d.function.arguments for d in got.tool_calls] == ['is"']  # another type goes out whole, once it checks
+    got = k3.feed("<|close|>argument<|sep|><|close|>call<|sep|>", final=True)
+    assert [d.function.arguments for d in got.tool_calls] == [', "days": 3}']
 
 
-MALFORMED = [
-    ("k2 bad json", K2, NOTHING_OPEN, f"ok{SEC_B}{k2_call('get_weather', 0, '{city: Paris}')}{SEC_E}", f"{k2_call('get_weather', 0, '{city: Paris}')}{SEC_E}"),
+@pytest.mark.parametrize(("plan", "end", "text"), [(K2, NOTHING_OPEN, K2_PARALLEL), (K3, OPENED_THINK, K3_PARALLEL)], ids=["k2", "k3"])
+def test_every_boundary_of_a_two_piece_stream_gives_the_whole_result(plan, end, text) -> None:
+    expected = whole(plan, end, text)
+    for cut in range(1, len(text)):
+        same(streamed(plan, end, [text[:cut], text[cut:]]), expected)
+
+
+def test_arguments_that_turn_bad_end_the_call_and_the_rest_is_content() -> None:
+    """What was sent of a call cannot be taken back: the call keeps it, and the rest is content (streamed or not)."""
+    bad_json = f"ok{SEC_B}{k2_call('get_weather', 0, '{city: Paris}')}{SEC_E}"
+    no_call_end = f"ok{SEC_B}{CALL_B}functions.get_time:0{ARGS}{{}}{SEC_E}"
+    bad_number = k3_reply("ok", k3_call("get_time", 1, ("n", "number", "ten")))
+    twice = k3_reply("ok", k3_call("get_time", 1, ("n", "string", "a"), ("n", "string", "b")))
+    block = '<|open|>argument key="n" type="{}"<|sep|>{}<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>'
+    cases = [
+        (K2, bad_json, [("get_weather", "{")], f"okcity: Paris}}{CALL_E}{SEC_E}"),
+        (K2, no_call_end, [("get_time", "{}")], f"ok{SEC_E}"),
+        (K3, bad_number, [("get_time", "")], "ok" + block.format("number", "ten")),
+        (K3, twice, [("get_time", '{"n": "a"')], "ok" + block.format("string", "b")),
+    ]
+    for plan, text, calls, content in cases:
+        p = whole(plan, NOTHING_OPEN, text)
+        assert [(c.function.name, c.function.arguments) for c in p.calls()] == calls and p.content == content
+        for pieces in splits(text, 0):
+            same(streamed(plan, NOTHING_OPEN, pieces), p)
+
+
+MALFORMED = [  # caught before anything of the call is sent: the whole call is content
     ("k2 not an object", K2, NOTHING_OPEN, f"ok{SEC_B}{k2_call('get_time', 0, '[1]')}{SEC_E}", f"{k2_call('get_time', 0, '[1]')}{SEC_E}"),
     ("k2 no argument marker", K2, NOTHING_OPEN, f"ok{SEC_B}{CALL_B}functions.get_time:0{{}}{CALL_E}", f"{CALL_B}functions.get_time:0{{}}{CALL_E}"),
     ("k2 unknown tool", K2, NOTHING_OPEN, f"ok{SEC_B}{k2_call('rm_rf', 0, '{}')}{SEC_E}", f"{k2_call('rm_rf', 0, '{}')}{SEC_E}"),
-    (
-        "k2 section ends inside a call",
-        K2,
-        NOTHING_OPEN,
-        f"ok{SEC_B}{CALL_B}functions.get_time:0{ARGS}{{}}{SEC_E}",
-        f"{CALL_B}functions.get_time:0{ARGS}{{}}{SEC_E}",
-    ),
-    ("k3 number that is not one", K3, NOTHING_OPEN, k3_reply("ok", k3_call("get_time", 1, ("n", "number", "ten"))), None),
-    ("k3 duplicate key", K3, NOTHING_OPEN, k3_reply("ok", k3_call("get_time", 1, ("n", "string", "a"), ("n", "string", "b"))), None),
+    ("k2 bad header", K2, NOTHING_OPEN, f"ok{SEC_B}{k2_call('get time', 0, '{}')}{SEC_E}", f"{k2_call('get time', 0, '{}')}{SEC_E}"),
     ("k3 unknown tool", K3, NOTHING_OPEN, k3_reply("ok", k3_call("rm_rf", 1)), None),
     ("k3 garbage in the tools block", K3, NOTHING_OPEN, k3_reply("ok").replace("<|close|>message", "<|open|>tools<|sep|>nonsense<|close|>message"), None),
 ]
@@ -133,7 +162,7 @@ MALFORMED = [
 @pytest.mark.parametrize(("plan", "end", "text", "tail"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
 def test_a_malformed_call_and_what_follows_is_content(plan, end, text, tail) -> None:
     p = whole(plan, end, text)
-    assert p.calls == []
+    assert p.calls() == []
     assert p.content.startswith("ok") and len(p.content) > 2  # the model's text is all there, markers included
     if tail is not None:
         assert p.content == "ok" + tail
@@ -151,7 +180,7 @@ def test_an_earlier_good_call_survives_a_later_malformed_one() -> None:
 def test_a_reply_cut_inside_a_call_keeps_the_complete_calls_and_the_rest_is_content(plan, end, text) -> None:
     cut = text[: text.index("get_time") + len("get_time") + 4]  # inside the second call
     p = whole(plan, end, cut)
-    assert [c.function.name for c in p.calls] == ["get_weather"]
+    assert [c.function.name for c in p.calls()] == ["get_weather"]
     assert p.content.startswith("Let me check.") and p.content.endswith(cut[-12:])  # the cut call, as written
     for pieces in splits(cut, 1):
         same(streamed(plan, end, pieces), p)
@@ -159,12 +188,12 @@ def test_a_reply_cut_inside_a_call_keeps_the_complete_calls_and_the_rest_is_cont
 
 def test_dotted_and_dashed_names_and_a_bare_call_without_section() -> None:
     p = whole(K2, NOTHING_OPEN, k2_call("ns.search-v2", 3, '{"q": "x"}'))
-    assert calls_of(p) == [("ns.search-v2", {"q": "x"})] and p.calls[0].id == "functions.ns.search-v2:3"
+    assert calls_of(p) == [("ns.search-v2", {"q": "x"})] and p.calls()[0].id == "functions.ns.search-v2:3"
 
 
 def test_repeated_indices_still_get_distinct_ids() -> None:
     p = whole(K2, NOTHING_OPEN, SEC_B + k2_call("get_time", 0, "{}") + k2_call("get_time", 0, "{}") + SEC_E)
-    assert [c.id for c in p.calls] == ["functions.get_time:0", "functions.get_time:0-2"]
+    assert [c.id for c in p.calls()] == ["functions.get_time:0", "functions.get_time:0-2"]
 
 
 def test_without_tools_sections_are_plain_text_and_k3_blocks_are_still_unwrapped() -> None:
@@ -172,14 +201,14 @@ def test_without_tools_sections_are_plain_text_and_k3_blocks_are_still_unwrapped
     assert whole(none_k2, NOTHING_OPEN, K2_PARALLEL).content == K2_PARALLEL
     none_k3 = ToolPlan(ChatFormat.KIMI_K3)
     p = whole(none_k3, NOTHING_OPEN, k3_reply("just text", k3_call("get_time", 1)))
-    assert p.calls == [] and p.content.startswith("just text<|open|>tools<|sep|>")
+    assert p.calls() == [] and p.content.startswith("just text<|open|>tools<|sep|>")
 
 
 def test_forced_calls_start_inside_the_arguments() -> None:
     k2_prefix = forced_call_prefix(ChatFormat.KIMI_K2, OPENED_THINK, "get_weather", 4)
     assert k2_prefix == f"</think>{SEC_B}{CALL_B}functions.get_weather:4{ARGS}"
     p = whole(K2, OPENED_THINK, '{"city": "Oslo"}' + CALL_E + SEC_E, k2_prefix)
-    assert p.reasoning == "" and p.content == "" and p.calls[0].id == "functions.get_weather:4"
+    assert p.reasoning == "" and p.content == "" and p.calls()[0].id == "functions.get_weather:4"
     k3_prefix = forced_call_prefix(ChatFormat.KIMI_K3, OPENED_THINK, "get_weather", 0)
     assert k3_prefix.startswith("<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>")
     reply = '<|open|>argument key="city" type="string"<|sep|>Oslo<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>'

@@ -101,6 +101,42 @@ def test_parallel_calls_with_reasoning_whole_and_streamed(scripted, client) -> N
     assert [(i, t, name, a) for i, _, t, name, a in s["first_call_deltas"]] == [(0, "function", "get_weather", ""), (1, "function", "get_time", "")]
 
 
+def test_the_openai_client_puts_streamed_arguments_together(scripted, client) -> None:
+    """The client's own stream accumulation (`chat.completions.stream`) gets the whole response's calls, from arguments that
+    arrive in many fragments (the scripted model writes one byte a step), with increasing indexes for parallel calls."""
+    scripted.script(ASK, TWO_CALLS, tools=[WEATHER, TIME])
+    kwargs: dict[str, Any] = dict(model="k3", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=400)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        fragments = [(e.index, e.arguments_delta) for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls or ()]
+    assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert got == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    weather = [a for i, a in fragments if i == 0]
+    assert len(weather) > 5 and "".join(weather) == '{"city": "Paris"}'  # streamed as written, not in one piece
+    assert [i for i, _ in fragments] == sorted(i for i, _ in fragments)
+
+
+def test_strict_tools_with_auto_let_valid_calls_through(scripted, client) -> None:
+    """strict with tool_choice auto is honoured by a grammar (tests/api/test_structured_output.py checks what it refuses):
+    a reply of text and valid calls passes through it token for token."""
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    scripted.script(ASK, TWO_CALLS, tools=[strict, TIME])
+    kwargs: dict[str, Any] = dict(model="k3", messages=ASK, tools=[strict, TIME], tool_choice="auto", temperature=0, max_tokens=400)
+    for content, calls, finish in _whole_and_streamed(client, **kwargs):
+        assert (content, finish) == ("Checking.", "tool_calls")
+        assert calls == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    # a call against the schema (city is a string): as written without strict, made to match it with strict
+    wrong = '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="number"<|sep|>7<|close|>argument<|sep|><|close|>call<|sep|>'
+    reply = f"<|close|>think<|sep|><|open|>response<|sep|>Hm.<|close|>response<|sep|><|open|>tools<|sep|>{wrong}<|close|>tools<|sep|>{END}"
+    for tool, arguments in ((WEATHER, '{"city": 7}'), (strict, '{"city": "7"}')):
+        scripted.script(ASK, reply, tools=[tool, TIME])
+        for content, calls, finish in _whole_and_streamed(client, **{**kwargs, "tools": [tool, TIME]}):
+            assert (content, calls, finish) == ("Hm.", [("get_weather", arguments)], "tool_calls")
+
+
 def test_the_tool_loop_renders_calls_and_results_back(scripted, client) -> None:
     history = ASK + [
         {
@@ -164,27 +200,33 @@ def test_a_truncated_call_comes_back_as_content_with_length(scripted, client, st
     assert content == 'Sure.<|open|>call tool="get_'
 
 
+def _whole_and_streamed(client, **kwargs) -> list[tuple[str, list[tuple[str, str]], str]]:
+    r = client.chat.completions.create(**kwargs)
+    s = collect(client.chat.completions.create(**kwargs, stream=True))
+    m = r.choices[0].message
+    return [
+        (m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or ()], r.choices[0].finish_reason),
+        (s["content"], [(c["name"], c["arguments"]) for _, c in sorted(s["calls"].items())], s["finish"]),
+    ]
+
+
 def test_a_malformed_call_is_content_not_an_error(scripted, client) -> None:
-    bad = '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="number"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|>'
-    scripted.script(
-        ASK, f"<|close|>think<|sep|><|open|>response<|sep|>Hm.<|close|>response<|sep|><|open|>tools<|sep|>{bad}<|close|>tools<|sep|>{END}", tools=[WEATHER]
-    )
-    for stream in (False, True):
-        kwargs = dict(model="k3", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=400)
-        if stream:
-            s = collect(client.chat.completions.create(**kwargs, stream=True))
-            content, calls, finish = s["content"], s["calls"], s["finish"]
-        else:
-            r = client.chat.completions.create(**kwargs)
-            content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason
-        assert not calls and finish == "stop" and content.startswith("Hm." + bad)
+    head = '<|open|>call tool="get_weather" index=1<|sep|>'  # unquoted attribute: caught before the call is announced
+    arg = '<|open|>argument key="city" type="number"<|sep|>Paris<|close|>argument<|sep|>'  # caught after it was
+    reply = "<|close|>think<|sep|><|open|>response<|sep|>Hm.<|close|>response<|sep|><|open|>tools<|sep|>{}<|close|>call<|sep|><|close|>tools<|sep|>" + END
+    kwargs = dict(model="k3", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=400)
+    scripted.script(ASK, reply.format(head + arg), tools=[WEATHER])
+    for content, calls, finish in _whole_and_streamed(client, **kwargs):
+        assert not calls and finish == "stop" and content.startswith("Hm." + head + arg)
+    scripted.script(ASK, reply.format(CALL[: CALL.index("<|sep|>") + 7] + arg), tools=[WEATHER])
+    for content, calls, finish in _whole_and_streamed(client, **kwargs):
+        assert calls == [("get_weather", "")] and finish == "tool_calls" and content.startswith("Hm." + arg)
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}, "tools"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # the template reads `thinking`
     ],
 )

@@ -86,6 +86,23 @@ def test_states_follow_the_batch(compiler: GrammarCompiler) -> None:
     assert len(sampler.grammars) == 0
 
 
+def test_two_requests_with_the_same_tokens_keep_their_own_states(compiler: GrammarCompiler) -> None:
+    """States are keyed by request id: one token list object for two requests (and then two equal ones) never mixes them."""
+    grammars = {"a": compiler.compile(StructuredOutputs(choice=("yes",))), "b": compiler.compile(StructuredOutputs(choice=("yak",)))}
+    sampler = Sampler(0)
+    shared = [65]
+    lists = {"a": shared, "b": shared}
+    for _ in range(4):
+        rows = [SamplingRow(SamplingParams(temperature=0.0, structured_outputs=grammars[r]), None, lists[r], 1, frozenset({EOS}), r) for r in "ab"]
+        out = sampler(torch.zeros(2, VOCAB), rows).token_ids
+        lists = {r: [*lists[r], t] for r, t in zip("ab", out, strict=True)}
+        assert len(sampler.grammars) == 2
+    assert [text(lists[r][1:]) for r in "ab"] == ["yes", "yak"]
+    twice = [SamplingRow(SamplingParams(structured_outputs=grammars["a"]), None, [65], 1, frozenset({EOS}), "a") for _ in range(2)]
+    with pytest.raises(ValueError, match="same request"):
+        sampler(torch.zeros(2, VOCAB), twice)
+
+
 def test_stop_tokens_only_where_the_grammar_accepts(compiler: GrammarCompiler) -> None:
     g = compiler.compile(StructuredOutputs(choice=("ab",)))
     logits = torch.zeros(1, VOCAB)

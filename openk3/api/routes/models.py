@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from openk3.api.protocol import ModelCard, ModelList
+from openk3.api.responses import ModelCard, ModelList
 from openk3.api.routes.state import State, authorize, check_model
 
 router = APIRouter(dependencies=[Depends(authorize)])

@@ -22,15 +22,23 @@ async def tokenize(request: Request, state: State) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
     messages = req.messages
-    if messages is not None:
-        text, special = await served.encoder.run(lambda: served.render_chat(messages)), False
-    else:
-        text, special = req.prompt or "", True
+    prompt = None if messages is None else await served.encoder.run(lambda: served.render_chat(messages))
     # no size check: /tokenize answers how long a text is, even one too long to serve (the body limit bounds it)
-    add_special = special if req.add_special_tokens is None else req.add_special_tokens
+    add_special = prompt is None if req.add_special_tokens is None else req.add_special_tokens
+
+    if prompt is not None and prompt.plain and add_special:
+        message = "add_special_tokens=true with messages that hold special-token strings is not supported (send it false)"
+        raise APIError(400, message, param="add_special_tokens", code="unsupported")
+
+    def encode() -> list[int]:
+        if prompt is None:
+            return served.tokenizer.encode(req.prompt or "", add_special_tokens=add_special)
+        if add_special:
+            return served.tokenizer.encode(prompt.text, add_special_tokens=True)
+        return served.tokenizer.encode_with_plain(prompt.text, prompt.plain)  # as the chat route: markers in messages stay text
 
     def answer() -> bytes:  # serialised here too: a 700k-id answer takes ~0.4 s through FastAPI's encoder on the event loop
-        ids = served.tokenizer.encode(text, add_special_tokens=add_special)
+        ids = encode()
         return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}).encode()
 
     return Response(await served.encoder.run(answer), media_type="application/json")

@@ -1,10 +1,11 @@
 """Per-request grammar state for the sampler: one token bitmask for a step's constrained rows, applied in one call.
 
 Each request with a `Grammar` (SamplingParams.structured_outputs) has a matcher whose state is a function of the grammar,
-its stop tokens and its output tokens alone, so a state is a cache, never the truth: it is kept by the identity of the row's
-token list (the runner's per-request list, the same object every step) with the number of output tokens it has read, and
-rebuilt from the output tokens whenever that does not match (a new request, one resumed after preemption, a caller that
-passes fresh lists). States of requests that did not sample this step are dropped, so memory follows the batch.
+its stop tokens and its output tokens alone, so a state is a cache, never the truth: it is kept by the row's request id with
+the number of output tokens it has read, and rebuilt from the output tokens whenever that does not match (a new request,
+one resumed after preemption). Two requests are never confused, whatever their tokens. A row that names no request (a
+caller that does not pass ids) is kept by the identity of its token list instead, which the state holds so that the id
+cannot be reused while it lives. States of requests that did not sample this step are dropped, so memory follows the batch.
 Per step: `mask` fills one [M, ceil(V/32)] int32 bitmask for the constrained rows (xgrammar's batch fill, in C++) and
 sets the disallowed logits to -inf in one call; after sampling, `advance` feeds each row its token (one batch call).
 A request's stop tokens are allowed exactly when its grammar accepts (xgrammar's per-matcher stop tokens); a row with
@@ -13,7 +14,7 @@ no stop token at all runs unconstrained once its grammar has ended, rather than 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +29,9 @@ class SamplingRow(Protocol):
 
     @property
     def params(self) -> SamplingParams: ...
+
+    @property
+    def request_id(self) -> str | None: ...
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -53,11 +57,15 @@ def _grammar(row: SamplingRow) -> Grammar | None:
     return row.params.structured_outputs
 
 
+def _key(row: SamplingRow) -> Hashable:
+    return ("request", row.request_id) if row.request_id is not None else ("token list", id(row.token_ids))
+
+
 class GrammarStates:
     def __init__(self, max_threads: int = 1) -> None:
         # one thread: a fill costs tens of microseconds per row at these vocabularies, and xgrammar's pool competes with
         # the model's own threads for the cores (measured slower with 2 on 2 cores: benchmarks/results/structured_output.md)
-        self._states: dict[int, _State] = {}
+        self._states: dict[Hashable, _State] = {}
         self._max_threads = max_threads
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
 
@@ -78,23 +86,27 @@ class GrammarStates:
         return _State(row.token_ids, matcher, len(out))
 
     def _state(self, row: SamplingRow, grammar: Grammar, vocab: int) -> _State:
-        st = self._states.get(id(row.token_ids))
-        if st is None or st.token_ids is not row.token_ids or st.num_read != row.num_output_tokens:
-            st = self._new_state(row, grammar, vocab)
-        return st
+        st = self._states.get(_key(row))
+        stale = st is None or st.num_read != row.num_output_tokens or (row.request_id is None and st.token_ids is not row.token_ids)
+        return self._new_state(row, grammar, vocab) if stale or st is None else st
 
     def mask(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> list[tuple[int, _State]]:
         """Mask (in place) the logits of every row with a grammar; returns (row, state) for `advance`."""
         vocab = logits_MV.shape[1]
         picked: list[tuple[int, _State]] = []
+        states: dict[Hashable, _State] = {}
         for i, row in enumerate(rows):
             grammar = _grammar(row)
             if grammar is None:
                 continue
             if grammar.vocab_size != vocab:
                 raise ValueError(f"structured output: grammar compiled for {grammar.vocab_size} ids, logits have {vocab}")
-            picked.append((i, self._state(row, grammar, vocab)))
-        self._states = {id(st.token_ids): st for _, st in picked}
+            key = _key(row)
+            if key in states:
+                raise ValueError(f"structured output: rows {picked[-1][0] if picked else i} and {i} of one step are the same request ({key})")
+            states[key] = self._state(row, grammar, vocab)
+            picked.append((i, states[key]))
+        self._states = states
         live = [(i, st) for i, st in picked if not st.matcher.is_terminated()]
         if not live:
             return picked

@@ -10,7 +10,6 @@ engine never allows inside a grammar; the end tokens a request stops on are allo
 from __future__ import annotations
 
 import functools
-import json
 from typing import TYPE_CHECKING, Any
 
 from openk3.serve.kimi_tokenizer import KimiTokenizer
@@ -38,14 +37,14 @@ def _decoders(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _hf_entries(tok: HFTokenizer, vocab_size: int) -> tuple[list[str], str, bool]:
-    spec = json.loads(tok._tok.to_str())
+    spec = tok.spec
     decoders = _decoders(spec)
     kinds = {d.get("type") for d in decoders}
     vocab_type = "BYTE_LEVEL" if "ByteLevel" in kinds else "BYTE_FALLBACK" if "ByteFallback" in kinds else "RAW"
     metaspace = [d for d in decoders if d.get("type") == "Metaspace"]
     add_prefix_space = any(d.get("add_prefix_space") or d.get("prepend_scheme") in ("always", "first") for d in metaspace)
     entries = [""] * vocab_size
-    for text, i in tok._tok.get_vocab(with_added_tokens=False).items():
+    for text, i in tok.get_vocab(with_added_tokens=False).items():
         if i < vocab_size:
             entries[i] = text
     alphabet = _byte_level_alphabet()
@@ -64,10 +63,8 @@ def _hf_entries(tok: HFTokenizer, vocab_size: int) -> tuple[list[str], str, bool
 
 def _kimi_entries(tok: KimiTokenizer, vocab_size: int) -> list[bytes]:
     entries = [b""] * vocab_size
-    for i in range(min(tok.num_base, vocab_size)):
-        entries[i] = tok._enc.decode_single_token_bytes(i)
-    for i in range(tok.num_base, min(tok.vocab_size, vocab_size)):
-        entries[i] = tok.decode([i], skip_special_tokens=True).encode("utf-8")  # a plain added token keeps its text
+    for i in range(min(tok.vocab_size, vocab_size)):
+        entries[i] = tok.token_bytes(i)
     return entries
 
 

@@ -1,0 +1,205 @@
+"""`/v1/completions` and `/v1/chat/completions`, second half: engine outputs -> a JSON response or an SSE stream (the
+jobs are built in api/serving.py).
+
+Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
+`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
+stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
+Chat replies in a Kimi format go through one `ChoiceParser` per choice (api/agent_output.py): `reasoning_content`, content
+and `tool_calls`, whole or as `delta.reasoning_content` / `delta.content` / `delta.tool_calls` pieces (a call's arguments
+in fragments, as they are written).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+from pydantic import BaseModel
+
+from openk3.api.agent_output import ChoiceParser
+from openk3.api.errors import APIError, frontend_error
+from openk3.api.generation import EngineJob, Updates, final_outputs, open_updates, usage
+from openk3.api.protocol import ChatCompletionRequest, CompletionRequest, ToolCall
+from openk3.api.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+)
+from openk3.api.serving import ChatJob, Served
+from openk3.serve.output import OutputKind
+
+log = logging.getLogger("openk3.api")
+
+
+def sse(payload: BaseModel | dict) -> bytes:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return b"data: " + data.encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _stream_error(e: Exception) -> bytes:
+    if isinstance(e, APIError):
+        return sse(e.body())
+    unavailable = frontend_error(e)
+    if unavailable is not None:
+        return sse(unavailable.body())
+    status = 400 if isinstance(e, ValueError) else 500
+    if status == 500:
+        log.exception("error while streaming", exc_info=e)
+    return sse(APIError(status, str(e)).body())
+
+
+async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    results = await final_outputs(s.frontend, request_id, jobs)
+    out = []
+    for i, result in enumerate(results):
+        for c in result.outputs:
+            echo = texts[i] if req.echo else ""
+            logprobs = s.texts.completion_logprobs(c.logprobs or (), 0)[0] if req.logprobs is not None else None
+            choice = CompletionChoice(
+                index=i * req.n + c.index, text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+            )
+            out.append(choice)
+    prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
+    completion_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+    u = usage(prompt_tokens, completion_tokens, sum(r.num_cached_tokens for r in results))
+    return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
+
+
+async def open_completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> tuple[AsyncGenerator[bytes, None], Updates]:
+    """The engine requests added (a refusal is still a plain HTTP error), and the events that will stream their outputs."""
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    updates = await open_updates(s.frontend, request_id, jobs, OutputKind.DELTA)
+    return completion_stream(s, req, jobs, texts, request_id, updates), updates
+
+
+async def completion_stream(
+    s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str], request_id: str, updates: Updates
+) -> AsyncGenerator[bytes, None]:
+    created = int(time.time())
+    offsets: dict[int, int] = {}
+    completion_tokens, cached = 0, dict[int, int]()
+    try:
+        async for i, update in updates:
+            cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
+            for d in update.outputs:
+                index = i * req.n + d.index
+                completion_tokens += len(d.token_ids)
+                text = d.text
+                if index not in offsets:
+                    offsets[index] = 0
+                    text = (texts[i] if req.echo else "") + text
+                if not text and d.finish_reason is None and not d.token_ids:
+                    continue  # one chunk per step that made tokens, even when their text is held back or empty
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[choice]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
+            u = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[], usage=u))
+    except Exception as e:
+        yield _stream_error(e)
+    finally:
+        await updates.aclose()
+    yield DONE
+
+
+async def chat_response(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> ChatCompletionResponse:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    job = chat.job
+    (result,) = await final_outputs(s.frontend, request_id, [job])
+    out = []
+    for c in result.outputs:
+        logprobs = s.texts.chat_logprobs(c.logprobs or ()) if req.logprobs else None
+        finish = c.finish_reason
+        parser = chat.parser()
+        if parser is None:
+            message = ChatResponseMessage(content=c.text)
+        else:
+            piece = parser.feed(c.text, final=True, stop_reason=c.stop_reason)
+            calls: list[ToolCall] | None = piece.calls() or None
+            content = None if calls and not piece.content else piece.content
+            message = ChatResponseMessage(content=content, reasoning_content=piece.reasoning if parser.has_reasoning else None, tool_calls=calls)
+            finish = parser.finish_reason(finish)
+        out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in result.outputs)
+    u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
+    return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
+
+
+async def open_chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    updates = await open_updates(s.frontend, request_id, [chat.job], OutputKind.DELTA)
+    return chat_stream(s, req, chat, request_id, updates), updates
+
+
+def _chat_deltas(parser: ChoiceParser | None, text: str, finished: bool, stop_reason: int | str | None) -> list[DeltaMessage]:
+    """One step's text as the deltas to send: reasoning, then content, then the tool-call pieces (a call's opening piece,
+    then its argument fragments), one per chunk as OpenAI sends them."""
+    if parser is None:
+        return [DeltaMessage(content=text)]
+    piece = parser.feed(text, final=finished, stop_reason=stop_reason)
+    out = []
+    if piece.reasoning:
+        out.append(DeltaMessage(reasoning_content=piece.reasoning))
+    if piece.content:
+        out.append(DeltaMessage(content=piece.content))
+    out += [DeltaMessage(tool_calls=[call]) for call in piece.tool_calls]
+    return out or [DeltaMessage(content="")]
+
+
+async def chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
+    created = int(time.time())
+    job = chat.job
+
+    def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
+
+    completion_tokens, cached, opened = 0, 0, set()
+    parsers: dict[int, ChoiceParser | None] = {}
+    try:
+        async for _, update in updates:
+            cached = max(cached, update.num_cached_tokens)
+            for d in update.outputs:
+                completion_tokens += len(d.token_ids)
+                if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
+                    opened.add(d.index)
+                    parsers[d.index] = chat.parser()
+                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                if not d.text and d.finish_reason is None and not d.token_ids:
+                    continue
+                logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
+                parser = parsers[d.index]
+                deltas = _chat_deltas(parser, d.text, d.finish_reason is not None, d.stop_reason)
+                finish = d.finish_reason if parser is None else parser.finish_reason(d.finish_reason)
+                for k, delta in enumerate(deltas):  # logprobs ride on the first piece, the finish reason on the last
+                    last = k == len(deltas) - 1
+                    choice = ChatChunkChoice(
+                        index=d.index,
+                        delta=delta,
+                        logprobs=logprobs if k == 0 else None,
+                        finish_reason=finish if last else None,
+                        stop_reason=d.stop_reason if last else None,
+                    )
+                    yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
+    except Exception as e:
+        yield _stream_error(e)
+    finally:
+        await updates.aclose()
+    yield DONE

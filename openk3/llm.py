@@ -71,25 +71,29 @@ class LLM:
             tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
         else:
             net, tok = build_model(model, config.torch_dtype, config.device, config.seed, tokenizer=tokenizer)
-        self.engine: EngineCore
+        # `core` is what generate() steps: the engine, or with dp > 1 the engine spread over the ranks; `engine` is this
+        # process's own LLMEngine either way (with dp > 1 rank 0's, to inspect: stepping it alone would break the lockstep)
+        self.core: EngineCore
         try:
             if self._ep is not None and self._ep.dp_engine is not None:
-                self.engine = self._ep.dp_engine
+                self.core = self._ep.dp_engine
+                self.engine = self._ep.dp_engine.local
             else:
                 assert net is not None
                 self.engine = LLMEngine(net, tok, config)
+                self.core = self.engine
         except BaseException:
             if self._ep is not None:
                 self._ep.close()
             raise
         self.tokenizer = tok
-        self.processor = OutputProcessor(self.engine)
+        self.processor = OutputProcessor(self.core)
         self._ids = itertools.count()
 
     def close(self) -> None:
         """Stop the disk tier's writer thread and remove its files; with ep > 1, stop the worker ranks and leave the group."""
         try:
-            self.engine.close()
+            self.core.close()
         finally:
             if self._ep is not None:
                 self._ep.close()
@@ -102,7 +106,7 @@ class LLM:
 
     @property
     def model(self) -> CausalLM:
-        return self.engine.model
+        return self.core.model
 
     def generate(
         self,
@@ -126,8 +130,8 @@ class LLM:
                 self.processor.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY)
                 ids.append(request_id)
             done: dict[str, RequestOutput] = {}
-            while self.engine.has_unfinished():
-                for out in self.processor.process(self.engine.step()):
+            while self.core.has_unfinished():
+                for out in self.processor.process(self.core.step()):
                     done[out.request_id] = out
         except BaseException:
             for request_id in ids:

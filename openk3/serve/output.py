@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from openk3.serve.engine import EngineCore
 from openk3.serve.output_types import (
@@ -100,10 +101,13 @@ class _Group:
         return all(s.finished for s in self.samples)
 
 
-class OutputProcessor:
+EngineT = TypeVar("EngineT", bound=EngineCore)
+
+
+class OutputProcessor(Generic[EngineT]):
     """Owns, for one engine, every caller request's samples, their text and their stop strings (module docstring)."""
 
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: EngineT) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._groups: dict[str, _Group] = {}

@@ -32,7 +32,7 @@ def generate(dp: int = 1, prefix: bool = False) -> tuple[list[list[list[int]]], 
         warnings.simplefilter("ignore")  # the preset's "random weights" warning
         with LLM("debug", max_num_batched_tokens=16, dp=dp, ep=dp, enable_prefix_caching=prefix) as llm:
             tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, p)] for p in (GREEDY, SEEDED)]
-            engine = llm.engine
+            engine = llm.core
             received = [s.prompt_tokens_total if s else 0 for s in engine.rank_stats()] if isinstance(engine, DataParallelEngine) else []
             return tokens, received
 
@@ -65,7 +65,7 @@ def test_dp2_stop_strings_end_remote_requests_as_one_process_does() -> None:
             want = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
         with LLM("debug", dp=2, ep=2) as llm:
             got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
-            assert not llm.engine.has_unfinished()
+            assert not llm.core.has_unfinished()
     assert got == want and all(reason == "stop" for _, reason in got)
 
 

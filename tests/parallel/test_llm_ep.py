@@ -16,6 +16,7 @@ from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts
 from openk3.model.weights import load_model, save_model
+from openk3.parallel.ep.backend import TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from openk3.parallel.serving.rank_model import load_rank_model, resident_expert_bytes
@@ -94,6 +95,7 @@ def rank_load(ctx: ParallelContext, folder: str) -> dict[str, tuple[int, list[in
     out = {}
     for method in ("moonep", "eplb"):
         model, backend = load_rank_model(folder, ctx, method)
+        assert isinstance(backend, TokenSplit)  # replicated tokens: the default
         out[method] = resident_expert_bytes(model, backend), [int(s.global_ids[0]) for s in backend.inner.shards.values()]
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 
 from openk3.sandbox.namespace.settings import BackendConfig
@@ -14,10 +15,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("sandbox", help="AgentEnv-style RL sandboxes (namespaces + overlay + cgroups)")
     sub = parser.add_subparsers(dest="sandbox_command", required=True)
     serve = sub.add_parser("serve", help="serve the sandbox API over HTTP on this host (needs root)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; the API is unauthenticated)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other address needs an API key)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every request (default: the OPENK3_SANDBOX_API_KEY variable; a key given "
+        "here is visible in the host's process list, so prefer the variable or --api-key-file)",
+    )
+    serve.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file (its first line)")
+    serve.add_argument("--no-api-key", action="store_true", help="allow a non-loopback --host without a key (behind an authenticating proxy)")
     serve.add_argument("--port", type=int, default=8700)
     serve.add_argument("--state-dir", default="/run/openk3-sandbox", help="tmpfs mount point for layers and sandbox roots")
     serve.add_argument("--store-bytes", type=int, default=8 * 2**30, help="size of the layer/state tmpfs")
+    serve.add_argument(
+        "--keep-snapshots",
+        action="store_true",
+        help="on SIGTERM keep the state tmpfs with its fs snapshots for the next start on this --state-dir (a kill -9 always keeps them)",
+    )
     serve.add_argument("--workers", type=int, default=8, help="threads running blocking sandbox operations")
     serve.add_argument(
         "--sandbox-uid",
@@ -37,11 +51,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from openk3.sandbox.api import auth
     from openk3.sandbox.api.server import serve
     from openk3.sandbox.api.service import SandboxService
 
     if args.workers < 1:
         print(f"--workers={args.workers}: expected >= 1")
+        return 2
+    api_key = args.api_key or os.environ.get(auth.ENV_VAR) or None
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                api_key = f.readline().strip() or None
+        except OSError as e:
+            print(f"openk3 sandbox serve: --api-key-file={args.api_key_file!r}: {e.strerror}")
+            return 2
+    refusal = auth.check_serving(args.host, api_key, args.no_api_key)
+    if refusal is not None:
+        print(f"openk3 sandbox serve: refusing to start: {refusal}")
         return 2
     try:
         factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
@@ -53,11 +80,11 @@ def run(args: argparse.Namespace) -> int:
     # mounts and cgroups go away with the daemon instead of waiting for the next start's crash recovery.
     signal.signal(signal.SIGTERM, _exit_on_term)
     try:
-        serve(service, args.host, args.port, args.workers)
+        serve(service, args.host, args.port, args.workers, api_key)
     except SystemExit:
         pass
     finally:
-        service.close()
+        service.close(keep_snapshots=args.keep_snapshots)
     return 0
 
 

@@ -6,6 +6,8 @@ client can rebuild it with `from_dict` without a schema library on the client si
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import enum
 import json
@@ -111,6 +113,53 @@ class SandboxStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxInfo:
+    """One entry of `list_sandboxes`: what a caller gave at create (labels, image) and when the sandbox expires."""
+
+    sandbox_id: str
+    labels: dict[str, str]
+    image: str | None  # the snapshot it was created over; None for the base rootfs
+    created_at: float
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessStatus:
+    """A background process (`spawn`): running, or how it ended; byte counts say how much output there is to fetch."""
+
+    process_id: str
+    sandbox_id: str
+    running: bool
+    exit_code: int | None  # None while running
+    timed_out: bool
+    killed: bool  # ended by process_kill, a destroy or a restore of its sandbox
+    oom_killed: bool
+    stdout_bytes: int
+    stderr_bytes: int
+    truncated: bool  # output beyond max_output_bytes was dropped
+    error: str | None  # why it could not run or finish (its sandbox went away, its init failed), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessOutput:
+    """Output of a background process from the offsets asked for; pass `*_offset` back to get what came after."""
+
+    stdout: bytes
+    stderr: bytes
+    stdout_offset: int
+    stderr_offset: int
+    running: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputChunk:
+    """Part of a command's output as `exec_stream` yields it, in the order the daemon read it."""
+
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class DirEntry:
     name: str
     kind: str  # "file" | "dir" | "symlink" | "other"
@@ -119,17 +168,40 @@ class DirEntry:
 
 
 def to_jsonable(value: Any) -> Any:
-    """Dataclasses, enums, tuples and bytes into JSON values; bytes travel as latin-1 strings inside {"b": ...}."""
+    """Dataclasses, enums, tuples and bytes into JSON values; bytes travel as base64 inside {"b64": ...} (4/3 of their size,
+    where latin-1 text in JSON cost up to 6 bytes per byte); whole files and archives travel as raw bodies instead."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, bytes):
-        return {"b": value.decode("latin-1")}
+        return {"b64": base64.b64encode(value).decode("ascii")}
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {k: to_jsonable(v) for k, v in value.items()}
+        encoded = {k: to_jsonable(v) for k, v in value.items()}
+        # a caller's dict that looks like a tag ({"b64": ...} or {"dict": ...}) is wrapped, so it comes back a dict
+        return {"dict": encoded} if set(value) in TAGS else encoded
+    return value
+
+
+TAGS = ({"b64"}, {"dict"})  # the only single-key objects with a meaning on the wire
+
+
+def decode_tagged(value: Any) -> Any:
+    """Inverse of to_jsonable's tags, through lists and dicts: {"b64": ...} is bytes, {"dict": {...}} a dict taken as it
+    is (its values still decoded); every other object is a dict."""
+    if isinstance(value, dict):
+        if set(value) == {"b64"}:
+            return decode_bytes(value)
+        if set(value) == {"dict"}:
+            inner = value["dict"]
+            if not isinstance(inner, dict):
+                raise InvalidArgument(f"expected {{'dict': <object>}}, got {{'dict': {type(inner).__name__}}}")
+            return {k: decode_tagged(v) for k, v in inner.items()}
+        return {k: decode_tagged(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_tagged(v) for v in value]
     return value
 
 
@@ -138,14 +210,38 @@ def from_jsonable(cls: type, data: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         v = data[f.name]
-        if isinstance(v, dict) and set(v) == {"b"}:
-            v = v["b"].encode("latin-1")
+        if isinstance(v, dict):
+            v = decode_tagged(v)
         elif f.name == "kind" and cls is SnapshotInfo:
             v = SnapshotKind(v)
         elif isinstance(v, list):
             v = tuple(v)
         kwargs[f.name] = v
     return cls(**kwargs)
+
+
+MAX_LABELS = 64
+LABEL_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-/")
+
+
+def check_labels(labels: dict[str, str], field: str = "labels") -> dict[str, str]:
+    """Labels are for finding sandboxes again (`list_sandboxes(labels=...)`): short keys of [A-Za-z0-9._/-], short values."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"{field}: {len(labels)} labels; expected at most {MAX_LABELS}")
+    for k, v in labels.items():
+        if not isinstance(k, str) or not 1 <= len(k) <= 63 or not set(k) <= LABEL_KEY_CHARS:
+            raise InvalidArgument(f"{field}: key {k!r}: expected 1-63 characters of A-Z a-z 0-9 . _ - /")
+        if not isinstance(v, str) or len(v) > 256 or "\0" in v:
+            raise InvalidArgument(f"{field}[{k!r}]={v!r}: expected a string of at most 256 characters without NUL")
+    return dict(labels)
+
+
+def decode_bytes(value: dict[str, Any]) -> bytes:
+    """{"b64": ...} back to bytes; anything but strict base64 is an InvalidArgument."""
+    try:
+        return base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise InvalidArgument(f"bytes: expected {{'b64': <base64 string>}} ({e})") from e
 
 
 class SandboxError(Exception):
@@ -156,6 +252,10 @@ class SandboxError(Exception):
 
 class InvalidArgument(SandboxError):
     status = 400
+
+
+class Unauthorized(SandboxError):
+    status = 401
 
 
 class NotFound(SandboxError):
@@ -178,7 +278,9 @@ class Unsupported(SandboxError):
     status = 501
 
 
-ERRORS_BY_NAME: dict[str, type[SandboxError]] = {c.__name__: c for c in (SandboxError, InvalidArgument, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)}
+ERRORS_BY_NAME: dict[str, type[SandboxError]] = {
+    c.__name__: c for c in (SandboxError, InvalidArgument, Unauthorized, NotFound, Conflict, QuotaExceeded, Busy, Unsupported)
+}
 
 
 # Archive streams over HTTP (download_tar, export_snapshot): a sequence of frames, each a kind byte, a 4-byte big-endian length

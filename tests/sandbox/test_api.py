@@ -14,7 +14,7 @@ import uvicorn
 
 from openk3.sandbox.api.client import AsyncSandboxClient, SandboxClient
 from openk3.sandbox.api.server import create_app
-from openk3.sandbox.protocol import Busy, InvalidArgument, Limits, NotFound, SandboxError
+from openk3.sandbox.protocol import InvalidArgument, Limits, NotFound, SandboxError
 
 pytestmark = pytest.mark.sandbox
 
@@ -101,20 +101,3 @@ def test_async_client_parallel(base_url):
                 await asyncio.gather(*(c.destroy(s) for s in sids))
 
     asyncio.run(main())
-
-
-def test_bounded_pool_answers_busy(svc):
-    sid = svc.create()
-    try:
-        with running(create_app(svc, workers=1, max_queue=0, reap_interval_s=None)) as url:
-
-            async def main() -> list:
-                async with AsyncSandboxClient(url) as c:
-                    return await asyncio.gather(*(c.exec(sid, "sleep 1") for _ in range(3)), return_exceptions=True)
-
-            results = asyncio.run(main())
-        busy = [r for r in results if isinstance(r, Busy)]
-        done = [r for r in results if not isinstance(r, Exception)]
-        assert len(done) == 1 and len(busy) == 2 and "retry" in str(busy[0])
-    finally:
-        svc.destroy(sid)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from openk3.sandbox.linux import syscalls
-from openk3.sandbox.namespace.lifecycle import instance_name
+from openk3.sandbox.namespace.recovery import cgroup_prefix, state_mounts
 from tests.sandbox.conftest import sandbox_uid
 
 pytestmark = pytest.mark.sandbox
@@ -38,6 +38,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
+    """Until /v1/health answers; fails with the daemon's output if it exits or takes a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/health").json()["ok"]
+            return
+        except httpx.TransportError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(proc.communicate()[0].decode(errors="replace")) from None
+            time.sleep(0.2)
 
 
 def test_serve_then_sigterm_cleans_up(host_features):
@@ -67,22 +81,16 @@ def test_serve_then_sigterm_cleans_up(host_features):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                assert httpx.get(f"http://127.0.0.1:{port}/v1/health").json()["ok"]
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-                time.sleep(0.2)
+        wait_healthy(proc, port)
         sid = httpx.post(f"http://127.0.0.1:{port}/v1/create", json={}).json()["result"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/exec", json={"sandbox_id": sid, "cmd": "echo hi"}).json()["result"]
-        assert r["stdout"] == {"b": "hi\n"}
+        assert r["stdout"] == {"b64": "aGkK"}  # base64 of b"hi\n"
         assert syscalls.mounts_under(state)
+        instance = state_mounts()[os.path.realpath(state)]
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     assert syscalls.mounts_under(state) == [] and not os.path.exists(state)
-    mine = f"openk3-sandbox/{instance_name(state)}"
+    mine = cgroup_prefix(instance)
     assert not [r for r in cgroup_roots(host_features.layout) if os.path.exists(os.path.join(r, mine))]

@@ -73,7 +73,9 @@ def test_pids_limit_stops_fork_bomb(svc):
     try:
         cg = svc.backend.box(sid).cg
         refused = cg.pids_refused() or 0
-        r = svc.exec(sid, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout_s=2)
+        # the foreground waits in a builtin loop: an external `sleep` may itself fail to fork once the bomb holds every pid,
+        # and the shell would then exit before the timeout (seen under load)
+        r = svc.exec(sid, "bomb() { bomb | bomb & }; bomb; while :; do :; done", timeout_s=2)
         assert r.timed_out
         assert (cg.pids_refused() or 0) > refused, "the fork bomb never hit the pids limit"
         assert len(cg.pids()) <= 4, "the bomb's processes must be gone after its timeout"

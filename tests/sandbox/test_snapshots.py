@@ -128,11 +128,15 @@ def test_deep_stacks_are_squashed_with_the_same_view(svc):
                 + ("; rm -r /root/d && mkdir /root/d && echo new > /root/d/n" if i == 20 else ""),
             )
             expected = view(svc, sid)
+            before = svc.backend.box(sid).layers
             snap = svc.snapshot(sid)
             snaps.append(snap.snapshot_id)
             svc.restore(sid, snap.snapshot_id)
             assert view(svc, sid) == expected, i
-        assert svc.stats(sid).layer_depth == 1  # squashed into one layer once deeper than max_layers
+        keep = svc.backend.config.max_layers // 2
+        # Once deeper than max_layers the upper half is squashed into one layer; the bottom layers are kept, not copied.
+        assert svc.stats(sid).layer_depth == keep + 1
+        assert svc.backend.box(sid).layers[:keep] == before[:keep]
         assert svc.exec(sid, "ls /root/d; test -e /usr/bin/seq || echo gone").stdout == b"n\ngone\n"
     finally:
         svc.destroy(sid)

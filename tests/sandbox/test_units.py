@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -112,3 +113,12 @@ def test_backend_config_validation_names_the_field():
     ):
         with pytest.raises(InvalidArgument, match=field):
             BackendConfig(**kwargs)
+
+
+def test_wire_tags_are_unambiguous() -> None:
+    """Bytes travel as {"b64": ...}; a caller's dict that looks like a tag comes back a dict, not bytes."""
+    from openk3.sandbox.protocol import decode_tagged, to_jsonable
+
+    values = [b"\x00\xff", {"b64": "aGk="}, {"dict": {"b64": b"x"}}, {"env": {"b64": "1"}}, [b"a", {"dict": 1}], "b64"]
+    for value in values:
+        assert decode_tagged(json.loads(json.dumps(to_jsonable(value)))) == value

@@ -1,39 +1,61 @@
 """HTTP front of a host's SandboxService: `POST /v1/<method>` with the method's keyword arguments as a JSON object.
 
 One route per API method keeps the client, the server and the Python API the same list of names. Arguments are validated
-against the method's signature (pydantic), so a bad field answers 400 naming it. Backend calls are blocking and run in a
-bounded pool of `workers` threads; at most `max_queue` more may wait, beyond that the server answers 503 at once. Bytes
-travel as {"b": latin-1 string} (see protocol.to_jsonable). A background thread reaps sandboxes whose TTL expired.
+against the method's signature (pydantic), so a bad or unknown field answers 400 naming it. Backend calls are blocking and
+run in two bounded pools of threads (pool.py): calls whose length the caller picks (exec, shell commands, archives,
+environment calls, exec_stream, process_wait) in one, everything else in the other, so long execs never hold up create or
+list; beyond a pool's workers plus `max_queue` the server answers 503 at once. Bytes inside JSON travel as {"b64": ...}
+(protocol.to_jsonable); whole files travel raw: `read_file` answers application/octet-stream and `write_file` takes the
+file as the request body. With `api_key` set every request needs `Authorization: Bearer <key>` (auth.py). A background
+thread reaps sandboxes whose TTL expired.
 
-Archives never travel that way: `upload_tar` and `import_snapshot` take the raw (optionally zstd) archive as the request body
-with their other arguments as JSON in the `args` query parameter, read in chunks as the service consumes them;
-`download_tar` and `export_snapshot` answer a stream of frames (protocol.frame) produced chunk by chunk in the worker pool.
-The request holds its worker slot until the stream ends.
+Archives travel raw too: `upload_tar` and `import_snapshot` take the (optionally zstd) archive as the request body, and
+`write_file` the file, with their other arguments as JSON in the `args` query parameter, read in chunks as the service
+consumes them; `download_tar` and `export_snapshot` answer a stream of frames (protocol.frame) produced chunk by chunk in
+the worker pool, `exec_stream` NDJSON lines (exec_stream.py). A request holds its worker slot until its stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from openk3.sandbox.api import auth, errors, exec_stream
+from openk3.sandbox.api.body import Body
+from openk3.sandbox.api.pool import WorkerPool
 from openk3.sandbox.api.service import SandboxService
-from openk3.sandbox.protocol import ERRORS_BY_NAME, FRAME_DATA, FRAME_END, FRAME_ERROR, ArchiveLimits, Busy, InvalidArgument, SandboxError, frame, to_jsonable
+from openk3.sandbox.protocol import (
+    FRAME_DATA,
+    FRAME_END,
+    ArchiveLimits,
+    InvalidArgument,
+    SandboxError,
+    decode_tagged,
+    frame,
+    to_jsonable,
+)
 
 logger = logging.getLogger(__name__)
 
 METHODS = (
     "create",
+    "list_sandboxes",
     "exec",
+    "exec_stream",
+    "spawn",
+    "process_status",
+    "process_output",
+    "process_wait",
+    "process_kill",
     "read_file",
     "write_file",
     "list_dir",
@@ -55,19 +77,12 @@ METHODS = (
     "import_snapshot",
     "reap_expired",
 )
+# Calls that last as long as the caller's command, archive or environment call: the long pool.
+LONG = frozenset({"exec", "exec_stream", "process_wait", "shell_run", "call_env", "upload_tar", "download_tar", "export_snapshot", "import_snapshot"})
+MAX_FILE_BYTES = 64 << 20  # write_file bodies, as read_file's default max_bytes
 
 
-def _decode(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"b"} and isinstance(value["b"], str):
-            return value["b"].encode("latin-1")
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-# Archive methods: bodies in (their arguments besides the archive, checked by these signatures) and streams out.
+# Body methods: the body in (the archive, or the file), their other arguments checked by these signatures.
 def _upload_tar_args(sandbox_id: str, dest: str = "/", limits: ArchiveLimits | None = None) -> dict[str, Any]:
     return {"sandbox_id": sandbox_id, "dest": dest, "limits": limits}
 
@@ -76,33 +91,14 @@ def _import_snapshot_args(limits: ArchiveLimits | None = None) -> dict[str, Any]
     return {"limits": limits}
 
 
-BODY_ARGS: dict[str, Callable[..., dict[str, Any]]] = {"upload_tar": _upload_tar_args, "import_snapshot": _import_snapshot_args}
+def _write_file_args(sandbox_id: str, path: str, mode: int = 0o644) -> dict[str, Any]:
+    return {"sandbox_id": sandbox_id, "path": path, "mode": mode}
+
+
+BODY_ARGS: dict[str, Callable[..., dict[str, Any]]] = {"upload_tar": _upload_tar_args, "import_snapshot": _import_snapshot_args, "write_file": _write_file_args}
+WHOLE_BODY = frozenset({"write_file"})  # read whole (at most MAX_FILE_BYTES) before the call; archives stream
 STREAMED = {"download_tar": "download_tar_stream", "export_snapshot": "export_snapshot_stream"}
-
-
-class _Body:
-    """The request body as a blocking `read(n)` for a worker thread; each chunk is fetched from the event loop on demand."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
-        self._chunks = request.stream().__aiter__()
-        self._loop = loop
-        self._buf = b""
-        self._done = False
-
-    async def _next(self) -> bytes | None:
-        try:
-            return await self._chunks.__anext__()
-        except StopAsyncIteration:
-            return None
-
-    def read(self, n: int = -1) -> bytes:
-        while not self._buf and not self._done:
-            chunk = asyncio.run_coroutine_threadsafe(self._next(), self._loop).result()
-            self._done = chunk is None
-            self._buf = chunk or b""
-        n = len(self._buf) if n < 0 else n
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
+RAW_RESULT = frozenset({"read_file"})  # bytes answered as application/octet-stream
 
 
 def _next_chunk(chunks: Iterator[bytes]) -> bytes | None:
@@ -112,29 +108,42 @@ def _next_chunk(chunks: Iterator[bytes]) -> bytes | None:
     return None
 
 
-def _type_name(exc: SandboxError) -> str:
-    """The nearest error type the clients know (ArchiveRefused travels as InvalidArgument)."""
-    return next(c.__name__ for c in type(exc).__mro__ if c.__name__ in ERRORS_BY_NAME)
+def _answer(method: str, result: Any) -> Response:
+    if method in RAW_RESULT:
+        return Response(content=result, media_type="application/octet-stream")
+    return JSONResponse(content={"result": to_jsonable(result)})
 
 
-def _error_frame(method: str, exc: Exception) -> bytes:
-    if not isinstance(exc, SandboxError):
-        logger.error("sandbox %s failed mid-stream", method, exc_info=exc)
-        exc = SandboxError(f"{method}: internal error: {type(exc).__name__}: {exc}")
-    return frame(FRAME_ERROR, json.dumps({"type": _type_name(exc), "message": str(exc)}).encode())
+async def _guarded(method: str, call: Callable[[], Awaitable[Response]]) -> Response:
+    """`call`'s answer, or the JSON error for what it raised (a bug or a host failure still answers with its type named)."""
+    try:
+        return await call()
+    except pydantic.ValidationError as e:
+        return errors.invalid(method, e)
+    except SandboxError as e:
+        return errors.response(e)
+    except Exception as e:
+        logger.exception("sandbox %s failed", method)
+        return errors.response(SandboxError(f"{method}: internal error: {type(e).__name__}: {e}"))
 
 
-def _error(exc: SandboxError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content={"error": {"type": _type_name(exc), "message": str(exc)}})
-
-
-def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, reap_interval_s: float | None = 5.0) -> FastAPI:
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
-    slots = threading.BoundedSemaphore(workers + max_queue)
-    plain = [name for name in METHODS if name not in BODY_ARGS and name not in STREAMED]
+def create_app(
+    service: SandboxService,
+    workers: int = 8,
+    max_queue: int = 64,
+    reap_interval_s: float | None = 5.0,
+    long_workers: int = 64,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The app; `workers` threads for short calls, `long_workers` for execs and transfers (threads mostly waiting on pipes)."""
+    short = WorkerPool("short", workers, max_queue)
+    long = WorkerPool("long", long_workers, max_queue)
+    pools = {name: long if name in LONG else short for name in METHODS}
+    plain = [name for name in METHODS if name not in BODY_ARGS and name not in STREAMED and name != "exec_stream"]
     validated = {name: pydantic.validate_call(getattr(service, name)) for name in plain}
     validated.update({name: pydantic.validate_call(getattr(service, target)) for name, target in STREAMED.items()})
     body_args = {name: pydantic.validate_call(fn) for name, fn in BODY_ARGS.items()}
+    stream_args = pydantic.validate_call(exec_stream.exec_stream_args)
     stop = threading.Event()
 
     def reaper() -> None:
@@ -151,61 +160,55 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
             reaper_thread.start()
         yield
         stop.set()
-        pool.shutdown(wait=True)
+        short.shutdown()
+        long.shutdown()
 
     app = FastAPI(title="openk3 sandbox", lifespan=lifespan)
+
+    if api_key is not None:
+        key = api_key
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            return await call_next(request) if auth.authorized(request, key) else auth.unauthorized()
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {"ok": True, "host": service.backend.config.host, "cgroups": service.backend.layout.name, "sandboxes": len(service.backend.sandboxes())}
 
-    def invalid(method: str, e: pydantic.ValidationError) -> JSONResponse:
-        fields = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return _error(InvalidArgument(f"{method}: {fields}"))
+    async def in_pool(method: str, fn: Callable[[], Any]) -> Any:
+        pool = pools[method]
+        pool.acquire()
+        try:
+            return await pool.run(fn)
+        finally:
+            pool.release()
 
-    async def in_pool(fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn)
-
-    async def with_body(method: str, request: Request) -> JSONResponse:
+    async def with_body(method: str, request: Request) -> Response:
         try:
             args = json.loads(request.query_params.get("args", "{}"))
         except ValueError:
-            return _error(InvalidArgument(f"{method}: the args query parameter must be a JSON object"))
+            args = None
         if not isinstance(args, dict):
-            return _error(InvalidArgument(f"{method}: the args query parameter must be a JSON object"))
-        if not slots.acquire(blocking=False):
-            return _error(Busy(f"server busy: {workers} workers and {max_queue} queued requests in use; retry later"))
-        try:
-            kwargs = body_args[method](**args)
-            body = _Body(request, asyncio.get_running_loop())
-            result = await in_pool(lambda: getattr(service, method)(data=body, **kwargs))
-        except pydantic.ValidationError as e:
-            return invalid(method, e)
-        except SandboxError as e:
-            return _error(e)
-        except Exception as e:
-            logger.exception("sandbox %s failed", method)
-            return _error(SandboxError(f"{method}: internal error: {type(e).__name__}: {e}"))
-        finally:
-            slots.release()
-        return JSONResponse(content={"result": to_jsonable(result)})
+            raise InvalidArgument(f"{method}: the args query parameter must be a JSON object")
+        kwargs = body_args[method](**args)
+        body = Body(request, asyncio.get_running_loop())
 
-    async def streamed(method: str, kwargs: dict[str, Any]) -> JSONResponse | StreamingResponse:
-        if not slots.acquire(blocking=False):
-            return _error(Busy(f"server busy: {workers} workers and {max_queue} queued requests in use; retry later"))
+        def run() -> Any:
+            data = body.read_all(MAX_FILE_BYTES, method) if method in WHOLE_BODY else body
+            return getattr(service, method)(data=data, **kwargs)
+
+        return _answer(method, await in_pool(method, run))
+
+    async def streamed(method: str, kwargs: dict[str, Any]) -> Response:
+        pool = pools[method]
+        pool.acquire()
         try:
             chunks = validated[method](**kwargs)
-            first = await in_pool(lambda: _next_chunk(chunks))  # errors before any byte (NotFound, bad limits) stay 4xx
-        except pydantic.ValidationError as e:
-            slots.release()
-            return invalid(method, e)
-        except SandboxError as e:
-            slots.release()
-            return _error(e)
-        except Exception as e:
-            slots.release()
-            logger.exception("sandbox %s failed", method)
-            return _error(SandboxError(f"{method}: internal error: {type(e).__name__}: {e}"))
+            first = await pool.run(lambda: _next_chunk(chunks))  # errors before any byte (NotFound, bad limits) stay 4xx
+        except BaseException:
+            pool.release()
+            raise
 
         async def frames() -> AsyncIterator[bytes]:
             try:
@@ -213,52 +216,61 @@ def create_app(service: SandboxService, workers: int = 8, max_queue: int = 64, r
                 while chunk is not None:
                     yield frame(FRAME_DATA, chunk)
                     try:
-                        chunk = await in_pool(lambda: _next_chunk(chunks))
+                        chunk = await pool.run(lambda: _next_chunk(chunks))
                     except Exception as e:
-                        yield _error_frame(method, e)
+                        yield errors.error_frame(method, e)
                         return
                 yield frame(FRAME_END)
             finally:
                 try:
-                    await in_pool(chunks.close)  # a download stopped early closes its pipe, so the sandbox's tar exits
+                    await pool.run(chunks.close)  # a download stopped early closes its pipe, so the sandbox's tar exits
                 finally:
-                    slots.release()
+                    pool.release()
 
         return StreamingResponse(frames(), media_type="application/octet-stream")
 
-    @app.post("/v1/{method}", response_model=None)
-    async def call(method: str, request: Request) -> JSONResponse | StreamingResponse:
+    async def exec_streamed(kwargs: dict[str, Any], request: Request) -> Response:
+        checked = stream_args(**kwargs)
+        pool = pools["exec_stream"]
+        pool.acquire()
+        try:
+            # Refusals before the command starts (unknown sandbox, bad timeout or env) stay a 4xx answer, not a stream line.
+            await pool.run(
+                lambda: service.backend.check_exec(
+                    checked["sandbox_id"], checked["cmd"], checked["timeout_s"], checked["cwd"], checked["env"], checked["max_output_bytes"]
+                )
+            )
+            return exec_stream.start(service, pool, checked, request.receive)
+        except BaseException:
+            pool.release()
+            raise
+
+    async def dispatch(method: str, request: Request) -> Response:
         if method in BODY_ARGS:
             return await with_body(method, request)
-        if method not in validated:
-            return JSONResponse(status_code=404, content={"error": {"type": "NotFound", "message": f"method={method!r}: expected one of {list(METHODS)}"}})
         try:
             body = await request.json()
         except ValueError:
-            return _error(InvalidArgument("request body: expected a JSON object of keyword arguments"))
+            body = None
         if not isinstance(body, dict):
-            return _error(InvalidArgument("request body: expected a JSON object of keyword arguments"))
+            raise InvalidArgument("request body: expected a JSON object of keyword arguments")
+        kwargs = decode_tagged(body)
+        if method == "exec_stream":
+            return await exec_streamed(kwargs, request)
         if method in STREAMED:
-            return await streamed(method, _decode(body))
-        if not slots.acquire(blocking=False):
-            return _error(Busy(f"server busy: {workers} workers and {max_queue} queued requests in use; retry later"))
-        try:
-            result = await in_pool(lambda: validated[method](**_decode(body)))
-        except pydantic.ValidationError as e:
-            return invalid(method, e)
-        except SandboxError as e:
-            return _error(e)
-        except Exception as e:  # a bug or a host failure: still a JSON error the clients can raise, with its type named
-            logger.exception("sandbox %s failed", method)
-            return _error(SandboxError(f"{method}: internal error: {type(e).__name__}: {e}"))
-        finally:
-            slots.release()
-        return JSONResponse(content={"result": to_jsonable(result)})
+            return await streamed(method, kwargs)
+        return _answer(method, await in_pool(method, lambda: validated[method](**kwargs)))
+
+    @app.post("/v1/{method}", response_model=None)
+    async def call(method: str, request: Request) -> Response:
+        if method not in METHODS:
+            return JSONResponse(status_code=404, content={"error": {"type": "NotFound", "message": f"method={method!r}: expected one of {list(METHODS)}"}})
+        return await _guarded(method, lambda: dispatch(method, request))
 
     return app
 
 
-def serve(service: SandboxService, host: str, port: int, workers: int) -> None:
+def serve(service: SandboxService, host: str, port: int, workers: int, api_key: str | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(service, workers=workers), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(service, workers=workers, api_key=api_key), host=host, port=port, log_level="warning")

@@ -13,7 +13,9 @@ import uuid
 from collections.abc import Iterator
 
 from openk3.sandbox.api import transfer
+from openk3.sandbox.api.background import BackgroundProcesses
 from openk3.sandbox.fs import archive, safefs
+from openk3.sandbox.linux.proc import OnOutput
 from openk3.sandbox.namespace.backend import NamespaceBackend
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.namespace.shell import ShellSession
@@ -26,7 +28,10 @@ from openk3.sandbox.protocol import (
     InvalidArgument,
     Limits,
     NotFound,
+    ProcessOutput,
+    ProcessStatus,
     SandboxError,
+    SandboxInfo,
     SandboxStats,
     SnapshotInfo,
     SnapshotKind,
@@ -39,6 +44,7 @@ class SandboxService:
         self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host, self.backend.helper, factories)
         self._lock = threading.Lock()
         self._shells: dict[str, tuple[str, ShellSession]] = {}
+        self.background = BackgroundProcesses(self.backend)
 
     # namespace sandboxes
     def create(
@@ -49,8 +55,13 @@ class SandboxService:
         workdir: str = "/root",
         ttl_s: float | None = None,
         services: tuple[str, ...] = (),
+        labels: dict[str, str] | None = None,
     ) -> str:
-        return self.backend.create(image, limits, env, workdir, ttl_s, services)
+        return self.backend.create(image, limits, env, workdir, ttl_s, services, labels)
+
+    def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """Namespace sandboxes whose labels include every given one (all of them without `labels`)."""
+        return self.backend.list_sandboxes(labels)
 
     def exec(
         self,
@@ -63,6 +74,46 @@ class SandboxService:
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
         return self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, stdin, max_output_bytes)
+
+    def exec_streaming(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        on_output: OnOutput,
+        stop: threading.Event,
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """exec with its output handed to `on_output` as it arrives (the result's stdout and stderr stay empty); `stop` kills
+        it (the HTTP server sets it when the client goes away)."""
+        return self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, stdin, max_output_bytes, on_output=on_output, stop=stop)
+
+    # background processes (background.py)
+    def spawn(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        timeout_s: float = 3600.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output_bytes: int = 16 << 20,
+    ) -> str:
+        return self.background.spawn(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
+
+    def process_status(self, process_id: str) -> ProcessStatus:
+        return self.background.status(process_id)
+
+    def process_output(self, process_id: str, stdout_offset: int = 0, stderr_offset: int = 0, max_bytes: int = 1 << 20) -> ProcessOutput:
+        return self.background.output(process_id, stdout_offset, stderr_offset, max_bytes)
+
+    def process_wait(self, process_id: str, timeout_s: float = 60.0) -> ProcessStatus:
+        return self.background.wait(process_id, timeout_s)
+
+    def process_kill(self, process_id: str) -> ProcessStatus:
+        return self.background.kill(process_id)
 
     def read_file(self, sandbox_id: str, path: str, max_bytes: int = 64 << 20) -> bytes:
         return safefs.read_file(self.backend.merged_root(sandbox_id), path, max_bytes)
@@ -147,6 +198,7 @@ class SandboxService:
             self.envs.restore(target_id, snapshot_id)
             return
         self._close_shells_of(target_id)
+        self.background.stop_sandbox(target_id)
         self.backend.restore(target_id, snapshot_id)
 
     def fork(self, source_id: str, n: int) -> list[str]:
@@ -165,6 +217,7 @@ class SandboxService:
             self.envs.delete(target_id)
             return
         self._close_shells_of(target_id)
+        self.background.forget_sandbox(target_id)
         self.backend.destroy(target_id)
 
     def stats(self, sandbox_id: str) -> SandboxStats:
@@ -178,6 +231,7 @@ class SandboxService:
         reaped = []
         for sid in self.backend.expired(now):
             self._close_shells_of(sid)
+            self.background.forget_sandbox(sid)
             try:
                 self.backend.destroy(sid)
                 reaped.append(sid)
@@ -197,7 +251,8 @@ class SandboxService:
         source = io.BytesIO(data) if isinstance(data, bytes) else data
         return transfer.import_snapshot(self.backend, source, self._archive_limits(limits))
 
-    def close(self) -> None:
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Everything this service holds goes; fs snapshots stay on the state dir for the next daemon if `keep_snapshots`."""
         with self._lock:
             shells = list(self._shells)
         for shell_id in shells:
@@ -205,5 +260,6 @@ class SandboxService:
                 self.close_shell(shell_id)
             except SandboxError:
                 continue
+        self.background.close()
         self.envs.close()
-        self.backend.close()
+        self.backend.close(keep_snapshots)

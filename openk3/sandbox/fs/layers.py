@@ -95,6 +95,53 @@ class LayerStore:
             raise InvalidArgument(f"layer archive: content digest {digest} does not match the expected {expected_digest}")
         return self._adopt(staged, digest)
 
+    def reopen(self, stacks: dict[str, tuple[str, ...]]) -> dict[str, str]:
+        """Take back the layers a previous daemon left in this store, for the snapshots `stacks` (id -> digests) it recorded.
+
+        Each layer some stack names is re-hashed (tree.tree_digest) and kept only if its contents still match its name; each
+        stack whose layers all verify takes one reference per layer, as a live snapshot does. Everything else (scratch copies
+        of a snapshot cut short, layers no stack names, layers that fail) is deleted. Returns id -> reason for each stack refused.
+        """
+        wanted = {d for layers in stacks.values() for d in layers}
+        by_dir = {d[:DIGEST_DIR_CHARS]: d for d in wanted}
+        failed: dict[str, str] = {}
+        found: dict[str, Layer] = {}
+        shutil.rmtree(self.tmp)
+        os.mkdir(self.tmp, 0o700)
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if name == ".tmp":
+                continue
+            digest = by_dir.get(name)
+            if digest is None or not os.path.isdir(path) or os.path.islink(path):
+                _remove(path)
+                continue
+            try:
+                actual = tree.tree_digest(path)
+            except OSError as e:
+                actual = f"nothing ({e})"
+            if actual != digest:
+                failed[digest] = f"layer {digest}: its contents now hash to {actual}, not to its name (altered)"
+                _remove(path)
+                continue
+            files, size = tree.tree_size(path)
+            found[digest] = Layer(digest=digest, path=path, files=files, bytes=size)
+        refused = {}
+        with self._lock:
+            assert not self._layers, "reopen is for a store that holds nothing yet"
+            for sid, layers in stacks.items():
+                bad = [failed.get(d, f"layer {d}: missing from the store") for d in layers if d not in found]
+                if bad:
+                    refused[sid] = bad[0]
+                    continue
+                for d in layers:
+                    self._layers[d] = found[d]
+                    self._refs[d] = self._refs.get(d, 0) + 1
+            unused = [layer for d, layer in found.items() if d not in self._layers]
+        for layer in unused:
+            shutil.rmtree(layer.path)
+        return refused
+
     def export(self, digest: str, out: BinaryIO) -> None:
         tree.export_tar_zst(self.get(digest).path, out)
 
@@ -140,3 +187,10 @@ class LayerStore:
             names = {os.path.basename(layer.path) for layer in self._layers.values()}
             stray = set(os.listdir(self.root)) - names - {".tmp"}
             assert not stray, f"stray layer directories: {sorted(stray)}"
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

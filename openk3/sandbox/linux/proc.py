@@ -13,6 +13,7 @@ import os
 import select
 import selectors
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,12 @@ class Captured:
     timed_out: bool
     truncated: bool
     duration_ms: float
+    stopped: bool = False  # ended early because the caller set `stop`
+
+
+# Streamed output (exec_stream, background processes): called with ("stdout" | "stderr", chunk) as each chunk arrives, within
+# the byte cap, instead of collecting it; it runs on the reading thread, so a slow consumer slows the command, never the host.
+OnOutput = Callable[[str, bytes], None]
 
 
 def exit_status(returncode: int) -> int:
@@ -59,12 +66,16 @@ def run_captured(
     on_timeout: Callable[[], None],
     pass_fds: tuple[int, ...] = (),
     stdout_fd: int | None = None,
+    on_output: OnOutput | None = None,
+    stop: threading.Event | None = None,
 ) -> Captured:
     """Run argv, feed stdin, keep at most `max_output_bytes` of each stream; at the deadline call `on_timeout` (kill the tree).
 
     The caller's `on_timeout` must kill every process that may hold the pipes, which the cgroup kill does; output beyond the
     cap is read and dropped so a chatty command cannot block on a full pipe. `stdin` as an int and `stdout_fd` are descriptors
     the command reads or writes directly (archives streamed by another thread, never held here); the caller closes them.
+    With `on_output`, chunks go to it instead of the result; `stop` set by another thread ends the command as a deadline
+    would (seen within one 50 ms wait).
     """
     start = time.monotonic()
     deadline = start + timeout_s
@@ -82,8 +93,12 @@ def run_captured(
     assert proc.stderr is not None
     out_fd, err_fd = (-1 if proc.stdout is None else proc.stdout.fileno()), proc.stderr.fileno()
     bufs = {fd: bytearray() for fd in (out_fd, err_fd) if fd >= 0}
+    names = {out_fd: "stdout", err_fd: "stderr"}
+    sent = dict.fromkeys(bufs, 0)
     truncated = False
     timed_out = False
+    stopped = False
+    killed = False
     sel = selectors.DefaultSelector()
     for fd in bufs:
         os.set_blocking(fd, False)
@@ -103,8 +118,12 @@ def run_captured(
                 exited_at = now
             if exited_at is not None and now - exited_at > DRAIN_GRACE_S:
                 break
-            if now >= deadline and not timed_out:
-                timed_out = True
+            if stop is not None and stop.is_set() and not killed:
+                stopped = True
+                deadline = now
+            if now >= deadline and not killed:
+                killed = True
+                timed_out = not stopped
                 # The helper too, first: a deadline that passes before it has joined the command's cgroup (a tiny
                 # timeout_s) would leave it to start the command after the cgroup kill, with nobody to stop it.
                 proc.kill()
@@ -112,7 +131,7 @@ def run_captured(
                 # Killed processes release the pipes at once; give the kernel a moment, then stop waiting.
                 deadline = now + 0.05
                 exited_at = exited_at or now
-            elif timed_out and now >= deadline:
+            elif killed and now >= deadline:
                 break
             wait = min(deadline - now, 0.005 if exited_at is not None else 0.05)
             for key, _ in sel.select(max(wait, 0.0)):
@@ -130,20 +149,32 @@ def run_captured(
                 if not chunk:
                     sel.unregister(fd)
                     continue
-                room = max_output_bytes - len(bufs[fd])
+                room = max_output_bytes - (sent[fd] if on_output is not None else len(bufs[fd]))
                 if len(chunk) > room:
                     truncated = True
-                bufs[fd] += chunk[:room] if room > 0 else b""
+                chunk = chunk[:room] if room > 0 else b""
+                if on_output is None:
+                    bufs[fd] += chunk
+                elif chunk:
+                    sent[fd] += len(chunk)
+                    on_output(names[fd], chunk)
     finally:
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None and not f.closed:
                 f.close()
-    if proc.poll() is None and not _wait_exit(proc.pid, deadline):
-        # It closed both pipes but kept running (e.g. `exec >&-`): the deadline still holds.
-        timed_out = True
-        proc.kill()
-        on_timeout()
+    # It may have closed both pipes and kept running (e.g. `exec >&-`): the deadline and `stop` still hold.
+    while proc.poll() is None and not killed:
+        if stop is not None and stop.is_set():
+            stopped = True
+        elif time.monotonic() < deadline and not _wait_exit(proc.pid, min(deadline, time.monotonic() + 0.05)):
+            continue
+        elif proc.poll() is None:
+            timed_out = True
+        if proc.poll() is None:
+            killed = True
+            proc.kill()
+            on_timeout()
     returncode = proc.wait()
     return Captured(
         returncode=exit_status(returncode),
@@ -152,4 +183,5 @@ def run_captured(
         timed_out=timed_out,
         truncated=truncated,
         duration_ms=(time.monotonic() - start) * 1000,
+        stopped=stopped,
     )

@@ -1,26 +1,69 @@
 """NamespaceBackend: the host daemon's sandboxes (lifecycle.py) plus their fs snapshots, restore, fork and import.
 
 Snapshot (kind="fs") of a live sandbox: freeze its cgroup, copy the overlay upper (its change set, usually small) into scratch
-space, thaw, then content-address the copy; the snapshot is the sandbox's stack plus that layer, squashed into one layer when
-deeper than `max_layers`. Restore: kill the sandbox's processes, remount the overlay over the snapshot's stack with an empty
+space, thaw, then content-address the copy; the snapshot is the sandbox's stack plus that layer; deeper than `max_layers`, its upper
+half is squashed into one layer. Restore: kill the sandbox's processes, remount the overlay over the snapshot's stack with an empty
 upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
+
+Persistence: every fs snapshot has a manifest on the state tmpfs (manifests.py), written before the snapshot is served and
+removed before its layers are released, so a daemon killed at any point leaves no manifest naming a missing layer. A daemon
+started on the dir of a killed one reloads the manifests, re-hashes each layer they name and discards (one log line each)
+the snapshots whose layers do not verify; layers no manifest names (a snapshot cut short) are deleted.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import time
 
 from openk3.sandbox.linux import cgroups, syscalls
 from openk3.sandbox.namespace.lifecycle import SandboxLifecycle
+from openk3.sandbox.namespace.manifests import Manifests
+from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.protocol import InvalidArgument, NotFound, QuotaExceeded, SnapshotInfo, SnapshotKind
 
 FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
 
+logger = logging.getLogger(__name__)
+
 
 class NamespaceBackend(SandboxLifecycle):
+    def __init__(self, config: BackendConfig | None = None) -> None:
+        super().__init__(config)
+        self.manifests = Manifests(os.path.join(self.state, "snapshots"))
+        self._reload()
+
+    def _reload(self) -> None:
+        """Take back the snapshots a killed predecessor on this state dir recorded, those whose layers still verify."""
+        infos, unreadable = self.manifests.load()
+        for name, reason in unreadable:
+            logger.warning("snapshot manifest %s discarded: %s", name, reason)
+        refused = self.store.reopen({info.snapshot_id: info.layers for info in infos})
+        for info in infos:
+            if info.snapshot_id in refused:
+                logger.warning("snapshot %s discarded: %s", info.snapshot_id, refused[info.snapshot_id])
+                self.manifests.remove(info.snapshot_id)
+                continue
+            with self._lock:
+                self._snapshots[info.snapshot_id] = info
+        if infos or unreadable:
+            logger.warning("state dir %s: %d snapshots reloaded, %d discarded", self.state, len(infos) - len(refused), len(refused) + len(unreadable))
+
+    def _record(self, info: SnapshotInfo) -> None:
+        """Write the manifest, then serve the snapshot; on failure the caller's layer references are given back."""
+        try:
+            self.manifests.write(info)
+        except OSError as e:
+            self.store.decref(info.layers)
+            if e.errno == errno.ENOSPC:
+                raise QuotaExceeded(f"snapshot manifest: the state dir is full (store_bytes={self.config.store_bytes})") from e
+            raise
+        with self._lock:
+            self._snapshots[info.snapshot_id] = info
+
     def _prepare_standby(self, sid: str, snap: SnapshotInfo) -> None:
         if self.config.prewarm:
             meta = self._meta[sid]
@@ -45,12 +88,14 @@ class NamespaceBackend(SandboxLifecycle):
         if staged is not None:
             layers = base_layers + (self.store.adopt(staged).digest,)
         if len(layers) > self.config.max_layers:
-            squashed = self.store.add_squash(list(layers)).digest
-            self.store.decref(layers)
-            layers = (squashed,)
+            # Squash only the upper half: the bottom layers (an image's, shared by every sandbox over it) stay as they are, so a
+            # deep chain costs a copy of the recent change sets, not of the whole image, and the shared layers stay shared.
+            keep = self.config.max_layers // 2
+            squashed = self.store.add_squash(list(layers[keep:])).digest
+            self.store.decref(layers[keep:])
+            layers = layers[:keep] + (squashed,)
         info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid, created_at=time.time(), captures=FS_CAPTURES)
-        with self._lock:
-            self._snapshots[info.snapshot_id] = info
+        self._record(info)
         if prewarm:
             self._prepare_standby(sid, info)
         return info
@@ -83,7 +128,7 @@ class NamespaceBackend(SandboxLifecycle):
         try:
             if meta is None:
                 return [self.create(snap.snapshot_id) for _ in range(n)]
-            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services) for _ in range(n)]
+            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services, meta.labels) for _ in range(n)]
         finally:
             if own:
                 self.delete_snapshot(snap.snapshot_id)
@@ -93,6 +138,7 @@ class NamespaceBackend(SandboxLifecycle):
             snap = self._snapshots.pop(snapshot_id, None)
         if snap is None:
             raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
+        self.manifests.remove(snapshot_id)
         self.standbys.wait(snapshot_id)
         self.store.decref(snap.layers)
 
@@ -117,23 +163,29 @@ class NamespaceBackend(SandboxLifecycle):
         info = SnapshotInfo(
             snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import", created_at=time.time(), captures=FS_CAPTURES
         )
-        with self._lock:
-            self._snapshots[info.snapshot_id] = info
+        self._record(info)
         return info
 
     def snapshots(self) -> list[SnapshotInfo]:
         with self._lock:
             return sorted(self._snapshots.values(), key=lambda s: s.created_at)
 
-    def close(self) -> None:
-        """Destroy every sandbox and snapshot, unmount the store and remove the daemon's cgroup subtree."""
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Destroy every sandbox and remove the daemon's cgroup subtree; then either delete every snapshot and unmount the
+        store, or (keep_snapshots) leave the store mounted with its snapshots for the next daemon on this state dir."""
         self._closed = True
         for sid in self.sandboxes():
             self.destroy(sid)
         self.standbys.close()
+        if keep_snapshots:
+            self.store.check_integrity()
+            cgroups.recover(self.layout, self.cg_prefix)
+            self.state_dir.lock.release()
+            return
         for snap in self.snapshots():
             self.delete_snapshot(snap.snapshot_id)
         self.store.check_integrity()
+        self.state_dir.lock.release()  # its file is on the tmpfs: held open, it would keep the unmount busy
         syscalls.umount(self.state)
         shutil.rmtree(self.state, ignore_errors=True)
         cgroups.recover(self.layout, self.cg_prefix)

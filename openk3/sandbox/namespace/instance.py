@@ -244,6 +244,8 @@ class Instance:
         max_output_bytes: int,
         retry: bool = True,
         stdout_fd: int | None = None,
+        on_output: proc.OnOutput | None = None,
+        stop: threading.Event | None = None,
     ) -> ExecResult:
         leaf = self.new_leaf()
         argv, fds = self.enter_argv(leaf, cmd, cwd, env)
@@ -254,8 +256,10 @@ class Instance:
             self.cg.kill(leaf_path)
 
         try:
-            got = proc.run_captured(argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds, stdout_fd=stdout_fd)
-            if got.timed_out:
+            got = proc.run_captured(
+                argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds, stdout_fd=stdout_fd, on_output=on_output, stop=stop
+            )
+            if got.timed_out or got.stopped:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
         finally:
             for fd in fds:
@@ -264,7 +268,7 @@ class Instance:
         if retry and got.returncode == ENTER_FAILED and got.stderr.startswith(ENTER_ERROR_PREFIX) and not self.alive():
             # The init died between our liveness check and openk3-enter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
-            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False, stdout_fd=stdout_fd)
+            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False, stdout_fd=stdout_fd, on_output=on_output, stop=stop)
         return ExecResult(
             exit_code=got.returncode,
             stdout=got.stdout,

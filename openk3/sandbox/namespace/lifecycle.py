@@ -19,9 +19,10 @@ import uuid
 
 from openk3.sandbox.fs import rootfs
 from openk3.sandbox.fs.layers import LayerStore
-from openk3.sandbox.linux import cgroups, helper, seccomp, syscalls
+from openk3.sandbox.linux import cgroups, helper, seccomp
 from openk3.sandbox.linux.host import probe
-from openk3.sandbox.linux.proc import shell_quote
+from openk3.sandbox.linux.proc import OnOutput, shell_quote
+from openk3.sandbox.namespace import recovery, statedir
 from openk3.sandbox.namespace.instance import Instance
 from openk3.sandbox.namespace.settings import BackendConfig, check_traversable, check_unshared_id
 from openk3.sandbox.namespace.standby import Standbys
@@ -31,10 +32,12 @@ from openk3.sandbox.protocol import (
     InvalidArgument,
     Limits,
     NotFound,
+    SandboxInfo,
     SandboxStats,
     SnapshotInfo,
     SnapshotKind,
     Unsupported,
+    check_labels,
 )
 
 
@@ -46,6 +49,9 @@ class _Meta:
     services: tuple[str, ...]
     expires_at: float
     ttl_s: float
+    labels: dict[str, str]
+    image: str | None
+    created_at: float
 
 
 class SandboxLifecycle:
@@ -67,22 +73,21 @@ class SandboxLifecycle:
         helper.check_private_dir(config.cache_dir, "cache_dir")
         self.helper = helper.Helper(helper.build(config.cache_dir), seccomp.program().hex())
         self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
-        self.instance_name = instance_name(config.state_dir)
-        self.cg_prefix = f"openk3-sandbox/{self.instance_name}"
         self.state = os.path.realpath(config.state_dir)
         if config.sandbox_uid is not None:
             check_traversable(self.state, config.sandbox_uid)
-        cgroups.recover(self.layout, self.cg_prefix)
-        for point in sorted(syscalls.mounts_under(self.state), key=len, reverse=True):
-            syscalls.umount(point, detach=True)  # a crashed daemon's mounts on this state dir
-        os.makedirs(self.state, exist_ok=True)
+        # The state tmpfs and its instance name: fresh, or a killed predecessor's taken back with its layers and snapshot
+        # manifests (backend.py reloads those) after its sandboxes' mounts, processes and cgroups are gone (statedir.py).
+        self.state_dir = statedir.open_state(self.state, self.layout, config.store_bytes, config.sandbox_uid)
+        self.instance_name = self.state_dir.name
+        self.cg_prefix = recovery.cgroup_prefix(self.instance_name)
+        # Other dead instances (a daemon killed on another state dir, or on this one before it was moved) leave mounts and
+        # cgroups that no start on their own dir may ever clean: remove them here.
+        recovery.clean_dead_instances(self.layout, keep=self.instance_name)
         # 0710 root:<sandbox gid> down to each sandbox's root: bwrap, running as the sandbox uid, must resolve that path (the
         # paths are in the host's mountinfo, so hiding names would not help), and no other host user may pass at all; the
         # layer store (layers.py) is 0700, reachable by the overlays (mounted by root) and by nothing else.
         group, mode = (0, 0o700) if config.sandbox_uid is None else (config.sandbox_uid, 0o710)
-        opts = f"size={config.store_bytes},mode={mode:04o},uid=0,gid={group}"
-        syscalls.mount("tmpfs", self.state, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, opts)
-        syscalls.make_private(self.state)
         sbx = os.path.join(self.state, "sbx")
         os.mkdir(sbx)
         os.chown(sbx, 0, group)
@@ -92,7 +97,7 @@ class SandboxLifecycle:
         self._boxes: dict[str, Instance] = {}
         self._meta: dict[str, _Meta] = {}
         self._snapshots: dict[str, SnapshotInfo] = {}
-        self.standbys = Standbys(self._release)
+        self.standbys = Standbys(self._release, max_ready=config.max_standbys)
         self._generation = itertools.count()
         self._closed = False
 
@@ -119,8 +124,10 @@ class SandboxLifecycle:
         workdir: str = "/root",
         ttl_s: float | None = None,
         services: tuple[str, ...] = (),
+        labels: dict[str, str] | None = None,
     ) -> str:
-        """A new sandbox over the base rootfs (image=None) or over an fs snapshot's layers (image=snapshot id)."""
+        """A new sandbox over the base rootfs (image=None) or over an fs snapshot's layers (image=snapshot id); `labels` are
+        the caller's, returned and matched by `list_sandboxes`."""
         if self._closed:
             raise Conflict("backend is closed")
         limits = limits or Limits()
@@ -135,7 +142,8 @@ class SandboxLifecycle:
             layers = snap.layers
         sid = self._new_id("sb-")
         ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
-        meta = _Meta(limits, dict(env or {}), workdir, tuple(services), time.time() + ttl, ttl)
+        now = time.time()
+        meta = _Meta(limits, dict(env or {}), workdir, tuple(services), now + ttl, ttl, check_labels(labels or {}), image, now)
         box = self.standbys.take(image, self._params(meta)) if image is not None else None
         if box is None:
             box = self._build(sid, layers, limits, meta.env, workdir)
@@ -203,8 +211,17 @@ class SandboxLifecycle:
         stdin: bytes | int | None = None,
         max_output_bytes: int = 1 << 20,
         stdout_fd: int | None = None,
+        on_output: OnOutput | None = None,
+        stop: threading.Event | None = None,
     ) -> ExecResult:
-        """Run `cmd` in the sandbox; `stdin` as an int and `stdout_fd` are descriptors it reads or writes directly (archives)."""
+        """Run `cmd` in the sandbox; `stdin` as an int and `stdout_fd` are descriptors it reads or writes directly (archives);
+        `on_output` takes the output as it comes (then not in the result) and `stop` ends the command early (proc.py)."""
+        box = self.check_exec(sid, cmd, timeout_s, cwd, env, max_output_bytes)
+        return box.exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes, stdout_fd=stdout_fd, on_output=on_output, stop=stop)
+
+    def check_exec(self, sid: str, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str] | None, max_output_bytes: int) -> Instance:
+        """The sandbox an exec with these arguments would run in, or the error it would raise before starting (so a stream or
+        a background process can refuse with a 4xx before it answers)."""
         if not 0 < timeout_s <= 86400:
             raise InvalidArgument(f"timeout_s={timeout_s}: expected 0 < timeout_s <= 86400")
         if max_output_bytes < 0:
@@ -213,7 +230,8 @@ class SandboxLifecycle:
             raise InvalidArgument("cmd=[]: expected a shell string or a non-empty argv list")
         if any("\0" in part for part in ([cmd] if isinstance(cmd, str) else cmd)) or (cwd is not None and "\0" in cwd):
             raise InvalidArgument("cmd, cwd: expected strings without NUL bytes")
-        return self.box(sid).exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes, stdout_fd=stdout_fd)
+        helper.environment(dict(env or {}), "env")
+        return self.box(sid)
 
     def destroy(self, sid: str) -> None:
         with self._lock:
@@ -256,14 +274,21 @@ class SandboxLifecycle:
         with self._lock:
             return sorted(sid for sid, m in self._meta.items() if m.expires_at <= now)
 
+    def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """Every sandbox whose labels include all of `labels` (all sandboxes without it), oldest first."""
+        want = check_labels(labels or {})
+        with self._lock:
+            metas = list(self._meta.items())
+        found = [
+            SandboxInfo(sandbox_id=sid, labels=dict(m.labels), image=m.image, created_at=m.created_at, expires_at=m.expires_at)
+            for sid, m in metas
+            if all(m.labels.get(k) == v for k, v in want.items())
+        ]
+        return sorted(found, key=lambda i: (i.created_at, i.sandbox_id))
+
     def sandboxes(self) -> list[str]:
         with self._lock:
             return sorted(self._boxes)
 
     def merged_root(self, sid: str) -> str:
         return self.box(sid).merged
-
-
-def instance_name(state_dir: str) -> str:
-    """The daemon's cgroup subtree name: derived from its state dir, so a restart on the same dir finds a crashed run's."""
-    return "i" + uuid.uuid5(uuid.NAMESPACE_URL, os.path.realpath(state_dir)).hex[:10]

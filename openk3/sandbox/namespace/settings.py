@@ -22,6 +22,9 @@ class BackendConfig:
     # After a snapshot and after each restore, prepare one instance over that snapshot in the background (root mounted, init
     # running; see standby.py), so a restore or fork costs a swap instead of an init start. Costs one idle init per snapshot.
     prewarm: bool = True
+    # At most this many standbys at once (each an idle init, a tmpfs, an overlay and cgroups); beyond it the one prepared
+    # longest ago goes, so 100 live snapshots do not mean 100 idle sandboxes.
+    max_standbys: int = 16
     # Host uid (and gid) that a sandbox's root maps to. Not 0: a process that escaped its mount namespace would otherwise own
     # every root-owned host file. It must be nobody else's: no /etc/passwd user or group, no /etc/subuid or /etc/subgid range
     # (checked at start), since whoever holds that id can read every sandbox's files. None runs sandboxes as host root
@@ -44,6 +47,8 @@ class BackendConfig:
             raise InvalidArgument(f"store_bytes={self.store_bytes}: expected >= 16 MiB")
         if not 2 <= self.max_layers <= 40:
             raise InvalidArgument(f"max_layers={self.max_layers}: expected 2..40 (all lowerdirs share one 4 KiB mount option string)")
+        if not 0 <= self.max_standbys <= 4096:
+            raise InvalidArgument(f"max_standbys={self.max_standbys}: expected 0..4096")
         if self.default_ttl_s <= 0:
             raise InvalidArgument(f"default_ttl_s={self.default_ttl_s}: expected > 0")
         if self.sandbox_uid is not None and not 1 <= self.sandbox_uid < 2**32 - 1:

@@ -5,6 +5,10 @@ mounted, init running) in the background. The next restore to the snapshot, or t
 standby instead of starting an init, if it was built with the same limits, env and workdir; otherwise it is torn down.
 Retirement: an instance being replaced is killed at once and unmounted in the background.
 
+Bounds: at most `max_ready` standbys exist (each is an idle init, a tmpfs, an overlay and cgroups); preparing one more
+drops the one prepared longest ago. A restore never waits behind other queued builds: a standby whose build has not
+started yet is cancelled and the caller builds in line (as fast as the queued build would be, without the queue).
+
 Contract: every background job is recorded under an owner (a sandbox or snapshot id); `wait(owner)` returns only when that
 owner's jobs are done and its standby is gone, so destroy and delete_snapshot leave no mounts, cgroups or processes.
 """
@@ -21,8 +25,9 @@ Release = Callable[[Instance], None]  # tears an instance down and gives back it
 
 
 class Standbys:
-    def __init__(self, release: Release, workers: int = 2) -> None:
+    def __init__(self, release: Release, workers: int = 2, max_ready: int = 16) -> None:
         self._release = release
+        self.max_ready = max_ready
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-bg")
         self._lock = threading.Lock()
         self._ready: dict[str, tuple[Hashable, concurrent.futures.Future[Instance]]] = {}  # snapshot id -> (params, build)
@@ -45,15 +50,28 @@ class Standbys:
         self._record(owner, done)
         build.add_done_callback(release)
 
+    def _discard(self, owner: str, build: concurrent.futures.Future[Instance]) -> None:
+        """A standby no one will take: never built if its build has not started, else torn down once built."""
+        if not build.cancel():
+            self._release_when_built(owner, build)
+
     def prepare(self, snapshot_id: str, params: Hashable, build: Callable[[], Instance]) -> None:
-        """Start building a standby for `snapshot_id` (replacing an older one) unless a matching one is on its way."""
+        """Start building a standby for `snapshot_id` (replacing an older one) unless a matching one is on its way; beyond
+        `max_ready`, the standby prepared longest ago goes."""
         with self._lock:
             old = self._ready.get(snapshot_id)
             if old is not None and old[0] == params:
                 return
+            self._ready.pop(snapshot_id, None)  # re-inserted last: the dict's order is the eviction order
             self._ready[snapshot_id] = (params, self._pool.submit(build))
+            evicted = []
+            while len(self._ready) > self.max_ready:
+                oldest = next(iter(self._ready))
+                evicted.append((oldest, self._ready.pop(oldest)[1]))
         if old is not None:
-            self._release_when_built(snapshot_id, old[1])
+            self._discard(snapshot_id, old[1])
+        for owner, stale in evicted:
+            self._discard(owner, stale)
 
     def take(self, snapshot_id: str, params: Hashable) -> Instance | None:
         """The standby for `snapshot_id` if it was built with `params` (waiting for its build); None otherwise."""
@@ -61,8 +79,9 @@ class Standbys:
             entry = self._ready.pop(snapshot_id, None)
         if entry is None:
             return None
-        if entry[0] != params:
-            self._release_when_built(snapshot_id, entry[1])
+        if entry[0] != params or entry[1].cancel():
+            # Another shape, or still queued behind other builds (now cancelled): the caller builds in line, without the queue.
+            self._discard(snapshot_id, entry[1])
             return None
         try:
             return entry[1].result()
@@ -78,7 +97,7 @@ class Standbys:
         with self._lock:
             entry = self._ready.pop(owner, None)
         if entry is not None:
-            self._release_when_built(owner, entry[1])
+            self._discard(owner, entry[1])
         with self._lock:
             jobs = self._jobs.pop(owner, [])
         for job in jobs:

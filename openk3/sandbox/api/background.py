@@ -1,0 +1,168 @@
+"""Background processes: a command started in a sandbox that outlives the call starting it, with a handle to poll, read and kill.
+
+Each runs as an ordinary exec (its own cgroup leaf, the same deadline and byte cap) on a thread of its own, with its output
+appended to two buffers as it arrives; `output` reads them from the offsets the caller passes back, so a poller gets each
+byte once. `kill` ends the command's whole tree (the leaf's cgroup kill, as at a deadline) and waits for it. Handles live
+until their sandbox is destroyed; at `max_processes` the oldest finished one is dropped, and when none has finished a new
+spawn is refused (503 Busy).
+
+Contract: the table's lock guards the dict of handles, each handle's lock its buffers and result; the exec thread is the
+only writer of a handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+
+from openk3.sandbox.namespace.backend import NamespaceBackend
+from openk3.sandbox.protocol import Busy, ExecResult, InvalidArgument, NotFound, ProcessOutput, ProcessStatus, SandboxError
+
+MAX_OUTPUT_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class _Handle:
+    process_id: str
+    sandbox_id: str
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    out: bytearray = dataclasses.field(default_factory=bytearray)
+    err: bytearray = dataclasses.field(default_factory=bytearray)
+    result: ExecResult | None = None
+    error: str | None = None
+
+    def append(self, stream: str, chunk: bytes) -> None:
+        with self.lock:
+            (self.out if stream == "stdout" else self.err).extend(chunk)
+
+
+class BackgroundProcesses:
+    def __init__(self, backend: NamespaceBackend, max_processes: int = 1024) -> None:
+        self.backend = backend
+        self.max_processes = max_processes
+        self._lock = threading.Lock()
+        self._handles: dict[str, _Handle] = {}
+
+    def _make_room(self) -> None:
+        with self._lock:
+            if len(self._handles) < self.max_processes:
+                return
+            finished = [h for h in self._handles.values() if h.done.is_set()]
+            if not finished:
+                raise Busy(f"{self.max_processes} background processes are running; kill some or retry later")
+            del self._handles[finished[0].process_id]  # dicts keep insertion order: the oldest
+
+    def spawn(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        timeout_s: float = 3600.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output_bytes: int = 16 << 20,
+    ) -> str:
+        """Start `cmd` and return its process id at once; arguments are checked as exec checks them, before it starts."""
+        if max_output_bytes > MAX_OUTPUT_BYTES:
+            # The daemon keeps this much per stream until the handle goes: what a sandbox prints must not be able to fill it.
+            raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected <= {MAX_OUTPUT_BYTES} for a background process")
+        self.backend.check_exec(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
+        self._make_room()
+        handle = _Handle(process_id=f"bg-{uuid.uuid4().hex[:12]}", sandbox_id=sandbox_id)
+
+        def run() -> None:
+            try:
+                handle.result = self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, None, max_output_bytes, on_output=handle.append, stop=handle.stop)
+            except SandboxError as e:  # its sandbox was destroyed or restored under it, or its init could not start
+                handle.error = str(e)
+            except Exception as e:  # a host failure: reported in the status rather than lost with the thread
+                handle.error = f"internal error: {type(e).__name__}: {e}"
+            finally:
+                handle.done.set()
+
+        with self._lock:
+            self._handles[handle.process_id] = handle
+        threading.Thread(target=run, name=f"sandbox-{handle.process_id}", daemon=True).start()
+        return handle.process_id
+
+    def _handle(self, process_id: str) -> _Handle:
+        with self._lock:
+            if process_id not in self._handles:
+                raise NotFound(f"process_id={process_id!r}: no such background process")
+            return self._handles[process_id]
+
+    def status(self, process_id: str) -> ProcessStatus:
+        h = self._handle(process_id)
+        with h.lock:
+            r = h.result
+            return ProcessStatus(
+                process_id=h.process_id,
+                sandbox_id=h.sandbox_id,
+                running=not h.done.is_set(),
+                exit_code=None if r is None else r.exit_code,
+                timed_out=r is not None and r.timed_out,
+                killed=h.stop.is_set(),
+                oom_killed=r is not None and r.oom_killed,
+                stdout_bytes=len(h.out),
+                stderr_bytes=len(h.err),
+                truncated=r is not None and r.truncated,
+                error=h.error,
+            )
+
+    def output(self, process_id: str, stdout_offset: int = 0, stderr_offset: int = 0, max_bytes: int = 1 << 20) -> ProcessOutput:
+        """Up to `max_bytes` of each stream from the given offsets; the returned offsets are where the next call starts."""
+        if stdout_offset < 0 or stderr_offset < 0 or max_bytes < 1:
+            raise InvalidArgument(f"stdout_offset={stdout_offset}, stderr_offset={stderr_offset}, max_bytes={max_bytes}: expected offsets >= 0, max_bytes >= 1")
+        h = self._handle(process_id)
+        running = not h.done.is_set()  # read before the bytes: a "not running" answer has seen all of them
+        with h.lock:
+            out = bytes(h.out[stdout_offset : stdout_offset + max_bytes])
+            err = bytes(h.err[stderr_offset : stderr_offset + max_bytes])
+        return ProcessOutput(stdout=out, stderr=err, stdout_offset=stdout_offset + len(out), stderr_offset=stderr_offset + len(err), running=running)
+
+    def kill(self, process_id: str) -> ProcessStatus:
+        """End the process and everything it started; returns its final status."""
+        h = self._handle(process_id)
+        h.stop.set()
+        h.done.wait()
+        return self.status(process_id)
+
+    def wait(self, process_id: str, timeout_s: float) -> ProcessStatus:
+        """Its status once it has ended or `timeout_s` passed, whichever comes first."""
+        if not 0 <= timeout_s <= 600:
+            raise InvalidArgument(f"timeout_s={timeout_s}: expected 0..600")
+        self._handle(process_id).done.wait(timeout_s)
+        return self.status(process_id)
+
+    def forget_sandbox(self, sandbox_id: str) -> None:
+        """Kill a sandbox's background processes and drop their handles (its destroy)."""
+        with self._lock:
+            doomed = [h for h in self._handles.values() if h.sandbox_id == sandbox_id]
+        for h in doomed:
+            h.stop.set()
+        for h in doomed:
+            h.done.wait()
+        with self._lock:
+            for h in doomed:
+                self._handles.pop(h.process_id, None)
+
+    def stop_sandbox(self, sandbox_id: str) -> None:
+        """Kill a sandbox's background processes, keeping their handles (its restore: the output stays readable)."""
+        with self._lock:
+            running = [h for h in self._handles.values() if h.sandbox_id == sandbox_id and not h.done.is_set()]
+        for h in running:
+            h.stop.set()
+        for h in running:
+            h.done.wait()
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._handles)
+
+    def close(self) -> None:
+        with self._lock:
+            sandboxes = {h.sandbox_id for h in self._handles.values()}
+        for sid in sandboxes:
+            self.forget_sandbox(sid)

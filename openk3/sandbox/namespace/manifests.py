@@ -1,0 +1,107 @@
+"""Snapshot manifests on the state tmpfs: what lets fs snapshots outlive the daemon process.
+
+One small JSON file per snapshot, `snapshots/<snapshot id>.json`, holding its SnapshotInfo (the layer digests, bottom first).
+A manifest is written to a temporary name, fsynced and renamed into place, then the directory is fsynced: rename is atomic,
+so a reader sees either no manifest or a whole one, never a half-written one. A crash between the write and the rename leaves
+a `.tmp-*` file, which `load` deletes; a manifest that does not parse (a store that lost writes, a hand edit) is discarded
+with its reason, never served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+
+from openk3.sandbox.protocol import SnapshotInfo, SnapshotKind, to_jsonable
+
+VERSION = 1
+SUFFIX = ".json"
+TEMP_PREFIX = ".tmp-"
+
+
+class Manifests:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)  # snapshot ids and layer digests are no one else's business
+
+    def _path(self, snapshot_id: str) -> str:
+        return os.path.join(self.root, snapshot_id + SUFFIX)
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write(self, info: SnapshotInfo) -> None:
+        body = json.dumps({"version": VERSION, "snapshot": to_jsonable(info)}, sort_keys=True).encode()
+        temp = os.path.join(self.root, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(temp, self._path(info.snapshot_id))
+        except BaseException:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._sync_dir()
+
+    def remove(self, snapshot_id: str) -> None:
+        try:
+            os.unlink(self._path(snapshot_id))
+        except FileNotFoundError:
+            return
+        self._sync_dir()
+
+    def load(self) -> tuple[list[SnapshotInfo], list[tuple[str, str]]]:
+        """Every whole manifest, and (file name, reason) for each one discarded (and deleted): temporaries and unreadable ones."""
+        good: list[SnapshotInfo] = []
+        bad: list[tuple[str, str]] = []
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if name.startswith(TEMP_PREFIX):
+                bad.append((name, "a manifest whose write never finished"))
+                os.unlink(path)
+                continue
+            try:
+                info = parse(path)
+                if name != info.snapshot_id + SUFFIX:
+                    raise ValueError(f"it names snapshot {info.snapshot_id!r}")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                bad.append((name, f"unreadable manifest ({type(e).__name__}: {e})"))
+                os.unlink(path)
+                continue
+            good.append(info)
+        return good, bad
+
+
+def parse(path: str) -> SnapshotInfo:
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("snapshot"), dict):
+        raise ValueError(f"expected {{'version': {VERSION}, 'snapshot': {{...}}}}")
+    s = doc["snapshot"]
+    layers = s["layers"]
+    # Digests name directories of the store: anything but 64 hex digits (a "/" or "..") is refused, not joined to a path.
+    if not isinstance(layers, list) or not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in layers):
+        raise ValueError("layers: expected a list of sha256 hex digests")
+    for key in ("snapshot_id", "source", "captures"):
+        if not isinstance(s[key], str):
+            raise ValueError(f"{key}: expected a string")
+    if not isinstance(s["created_at"], (int, float)):
+        raise ValueError("created_at: expected a number")
+    kind = SnapshotKind(s["kind"])
+    if kind is not SnapshotKind.FS:
+        raise ValueError(f"kind={kind.value!r}: only fs snapshots persist")
+    return SnapshotInfo(
+        snapshot_id=s["snapshot_id"], kind=kind, layers=tuple(layers), source=s["source"], created_at=float(s["created_at"]), captures=s["captures"]
+    )

@@ -11,8 +11,9 @@ since its owner may still change its weights. `pack_cpu_weights=True / False` ov
 is rank 0 and drives, N - 1 spawned workers hold the other shards (openk3.parallel.serving.local; docs/parallel.md).
 `dp=N, ep=N` is data-parallel attention: every rank runs an engine of these settings over the requests rank 0 places on
 it (openk3.parallel.dp). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the process group. Prefix
-caching is refused on more than one rank except with dp > 1 (each rank's engine owns its cache), and the ranks do not
-pack their projections for CPU (pack_cpu_weights applies to a single-process engine).
+caching works on every layout (rank 0's slot and page copies are replayed on the other ranks; with dp > 1 each rank's
+engine owns its cache), its host and disk tiers only on one rank or with dp > 1; the ranks do not pack their projections
+for CPU (pack_cpu_weights applies to a single-process engine).
 
 The C heap setting of `openk3 serve` (serve/cpu_heap.py) is a process option: call keep_heap_for_reuse() for the same here.
 """

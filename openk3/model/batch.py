@@ -108,6 +108,9 @@ class CacheTensors:
     conv_state: list[torch.Tensor]  # per KDA layer [S, C, W - 1], q | k | v channels
     mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R]
     page_size: int
+    # When a list: every copy between slots or pages made outside a forward (serve/cache/transfer.py) is recorded here as
+    # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step.
+    copy_log: list[tuple[int, int, int]] | None = None
 
     @staticmethod
     def allocate(

@@ -54,10 +54,14 @@ class ParallelConfig:
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = f"ep={self.ep}" if self.tp == 1 else f"tp={self.tp}, ep={self.ep}"
-        if self.world_size > 1 and self.dp == 1 and engine.enable_prefix_caching:
-            # prefix-cache snapshot copies and tier loads write the pools outside model calls, which the workers never see
-            # (with dp > 1 each rank's engine owns its pools, prefix cache included)
-            raise ValueError(f"enable_prefix_caching=True with {ranks}: prefix caching is not supported on more than one rank yet (docs/parallel.md)")
+        tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
+        if self.world_size > 1 and self.dp == 1 and tiers:
+            # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:
+            # the driver replays rank 0's slot and page copies on every rank (serving/driver.py)
+            raise ValueError(
+                f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported on more than one rank yet "
+                "(docs/parallel.md)"
+            )
         if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
             raise ValueError(f"device={engine.device!r} with {ranks}: rank r takes GPU r, so name no index (device='cuda')")

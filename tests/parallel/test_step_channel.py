@@ -17,7 +17,7 @@ from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from openk3.parallel.serving.driver import EPTotals
-from openk3.parallel.serving.step_channel import CacheShape, StepChannel
+from openk3.parallel.serving.step_channel import CacheShape, CopyLog, StepChannel
 
 
 def batches() -> list[ForwardBatch]:
@@ -41,10 +41,11 @@ def exchange(ctx: ParallelContext) -> list:
     cache = CacheTensors.allocate(debug(), num_slots=3, num_pages=5, page_size=4, dtype=torch.bfloat16)
     if ctx.rank == 0:
         channel.send_cache(cache)
+        channel.send_copies([(1, 0, 2), (2, 4, 1)])
         for b in batches():
             channel.send_step(b)
         channel.send_stop()
-        return [tuple(CacheShape.of(cache))] + [fields(b) for b in batches()] + [None]
+        return [tuple(CacheShape.of(cache)), [(1, 0, 2), (2, 4, 1)]] + [fields(b) for b in batches()] + [None]
     with pytest.raises(RuntimeError, match="only rank 0"):
         channel.send_stop()
     got: list = []
@@ -55,6 +56,8 @@ def exchange(ctx: ParallelContext) -> list:
             assert [t.shape for t in pools.mla_latent] == [t.shape for t in cache.mla_latent]
             assert pools.conv_state[0].dtype == torch.bfloat16
             got.append(tuple(message))
+        elif isinstance(message, CopyLog):
+            got.append(message.copies)
         else:
             got.append(None if message is None else fields(message))
         if message is None:
@@ -64,8 +67,8 @@ def exchange(ctx: ParallelContext) -> list:
 @pytest.mark.distributed
 def test_step_channel_round_trip() -> None:
     sent, received = run_ranks(exchange, 2)
-    assert received == sent and len(sent) == 5
-    assert sent[2]["is_decode"] and not sent[1]["is_decode"] and sent[3]["page_table"] is None
+    assert received == sent and len(sent) == 6
+    assert sent[3]["is_decode"] and not sent[2]["is_decode"] and sent[4]["page_table"] is None
 
 
 def test_step_channel_refuses_half_a_cache_addressing() -> None:

@@ -72,13 +72,42 @@ def test_what_does_not_divide_is_named() -> None:
     assert ParallelConfig(tp=4, ep=4).world_size == 4 and ParallelConfig(tp=2).world_size == 2
 
 
-def test_prefix_caching_and_indexed_gpus_are_refused_before_any_rank_starts() -> None:
+def test_tiers_and_indexed_gpus_are_refused_before_any_rank_starts() -> None:
     from openk3.serve.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"enable_prefix_caching=True with tp=2, ep=1"):
-        ParallelConfig(tp=2).check_engine(EngineConfig(enable_prefix_caching=True))
+    ParallelConfig(tp=2).check_engine(EngineConfig(enable_prefix_caching=True))  # device prefix caching: copies replayed
+    with pytest.raises(ValueError, match=r"cpu_offload_bytes / disk_offload_dir with tp=2, ep=1: .*not supported on more than one rank"):
+        ParallelConfig(tp=2).check_engine(EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20))
     with pytest.raises(ValueError, match=r"device='cuda:0' with tp=2, ep=1: .*name no index"):
         ParallelConfig(tp=2).check_engine(EngineConfig(device="cuda:0", enable_prefix_caching=False))
+
+
+SHARED = list(range(100, 180))  # an 80-token shared start: one 64-token match unit, snapshotted and reused
+
+
+def generate_twice(tp: int = 1, ep: int = 1) -> tuple[list[list[int]], int]:
+    """Greedy tokens of two rounds of prompts sharing SHARED (the second round starts from cached prefixes), and the
+    prompt tokens served from the prefix cache."""
+    torch.set_num_threads(1)
+    prompts = [[*SHARED, 7, 8, 9], [*SHARED, 1], [*SHARED, 200, 3, 3, 3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM("debug", max_num_batched_tokens=32, enable_prefix_caching=True, tp=tp, ep=ep) as llm:
+            tokens = [list(o.outputs[0].token_ids) for _ in range(2) for o in llm.generate(prompts, GREEDY)]
+            stats = llm.engine.stats().prefix_cache
+            assert stats is not None
+            return tokens, stats.hit_tokens
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+def test_prefix_cache_hits_on_every_rank_give_the_single_process_tokens(parallel: dict[str, int]) -> None:
+    """The prefix cache's slot and page copies on rank 0 are replayed on the workers' pools: a hit reads the same
+    (per-rank) state everywhere, so the tokens equal one process's with the same hits."""
+    want, want_hits = generate_twice()
+    got, hits = generate_twice(**parallel)
+    assert want_hits > 0 and hits == want_hits
+    assert got == want
 
 
 def test_sizing_context_cuts_but_never_communicates() -> None:

@@ -8,8 +8,11 @@ discards the logits. Every rank attaches its model with `replicated_tokens=True`
 the tokens and all ranks end every MoE layer with the same rows. The engine and runner need no change: the driver obeys
 the runner's CausalLM contract.
 
-Contract: the engine's cache pools are mutated only by model calls. Anything else that writes them (prefix-cache
-snapshot copies, tier loads) would not reach the workers, so expert-parallel engines refuse prefix caching.
+Contract: the engine's cache pools are mutated by model calls and by the prefix cache's slot and page copies. The
+driver turns on the pools' copy log (CacheTensors.copy_log) at its first call -- no copy can come earlier: a copy's
+source is written by a forward -- and sends the copies made since the last step just before each step (COPIES), which
+every worker replays on its own pools, so the same slot and page ids hold the same (per-rank) contents everywhere. Host
+and disk tier loads would write rank 0's pools from rank 0's buffers only: multi-rank engines refuse those tiers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.parallel.ep.stats import EPStats
-from openk3.parallel.serving.step_channel import CacheShape, StepChannel
+from openk3.parallel.serving.step_channel import CacheShape, CopyLog, StepChannel
+from openk3.serve.cache.transfer import replay
 
 
 class ForwardModel(Protocol):
@@ -100,6 +104,10 @@ class EPDriver:
                 if self._cache is None:
                     self.channel.send_cache(cache)
                     self._cache = cache
+                    cache.copy_log = []
+                if cache.copy_log:
+                    self.channel.send_copies(cache.copy_log)
+                    cache.copy_log.clear()
                 self.channel.send_encoded(header, payload)
                 logits = self.model(batch, cache)
             except BaseException as e:
@@ -143,6 +151,9 @@ def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device |
             continue
         if cache is None:
             raise RuntimeError("expert-parallel worker: rank 0 sent a step before announcing its cache shapes")
+        if isinstance(message, CopyLog):
+            replay(cache, message.copies)
+            continue
         with torch.inference_mode():
             model(message, cache)
         if stats is not None:

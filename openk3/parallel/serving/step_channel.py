@@ -9,6 +9,8 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
   header   [kind, a, b, c, d, e, 0, 0]
     STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
+    COPIES a=n; payload [n, 3] (kind, src, dst): the slot and page copies rank 0's prefix cache made since the last step
+           (CacheTensors.copy_log), which every worker replays on its own pools before the next STEP
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
 
@@ -46,6 +48,11 @@ class MessageKind(IntEnum):
     STEP = 1
     CACHE = 2
     STOP = 3
+    COPIES = 4
+
+
+class CopyLog(NamedTuple):
+    copies: list[tuple[int, int, int]]
 
 
 class CacheShape(NamedTuple):
@@ -123,6 +130,9 @@ class StepChannel:
     def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
         self._send(header, payload)
 
+    def send_copies(self, copies: list[tuple[int, int, int]]) -> None:
+        self._send([MessageKind.COPIES, len(copies)], torch.tensor(copies, dtype=torch.int64).reshape(-1))
+
     def send_step(self, batch: ForwardBatch) -> None:
         self._send(*self.encode_step(batch))
 
@@ -140,8 +150,8 @@ class StepChannel:
         self._send([MessageKind.STOP])
         dist.barrier(group=self.group)
 
-    def receive(self, device: torch.device | str) -> ForwardBatch | CacheShape | None:
-        """The next message on a worker: a step's batch (on `device`), the cache shape, or None for STOP."""
+    def receive(self, device: torch.device | str) -> ForwardBatch | CacheShape | CopyLog | None:
+        """The next message on a worker: a step's batch (on `device`), the cache shape, copies to replay, or None for STOP."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
         kind, a, b, c, d, e = (int(x) for x in header[:6])
@@ -152,6 +162,10 @@ class StepChannel:
             if not 0 <= d < len(CACHE_DTYPES):
                 raise RuntimeError(f"StepChannel: cache dtype index {d} outside 0..{len(CACHE_DTYPES) - 1}")
             return CacheShape(a, b, c, CACHE_DTYPES[d], e)
+        if kind == MessageKind.COPIES:
+            flat = torch.empty(3 * a, dtype=torch.int64)
+            dist.broadcast(flat, self.src, group=self.group)
+            return CopyLog([(int(k), int(x), int(y)) for k, x, y in flat.reshape(-1, 3).tolist()])
         if kind != MessageKind.STEP:
             raise RuntimeError(f"StepChannel: unknown message kind {kind} (driver and worker run different openk3 versions?)")
         tokens, seqs, width, rows = a, b, c, d

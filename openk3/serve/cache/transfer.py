@@ -14,9 +14,13 @@ import torch
 
 from openk3.model.batch import CacheTensors
 
+COPY_SLOT, COPY_PAGE = 1, 2  # the kinds of CacheTensors.copy_log entries
+
 
 def copy_slot(tensors: CacheTensors, src: int, dst: int) -> int:
     """Copy one sequence's KDA state and conv windows; returns the bytes copied."""
+    if tensors.copy_log is not None:
+        tensors.copy_log.append((COPY_SLOT, src, dst))
     moved = 0
     with torch.no_grad():
         for pool in (*tensors.kda_state, *tensors.conv_state):
@@ -27,6 +31,8 @@ def copy_slot(tensors: CacheTensors, src: int, dst: int) -> int:
 
 def copy_page(tensors: CacheTensors, src: int, dst: int) -> int:
     """Copy one MLA page in every MLA layer (copy-on-write of a partly filled page); returns the bytes copied."""
+    if tensors.copy_log is not None:
+        tensors.copy_log.append((COPY_PAGE, src, dst))
     moved = 0
     with torch.no_grad():
         for pool in tensors.mla_latent:
@@ -60,8 +66,22 @@ def pack(tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: 
         return torch.cat(parts).to("cpu")
 
 
+def replay(tensors: CacheTensors, copies: Sequence[tuple[int, int, int]]) -> None:
+    """Apply another rank's copy log to these pools, in order."""
+    for kind, src, dst in copies:
+        if kind == COPY_SLOT:
+            copy_slot(tensors, src, dst)
+        elif kind == COPY_PAGE:
+            copy_page(tensors, src, dst)
+        else:
+            raise ValueError(f"replay: unknown copy kind {kind} (expected {COPY_SLOT} slot or {COPY_PAGE} page)")
+
+
 def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> None:
     """Write a buffer made by `pack` into a slot and pages (which must cover num_tokens positions)."""
+    if tensors.copy_log is not None:
+        # a tier buffer holds this rank's pools only; the other ranks' parts of the prefix were never stored
+        raise RuntimeError("unpack: a tier load into pools that other ranks mirror (multi-rank engines refuse host/disk tiers)")
     expected = buffer_nbytes(tensors, num_tokens)
     if buffer.numel() != expected:
         raise ValueError(f"prefix buffer has {buffer.numel()} bytes; {num_tokens} tokens need {expected}")

@@ -24,7 +24,7 @@ class ParallelConfig:
     tp: int = setting(1, "tensor-parallel ranks: attention heads, MLPs, shared experts and vocabulary split over them (docs/parallel.md)", low=1)
     ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
     dp: int = setting(
-        1, "data-parallel attention ranks: each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp (docs/parallel.md)", low=1
+        1, "data-parallel attention groups (of --tp ranks each): each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp x tp", low=1
     )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
@@ -34,28 +34,32 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.dp > 1 and (self.tp != 1 or self.ep != self.dp):
+        if self.dp > 1 and self.tp > 1:
+            # the groups and the per-group driver are built (rank_groups.py, dp_ranks.py), but a dp2 x tp2 run hung in CPU tests
             raise ValueError(
-                f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention runs with ep={self.dp} (the MoE "
-                "layers are what the ranks share) and tp=1; tensor parallelism inside each DP rank is not built yet (docs/parallel.md)"
+                f"ParallelConfig: dp={self.dp} with tp={self.tp}: tensor parallelism inside data-parallel groups is not working yet (docs/parallel.md)"
             )
-        if self.tp > 1 and self.ep > 1 and self.ep != self.tp:
-            # every rank of a TP group holds the same tokens; experts over more ranks than that needs DP-attention groups
+        if self.dp > 1 and self.ep != self.dp * self.tp:
             raise ValueError(
-                f"ParallelConfig: tp={self.tp} with ep={self.ep}: expert parallelism runs over the tensor-parallel group "
-                f"(ep=1 or ep={self.tp}); ep larger than tp needs data-parallel attention, which is not built yet (docs/parallel.md)"
+                f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "
+                f"dp x tp = {self.dp * self.tp} ranks (ep={self.dp * self.tp}): the MoE layers are what the DP groups share (docs/parallel.md)"
+            )
+        if self.tp > 1 and self.ep > 1 and self.ep != self.tp and self.dp == 1:
+            raise ValueError(
+                f"ParallelConfig: tp={self.tp} with ep={self.ep}: one engine runs its experts over its TP group (ep=1 or ep={self.tp}); "
+                "ep = dp x tp spreads them over dp data-parallel groups of tp ranks (--dp, docs/parallel.md)"
             )
 
     @property
     def world_size(self) -> int:
-        """Processes one engine runs on: the DP ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
-        return self.dp if self.dp > 1 else max(self.tp, self.ep)
+        """Processes one engine runs on: dp groups of tp ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
+        return self.dp * self.tp if self.dp > 1 else max(self.tp, self.ep)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = f"ep={self.ep}" if self.tp == 1 else f"tp={self.tp}, ep={self.ep}"
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
-        if self.world_size > 1 and self.dp == 1 and tiers:
+        if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:
             # the driver replays rank 0's slot and page copies on every rank (serving/driver.py)
             raise ValueError(

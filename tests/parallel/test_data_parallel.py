@@ -103,10 +103,10 @@ def test_lockstep_runs_one_forward_per_step() -> None:
 
 
 def test_dp_layouts_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"dp=2 with tp=1, ep=1: data-parallel attention runs with ep=2"):
+    with pytest.raises(ValueError, match=r"dp=2 with tp=1, ep=1: data-parallel attention spreads the experts over all dp x tp = 2 ranks"):
         ParallelConfig(dp=2)
-    with pytest.raises(ValueError, match=r"dp=2 with tp=2, ep=2: .*tensor parallelism inside each DP rank is not built yet"):
-        ParallelConfig(dp=2, tp=2, ep=2)
+    with pytest.raises(ValueError, match=r"dp=2 with tp=2: tensor parallelism inside data-parallel groups is not working yet"):
+        ParallelConfig(dp=2, tp=2, ep=4)
     assert ParallelConfig(dp=4, ep=4).world_size == 4
     from openk3.serve.config import EngineConfig
 

@@ -37,7 +37,7 @@ class RaiseOnCall:
         self.model, self.fail_at, self.calls = model, fail_at, 0
         self.config = model.config
 
-    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected failure inside the forward")

@@ -54,7 +54,8 @@ class DPChannel:
         if ctx.group is None:
             raise ValueError("DPChannel: a world of one has no other DP rank")
         self.ctx = ctx
-        self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo")
+        # members only (local synchronization): a DP group's TP ranks open theirs without the other groups
+        self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo", use_local_synchronization=True)
         self.src = dist.get_global_rank(ctx.group, 0)
 
     def report_ready(self, error: str | None) -> list[str | None]:

@@ -71,7 +71,7 @@ class DataParallelEngine:
     @property
     def failed(self) -> bool:
         """A step failed: the other ranks may be stuck inside its collectives; close() then sends nothing."""
-        return self._failure is not None
+        return self._failure is not None or self.lockstep.failed
 
     # what OutputProcessor and LLM read of an engine
     @property
@@ -191,7 +191,10 @@ class DataParallelEngine:
                 self.channel.scatter([Inbox(stop=True)] * self.num_ranks)
                 self.channel.barrier()
         finally:
-            self.local.close()
+            try:
+                self.local.close()
+            finally:
+                self.lockstep.close()
 
 
 def run_dp_worker(engine: LLMEngine, lockstep: LockstepModel, channel: DPChannel) -> int:
@@ -213,4 +216,7 @@ def run_dp_worker(engine: LLMEngine, lockstep: LockstepModel, channel: DPChannel
             channel.gather(Outbox(tuple(outputs), engine.stats(), int(engine.has_unfinished())))
             steps += 1
     finally:
-        engine.close()
+        try:
+            engine.close()
+        finally:
+            lockstep.close()

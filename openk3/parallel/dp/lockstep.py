@@ -1,9 +1,11 @@
-"""LockstepModel: a DP rank's model as its engine sees it, guaranteeing one forward per global step.
+"""LockstepModel: a DP group's model as its engine sees it, guaranteeing one forward per global step.
 
-Every MoE layer is a collective over all DP ranks, so every rank must run exactly one forward per step, in step with the
-others, whether or not its engine had anything to run. The engine calls this object as its model; after the engine's
-step, `end_step()` runs a one-token dummy forward without cache pools when the engine ran none (its output is discarded,
-nothing is written anywhere), and refuses a step in which the engine ran more than one.
+Every MoE layer is a collective over all ranks, so every DP group must run exactly one forward per step, in step with
+the others, whether or not its engine had anything to run. The engine calls this object as its model; after the
+engine's step, `end_step()` runs a one-token dummy forward without cache pools when the engine ran none (its output is
+discarded, nothing is written anywhere), and refuses a step in which the engine ran more than one. With tensor
+parallelism inside the group the model is the group's EPDriver, so its TP ranks run the dummy too; `close()` then
+releases them.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import torch
 
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch
-from openk3.model.model import K3ForCausalLM
+from openk3.parallel.serving.driver import EPDriver, ForwardModel
 
 
 class LockstepModel:
-    def __init__(self, model: K3ForCausalLM, device: torch.device) -> None:
+    def __init__(self, model: ForwardModel, device: torch.device) -> None:
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.forwards = 0
@@ -39,3 +41,12 @@ class LockstepModel:
             self.dummy_forwards += 1
             with torch.inference_mode():
                 self.model(ForwardBatch.from_tokens(torch.zeros(1, 1, dtype=torch.int64, device=self.device)), None)
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.model, EPDriver) and self.model.failed
+
+    def close(self) -> None:
+        """Release the group's TP ranks (idempotent; nothing without tensor parallelism)."""
+        if isinstance(self.model, EPDriver):
+            self.model.close()

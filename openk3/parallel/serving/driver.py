@@ -33,7 +33,7 @@ from openk3.serve.cache.transfer import replay
 class ForwardModel(Protocol):
     config: ModelConfig
 
-    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor: ...
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -91,21 +91,25 @@ class EPDriver:
         self._closed = False
         self._failure: str | None = None
 
-    def __call__(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        """A step of the engine's, or (cache None: a batch without cache slots) a cache-free forward such as the dummy
+        step of an idle data-parallel rank (dp/lockstep.py), which the workers run without their pools."""
         with self._lock:
             if self._failure is not None:
                 raise RuntimeError(f"EPDriver: an earlier step failed ({self._failure}); the expert-parallel group is unusable, close it and start again")
             if self._closed:
                 raise RuntimeError("EPDriver: closed (the expert-parallel workers have stopped)")
-            if self._cache is not None and cache is not self._cache:
+            if cache is not None and self._cache is not None and cache is not self._cache:
                 raise ValueError("EPDriver: one driver serves one engine's cache pools; the workers mirror only the first")
+            if (cache is None) != (batch.state_slots is None):
+                raise ValueError("EPDriver: a batch with cache slots needs the cache pools, and a cache-free batch none")
             header, payload = self.channel.encode_step(batch)  # a batch the channel refuses fails before anything is sent
             try:
-                if self._cache is None:
+                if cache is not None and self._cache is None:
                     self.channel.send_cache(cache)
                     self._cache = cache
                     cache.copy_log = []
-                if cache.copy_log:
+                if cache is not None and cache.copy_log:
                     self.channel.send_copies(cache.copy_log)
                     cache.copy_log.clear()
                 self.channel.send_encoded(header, payload)
@@ -149,13 +153,15 @@ def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device |
         if isinstance(message, CacheShape):
             cache = message.allocate(model.config, device)
             continue
-        if cache is None:
-            raise RuntimeError("expert-parallel worker: rank 0 sent a step before announcing its cache shapes")
         if isinstance(message, CopyLog):
+            if cache is None:
+                raise RuntimeError("expert-parallel worker: rank 0 sent cache copies before announcing its cache shapes")
             replay(cache, message.copies)
             continue
+        if message.uses_cache and cache is None:
+            raise RuntimeError("expert-parallel worker: rank 0 sent a step before announcing its cache shapes")
         with torch.inference_mode():
-            model(message, cache)
+            model(message, cache if message.uses_cache else None)
         if stats is not None:
             stats.drain_stats()
         steps += 1

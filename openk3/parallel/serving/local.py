@@ -19,8 +19,9 @@ from openk3.model.model import K3ForCausalLM
 from openk3.parallel.config import ParallelConfig
 from openk3.parallel.dp.engine import DataParallelEngine
 from openk3.parallel.launch import free_port, join_group, rank_device
+from openk3.parallel.serving.dp_ranks import run_dp_worker_rank, start_dp_leader
 from openk3.parallel.serving.driver import EPDriver
-from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_dp_worker_rank, run_worker_rank, start_dp_leader, start_driver
+from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_worker_rank, start_driver
 from openk3.serve.config import EngineConfig
 from openk3.serve.loading import resolve_model
 from openk3.serve.tokenizer import Tokenizer
@@ -31,10 +32,11 @@ KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
 
 def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float, engine: EngineConfig | None) -> None:
     torch.set_num_threads(threads)
-    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), timeout)
     try:
         if engine is not None:
-            run_dp_worker_rank(ctx, spec, engine)
+            run_dp_worker_rank(ctx, spec, engine, timeout)
         else:
             run_worker_rank(ctx, spec)
     finally:
@@ -92,7 +94,7 @@ class LocalEP:
             ctx = join_group(0, world, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
             if config.dp > 1:
                 assert engine is not None and tokenizer is not None
-                self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer)
+                self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer, datetime.timedelta(seconds=config.ep_timeout_s))
             else:
                 self.driver, self.backend = start_driver(ctx, spec)
         except BaseException:

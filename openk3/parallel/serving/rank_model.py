@@ -76,6 +76,7 @@ def attach_rank_experts(
     drop_full_banks: bool = True,
     collect_stats: bool = True,
     replicated_tokens: bool = True,
+    split_ctx: ParallelContext | None = None,
 ) -> TokenSplit | EPBackend:
     """Attach the expert-parallel backend (experts sharded; tokens replicated, so wrapped in TokenSplit, or each rank's own
     with data-parallel attention) and return it.
@@ -100,7 +101,8 @@ def attach_rank_experts(
         inner: ExpertParallelBackend | MoonEPBackend = MoonEPBackend(ctx, shards, collect_stats=collect_stats)
     else:
         inner = ExpertParallelBackend(ctx, shards, placements, collect_stats)
-    backend: TokenSplit | EPBackend = TokenSplit(ctx, inner) if replicated_tokens else inner
+    # the ranks that hold the same tokens split them (split_ctx: the TP group, default every rank), the experts span ctx
+    backend: TokenSplit | EPBackend = TokenSplit(split_ctx or ctx, inner) if replicated_tokens else inner
     model.set_expert_backend(backend)
     return backend
 
@@ -115,18 +117,22 @@ def load_rank_model(
     tp: int = 1,
     ep: bool = True,
     replicated_tokens: bool = True,
+    tp_ctx: ParallelContext | None = None,
 ) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
     """Load a checkpoint folder with only this rank's part: its experts (ep), its tensor-parallel blocks (tp > 1: the
     group is the TP group; without ep every expert is split by width instead). Returns the expert-parallel backend
     attached, None without ep."""
-    layout = (lambda model: parallelize_tensor(model, ctx, split_experts=not ep)) if tp > 1 else None
+    tp_group = tp_ctx or ctx
+    layout = (lambda model: parallelize_tensor(model, tp_group, split_experts=not ep)) if tp > 1 else None
     if not ep:
         return load_model(folder, dtype=dtype, device=device, layout=layout), None
     config = config_from_hf(Path(folder))
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
     model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank), layout=layout)
-    return model, attach_rank_experts(model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats, replicated_tokens=replicated_tokens)
+    return model, attach_rank_experts(
+        model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats, replicated_tokens=replicated_tokens, split_ctx=tp_group
+    )
 
 
 def resident_expert_bytes(model: K3ForCausalLM, backend: TokenSplit | EPBackend | None = None) -> int:

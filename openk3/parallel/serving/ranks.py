@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +19,14 @@ import torch
 
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
-from openk3.parallel.dp.channel import DPChannel
-from openk3.parallel.dp.engine import DataParallelEngine, run_dp_worker
-from openk3.parallel.dp.lockstep import LockstepModel
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.rank_model import attach_rank_experts, engine_placements, load_rank_model
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.parallel.tp.shard import parallelize_tensor
-from openk3.serve.config import EngineConfig
-from openk3.serve.engine import LLMEngine
-from openk3.serve.loading import model_tokenizer, resolve_model
+from openk3.serve.loading import resolve_model
 from openk3.serve.prepare import prepare_for_serving
-from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
 
 ModelSource = str | Path | torch.nn.Module
 
@@ -47,60 +40,64 @@ class RankModelSpec:
     dtype: torch.dtype
     seed: int
     collect_stats: bool
-    tp: int = 1  # the group's ranks are one tensor-parallel group when > 1 (then equal to the world size)
-    ep: bool = True  # experts sharded by expert over the group (else, with tp > 1, every expert split by width)
-    dp: int = 1  # > 1: data-parallel attention, each rank its own engine and tokens (then equal to the world size)
+    tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1)
+    ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
+    dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
 
 
-def build_rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
+def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext | None = None) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
     """This rank's model (and its expert-parallel backend, None without expert parallelism), in the serving layout
-    (serve/prepare.py; the same on every rank). A checkpoint folder is read per rank (own shard and experts only); a
-    preset without a checkpoint is built from its seed on every rank, then cut; a module is cut (rank 0 cuts a copy or
-    copies its expert shard, so the caller's module keeps its weights)."""
-    if spec.tp > 1 and spec.tp != ctx.world_size:
-        raise ValueError(f"tensor parallel: tp={spec.tp} but the group has {ctx.world_size} ranks")
-    if spec.dp > 1 and (spec.dp != ctx.world_size or spec.tp > 1 or not spec.ep):
-        raise ValueError(
-            f"data-parallel attention: dp={spec.dp} needs a group of dp ranks with ep and tp=1, got {ctx.world_size} ranks, tp={spec.tp}, ep={spec.ep}"
-        )
-    model, backend = _rank_model(spec, ctx)
+    (serve/prepare.py; the same on every rank). `ctx`: every rank (the experts are spread over them); `tp_ctx`: this
+    rank's tensor-parallel group, whose ranks hold the same tokens (default: `ctx` itself for one engine over every
+    rank, a group of one with data-parallel attention; rank_groups.py). A checkpoint folder is read per rank (own
+    shard and experts only); a preset without a checkpoint is built from its seed on every rank, then cut; a module is
+    cut (rank 0 cuts a copy or copies its expert shard, so the caller's module keeps its weights)."""
+    tp_ctx = tp_ctx or (ctx if spec.dp == 1 else ParallelContext.single(ctx.device))
+    if spec.tp > 1 and spec.tp != tp_ctx.world_size:
+        raise ValueError(f"tensor parallel: tp={spec.tp} but the tensor-parallel group has {tp_ctx.world_size} ranks")
+    if spec.dp > 1 and (spec.dp * spec.tp != ctx.world_size or not spec.ep):
+        raise ValueError(f"data-parallel attention: dp={spec.dp} x tp={spec.tp} ranks with ep, got {ctx.world_size} ranks, ep={spec.ep}")
+    model, backend = _rank_model(spec, ctx, tp_ctx)
     prepare_for_serving(model, ctx.device)
     return model, backend
 
 
-def _rank_model(spec: RankModelSpec, ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
+def _rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
     source, method = spec.source, spec.method
     tensor_parallel = spec.tp > 1
-    replicated = spec.dp == 1  # every rank runs rank 0's batch (TokenSplit), or (DP attention) its own
+    # the ranks of tp_ctx run the same tokens (TokenSplit hands each its share to dispatch); alone, a rank dispatches its own
+    replicated = tp_ctx.world_size > 1
     if isinstance(source, torch.nn.Module):
         if not isinstance(source, K3ForCausalLM):
             raise ValueError(f"ep/tp: the model must be a K3ForCausalLM to shard it, got {type(source).__name__}")
         if tensor_parallel:  # the workers hold their own (pickled) copy; rank 0 must not cut the caller's module
             source = copy.deepcopy(source) if ctx.rank == 0 else source
-            parallelize_tensor(source, ctx, split_experts=not spec.ep)
+            parallelize_tensor(source, tp_ctx, split_experts=not spec.ep)
         if not spec.ep:
             return source, None
         layers = [moe.layer_index for moe in source.moe_layers()]
         placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method)
         drop = tensor_parallel or ctx.rank != 0
         backend = attach_rank_experts(
-            source, ctx, method, placements, loaded_per_rank=False, drop_full_banks=drop, collect_stats=spec.collect_stats, replicated_tokens=replicated
+            source, ctx, method, placements, False, drop_full_banks=drop, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
         )
         return source, backend
     folder = resolve_model(source)
     if folder is not None:
-        return load_rank_model(folder, ctx, method, spec.dtype, ctx.device, spec.collect_stats, tp=spec.tp, ep=spec.ep, replicated_tokens=replicated)
+        return load_rank_model(
+            folder, ctx, method, spec.dtype, ctx.device, spec.collect_stats, tp=spec.tp, ep=spec.ep, replicated_tokens=replicated, tp_ctx=tp_ctx
+        )
     config = preset(str(source))
     net = K3ForCausalLM(config)
     net.init_weights(spec.seed)
     net = net.to(device=ctx.device, dtype=spec.dtype).eval()
     if tensor_parallel:
-        parallelize_tensor(net, ctx, split_experts=not spec.ep)
+        parallelize_tensor(net, tp_ctx, split_experts=not spec.ep)
     if not spec.ep:
         return net, None
     placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method)
     return net, attach_rank_experts(
-        net, ctx, method, placements, loaded_per_rank=False, drop_full_banks=True, collect_stats=spec.collect_stats, replicated_tokens=replicated
+        net, ctx, method, placements, False, drop_full_banks=True, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
     )
 
 
@@ -139,44 +136,3 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
     if not isinstance(backend, TokenSplit | None):
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
     return EPDriver(model, channel, backend.inner if backend is not None else None), backend
-
-
-def _dp_engine(spec: RankModelSpec, ctx: ParallelContext, config: EngineConfig, tokenizer: Tokenizer | None) -> tuple[LLMEngine, LockstepModel]:
-    model, _ = build_rank_model(spec, ctx)
-    lockstep = LockstepModel(model, ctx.device)
-    if tokenizer is None:  # a worker's engine needs only the end-of-sequence id, the one rank 0's tokenizer has
-        tokenizer = (
-            model_tokenizer(str(spec.source), config.seed) if not isinstance(spec.source, torch.nn.Module) else ByteTokenizer(max(256, model.config.vocab_size))
-        )
-    rank_config = dataclasses.replace(config, seed=config.seed + ctx.rank)  # distinct streams for unseeded sampling
-    return LLMEngine(lockstep, tokenizer, rank_config), lockstep
-
-
-def run_dp_worker_rank(ctx: ParallelContext, spec: RankModelSpec, config: EngineConfig) -> int:
-    """A DP rank from joining to STOP: channel, model and engine, start-up handshake, loop; returns the steps it ran."""
-    channel = DPChannel(ctx)
-    try:
-        engine, lockstep = _dp_engine(spec, ctx, config, None)
-    except Exception as e:
-        channel.report_ready(_failure(ctx.rank, e))
-        raise
-    if any(channel.report_ready(None)):
-        engine.close()
-        return 0
-    return run_dp_worker(engine, lockstep, channel)
-
-
-def start_dp_leader(ctx: ParallelContext, spec: RankModelSpec, config: EngineConfig, tokenizer: Tokenizer) -> DataParallelEngine:
-    """Rank 0 of data-parallel attention: its own engine, the handshake, and the engine the caller steps."""
-    channel = DPChannel(ctx)
-    try:
-        engine, lockstep = _dp_engine(spec, ctx, config, tokenizer)
-    except Exception as e:
-        with contextlib.suppress(RuntimeError):
-            channel.report_ready(_failure(0, e))
-        raise
-    failures = [f for f in channel.report_ready(None) if f is not None]
-    if failures:
-        engine.close()
-        raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
-    return DataParallelEngine(engine, lockstep, channel)

@@ -91,7 +91,8 @@ class StepChannel:
         if names != CARRIED_FIELDS:
             raise RuntimeError(f"StepChannel carries ForwardBatch fields {CARRIED_FIELDS}, the batch now has {names}: extend the wire format")
         self.ctx = ctx
-        self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo")
+        # members only (local synchronization): a DP group's TP ranks open theirs without the other groups
+        self.group = dist.new_group(dist.get_process_group_ranks(ctx.group), timeout=IDLE_TIMEOUT, backend="gloo", use_local_synchronization=True)
         self.src = dist.get_global_rank(ctx.group, 0)
 
     def _send(self, header: list[int], payload: torch.Tensor | None = None) -> None:

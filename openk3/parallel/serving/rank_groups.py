@@ -1,0 +1,59 @@
+"""The process groups of one rank in a DP x TP layout, made once at start-up.
+
+Legend: W = dp * tp ranks; rank r is TP rank r % tp of DP group r // tp (a DP group's ranks are consecutive, so on one
+node with GPUs in order they share the fastest links).
+
+- world: every rank; the experts are spread over all of them (expert parallelism), each rank's MoE layers exchange
+  tokens with every other;
+- tp: the rank's tensor-parallel group (its all-reduces, TokenSplit's gather, its step channel); with dp = 1 it is the
+  world itself (one engine over every rank), with dp > 1 and tp = 1 a group of one;
+- leaders: with dp > 1, the TP rank 0 of every DP group (each runs its DP group's engine; rank 0's steps them all); None
+  on the other ranks.
+Groups are made with local synchronization (members only), so no rank waits for groups it is not in.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from openk3.parallel.group import ParallelContext
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    world: ParallelContext
+    tp: ParallelContext
+    dp: int
+    leaders: ParallelContext | None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.world.rank // self.tp.world_size
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp.rank == 0
+
+
+def _subgroup(world: ParallelContext, ranks: list[int], timeout: datetime.timedelta | None) -> ParallelContext:
+    if len(ranks) == 1:
+        return ParallelContext.single(world.device)
+    group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    return ParallelContext.from_group(world.device, group)
+
+
+def rank_groups(world: ParallelContext, tp: int, dp: int, timeout: datetime.timedelta | None = None) -> RankGroups:
+    """`timeout` bounds each collective of the new groups (the world's own, ep_timeout_s, is the natural choice)."""
+    if tp < 1 or dp < 1 or tp * dp != world.world_size:
+        raise ValueError(f"rank_groups: dp={dp} x tp={tp} ranks, but the world has {world.world_size}")
+    if dp == 1:
+        return RankGroups(world, world, 1, None)
+    if tp == 1:
+        return RankGroups(world, ParallelContext.single(world.device), dp, world)
+    first = world.rank - world.rank % tp
+    tp_ctx = _subgroup(world, list(range(first, first + tp)), timeout)
+    leaders = _subgroup(world, list(range(0, world.world_size, tp)), timeout) if world.rank == first else None
+    return RankGroups(world, tp_ctx, dp, leaders)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +20,9 @@ from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput
 from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.backend import EPBackend, attach_expert_parallel
+from openk3.parallel.ep.load_stats import ExpertLoad, eplb_engine_placements, gather_load
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
+from openk3.parallel.ep.padded import Capacity
 from openk3.parallel.ep.placement import LoadCollector, eplb_placement
 from openk3.parallel.ep.static_backend import ExpertParallelBackend, gather_placements
 from openk3.parallel.group import ParallelContext
@@ -167,3 +173,126 @@ def greedy(model: K3ForCausalLM, prompt: list[int], steps: int) -> tuple[list[in
 
 def all_cases(ctx: ParallelContext) -> dict[str, float | str]:
     return {**{f"moe/{k}": v for k, v in moe_cases(ctx).items()}, **{f"model/{k}": v for k, v in model_cases(ctx).items()}}
+
+
+class DistCalls:
+    """Counts the torch.distributed collectives really issued, to check the backends' own tally against."""
+
+    NAMES = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._saved = {name: getattr(torch.distributed, name) for name in self.NAMES}
+
+    def __enter__(self) -> DistCalls:
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, self._wrap(fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, fn)
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def drop_beyond_capacity(topk_idx: torch.Tensor, weight: torch.Tensor, slots: int) -> tuple[torch.Tensor, int]:
+    """Weights with every entry past the first `slots` of its expert (flattened token order) set to 0; plain EP placement."""
+    seen: dict[int, int] = {}
+    out = weight.clone().reshape(-1)
+    dropped = 0
+    for i, e in enumerate(topk_idx.reshape(-1).tolist()):
+        seen[e] = seen.get(e, 0) + 1
+        if seen[e] > slots:
+            out[i] = 0.0
+            dropped += 1
+    return out.view_as(weight), dropped
+
+
+def exchange_cases(ctx: ParallelContext) -> dict[str, float]:
+    """Collectives and host reads per layer (tally and real torch.distributed calls), the fixed-capacity exchange against
+    the exact one with and without drops."""
+    torch.set_grad_enabled(False)
+    num_experts = 2 * ctx.world_size
+    layer = make_layer(num_experts)
+    dense = layer.experts.bank()
+    out: dict[str, float] = {}
+    tokens = 6 + 3 * ctx.rank
+    routing = make_routing("zipf", tokens, num_experts, 3, seed=7 + ctx.rank)
+    z = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(20 + ctx.rank))
+    ref = moe_experts_grouped(z, routing.topk_idx, routing.topk_weight, dense, layer.expert_act)
+    skew = torch.tensor([50.0] + [1.0] * (num_experts - 1))
+    roomy = Capacity(factor=float(num_experts), max_tokens=16)  # C = max_tokens: nothing can drop
+    backends: dict[str, EPBackend] = {
+        "ep": ExpertParallelBackend.from_banks(ctx, {1: dense}),
+        "eplb": ExpertParallelBackend.from_banks(ctx, {1: dense}, {1: eplb_placement(skew, ctx.world_size, ctx.world_size)}),
+        "moonep": MoonEPBackend.from_banks(ctx, {1: dense}),
+        "padded": ExpertParallelBackend.from_banks(ctx, {1: dense}, capacity=roomy),
+        "padded_eplb": ExpertParallelBackend.from_banks(ctx, {1: dense}, {1: eplb_placement(skew, ctx.world_size, ctx.world_size)}, capacity=roomy),
+    }
+    exact = backends["ep"](layer, z, routing)
+    backends["ep"].drain_stats()
+    for name, backend in backends.items():
+        backend.collect_stats = False
+        with DistCalls() as calls:
+            y = backend(layer, z, routing)
+        out[f"{name}/real_collectives"] = calls.calls
+        out[f"{name}/error"] = max_error(y, ref)
+        out[f"{name}/vs_exact"] = max_error(y, exact)
+        backend.collect_stats = True
+        backend(layer, z, routing)
+        stats = backend.drain_stats()[0]
+        out[f"{name}/collectives"] = stats.collectives
+        out[f"{name}/host_reads"] = stats.host_reads
+        out[f"{name}/dropped"] = stats.dropped
+    # A tight capacity: 1 slot per (source, expert); the dropped entries contribute zero, the rest is exact.
+    tight = Capacity(factor=1.0 / 16, max_tokens=16)
+    slots = tight.slots(3, num_experts)
+    backend = ExpertParallelBackend.from_banks(ctx, {1: dense}, capacity=tight)
+    kept_weight, dropped = drop_beyond_capacity(routing.topk_idx, routing.topk_weight, slots)
+    kept_ref = moe_experts_grouped(z, routing.topk_idx, kept_weight, dense, layer.expert_act)
+    out["tight/error"] = max_error(backend(layer, z, routing), kept_ref)
+    out["tight/dropped"] = backend.drain_stats()[0].dropped
+    out["tight/expected_dropped"] = dropped
+    # Data-parallel ranks each see their own tokens (here counted by the MoonEP backend); the exported load is the sum.
+    collector = LoadCollector(num_experts, window=4)
+    MoonEPBackend.from_banks(ctx, {1: dense}, collect_stats=False, collector=collector)(layer, z, routing)
+    gathered = gather_load(ctx, collector).layers[1]
+    for e in range(num_experts):
+        out[f"load/local/{e}"] = int(collector.load(1)[e])
+        out[f"load/gathered/{e}"] = int(gathered[e])
+    # EPLB placed from a measured load file (every rank reads the same counts, so places the same replicas).
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "load.json"
+        ExpertLoad(num_experts, 4, {1: gathered}).save(path)
+        from_file = eplb_engine_placements([1], num_experts, ctx.world_size, path, redundant_fraction=0.5)
+    placed = ExpertParallelBackend.from_banks(ctx, {1: dense}, from_file)
+    out["eplb_file/error"] = max_error(placed(layer, z, routing), ref)
+    out["eplb_file/hot_replicas"] = int(from_file[1].replica_counts()[int(torch.argmax(gathered))])
+    out.update(padded_greedy_case(ctx))
+    return out
+
+
+def padded_greedy_case(ctx: ParallelContext) -> dict[str, float]:
+    """Greedy decoding of a debug model with the fixed-capacity exchange (data-parallel ranks, replicated tokens)."""
+    model = K3ForCausalLM(debug())
+    model.init_weights(seed=0, std=0.1)
+    model.eval()
+    num_experts = model.config.moe.num_experts
+    out: dict[str, float] = {}
+    for feed, seed in (("replicated", 7), ("dp", 8 + ctx.rank)):
+        prompt = torch.randint(0, model.config.vocab_size, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        model.set_expert_backend(LocalExperts())
+        want_tokens, want_logits = greedy(model, prompt, 6)
+        collector = LoadCollector(num_experts, window=64)
+        attach_expert_parallel(model, ctx, EPMethod.EP, replicated_tokens=feed == "replicated", capacity=Capacity(float(num_experts), 8), collector=collector)
+        tokens_out, logits = greedy(model, prompt, 6)
+        out[f"padded_greedy_{feed}"] = max_error(logits, want_logits)
+        out[f"padded_greedy_{feed}/mismatched_tokens"] = sum(a != b for a, b in zip(tokens_out, want_tokens, strict=True))
+        out[f"padded_greedy_{feed}/observed_entries"] = int(sum(collector.load(i).sum() for i in collector.layers()))
+    return out

@@ -1,4 +1,5 @@
-"""EPLB-style placement: replication order, balanced packing, placement tables, replica routing, the load collector."""
+"""EPLB-style placement: replication order, balanced packing, placement tables, replica routing, the load collector, and the
+fixed-shape counting that keeps routing on the device."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from openk3.parallel.ep.placement import (
     Placement,
     balanced_pack,
     contiguous_placement,
+    counts_per_id,
     eplb_placement,
+    first_of_sorted,
     redundant_for,
     replicate,
 )
@@ -82,3 +85,27 @@ def test_load_collector_keeps_a_window() -> None:
     assert collector.placements(2, 0)[5].phys_to_log.shape == (2, 2)
     with pytest.raises(ValueError, match="window=0"):
         LoadCollector(4, 0)
+
+
+def test_device_counting_matches_bincount_and_run_starts() -> None:
+    ids = torch.tensor([3, 0, 3, 3, 1, 0])
+    assert torch.equal(counts_per_id(ids, 5), torch.bincount(ids, minlength=5))
+    assert counts_per_id(torch.zeros(0, dtype=torch.int64), 3).tolist() == [0, 0, 0]
+    sorted_ids = torch.sort(ids).values  # [0, 0, 1, 3, 3, 3]
+    assert first_of_sorted(sorted_ids, 5).tolist() == [0, 0, 2, 3, 3, 3]
+
+
+def test_route_is_the_same_with_tables_moved() -> None:
+    placement = eplb_placement(torch.tensor([9.0, 1, 1, 1]), num_ranks=2, num_redundant=2)
+    idx = torch.tensor([[0, 1], [0, 2], [3, 0], [0, 1]])
+    moved = placement.to(torch.device("cpu"))
+    for salt in range(2):
+        assert torch.equal(moved.route(idx, salt), placement.route(idx, salt))
+
+
+def test_load_collector_counts_steps_inside_the_window() -> None:
+    collector = LoadCollector(4, window=2)
+    assert collector.steps(1) == 0
+    for _ in range(3):
+        collector.observe(1, torch.tensor([[0, 1]]))
+    assert collector.steps(1) == 2

@@ -1,17 +1,22 @@
 """Dispatch and combine with per-destination de-duplication, and the local grouped compute on received rows.
 
-Legend: T tokens of this rank, D row width, W ranks, N routing entries of this rank (token, expert pairs), Q unique
-(token, destination) pairs sent by this rank, M rows received, n entries received.
+Legend: T tokens of this rank, D row width, W ranks, G compute-set groups per rank, N routing entries of this rank (token,
+expert pairs), Q unique (token, destination) pairs sent by this rank, M rows received, n entries received.
 
 A token routed to several experts on one rank travels once: the row goes with the list of its entries there (expert slot
 in the destination's compute set and routing weight). The destination applies the weights and sums per row, so the combine
 also returns one row per (token, destination), and the source only adds its rows back into [T, D].
 
-Wire layout, per destination w (all_to_all_single, counts exchanged first as [W, 2] = rows, entries):
-  rows   [Q, D] x dtype, sorted by (destination, token)
-  meta   [N, 2 or 3] int64: row index inside that destination's segment, compute-set group, and the grouped-buffer slot
-         when the backend fixed one (MoonEP)
-  weight [N] fp32
+Collectives per call: three. (1) counts [W, 2 + G] int64 (rows, entries, entries per group) in one equal-split all-to-all;
+(2) one payload all-to-all of bytes (wire.py), segment w = everything this rank sends to rank w:
+  meta   [n_w, 2 or 3] int64: row index inside the segment, compute-set group, and the grouped-buffer slot when the backend
+         fixed one (MoonEP)
+  weight [n_w] fp32
+  rows   [q_w, D] x dtype, sorted by token
+(fields ordered by element size, so the receiver views them without copies); (3) the combine, one all-to-all of [M, D].
+One host read: all_to_all_single takes split sizes as host integers, so the exchanged counts are copied to the host once,
+and the per-group counts needed by the local compute ride along in the same read. The fixed-capacity exchange (padded.py)
+has no host read at all, at the price of padding and dropping entries beyond capacity.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 
 from openk3.ops.moe.bank import ExpertBank
 from openk3.ops.moe.naive import Act, expert_forward
-from openk3.parallel.group import ParallelContext
+from openk3.parallel.ep.comm import Tally
+from openk3.parallel.ep.wire import field_of, pack, segment_bytes, unpack
 
 
 class Received(NamedTuple):
@@ -33,6 +39,7 @@ class Received(NamedTuple):
     group_n: torch.Tensor
     weight_n: torch.Tensor  # fp32
     slot_n: torch.Tensor | None
+    group_counts: list[int]  # entries received per compute-set group, summed over sources (host integers)
 
 
 class Traffic(NamedTuple):
@@ -45,66 +52,105 @@ class Traffic(NamedTuple):
 LocalCompute = Callable[[Received], torch.Tensor]  # -> fp32 [M, D], the weighted sum per received row
 
 
+def _by_element_size(named: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(named, key=lambda name: -named[name].element_size())
+
+
 def dispatch_combine(
-    ctx: ParallelContext,
+    tally: Tally,
     x_TD: torch.Tensor,
     dest_N: torch.Tensor,
     group_N: torch.Tensor,
     weight_N: torch.Tensor,
+    num_groups: int,
     compute: LocalCompute,
     slot_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Traffic]:
-    """y [T, D] fp32 = sum over entries of weight * expert(x[token]); entries are the flattened [T, k] routing (token = i // k)."""
+    """y [T, D] fp32 = sum over entries of weight * expert(x[token]); entries are the flattened [T, k] routing (token = i // k).
+
+    num_groups: G, the compute-set size on every rank (0 when the local compute does not need per-group counts)."""
     num_tokens, width = x_TD.shape
+    ctx, dev = tally.ctx, x_TD.device
     world = ctx.world_size
-    k = dest_N.shape[0] // num_tokens if num_tokens else 0
-    token_N = torch.arange(dest_N.shape[0]) // max(k, 1)
-    pair_key, pair_of_N = torch.unique(dest_N * num_tokens + token_N, return_inverse=True)
-    pair_dest, pair_token = pair_key // max(num_tokens, 1), pair_key % max(num_tokens, 1)
-    send_rows = torch.bincount(pair_dest, minlength=world)
-    send_entries = torch.bincount(dest_N, minlength=world)
-    pair_start = torch.cumsum(send_rows, 0) - send_rows
-    order = torch.sort(dest_N, stable=True).indices
-    cols = [pair_of_N[order] - pair_start[dest_N[order]], group_N[order]]
-    if slot_N is not None:
-        cols.append(slot_N[order])
-    meta_send = torch.stack(cols, 1) if cols[0].numel() else torch.zeros(0, len(cols), dtype=torch.int64)
+    dest_N, group_N = dest_N.to(dev).long(), group_N.to(dev).long()
+    num_entries = dest_N.shape[0]
+    k = num_entries // num_tokens if num_tokens else 1
+    token_N = torch.arange(num_entries, device=dev) // k
+    # (destination, token) pairs marked in a [W * T] table: fixed shapes, so nothing here needs a data-dependent size.
+    key_N = dest_N * num_tokens + token_N
+    present = torch.zeros(world * num_tokens, dtype=torch.bool, device=dev)
+    present[key_N] = True
+    pair_index = torch.cumsum(present, 0) - 1
+    ones = torch.ones(num_entries, dtype=torch.int64, device=dev)
+    send_rows = present.view(world, num_tokens).sum(1)
+    send_entries = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(0, dest_N, ones)
+    send_groups = torch.zeros(world * num_groups, dtype=torch.int64, device=dev)
+    if num_groups:
+        send_groups.index_add_(0, dest_N * num_groups + group_N, ones)
+    counts_send = torch.cat([send_rows.unsqueeze(1), send_entries.unsqueeze(1), send_groups.view(world, num_groups)], 1)
 
     t0 = time.perf_counter()
-    recv_counts = ctx.exchange_counts(torch.stack([send_rows, send_entries], 1))
-    rows_out, entries_out = send_rows.tolist(), send_entries.tolist()
-    rows_in, entries_in = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
-    dev = ctx.device
-    rows = ctx.all_to_all(x_TD.index_select(0, pair_token.to(x_TD.device)).to(dev), rows_out, rows_in)
-    meta = ctx.all_to_all(meta_send.to(dev), entries_out, entries_in).cpu()
-    weight = ctx.all_to_all(weight_N.float()[order].to(dev), entries_out, entries_in)
+    counts_recv = tally.all_to_all_even(counts_send.to(ctx.device))
+    # The one host read of this exchange: all_to_all_single needs its split sizes as host integers.
+    host = tally.to_host(torch.stack([counts_send, counts_recv.to(dev)]))
     comm = time.perf_counter() - t0
+    rows_out, entries_out = host[0, :, 0].tolist(), host[0, :, 1].tolist()
+    rows_in, entries_in = host[1, :, 0].tolist(), host[1, :, 1].tolist()
 
-    row_start = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
-    source_n = torch.repeat_interleave(torch.arange(world), recv_counts[:, 1])
-    received = Received(rows, meta[:, 0] + row_start[source_n], meta[:, 1], weight, meta[:, 2] if slot_N is not None else None)
+    order = torch.sort(dest_N, stable=True).indices
+    pair_start = torch.cumsum(send_rows, 0) - send_rows
+    cols = [pair_index[key_N[order]] - pair_start[dest_N[order]], group_N[order]]
+    if slot_N is not None:
+        cols.append(slot_N.to(dev).long()[order])
+    # The set pairs in ascending key order, i.e. by destination then token; Q is known on the host now.
+    pair_key = torch.sort(present.to(torch.uint8), descending=True, stable=True).indices[: sum(rows_out)]
+    pair_token = pair_key % max(num_tokens, 1)
+    fields = {"meta": torch.stack(cols, 1), "weight": weight_N.to(dev).float()[order], "rows": x_TD.index_select(0, pair_token)}
+    names = _by_element_size(fields)
+    per_rank_out = {"meta": entries_out, "weight": entries_out, "rows": rows_out}
+    per_rank_in = {"meta": entries_in, "weight": entries_in, "rows": rows_in}
+    payload = pack([fields[n] for n in names], [per_rank_out[n] for n in names])
+    kinds = [field_of(fields[n]) for n in names]
+
+    t0 = time.perf_counter()
+    got = tally.all_to_all(
+        payload.to(ctx.device), segment_bytes(kinds, [per_rank_out[n] for n in names]), segment_bytes(kinds, [per_rank_in[n] for n in names])
+    )
+    comm += time.perf_counter() - t0
+    parts = dict(zip(names, unpack(got.to(dev), kinds, [per_rank_in[n] for n in names]), strict=True))
+
+    meta = torch.cat(parts["meta"])
+    row_start = torch.cumsum(host[1, :, 0], 0) - host[1, :, 0]
+    row_offset = torch.repeat_interleave(row_start.to(dev), host[1, :, 1].to(dev), output_size=sum(entries_in))
+    received = Received(
+        torch.cat(parts["rows"]),
+        meta[:, 0] + row_offset,
+        meta[:, 1],
+        torch.cat(parts["weight"]),
+        meta[:, 2] if slot_N is not None else None,
+        host[1, :, 2:].sum(0).tolist(),
+    )
     y_rows = compute(received)
 
     t0 = time.perf_counter()
-    back = ctx.all_to_all(y_rows.to(x_TD.dtype), rows_in, rows_out)
+    back = tally.all_to_all(y_rows.to(x_TD.dtype).to(ctx.device), rows_in, rows_out)
     comm += time.perf_counter() - t0
-    y32 = torch.zeros((num_tokens, width), dtype=torch.float32, device=x_TD.device)
-    y32.index_put_((pair_token.to(x_TD.device),), back.to(x_TD.device).float(), accumulate=True)
-    elem = x_TD.element_size()
-    sent = int(send_rows.sum()) * width * elem * 2 + meta_send.numel() * 8 + dest_N.shape[0] * 4
-    return y32, Traffic(int(recv_counts[:, 1].sum()), rows.shape[0], sent, comm)
+    y32 = torch.zeros((num_tokens, width), dtype=torch.float32, device=dev)
+    y32.index_put_((pair_token,), back.to(dev).float(), accumulate=True)
+    sent = counts_send.numel() * 8 + payload.numel() + back.numel() * back.element_size()
+    return y32, Traffic(sum(entries_in), sum(rows_in), sent, comm)
 
 
 def grouped_by_group(got: Received, bank: ExpertBank, act: Act) -> torch.Tensor:
     """Sort received entries by compute-set group, one matmul per group, weighted sum per received row (fp32)."""
     rows = got.rows_MD
     order = torch.sort(got.group_n, stable=True).indices
-    row_sorted = got.row_n[order].to(rows.device)
+    row_sorted = got.row_n[order]
     x = rows.index_select(0, row_sorted)
-    w = got.weight_n.index_select(0, order.to(got.weight_n.device)).float()
+    w = got.weight_n.index_select(0, order).float()
     y32 = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     start = 0
-    for g, count in enumerate(torch.bincount(got.group_n, minlength=bank.num_experts).tolist()):
+    for g, count in enumerate(got.group_counts):
         if count == 0:
             continue
         end = start + count
@@ -120,11 +166,11 @@ def grouped_in_slots(got: Received, bank: ExpertBank, act: Act, starts_G: list[i
     rows = got.rows_MD
     if got.slot_n is None:
         raise ValueError("grouped_in_slots: entries carry no slots")
-    slot = got.slot_n.to(rows.device)
+    slot = got.slot_n
     buffer = rows.new_zeros((buffer_slots, rows.shape[1]))
     row_of_slot = torch.zeros(buffer_slots, dtype=torch.int64, device=rows.device)
     weight_of_slot = torch.zeros(buffer_slots, dtype=torch.float32, device=rows.device)
-    row = got.row_n.to(rows.device)
+    row = got.row_n
     buffer[slot] = rows.index_select(0, row)
     row_of_slot[slot] = row
     weight_of_slot[slot] = got.weight_n.float()

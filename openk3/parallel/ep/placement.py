@@ -53,16 +53,32 @@ class Placement:
     def replica_counts(self) -> torch.Tensor:
         return self.replica_ptr[1:] - self.replica_ptr[:-1]
 
+    def to(self, device: torch.device) -> Placement:
+        """The same tables on `device`, so routing runs where the router ran."""
+        return Placement(self.phys_to_log.to(device), self.replica_ptr.to(device), self.replica_phys.to(device))
+
     def route(self, topk_idx: torch.Tensor, salt: int) -> torch.Tensor:
-        """Physical expert per routing entry, [T, k]; `salt` (the source rank) rotates which replica goes first."""
+        """Physical expert per routing entry, [T, k]; `salt` (the source rank) rotates which replica goes first.
+
+        Fixed shapes only (sort, scatter, no bincount, whose output size depends on the data), so on a GPU it runs without a
+        host synchronisation when the tables are on the same device (`to`)."""
         flat = topk_idx.reshape(-1).long()
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        starts = torch.cumsum(counts, 0) - counts
         occurrence = torch.empty_like(flat)
-        occurrence[order] = torch.arange(flat.numel()) - starts[flat[order]]
+        occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first_of_sorted(flat[order], self.num_experts)
         replica = (occurrence + salt) % self.replica_counts()[flat]
         return self.replica_phys[self.replica_ptr[flat] + replica].view(topk_idx.shape)
+
+
+def counts_per_id(ids_N: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """[num_ids] int64 occurrences of each id, on ids' device; torch.bincount would size its output from the data."""
+    return torch.zeros(num_ids, dtype=torch.int64, device=ids_N.device).index_add_(0, ids_N.long(), torch.ones_like(ids_N, dtype=torch.int64))
+
+
+def first_of_sorted(sorted_ids_N: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """For each item of an ascending id list, the position where its id's run starts (so position - start = occurrence)."""
+    counts = counts_per_id(sorted_ids_N, num_ids)
+    return (torch.cumsum(counts, 0) - counts)[sorted_ids_N]
 
 
 def contiguous_placement(num_experts: int, num_ranks: int) -> Placement:
@@ -157,8 +173,13 @@ class LoadCollector:
         self._steps: dict[int, deque[torch.Tensor]] = {}
 
     def observe(self, layer_index: int, topk_idx: torch.Tensor) -> None:
-        counts = torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=self.num_experts)
+        """Counted where the router ran: no host read per layer; load() copies the window to the host."""
+        counts = counts_per_id(topk_idx.reshape(-1), self.num_experts)
         self._steps.setdefault(layer_index, deque(maxlen=self.window)).append(counts)
+
+    def steps(self, layer_index: int) -> int:
+        """Steps of `layer_index` inside the window (at most `window`)."""
+        return len(self._steps.get(layer_index, ()))
 
     def layers(self) -> list[int]:
         return sorted(self._steps)
@@ -168,7 +189,7 @@ class LoadCollector:
         steps = self._steps.get(layer_index)
         if not steps:
             return torch.zeros(self.num_experts, dtype=torch.int64)
-        return torch.stack(list(steps)).sum(0)
+        return torch.stack(list(steps)).sum(0).cpu()
 
     def placements(self, num_ranks: int, num_redundant: int) -> dict[int, Placement]:
         return {layer: eplb_placement(self.load(layer), num_ranks, num_redundant) for layer in self.layers()}

@@ -1,7 +1,8 @@
 """Per-layer, per-step expert-parallel metrics, returned by the EP backends (drain_stats) rather than logged.
 
 Legend: R ranks, E logical experts. An entry is one (token, expert) pair, i.e. one token slot of an expert GEMM; a row is one
-de-duplicated token copy sent to one rank.
+de-duplicated token copy sent to one rank. Collecting them costs one all-gather of E + 2 integers and one host read per
+layer (`collect_stats=False` turns them off).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class EPStats(NamedTuple):
     spilled: int  # MoonEP entries that went back home for lack of a prefetch slot (0 for the other methods)
     comm_s: float  # this rank's wall time in the dispatch and combine collectives
     plan_s: float  # MoonEP: count all-gather + plan + weight prefetch (0.0 for the static methods)
+    # This rank's collectives and deliberate host reads for the layer (comm.Tally), the stats' own all-gather and host
+    # read excluded: exact EP 3 and 1, fixed capacity 2 and 0, MoonEP 5 and 3 (count all-gather, prefetch, host planner).
+    collectives: int = 0
+    host_reads: int = 0
+    dropped: int = 0  # fixed-capacity mode: this rank's entries beyond an expert's capacity, computed as zero
 
 
 def max_over_mean(load: torch.Tensor) -> float:

@@ -3,7 +3,7 @@
 Written from the engine thread (prometheus_client's metrics are thread-safe), read by `GET /metrics`. Gauges mirror the last
 engine snapshot; counters and histograms are fed per step and per finished request by the front end.
 Prefix-cache counters count prompt tokens, as vLLM does: queries += prompt tokens looked up, hits += tokens found cached.
-Expert-parallel serving (rank 0 of `serve --ep N`) adds `openk3:ep_*` families through `attach_ep` (docs/ep.md, Metrics).
+Expert-parallel serving (rank 0 of `serve --ep N`) adds `openk3:ep_*` families through `attach_ep` (docs/parallel.md, Metrics).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Everything that runs on more than one rank, over torch.distributed (docs/ep.md):
+"""Everything that runs on more than one rank, over torch.distributed (docs/parallel.md):
 
 - `group.py`, `launch.py`: the ParallelContext a rank works with and the one rank start-up (torchrun, spawned local ranks);
 - `ep/`: expert parallelism -- the exchange, plain EP, EPLB-style static placement and MoonEP balanced plans, attached to

@@ -22,11 +22,11 @@ EP_METHODS = tuple(m.value for m in EPMethod)
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = setting(1, "tensor-parallel ranks: attention heads, MLPs, shared experts and vocabulary split over them (docs/parallel.md)", low=1)
-    ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/ep.md)", low=1)
+    ep: int = setting(1, "expert-parallel ranks (LLM spawns them; openk3 serve runs one per torchrun process; docs/parallel.md)", low=1)
     dp: int = setting(
         1, "data-parallel attention groups (of --tp ranks each): each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp x tp", low=1
     )
-    ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/ep.md)", choices=EP_METHODS)
+    ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
     ep_timeout_s: float = setting(
         300.0, "seconds one collective of the expert-parallel group may wait for a rank before the step fails (a stalled or dead rank)", low=1

@@ -6,9 +6,12 @@ runs torch with --threads intra-op threads. tok/s = generated tokens / wall time
 against the single process of the same run; a layout whose tokens differ from it is reported as MISMATCH, without a
 time (in bfloat16, where reduction order changes roundings, the check says how many sequences diverge and where, and
 the time is kept). Collectives are counted on rank 0 (every rank issues the same ones) by wrapping torch.distributed's calls, per
-model forward, split into the model's (all-reduce, all-gather, all-to-all) and the step channel's broadcasts.
+model forward, split into the model's (all-reduce, all-gather, all-to-all) and the step channel's broadcasts. With data-
+parallel attention (dp2+ep2) each rank runs its own engine over the requests rank 0 places on it: rank 0's counts are
+per forward of rank 0 (every rank runs one per step, a dummy when idle), and its step exchange is a scatter and a
+gather of objects (counted under neither column).
 
-  python benchmarks/parallel_layouts.py                       # tiny, 4 prompts x 32 tokens, tp2 / ep2 / tp2+ep2
+  python benchmarks/parallel_layouts.py                       # tiny, 4 prompts x 32 tokens, tp2 / ep2 / tp2+ep2 / dp2+ep2
   python benchmarks/parallel_layouts.py --model debug --tokens 16
   python benchmarks/parallel_layouts.py --dtype bfloat16 --layouts tp2    # the bf16 divergence rate of TP2
 """
@@ -40,7 +43,7 @@ PROMPTS = [
     "The quick brown fox jumps over",
     "Once upon a time, in a land far away,",
 ] + [f"Prompt number {i}: the story of" for i in range(4, 16)]
-LAYOUTS: dict[str, dict[str, Any]] = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2+ep2": {"tp": 2, "ep": 2}}
+LAYOUTS: dict[str, dict[str, Any]] = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2+ep2": {"tp": 2, "ep": 2}, "dp2+ep2": {"dp": 2, "ep": 2}}
 COUNTED = ("all_reduce", "all_gather", "all_to_all_single", "broadcast")
 calls: collections.Counter[str] = collections.Counter()
 

@@ -114,9 +114,11 @@ def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+    from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
     from openk3.ops.kda.naive import kda_recurrent
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
+    from openk3.ops.mla.blockwise import mla_blockwise
     from openk3.ops.mla.decode_cpu import latent_attention_c
     from openk3.ops.mla.naive import mla_expanded
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
@@ -129,6 +131,7 @@ def registry() -> OpRegistry:
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
+    from openk3.ops.triton import latent_attention_triton, moe_experts_triton
 
     partial = functools.partial
     r = OpRegistry()
@@ -145,6 +148,9 @@ def registry() -> OpRegistry:
     r.register("kda_prefill", "naive", kda_recurrent, "the per-token recurrence (the definition)", differentiable=True)
     r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)")
     r.register("kda_prefill", "autograd", kda_chunk_autograd, "chunkwise WY form without in-place updates (training)", differentiable=True)
+    # fla's kernels (ops/kda/fla_kernels.py, fla imported on first call): chosen by name, like the Triton entries below
+    r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda")
+    r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda")
     r.register_auto("kda_prefill", lambda t: "autograd" if t.training else "fast")
 
     r.register("short_conv", "naive", conv_naive.causal_conv1d, "per-sequence loops (the definition)", differentiable=True)
@@ -154,10 +160,15 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "naive", mla_expanded, "K/V expanded, explicit softmax (the definition)", differentiable=True)
     r.register("mla_prefill", "fast", mla_expanded_sdpa, "K/V expanded, torch's SDPA", differentiable=True)
     r.register("mla_prefill", "absorbed", mla_absorbed, "attention in the latent space (the decode form)", differentiable=True)
+    r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
     r.register_auto("mla_prefill", lambda t: "fast")
 
     r.register("mla_decode", "naive", mla_decode_paged, "absorbed query over the gathered pages, torch ops", differentiable=True)
     r.register("mla_decode", "fast", partial(mla_decode_paged, latent_attention=latent_attention_c), "the latent attention in one C call", backend="c")
+    # Triton (ops/triton/, imported on first call): chosen by name; "auto" keeps the torch forms on CUDA until docs/gpu.md's
+    # hardware run has passed
+    triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
+    r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda")
     r.register_auto("mla_decode", lambda t: "fast" if "c" in t.backends() else "naive")
 
     # the layer evaluates the decode token itself (model/kda.py) and reads the resolved name and backend
@@ -178,6 +189,7 @@ def registry() -> OpRegistry:
         r.register("moe_experts", "fast", partial(moe_experts_grouped, linear=linear), "tokens grouped per expert", backend, grad)
         sized = partial(moe_experts_sized, linear=linear, batched_c=moe_experts_batched_c if backend == "c" else None)
         r.register("moe_experts", "sized", sized, "single-token / batched / grouped by the step's pairs (ops/thresholds.py)", backend, grad)
+    r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts by a Triton grouped GEMM, decoded in registers", backend="cuda")
     r.register_auto("moe_experts", lambda t: "sized")
 
     # AttnRes is evaluated by the model itself (model/attn_res.py); the registry holds its names and its rule

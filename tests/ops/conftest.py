@@ -17,10 +17,21 @@ The patches go through monkeypatch, so each test starts and ends with the real f
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is defined (openk3.ops.triton's modules are imported on first use, after
+# this): without CUDA the kernels of the `triton`-marked tests run in its interpreter, on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "triton: runs Triton kernels (under TRITON_INTERPRET=1 without CUDA); skipped without triton")
+
 
 # The allocation entry points that return uninitialised memory; torch.empty, torch.empty_like and Tensor.new_empty are the
 # ones openk3/ops calls, the others are poisoned so that a future use is covered too.

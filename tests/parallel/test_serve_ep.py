@@ -41,22 +41,27 @@ def wait_until_up(url: str, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"server not up after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("stop", ["rank0", "torchrun"])
-def test_serve_ep2_under_torchrun(stop: str, tmp_path: Path) -> None:
+def start_torchrun(parallel_flags: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`torchrun --nproc-per-node 2 -m openk3 serve --model tiny <flags>` in a session of its own (so a failing test can
+    kill torchrun and both ranks at once): the process, its URL and its log file."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "openk3", "serve", "--model", "tiny", "--ep", "2"]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "openk3", "serve", "--model", "tiny", *parallel_flags]
     cmd += ["--port", str(port), "--torch-threads", "1", "--max-num-seqs", "4", "--log-level", "info"]
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        # a session of its own, so a failing test can kill torchrun and both ranks at once
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stop", ["rank0", "torchrun"])
+def test_serve_ep2_under_torchrun(stop: str, tmp_path: Path) -> None:
+    proc, url, log = start_torchrun(["--ep", "2"], tmp_path)
     try:
         wait_until_up(url, proc, log)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,25 +14,14 @@ import pytest
 import torch
 
 from openk3.llm import LLM
-from openk3.parallel.launch import free_port
 from openk3.serve.sampling import SamplingParams
-from tests.parallel.test_serve_ep import PROMPT, ROOT, STOP_TIMEOUT_S, wait_until_up
+from tests.parallel.test_serve_ep import PROMPT, STOP_TIMEOUT_S, start_torchrun, wait_until_up
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_serve_tp2_under_torchrun(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not installed next to this Python")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "openk3", "serve", "--model", "tiny", "--tp", "2"]
-    cmd += ["--port", str(port), "--torch-threads", "1", "--max-num-seqs", "4", "--log-level", "info"]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url, log = start_torchrun(["--tp", "2"], tmp_path)
     try:
         wait_until_up(url, proc, log)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}

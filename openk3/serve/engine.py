@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
@@ -152,6 +153,16 @@ class LLMEngine:
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:
                 raise AssertionError("engine is idle but cache pages or slots are still held")
+
+    def export_prefix(self, tokens: list[int]) -> bytes | None:
+        """Prefill side of a disaggregated request: the cached prefix exactly at boundary len(tokens) as one checksummed
+        record (serve/cache/handoff.py has the protocol), or None when no tier holds it. Needs prefix caching."""
+        return handoff.export_prefix(self.cache, tokens)
+
+    def import_prefix(self, record: bytes) -> int:
+        """Decode side: hold a record from export_prefix where the next request with that prefix hits it; returns its
+        boundary in tokens. Raises TierRecordError (a ValueError) for a corrupted record or another model's cache shape."""
+        return handoff.import_prefix(self.cache, record)
 
     def close(self) -> None:
         """Release what outlives a step: the disk tier's writer thread and files."""

@@ -1,15 +1,14 @@
 """DiskTier: whole prefixes as files in a private folder, written by a background thread, each verified by a checksum on load.
 
-A file is MAGIC, an 8-byte header length, a JSON header (key, anchor, tail, boundary, payload size, SHA-256 of the payload) and
-the payload (transfer.pack layout). A load re-hashes the payload: a mismatch (or a wrong key or size) deletes the file and reports
-a miss, so the caller recomputes. The budget counts whole files; LRU files are deleted when it is exceeded.
+A file is one tier_record (MAGIC, an 8-byte header length, a JSON header with key, anchor, tail, boundary, payload size and
+SHA-256 of the payload, then the payload in transfer.pack layout), the same bytes a prefill engine exports. A load decodes and
+so re-hashes the payload: a mismatch (or a wrong key or size) deletes the file and reports a miss, so the caller recomputes.
+The budget counts whole files; LRU files are deleted when it is exceeded.
 Threading: the engine thread calls put/load/deepest; the writer thread writes files; both touch the index under `_lock`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import queue
 import shutil
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.serve.cache import tier_record
+from openk3.serve.cache.tier_record import TierRecordError
 from openk3.serve.cache.tier_types import AnchorIndex, Counters, TierEntry, TierKind, TierStats
-
-MAGIC = b"OPENK3PREFIX1\n"
 
 
 @dataclass(frozen=True)
@@ -81,19 +80,9 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, e: TierEntry) -> None:
-        payload = e.buffer.numpy().tobytes()
-        header = json.dumps(
-            {
-                "key": e.key.hex(),
-                "anchor": e.anchor.hex(),
-                "tail": list(e.tail),
-                "num_tokens": e.num_tokens,
-                "nbytes": len(payload),
-                "sha256": hashlib.sha256(payload).hexdigest(),
-            }
-        ).encode()
+        record = tier_record.encode(e)
         path = self.path_of(e.key)
-        size = len(MAGIC) + 8 + len(header) + len(payload)
+        size = len(record)
         with self._lock:
             fits = size <= self.capacity_bytes
             if not fits:
@@ -103,7 +92,7 @@ class DiskTier:
             return
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(MAGIC + len(header).to_bytes(8, "little") + header + payload)
+            f.write(record)
         os.replace(tmp, path)
         with self._lock:
             self.pending.pop(e.key, None)
@@ -145,8 +134,11 @@ class DiskTier:
                 raw = fh.read()
         except FileNotFoundError:
             return None
-        payload = self._verified_payload(raw, key)
-        if payload is None:
+        try:
+            entry = tier_record.decode(raw)
+        except TierRecordError:
+            entry = None
+        if entry is None or entry.key != key:
             self.counters.checksum_failures += 1
             with self._lock:
                 if self.files.pop(key, None) is not None:
@@ -154,24 +146,7 @@ class DiskTier:
             return None
         self.counters.hits += 1
         self.counters.bytes_out += len(raw)
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-
-    @staticmethod
-    def _verified_payload(raw: bytes, key: bytes) -> bytes | None:
-        if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
-            return None
-        start = len(MAGIC) + 8
-        hlen = int.from_bytes(raw[len(MAGIC) : start], "little")
-        try:
-            header = json.loads(raw[start : start + hlen])
-        except (ValueError, UnicodeDecodeError):
-            return None
-        payload = raw[start + hlen :]
-        if header.get("key") != key.hex() or header.get("nbytes") != len(payload):
-            return None
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return None
-        return payload
+        return entry.buffer
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""

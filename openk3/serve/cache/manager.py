@@ -7,6 +7,8 @@ grows while it runs, so the runner can keep its copy in sync from the new page i
 With prefix caching (`prefix` given) the state tensors hold `num_slots` request slots followed by the snapshot slots, pages are
 held by requests and by the prefix index (ref counts), and an allocation that finds too few free pages first evicts cached
 prefixes (prefix.py states the rule). A new request starts through `match_prefix` -> `fetch` -> `allocate_prefixed`.
+Prefix caching also brings a transfer inbox (inbox.py) for prefixes handed over by a prefill engine (handoff.py); its budget is
+the device cache's own size: more waiting hand-offs than the device could hold at once means the router runs far ahead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.disk_tier import DiskTier
+from openk3.serve.cache.inbox import TransferInbox
 from openk3.serve.cache.prefix import PrefixCache
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.spec import CacheSpec
@@ -58,12 +61,15 @@ class CacheManager:
         self._slots: dict[str, int] = {}
         self.prefix_config = prefix
         self.prefix: PrefixCache | None = None
+        self.inbox: TransferInbox | None = None
         if prefix is not None:
             host = HostTier(prefix.host_bytes) if prefix.host_bytes > 0 else None
             disk = DiskTier(prefix.disk_dir, prefix.disk_bytes) if prefix.disk_dir is not None and prefix.disk_bytes > 0 else None
             tiers = TierStack(host, disk) if host is not None or disk is not None else None
             slots = range(num_slots, num_slots + num_snapshots)
             self.prefix = PrefixCache(self.block_pool, self.tensors, slots, prefix.salt, tiers)
+            pools = (*self.tensors.kda_state, *self.tensors.conv_state, *self.tensors.mla_latent)
+            self.inbox = TransferInbox(max(1, sum(t.numel() * t.element_size() for t in pools)))
 
     @staticmethod
     def num_pages_for_memory(config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype) -> int:
@@ -140,23 +146,30 @@ class CacheManager:
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """The deepest cached boundary of `tokens` (at most len - 1: the last token is computed for its logits), on the
-        device or, when deeper, in a lower tier."""
+        device or, when deeper, in a lower tier or the transfer inbox."""
         assert self.prefix is not None
         limit = len(tokens) - 1
         match, keys = self.prefix.match(tokens, limit)
-        tiers = self.prefix.tiers
-        if tiers is None:
-            return match
-        deeper = tiers.deepest(self.prefix.salt, keys, tokens, self.page_size, limit)
+        salt, tiers, found = self.prefix.salt, self.prefix.tiers, []
+        if tiers is not None:
+            found.append(tiers.deepest(salt, keys, tokens, self.page_size, limit))
+        if self.inbox is not None:
+            got = self.inbox.deepest(salt, keys, tokens, self.page_size, limit)
+            found.append(None if got is None else (TierKind.INBOX, *got))
+        deeper = max((f for f in found if f is not None), key=lambda f: f[2], default=None)
         if deeper is None or deeper[2] <= match.num_tokens:
             return match
         tier, key, p = deeper
         return PrefixMatch(p, tier, key, (), None, None, match.matched_tokens, fallback=match)
 
     def fetch(self, match: PrefixMatch) -> PrefixMatch:
-        """Load a host/disk hit's buffer; a failed load (gone, or a bad checksum) gives the device match instead."""
+        """Load a host/disk/inbox hit's buffer; a failed load (gone, or a bad checksum) gives the device match instead."""
         if match.tier in (None, TierKind.DEVICE) or match.buffer is not None:
             return match
+        if match.tier == TierKind.INBOX:
+            assert self.inbox is not None and match.key is not None and match.fallback is not None
+            e = self.inbox.get(match.key)  # left in place until allocate_prefixed succeeds: admission may fail this step
+            return match.fallback if e is None else replace(match, buffer=e.buffer)
         assert self.prefix is not None and self.prefix.tiers is not None and match.key is not None and match.fallback is not None
         buf = self.prefix.tiers.load(match.tier, match.key)
         return match.fallback if buf is None else replace(match, buffer=buf)
@@ -193,6 +206,8 @@ class CacheManager:
         self._slots[req_id], self._pages[req_id] = slot, pages
         if match.tier not in (None, TierKind.DEVICE):
             prefix.insert(tokens[:p], pages, slot)
+        if self.inbox is not None and match.key is not None:
+            self.inbox.discard(match.key, hit=match.tier == TierKind.INBOX)  # a hand-off is used once (inbox.py)
         prefix.count_query(len(tokens), p)
         return True
 
@@ -213,6 +228,8 @@ class CacheManager:
         if self.prefix is not None:
             self.prefix.check_integrity()
             held = dict(self.prefix.page_refs())
+        if self.inbox is not None:
+            self.inbox.check_integrity()
         for pages in self._pages.values():
             for p in pages:
                 held[p] = held.get(p, 0) + 1

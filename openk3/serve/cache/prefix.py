@@ -131,6 +131,17 @@ class PrefixCache:
             node = node.parent
         return pages[::-1]
 
+    def entry(self, tokens: Sequence[int]) -> TierEntry | None:
+        """The snapshot exactly at boundary len(tokens), packed as a tier entry (a copy: the index is unchanged), or None."""
+        k = len(tokens) // self.page_size
+        node = self._walk(chain_keys(self.salt, tokens[: k * self.page_size], self.page_size))
+        snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
+        return None if snap is None else self._pack(snap)
+
+    def _pack(self, snap: _Snapshot) -> TierEntry:
+        pages = self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
+        return TierEntry(snap.key, snap.node.key, snap.tail, snap.num_tokens, pack(self.tensors, snap.slot, pages, snap.num_tokens))
+
     def count_query(self, num_tokens: int, hit_tokens: int) -> None:
         c = self.counters
         c.queries += 1
@@ -205,9 +216,7 @@ class PrefixCache:
 
     def _evict(self, snap: _Snapshot) -> None:
         if self.tiers is not None and not self.tiers.contains(snap.key):
-            pages = self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
-            buf = pack(self.tensors, snap.slot, pages, snap.num_tokens)
-            self.tiers.offload(TierEntry(snap.key, snap.node.key, snap.tail, snap.num_tokens, buf))
+            self.tiers.offload(self._pack(snap))
         del snap.node.snapshots[snap.tail]
         del self._lru[snap.key]
         self._free_slots.append(snap.slot)

@@ -14,6 +14,7 @@ class TierKind(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    INBOX = "inbox"  # prefixes imported from a prefill engine, waiting for their request (inbox.py)
 
 
 @dataclass(frozen=True)

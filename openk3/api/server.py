@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need `Authorization:
 Bearer <key>` when the server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text),
-GET /version, POST /tokenize, POST /detokenize; POST bodies must be `application/json` (415), CORS only for --allowed-origins.
+GET /version, POST /tokenize, POST /detokenize, and for sglang-router (routes/router_info.py, routes/health_generate.py):
+GET /server_info, GET /model_info (also as /get_server_info, /get_model_info) and GET /health_generate (a 1-token
+generation); POST bodies must be `application/json` (415), CORS only for --allowed-origins.
 Every error is an OpenAI error body; a handler never lets a client's mistake become a 5xx.
 A client that disconnects aborts its request: streaming responses race the stream against ASGI `http.disconnect`, and
 non-streaming handlers race the generation against it, so the engine frees the request's pages and state slot at once.
@@ -30,7 +32,7 @@ from openk3.api.generation import TokenTexts
 from openk3.api.idle import IdleCallback
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
-from openk3.api.routes import completions, health, models, tokens
+from openk3.api.routes import completions, health, health_generate, models, router_info, tokens
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.serving import Served
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
@@ -84,7 +86,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTempl
     app.state.metrics = metrics
     _install_error_handlers(app)
     _install_cors(app, config.connection)
-    for module in (health, models, completions, tokens):
+    for module in (health, health_generate, router_info, models, completions, tokens):
         app.include_router(module.router)
     if trimmer is not None:
         app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)

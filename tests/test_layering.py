@@ -26,6 +26,7 @@ ALLOWED = {
     "train": {"config", "ops", "model", "checks"},
     "llm": {"config", "model", "serve", "parallel", "options"},
     "api": {"config", "ops", "model", "serve", "parallel", "llm", "checks", "options"},
+    "scale": {"config", "serve", "api", "checks", "options", "llm"},  # replicas on Ray Serve: builds on the server
     "planner": {"config", "checks"},
     "sandbox": {"checks"},
     "cli": set(),  # finds each package's `cli` module by name (importlib), so `openk3 plan` never loads torch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -51,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _scale_cli().add_arguments(p)
     p.set_defaults(func=run)
 
     b = subparsers.add_parser("bench", help="benchmarks")
@@ -147,7 +149,18 @@ def serve_until_stopped(app: FastAPI, args: argparse.Namespace) -> int:
     return 1 if frontend.error is not None else 0
 
 
+def _scale_cli() -> Any:
+    # by name, as openk3/cli.py finds sub-commands: openk3.scale builds on this module, so a static import would be a cycle
+    return importlib.import_module("openk3.scale.cli")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return int(_scale_cli().run(args))
+    refused = _scale_cli().refuse_without_replicas(args)
+    if refused is not None:
+        print(f"openk3 serve: {refused}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group

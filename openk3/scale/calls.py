@@ -1,0 +1,43 @@
+"""What the front end sends a replica and what comes back: plain picklable values, the only types crossing Ray.
+
+A `ReplicaCall` is one HTTP request, as bytes, plus what the router reads: the request's match-unit keys, the replicas to
+avoid (one that just failed it) and, for the front end's per-replica reports, the one replica it is meant for. A replica
+answers with a `ResponseHead` and then the body's chunks, as it produces them (SSE streams stay streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaCall:
+    method: str
+    path: str
+    query: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes = b""
+    keys: tuple[bytes, ...] = ()  # chained 64-token keys of the prompt (empty: nothing to match, route by load)
+    request_id: str = ""
+    avoid: frozenset[str] = field(default_factory=frozenset)
+    target: str | None = None  # a replica id: the call is a report meant for that replica only
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    replica: str  # the replica's id, also sent to the client as the x-openk3-replica header
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One replica's own /health status and /metrics text, for the front end's aggregate."""
+
+    replica: str
+    health_status: int
+    metrics_text: str
+
+
+class WrongReplicaError(RuntimeError):
+    """A report reached a replica other than its target (the target left the routing set meanwhile)."""

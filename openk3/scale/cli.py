@@ -1,0 +1,67 @@
+"""`openk3 serve --replicas N`: the replicas on Ray Serve behind one endpoint on --host/--port (api/cli.py dispatches here).
+
+The other `openk3 serve` flags configure every replica's engine and server, as for one `openk3 serve`. A local Ray cluster
+is started unless --ray-address names one. Imports of Ray wait until the command runs, so `openk3 --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md)")
+    g.add_argument("--replicas", type=int, default=None, help="serve N engine replicas on Ray Serve behind one endpoint")
+    g.add_argument(
+        "--replica-router",
+        choices=("prefix", "pow2"),
+        default=None,
+        help="with --replicas: prefix (longest cached prefix, then least loaded; the default) or pow2 (Ray's default)",
+    )
+    g.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica (default 1)")
+    g.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start a local one)")
+
+
+def refuse_without_replicas(args: argparse.Namespace) -> str | None:
+    """The scale-out flag given without --replicas, if any (an error: it would be ignored)."""
+    for name in ("replica_router", "replica_cpus", "ray_address"):
+        if getattr(args, name) is not None:
+            return f"--{name.replace('_', '-')} needs --replicas N"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from openk3.scale.deploy import ScaleConfig, application
+
+    try:
+        config = ScaleConfig(
+            replicas=args.replicas, router=args.replica_router or "prefix", replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus
+        )
+        app = application(args, config)
+    except ValueError as e:
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    from ray import serve
+
+    from openk3.scale.cluster import RayStartError, connect
+
+    try:
+        connect(args.ray_address)
+    except RayStartError as e:
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 1
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(app, name=config.app_name, route_prefix="/")
+    print(f"openk3 serve: {config.replicas} replicas ({config.router} routing) on http://{args.host}:{args.port}", file=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _num, _frame: stop.set())
+    stop.wait()
+    serve.delete(config.app_name)
+    serve.shutdown()
+    return 0

@@ -1,0 +1,88 @@
+"""The `serve.run` entry: an Application of N engine replicas and the front end, from `openk3 serve` flags.
+
+    from ray import serve
+    from openk3.scale.deploy import ScaleConfig, application
+    serve.run(application(["--model", "tiny", "--enable-prefix-caching"], ScaleConfig(replicas=2)), name="openk3")
+
+`router="prefix"` routes by cached prefix (router.py) and needs the replicas' prefix caching; `router="pow2"` is Ray's
+default power-of-two-choices router (the baseline the benchmark compares with).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from openk3.checks import check_choice, check_int, check_number
+from openk3.scale.frontend import Frontend
+from openk3.scale.replica import EngineReplica
+from openk3.scale.router import PrefixAffinityRouter
+
+ROUTERS = ("prefix", "pow2")
+REPLICA_DEPLOYMENT = "EngineReplica"
+RAY_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    replicas: int
+    router: str = "prefix"
+    replica_cpus: float = 1.0  # Ray CPUs reserved per replica (its engine thread and torch's)
+    max_ongoing_requests: int = 512  # per replica; past it Ray queues at the front end, the engine's own admission is the limit
+    max_imbalance: int = 4  # prefix router: in-flight requests a match may cost over the least loaded replica
+    app_name: str = "openk3"
+
+    def __post_init__(self) -> None:
+        check_int("ScaleConfig", "replicas", self.replicas, low=1)
+        check_choice("ScaleConfig", "router", self.router, ROUTERS)
+        check_number("ScaleConfig", "replica_cpus", self.replica_cpus, low=0)
+        check_int("ScaleConfig", "max_ongoing_requests", self.max_ongoing_requests, low=1)
+        check_int("ScaleConfig", "max_imbalance", self.max_imbalance, low=1)
+
+
+def serve_arguments(argv: list[str]) -> argparse.Namespace:
+    """`openk3 serve` flags (engine, server, model) as the replicas' server reads them."""
+    from openk3.api import cli
+
+    parser = argparse.ArgumentParser(prog="openk3")
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> int:
+    """The replicas' prefix match unit; a flag combination replicas cannot serve is a ValueError naming it."""
+    from openk3.api.cli import server_configs
+
+    engine, parallel = server_configs(serve_args)
+    if parallel.world_size > 1:
+        raise ValueError(f"--replicas {config.replicas} with a multi-rank replica (--ep/--tp/--dp world size {parallel.world_size}) is not supported yet")
+    if config.router == "prefix" and not engine.enable_prefix_caching:
+        raise ValueError("--replica-router prefix routes by cached prefix: it needs --enable-prefix-caching (or use --replica-router pow2)")
+    return engine.prefix_match_unit
+
+
+def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
+    serve_args = serve_arguments(argv) if isinstance(argv, list) else argv
+    match_unit = check_combination(serve_args, config)
+    if config.router == "prefix":
+        router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
+    else:
+        router = RequestRouterConfig(request_router_class=RAY_DEFAULT_ROUTER)  # type: ignore[arg-type]
+    replica: Any = serve.deployment(
+        EngineReplica,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.replica_cpus},
+        request_router_config=router,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+    )
+    ingress: Any = serve.ingress()(Frontend)  # the deferred-app form: Frontend.__serve_build_asgi_app__ builds it
+    front: Any = serve.deployment(ingress, name="Frontend", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    return front.bind(replica.bind(serve_args), serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)

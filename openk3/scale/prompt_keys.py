@@ -1,0 +1,70 @@
+"""An OpenAI request body -> its prompt's token ids -> the chained 64-token keys the router matches on.
+
+The ids are made as the replica's own server makes them (the same tokenizer and chat template, BOS for completion text,
+the template's rendering for chat), and the keys with the engine's own chain (serve/cache/hashing.py), in units of the
+engine's prefix match unit: a router match is a boundary where the engine can hit. A body the front end cannot read gets
+no keys and is routed by load: its replica answers it with the proper 4xx, so the front end need not duplicate the checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from pydantic import ValidationError
+
+from openk3.api.chat import ChatTemplate
+from openk3.api.protocol import ChatCompletionRequest
+from openk3.serve.cache.hashing import chain_keys
+from openk3.serve.tokenizer import Tokenizer
+
+log = logging.getLogger("openk3.scale")
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class PromptKeys:
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, model_name: str, match_unit: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.match_unit = match_unit
+        # any fixed salt will do: keys are compared only with keys this router made, never with a replica's own index
+        self.salt = f"openk3-router:{model_name}".encode()
+
+    def keys(self, path: str, body: bytes) -> tuple[bytes, ...]:
+        ids = self.prompt_ids(path, body)
+        return () if ids is None else tuple(chain_keys(self.salt, ids, self.match_unit))
+
+    def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
+        if path not in ROUTED_PATHS:
+            return None
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                return None
+            return self._chat_ids(data) if path == "/v1/chat/completions" else self._completion_ids(data)
+        except (ValueError, ValidationError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            log.debug("no routing keys for %s: %s", path, e)
+            return None
+
+    def _completion_ids(self, data: dict) -> list[int] | None:
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # several prompts: route by the first, they go to one replica together
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        return None
+
+    def _chat_ids(self, data: dict) -> list[int] | None:
+        req = ChatCompletionRequest.model_validate(data)
+        if not req.messages:
+            return None
+        tok = self.tokenizer
+        special = {}
+        for name, token_id in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_id)):
+            special[name] = "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+        # tools are left out: they render near the top of the prompt, and a conversation keeps the same tools anyway
+        prompt = self.template.render_prompt(req.messages, req.add_generation_prompt, special, req.chat_template_kwargs, None, tok.special_token_strings)
+        return tok.encode_with_plain(prompt.text, prompt.plain)

@@ -1,0 +1,64 @@
+"""The routing rule, with exact choices: longest believed prefix first, ties and misses to the least loaded, load wins
+over a match past the imbalance bound, a dead replica is forgotten."""
+
+from __future__ import annotations
+
+import pytest
+
+from openk3.scale.prefix_table import PrefixTable, TableConfig
+from openk3.serve.cache.hashing import chain_keys
+
+SALT = b"test"
+
+
+def keys(tokens: list[int]) -> list[bytes]:
+    return chain_keys(SALT, tokens, 64)
+
+
+SYSTEM = list(range(128))  # two match units
+
+
+def test_longest_prefix_wins_and_misses_go_to_least_loaded() -> None:
+    t = PrefixTable()
+    t.retain(["a", "b"])
+    conv = SYSTEM + list(range(500, 600))  # 228 tokens: 3 units
+    assert [c.replica for c in t.rank(keys(conv), ["a", "b"])] == ["a", "b"]  # nothing cached, equal load: by id
+    t.routed("a", "r1", keys(conv))
+    t.routed("b", "r2", keys(SYSTEM))
+    ranked = t.rank(keys(conv + list(range(700, 764))), ["a", "b"])
+    assert [(c.replica, c.matched_units) for c in ranked] == [("a", 3), ("b", 2)]
+    t.completed("a", "r1")
+    other = list(range(900, 1000))
+    assert [c.replica for c in t.rank(keys(other), ["a", "b"])] == ["a", "b"]
+    t.routed("a", "r3", keys(other))
+    t.completed("b", "r2")  # a is now busier: a miss goes to b
+    assert t.rank(keys(list(range(2000, 2100))), ["a", "b"])[0].replica == "b"
+
+
+def test_a_match_loses_to_load_past_the_imbalance_bound() -> None:
+    t = PrefixTable(TableConfig(max_imbalance=2))
+    t.retain(["a", "b"])
+    t.routed("a", "r0", keys(SYSTEM))
+    assert t.rank(keys(SYSTEM + [1]), ["a", "b"])[0].replica == "a"  # 1 in flight over b: still within the bound
+    t.routed("a", "r1", keys(SYSTEM))
+    assert t.rank(keys(SYSTEM + [1]), ["a", "b"])[0].replica == "b"  # 2 over b: the match no longer counts
+
+
+def test_avoid_forget_and_bound() -> None:
+    t = PrefixTable(TableConfig(max_keys_per_replica=2))
+    t.retain(["a", "b"])
+    t.routed("a", "r0", keys(SYSTEM))
+    assert [c.replica for c in t.rank(keys(SYSTEM), ["a", "b"], avoid=["a"])] == ["b", "a"]
+    t.forget("a")
+    assert t.depth("a", keys(SYSTEM)) == 0 and t.load("a") == 0
+    long = list(range(64 * 3))
+    t.routed("b", "r1", keys(long))
+    assert t.depth("b", keys(long)) == 3  # the deepest key is kept (the oldest, unit 1, went)
+    assert t.depth("b", keys(long[:64])) == 0
+    t.retain(["b", "c"])
+    assert t.replicas == ("b", "c")
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="TableConfig.max_imbalance=0"):
+        TableConfig(max_imbalance=0)

@@ -15,53 +15,51 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from openk3.serve.cache.hashing import snapshot_key
-from openk3.serve.cache.tier_types import AnchorIndex, Counters, TierEntry, TierKind, TierStats
+from openk3.serve.cache.tier_types import TierEntry, TierKind, TierStats
+from openk3.serve.cache.tiers import HostTier
 
 
 class TransferInbox:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"TransferInbox.capacity_bytes={capacity_bytes} is invalid: expected >= 1")
-        self.capacity_bytes = capacity_bytes
-        self.entries: OrderedDict[bytes, TierEntry] = OrderedDict()
-        self.index = AnchorIndex()
-        self.used_bytes = 0
-        self.counters = Counters()
+        self.store = HostTier(capacity_bytes)  # the byte budget, LRU order and anchor index; the rules above are this class's
         self.dropped = 0  # entries aged out unused: a hand-off that was wasted (its request recomputes, if it comes)
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self.store.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:  # the budget is not in EngineConfig yet: set here (it applies to later puts)
+        self.store.capacity_bytes = value
+
+    @property
+    def entries(self) -> OrderedDict[bytes, TierEntry]:
+        return self.store.entries
+
+    @property
+    def used_bytes(self) -> int:
+        return self.store.used_bytes
+
     def __contains__(self, key: bytes) -> bool:
-        return key in self.entries
+        return key in self.store
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.store.entries)
 
     def put(self, e: TierEntry) -> list[TierEntry]:
         """Store e as the most recent entry; returns the unused entries aged out to make room."""
         if e.nbytes > self.capacity_bytes:
             raise ValueError(f"prefix record of {e.nbytes} bytes does not fit the transfer inbox ({self.capacity_bytes} bytes)")
-        if e.key in self.entries:
-            self.entries.move_to_end(e.key)
-            return []
-        self.entries[e.key] = e
-        self.index.add(e)
-        self.used_bytes += e.nbytes
-        self.counters.bytes_in += e.nbytes
-        out = []
-        while self.used_bytes > self.capacity_bytes:
-            _, old = self.entries.popitem(last=False)
-            self._forget(old)
-            self.dropped += 1
-            out.append(old)
+        out = self.store.put(e)
+        self.dropped += len(out)
         return out
-
-    def _forget(self, e: TierEntry) -> None:
-        self.index.remove(e.anchor, e.tail)
-        self.used_bytes -= e.nbytes
 
     def deepest(self, salt: bytes, keys: Sequence[bytes], tokens: Sequence[int], page_size: int, limit: int) -> tuple[bytes, int] | None:
         """The deepest entry on `tokens` (keys: their page keys under `salt`). A record's boundary is not part of its key, so it
         is checked here against the tokens: one that disagrees (a buggy or forged exporter) is dropped, never unpacked."""
-        found = self.index.deepest(salt, keys, tokens, page_size, limit)
+        found = self.store.index.deepest(salt, keys, tokens, page_size, limit)
         if found is None:
             return None
         key, p = found
@@ -78,21 +76,19 @@ class TransferInbox:
 
     def discard(self, key: bytes, hit: bool) -> None:
         """The device holds `key`'s boundary now (`hit`: loaded from here; else the device had it already): let the copy go."""
-        e = self.entries.pop(key, None)
-        if e is not None:
-            self._forget(e)
-            if hit:
-                self.counters.hits += 1
-                self.counters.bytes_out += e.nbytes
+        e = self.store.pop(key)
+        if e is not None and hit:
+            self.store.counters.hits += 1
+            self.store.counters.bytes_out += e.nbytes
 
     def stats(self) -> TierStats:
-        c = self.counters
+        c = self.store.counters
         return TierStats(TierKind.INBOX, self.used_bytes, self.capacity_bytes, len(self.entries), c.bytes_in, c.bytes_out, c.hits)
 
     def check_integrity(self) -> None:
         used = sum(e.nbytes for e in self.entries.values())
         if used != self.used_bytes or used > self.capacity_bytes:
             raise AssertionError(f"TransferInbox: entries hold {used} B, counted {self.used_bytes} B, budget {self.capacity_bytes} B")
-        indexed = {key for tails in self.index.by_anchor.values() for key, _ in tails.values()}
+        indexed = {key for tails in self.store.index.by_anchor.values() for key, _ in tails.values()}
         if indexed != set(self.entries):
             raise AssertionError("TransferInbox: the anchor index and the entries differ")

@@ -51,6 +51,14 @@ class HostTier:
             out.append(old)
         return out
 
+    def pop(self, key: bytes) -> TierEntry | None:
+        """Remove key's entry, if held, without counting a hit."""
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.index.remove(e.anchor, e.tail)
+            self.used_bytes -= e.nbytes
+        return e
+
     def get(self, key: bytes) -> TierEntry:
         e = self.entries[key]
         self.entries.move_to_end(key)

@@ -45,6 +45,10 @@ def own_request_id(make_call: Callable[[], T]) -> T:
     return contextvars.Context().run(make_call)
 
 
+def num_healthy(reports: dict[str, ReplicaReport | str]) -> int:
+    return sum(isinstance(v, ReplicaReport) and v.health_status == 200 for v in reports.values())
+
+
 def replica_ids(app_name: str, deployment: str) -> list[str]:
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
     names = ray.util.list_named_actors(all_namespaces=True)
@@ -115,14 +119,14 @@ class Frontend:
     async def health(self) -> JSONResponse:
         reports = await self._reports()
         lines = {r: (f"health {v.health_status}" if isinstance(v, ReplicaReport) else v) for r, v in reports.items()}
-        healthy = sum(isinstance(v, ReplicaReport) and v.health_status == 200 for v in reports.values())
+        healthy = num_healthy(reports)
         body = {"healthy": healthy, "replicas": lines}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     async def metrics(self) -> Response:
         reports = await self._reports()
         texts = {r: v.metrics_text for r, v in reports.items() if isinstance(v, ReplicaReport)}
-        healthy = sum(isinstance(v, ReplicaReport) and v.health_status == 200 for v in reports.values())
+        healthy = num_healthy(reports)
         families = merged_families(texts)
         states: dict[tuple[tuple[str, str], ...], float] = {(("state", "healthy"),): float(healthy), (("state", "unhealthy"),): float(len(reports) - healthy)}
         families.append(gauge("openk3:scale_replicas", "engine replicas by their last report", states))

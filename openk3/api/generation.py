@@ -139,7 +139,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,  # vLLM's name or SGLang's
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty,

@@ -5,13 +5,15 @@ stop_token_ids, ...). Every model forbids fields it does not declare: a field th
 it (pydantic's `extra_forbidden`, param = the field), never a 200 that drops it. A few OpenAI fields that cannot change an
 answer are declared as accepted no-ops (`NOOP_FIELDS`, docs/serving.md "Agent API"). Bounds that would otherwise reach torch
 as an overflow (seeds, token ids, top_k) are checked here, so that every bad value becomes a 400 naming the field.
+SGLang-only fields that sglang-router puts on every request it forwards are accepted at the values that mean what openk3
+does anyway (`ROUTER_FIELDS`, docs/scale-out.md, the sglang-router section); any other value is a 400 saying why.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on alternatives per token
@@ -27,6 +29,23 @@ Int = Annotated[int, Field(strict=True)]
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 # OpenAI fields that cannot change an answer, accepted and not acted on (docs/serving.md lists them with the reason)
 NOOP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+# sglang-router compatibility. sglang-router 0.3.0-0.3.2 (sgl-model-gateway: src/protocols/chat.rs, completion.rs) parses
+# each request into its own serde model and forwards it re-serialised (src/routers/http/router.rs, send_typed_request), so
+# these SGLang fields arrive on every request at SGLang's defaults, whether the client sent them or not (and chat's
+# `max_tokens` arrives as `max_completion_tokens`). `no_stop_trim` is honoured (true keeps the stop string or stop token's
+# text, as include_stop_str_in_output); the others are accepted only at the value that is what openk3 does anyway.
+ROUTER_FIELDS = ("no_stop_trim", "return_hidden_states", "continue_final_message", "separate_reasoning", "stream_reasoning")
+
+
+def _only(accepted: bool, why: str) -> AfterValidator:
+    """A router-compatibility flag: the one value openk3 honours, anything else a 400 saying why."""
+
+    def check(value: bool) -> bool:
+        if value is not accepted:
+            raise ValueError(f"only {str(accepted).lower()} is supported: {why}")
+        return value
+
+    return AfterValidator(check)
 
 
 class _Request(BaseModel):
@@ -105,6 +124,9 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # sglang-router compatibility (ROUTER_FIELDS)
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output: either one true keeps the stop text
+    return_hidden_states: Annotated[bool, _only(False, "openk3 does not return hidden states")] = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -185,6 +207,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # sglang-router compatibility (ROUTER_FIELDS): reasoning is always returned apart (`reasoning_content`) where the chat
+    # format has a reasoning block, and streamed as it settles; the last message is always a finished turn
+    continue_final_message: Annotated[bool, _only(False, "openk3 always renders the last message as a finished turn and starts a new assistant reply")] = False
+    separate_reasoning: Annotated[
+        bool, _only(True, "openk3 always returns reasoning apart from the content, in reasoning_content, when the chat format has a reasoning block")
+    ] = True
+    stream_reasoning: Annotated[bool, _only(True, "openk3 streams reasoning_content as it is generated")] = True
 
 
 class TokenizeRequest(_Request):

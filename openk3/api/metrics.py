@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Plat
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.cache.tier_types import TierKind
 from openk3.serve.engine import LLMEngine
 from openk3.serve.output import FinishedRequest
 
@@ -33,7 +34,7 @@ CACHE_INFO = (
     "cpu_offload_bytes",
     "disk_offload_bytes",
 )  # cache_config_info's labels
-TIERS = ("device", "host", "disk")  # storage tiers of the prefix cache (openk3.serve.cache.tiers.TierKind values)
+TIERS = tuple(k.value for k in TierKind)  # the prefix cache's tiers and its transfer inbox: every `tier` label
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -72,6 +73,8 @@ class ServerMetrics:
         tier_capacity = gauge("cache_tier_capacity_bytes", "Cache bytes available per storage tier", ("tier",))
         self.tier_used = {t: tier_used.labels(tier=t, **label) for t in TIERS}
         self.tier_capacity = {t: tier_capacity.labels(tier=t, **label) for t in TIERS}
+        tier_entries = gauge("cache_tier_entries", "Prefix boundaries held per storage tier (inbox: imported records waiting)", ("tier",))
+        self.tier_entries = {t: tier_entries.labels(tier=t, **label) for t in TIERS}
         tier_in = counter("cache_tier_bytes_in", "Bytes stored into a tier (device: snapshot and copy-on-write copies)", ("tier",))
         tier_out = counter("cache_tier_bytes_out", "Bytes loaded from a tier back to the device", ("tier",))
         tier_hits = counter("cache_tier_hits", "Prefix hits served by a tier", ("tier",))
@@ -82,6 +85,7 @@ class ServerMetrics:
             kind: counter(f"prefix_cache_snapshots_{kind}", f"KDA state snapshots {kind}").labels(**label) for kind in ("taken", "evicted")
         }
         self.checksum_failures = counter("cache_disk_checksum_failures", "Disk-tier loads refused by their checksum").labels(**label)
+        self.inbox_dropped = counter("cache_inbox_dropped", "Imported prefix records let go unused (aged out or refused at lookup)").labels(**label)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**label)
         self.prompt_tokens_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache").labels(**label)
@@ -183,14 +187,17 @@ class ServerMetrics:
         if prefix is not None:
             totals += [(self.prefix_snapshots["taken"], "snapshots_taken", prefix.snapshots_taken)]
             totals += [(self.prefix_snapshots["evicted"], "snapshots_evicted", prefix.snapshots_evicted)]
-            for t in prefix.tiers:
+            for t in prefix.all_tiers:
                 name = t.tier.value
                 self.tier_used[name].set(t.used_bytes)
                 self.tier_capacity[name].set(t.capacity_bytes)
+                self.tier_entries[name].set(t.entries)
                 for kind, total in (("in", t.bytes_in), ("out", t.bytes_out), ("hits", t.hits)):
                     totals.append((self.tier_counters[(name, kind)], f"{name}_{kind}", total))
                 if t.checksum_failures:
                     totals.append((self.checksum_failures, "checksum_failures", t.checksum_failures))
+                if t.tier is TierKind.INBOX and t.dropped:
+                    totals.append((self.inbox_dropped, "inbox_dropped", t.dropped))
         for counter, name, total in totals:
             if total > self._last_totals.get(name, 0):
                 counter.inc(total - self._last_totals.get(name, 0))

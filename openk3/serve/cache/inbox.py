@@ -83,7 +83,7 @@ class TransferInbox:
 
     def stats(self) -> TierStats:
         c = self.store.counters
-        return TierStats(TierKind.INBOX, self.used_bytes, self.capacity_bytes, len(self.entries), c.bytes_in, c.bytes_out, c.hits)
+        return TierStats(TierKind.INBOX, self.used_bytes, self.capacity_bytes, len(self.entries), c.bytes_in, c.bytes_out, c.hits, dropped=self.dropped)
 
     def check_integrity(self) -> None:
         used = sum(e.nbytes for e in self.entries.values())

@@ -10,7 +10,8 @@ from openk3.serve.cache.tier_types import TierKind, TierStats
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Counters since start; `tiers` lists device, then host and disk when configured."""
+    """Counters since start; `tiers` lists device, then host and disk when configured; `inbox` is the transfer inbox
+    (inbox.py), apart because it is no step of the offload chain: it takes only imported hand-offs, each used once."""
 
     queries: int  # requests looked up
     hits: int  # requests that started from a cached prefix
@@ -19,13 +20,19 @@ class PrefixCacheStats:
     snapshots_taken: int
     snapshots_evicted: int
     tiers: tuple[TierStats, ...]
+    inbox: TierStats | None = None
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
+    @property
+    def all_tiers(self) -> tuple[TierStats, ...]:
+        """The tiers, then the inbox: everything /metrics reports per tier."""
+        return self.tiers if self.inbox is None else (*self.tiers, self.inbox)
+
     def tier(self, kind: TierKind) -> TierStats | None:
-        return next((t for t in self.tiers if t.tier == kind), None)
+        return next((t for t in self.all_tiers if t.tier == kind), None)
 
 
 def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
@@ -42,4 +49,5 @@ def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
     c = prefix.counters
     device = TierStats(TierKind.DEVICE, used, capacity, prefix.num_snapshots, c.device_bytes_copied, 0, c.hits)
     lower = prefix.tiers.stats() if prefix.tiers is not None else ()
-    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, c.snapshots_taken, c.snapshots_evicted, (device, *lower))
+    inbox = cache.inbox.stats() if cache.inbox is not None else None
+    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, c.snapshots_taken, c.snapshots_evicted, (device, *lower), inbox)

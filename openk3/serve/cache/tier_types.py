@@ -40,6 +40,7 @@ class TierStats:
     bytes_out: int  # loaded from this tier back to the device
     hits: int
     checksum_failures: int = 0
+    dropped: int = 0  # the inbox's records let go unused (aged out, or refused at lookup): hand-offs that were wasted
 
 
 @dataclass

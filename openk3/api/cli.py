@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -26,8 +27,7 @@ if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 pla
     from openk3.parallel.group import ParallelContext
     from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.serve.config import EngineConfig
-    from openk3.serve.runner import CausalLM
-    from openk3.serve.tokenizer import Tokenizer
+    from openk3.serve.engine import ServedEngine
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +71,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
     broadcast to the worker ranks, which must be in run_worker_rank; `app.state.ep_driver.close()` releases them."""
     import torch
 
+    from openk3.serve.engine import LLMEngine
     from openk3.serve.loading import build_model, model_tokenizer
 
     config, _ = server_configs(args)
@@ -83,7 +84,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
             raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
         driver, _ = start_driver(ctx, spec)
         try:
-            app = _app(args, config, driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"))
+            app = _app(args, LLMEngine(driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"), config))
         except BaseException:
             driver.close()
             raise
@@ -91,7 +92,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
         app.state.metrics.attach_ep(driver.totals)
         return app
     model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed, byte_tokenizer=args.tokenizer == "byte")
-    return _app(args, config, model, tokenizer)
+    return _app(args, LLMEngine(model, tokenizer, config))
 
 
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
@@ -101,16 +102,14 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
     return engine.with_packing_default(owns_model=True), parallel
 
 
-def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> FastAPI:
+def _app(args: argparse.Namespace, engine: ServedEngine) -> FastAPI:
     from openk3.api.chat import generation_stop_ids, load_chat_template
     from openk3.api.server import ServerConfig, create_app
-    from openk3.serve.engine import LLMEngine
     from openk3.serve.loading import ASSETS
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
     template = load_chat_template(folder, args.chat_template)
-    engine = LLMEngine(model, tokenizer, engine_config)
     frontend, limits = server_settings(args)
     config = ServerConfig(
         connection=connection_settings(args),
@@ -124,7 +123,7 @@ def _app(args: argparse.Namespace, engine_config: EngineConfig, model: CausalLM,
         limits=limits,
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
     )
-    return create_app(engine, tokenizer, template, config)
+    return create_app(engine, engine.tokenizer, template, config)
 
 
 def _uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,13 +166,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    if parallel.dp > 1:
-        # the server's front end, metrics and admission read one engine's scheduler and cache; DP ranks each have their own
-        print(f"openk3 serve: --dp {parallel.dp}: data-parallel attention runs offline (LLM(dp=N, ep=N)) only so far, not behind the server", file=sys.stderr)
-        return 2
     from openk3.serve.cpu_heap import apply_heap_mode
 
     apply_heap_mode(args.cpu_heap)  # the process's own setting, on every rank (serve/cpu_heap.py)
+    if parallel.dp > 1:
+        return run_data_parallel(args)
     if parallel.world_size > 1:
         return run_expert_parallel(args)
     try:
@@ -191,24 +188,78 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
     from openk3.parallel.serving.torchrun import serve_ranks
 
     engine, parallel = server_configs(args)
+    from openk3.parallel.serving.ranks import run_worker_rank
+
     spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True, tp=parallel.tp, ep=parallel.ep > 1)
     rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
-    return serve_ranks(parallel.world_size, engine.device, spec, rank0, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
+    worker = lambda ctx: run_worker_rank(ctx, spec)  # noqa: E731
+    return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    """One rank of `torchrun --nproc-per-node D -m openk3 serve --dp D --ep D`: every rank runs an engine of its own
+    (scheduler, cache, prefix cache) and the MoE layers span them all; rank 0 serves HTTP, places each request on a rank
+    (prefix-affine, else least-loaded: openk3.parallel.dp) and steps every rank's engine in lockstep."""
+    import datetime
+
+    from openk3.parallel.serving.dp_ranks import run_dp_worker_rank
+    from openk3.parallel.serving.ranks import RankModelSpec
+    from openk3.parallel.serving.torchrun import serve_ranks
+
+    engine, parallel = server_configs(args)
+    # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
+    engine = dataclasses.replace(engine, pack_cpu_weights=False)
+    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=False, tp=parallel.tp, ep=True, dp=parallel.dp)
+    timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
+    rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
+    worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731
+    return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
+
+
+def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec, config: EngineConfig, timeout: Any) -> int:
+    import torch
+
+    from openk3.parallel.serving.dp_ranks import start_dp_leader
+    from openk3.serve.loading import model_tokenizer
+
+    log = logging.getLogger("openk3.parallel.serving")
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
+    try:
+        dp_engine = start_dp_leader(ctx, spec, config, tokenizer, timeout)
+    except RuntimeError as e:
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        app = _app(args, dp_engine)
+        _keep_handlers_until_workers_stop(log)
+        rc = serve_until_stopped(app, args)
+    finally:
+        dp_engine.close()  # STOP to every rank; after a failed step it sends nothing and the group's teardown frees them
+    if dp_engine.failed:
+        log.error("rank 0: a data-parallel step failed; tearing the group down")
+        return 1
+    return rc
+
+
+def _keep_handlers_until_workers_stop(log: logging.Logger) -> None:
+    """uvicorn re-raises the signal that stopped it once it has drained; with the default handlers SIGTERM would kill
+    rank 0 there, before it releases the workers, so the handlers it falls back to only log."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
 
 
 def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:
-    import signal
-
     log = logging.getLogger("openk3.parallel.serving")
     try:
         app = build_server(args, ctx, spec)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers SIGTERM would kill this
-    # rank there, before it releases the workers, so the handlers it falls back to only log
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
+    _keep_handlers_until_workers_stop(log)
     try:
         rc = serve_until_stopped(app, args)
     finally:

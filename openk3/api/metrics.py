@@ -15,7 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.tier_types import TierKind
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import ServedEngine
 from openk3.serve.output import FinishedRequest
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class ServerMetrics:
                 counter.inc(total - self._last_totals.get(key, 0))
                 self._last_totals[key] = total
 
-    def observe_engine(self, engine: LLMEngine) -> None:
+    def observe_engine(self, engine: ServedEngine) -> None:
         """Mirror the engine after each iteration of the engine loop (a step or not); on the engine thread (or before it
         starts), reading only."""
         stats, cache = engine.stats(), engine.cache
@@ -166,14 +166,15 @@ class ServerMetrics:
         if generated or self._iteration_prompt_tokens:
             self.iteration_tokens.observe(generated + self._iteration_prompt_tokens)
         self._iteration_prompt_tokens = 0
-        pages, slots = cache.num_pages, cache.state_pool.num_slots
-        used_pages, used_slots = pages - cache.num_free_pages, stats.state_slots_used
+        # pool sizes and use from stats (with data-parallel attention: every rank's); bytes per unit from the cache's layout
+        pages, slots = stats.num_pages, stats.num_state_slots
+        used_pages, used_slots = pages - stats.num_free_pages, stats.state_slots_used
         page_bytes, slot_bytes = _unit_bytes(cache)
         self.num_requests_running.set(stats.num_requests_running)
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
         self.kda_state_usage_perc.set(used_slots / slots if slots else 0.0)
-        self.num_free_pages.set(cache.num_free_pages)
+        self.num_free_pages.set(stats.num_free_pages)
         self.num_free_slots.set(slots - used_slots)
         self.tier_used["device"].set(used_pages * page_bytes + used_slots * slot_bytes)
         self.tier_capacity["device"].set(pages * page_bytes + slots * slot_bytes)
@@ -238,7 +239,7 @@ class ServerMetrics:
             if value is not None:
                 hist.observe(value)
 
-    def _describe(self, engine: LLMEngine) -> None:
+    def _describe(self, engine: ServedEngine) -> None:
         c, cache = engine.config, engine.cache
         self._prefix_caching = c.enable_prefix_caching
         tensors = [*cache.tensors.mla_latent, *cache.tensors.kda_state]

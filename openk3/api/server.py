@@ -36,7 +36,7 @@ from openk3.api.routes import completions, health, health_generate, models, rout
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.serving import Served
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import ServedEngine
 from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
 from openk3.serve.heap_trim import HeapTrimmer
 from openk3.serve.tokenizer import Tokenizer
@@ -46,7 +46,7 @@ __all__ = ["ServerConfig", "create_app"]  # ServerConfig lives in routes/state.p
 log = logging.getLogger("openk3.api")
 
 
-def create_app(engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
+def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
     frontend = AsyncEngine(engine, observer=metrics, config=config.frontend)
     chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from openk3.serve.config import FrontendConfig
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import ServedEngine
 from openk3.serve.output import OutputProcessor
 
 
@@ -27,7 +27,7 @@ class QueueTimeoutError(RuntimeError):
 class Admission:
     """Engine thread only."""
 
-    def __init__(self, engine: LLMEngine, processor: OutputProcessor, config: FrontendConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, engine: ServedEngine, processor: OutputProcessor, config: FrontendConfig, clock: Callable[[], float]) -> None:
         self.engine, self.processor, self.config, self._clock = engine, processor, config, clock
         # request id -> (core ids, arrival) of requests none of whose samples has been scheduled yet, in arrival order
         self._waiting: dict[str, tuple[list[str], float]] = {}
@@ -69,7 +69,7 @@ class Admission:
 
     def _prune(self) -> None:
         """Forget requests that have left the queue: a sample scheduled, or the request finished or aborted."""
-        requests = self.engine.scheduler.requests
         for request_id, (core_ids, _) in list(self._waiting.items()):
-            if request_id not in self.processor or any(c not in requests or requests[c].timings.first_scheduled is not None for c in core_ids):
+            # was_scheduled: True once scheduled, None once the engine no longer knows the sample (finished or aborted)
+            if request_id not in self.processor or any(self.engine.was_scheduled(c) is not False for c in core_ids):
                 del self._waiting[request_id]

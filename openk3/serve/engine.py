@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from openk3.config import ModelConfig
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
@@ -38,6 +39,9 @@ class EngineStats:
     num_requests_waiting: int
     kv_cache_usage_perc: float  # fraction of MLA pages held
     state_slots_used: int
+    num_pages: int  # MLA cache pages (with data-parallel attention: over every rank's engine)
+    num_free_pages: int
+    num_state_slots: int  # KDA state slots of running requests
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
@@ -65,6 +69,30 @@ class EngineCore(Protocol):
     def step(self) -> list[EngineCoreOutput]: ...
 
     def close(self) -> None: ...
+
+
+class ServedEngine(EngineCore, Protocol):
+    """What the HTTP server (serve/frontend.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
+    `cache` is one engine's cache manager, for its layout (page size, per-page and per-slot bytes, dtype); how much of
+    every pool is used comes from stats(), which with data-parallel attention covers every rank."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def cache(self) -> CacheManager: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def was_scheduled(self, request_id: str) -> bool | None: ...
+
+    def check_integrity(self) -> None: ...
 
 
 def _param(model: CausalLM) -> torch.Tensor | None:
@@ -147,6 +175,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def was_scheduled(self, request_id: str) -> bool | None:
+        """Whether a request has been scheduled at least once (its queue wait is over); None for an unknown id."""
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else req.timings.first_scheduled is not None
+
+    def unscheduled_request_ids(self) -> list[str]:
+        """The requests still waiting for their first step."""
+        return [r.request_id for r in self.scheduler.requests.values() if r.timings.first_scheduled is None]
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if not self.has_unfinished():
@@ -174,6 +211,9 @@ class LLMEngine:
             num_requests_waiting=self.scheduler.num_waiting,
             kv_cache_usage_perc=self.cache.usage,
             state_slots_used=self.cache.state_pool.num_used,
+            num_pages=self.cache.num_pages,
+            num_free_pages=self.cache.num_free_pages,
+            num_state_slots=self.cache.state_pool.num_slots,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,

@@ -24,15 +24,16 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from openk3.serve.admission import Admission
 from openk3.serve.config import FrontendConfig
-from openk3.serve.engine import LLMEngine
+from openk3.serve.engine import ServedEngine
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
 
 T = TypeVar("T")
+E = TypeVar("E", bound=ServedEngine)  # LLMEngine, or a DataParallelEngine behind `openk3 serve --dp`
 
 
 class EngineDeadError(RuntimeError):
@@ -47,7 +48,7 @@ class EngineObserver(Protocol):
     """What the front end reports as it goes (the server's Prometheus metrics). Called on the engine thread, between steps:
     `observe_engine` may read the engine (stats, cache occupancy) but must not change it."""
 
-    def observe_engine(self, engine: LLMEngine) -> None: ...
+    def observe_engine(self, engine: ServedEngine) -> None: ...
 
     def observe_tokens(self, inter_token_latencies: list[float]) -> None: ...
 
@@ -93,9 +94,9 @@ class RequestStream:
             self._frontend._abort_soon(self.request_id)
 
 
-class AsyncEngine:
+class AsyncEngine(Generic[E]):
     def __init__(
-        self, engine: LLMEngine, observer: EngineObserver | None = None, config: FrontendConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self, engine: E, observer: EngineObserver | None = None, config: FrontendConfig | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.engine = engine
         self.processor = OutputProcessor(engine)  # engine thread only, like the engine
@@ -161,7 +162,7 @@ class AsyncEngine:
         except FrontendClosedError:
             pass  # a stopped engine thread has aborted everything already
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def call(self, fn: Callable[[E], T]) -> T:
         """Run fn(engine) on the engine thread, between steps, and return its result (e.g. check_integrity)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 

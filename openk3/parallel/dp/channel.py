@@ -45,6 +45,7 @@ class Outbox:
     outputs: tuple[EngineCoreOutput, ...]
     stats: EngineStats
     unfinished: int  # requests this rank's engine still holds
+    unscheduled: tuple[str, ...] = ()  # its requests still waiting for their first step (the server's queue limits)
 
 
 class DPChannel:

@@ -15,21 +15,31 @@ already ended are dropped. The metrics finish() returns for a remote request are
 first and last token as rank 0 received them); its queue time is unknown there (None) and its preemptions are not
 reported (0). Sampling: per-request seeds give the single process's tokens; the engines' own generators (unseeded
 sampling) are seeded seed + rank.
+
+Behind the server (`openk3 serve --dp D --ep D`) it is the AsyncEngine's engine (serve/engine.py ServedEngine): stats()
+sums every rank's last report (rank_stats.py), `cache` is rank 0's (the layout every rank's pools share), and a remote
+request counts as scheduled once its rank reports it is no longer waiting (the server's queue limits read that).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from openk3.config import ModelConfig
 from openk3.parallel.dp.channel import AddRequest, DPChannel, FinishRequest, Inbox, Outbox
 from openk3.parallel.dp.lockstep import LockstepModel
+from openk3.parallel.dp.rank_stats import merge_engine_stats
 from openk3.parallel.dp.router import DPRouter
+from openk3.serve.cache.manager import CacheManager
+from openk3.serve.config import EngineConfig
 from openk3.serve.engine import EngineStats, LLMEngine
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import Tokenizer
+
+log = logging.getLogger("openk3.parallel.dp")
 
 
 @dataclass
@@ -43,6 +53,8 @@ class _Remote:
     last_token: float | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    sent: bool = False  # scattered to its rank
+    scheduled: bool = False  # its rank has scheduled it (reported after the step that did)
 
     def metrics(self, now: float) -> RequestMetrics:
         ttft = None if self.first_token is None else self.first_token - self.arrival
@@ -52,8 +64,8 @@ class _Remote:
 
 @dataclass
 class _RankState:
+    stats: EngineStats  # as last reported
     pending: list[AddRequest | FinishRequest] = field(default_factory=list)
-    stats: EngineStats | None = None
     unfinished: int = 0
 
 
@@ -62,7 +74,9 @@ class DataParallelEngine:
         self.local, self.lockstep, self.channel = local, lockstep, channel
         self.num_ranks = channel.ctx.world_size
         self.router = DPRouter(self.num_ranks, local.config.prefix_match_unit)
-        self._ranks = [_RankState() for _ in range(self.num_ranks)]
+        # until a rank reports after its first step it holds nothing, in pools the size of rank 0's (same settings)
+        idle = local.stats()
+        self._ranks = [_RankState(idle) for _ in range(self.num_ranks)]
         self._remote: dict[str, _Remote] = {}
         self._closed = False
         self._failure: str | None = None
@@ -89,6 +103,27 @@ class DataParallelEngine:
     @property
     def model(self) -> LockstepModel:
         return self.lockstep
+
+    # what the server reads besides (serve/engine.py ServedEngine)
+    @property
+    def config(self) -> EngineConfig:
+        return self.local.config  # every rank's, but for the seed of its unseeded sampling
+
+    @property
+    def cache(self) -> CacheManager:
+        return self.local.cache  # rank 0's, for the layout every rank's pools share; stats() has every rank's use
+
+    def was_scheduled(self, request_id: str) -> bool | None:
+        rank = self.router.rank_of(request_id)
+        if rank is None:
+            return None
+        if rank == 0:
+            return self.local.was_scheduled(request_id)
+        return self._remote[request_id].scheduled
+
+    def check_integrity(self) -> None:
+        """Rank 0's engine's (the other ranks' engines are not reachable between steps)."""
+        self.local.check_integrity()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None:
         params = params or SamplingParams()
@@ -131,6 +166,9 @@ class DataParallelEngine:
             raise RuntimeError(f"DataParallelEngine: an earlier step failed ({self._failure}); the DP group is unusable, close it and start again")
         inboxes = [Inbox(tuple(r.pending)) for r in self._ranks]
         for r in self._ranks:
+            for command in r.pending:
+                if isinstance(command, AddRequest):
+                    self._remote[command.request_id].sent = True
             r.pending = []
         try:
             self.channel.scatter(inboxes)
@@ -144,6 +182,9 @@ class DataParallelEngine:
         self.steps += 1
         merged = list(outputs)
         now = time.monotonic()
+        waiting = {request_id for box in gathered for request_id in box.unscheduled}
+        for request_id, placed in self._remote.items():
+            placed.scheduled = placed.scheduled or (placed.sent and request_id not in waiting)
         for rank, box in enumerate(gathered):
             self._ranks[rank].stats, self._ranks[rank].unfinished = box.stats, box.unfinished
             if rank == 0:
@@ -165,20 +206,10 @@ class DataParallelEngine:
         return merged
 
     def stats(self) -> EngineStats:
-        """Every rank's last reported stats, summed (the KV usage is the mean over ranks)."""
-        known = [r.stats for r in self._ranks if r.stats is not None] or [self.local.stats()]
-        return EngineStats(
-            num_requests_running=sum(s.num_requests_running for s in known),
-            num_requests_waiting=sum(s.num_requests_waiting for s in known),
-            kv_cache_usage_perc=sum(s.kv_cache_usage_perc for s in known) / len(known),
-            state_slots_used=sum(s.state_slots_used for s in known),
-            num_preemptions_total=sum(s.num_preemptions_total for s in known),
-            prompt_tokens_total=sum(s.prompt_tokens_total for s in known),
-            generation_tokens_total=sum(s.generation_tokens_total for s in known),
-            prefix_cache=None,
-        )
+        """Every rank's last reported stats, summed (rank_stats.py)."""
+        return merge_engine_stats([r.stats for r in self._ranks])
 
-    def rank_stats(self) -> list[EngineStats | None]:
+    def rank_stats(self) -> list[EngineStats]:
         return [r.stats for r in self._ranks]
 
     def close(self) -> None:
@@ -199,21 +230,23 @@ class DataParallelEngine:
 
 def run_dp_worker(engine: LLMEngine, lockstep: LockstepModel, channel: DPChannel) -> int:
     """A DP rank's loop until rank 0 sends STOP; returns the steps run."""
-    steps = 0
+    steps = requests = 0
     try:
         while True:
             inbox = channel.scatter(None)
             if inbox.stop:
                 channel.barrier()
+                log.info("DP rank %d: %d requests served in %d steps", channel.ctx.rank, requests, steps)
                 return steps
             for command in inbox.commands:
                 if isinstance(command, AddRequest):
                     engine.add_request(command.request_id, list(command.prompt_token_ids), command.params, command.group_id)
+                    requests += 1
                 else:
                     engine.finish(command.request_id, command.status)
             outputs = engine.step() if engine.has_unfinished() else []
             lockstep.end_step()
-            channel.gather(Outbox(tuple(outputs), engine.stats(), int(engine.has_unfinished())))
+            channel.gather(Outbox(tuple(outputs), engine.stats(), int(engine.has_unfinished()), tuple(engine.unscheduled_request_ids())))
             steps += 1
     finally:
         try:

@@ -1,0 +1,73 @@
+"""`torchrun --nproc-per-node 2 -m openk3 serve --dp 2 --ep 2`: every rank runs an engine of its own behind rank 0's HTTP
+server, the MoE layers span both. The texts equal a single process's, the two prompts of one request land on the two
+ranks, repeats of the long one follow it to rank 1 and hit that rank's prefix cache, /metrics sums both ranks, and
+SIGTERM to rank 0 stops both cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import httpx
+import pytest
+import torch
+
+from openk3.llm import LLM
+from openk3.serve.sampling import SamplingParams
+from tests.parallel.test_serve_ep import STOP_TIMEOUT_S, start_torchrun, wait_until_up
+
+LONG = "And the earth was without form, and void; and darkness was upon the face of the deep. " * 3  # 67 tokens
+# the two prompts of one request are placed together, before any step: the least-loaded rule puts the first on rank 0
+# and LONG on rank 1, which becomes the home of LONG's first 64-token match unit (repeats of LONG follow it there)
+PROMPTS = ["And God said", LONG]
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_serve_dp2_ep2_under_torchrun(tmp_path) -> None:
+    proc, url, log = start_torchrun(["--dp", "2", "--ep", "2", "--enable-prefix-caching"], tmp_path)
+    try:
+        wait_until_up(url, proc, log)
+        body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+        batch = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
+        assert batch.status_code == 200, batch.text
+        # an exact repeat misses (it cuts its prefill one token before the end, where the next repeat then hits)
+        long_body = {**body, "prompt": LONG}
+        repeats = [httpx.post(f"{url}/v1/completions", json=long_body, timeout=120.0) for _ in range(2)]
+        assert all(r.status_code == 200 for r in repeats), [r.text for r in repeats]
+        metrics = httpx.get(f"{url}/metrics", timeout=10.0).text
+
+        torch.set_num_threads(1)
+        with LLM("tiny") as llm:
+            want = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
+        got = sorted(batch.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == want
+        assert [r.json()["choices"][0]["text"] for r in repeats] == [want[1]] * 2
+        last = repeats[1].json()["usage"]
+        assert last["prompt_tokens_details"]["cached_tokens"] == last["prompt_tokens"] - 1  # rank 1's prefix cache
+
+        # /metrics reads both ranks' engines: every prompt token of the three requests, wherever it ran
+        prompt_tokens = batch.json()["usage"]["prompt_tokens"] + sum(r.json()["usage"]["prompt_tokens"] for r in repeats)
+        assert metric(metrics, "openk3:prompt_tokens_total") == prompt_tokens
+        assert metric(metrics, "openk3:num_requests_running") == 0
+        assert metric(metrics, "openk3:state_free_slots") == 2 * 4  # both ranks' pools (--max-num-seqs 4 each), idle
+
+        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
+        assert started, log.read_text()[-3000:]
+        os.kill(int(started.group(1)), signal.SIGTERM)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"DP rank 1: 3 requests served in [1-9]\d* steps", text), text[-3000:]  # LONG, three times
+    assert re.search(r"rank 1: stopped after [1-9]\d* steps", text), text[-3000:]

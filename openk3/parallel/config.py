@@ -34,11 +34,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.dp > 1 and self.tp > 1:
-            # the groups and the per-group driver are built (rank_groups.py, dp_ranks.py), but a dp2 x tp2 run hung in CPU tests
-            raise ValueError(
-                f"ParallelConfig: dp={self.dp} with tp={self.tp}: tensor parallelism inside data-parallel groups is not working yet (docs/parallel.md)"
-            )
         if self.dp > 1 and self.ep != self.dp * self.tp:
             raise ValueError(
                 f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "

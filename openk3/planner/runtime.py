@@ -3,8 +3,8 @@
 The planner prices DP attention (trunk replicated, each rank its own batch) or TP attention, expert parallelism with
 EPLB or MoonEP balance, FP8 dispatch, and a fraction of communication hidden by two-batch overlap. openk3's own runtime
 (docs/parallel.md) runs TP over all of an instance's ranks (`--tp N`, with `--ep N` or experts split by width), and DP
-attention with EP over all ranks (`LLM(dp=N, ep=N)`: offline only, not yet behind the HTTP server); not TP inside DP
-groups, nor experts over fewer ranks than the instance. It overlaps no communication, dispatches in the activation
+attention (`--dp D`, TP T inside each DP group) with EP over all D x T ranks, behind the HTTP server and offline; not
+experts over fewer ranks than the instance. It overlaps no communication, dispatches in the activation
 dtype, and its multi-rank path has run on CPU/gloo only. So on more than one accelerator no layout the planner prices is
 what openk3 runs today (the GPU path is the first gap); a single accelerator is.
 
@@ -48,10 +48,6 @@ def support(layout: Layout, comm_overlap: float, quant: Quantisation, long_prefi
         missing.append(f"CP{cp} (openk3 has no context parallelism: no ring attention, no KDA state hand-off between ranks)")
     n = layout.num_accelerators
     if n > 1:
-        if 1 < layout.tp < n:
-            missing.append(f"TP{layout.tp} inside {n // layout.tp} DP-attention groups (openk3 runs TP over all {n} ranks, or DP attention with TP1)")
-        elif layout.tp == 1:
-            missing.append("DP attention behind the HTTP server (openk3 runs it offline only: LLM(dp=N, ep=N))")
         if layout.ep_size != n:
             missing.append(f"EP{layout.ep_size} with the expert set replicated {n // layout.ep_size}x (openk3 spreads experts over all {n} ranks)")
         if comm_overlap > 0:

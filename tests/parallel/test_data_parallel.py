@@ -25,15 +25,19 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 
 
-def generate(dp: int = 1, prefix: bool = False) -> tuple[list[list[list[int]]], list[int]]:
+def generate(dp: int = 1, prefix: bool = False, tp: int = 1) -> tuple[list[list[list[int]]], list[int]]:
     """Greedy and seeded tokens for PROMPTS, and the prompt tokens each DP rank received."""
     torch.set_num_threads(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset's "random weights" warning
-        with LLM("debug", max_num_batched_tokens=16, dp=dp, ep=dp, enable_prefix_caching=prefix) as llm:
+        with LLM("debug", max_num_batched_tokens=16, dp=dp, tp=tp, ep=dp * tp, enable_prefix_caching=prefix) as llm:
             tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, p)] for p in (GREEDY, SEEDED)]
             engine = llm.core
-            received = [s.prompt_tokens_total if s else 0 for s in engine.rank_stats()] if isinstance(engine, DataParallelEngine) else []
+            if not isinstance(engine, DataParallelEngine):
+                return tokens, []
+            received = [s.prompt_tokens_total for s in engine.rank_stats()]
+            merged = engine.stats()  # what the server's /metrics reads: every rank's stats summed
+            assert merged.prompt_tokens_total == sum(received) and merged.num_state_slots == dp * llm.engine.stats().num_state_slots
             return tokens, received
 
 
@@ -49,6 +53,17 @@ def test_dp2_ep2_tokens_equal_single_process(prefix: bool, single_process: list[
     assert got[0] == single_process[0], "greedy"
     assert got[1] == single_process[1], "seeded sampling (per-request generators)"
     assert all(n > 0 for n in received), f"both ranks served requests: {received}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_dp2_tp2_ep4_tokens_equal_single_process(prefix: bool, single_process: list[list[list[int]]]) -> None:
+    """Tensor parallelism inside each DP group: 4 ranks, each DP group's leader drives its TP rank."""
+    got, received = generate(dp=2, tp=2, prefix=prefix)
+    assert got[0] == single_process[0], "greedy"
+    assert got[1] == single_process[1], "seeded sampling (per-request generators)"
+    assert len(received) == 2 and all(n > 0 for n in received), f"both DP groups served requests: {received}"
 
 
 @pytest.mark.distributed
@@ -105,8 +120,9 @@ def test_lockstep_runs_one_forward_per_step() -> None:
 def test_dp_layouts_are_checked() -> None:
     with pytest.raises(ValueError, match=r"dp=2 with tp=1, ep=1: data-parallel attention spreads the experts over all dp x tp = 2 ranks"):
         ParallelConfig(dp=2)
-    with pytest.raises(ValueError, match=r"dp=2 with tp=2: tensor parallelism inside data-parallel groups is not working yet"):
-        ParallelConfig(dp=2, tp=2, ep=4)
+    with pytest.raises(ValueError, match=r"dp=2 with tp=2, ep=2: data-parallel attention spreads the experts over all dp x tp = 4 ranks"):
+        ParallelConfig(dp=2, tp=2, ep=2)
+    assert ParallelConfig(dp=2, tp=2, ep=4).world_size == 4
     assert ParallelConfig(dp=4, ep=4).world_size == 4
     from openk3.serve.config import EngineConfig
 

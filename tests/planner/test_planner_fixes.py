@@ -180,15 +180,14 @@ BF16_DISPATCH = Quantisation(dispatch_bits=16)  # what openk3 dispatches (the ac
 
 def test_layouts_say_who_can_run_them(capsys: pytest.CaptureFixture[str]) -> None:
     tp2 = support(Layout(72, tp=2), 0.7, Q)
-    assert not tp2.openk3 and any("TP2" in r for r in tp2.openk3_missing) and "SGLang" in tp2.engines
-    dp = support(Layout(72, tp=1), 0.0, Q)
-    assert not dp.openk3 and any("DP attention" in r for r in dp.openk3_missing)
+    assert not tp2.openk3 and any("two-batch overlap" in r for r in tp2.openk3_missing) and "SGLang" in tp2.engines
     assert support(Layout(1), 0.7, Q).openk3
     assert support(Layout(72, balance=Balance.MOONEP), 0.7, Q).engines == ()
-    # openk3 runs TP over all ranks (tp=N) and DP attention with EP over all ranks: what is missing then is the rest
-    whole_tp = support(Layout(8, tp=8), 0.0, BF16_DISPATCH)
-    assert whole_tp.openk3_missing == ("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)",)
-    assert any("inside 4 DP-attention groups" in r for r in support(Layout(8, tp=2), 0.0, BF16_DISPATCH).openk3_missing)
+    # openk3 runs TP over all ranks (tp=N), DP attention with TP inside each group, and EP over all ranks: what is
+    # missing then is the rest
+    cuda_only = ("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)",)
+    for tp in (8, 2, 1):
+        assert support(Layout(8, tp=tp), 0.0, BF16_DISPATCH).openk3_missing == cuda_only, tp
     assert any("replicated 2x" in r for r in support(Layout(8, tp=8, ep=4), 0.0, BF16_DISPATCH).openk3_missing)
     rc, doc = _json(["plan", "--context", "8k", "--accelerators", "72", "--json", *FAST], capsys)
     assert rc == 0 and doc["runnable"]["openk3"] is False and doc["runnable"]["engines"]

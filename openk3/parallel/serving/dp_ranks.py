@@ -23,7 +23,6 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, ForwardModel, run_worker
 from openk3.parallel.serving.rank_groups import RankGroups, rank_groups
 from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
-from openk3.parallel.serving.step_channel import StepChannel
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.loading import model_tokenizer
@@ -39,7 +38,7 @@ class _Leader:
 
     def __init__(self, groups: RankGroups, spec: RankModelSpec, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         assert groups.leaders is not None
-        self.tp_channel = StepChannel(groups.tp) if groups.tp.world_size > 1 else None
+        self.tp_channel = groups.tp_channel
         self.dp_channel = DPChannel(groups.leaders)
         self.error: str | None = None
         self.engine: LLMEngine | None = None
@@ -76,7 +75,8 @@ def run_dp_worker_rank(world: ParallelContext, spec: RankModelSpec, config: Engi
     """Any rank but 0 of a data-parallel layout, from its groups to STOP; returns the steps it ran."""
     groups = rank_groups(world, spec.tp, spec.dp, timeout)
     if not groups.is_leader:
-        channel = StepChannel(groups.tp)
+        channel = groups.tp_channel
+        assert channel is not None  # a rank that is no leader is in a TP group of more than one
         try:
             model, backend = build_rank_model(spec, groups.world, groups.tp)
         except Exception as e:

@@ -8,8 +8,13 @@ node with GPUs in order they share the fastest links).
 - tp: the rank's tensor-parallel group (its all-reduces, TokenSplit's gather, its step channel); with dp = 1 it is the
   world itself (one engine over every rank), with dp > 1 and tp = 1 a group of one;
 - leaders: with dp > 1, the TP rank 0 of every DP group (each runs its DP group's engine; rank 0's steps them all); None
-  on the other ranks.
-Groups are made with local synchronization (members only), so no rank waits for groups it is not in.
+  on the other ranks;
+- tp_channel: with dp > 1 and tp > 1, the DP group's step channel (its leader drives its TP ranks, as one engine's rank
+  0 drives its workers), made here because of the order below.
+Groups are made with local synchronization (members only), so no rank waits for groups it is not in. torch names such
+a group by its ranks and the number of groups the process has made so far, so every member of a group must have made
+the same number of groups before it (else each waits under another name, for ever): the TP group and its channel come
+first on every rank, the leaders' group, which only leaders make, last.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from openk3.parallel.group import ParallelContext
+from openk3.parallel.serving.step_channel import StepChannel
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class RankGroups:
     tp: ParallelContext
     dp: int
     leaders: ParallelContext | None
+    tp_channel: StepChannel | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -55,5 +62,6 @@ def rank_groups(world: ParallelContext, tp: int, dp: int, timeout: datetime.time
         return RankGroups(world, ParallelContext.single(world.device), dp, world)
     first = world.rank - world.rank % tp
     tp_ctx = _subgroup(world, list(range(first, first + tp)), timeout)
+    tp_channel = StepChannel(tp_ctx)
     leaders = _subgroup(world, list(range(0, world.world_size, tp)), timeout) if world.rank == first else None
-    return RankGroups(world, tp_ctx, dp, leaders)
+    return RankGroups(world, tp_ctx, dp, leaders, tp_channel)

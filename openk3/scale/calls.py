@@ -3,6 +3,10 @@
 A `ReplicaCall` is one HTTP request, as bytes, plus what the router reads: the request's match-unit keys, the replicas to
 avoid (one that just failed it) and, for the front end's per-replica reports, the one replica it is meant for. A replica
 answers with a `ResponseHead` and then the body's chunks, as it produces them (SSE streams stay streams).
+
+Prefill/decode disaggregation adds two fields: a prefill call carries the prompt's token ids (`prompt_ids`) and is
+answered with a hand-off record (serve/cache/handoff.py) or None; the request's call to a decode replica then carries
+that record (`record`), which the replica imports before it serves the request.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ class ReplicaCall:
     request_id: str = ""
     avoid: frozenset[str] = field(default_factory=frozenset)
     target: str | None = None  # a replica id: the call is a report meant for that replica only
+    prompt_ids: tuple[int, ...] = ()  # a prefill call: the prompt, as the decode replica's server will tokenise it
+    record: bytes | None = None  # the prefill replica's hand-off record for this request's prompt (decode replicas)
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --replicas: prefix (longest cached prefix, then least loaded; the default) or pow2 (Ray's default)",
     )
+    g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=None,
+        help="with --replicas: add P prefill replicas; the --replicas N then decode, each prompt handed over with its KDA state and MLA latents",
+    )
     g.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica (default 1)")
     g.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start a local one)")
 
 
 def refuse_without_replicas(args: argparse.Namespace) -> str | None:
     """The scale-out flag given without --replicas, if any (an error: it would be ignored)."""
-    for name in ("replica_router", "replica_cpus", "ray_address"):
+    for name in ("replica_router", "prefill_replicas", "replica_cpus", "ray_address"):
         if getattr(args, name) is not None:
             return f"--{name.replace('_', '-')} needs --replicas N"
     return None
@@ -40,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = ScaleConfig(
-            replicas=args.replicas, router=args.replica_router or "prefix", replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus
+            replicas=args.replicas,
+            prefill_replicas=args.prefill_replicas or 0,
+            router=args.replica_router or "prefix",
+            replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
         )
         app = application(args, config)
     except ValueError as e:
@@ -57,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name=config.app_name, route_prefix="/")
-    print(f"openk3 serve: {config.replicas} replicas ({config.router} routing) on http://{args.host}:{args.port}", file=sys.stderr)
+    pools = f"{config.prefill_replicas} prefill + {config.replicas} decode replicas" if config.prefill_replicas else f"{config.replicas} replicas"
+    print(f"openk3 serve: {pools} ({config.router} routing) on http://{args.host}:{args.port}", file=sys.stderr)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _num, _frame: stop.set())

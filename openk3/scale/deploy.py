@@ -5,7 +5,10 @@
     serve.run(application(["--model", "tiny", "--enable-prefix-caching"], ScaleConfig(replicas=2)), name="openk3")
 
 `router="prefix"` routes by cached prefix (router.py) and needs the replicas' prefix caching; `router="pow2"` is Ray's
-default power-of-two-choices router (the baseline the benchmark compares with).
+default power-of-two-choices router (the baseline the benchmark compares with). `prefill_replicas=P` adds a pool of P
+prefill replicas (prefill/decode disaggregation, frontend.py): the `replicas` then decode, every completion and chat
+prompt is computed on a prefill replica first and handed over with its KDA state and MLA latents. Both pools run the
+same engine flags and the same router, and need prefix caching (the hand-off lands in the decode engine's prefix cache).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from openk3.scale.router import PrefixAffinityRouter
 
 ROUTERS = ("prefix", "pow2")
 REPLICA_DEPLOYMENT = "EngineReplica"
+PREFILL_DEPLOYMENT = "PrefillReplica"
 RAY_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 @dataclass(frozen=True)
 class ScaleConfig:
-    replicas: int
+    replicas: int  # the engine replicas; with prefill_replicas > 0, the decode pool
+    prefill_replicas: int = 0  # > 0: a pool of prefill replicas in front of the decode pool (disaggregation)
     router: str = "prefix"
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica (its engine thread and torch's)
     max_ongoing_requests: int = 512  # per replica; past it Ray queues at the front end, the engine's own admission is the limit
@@ -39,6 +44,7 @@ class ScaleConfig:
 
     def __post_init__(self) -> None:
         check_int("ScaleConfig", "replicas", self.replicas, low=1)
+        check_int("ScaleConfig", "prefill_replicas", self.prefill_replicas, low=0)
         check_choice("ScaleConfig", "router", self.router, ROUTERS)
         check_number("ScaleConfig", "replica_cpus", self.replica_cpus, low=0)
         check_int("ScaleConfig", "max_ongoing_requests", self.max_ongoing_requests, low=1)
@@ -63,6 +69,8 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
         raise ValueError(f"--replicas {config.replicas} with a multi-rank replica (--ep/--tp/--dp world size {parallel.world_size}) is not supported yet")
     if config.router == "prefix" and not engine.enable_prefix_caching:
         raise ValueError("--replica-router prefix routes by cached prefix: it needs --enable-prefix-caching (or use --replica-router pow2)")
+    if config.prefill_replicas and not engine.enable_prefix_caching:
+        raise ValueError("--prefill-replicas hands each prompt to a decode replica's prefix cache: it needs --enable-prefix-caching")
     return engine.prefix_match_unit
 
 
@@ -73,16 +81,24 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
         router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
     else:
         router = RequestRouterConfig(request_router_class=RAY_DEFAULT_ROUTER)  # type: ignore[arg-type]
-    replica: Any = serve.deployment(
-        EngineReplica,
-        name=REPLICA_DEPLOYMENT,
-        num_replicas=config.replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.replica_cpus},
-        request_router_config=router,
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
-    )
+
+    def pool(name: str, size: int) -> Any:
+        deployment: Any = serve.deployment(
+            EngineReplica,
+            name=name,
+            num_replicas=size,
+            max_ongoing_requests=config.max_ongoing_requests,
+            ray_actor_options={"num_cpus": config.replica_cpus},
+            request_router_config=router,
+            health_check_period_s=2.0,
+            health_check_timeout_s=30.0,
+        )
+        return deployment.bind(serve_args)
+
     ingress: Any = serve.ingress()(Frontend)  # the deferred-app form: Frontend.__serve_build_asgi_app__ builds it
     front: Any = serve.deployment(ingress, name="Frontend", num_replicas=1, ray_actor_options={"num_cpus": 0})
-    return front.bind(replica.bind(serve_args), serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)
+    decode = pool(REPLICA_DEPLOYMENT, config.replicas)
+    if not config.prefill_replicas:
+        return front.bind(decode, serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)
+    prefill = pool(PREFILL_DEPLOYMENT, config.prefill_replicas)
+    return front.bind(decode, serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT)

@@ -32,20 +32,45 @@ class PromptKeys:
         self.salt = f"openk3-router:{model_name}".encode()
 
     def keys(self, path: str, body: bytes) -> tuple[bytes, ...]:
-        ids = self.prompt_ids(path, body)
+        return self.keys_of(self.prompt_ids(path, body))
+
+    def keys_of(self, ids: list[int] | None) -> tuple[bytes, ...]:
         return () if ids is None else tuple(chain_keys(self.salt, ids, self.match_unit))
 
     def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
+        """The ids to route by: the first prompt of a completion, a chat's messages without its tools."""
+        data = self._request(path, body)
+        if data is None:
+            return None
+        try:
+            return self._chat_ids(data) if path == "/v1/chat/completions" else self._completion_ids(data)
+        except (ValueError, ValidationError, TypeError) as e:
+            log.debug("no routing keys for %s: %s", path, e)
+            return None
+
+    def handoff_ids(self, path: str, body: bytes, routed: list[int] | None) -> list[int] | None:
+        """The prompt a prefill replica may compute for the request: `routed` (prompt_ids' answer) when it is the request's
+        whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat with tools
+        (they render into the prompt, which the routing ids leave out). A wrong guess costs only the hand-off: the
+        decode replica's lookup misses and it computes the prompt itself."""
+        data = self._request(path, body) if routed is not None else None
+        if data is None:
+            return None
+        if path == "/v1/chat/completions":
+            return None if data.get("tools") else routed
+        prompt = data.get("prompt")
+        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1
+        return None if several else routed
+
+    def _request(self, path: str, body: bytes) -> dict | None:
         if path not in ROUTED_PATHS:
             return None
         try:
             data = json.loads(body)
-            if not isinstance(data, dict):
-                return None
-            return self._chat_ids(data) if path == "/v1/chat/completions" else self._completion_ids(data)
-        except (ValueError, ValidationError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
             log.debug("no routing keys for %s: %s", path, e)
             return None
+        return data if isinstance(data, dict) else None
 
     def _completion_ids(self, data: dict) -> list[int] | None:
         prompt = data.get("prompt")

@@ -4,12 +4,18 @@ OpenAI routes) inside a Ray Serve replica, called in-process for each forwarded 
 The replica starts its engine in its (async) constructor, so Ray counts it RUNNING only once it can serve. Ray's health
 check asks the app's own /health, which fails once the engine loop has died: Ray then replaces the replica, as a
 supervisor restarts a failed `openk3 serve` process.
+
+With prefill/decode disaggregation the same class serves both pools: a prefill replica answers `prefill` (compute the
+prompt but its last token, export the boundary there: serve/cache/handoff.py's protocol), a decode replica imports the
+record a call carries before it serves the request, which then hits the record and computes only the last prompt token.
+A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 
@@ -18,8 +24,12 @@ from ray import serve
 from openk3.scale.asgi_call import ResponseStart, asgi_call
 from openk3.scale.calls import ReplicaCall, ReplicaReport, ResponseHead, WrongReplicaError
 from openk3.scale.forward import REPLICA_HEADER
+from openk3.serve.output import OutputKind
+from openk3.serve.sampling import SamplingParams
 
 log = logging.getLogger("openk3.scale")
+# the prefill side of a hand-off: one greedy token after P[:-1] leaves the snapshot at len(P) - 1; the token is discarded
+PREFILL = SamplingParams(temperature=0, max_tokens=1)
 
 
 class EngineReplica:
@@ -35,11 +45,37 @@ class EngineReplica:
 
     async def forward(self, call: ReplicaCall) -> AsyncIterator[ResponseHead | bytes]:
         """The app's answer to `call`: its head (with this replica's id), then its body chunks as they are made."""
+        if call.record is not None:
+            await self._import(call.record)
         async for item in asgi_call(self.app, call):
             if isinstance(item, ResponseStart):
                 yield ResponseHead(item.status, (*item.headers, (REPLICA_HEADER, self.replica_id.encode())), self.replica_id)
             else:
                 yield item
+
+    async def prefill(self, call: ReplicaCall) -> bytes | None:
+        """Compute `call.prompt_ids` but its last token and return the record of that boundary (None: the prompt is too
+        short to hand off, or this engine refused it; the decode replica then computes it and answers any error)."""
+        prompt = list(call.prompt_ids)
+        if len(prompt) < 2:
+            return None
+        frontend = self.app.state.served.frontend
+        try:
+            async for _ in frontend.generate(f"prefill-{call.request_id or uuid.uuid4().hex}", prompt[:-1], PREFILL, OutputKind.FINAL_ONLY):
+                pass
+        except ValueError as e:  # the prompt does not fit this engine (too long, ids outside the vocabulary)
+            log.info("replica %s: no prefill for request %s: %s", self.replica_id, call.request_id, e)
+            return None
+        record: bytes | None = await frontend.call(lambda engine: engine.export_prefix(prompt[:-1]))
+        return record
+
+    async def _import(self, record: bytes) -> None:
+        from openk3.serve.cache.tier_record import TierRecordError
+
+        try:
+            await self.app.state.served.frontend.call(lambda engine: engine.import_prefix(record))
+        except TierRecordError as e:
+            log.warning("replica %s: hand-off record refused, the prompt is recomputed: %s", self.replica_id, e)
 
     async def report(self, call: ReplicaCall) -> ReplicaReport:
         if call.target != self.replica_id:

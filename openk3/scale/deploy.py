@@ -5,7 +5,7 @@
     serve.run(application(["--model", "tiny", "--enable-prefix-caching"], ScaleConfig(replicas=2)), name="openk3")
 
 `router="prefix"` routes by cached prefix (router.py) and needs the replicas' prefix caching; `router="pow2"` is Ray's
-default power-of-two-choices router (the baseline the benchmark compares with). `prefill_replicas=P` adds a pool of P
+default power-of-two-choices router (the baseline the benchmark compares with; router.py adds report targeting). `prefill_replicas=P` adds a pool of P
 prefill replicas (prefill/decode disaggregation, frontend.py): the `replicas` then decode, every completion and chat
 prompt is computed on a prefill replica first and handed over with its KDA state and MLA latents. Both pools run the
 same engine flags and the same router, and need prefix caching (the hand-off lands in the decode engine's prefix cache).
@@ -24,12 +24,11 @@ from ray.serve.config import RequestRouterConfig
 from openk3.checks import check_choice, check_int, check_number
 from openk3.scale.frontend import Frontend
 from openk3.scale.replica import EngineReplica
-from openk3.scale.router import PrefixAffinityRouter
+from openk3.scale.router import PrefixAffinityRouter, TargetedPowerOfTwoRouter
 
 ROUTERS = ("prefix", "pow2")
 REPLICA_DEPLOYMENT = "EngineReplica"
 PREFILL_DEPLOYMENT = "PrefillReplica"
-RAY_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
     if config.router == "prefix":
         router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
     else:
-        router = RequestRouterConfig(request_router_class=RAY_DEFAULT_ROUTER)  # type: ignore[arg-type]
+        router = RequestRouterConfig(request_router_class=TargetedPowerOfTwoRouter)  # type: ignore[arg-type]
 
     def pool(name: str, size: int) -> Any:
         deployment: Any = serve.deployment(

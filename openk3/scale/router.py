@@ -6,11 +6,18 @@ two when load is imbalanced or the match rate is low. This one matches the engin
 match is a boundary where the replica's prefix cache can hit; the front end computes them once (prompt_keys.py) and they
 travel in the call. Ranks go best first; Ray's base class then takes, within a rank, the replica with the shortest queue
 that accepts the request. A replica Ray reports dead, or drops from the set, is forgotten (its restart is empty).
+
+Both routers here (this one, and `TargetedPowerOfTwoRouter`: Ray's default with the targeting below) honour a report
+call's `target` (the front end asks each replica for its /health and /metrics by id), and both ask Ray to back off
+between routing attempts (`routing_context.should_backoff`): without it Ray's routing loop retries at once, and a call
+that finds no replica (a report for a replica not yet, or no longer, in the set; every replica at capacity) spins the
+front end's event loop until nothing else runs there, requests and replica-set updates included.
 """
 
 from __future__ import annotations
 
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from openk3.scale.calls import ReplicaCall
 from openk3.scale.prefix_table import PrefixTable, TableConfig
@@ -22,16 +29,30 @@ def _call_of(pending: PendingRequest | None) -> ReplicaCall | None:
     return pending.args[0]
 
 
+def _targeted(candidate_replicas: list[RunningReplica], call: ReplicaCall | None) -> list[list[RunningReplica]] | None:
+    """A report call's one replica (none while it is absent from the set: Ray asks again after a backoff); None for any
+    other call."""
+    if call is None or call.target is None:
+        return None
+    return [[r] for r in candidate_replicas if r.replica_id.unique_id == call.target]
+
+
+def _back_off(pending: PendingRequest | None) -> None:
+    if pending is not None:
+        pending.routing_context.should_backoff = True
+
+
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, max_keys_per_replica: int = 1 << 16, max_imbalance: int = 4) -> None:  # type: ignore[override]
         self.table = PrefixTable(TableConfig(max_keys_per_replica, max_imbalance))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        _back_off(pending_request)
         call = _call_of(pending_request)
-        if call is not None and call.target is not None:
-            # a report for one replica: only it (absent from this candidate set: none now, Ray asks again after a backoff)
-            return [[by_id[call.target]]] if call.target in by_id else []
+        targeted = _targeted(candidate_replicas, call)
+        if targeted is not None:
+            return targeted
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         keys = call.keys if call is not None else ()
         avoid = call.avoid if call is not None else frozenset()
         ranked = self.table.rank(keys, by_id, avoid)
@@ -59,3 +80,18 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.table.retain(r.replica_id.unique_id for r in replicas)
+
+
+class TargetedPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray's default power-of-two choices (the `--replica-router pow2` baseline), sending a report call to its target
+    replica. Ray's own class also has FIFOMixin, which hands a replica chosen for one call to the oldest pending call:
+    a report would reach a replica it was not meant for. Without it, as here, Ray matches each replica to the exact
+    call it was chosen for (calls are then served out of arrival order, which the front end does not rely on)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        targeted = _targeted(candidate_replicas, _call_of(pending_request))
+        if targeted is not None:
+            _back_off(pending_request)
+            return targeted
+        # Ray's procedure as it is (it reads only what the mixins and the base class give every router)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)  # type: ignore[arg-type]

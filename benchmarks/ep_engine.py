@@ -4,7 +4,8 @@ process, same prompts, same run.
 Greedy decoding of P prompts x T new tokens (ignore_eos), after one untimed warm-up generate per engine. Every process runs
 torch with --threads intra-op threads (one process: --threads; ep=N: --threads per rank). tok/s = generated tokens / wall
 time of the timed generate. The ratio is against the single process of the same run; a method whose tokens differ from the
-single process's is reported as MISMATCH, without a time.
+single process's is reported as MISMATCH, without a time. eplb places its replicas from the expert load the single
+process measured on the same prompts (an untimed run with export_eplb_stats).
 
   python benchmarks/ep_engine.py                                  # tiny, 4 prompts x 32 tokens, ep=2, ep/moonep/eplb
   python benchmarks/ep_engine.py --model debug --tokens 16 --methods ep
@@ -17,8 +18,10 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -66,10 +69,15 @@ def main() -> int:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s) per process, commit {commit}")
     print(f"model {args.model}, {args.prompts} prompts x {args.tokens} greedy tokens, ep={args.ep}\n")
 
+    stats = Path(tempfile.mkdtemp(prefix="openk3-ep-engine-")) / "load.json"
+    if "eplb" in args.methods:  # an untimed run of its own, so the reference pays nothing for the counting
+        with LLM(args.model, export_eplb_stats=str(stats)) as measuring:
+            measuring.generate(prompts, params)
     want, base = timed(LLM(args.model), prompts, params)
     rows = [("one process", f"{new_tokens / base:.1f}", "1.00", "reference")]
     for method in args.methods:
-        got, wall = timed(LLM(args.model, ep=args.ep, ep_method=method, ep_threads=args.threads), prompts, params)
+        placed = {"eplb_stats": str(stats)} if method == "eplb" else {}
+        got, wall = timed(LLM(args.model, ep=args.ep, ep_method=method, ep_threads=args.threads, **placed), prompts, params)
         if got != want:
             rows.append((f"ep={args.ep} {method}", "-", "-", "MISMATCH"))
         else:

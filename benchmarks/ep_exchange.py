@@ -6,8 +6,10 @@ calls of rank 0 (this process drives the engine; every rank issues the same MoE 
 torch.distributed functions. Per decode step = (a generate of 1 + n tokens minus a generate of 1 token) / n, so prefill
 and start-up cancel; a child's time is the median of --reps such differences, the table's the median over --rounds
 children, old and new alternating. Tokens of every run are checked against one process
-(the new tree); a mismatch is reported instead of figures. A second table times one MoE layer alone (the model's shape,
-plain EP, 2 spawned ranks, --layer-tokens per rank): old exchange, new exact exchange, new fixed-capacity exchange.
+(the new tree); a mismatch is reported instead of figures. eplb places from the expert load that one-process run
+exported (export_eplb_stats); a tree without the eplb_stats setting places from a uniform load, as it did. A second
+table times one MoE layer alone (the model's shape, plain EP, 2 spawned ranks, --layer-tokens per rank): old exchange,
+new exact exchange, new fixed-capacity exchange.
 
   python benchmarks/ep_exchange.py --old /tmp/oldep                       # tiny, ep=2, ep/eplb/moonep, 16 decode steps
   python benchmarks/ep_exchange.py --old /tmp/oldep --methods ep --tokens 32
@@ -22,6 +24,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +35,21 @@ PROMPT = "And God said, Let there be light"
 COUNTED = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier")
 
 
-def child(model: str, ep: int, method: str, tokens: int, reps: int, threads: int) -> dict[str, Any]:
+def load_file_settings(ep: int, method: str, stats: str | None) -> dict[str, str]:
+    """export_eplb_stats for the one-process run, eplb_stats for eplb: what this child's tree has of the two."""
+    import dataclasses
+
+    from openk3.parallel.config import ParallelConfig
+
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    if stats is not None and ep == 1 and "export_eplb_stats" in known:
+        return {"export_eplb_stats": stats}
+    if stats is not None and method == "eplb" and "eplb_stats" in known:
+        return {"eplb_stats": stats}
+    return {}
+
+
+def child(model: str, ep: int, method: str, tokens: int, reps: int, threads: int, stats: str | None) -> dict[str, Any]:
     import warnings
 
     import torch
@@ -52,7 +69,8 @@ def child(model: str, ep: int, method: str, tokens: int, reps: int, threads: int
             return _fn(*args, **kwargs)
 
         setattr(dist, name, counted)
-    llm = LLM(model) if ep == 1 else LLM(model, ep=ep, ep_method=method, ep_threads=threads)
+    placed = load_file_settings(ep, method, stats)
+    llm = LLM(model, **placed) if ep == 1 else LLM(model, ep=ep, ep_method=method, ep_threads=threads, **placed)
     try:
 
         def run(n: int) -> tuple[list[int], float, dict[str, int]]:
@@ -137,9 +155,10 @@ def layer_child(tokens: int, calls: int, padded: bool) -> dict[str, Any]:
     }
 
 
-def run_child(tree: Path, args: argparse.Namespace, method: str, ep: int) -> dict[str, Any]:
+def run_child(tree: Path, args: argparse.Namespace, method: str, ep: int, stats: Path | None = None) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", method, "--ep", str(ep), "--model", args.model]
+    cmd += ["--stats", str(stats)] if stats is not None else []
     cmd += ["--tokens", str(args.tokens), "--reps", str(args.reps), "--threads", str(args.threads)]
     cmd += ["--layer-tokens", str(args.layer_tokens), "--layer-calls", str(args.layer_calls)]
     done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
@@ -165,12 +184,13 @@ def main() -> int:
     parser.add_argument("--layer-tokens", type=int, default=4, help="tokens per rank in the layer benchmark (decode-sized)")
     parser.add_argument("--layer-calls", type=int, default=200, help="MoE calls timed per layer-benchmark child")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stats", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         if args.child.startswith("layer"):
             print(json.dumps(layer_child(args.layer_tokens, args.layer_calls, args.child == "layer_padded")))
         else:
-            print(json.dumps(child(args.model, args.ep, args.child, args.tokens, args.reps, args.threads)))
+            print(json.dumps(child(args.model, args.ep, args.child, args.tokens, args.reps, args.threads, args.stats)))
         return 0
     if args.old is None:
         parser.error("--old TREE is required (e.g. git archive HEAD | tar -x -C /tmp/oldep)")
@@ -190,14 +210,15 @@ def main() -> int:
 
 
 def engine_table(args: argparse.Namespace) -> None:
-    want = run_child(HERE, args, "ep", 1)["tokens"]
+    stats = Path(tempfile.mkdtemp(prefix="openk3-ep-exchange-")) / "load.json"
+    want = run_child(HERE, args, "ep", 1, stats)["tokens"]  # also exports the load eplb places from
     trees = (("old", args.old), ("new", HERE))
     # Rounds alternate old and new, so a change in the machine's load hits both alike.
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {(m, name): [] for m in args.methods for name, _ in trees}
     for _ in range(args.rounds):
         for method in args.methods:
             for name, tree in trees:
-                runs[method, name].append(run_child(tree, args, method, args.ep))
+                runs[method, name].append(run_child(tree, args, method, args.ep, stats))
     print(f"| {'method':<7} | tree | a2a | all_gather | broadcast | all collectives | step ms | new/old time | check |")
     print("|---------|------|-----|------------|-----------|-----------------|---------|--------------|-------|")
     for method in args.methods:

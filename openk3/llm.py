@@ -15,6 +15,10 @@ caching works on every layout (rank 0's slot and page copies are replayed on the
 engine owns its cache), its host and disk tiers only on one rank or with dp > 1; the ranks do not pack their projections
 for CPU (pack_cpu_weights applies to a single-process engine).
 
+`export_eplb_stats=PATH` counts the routing entries per expert of every MoE layer over every step (rank 0's model, which
+sees every token: one process, ep=N, tp=N; not dp > 1) and close() writes them to PATH, the file `ep_method="eplb",
+eplb_stats=PATH` places its replicas from (openk3.parallel.ep.load_stats).
+
 The C heap setting of `openk3 serve` (serve/cpu_heap.py) is a process option: call keep_heap_for_reuse() for the same here.
 """
 
@@ -22,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -38,7 +43,11 @@ from openk3.serve.runner import CausalLM
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
 
+if TYPE_CHECKING:
+    from openk3.parallel.ep.load_stats import LoadRecording
+
 Prompt = str | list[int]
+log = logging.getLogger("openk3.llm")
 
 
 class LLM:
@@ -90,14 +99,39 @@ class LLM:
         self.tokenizer = tok
         self.processor = OutputProcessor(self.core)
         self._ids = itertools.count()
+        self._load_recording: LoadRecording | None = None
+        if parallel.export_eplb_stats is not None:
+            # after the engine prepared the model for serving; rank 0's model sees every token (dp > 1 is refused)
+            from openk3.parallel.ep.load_stats import record_expert_load
+
+            counted = self._ep.driver.model if self._ep is not None and self._ep.driver is not None else net
+            try:
+                self._load_recording = record_expert_load(counted, parallel.export_eplb_stats)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
-        """Stop the disk tier's writer thread and remove its files; with ep > 1, stop the worker ranks and leave the group."""
+        """Stop the disk tier's writer thread and remove its files; with export_eplb_stats, write the expert load counted
+        (once); with ep > 1, stop the worker ranks and leave the group."""
         try:
             self.core.close()
         finally:
-            if self._ep is not None:
-                self._ep.close()
+            try:
+                self._save_expert_load()
+            finally:
+                if self._ep is not None:
+                    self._ep.close()
+
+    def _save_expert_load(self) -> None:
+        recording, self._load_recording = self._load_recording, None
+        if recording is None:
+            return
+        try:
+            recording.save()
+            log.info("wrote the expert load of %d steps to %s (--eplb-stats reads it)", recording.steps(), recording.path)
+        finally:
+            recording.detach()  # a caller's module gets its own expert backends back
 
     def __enter__(self) -> LLM:
         return self

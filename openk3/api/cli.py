@@ -74,7 +74,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
     from openk3.serve.engine import LLMEngine
     from openk3.serve.loading import build_model, model_tokenizer
 
-    config, _ = server_configs(args)
+    config, parallel = server_configs(args)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     if ctx is not None:
@@ -85,6 +85,7 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
         driver, _ = start_driver(ctx, spec)
         try:
             app = _app(args, LLMEngine(driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"), config))
+            _record_expert_load(app, driver.model, parallel)
         except BaseException:
             driver.close()
             raise
@@ -92,7 +93,33 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
         app.state.metrics.attach_ep(driver.totals)
         return app
     model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed, byte_tokenizer=args.tokenizer == "byte")
-    return _app(args, LLMEngine(model, tokenizer, config))
+    app = _app(args, LLMEngine(model, tokenizer, config))
+    _record_expert_load(app, model, parallel)
+    return app
+
+
+def _record_expert_load(app: FastAPI, model: Any, parallel: ParallelConfig) -> None:
+    """--export-eplb-stats: count rank 0's routing (it sees every token) from now on; _export_expert_load writes it."""
+    app.state.expert_load = None
+    if parallel.export_eplb_stats is not None:
+        from openk3.parallel.ep.load_stats import record_expert_load
+
+        app.state.expert_load = record_expert_load(model, parallel.export_eplb_stats)  # after the engine prepared the model
+
+
+def _export_expert_load(app: FastAPI, rc: int) -> int:
+    """After the server has drained (the engine thread has stopped): write the counted expert load; 1 if it cannot be."""
+    recording = getattr(app.state, "expert_load", None)
+    if recording is None:
+        return rc
+    log = logging.getLogger("openk3.api")
+    try:
+        recording.save()
+    except OSError as e:
+        log.error("could not write the expert load to %s: %s", recording.path, e)
+        return 1
+    log.info("wrote the expert load of %d steps to %s (--eplb-stats reads it)", recording.steps(), recording.path)
+    return rc
 
 
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
@@ -178,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    return serve_until_stopped(app, args)
+    return _export_expert_load(app, serve_until_stopped(app, args))
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
@@ -190,7 +217,9 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     from openk3.parallel.serving.ranks import run_worker_rank
 
-    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True, tp=parallel.tp, ep=parallel.ep > 1)
+    spec = RankModelSpec(
+        args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True, eplb_stats=parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1
+    )
     rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
     worker = lambda ctx: run_worker_rank(ctx, spec)  # noqa: E731
     return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
@@ -209,7 +238,17 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
     engine = dataclasses.replace(engine, pack_cpu_weights=False)
-    spec = RankModelSpec(args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=False, tp=parallel.tp, ep=True, dp=parallel.dp)
+    spec = RankModelSpec(
+        args.model,
+        parallel.ep_method,
+        engine.torch_dtype,
+        engine.seed,
+        collect_stats=False,
+        eplb_stats=parallel.eplb_stats,
+        tp=parallel.tp,
+        ep=True,
+        dp=parallel.dp,
+    )
     timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
     rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
     worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731
@@ -266,6 +305,7 @@ def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModel
         # after a failed step this sends nothing (the workers are stuck in that step); destroying the group afterwards
         # closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
         app.state.ep_driver.close()
+    rc = _export_expert_load(app, rc)
     if app.state.ep_driver.failed:
         log.error("rank 0: an expert-parallel step failed; tearing the group down")
         return 1

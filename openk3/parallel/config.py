@@ -12,11 +12,15 @@ from openk3.serve.config import EngineConfig
 
 class EPMethod(str, enum.Enum):
     EP = "ep"  # contiguous experts, no balancing
-    EPLB = "eplb"  # static placement with replicas (needs placements)
+    EPLB = "eplb"  # static placement with replicas of the measured hot experts (needs a load file: eplb_stats)
     MOONEP = "moonep"  # per-step balanced plan with expert prefetch
 
 
 EP_METHODS = tuple(m.value for m in EPMethod)
+STATS_NEEDED = (
+    "expert parallel: method 'eplb' places replicas from measured expert load and needs a stats file (--eplb-stats FILE); "
+    "export one from a run of the same model with --export-eplb-stats FILE, or use --ep-method ep or moonep"
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,14 @@ class ParallelConfig:
         1, "data-parallel attention groups (of --tp ranks each): each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp x tp", low=1
     )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
+    eplb_stats: str | None = setting(
+        None, "measured expert load (a file written by --export-eplb-stats) that --ep-method eplb places its replicas from (docs/parallel.md)"
+    )
+    export_eplb_stats: str | None = setting(
+        None,
+        "when the engine stops, write the expert load it routed (entries per expert and MoE layer, summed over every step) to "
+        "this file, for --eplb-stats (one process, --ep N or --tp N; not with --dp)",
+    )
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
     ep_timeout_s: float = setting(
         300.0, "seconds one collective of the expert-parallel group may wait for a rank before the step fails (a stalled or dead rank)", low=1
@@ -34,6 +46,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        self._check_load_files()
         if self.dp > 1 and self.ep != self.dp * self.tp:
             raise ValueError(
                 f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "
@@ -43,6 +56,22 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig: tp={self.tp} with ep={self.ep}: one engine runs its experts over its TP group (ep=1 or ep={self.tp}); "
                 "ep = dp x tp spreads them over dp data-parallel groups of tp ranks (--dp, docs/parallel.md)"
+            )
+
+    def _check_load_files(self) -> None:
+        eplb = self.ep > 1 and self.ep_method == EPMethod.EPLB.value
+        if eplb and self.eplb_stats is None:
+            raise ValueError(f"ParallelConfig: ep={self.ep}, ep_method='eplb' without eplb_stats: {STATS_NEEDED}")
+        if self.eplb_stats is not None and not eplb:
+            raise ValueError(
+                f"ParallelConfig: eplb_stats={self.eplb_stats!r} with ep={self.ep}, ep_method={self.ep_method!r}: the load file places "
+                "EPLB's replicas, so it is read only with ep > 1 and ep_method='eplb' (--ep N --ep-method eplb); drop it or use eplb"
+            )
+        if self.export_eplb_stats is not None and self.dp > 1:
+            raise ValueError(
+                f"ParallelConfig: export_eplb_stats={self.export_eplb_stats!r} with dp={self.dp}: each data-parallel rank routes only "
+                "its own tokens and gathering their counts over the DP ranks is not built; export from a run with dp=1 "
+                "(one process, --ep N or --tp N), whose rank 0 sees every token"
             )
 
     @property

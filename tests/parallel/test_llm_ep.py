@@ -22,6 +22,7 @@ from openk3.parallel.launch import run_ranks
 from openk3.parallel.serving.rank_model import load_rank_model, resident_expert_bytes
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
+from tests.parallel.test_eplb_stats import skewed_load_file
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [200, 1, 1, 7], list(range(30, 70))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -65,15 +66,16 @@ def first_w1(model: K3ForCausalLM) -> torch.Tensor:
 
 
 @pytest.mark.distributed
-def test_llm_ep_from_module_leaves_the_module_intact() -> None:
+def test_llm_ep_from_module_leaves_the_module_intact(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     model = K3ForCausalLM(debug())
     model.init_weights(seed=3, std=0.1)
     model.eval()
-    want = run(LLM(model, max_num_batched_tokens=16))[0]
+    stats = tmp_path / "load.json"  # the module's own measured load, for eplb to place from
+    want = run(LLM(model, max_num_batched_tokens=16, export_eplb_stats=str(stats)))[0]
     backends = [moe.backend for moe in model.moe_layers()]
     w1 = first_w1(model).detach().clone()
-    got = run(LLM(model, max_num_batched_tokens=16, ep=2, ep_method="eplb"))[0]
+    got = run(LLM(model, max_num_batched_tokens=16, ep=2, ep_method="eplb", eplb_stats=str(stats)))[0]
     assert got == want
     assert [moe.backend for moe in model.moe_layers()] == backends, "close() gives the module its own expert backends back"
     assert torch.equal(first_w1(model), w1), "rank 0 copies its shard: the caller's bank is untouched"
@@ -90,11 +92,12 @@ def test_ep_arguments_are_checked() -> None:
         LLM("no-such-model", ep=2)
 
 
-def rank_load(ctx: ParallelContext, folder: str) -> dict[str, tuple[int, list[int]]]:
-    """Per method: this rank's resident expert bytes and the first global expert id of each layer's shard."""
+def rank_load(ctx: ParallelContext, folder: str, stats: str) -> dict[str, tuple[int, list[int]]]:
+    """Per method: this rank's resident expert bytes and the first global expert id of each layer's shard (eplb placed
+    from the load file `stats`)."""
     out = {}
     for method in ("moonep", "eplb"):
-        model, backend = load_rank_model(folder, ctx, method)
+        model, backend = load_rank_model(folder, ctx, method, eplb_stats=stats if method == "eplb" else None)
         assert isinstance(backend, TokenSplit)  # replicated tokens: the default
         out[method] = resident_expert_bytes(model, backend), [int(s.global_ids[0]) for s in backend.inner.shards.values()]
     return out
@@ -112,10 +115,10 @@ def packed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow  # about 8 s, mostly two spawned interpreters importing torch; test_rank_experts.py checks the rows in process
 @pytest.mark.distributed
-def test_each_rank_loads_only_its_experts(packed_checkpoint: Path) -> None:
+def test_each_rank_loads_only_its_experts(packed_checkpoint: Path, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     full = resident_expert_bytes(load_model(packed_checkpoint))
-    per_rank = run_ranks(rank_load, 2, str(packed_checkpoint))
+    per_rank = run_ranks(rank_load, 2, str(packed_checkpoint), str(skewed_load_file(tmp_path / "load.json")))
     num_experts = debug().moe.num_experts
     # moonep: E/2 home experts; eplb: (E + 10% redundant, rounded up to a multiple of 2) / 2 physical experts
     held = {"moonep": num_experts // 2, "eplb": (num_experts + 2) // 2}

@@ -16,6 +16,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.weights import load_model, save_model
 from openk3.parallel.ep.placement import Placement, balanced_pack, eplb_placement, replicate
 from openk3.parallel.serving.rank_model import engine_placements, rank_expert_ids
+from tests.parallel.test_eplb_stats import skewed_load_file
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,10 @@ def check_ranks(checkpoint: Path, full: K3ForCausalLM, placements: dict[int, Pla
 
 
 @pytest.mark.parametrize(("method", "ranks"), [("eplb", 2), ("eplb", 3), ("moonep", 2)])
-def test_each_rank_bank_row_is_its_placed_expert(checkpoint: Path, full: K3ForCausalLM, method: str, ranks: int) -> None:
+def test_each_rank_bank_row_is_its_placed_expert(checkpoint: Path, full: K3ForCausalLM, method: str, ranks: int, tmp_path: Path) -> None:
     layers = [m.layer_index for m in full.moe_layers()]
-    check_ranks(checkpoint, full, engine_placements(layers, debug().moe.num_experts, ranks, method))
+    stats = skewed_load_file(tmp_path / "load.json") if method == "eplb" else None  # eplb places the measured hot experts
+    check_ranks(checkpoint, full, engine_placements(layers, debug().moe.num_experts, ranks, method, stats))
 
 
 def test_a_rank_holding_two_copies_of_an_expert_loads_both(checkpoint: Path, full: K3ForCausalLM) -> None:

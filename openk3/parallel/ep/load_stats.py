@@ -8,8 +8,11 @@ nothing. So an EPLB engine needs a file of measured load, and refuses to start w
 File (JSON, small: L x E integers):
   {"format": "openk3-expert-load", "version": 1, "num_experts": E, "window_steps": n,
    "layers": {"<layer index>": [tokens routed to expert 0, ..., expert E-1], ...}}
-window_steps: model calls the counts cover (the LoadCollector window, or fewer when the run was shorter). Counts are
-routing entries (token, expert) summed over the window, over every rank's tokens.
+window_steps: model calls the counts cover (the LoadCollector window, or fewer when the run was shorter; for an exported
+file every step the engine ran). Counts are routing entries (token, expert) summed over the window, over every rank's tokens.
+
+Export: an engine started with --export-eplb-stats counts from outside the model (`record_expert_load`: RecordingExperts
+around each MoE layer's backend, a running sum) and writes the file when it closes (LLM.close(), the server's shutdown).
 """
 
 from __future__ import annotations
@@ -21,17 +24,15 @@ from pathlib import Path
 
 import torch
 
+from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import ExpertBackend, LatentMoE
 from openk3.ops.moe.router import RouterOutput
+from openk3.parallel.config import STATS_NEEDED
 from openk3.parallel.ep.placement import LoadCollector, Placement, eplb_placement, redundant_for
 from openk3.parallel.group import ParallelContext
 
 FORMAT = "openk3-expert-load"
 VERSION = 1
-STATS_NEEDED = (
-    "expert parallel: method 'eplb' places replicas from measured expert load and needs a stats file (--eplb-stats FILE); "
-    "export one from a run of the same model with --export-eplb-stats FILE, or use --ep-method ep or moonep"
-)
 
 
 class LoadStatsError(ValueError):
@@ -139,3 +140,54 @@ class RecordingExperts:
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         self.collector.observe(layer.layer_index, routing.topk_idx)
         return self.inner(layer, z_TD, routing)
+
+
+class LoadRecording:
+    """What `record_expert_load` attached to a model: the running counts, `save` to write them to `path`, and `detach` to
+    give the layers their backends back."""
+
+    def __init__(self, model: K3ForCausalLM, path: Path, collector: LoadCollector, previous: list[ExpertBackend]) -> None:
+        self.model, self.path, self.collector, self._previous = model, path, collector, previous
+        self.layers = [moe.layer_index for moe in model.moe_layers()]
+
+    def steps(self) -> int:
+        """Model calls counted (the most any MoE layer saw)."""
+        return max((self.collector.steps(i) for i in self.layers), default=0)
+
+    def load(self) -> ExpertLoad:
+        """The counts so far, every MoE layer of the model listed (a layer never called: zeros, which --eplb-stats refuses)."""
+        return ExpertLoad(self.collector.num_experts, self.steps(), {i: self.collector.load(i) for i in self.layers})
+
+    def save(self) -> ExpertLoad:
+        load = self.load()
+        load.save(self.path)
+        return load
+
+    def detach(self) -> None:
+        """Each MoE layer gets back the backend it had before recording (idempotent)."""
+        for moe, previous in zip(self.model.moe_layers(), self._previous, strict=True):
+            if isinstance(moe.backend, RecordingExperts) and moe.backend.collector is self.collector:
+                moe.backend = previous
+
+
+def record_expert_load(model: object, path: str | Path) -> LoadRecording:
+    """Count, from now on, every routing entry of every MoE layer of `model` (a running sum: one [E] tensor per layer),
+    by wrapping each layer's current expert backend in RecordingExperts; `save()` writes them to `path` (its folder must
+    exist now, so a typo fails at start-up rather than after serving).
+
+    What the counts cover is what this model's router sees: everything in one process, and the whole batch on rank 0 of a
+    replicated-attention layout (--ep N or --tp N; its EP backend is a TokenSplit, which splits the batch only after the
+    wrapper counted it). With data-parallel attention a rank routes only its own tokens: gather over the ranks instead
+    (gather_load). Attach after the model is prepared for serving: prepare_for_serving re-selects the ops of a bare
+    LocalExperts it finds, not of one wrapped here."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise LoadStatsError(f"export_eplb_stats={str(path)!r}: the folder {str(target.parent)!r} does not exist")
+    if not isinstance(model, K3ForCausalLM):
+        raise ValueError(f"export_eplb_stats: counts the MoE layers of a K3ForCausalLM, got {type(model).__name__}")
+    collector = LoadCollector(model.config.moe.num_experts, window=None)
+    previous = []
+    for moe in model.moe_layers():
+        previous.append(moe.backend)
+        moe.backend = RecordingExperts(moe.backend, collector)
+    return LoadRecording(model, target, collector, previous)

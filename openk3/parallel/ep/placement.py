@@ -161,31 +161,48 @@ def redundant_for(num_experts: int, num_ranks: int, fraction: float) -> int:
 
 
 class LoadCollector:
-    """Tokens per expert per MoE layer over the last `window` observed steps; the engine or trainer feeds it topk_idx.
+    """Tokens per expert per MoE layer over the last `window` observed steps, or (window=None) a running sum since start:
+    what an engine exports (`--export-eplb-stats`), one [E] tensor per layer however long it serves. The engine or trainer
+    feeds it topk_idx.
 
     Not thread-safe: the caller feeds it from the one thread that runs the model.
     """
 
-    def __init__(self, num_experts: int, window: int) -> None:
-        if window < 1:
-            raise ValueError(f"LoadCollector: window={window}, expected >= 1 steps")
+    def __init__(self, num_experts: int, window: int | None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"LoadCollector: window={window}, expected >= 1 steps (or None: every step since start)")
         self.num_experts, self.window = num_experts, window
         self._steps: dict[int, deque[torch.Tensor]] = {}
+        self._totals: dict[int, torch.Tensor] = {}  # window=None: [E] int64 on the router's device
+        self._counted: dict[int, int] = {}  # window=None: steps observed per layer
 
     def observe(self, layer_index: int, topk_idx: torch.Tensor) -> None:
-        """Counted where the router ran: no host read per layer; load() copies the window to the host."""
+        """Counted where the router ran: no host read per layer; load() copies the counts to the host."""
         counts = counts_per_id(topk_idx.reshape(-1), self.num_experts)
-        self._steps.setdefault(layer_index, deque(maxlen=self.window)).append(counts)
+        if self.window is not None:
+            self._steps.setdefault(layer_index, deque(maxlen=self.window)).append(counts)
+            return
+        total = self._totals.get(layer_index)
+        if total is None:
+            self._totals[layer_index] = counts  # a fresh tensor (counts_per_id): the running sum may own it
+        else:
+            total.add_(counts)
+        self._counted[layer_index] = self._counted.get(layer_index, 0) + 1
 
     def steps(self, layer_index: int) -> int:
-        """Steps of `layer_index` inside the window (at most `window`)."""
+        """Steps of `layer_index` the counts cover (inside the window: at most `window`)."""
+        if self.window is None:
+            return self._counted.get(layer_index, 0)
         return len(self._steps.get(layer_index, ()))
 
     def layers(self) -> list[int]:
-        return sorted(self._steps)
+        return sorted(self._totals if self.window is None else self._steps)
 
     def load(self, layer_index: int) -> torch.Tensor:
-        """[E] int64 tokens per expert summed over the window (zeros when the layer was never observed)."""
+        """[E] int64 tokens per expert summed over the window or since start (zeros when the layer was never observed)."""
+        if self.window is None:
+            total = self._totals.get(layer_index)
+            return torch.zeros(self.num_experts, dtype=torch.int64) if total is None else total.cpu().clone()
         steps = self._steps.get(layer_index)
         if not steps:
             return torch.zeros(self.num_experts, dtype=torch.int64)

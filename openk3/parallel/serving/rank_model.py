@@ -4,8 +4,9 @@ Legend: E experts per MoE layer, W ranks, epn = E / W, P physical experts per ra
 
 Which experts rank r holds, per MoE layer:
 - ep, moonep: its home range r*epn .. r*epn+epn-1 (MoonEP fetches the remote experts a step needs into prefetch slots);
-- eplb: placement.phys_to_log[r]. An engine starts without load statistics, so its placement comes from a uniform load
-  with 10% redundant replicas (`engine_placements`); re-placing from collected loads at run time is not built.
+- eplb: placement.phys_to_log[r], built at start with 10% redundant replicas from a measured load file (`--eplb-stats
+  FILE`, written by a run with `--export-eplb-stats FILE`; `engine_placements` -> load_stats.eplb_engine_placements): every
+  rank reads the same file, so places the same replicas. Re-placing from loads collected while serving is not built.
 
 Where they come from:
 - a checkpoint folder (`load_rank_model`): load_model(experts=...) reads only those experts' tensors, so a rank never
@@ -30,8 +31,9 @@ from openk3.model.weights import load_model
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
+from openk3.parallel.ep.load_stats import eplb_engine_placements
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
-from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_placement, redundant_for
+from openk3.parallel.ep.placement import Placement, contiguous_placement
 from openk3.parallel.ep.shard import ExpertShard
 from openk3.parallel.ep.static_backend import ExpertParallelBackend
 from openk3.parallel.group import ParallelContext
@@ -40,17 +42,20 @@ from openk3.parallel.tp.shard import parallelize_tensor
 EPLB_REDUNDANT_FRACTION = 0.1
 
 
-def engine_placements(model_layers: list[int], num_experts: int, world_size: int, method: EPMethod | str) -> dict[int, Placement]:
-    """The placement of every MoE layer for an engine that starts without load statistics."""
+def engine_placements(
+    model_layers: list[int], num_experts: int, world_size: int, method: EPMethod | str, eplb_stats: str | Path | None
+) -> dict[int, Placement]:
+    """The placement of every MoE layer an engine starts with: contiguous homes (ep, moonep), or for eplb the replicas of
+    each layer's measured heaviest experts (`eplb_stats`, a load file: without one a ValueError, load_stats.STATS_NEEDED;
+    a file that does not fit the model a LoadStatsError naming it). A file with another method is refused, not ignored."""
     chosen = EPMethod(method)
-    if chosen is not EPMethod.EPLB and num_experts % world_size:
-        raise ValueError(f"expert parallel: method={chosen.value!r} needs the {num_experts} experts to split evenly over ep={world_size} ranks")
     if chosen is EPMethod.EPLB:
-        redundant = redundant_for(num_experts, world_size, EPLB_REDUNDANT_FRACTION)
-        placement = eplb_placement(torch.ones(num_experts), world_size, redundant)
-    else:
-        placement = contiguous_placement(num_experts, world_size)
-    return dict.fromkeys(model_layers, placement)
+        return eplb_engine_placements(model_layers, num_experts, world_size, eplb_stats, EPLB_REDUNDANT_FRACTION)
+    if eplb_stats is not None:
+        raise ValueError(f"expert parallel: eplb_stats={str(eplb_stats)!r} with method={chosen.value!r}: a load file places eplb's replicas only")
+    if num_experts % world_size:
+        raise ValueError(f"expert parallel: method={chosen.value!r} needs the {num_experts} experts to split evenly over ep={world_size} ranks")
+    return dict.fromkeys(model_layers, contiguous_placement(num_experts, world_size))
 
 
 def rank_expert_ids(placements: Mapping[int, Placement], rank: int) -> dict[int, list[int]]:
@@ -118,17 +123,18 @@ def load_rank_model(
     ep: bool = True,
     replicated_tokens: bool = True,
     tp_ctx: ParallelContext | None = None,
+    eplb_stats: str | Path | None = None,
 ) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
-    """Load a checkpoint folder with only this rank's part: its experts (ep), its tensor-parallel blocks (tp > 1: the
-    group is the TP group; without ep every expert is split by width instead). Returns the expert-parallel backend
-    attached, None without ep."""
+    """Load a checkpoint folder with only this rank's part: its experts (ep; eplb places them from the load file
+    `eplb_stats`), its tensor-parallel blocks (tp > 1: the group is the TP group; without ep every expert is split by width
+    instead). Returns the expert-parallel backend attached, None without ep."""
     tp_group = tp_ctx or ctx
     layout = (lambda model: parallelize_tensor(model, tp_group, split_experts=not ep)) if tp > 1 else None
     if not ep:
         return load_model(folder, dtype=dtype, device=device, layout=layout), None
     config = config_from_hf(Path(folder))
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method)
+    placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method, eplb_stats)
     model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank), layout=layout)
     return model, attach_rank_experts(
         model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats, replicated_tokens=replicated_tokens, split_ctx=tp_group

@@ -40,6 +40,7 @@ class RankModelSpec:
     dtype: torch.dtype
     seed: int
     collect_stats: bool
+    eplb_stats: str | None  # method eplb: the measured load file every rank places its replicas from (--eplb-stats)
     tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1)
     ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
@@ -76,7 +77,7 @@ def _rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelConte
         if not spec.ep:
             return source, None
         layers = [moe.layer_index for moe in source.moe_layers()]
-        placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method)
+        placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method, spec.eplb_stats)
         drop = tensor_parallel or ctx.rank != 0
         backend = attach_rank_experts(
             source, ctx, method, placements, False, drop_full_banks=drop, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
@@ -85,7 +86,17 @@ def _rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelConte
     folder = resolve_model(source)
     if folder is not None:
         return load_rank_model(
-            folder, ctx, method, spec.dtype, ctx.device, spec.collect_stats, tp=spec.tp, ep=spec.ep, replicated_tokens=replicated, tp_ctx=tp_ctx
+            folder,
+            ctx,
+            method,
+            spec.dtype,
+            ctx.device,
+            spec.collect_stats,
+            tp=spec.tp,
+            ep=spec.ep,
+            replicated_tokens=replicated,
+            tp_ctx=tp_ctx,
+            eplb_stats=spec.eplb_stats,
         )
     config = preset(str(source))
     net = K3ForCausalLM(config)
@@ -95,7 +106,7 @@ def _rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelConte
         parallelize_tensor(net, tp_ctx, split_experts=not spec.ep)
     if not spec.ep:
         return net, None
-    placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method)
+    placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method, spec.eplb_stats)
     return net, attach_rank_experts(
         net, ctx, method, placements, False, drop_full_banks=True, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
     )

@@ -11,7 +11,7 @@ parallel attention (dp2+ep2) each rank runs its own engine over the requests ran
 per forward of rank 0 (every rank runs one per step, a dummy when idle), and its step exchange is a scatter and a
 gather of objects (counted under neither column).
 
-  python benchmarks/parallel_layouts.py                       # tiny, 4 prompts x 32 tokens, tp2 / ep2 / tp2+ep2 / dp2+ep2
+  python benchmarks/parallel_layouts.py                       # tiny, 4 prompts x 32 tokens, every layout below
   python benchmarks/parallel_layouts.py --model debug --tokens 16
   python benchmarks/parallel_layouts.py --dtype bfloat16 --layouts tp2    # the bf16 divergence rate of TP2
 """
@@ -43,7 +43,13 @@ PROMPTS = [
     "The quick brown fox jumps over",
     "Once upon a time, in a land far away,",
 ] + [f"Prompt number {i}: the story of" for i in range(4, 16)]
-LAYOUTS: dict[str, dict[str, Any]] = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2+ep2": {"tp": 2, "ep": 2}, "dp2+ep2": {"dp": 2, "ep": 2}}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp": 2},
+    "ep2": {"ep": 2},
+    "tp2+ep2": {"tp": 2, "ep": 2},
+    "dp2+ep2": {"dp": 2, "ep": 2},
+    "dp2xtp2+ep4": {"dp": 2, "tp": 2, "ep": 4},  # four ranks: on a 2-core machine each gets half a core
+}
 COUNTED = ("all_reduce", "all_gather", "all_to_all_single", "broadcast")
 calls: collections.Counter[str] = collections.Counter()
 

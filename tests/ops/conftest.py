@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._device import _device_constructors
 
 # Triton reads TRITON_INTERPRET when a kernel is defined (openk3.ops.triton's modules are imported on first use, after
 # this): without CUDA the kernels of the `triton`-marked tests run in its interpreter, on CPU tensors.
@@ -32,6 +33,12 @@ if not torch.cuda.is_available():
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "triton: runs Triton kernels (under TRITON_INTERPRET=1 without CUDA); skipped without triton")
 
+
+# `with torch.device(...)` recognises the factory functions by identity, from a set torch builds once, on first use
+# (torch.utils._device._device_constructors, cached). Built while these patches are in place, the set would hold the
+# poisoned wrappers instead of torch.empty & co., and every later `with torch.device("meta")` in the session (the K3
+# model built on meta, in tests/model) would allocate its empty tensors on the CPU: build it now, unpatched.
+_device_constructors()
 
 # The allocation entry points that return uninitialised memory; torch.empty, torch.empty_like and Tensor.new_empty are the
 # ones openk3/ops calls, the others are poisoned so that a future use is covered too.

@@ -132,7 +132,7 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: {num_pages} pages x {cfg.page_size} tokens = {capacity}"
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
+        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed, self.device), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
@@ -145,7 +145,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         self.check_prompt(ids)
-        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id))
+        # a seeded request draws from its own generator, made where the sampler draws (the model's device)
+        generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
+        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator))
         self._prompt_tokens_total += len(ids)
 
     def check_prompt(self, ids: list[int]) -> None:

@@ -82,7 +82,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS and for every other end)
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when seeded; survives preemption so draws never repeat
+    generator: torch.Generator | None = None  # per-request RNG when seeded (on the engine's device); survives preemption: draws never repeat
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
     group_id: str | None = None  # the caller's request when this is one of its n samples (the scheduler shares slots by it)

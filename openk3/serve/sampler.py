@@ -5,7 +5,10 @@ call; each row's grammar advanced with its token after the draw) -> min_tokens m
 are out) -> penalties (repetition over prompt and output, frequency and presence over output) -> greedy rows take the
 argmax -> temperature -> min_p -> top_k -> top_p -> draw.
 Drawing is the exponential race argmax(p / q), q ~ Exp(1): a seeded request draws q from its own generator, so its tokens do
-not depend on what else is in the batch; unseeded rows share the sampler's generator. Logprobs are of the model's raw
+not depend on what else is in the batch; unseeded rows share the sampler's generator. q is drawn where the logits are, by
+generators on that device (the engine makes the seeded requests' generators there too): nothing of size M x V crosses
+between host and device, and the step's one host read is the sampled tokens. A CUDA generator's stream differs from a
+CPU generator's of the same seed, so a seed reproduces its tokens on the same kind of device (as in vLLM). Logprobs are of the model's raw
 distribution (before the grammar mask, penalties and temperature), as vLLM returns them by default.
 Legend: M rows (requests sampling this step), V vocabulary.
 """
@@ -114,8 +117,8 @@ def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without their own seed, on the logits' device
         self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' request ids
 
     def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -153,15 +156,15 @@ class Sampler:
             top_p = torch.tensor([rows[i].params.top_p for i in rand], dtype=torch.float32, device=device)
             min_p = torch.tensor([rows[i].params.min_p for i in rand], dtype=torch.float32, device=device)
             probs = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p).softmax(-1)
-            q = torch.empty(len(rand), vocab)
+            q = torch.empty(len(rand), vocab, device=device)
             shared = [j for j, i in enumerate(rand) if rows[i].generator is None]
             if shared:
-                q[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.generator)
+                q[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self._on(device, self.generator))
             for j, i in enumerate(rand):
                 gen = rows[i].generator
                 if gen is not None:
-                    q[j] = torch.empty(vocab).exponential_(generator=gen)
-            tokens[rand] = (probs / q.to(device)).argmax(-1)
+                    q[j] = torch.empty(vocab, device=device).exponential_(generator=self._on(device, gen))
+            tokens[rand] = (probs / q).argmax(-1)
 
         token_list = tokens.tolist()
         if picked:
@@ -179,3 +182,12 @@ class Sampler:
                     top=tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else (),
                 )
         return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _on(device: torch.device, generator: torch.Generator) -> torch.Generator:
+        if generator.device.type != device.type:
+            raise ValueError(
+                f"Sampler: a generator on {generator.device} for logits on {device}: draws are made on the logits' device, "
+                "so its generators must be there too (LLMEngine makes them so)"
+            )
+        return generator

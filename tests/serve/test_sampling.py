@@ -129,3 +129,22 @@ def test_partial_top_k_path_equals_full_sort_path() -> None:
     assert torch.equal(fast, full)
     kept = (fast > torch.finfo(fast.dtype).min).sum(-1)
     assert kept[0] == 1 and kept[2] <= 40 and kept[3] <= 40
+
+
+def test_draws_are_made_where_the_logits_are() -> None:
+    """The engine makes a seeded request's generator on its own device, the sampler draws q there (no M x V copy); a
+    generator on another kind of device is refused by name rather than copied across."""
+    from openk3.serve.config import EngineConfig
+    from openk3.serve.engine import LLMEngine
+    from openk3.serve.loading import build_model
+
+    model, tok = build_model("debug", torch.float32, "cpu", 0)
+    engine = LLMEngine(model, tok, EngineConfig(max_model_len=64, num_pages=16))
+    engine.add_request("a", [1, 2, 3], SamplingParams(seed=3, max_tokens=2))
+    generator = engine.scheduler.requests["a"].generator
+    assert generator is not None and generator.device == engine.device
+    assert engine.runner.sampler.generator.device == engine.device
+    if torch.cuda.is_available():
+        logits = torch.zeros(1, 8, device="cuda")
+        with pytest.raises(ValueError, match="generators must be there too"):
+            Sampler(device="cuda")(logits, [row(SamplingParams(seed=1), generator=torch.Generator().manual_seed(1))])

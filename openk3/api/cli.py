@@ -122,6 +122,38 @@ def _export_expert_load(app: FastAPI, rc: int) -> int:
     return rc
 
 
+def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, Any]:
+    """The app for `serve` flags with a multi-rank layout (--tp/--ep/--dp), its other ranks spawned on this machine as
+    `LLM(tp=, ep=, dp=)` spawns them (parallel/serving/local.py), instead of joining a torchrun group: what a Ray Serve
+    replica of several ranks runs (openk3.scale). Returns the app and the LocalEP, whose close() stops those ranks."""
+    import torch
+
+    from openk3.parallel.serving.local import LocalEP
+    from openk3.serve.engine import LLMEngine
+    from openk3.serve.loading import model_tokenizer
+
+    config, parallel = server_configs(args)
+    if parallel.world_size == 1:
+        raise ValueError("build_server_with_local_ranks: the flags ask for one rank; use build_server")
+    if parallel.export_eplb_stats is not None:
+        raise ValueError("--export-eplb-stats with spawned ranks is not supported: export from one process or a torchrun server")
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    config = dataclasses.replace(config, pack_cpu_weights=False)  # the ranks prepare their own shards at start-up
+    tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
+    ranks = LocalEP(args.model, parallel, config.torch_dtype, config.device, config.seed, config, tokenizer)
+    try:
+        if ranks.dp_engine is not None:
+            app = _app(args, ranks.dp_engine)
+        else:
+            assert ranks.driver is not None
+            app = _app(args, LLMEngine(ranks.driver, tokenizer, config))
+    except BaseException:
+        ranks.close()
+        raise
+    return app, ranks
+
+
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
     """The engine and parallel settings of parsed `serve` flags. The server owns its model, so on CPU its projections are
     packed unless --no-cpu-weight-packing."""

@@ -36,7 +36,7 @@ class ScaleConfig:
     replicas: int  # the engine replicas; with prefill_replicas > 0, the decode pool
     prefill_replicas: int = 0  # > 0: a pool of prefill replicas in front of the decode pool (disaggregation)
     router: str = "prefix"
-    replica_cpus: float = 1.0  # Ray CPUs reserved per replica (its engine thread and torch's)
+    replica_cpus: float = 1.0  # Ray CPUs reserved per rank of a replica (its engine thread and torch's)
     max_ongoing_requests: int = 512  # per replica; past it Ray queues at the front end, the engine's own admission is the limit
     max_imbalance: int = 4  # prefix router: in-flight requests a match may cost over the least loaded replica
     app_name: str = "openk3"
@@ -64,8 +64,8 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
     from openk3.api.cli import server_configs
 
     engine, parallel = server_configs(serve_args)
-    if parallel.world_size > 1:
-        raise ValueError(f"--replicas {config.replicas} with a multi-rank replica (--ep/--tp/--dp world size {parallel.world_size}) is not supported yet")
+    if parallel.export_eplb_stats is not None:
+        raise ValueError("--export-eplb-stats with --replicas: every replica would write its own counts to the one file; export from one `openk3 serve`")
     if config.router == "prefix" and not engine.enable_prefix_caching:
         raise ValueError("--replica-router prefix routes by cached prefix: it needs --enable-prefix-caching (or use --replica-router pow2)")
     if config.prefill_replicas and not engine.enable_prefix_caching:
@@ -73,9 +73,23 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
     return engine.prefix_match_unit
 
 
+def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> dict[str, float]:
+    """What Ray reserves for one replica: `replica_cpus` per rank, and one GPU per rank on CUDA (a multi-rank replica's
+    ranks run on the replica's node, so they are reserved together with it)."""
+    from openk3.api.cli import server_configs
+
+    engine, parallel = server_configs(serve_args)
+    ranks = parallel.world_size
+    resources = {"num_cpus": config.replica_cpus * ranks}
+    if engine.device.startswith("cuda"):
+        resources["num_gpus"] = float(ranks)
+    return resources
+
+
 def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
     serve_args = serve_arguments(argv) if isinstance(argv, list) else argv
     match_unit = check_combination(serve_args, config)
+    resources = replica_resources(serve_args, config)
     if config.router == "prefix":
         router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
     else:
@@ -87,7 +101,7 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
             name=name,
             num_replicas=size,
             max_ongoing_requests=config.max_ongoing_requests,
-            ray_actor_options={"num_cpus": config.replica_cpus},
+            ray_actor_options=resources,
             request_router_config=router,
             health_check_period_s=2.0,
             health_check_timeout_s=30.0,

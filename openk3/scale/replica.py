@@ -9,15 +9,21 @@ With prefill/decode disaggregation the same class serves both pools: a prefill r
 prompt but its last token, export the boundary there: serve/cache/handoff.py's protocol), a decode replica imports the
 record a call carries before it serves the request, which then hits the record and computes only the last prompt token.
 A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
+
+A replica of several ranks (`--tp/--ep/--dp` with `--replicas`) spawns its other ranks on its own node, as `LLM(ep=N)`
+does (api/cli.py build_server_with_local_ranks); Ray reserves the CPUs (or GPUs) of all of them for the replica
+(deploy.py), and the replica's shutdown stops them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from ray import serve
 
@@ -35,13 +41,25 @@ PREFILL = SamplingParams(temperature=0, max_tokens=1)
 class EngineReplica:
     # Ray Serve awaits an async constructor (replicas may start their engines here); type checkers want None from __init__
     async def __init__(self, serve_args: argparse.Namespace) -> None:  # type: ignore[misc]
-        from openk3.api.cli import build_server
+        from openk3.api.cli import build_server, build_server_with_local_ranks, server_configs
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.app = build_server(serve_args)
+        self._ranks: Any = None  # the LocalEP of a multi-rank replica
+        if server_configs(serve_args)[1].world_size > 1:
+            self.app, self._ranks = build_server_with_local_ranks(serve_args)
+        else:
+            self.app = build_server(serve_args)
         self._lifespan: AbstractAsyncContextManager[object] = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         log.info("replica %s: engine started", self.replica_id)
+
+    async def __del__(self) -> None:
+        """Ray Serve's shutdown of this replica: drain the server (its lifespan's end), then stop its other ranks."""
+        try:
+            await self._lifespan.__aexit__(None, None, None)
+        finally:
+            if self._ranks is not None:
+                await asyncio.to_thread(self._ranks.close)
 
     async def forward(self, call: ReplicaCall) -> AsyncIterator[ResponseHead | bytes]:
         """The app's answer to `call`: its head (with this replica's id), then its body chunks as they are made."""

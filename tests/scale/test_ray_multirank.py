@@ -1,0 +1,63 @@
+"""A replica of two expert-parallel ranks (`--ep 2` with `--replicas 1`) on a local Ray cluster: the replica spawns its
+second rank on its node, Ray reserves both ranks' CPUs, and the completion equals one process's. Bounded as
+test_ray_replicas.py."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from tests.scale.test_ray_replicas import ARGV, _free_port, ray_can_start, wait_healthy
+
+ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
+serve = pytest.importorskip("ray.serve")
+
+from openk3.llm import LLM  # noqa: E402
+from openk3.scale.cluster import RayStartError, connect  # noqa: E402
+from openk3.scale.deploy import ScaleConfig, application, replica_resources, serve_arguments  # noqa: E402
+from openk3.serve.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+EP_ARGV = [*ARGV, "--ep", "2"]
+PROMPT = "And God said, Let there be light: and there was light."
+
+
+def test_a_replica_reserves_every_rank() -> None:
+    assert replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)) == {"num_cpus": 1.0}
+    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    reason = ray_can_start(90)
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        connect(None, num_cpus=2)
+    except RayStartError as e:
+        pytest.skip(f"Ray cannot start here: {e}")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(application(EP_ARGV, ScaleConfig(replicas=1, replica_cpus=1)), name="openk3", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_two_rank_replica_serves_one_process_tokens(base_url: str) -> None:
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        wait_healthy(client, 1, 120)
+        body = {"model": "debug", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the preset's "random weights" warning
+        with LLM("debug", max_model_len=1024) as llm:
+            want = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0].text
+    assert r.json()["choices"][0]["text"] == want

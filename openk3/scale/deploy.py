@@ -73,17 +73,37 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
     return engine.prefix_match_unit
 
 
-def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> dict[str, float]:
-    """What Ray reserves for one replica: `replica_cpus` per rank, and one GPU per rank on CUDA (a multi-rank replica's
-    ranks run on the replica's node, so they are reserved together with it)."""
+@dataclass(frozen=True)
+class ReplicaResources:
+    """What Ray reserves for one replica: per rank `replica_cpus` CPUs and, on CUDA, one GPU. A replica of several ranks
+    gets one placement-group bundle per rank, STRICT_PACK (its other ranks are processes it spawns on its own node, so
+    all bundles must be there; Ray gang-schedules them: the replica starts only once every rank's share is free); the
+    replica's own actor runs in the first bundle."""
+
+    per_rank: dict[str, float]  # Ray's names: CPU, GPU
+    ranks: int
+
+    def actor_options(self) -> dict[str, float]:
+        options = {"num_cpus": self.per_rank["CPU"]}
+        if "GPU" in self.per_rank:
+            options["num_gpus"] = self.per_rank["GPU"]
+        return options
+
+    def deployment_options(self) -> dict[str, Any]:
+        if self.ranks == 1:
+            return {"ray_actor_options": self.actor_options()}
+        bundles = [dict(self.per_rank) for _ in range(self.ranks)]
+        return {"ray_actor_options": self.actor_options(), "placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+
+
+def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> ReplicaResources:
     from openk3.api.cli import server_configs
 
     engine, parallel = server_configs(serve_args)
-    ranks = parallel.world_size
-    resources = {"num_cpus": config.replica_cpus * ranks}
+    per_rank = {"CPU": config.replica_cpus}
     if engine.device.startswith("cuda"):
-        resources["num_gpus"] = float(ranks)
-    return resources
+        per_rank["GPU"] = 1.0
+    return ReplicaResources(per_rank, parallel.world_size)
 
 
 def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
@@ -101,7 +121,7 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
             name=name,
             num_replicas=size,
             max_ongoing_requests=config.max_ongoing_requests,
-            ray_actor_options=resources,
+            **resources.deployment_options(),
             request_router_config=router,
             health_check_period_s=2.0,
             health_check_timeout_s=30.0,

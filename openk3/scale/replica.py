@@ -11,8 +11,8 @@ record a call carries before it serves the request, which then hits the record a
 A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
 
 A replica of several ranks (`--tp/--ep/--dp` with `--replicas`) spawns its other ranks on its own node, as `LLM(ep=N)`
-does (api/cli.py build_server_with_local_ranks); Ray reserves the CPUs (or GPUs) of all of them for the replica
-(deploy.py), and the replica's shutdown stops them.
+does (api/cli.py build_server_with_local_ranks); Ray reserves a placement-group bundle per rank on that node for the
+replica (deploy.py), and the replica's shutdown stops them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A replica of two expert-parallel ranks (`--ep 2` with `--replicas 1`) on a local Ray cluster: the replica spawns its
-second rank on its node, Ray reserves both ranks' CPUs, and the completion equals one process's. Bounded as
+second rank on its node, Ray reserves both ranks' CPUs (a STRICT_PACK placement group of one bundle per rank), and the
+completion equals one process's. Bounded as
 test_ray_replicas.py."""
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ PROMPT = "And God said, Let there be light: and there was light."
 
 
 def test_a_replica_reserves_every_rank() -> None:
-    assert replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)) == {"num_cpus": 1.0}
-    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
+    two = replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)).deployment_options()
+    assert two == {"ray_actor_options": {"num_cpus": 0.5}, "placement_group_bundles": [{"CPU": 0.5}] * 2, "placement_group_strategy": "STRICT_PACK"}
+    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)).deployment_options() == {"ray_actor_options": {"num_cpus": 1.0}}
 
 
 @pytest.fixture(scope="module")

@@ -303,7 +303,11 @@ def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankMo
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
     try:
-        app = _app(args, dp_engine)
+        try:
+            app = _app(args, dp_engine)
+        except ValueError as e:
+            print(f"openk3 serve: {e}", file=sys.stderr)
+            return 2
         _keep_handlers_until_workers_stop(log)
         rc = serve_until_stopped(app, args)
     finally:

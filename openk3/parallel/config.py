@@ -90,6 +90,9 @@ class ParallelConfig:
                 f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported on more than one rank yet "
                 "(docs/parallel.md)"
             )
+        if self.world_size > 1 and engine.pack_cpu_weights:
+            # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights
+            raise ValueError(f"pack_cpu_weights=True (--cpu-weight-packing) with {ranks}: oneDNN's packed weights apply to a single-process engine only")
         if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
             raise ValueError(f"device={engine.device!r} with {ranks}: rank r takes GPU r, so name no index (device='cuda')")

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --replicas: add P prefill replicas; the --replicas N then decode, each prompt handed over with its KDA state and MLA latents",
     )
-    g.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per rank of a replica (default 1)")
     g.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start a local one)")
 
 

@@ -68,42 +68,26 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
         raise ValueError("--export-eplb-stats with --replicas: every replica would write its own counts to the one file; export from one `openk3 serve`")
     if config.router == "prefix" and not engine.enable_prefix_caching:
         raise ValueError("--replica-router prefix routes by cached prefix: it needs --enable-prefix-caching (or use --replica-router pow2)")
+    if config.prefill_replicas and parallel.world_size > 1:
+        # the hand-off reads and writes one engine's prefix cache; a multi-rank engine's is spread over its ranks
+        raise ValueError(f"--prefill-replicas with multi-rank replicas (--tp/--ep/--dp, {parallel.world_size} ranks) is not supported: use one-rank replicas")
     if config.prefill_replicas and not engine.enable_prefix_caching:
         raise ValueError("--prefill-replicas hands each prompt to a decode replica's prefix cache: it needs --enable-prefix-caching")
     return engine.prefix_match_unit
 
 
-@dataclass(frozen=True)
-class ReplicaResources:
-    """What Ray reserves for one replica: per rank `replica_cpus` CPUs and, on CUDA, one GPU. A replica of several ranks
-    gets one placement-group bundle per rank, STRICT_PACK (its other ranks are processes it spawns on its own node, so
-    all bundles must be there; Ray gang-schedules them: the replica starts only once every rank's share is free); the
-    replica's own actor runs in the first bundle."""
-
-    per_rank: dict[str, float]  # Ray's names: CPU, GPU
-    ranks: int
-
-    def actor_options(self) -> dict[str, float]:
-        options = {"num_cpus": self.per_rank["CPU"]}
-        if "GPU" in self.per_rank:
-            options["num_gpus"] = self.per_rank["GPU"]
-        return options
-
-    def deployment_options(self) -> dict[str, Any]:
-        if self.ranks == 1:
-            return {"ray_actor_options": self.actor_options()}
-        bundles = [dict(self.per_rank) for _ in range(self.ranks)]
-        return {"ray_actor_options": self.actor_options(), "placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
-
-
-def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> ReplicaResources:
+def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> dict[str, float]:
+    """Ray's actor options for one replica: `replica_cpus` per rank and, on CUDA, one GPU per rank. A replica of several
+    ranks spawns them on its own node, and they see the GPUs Ray gives the replica's actor (CUDA_VISIBLE_DEVICES), so
+    the actor itself asks for every rank's share: Ray places it only on a node where all of them are free."""
     from openk3.api.cli import server_configs
 
     engine, parallel = server_configs(serve_args)
-    per_rank = {"CPU": config.replica_cpus}
+    ranks = parallel.world_size
+    options = {"num_cpus": config.replica_cpus * ranks}
     if engine.device.startswith("cuda"):
-        per_rank["GPU"] = 1.0
-    return ReplicaResources(per_rank, parallel.world_size)
+        options["num_gpus"] = float(ranks)
+    return options
 
 
 def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
@@ -121,7 +105,7 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
             name=name,
             num_replicas=size,
             max_ongoing_requests=config.max_ongoing_requests,
-            **resources.deployment_options(),
+            ray_actor_options=resources,
             request_router_config=router,
             health_check_period_s=2.0,
             health_check_timeout_s=30.0,

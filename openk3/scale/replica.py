@@ -11,8 +11,8 @@ record a call carries before it serves the request, which then hits the record a
 A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
 
 A replica of several ranks (`--tp/--ep/--dp` with `--replicas`) spawns its other ranks on its own node, as `LLM(ep=N)`
-does (api/cli.py build_server_with_local_ranks); Ray reserves a placement-group bundle per rank on that node for the
-replica (deploy.py), and the replica's shutdown stops them.
+does (api/cli.py build_server_with_local_ranks); Ray reserves every rank's CPUs (and GPUs) for the replica's actor
+(deploy.py), and the replica's shutdown stops them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,12 @@ class EngineReplica:
         else:
             self.app = build_server(serve_args)
         self._lifespan: AbstractAsyncContextManager[object] = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
+        try:
+            await self._lifespan.__aenter__()
+        except BaseException:
+            if self._ranks is not None:  # a constructor that fails gets no __del__: stop the spawned ranks here
+                await asyncio.to_thread(self._ranks.close)
+            raise
         log.info("replica %s: engine started", self.replica_id)
 
     async def __del__(self) -> None:
@@ -88,12 +93,10 @@ class EngineReplica:
         return record
 
     async def _import(self, record: bytes) -> None:
-        from openk3.serve.cache.tier_record import TierRecordError
-
         try:
             await self.app.state.served.frontend.call(lambda engine: engine.import_prefix(record))
-        except TierRecordError as e:
-            log.warning("replica %s: hand-off record refused, the prompt is recomputed: %s", self.replica_id, e)
+        except Exception as e:  # a record this engine cannot take (TierRecordError: corrupted, another shape) costs a recompute
+            log.warning("replica %s: hand-off record refused (%s), the prompt is recomputed: %s", self.replica_id, type(e).__name__, e)
 
     async def report(self, call: ReplicaCall) -> ReplicaReport:
         if call.target != self.replica_id:

@@ -67,6 +67,28 @@ def test_dp2_tp2_ep4_tokens_equal_single_process(prefix: bool, single_process: l
 
 
 @pytest.mark.distributed
+def test_dp2_a_remote_request_ended_before_its_first_step_is_never_sent() -> None:
+    """A request placed on rank 1 and aborted before the next step (a client gone at once, behind `openk3 serve --dp`)
+    leaves nothing to send, and the group keeps serving."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM("debug", dp=2, ep=2) as llm:
+            engine = llm.core
+            assert isinstance(engine, DataParallelEngine)
+            engine.add_request("home", [5, 6, 7], GREEDY)  # the least-loaded rule: rank 0, then rank 1
+            engine.add_request("gone", [8, 9, 10], GREEDY)
+            assert engine.router.rank_of("gone") == 1
+            engine.abort("gone")
+            assert engine.was_scheduled("gone") is None
+            tokens: list[int] = []
+            while engine.has_unfinished():
+                tokens += [t for out in engine.step() for t in out.new_token_ids if out.request_id == "home"]
+            assert len(tokens) == GREEDY.max_tokens
+            assert [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]], GREEDY)]  # still serving
+
+
+@pytest.mark.distributed
 def test_dp2_stop_strings_end_remote_requests_as_one_process_does() -> None:
     torch.set_num_threads(1)
     prompts = ["And God said", "In the beginning", "Once upon a time"]

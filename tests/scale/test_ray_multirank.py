@@ -1,6 +1,5 @@
 """A replica of two expert-parallel ranks (`--ep 2` with `--replicas 1`) on a local Ray cluster: the replica spawns its
-second rank on its node, Ray reserves both ranks' CPUs (a STRICT_PACK placement group of one bundle per rank), and the
-completion equals one process's. Bounded as
+second rank on its node, Ray reserves both ranks' CPUs for the replica's actor, and the completion equals one process's. Bounded as
 test_ray_replicas.py."""
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ PROMPT = "And God said, Let there be light: and there was light."
 
 
 def test_a_replica_reserves_every_rank() -> None:
-    two = replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)).deployment_options()
-    assert two == {"ray_actor_options": {"num_cpus": 0.5}, "placement_group_bundles": [{"CPU": 0.5}] * 2, "placement_group_strategy": "STRICT_PACK"}
-    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)).deployment_options() == {"ray_actor_options": {"num_cpus": 1.0}}
+    assert replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)) == {"num_cpus": 1.0}
+    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
+    with pytest.raises(ValueError, match="--prefill-replicas with multi-rank replicas"):
+        application(EP_ARGV, ScaleConfig(replicas=1, prefill_replicas=1))
 
 
 @pytest.fixture(scope="module")

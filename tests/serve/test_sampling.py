@@ -144,7 +144,6 @@ def test_draws_are_made_where_the_logits_are() -> None:
     generator = engine.scheduler.requests["a"].generator
     assert generator is not None and generator.device == engine.device
     assert engine.runner.sampler.generator.device == engine.device
-    if torch.cuda.is_available():
-        logits = torch.zeros(1, 8, device="cuda")
-        with pytest.raises(ValueError, match="generators must be there too"):
-            Sampler(device="cuda")(logits, [row(SamplingParams(seed=1), generator=torch.Generator().manual_seed(1))])
+    with pytest.raises(ValueError, match="generators must be there too"):
+        Sampler._on(torch.device("meta"), torch.Generator())  # a CPU generator for logits elsewhere: refused, not copied
+    assert Sampler._on(torch.device("cpu"), generator) is generator

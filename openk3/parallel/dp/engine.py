@@ -149,8 +149,13 @@ class DataParallelEngine:
         self.router.release(request_id)
         if rank == 0:
             return self.local.finish(request_id, status)
-        self._ranks[rank].pending.append(FinishRequest(request_id, status))
-        return self._remote.pop(request_id).metrics(time.monotonic())
+        remote = self._remote.pop(request_id)
+        pending = self._ranks[rank].pending
+        if remote.sent:
+            pending.append(FinishRequest(request_id, status))
+        else:  # ended before its rank ever received it (a client gone at once): it is simply not sent
+            pending[:] = [c for c in pending if not (isinstance(c, AddRequest) and c.request_id == request_id)]
+        return remote.metrics(time.monotonic())
 
     def abort(self, request_id: str) -> None:
         self.finish(request_id, RequestStatus.FINISHED_ABORTED)

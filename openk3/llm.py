@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
     from openk3.parallel.ep.load_stats import LoadRecording
 
 Prompt = str | list[int]
-log = logging.getLogger("openk3.llm")
 
 
 class LLM:
@@ -129,7 +127,6 @@ class LLM:
             return
         try:
             recording.save()
-            log.info("wrote the expert load of %d steps to %s (--eplb-stats reads it)", recording.steps(), recording.path)
         finally:
             recording.detach()  # a caller's module gets its own expert backends back
 

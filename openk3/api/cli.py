@@ -118,7 +118,6 @@ def _export_expert_load(app: FastAPI, rc: int) -> int:
     except OSError as e:
         log.error("could not write the expert load to %s: %s", recording.path, e)
         return 1
-    log.info("wrote the expert load of %d steps to %s (--eplb-stats reads it)", recording.steps(), recording.path)
     return rc
 
 
@@ -249,9 +248,7 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     from openk3.parallel.serving.ranks import run_worker_rank
 
-    spec = RankModelSpec(
-        args.model, parallel.ep_method, engine.torch_dtype, engine.seed, collect_stats=True, eplb_stats=parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1
-    )
+    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True)
     rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
     worker = lambda ctx: run_worker_rank(ctx, spec)  # noqa: E731
     return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
@@ -270,17 +267,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
     engine = dataclasses.replace(engine, pack_cpu_weights=False)
-    spec = RankModelSpec(
-        args.model,
-        parallel.ep_method,
-        engine.torch_dtype,
-        engine.seed,
-        collect_stats=False,
-        eplb_stats=parallel.eplb_stats,
-        tp=parallel.tp,
-        ep=True,
-        dp=parallel.dp,
-    )
+    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=False)
     timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
     rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
     worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731

@@ -149,3 +149,5 @@ def test_dp_layouts_are_checked() -> None:
     from openk3.serve.config import EngineConfig
 
     ParallelConfig(dp=2, ep=2).check_engine(EngineConfig(enable_prefix_caching=True))  # each rank's engine owns its cache
+    with pytest.raises(ValueError, match=r"pack_cpu_weights=True \(--cpu-weight-packing\) with ep=2"):
+        ParallelConfig(ep=2).check_engine(EngineConfig(pack_cpu_weights=True))  # the ranks prepare their shards unpacked

@@ -18,6 +18,7 @@ around each MoE layer's backend, a running sum) and writes the file when it clos
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from openk3.parallel.ep.placement import LoadCollector, Placement, eplb_placemen
 from openk3.parallel.group import ParallelContext
 
 FORMAT = "openk3-expert-load"
+log = logging.getLogger("openk3.parallel.ep")
 VERSION = 1
 
 
@@ -159,8 +161,10 @@ class LoadRecording:
         return ExpertLoad(self.collector.num_experts, self.steps(), {i: self.collector.load(i) for i in self.layers})
 
     def save(self) -> ExpertLoad:
+        """Write the counts to `path` (and log it); raises OSError when it cannot be written."""
         load = self.load()
         load.save(self.path)
+        log.info("wrote the expert load of %d steps to %s (--eplb-stats reads it)", load.window_steps, self.path)
         return load
 
     def detach(self) -> None:

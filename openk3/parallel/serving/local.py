@@ -71,9 +71,7 @@ class LocalEP:
         port = free_port()
         if config.dp > 1 and (engine is None or tokenizer is None):
             raise ValueError("LocalEP: data-parallel attention (dp > 1) runs an engine on every rank: give its EngineConfig and rank 0's tokenizer")
-        spec = RankModelSpec(
-            source, config.ep_method, dtype, seed, collect_stats=False, eplb_stats=config.eplb_stats, tp=config.tp, ep=config.ep > 1, dp=config.dp
-        )
+        spec = RankModelSpec.of(source, config, dtype, seed, collect_stats=False)
         worker_engine = engine if config.dp > 1 else None
         spawn = mp.get_context("spawn")
         self.workers = [

@@ -19,6 +19,7 @@ import torch
 
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
+from openk3.parallel.config import ParallelConfig
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, run_worker
@@ -44,6 +45,11 @@ class RankModelSpec:
     tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1)
     ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
+
+    @classmethod
+    def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool) -> RankModelSpec:
+        """The spec of a layout as ParallelConfig declares it (every entry point builds it here, so none drops a setting)."""
+        return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp)
 
 
 def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext | None = None) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:

@@ -141,3 +141,34 @@ def test_k3_rank_bytes_on_meta_equal_the_config_count_and_the_cache_spec() -> No
     assert quant.trunk_bits == 16 and planned.trunk == pytest.approx(2 * trunk(model))
     assert planned.kda_state == pytest.approx(8 * rank.kda.bytes_per_sequence)  # 8 sequences on every rank of the group
     assert planned.mla_cache == pytest.approx(8 * 4096 * rank.mla.bytes_per_token)
+
+
+def test_k3_dp8_tp2_ep16_rank_bytes_on_meta_equal_the_planners() -> None:
+    """DP8 x TP2 with EP16 on K3 (a layout the planner proposes for 16 accelerators: `openk3 serve --dp 8 --tp 2 --ep 16`):
+    one rank's trunk after the TP2 cut, its routed experts as the EP runtime places them (E/16 per MoE layer, in the
+    checkpoint's MXFP4 layout), and its cache per sequence, counted on the meta device, equal the planner's per-rank
+    working set for Layout(16, tp=2)."""
+    from openk3.model.moe import PackedExperts
+    from openk3.parallel.serving.rank_model import engine_placements, rank_expert_ids
+
+    config = k3()
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    parallelize_tensor(model, ParallelContext.for_sizing(1, 2), split_experts=False)  # TP rank 1 of DP group 2 (rank 5)
+    trunk = sum(t.numel() for n, t in list(model.named_parameters()) + list(model.named_buffers()) if ".experts." not in n)
+    layers = [moe.layer_index for moe in model.moe_layers()]
+    held = rank_expert_ids(engine_placements(layers, config.moe.num_experts, 16, "ep", None), 5)
+    with torch.device("meta"):
+        one = PackedExperts(1, config.moe.latent_size or config.hidden_size, config.moe.moe_intermediate_size)
+    expert_bytes = sum(b.nbytes for b in one.buffers())
+    routed = sum(len(ids) for ids in held.values()) * expert_bytes
+
+    quant, layout = Quantisation(), Layout(16, tp=2)
+    assert layout.dp == 8 and layout.ep_size == 16
+    planned = working_set(config, quant, layout, Workload(context=4096, concurrency=64), CAT.system("gb300-nvl72"))
+    assert routed == pytest.approx(planned.routed_experts)  # 56 experts x 92 MoE layers x 17,547,264 B (MXFP4)
+    assert quant.trunk_bits == 16 and planned.trunk == pytest.approx(2 * trunk)
+    rank = CacheSpec.from_config(rank_config(config, 2), 64)
+    seqs = 64 // layout.dp  # each DP group serves its own 8 sequences
+    assert planned.kda_state == pytest.approx(seqs * rank.kda.bytes_per_sequence)
+    assert planned.mla_cache == pytest.approx(seqs * 4096 * rank.mla.bytes_per_token)

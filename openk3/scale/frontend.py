@@ -123,19 +123,23 @@ class Frontend:
     async def proxy(self, request: Request) -> Response:
         body = await request.body()
         path = request.url.path
-        ids = await asyncio.to_thread(self.keys.prompt_ids, path, body)  # tokenising is CPU work: off the event loop
+        ids, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
         keys, request_id = self.keys.keys_of(ids), uuid.uuid4().hex
         record = None
-        if self.prefill is not None and request.method == "POST":
-            handoff = self.keys.handoff_ids(path, body, ids)
-            if handoff is not None:
-                record = await self._prefill(ReplicaCall("POST", path, keys=keys, request_id=request_id, prompt_ids=tuple(handoff)))
+        if handoff is not None:
+            record = await self._prefill(ReplicaCall("POST", path, keys=keys, request_id=request_id, prompt_ids=tuple(handoff)))
         headers = tuple((k, v) for k, v in request.headers.raw if k.lower() not in HOP_HEADERS)
         call = ReplicaCall(request.method, path, request.url.query.encode(), headers, body, keys, request_id, record=record)
         started = await start(self._open, call, LOST, self.stats)
         response = StreamingResponse(rest_of_body(started, LOST, self.stats), status_code=started.head.status)
         response.raw_headers = [(k.lower(), v) for k, v in started.head.headers if k.lower() not in HOP_HEADERS]
         return response
+
+    def _prompt(self, method: str, path: str, body: bytes) -> tuple[list[int] | None, list[int] | None]:
+        """The prompt's routing ids, and with a prefill pool the ids a prefill replica computes (None: no hand-off)."""
+        ids = self.keys.prompt_ids(path, body)
+        handoff = self.keys.handoff_ids(path, body, ids) if self.prefill is not None and method == "POST" else None
+        return ids, handoff
 
     async def _prefill(self, call: ReplicaCall) -> bytes | None:
         assert self.prefill is not None

@@ -26,13 +26,16 @@ import torch
 class Shapes:
     moe: tuple[int, int, int, int, int]  # T, k, E, I, D
     mla: tuple[int, int, int, int, int]  # N, H, context, Lr, Dr
+    mla_prefill: tuple[int, int, int, int]  # chunk t, context s (chunk included), H, Lr (K3's Dn 128, Dr 64, Dv 128)
     kda: tuple[int, int, int]  # T, H, K (= V)
     engine_batches: tuple[int, ...]
     repeats: int
 
 
-FULL = Shapes(moe=(512, 8, 64, 512, 1024), mla=(32, 64, 4096, 512, 64), kda=(4096, 16, 128), engine_batches=(1, 16, 64), repeats=20)
-DRY = Shapes(moe=(5, 2, 4, 32, 64), mla=(2, 2, 40, 32, 16), kda=(16, 2, 16), engine_batches=(1, 2), repeats=1)
+FULL = Shapes(
+    moe=(512, 8, 64, 512, 1024), mla=(32, 64, 4096, 512, 64), mla_prefill=(2048, 16384, 16, 512), kda=(4096, 16, 128), engine_batches=(1, 16, 64), repeats=20
+)
+DRY = Shapes(moe=(5, 2, 4, 32, 64), mla=(2, 2, 40, 32, 16), mla_prefill=(20, 50, 2, 32), kda=(16, 2, 16), engine_batches=(1, 2), repeats=1)
 
 
 @dataclass
@@ -111,6 +114,25 @@ def bench_mla(s: Shapes, device: torch.device, dtype: torch.dtype) -> Row:
     return row
 
 
+def bench_mla_prefill(s: Shapes, device: torch.device, dtype: torch.dtype) -> Row:
+    from openk3.ops.mla.sdpa import mla_expanded_sdpa
+    from openk3.ops.triton.mla_prefill import mla_prefill_latent
+
+    t, ctx, h, lr = s.mla_prefill
+    dn, dr, dv = (128, 64, 128) if lr >= 512 else (16, 8, 16)
+    g = torch.Generator(device=device).manual_seed(0)
+    q_nope, q_pe = (torch.randn(t, h, w, generator=g, device=device).to(dtype) for w in (dn, dr))
+    c_kv, k_pe = torch.randn(ctx, lr, generator=g, device=device).to(dtype), torch.randn(ctx, dr, generator=g, device=device).to(dtype)
+    w_uk, w_uv = (torch.randn(h, w, lr, generator=g, device=device).to(dtype) * lr**-0.5 for w in (dn, dv))
+    args = (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, (dn + dr) ** -0.5, ctx - t)
+    base = lambda: mla_expanded_sdpa(*args)  # noqa: E731
+    kern = lambda: mla_prefill_latent(*args)  # noqa: E731
+    row = Row("MLA prefill chunk: Triton latent vs expanded K/V + SDPA", f"t={t} ctx={ctx} H={h} Lr={lr}", close(kern(), base(), 3e-2))
+    if row.check == "ok":
+        row.baseline_ms, row.kernel_ms = timed(base, s.repeats, device), timed(kern, s.repeats, device)
+    return row
+
+
 def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
     import torch.nn.functional as F
 
@@ -170,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             print("driver.py: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
             return 2
         device, dtype, shapes = torch.device("cuda"), torch.bfloat16, FULL
-    rows = [bench_moe(shapes, device, dtype), bench_mla(shapes, device, dtype), bench_kda(shapes, device, args.dry_run)]
+    rows = [bench_moe(shapes, device, dtype), bench_mla(shapes, device, dtype), bench_mla_prefill(shapes, device, dtype)]
+    rows.append(bench_kda(shapes, device, args.dry_run))
     engine = []
     for batch in shapes.engine_batches:
         tps, seconds = engine_tokens_per_s(batch, device, 4 if args.dry_run else 64)

@@ -131,7 +131,7 @@ def registry() -> OpRegistry:
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
-    from openk3.ops.triton import latent_attention_triton, moe_experts_triton
+    from openk3.ops.triton import latent_attention_triton, mla_prefill_triton, moe_experts_triton
 
     partial = functools.partial
     r = OpRegistry()
@@ -161,6 +161,8 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "fast", mla_expanded_sdpa, "K/V expanded, torch's SDPA", differentiable=True)
     r.register("mla_prefill", "absorbed", mla_absorbed, "attention in the latent space (the decode form)", differentiable=True)
     r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
+    # by name only, like the other Triton entries below ("auto" stays on the torch forms until a hardware run)
+    r.register("mla_prefill", "triton", mla_prefill_triton, "the latent attention of the chunk as a causal Triton kernel, no K/V", backend="cuda")
     r.register_auto("mla_prefill", lambda t: "fast")
 
     r.register("mla_decode", "naive", mla_decode_paged, "absorbed query over the gathered pages, torch ops", differentiable=True)

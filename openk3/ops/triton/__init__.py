@@ -1,4 +1,4 @@
-"""Triton kernels: the "cuda" backend's entries of "moe_experts" ("triton") and "mla_decode" ("triton") in ops/registry.py.
+"""Triton kernels: the "cuda" backend's entries of "moe_experts", "mla_decode" and "mla_prefill" ("triton") in ops/registry.py.
 
 Triton is an optional dependency (the `gpu` extra). Nothing here imports it until an entry is called: the registry lists
 the entries on every machine, and asking for one where triton is missing raises an ImportError that says what to install,
@@ -65,3 +65,18 @@ def latent_attention_triton(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page
     """latent_attention_torch's u [N, H, Lr] by the paged Triton kernel (ops/triton/mla_decode.py)."""
     fn: Any = kernel_module("mla_decode").latent_attention_paged
     return fn(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)
+
+
+def mla_prefill_triton(
+    q_nope_tHD: torch.Tensor,
+    q_pe_tHR: torch.Tensor,
+    c_kv_sL: torch.Tensor,
+    k_pe_sR: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+    q_offset: int,
+) -> torch.Tensor:
+    """The registry's "mla_prefill"/"triton" (cuda): the absorbed-space prefill as a Triton kernel (ops/triton/mla_prefill.py)."""
+    fn: Any = kernel_module("mla_prefill").mla_prefill_latent
+    return fn(q_nope_tHD, q_pe_tHR, c_kv_sL, k_pe_sR, w_uk_HDL, w_uv_HDL, scale, q_offset)

@@ -36,7 +36,8 @@ def test_prefill_equals_the_definition(t: int, s: int, dtype: torch.dtype) -> No
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = case(t, s, dtype)
     want = mla_expanded(q_nope, q_pe, c_kv.float(), k_pe.float(), w_uk, w_uv, 0.3, s - t)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    got = mla_prefill_latent(*(x.to(dev) for x in (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)), 0.3, s - t).cpu()
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (x.to(dev) for x in (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
+    got = mla_prefill_latent(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, 0.3, s - t).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -88,6 +88,11 @@ class ServedEngine(EngineCore, Protocol):
     @property
     def model_config(self) -> ModelConfig: ...
 
+    @property
+    def num_engines(self) -> int:
+        """Engines behind this one (data-parallel ranks; 1 for LLMEngine), each with `config`'s sequences and `cache`'s pages."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def was_scheduled(self, request_id: str) -> bool | None: ...
@@ -176,6 +181,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    num_engines = 1  # ServedEngine: one engine
 
     def was_scheduled(self, request_id: str) -> bool | None:
         """Whether a request has been scheduled at least once (its queue wait is over); None for an unknown id."""

@@ -43,6 +43,8 @@ def test_serve_dp2_ep2_under_torchrun(tmp_path) -> None:
         repeats = [httpx.post(f"{url}/v1/completions", json=long_body, timeout=120.0) for _ in range(2)]
         assert all(r.status_code == 200 for r in repeats), [r.text for r in repeats]
         metrics = httpx.get(f"{url}/metrics", timeout=10.0).text
+        info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+        assert info["max_running_requests"] == 2 * 4  # both ranks' engines, --max-num-seqs 4 each
 
         torch.set_num_threads(1)
         with LLM("tiny") as llm:

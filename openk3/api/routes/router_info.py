@@ -50,20 +50,23 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "served_model_name": state.config.model_name,
         "version": package_version(),
         "context_length": engine.max_model_len,
-        "max_running_requests": cfg.max_num_seqs,  # the running batch's bound (one KDA state slot each)
-        # MLA cache capacity in tokens (SGLang's KV pool size); the KDA state is per request, bounded by max_running_requests
-        "max_total_tokens": engine.cache.num_pages * engine.cache.page_size,
+        # the running batch's bound (one KDA state slot each), over every data-parallel engine behind this server
+        "max_running_requests": cfg.max_num_seqs * engine.num_engines,
+        # MLA cache capacity in tokens (SGLang's KV pool size; every engine's); the KDA state is per request, bounded by
+        # max_running_requests
+        "max_total_tokens": engine.cache.num_pages * engine.cache.page_size * engine.num_engines,
         # openk3's step budget covers prefill and decode tokens together, so it also bounds the prefill tokens of one step
         "max_prefill_tokens": cfg.max_num_batched_tokens,
         "page_size": engine.cache.page_size,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         # SGLang's name for "neither a prefill nor a decode server": this server runs both phases of every request
         "disaggregation_mode": "null",
-        # Left out: `dp_size` (and SGLang's `load_balance_method`): one openk3 server is one engine, and it does not accept
-        # the `data_parallel_rank` body field a --dp-aware router adds, so without dp_size such a router refuses the worker
-        # at registration ("No dp_size in response") instead of every request failing later. `tp_size`: the server is not
-        # told its parallel layout (expert-parallel ranks are driven from outside the app). `max_batch_size`,
-        # `max_num_reqs`: openk3 has no quantity of that meaning beyond max_running_requests above.
+        # Left out: `dp_size` (and SGLang's `load_balance_method`): an openk3 server places requests on its data-parallel
+        # engines itself (--dp) and does not accept the `data_parallel_rank` body field a --dp-aware router adds, so
+        # without dp_size such a router refuses the worker at registration ("No dp_size in response") instead of every
+        # request failing later. `tp_size`: the server is not told its parallel layout (expert-parallel ranks are driven
+        # from outside the app). `max_batch_size`, `max_num_reqs`: openk3 has no quantity of that meaning beyond
+        # max_running_requests above.
     }
 
 

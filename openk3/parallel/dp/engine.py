@@ -110,6 +110,10 @@ class DataParallelEngine:
         return self.local.config  # every rank's, but for the seed of its unseeded sampling
 
     @property
+    def num_engines(self) -> int:
+        return self.num_ranks
+
+    @property
     def cache(self) -> CacheManager:
         return self.local.cache  # rank 0's, for the layout every rank's pools share; stats() has every rank's use
 

@@ -30,6 +30,8 @@ from openk3.ops.norm import l2_norm
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op, registry
 from openk3.ops.short_conv import causal_conv1d_update, causal_conv1d_update_
 
+FLA_PREFILLS = ("fla", "fla_recurrent")  # the "kda_prefill" entries that run fla's kernels (ops/kda/fla_kernels.py)
+
 
 @dataclass(frozen=True)
 class KDALayerCache:
@@ -120,9 +122,14 @@ class KimiDeltaAttention(nn.Module):
         self.kda_prefill, self.kda_prefill_name = prefill, name
         self.kda_prefill_differentiable = entry.differentiable
         self.conv_prefill = op("short_conv", conv_impl, target)
-        # the decode token ("kda_decode"): the definitions when the prefill runs them too (naive), else "auto" for the target
+        # the decode token ("kda_decode"): the definitions when the prefill runs them too (naive), fla's recurrent kernel
+        # when the prefill runs fla's (CUDA: decode tokens as one-token sequences of one varlen call), else "auto"
         decode, decode_entry = registry().entry("kda_decode", "naive" if name == "naive" else "auto", target)
-        if decode == "naive":
+        self.fla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        if name in FLA_PREFILLS:
+            self.decode_form = "fla"
+            self.fla_decode = registry().get("kda_prefill", "fla_recurrent", target)
+        elif decode == "naive":
             self.decode_form = "reference"  # old state in, new state out: differentiable, and the order every form is checked in
         elif decode_entry.backend == "c" and self.head_dim <= MAX_HEAD_DIM:
             self.decode_form = "fused"  # the whole token in one C call (ops/kda/decode_fused.py)
@@ -193,6 +200,11 @@ class KimiDeltaAttention(nn.Module):
         if in_pool:  # the state read once and advanced in place (ops/kda/decode_inplace.py)
             assert cache is not None
             o_THV = _advance_in_pool(cache.state_SHKV, batch, lambda state: kda_decode_(q, kk, v, g_THK, beta_TH, state))
+        elif decode and self.fla_decode is not None:  # fla's fused recurrence over t one-token sequences, states gathered
+            assert cache is not None
+            one_each = torch.arange(t + 1, dtype=torch.int64, device=q.device)
+            o, new_state = self.fla_decode(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, _slot_states(cache.state_SHKV, batch), one_each)
+            o_THV = o[0]
         elif decode:  # the reference order, and the differentiable form: old state in, new state out
             assert cache is not None
             o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
@@ -200,7 +212,7 @@ class KimiDeltaAttention(nn.Module):
             if not self.kda_prefill_differentiable:
                 self._refuse_autograd(q, "prefill", self.kda_prefill_name)
             init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
-            if init is not None and not self.reference_ops:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
+            if init is not None and not self.reference_ops and self.fla_decode is None:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
                 o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
             else:
                 o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init, batch.cu_seqlens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from openk3.config import Activation, KDAGate, debug, k3, kimi_linear_48b
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM, OpChoice
 from openk3.ops.cpu.build import kernels_available
-from openk3.ops.kda import decode_fused
+from openk3.ops.kda import decode_fused, fla_kernels
+from openk3.ops.kda.naive import kda_recurrent
 from openk3.ops.registry import OpTarget
 
 from .conftest import build
@@ -125,11 +127,38 @@ def test_k3_param_count_matches_spec() -> None:
     assert 47e9 < total < 50e9 and 2.8e9 < active < 3.3e9
 
 
-@pytest.fixture(params=["cpu kernel", "torch ops"])
+def fake_fla(calls: list[tuple[str, int, int]]) -> SimpleNamespace:
+    """fla.ops.kda's two kernels by their contract, computed by openk3's recurrence on CPU: V-first states in and out
+    (as the seam hands them), sequences cut by cu_seqlens. What the model sends fla is what is under test, not fla."""
+
+    def kernel(name: str) -> Any:
+        def run(q, k, v, g, beta, *, scale, initial_state, output_final_state, state_v_first, cu_seqlens):  # type: ignore[no-untyped-def]
+            assert output_final_state and state_v_first
+            calls.append((name, q.shape[1], 1 if cu_seqlens is None else cu_seqlens.numel() - 1))
+            init = None if initial_state is None else initial_state.transpose(-1, -2)
+            o, state = kda_recurrent(q, k, v, g, beta, scale, init, cu_seqlens)
+            return o, state.transpose(-1, -2).contiguous()
+
+        return run
+
+    return SimpleNamespace(chunk_kda=kernel("chunk_kda"), fused_recurrent_kda=kernel("fused_recurrent_kda"))
+
+
+@pytest.fixture(params=["cpu kernel", "torch ops", "fla kernels (fake)"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, debug_model: K3ForCausalLM) -> Iterator[str]:
-    """The serving decode step runs the fused CPU kernel (ops/kda/decode_fused.py: the "c" backend's "kda_decode") or the
-    torch ops (chosen with OpTarget(c_kernels=False)): the decode tests run both, and the kernel's side checks that it
-    really ran."""
+    """The serving decode step runs the fused CPU kernel (ops/kda/decode_fused.py: the "c" backend's "kda_decode"), the
+    torch ops (chosen with OpTarget(c_kernels=False)), or with kda="fla" (CUDA's) fla's fused recurrence over one-token
+    sequences, faked here on CPU: the decode tests run all three, and each checks that its kernel really ran."""
+    if request.param == "fla kernels (fake)":
+        calls: list[tuple[str, int, int]] = []
+        monkeypatch.setattr(fla_kernels, "_fla_kda", lambda: fake_fla(calls))
+        previous = debug_model.ops
+        debug_model.select_ops(OpChoice(kda="fla"), target=OpTarget(device="cuda"))  # CPU tensors: the fake runs anywhere
+        yield request.param
+        debug_model.select_ops(previous)
+        decode_calls = [c for c in calls if c[0] == "fused_recurrent_kda"]
+        assert decode_calls and all(tokens == seqs for _, tokens, seqs in decode_calls), calls  # one token per sequence
+        return
     if request.param == "torch ops":
         debug_model.select_ops(target=OpTarget(c_kernels=False))
         yield request.param

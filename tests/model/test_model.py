@@ -150,14 +150,14 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     torch ops (chosen with OpTarget(c_kernels=False)), or with kda="fla" (CUDA's) fla's fused recurrence over one-token
     sequences, faked here on CPU: the decode tests run all three, and each checks that its kernel really ran."""
     if request.param == "fla kernels (fake)":
-        calls: list[tuple[str, int, int]] = []
-        monkeypatch.setattr(fla_kernels, "_fla_kda", lambda: fake_fla(calls))
+        fla_calls: list[tuple[str, int, int]] = []
+        monkeypatch.setattr(fla_kernels, "_fla_kda", lambda: fake_fla(fla_calls))
         previous = debug_model.ops
         debug_model.select_ops(OpChoice(kda="fla"), target=OpTarget(device="cuda"))  # CPU tensors: the fake runs anywhere
         yield request.param
         debug_model.select_ops(previous)
-        decode_calls = [c for c in calls if c[0] == "fused_recurrent_kda"]
-        assert decode_calls and all(tokens == seqs for _, tokens, seqs in decode_calls), calls  # one token per sequence
+        decode_calls = [c for c in fla_calls if c[0] == "fused_recurrent_kda"]
+        assert decode_calls and all(tokens == seqs for _, tokens, seqs in decode_calls), fla_calls  # one token per sequence
         return
     if request.param == "torch ops":
         debug_model.select_ops(target=OpTarget(c_kernels=False))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -90,8 +91,27 @@ def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> di
     return options
 
 
+# the flags that name files or folders: a replica runs in a Ray worker process, whose working directory is not the
+# caller's, so a relative path would name another place there (or nothing)
+PATH_FLAGS = ("model", "chat_template", "eplb_stats", "disk_offload_dir")
+
+
+def with_absolute_paths(serve_args: argparse.Namespace) -> argparse.Namespace:
+    """`serve_args` with every relative path flag made absolute against this process's working directory (a `--model`
+    that is a preset name, not an existing path, stays as it is)."""
+    out = argparse.Namespace(**vars(serve_args))
+    for name in PATH_FLAGS:
+        value = getattr(out, name, None)
+        if value is None:
+            continue
+        path = Path(value)
+        if not path.is_absolute() and (name != "model" or path.exists()):
+            setattr(out, name, str(path.resolve()) if isinstance(value, str) else path.resolve())
+    return out
+
+
 def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
-    serve_args = serve_arguments(argv) if isinstance(argv, list) else argv
+    serve_args = with_absolute_paths(serve_arguments(argv) if isinstance(argv, list) else argv)
     match_unit = check_combination(serve_args, config)
     resources = replica_resources(serve_args, config)
     if config.router == "prefix":

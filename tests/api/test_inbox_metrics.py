@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,12 +52,6 @@ def live(torch_one_thread) -> Iterator[LiveServer]:
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live.base_url, timeout=60) as client:
-        yield client
-
-
 def inbox(text: str, name: str) -> float:
     labels = r'\{[^}]*tier="inbox"[^}]*\}' if name.startswith("cache_tier_") else r"\{[^}]*\}"
     match = re.search(rf"^openk3:{name}{labels} (\S+)$", text, re.M)
@@ -66,16 +59,14 @@ def inbox(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-def wait_for(http: httpx.Client, expected: dict[str, float], timeout: float = 10.0) -> str:
-    """/metrics once every `expected` inbox sample has its value (the engine thread publishes after its next iteration)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = http.get("/metrics").text
-        got = {name: inbox(text, name) for name in expected}
-        if got == expected or time.monotonic() > deadline:
-            assert got == expected
-            return text
-        time.sleep(0.05)
+def settled(live: LiveServer, http: httpx.Client, expected: dict[str, float]) -> str:
+    """/metrics once the engine thread has published everything done before this call, with every `expected` inbox
+    sample at its value. The engine loop publishes at the end of each iteration and runs a call at the start of one, so
+    a no-op call returns only after every earlier iteration has published: an ordering, not a wait."""
+    live.in_loop(live.frontend.call(lambda engine: None))
+    text = http.get("/metrics").text
+    assert {name: inbox(text, name) for name in expected} == expected
+    return text
 
 
 def test_the_tier_labels_are_every_tier_kind() -> None:
@@ -84,14 +75,14 @@ def test_the_tier_labels_are_every_tier_kind() -> None:
 
 def test_an_imported_record_moves_the_inbox_metrics_and_its_hit_moves_them_back(live: LiveServer, http: httpx.Client, records) -> None:
     nbytes = tier_record.decode(records[0]).nbytes
-    text = wait_for(http, {"cache_tier_used_bytes": 0, "cache_tier_entries": 0, "cache_tier_bytes_in_total": 0, "cache_tier_hits_total": 0})
+    text = settled(live, http, {"cache_tier_used_bytes": 0, "cache_tier_entries": 0, "cache_tier_bytes_in_total": 0, "cache_tier_hits_total": 0})
     assert inbox(text, "cache_tier_capacity_bytes") >= nbytes  # the inbox's budget: the device cache's size
     assert live.in_loop(live.frontend.call(lambda e: e.import_prefix(records[0]))) == len(PROMPTS[0]) - 1
-    wait_for(http, {"cache_tier_used_bytes": nbytes, "cache_tier_entries": 1, "cache_tier_bytes_in_total": nbytes, "cache_tier_bytes_out_total": 0})
+    settled(live, http, {"cache_tier_used_bytes": nbytes, "cache_tier_entries": 1, "cache_tier_bytes_in_total": nbytes, "cache_tier_bytes_out_total": 0})
     r = http.post("/v1/completions", json={"model": "debug", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPTS[0]) - 1  # served from the hand-off
-    wait_for(http, {"cache_tier_used_bytes": 0, "cache_tier_entries": 0, "cache_tier_bytes_out_total": nbytes, "cache_tier_hits_total": 1})
+    settled(live, http, {"cache_tier_used_bytes": 0, "cache_tier_entries": 0, "cache_tier_bytes_out_total": nbytes, "cache_tier_hits_total": 1})
     live.in_loop(live.frontend.call(lambda e: e.check_integrity()))
 
 
@@ -106,4 +97,4 @@ def test_records_aged_out_unused_count_as_dropped(live: LiveServer, http: httpx.
             engine.import_prefix(record)
 
     live.in_loop(live.frontend.call(import_two))
-    wait_for(http, {"cache_inbox_dropped_total": before + 1, "cache_tier_entries": 1, "cache_tier_used_bytes": sizes[1]})
+    settled(live, http, {"cache_inbox_dropped_total": before + 1, "cache_tier_entries": 1, "cache_tier_used_bytes": sizes[1]})

@@ -24,12 +24,6 @@ def live(torch_one_thread) -> Iterator[LiveServer]:
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live.base_url, timeout=60) as client:
-        yield client
-
-
 @pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
 def test_server_info_reports_the_running_servers_settings(http: httpx.Client, path: str) -> None:
     r = http.get(path)  # outside /v1: no API key, like /health

@@ -12,14 +12,12 @@ import httpx
 import pytest
 import torch
 
-from tests.scale.test_ray_replicas import ARGV, _free_port, ray_can_start, wait_healthy
+from tests.scale.test_ray_replicas import ARGV, local_deployment, wait_healthy
 
-ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
-serve = pytest.importorskip("ray.serve")
+pytest.importorskip("ray.serve", reason="ray[serve] is not installed (the `ray` extra)")
 
 from openk3.llm import LLM  # noqa: E402
-from openk3.scale.cluster import RayStartError, connect  # noqa: E402
-from openk3.scale.deploy import PREFILL_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleConfig, application  # noqa: E402
+from openk3.scale.deploy import PREFILL_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleConfig  # noqa: E402
 from openk3.scale.frontend import replica_ids  # noqa: E402
 from openk3.serve.sampling import SamplingParams  # noqa: E402
 
@@ -30,19 +28,7 @@ PROMPT = "In the beginning God created the heaven and the earth. And the earth w
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    reason = ray_can_start(90)
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        connect(None, num_cpus=2)
-    except RayStartError as e:
-        pytest.skip(f"Ray cannot start here: {e}")
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(ARGV, ScaleConfig(replicas=1, prefill_replicas=1, replica_cpus=1)), name="openk3", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield from local_deployment(ARGV, ScaleConfig(replicas=1, prefill_replicas=1, replica_cpus=1))
 
 
 def test_decode_replica_serves_the_prefill_replicas_record(base_url: str) -> None:

@@ -11,13 +11,11 @@ import httpx
 import pytest
 import torch
 
-from tests.scale.test_ray_replicas import ARGV, _free_port, ray_can_start, wait_healthy
+from tests.scale.test_ray_replicas import ARGV, local_deployment, wait_healthy
 
-ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
-serve = pytest.importorskip("ray.serve")
+pytest.importorskip("ray.serve", reason="ray[serve] is not installed (the `ray` extra)")
 
 from openk3.llm import LLM  # noqa: E402
-from openk3.scale.cluster import RayStartError, connect  # noqa: E402
 from openk3.scale.deploy import ScaleConfig, application, replica_resources, serve_arguments  # noqa: E402
 from openk3.serve.sampling import SamplingParams  # noqa: E402
 
@@ -36,19 +34,7 @@ def test_a_replica_reserves_every_rank() -> None:
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    reason = ray_can_start(90)
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        connect(None, num_cpus=2)
-    except RayStartError as e:
-        pytest.skip(f"Ray cannot start here: {e}")
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(EP_ARGV, ScaleConfig(replicas=1, replica_cpus=1)), name="openk3", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield from local_deployment(EP_ARGV, ScaleConfig(replicas=1, replica_cpus=1))
 
 
 def test_two_rank_replica_serves_one_process_tokens(base_url: str) -> None:

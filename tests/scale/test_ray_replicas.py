@@ -48,8 +48,9 @@ def ray_can_start(bound_s: float) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module", params=["prefix", "pow2"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+def local_deployment(argv: list[str], config: ScaleConfig) -> Iterator[str]:
+    """For a module fixture (`yield from`): the application on a local 2-CPU Ray cluster, its URL, then the cluster gone.
+    Skips the module where Ray cannot start."""
     reason = ray_can_start(90)
     if reason is not None:
         pytest.skip(reason)
@@ -59,10 +60,16 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         pytest.skip(f"Ray cannot start here: {e}")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(ARGV, ScaleConfig(replicas=2, replica_cpus=1, router=request.param)), name="openk3", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", request.param
+    serve.run(application(argv, config), name="openk3", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=["prefix", "pow2"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    for url in local_deployment(ARGV, ScaleConfig(replicas=2, replica_cpus=1, router=request.param)):
+        yield url, request.param
 
 
 def chat(client: httpx.Client, turns: list[str]) -> httpx.Response:

@@ -200,28 +200,15 @@ def test_the_server_exports_after_it_drained(tmp_path: Path) -> None:
 
 def serve_one_completion(flags: list[str], tmp_path: Path) -> tuple[str, str]:
     """`torchrun ... openk3 serve --model tiny --ep 2 <flags>`: one greedy completion, then SIGTERM to rank 0; the text and the log."""
-    import os
-    import re
-    import signal
-
     import httpx
 
-    from tests.parallel.test_serve_ep import PROMPT, STOP_TIMEOUT_S, start_torchrun, wait_until_up
+    from tests.parallel.test_serve_ep import PROMPT, rank0_pid, stop, torchrun_server
 
-    proc, url, log = start_torchrun(["--ep", "2", *flags], tmp_path)
-    try:
-        wait_until_up(url, proc, log)
+    with torchrun_server(["--ep", "2", *flags], tmp_path) as (proc, url, log):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
         assert reply.status_code == 200, reply.text
-        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
-        assert started, log.read_text()[-3000:]
-        os.kill(int(started.group(1)), signal.SIGTERM)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, rank0_pid(log))
     assert proc.returncode == 0, log.read_text()[-3000:]
     return reply.json()["choices"][0]["text"], log.read_text()
 

@@ -5,9 +5,7 @@ SIGTERM to rank 0 stops both cleanly."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 
 import httpx
 import pytest
@@ -15,7 +13,7 @@ import torch
 
 from openk3.llm import LLM
 from openk3.serve.sampling import SamplingParams
-from tests.parallel.test_serve_ep import STOP_TIMEOUT_S, start_torchrun, wait_until_up
+from tests.parallel.test_serve_ep import rank0_pid, stop, torchrun_server
 
 LONG = "And the earth was without form, and void; and darkness was upon the face of the deep. " * 3  # 67 tokens
 # the two prompts of one request are placed together, before any step: the least-loaded rule puts the first on rank 0
@@ -32,9 +30,7 @@ def metric(text: str, name: str) -> float:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_serve_dp2_ep2_under_torchrun(tmp_path) -> None:
-    proc, url, log = start_torchrun(["--dp", "2", "--ep", "2", "--enable-prefix-caching"], tmp_path)
-    try:
-        wait_until_up(url, proc, log)
+    with torchrun_server(["--dp", "2", "--ep", "2", "--enable-prefix-caching"], tmp_path) as (proc, url, log):
         body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
         batch = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
         assert batch.status_code == 200, batch.text
@@ -61,14 +57,7 @@ def test_serve_dp2_ep2_under_torchrun(tmp_path) -> None:
         assert metric(metrics, "openk3:num_requests_running") == 0
         assert metric(metrics, "openk3:state_free_slots") == 2 * 4  # both ranks' pools (--max-num-seqs 4 each), idle
 
-        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
-        assert started, log.read_text()[-3000:]
-        os.kill(int(started.group(1)), signal.SIGTERM)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, rank0_pid(log))
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert re.search(r"DP rank 1: 3 requests served in [1-9]\d* steps", text), text[-3000:]  # LONG, three times

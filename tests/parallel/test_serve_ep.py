@@ -4,6 +4,7 @@ or to torchrun, which forwards it to every rank (the worker waits for rank 0's S
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -57,13 +59,38 @@ def start_torchrun(parallel_flags: list[str], tmp_path: Path) -> tuple[subproces
     return proc, f"http://127.0.0.1:{port}", log
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("stop", ["rank0", "torchrun"])
-def test_serve_ep2_under_torchrun(stop: str, tmp_path: Path) -> None:
-    proc, url, log = start_torchrun(["--ep", "2"], tmp_path)
+@contextlib.contextmanager
+def torchrun_server(parallel_flags: list[str], tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """start_torchrun, up and serving; whatever the test does, torchrun and its ranks are gone afterwards (killed if the
+    test did not stop them)."""
+    proc, url, log = start_torchrun(parallel_flags, tmp_path)
     try:
         wait_until_up(url, proc, log)
+        yield proc, url, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def rank0_pid(log: Path) -> int:
+    """Rank 0's process, as uvicorn logs it when it starts serving."""
+    started = re.search(r"Started server process \[(\d+)\]", log.read_text())
+    assert started, log.read_text()[-3000:]
+    return int(started.group(1))
+
+
+def stop(proc: subprocess.Popen, pid: int) -> None:
+    """SIGTERM to `pid` (rank 0, or torchrun itself), then torchrun's exit."""
+    os.kill(pid, signal.SIGTERM)
+    proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("sent_to", ["rank0", "torchrun"])
+def test_serve_ep2_under_torchrun(sent_to: str, tmp_path: Path) -> None:
+    with torchrun_server(["--ep", "2"], tmp_path) as (proc, url, log):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
         assert reply.status_code == 200, reply.text
@@ -78,15 +105,8 @@ def test_serve_ep2_under_torchrun(stop: str, tmp_path: Path) -> None:
         assert re.search(r'openk3:ep_recv_tokens_max\{layer="\d+",model_name="tiny"\} [1-9]', metrics), metrics[-2000:]
         assert re.search(r'openk3:ep_bytes_sent_total\{model_name="tiny"\} [1-9]', metrics)
 
-        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
-        assert started, log.read_text()[-3000:]
-        os.kill(int(started.group(1)) if stop == "rank0" else proc.pid, signal.SIGTERM)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, rank0_pid(log) if sent_to == "rank0" else proc.pid)
     text = log.read_text()
-    if stop == "rank0":
+    if sent_to == "rank0":
         assert proc.returncode == 0, text[-3000:]  # torchrun saw both ranks exit 0
     assert "rank 0: signal 15, stopping the workers" in text and re.search(r"rank 1: stopped after [1-9]\d* steps", text), text[-3000:]

@@ -4,9 +4,7 @@ SIGTERM to rank 0 stops both ranks cleanly."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 from pathlib import Path
 
 import httpx
@@ -15,15 +13,13 @@ import torch
 
 from openk3.llm import LLM
 from openk3.serve.sampling import SamplingParams
-from tests.parallel.test_serve_ep import PROMPT, STOP_TIMEOUT_S, start_torchrun, wait_until_up
+from tests.parallel.test_serve_ep import PROMPT, rank0_pid, stop, torchrun_server
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_serve_tp2_under_torchrun(tmp_path: Path) -> None:
-    proc, url, log = start_torchrun(["--tp", "2"], tmp_path)
-    try:
-        wait_until_up(url, proc, log)
+    with torchrun_server(["--tp", "2"], tmp_path) as (proc, url, log):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
         assert reply.status_code == 200, reply.text
@@ -34,14 +30,7 @@ def test_serve_tp2_under_torchrun(tmp_path: Path) -> None:
         llm.close()
         assert reply.json()["choices"][0]["text"] == want.text
 
-        started = re.search(r"Started server process \[(\d+)\]", log.read_text())
-        assert started, log.read_text()[-3000:]
-        os.kill(int(started.group(1)), signal.SIGTERM)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, rank0_pid(log))
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert re.search(r"rank 1: stopped after [1-9]\d* steps", text), text[-3000:]

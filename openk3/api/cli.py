@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from openk3.api.engine_args import (
     add_engine_arguments,
@@ -280,7 +280,6 @@ def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankMo
     from openk3.parallel.serving.dp_ranks import start_dp_leader
     from openk3.serve.loading import model_tokenizer
 
-    log = logging.getLogger("openk3.parallel.serving")
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
@@ -290,19 +289,15 @@ def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankMo
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
     try:
-        try:
-            app = _app(args, dp_engine)
-        except ValueError as e:
-            print(f"openk3 serve: {e}", file=sys.stderr)
-            return 2
-        _keep_handlers_until_workers_stop(log)
-        rc = serve_until_stopped(app, args)
-    finally:
-        dp_engine.close()  # STOP to every rank; after a failed step it sends nothing and the group's teardown frees them
-    if dp_engine.failed:
-        log.error("rank 0: a data-parallel step failed; tearing the group down")
-        return 1
-    return rc
+        app = _app(args, dp_engine)
+    except ValueError as e:
+        dp_engine.close()
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        dp_engine.close()
+        raise
+    return _serve_then_release(app, args, dp_engine, "a data-parallel")
 
 
 def _keep_handlers_until_workers_stop(log: logging.Logger) -> None:
@@ -315,21 +310,35 @@ def _keep_handlers_until_workers_stop(log: logging.Logger) -> None:
 
 
 def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:
-    log = logging.getLogger("openk3.parallel.serving")
     try:
         app = build_server(args, ctx, spec)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
+    return _serve_then_release(app, args, app.state.ep_driver, "an expert-parallel")
+
+
+class _RankGroup(Protocol):
+    """What rank 0 drives the other ranks through: an EPDriver, or a DataParallelEngine."""
+
+    @property
+    def failed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def _serve_then_release(app: FastAPI, args: argparse.Namespace, group: _RankGroup, kind: str) -> int:
+    """Rank 0: serve until stopped, release the other ranks, write the expert load if asked; 1 when a step failed."""
+    log = logging.getLogger("openk3.parallel.serving")
     _keep_handlers_until_workers_stop(log)
     try:
         rc = serve_until_stopped(app, args)
     finally:
         # after a failed step this sends nothing (the workers are stuck in that step); destroying the group afterwards
         # closes the sockets they wait on, so they fail and exit instead of waiting out its timeout
-        app.state.ep_driver.close()
+        group.close()
     rc = _export_expert_load(app, rc)
-    if app.state.ep_driver.failed:
-        log.error("rank 0: an expert-parallel step failed; tearing the group down")
+    if group.failed:
+        log.error("rank 0: %s step failed; tearing the group down", kind)
         return 1
     return rc

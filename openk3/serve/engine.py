@@ -190,8 +190,8 @@ class LLMEngine:
         return None if req is None else req.timings.first_scheduled is not None
 
     def unscheduled_request_ids(self) -> list[str]:
-        """The requests still waiting for their first step."""
-        return [r.request_id for r in self.scheduler.requests.values() if r.timings.first_scheduled is None]
+        """The requests still waiting for their first step (all in the waiting queue, with requests preempted back there)."""
+        return [r.request_id for r in self.scheduler.waiting if r.timings.first_scheduled is None]
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

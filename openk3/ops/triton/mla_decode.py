@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from openk3.ops.triton import interpreting, require_launchable
+from openk3.ops.triton.online_softmax import online_softmax_step
 
 BLOCK_H, BLOCK_S = 16, 32  # BH is tl.dot's smallest M
 
@@ -50,12 +51,7 @@ def _latent_decode_kernel(
         pe = tl.load(rows + LR + rc[None, :], mask=s_mask[:, None] & (rc[None, :] < DR), other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q_c, tl.trans(c), input_precision=PRECISION) + tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
         scores = tl.where(s_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, c, DOT_DTYPE, PRECISION)
     u = u_ptr + seq * stride_un + h[:, None] * stride_uh + lc[None, :]
     tl.store(u, acc / l_i[:, None], mask=h_mask[:, None] & (lc[None, :] < LR))
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from openk3.ops.triton import interpreting, require_launchable
+from openk3.ops.triton.online_softmax import online_softmax_step
 
 BLOCK_T, BLOCK_S = 16, 32  # BT is tl.dot's smallest M
 
@@ -56,13 +57,7 @@ def _latent_prefill_kernel(
         scores = tl.dot(q_c, tl.trans(c), input_precision=PRECISION) + tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
         visible = s_mask[None, :] & (s[None, :] <= q_offset + i[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        # key 0 is visible to every query, so the first tile leaves every running max finite
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, c, DOT_DTYPE, PRECISION)
     u = u_ptr + i[:, None].to(tl.int64) * stride_ut + h * stride_uh + lc[None, :]
     tl.store(u, acc / l_i[:, None], mask=i_mask[:, None] & (lc[None, :] < LR))
 

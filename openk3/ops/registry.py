@@ -128,6 +128,7 @@ def registry() -> OpRegistry:
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
     from openk3.ops.moe.router import sigmoid_topk_route, sigmoid_topk_route_c
+    from openk3.ops.moe.static import moe_experts_static
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
@@ -191,6 +192,7 @@ def registry() -> OpRegistry:
         r.register("moe_experts", "fast", partial(moe_experts_grouped, linear=linear), "tokens grouped per expert", backend, grad)
         sized = partial(moe_experts_sized, linear=linear, batched_c=moe_experts_batched_c if backend == "c" else None)
         r.register("moe_experts", "sized", sized, "single-token / batched / grouped by the step's pairs (ops/thresholds.py)", backend, grad)
+    r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
     r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts by a Triton grouped GEMM, decoded in registers", backend="cuda")
     r.register_auto("moe_experts", lambda t: "sized")
 

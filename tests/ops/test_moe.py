@@ -46,7 +46,8 @@ def target(pair_bookkeeping: str, dtype: torch.dtype = torch.float32) -> OpTarge
 def forms(pair_bookkeeping: str, dtype: torch.dtype = torch.float32) -> dict[str, MoEExpertsFn]:
     """The registry's fast routed-expert forms for this backend and dtype."""
     t = target(pair_bookkeeping, dtype)
-    return {"grouped": op("moe_experts", "fast", t), "batched": op("moe_experts", "batched", t), "auto": op("moe_experts", "auto", t)}
+    names = {"grouped": "fast", "batched": "batched", "auto": "auto", "static": "static"}
+    return {form: op("moe_experts", name, t) for form, name in names.items()}
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def _routing(t: int, e: int, k: int, seed: int, experts: int | None = None) -> t
     return idx, torch.rand(t, k, generator=g)
 
 
-FAST = ["auto", "batched", "grouped"]
+FAST = ["auto", "batched", "grouped", "static"]
 
 
 @pytest.mark.parametrize("fast", FAST)
@@ -236,7 +237,7 @@ def test_dispatch_by_name_and_backend() -> None:
 
 
 def test_dispatch_unknown_name() -> None:
-    with pytest.raises(ValueError, match=r"'cutlass' is unknown: expected one of \['batched', 'fast', 'naive', 'sized', 'triton', 'auto'\]"):
+    with pytest.raises(ValueError, match=r"'cutlass' is unknown: expected one of \['batched', 'fast', 'naive', 'sized', 'static', 'triton', 'auto'\]"):
         op("moe_experts", "cutlass")
 
 

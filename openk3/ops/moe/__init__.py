@@ -1,5 +1,5 @@
-"""Routed-expert ops: the naive definition, the grouped, batched and single-token fast paths, the sigmoid top-k router, and
-the size-chosen dispatch among them (the registry's "sized"; names in ops/registry.py)."""
+"""Routed-expert ops: the naive definition, the grouped, batched and single-token fast paths, the fixed-shape form, the
+sigmoid top-k router, and the size-chosen dispatch among them (the registry's "sized"; names in ops/registry.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from openk3.ops.capture import capturing
 from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
 from openk3.ops.moe.batched import moe_experts_batched
@@ -15,6 +16,7 @@ from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 from openk3.ops.moe.single import moe_experts_single_token
+from openk3.ops.moe.static import moe_experts_static
 from openk3.ops.thresholds import BATCHED_MAX_PAIRS_PER_EXPERT, BATCHED_MIN_PAIRS, C_LOOP_MAX_PAIRS_PER_EXPERT
 
 MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, Act], torch.Tensor]
@@ -33,7 +35,10 @@ def moe_experts_sized(
     """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
     backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
     Otherwise one token: its experts in turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4
-    banks): grouped. `linear`: the products of the per-expert forms."""
+    banks): grouped. `linear`: the products of the per-expert forms. While a graph is being captured (ops/capture.py):
+    the fixed-shape form, whatever the size (the others size their work by the routing)."""
+    if capturing():
+        return moe_experts_static(x_TD, topk_idx, topk_weight, bank, act)
     pairs = topk_idx.numel()
     if (
         batched_c is not None
@@ -61,5 +66,6 @@ __all__ = [
     "moe_experts_grouped",
     "moe_experts_naive",
     "moe_experts_single_token",
+    "moe_experts_static",
     "sigmoid_topk_route",
 ]

@@ -16,5 +16,5 @@ else
 fi
 # tests first: a kernel whose test fails is not timed (the driver also checks each kernel against its baseline)
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_triton_mxfp4.py tests/ops/test_triton_mla.py tests/ops/test_kda_fla.py \
-  tests/serve/test_sync_decode.py 2>&1 | tee "$OUT/tests.txt"
+  tests/serve/test_sync_decode.py tests/serve/test_decode_graphs.py 2>&1 | tee "$OUT/tests.txt"
 timeout 300 "$PY" benchmarks/gpu/driver.py $DRY --out "$OUT"

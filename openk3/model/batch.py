@@ -31,9 +31,12 @@ class ForwardBatch:
     page_table: torch.Tensor | None = None  # [N, P] int64 MLA page ids (None: no cache)
     logits_indices: torch.Tensor | None = None  # [M] token rows whose logits are wanted (None: all)
     is_decode: bool = False  # every sequence contributes exactly one token: the runner picks decode ops
+    # The batch of a captured graph (serve/graphs.py): its tensors are static buffers refilled before every replay, so the
+    # model may decide nothing from their values on the host: the fresh mask is always applied, slots always gathered.
+    capturable: bool = False
 
     # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
-    # step and its tensors are never modified afterwards.
+    # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
 
     @property
     def num_seqs(self) -> int:
@@ -50,16 +53,17 @@ class ForwardBatch:
     @functools.cached_property
     def fresh_seqs(self) -> torch.Tensor | None:
         """[N] bool, the sequences with no context (they start from a zero KDA state whatever their slot holds), or None when
-        there are none: the usual step then skips the masking. One host check per step, shared by every KDA layer."""
+        there are none: the usual step then skips the masking. One host check per step, shared by every KDA layer (none in a
+        capturable batch, which always masks)."""
         fresh = self.context_lens == 0
-        return fresh if bool(fresh.any()) else None
+        return fresh if self.capturable or bool(fresh.any()) else None
 
     @functools.cached_property
     def slot_range(self) -> tuple[int, int] | None:
         """(first, end) when `state_slots` are consecutive ascending ids, else None: the KDA layers then update their state
         pools in place through a slice instead of gathering and scattering the slots (the state is most of a decode step's
         memory traffic). The state pool hands out slots in order, so a batch admitted together usually qualifies."""
-        if self.state_slots is None or self.state_slots.numel() == 0:
+        if self.capturable or self.state_slots is None or self.state_slots.numel() == 0:
             return None
         first, n = int(self.state_slots[0]), self.state_slots.numel()
         expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)

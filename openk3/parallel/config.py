@@ -93,6 +93,9 @@ class ParallelConfig:
         if self.world_size > 1 and engine.pack_cpu_weights:
             # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights
             raise ValueError(f"pack_cpu_weights=True (--cpu-weight-packing) with {ranks}: oneDNN's packed weights apply to a single-process engine only")
+        if self.world_size > 1 and engine.cuda_graphs:
+            # a multi-rank step is the driver's broadcast plus collectives whose split sizes are read on the host
+            raise ValueError(f"cuda_graphs=True with {ranks}: decode graphs capture a single-process step only (docs/gpu.md)")
         if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
             raise ValueError(f"device={engine.device!r} with {ranks}: rank r takes GPU r, so name no index (device='cuda')")

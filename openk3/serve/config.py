@@ -52,6 +52,9 @@ class EngineConfig:
     pack_cpu_weights: bool | None = setting(
         None, "on CPU, also keep the large projections in oneDNN's blocked layout (faster above 16 rows, a second copy of them)", flag="--cpu-weight-packing"
     )
+    # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
+    cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch-size bucket (needs a CUDA device)")
+    cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
         if (self.cpu_offload_bytes or self.disk_offload_bytes) and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.cpu_offload_bytes / disk_offload_bytes offload cached prefixes: they need enable_prefix_caching=True")
+        if self.cuda_graph_max_batch is not None and not self.cuda_graphs:
+            raise ValueError(f"EngineConfig.cuda_graph_max_batch={self.cuda_graph_max_batch} sizes the decode graphs: it needs cuda_graphs=True")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch > self.max_num_seqs:
+            raise ValueError(
+                f"EngineConfig.cuda_graph_max_batch={self.cuda_graph_max_batch}: a decode step has at most max_num_seqs={self.max_num_seqs} sequences"
+            )
         if self.pack_cpu_weights and not self._cpu_fp32:
             raise ValueError(f"EngineConfig.pack_cpu_weights=True: oneDNN's packed weights are for CPU fp32 inference, not {self.device} {self.dtype}")
 

@@ -23,6 +23,7 @@ from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
+from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -129,7 +130,9 @@ class LLMEngine:
                 disk_dir=cfg.disk_offload_dir,
                 disk_bytes=cfg.disk_offload_bytes,
             )
-        self.cache = CacheManager(self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix)
+        self.cache = CacheManager(
+            self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix, scratch=cfg.cuda_graphs
+        )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
@@ -138,6 +141,13 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed, self.device), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
+        if cfg.cuda_graphs:
+            capture = CudaGraphCapture(self.device)
+            graphs = DecodeGraphs(self.runner.model, self.cache, capture, cfg.cuda_graph_max_batch or cfg.max_num_seqs, self.max_model_len)
+            self.runner.graphs = graphs
+            if capture.warm_start:  # every bucket now, so no request waits for a capture
+                with torch.inference_mode():
+                    graphs.capture_all()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id

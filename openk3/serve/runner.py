@@ -1,5 +1,6 @@
 """ModelRunner: applies the scheduler's diff to its own copy of the running requests, packs the step into one
-variable-length ForwardBatch (sequences end to end, no padding), runs the model under inference_mode and samples.
+variable-length ForwardBatch (sequences end to end, no padding), runs the model under inference_mode and samples. With
+decode graphs (serve/graphs.py) a decode step that fits a bucket is replayed from its graph instead.
 
 A model that is an nn.Module gets the serving layout when the runner is built (serve/prepare.py: fused projections, and on
 CPU with pack_cpu_weights oneDNN's blocked weights); a multi-rank driver's ranks have prepared theirs at start-up.
@@ -18,6 +19,7 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.prepare import prepare_for_serving
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
@@ -56,6 +58,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self._reqs: dict[str, _RunningState] = {}
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
 
     @property
     def num_known(self) -> int:
@@ -126,7 +129,12 @@ class ModelRunner:
             return RunnerOutput({}, {})
         batch, sampling = self.build_batch(out)
         with torch.inference_mode():
-            logits = self.model(batch, self.cache.tensors)
+            bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+            if bucket is not None:
+                assert self.graphs is not None
+                logits = self.graphs.run(batch, bucket)
+            else:
+                logits = self.model(batch, self.cache.tensors)
             for req_id, n in out.num_scheduled_tokens.items():
                 self._reqs[req_id].num_computed_tokens += n
             states = [(r, self._reqs[r]) for r in sampling]

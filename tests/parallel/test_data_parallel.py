@@ -151,3 +151,5 @@ def test_dp_layouts_are_checked() -> None:
     ParallelConfig(dp=2, ep=2).check_engine(EngineConfig(enable_prefix_caching=True))  # each rank's engine owns its cache
     with pytest.raises(ValueError, match=r"pack_cpu_weights=True \(--cpu-weight-packing\) with ep=2"):
         ParallelConfig(ep=2).check_engine(EngineConfig(pack_cpu_weights=True))  # the ranks prepare their shards unpacked
+    with pytest.raises(ValueError, match=r"cuda_graphs=True with tp=2, ep=1: decode graphs capture a single-process step only"):
+        ParallelConfig(tp=2).check_engine(EngineConfig(cuda_graphs=True))

@@ -46,6 +46,7 @@ class CacheManager:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         prefix: PrefixCacheConfig | None = None,
+        scratch: bool = False,
     ) -> None:
         if page_size < 1:
             fail("CacheManager", "page_size", page_size, ">= 1")
@@ -56,7 +57,12 @@ class CacheManager:
         self.block_pool = BlockPool(num_pages)
         self.state_pool = StatePool(num_slots)
         num_snapshots = prefix.num_snapshot_slots if prefix is not None else 0
-        self.tensors = CacheTensors.allocate(config, num_slots + num_snapshots, num_pages, page_size, dtype=dtype, device=device)
+        # scratch: one more slot and page than the pools hand out, for the padding rows of captured graphs (serve/graphs.py):
+        # they write somewhere, and nothing any request holds may be that place
+        extra = 1 if scratch else 0
+        self.tensors = CacheTensors.allocate(config, num_slots + num_snapshots + extra, num_pages + extra, page_size, dtype=dtype, device=device)
+        self.scratch_slot: int | None = num_slots + num_snapshots if scratch else None
+        self.scratch_page: int | None = num_pages if scratch else None
         self._pages: dict[str, list[int]] = {}
         self._slots: dict[str, int] = {}
         self.prefix_config = prefix

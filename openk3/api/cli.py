@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 pla
 
     from openk3.parallel.config import ParallelConfig
     from openk3.parallel.group import ParallelContext
+    from openk3.parallel.serving.driver import EPTotals
     from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.serve.config import EngineConfig
     from openk3.serve.engine import ServedEngine
@@ -84,13 +85,12 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
             raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
         driver, _ = start_driver(ctx, spec)
         try:
-            app = _app(args, LLMEngine(driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"), config))
+            app = _app(args, LLMEngine(driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"), config), driver.totals)
             _record_expert_load(app, driver.model, parallel)
         except BaseException:
             driver.close()
             raise
         app.state.ep_driver = driver
-        app.state.metrics.attach_ep(driver.totals)
         return app
     model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed, byte_tokenizer=args.tokenizer == "byte")
     app = _app(args, LLMEngine(model, tokenizer, config))
@@ -160,7 +160,8 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
     return engine.with_packing_default(owns_model=True), parallel
 
 
-def _app(args: argparse.Namespace, engine: ServedEngine) -> FastAPI:
+def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | None = None) -> FastAPI:
+    """The server over `engine`; `ep_totals`: rank 0's expert-parallel stats, for /metrics (`--ep N`, `--dp D`)."""
     from openk3.api.chat import generation_stop_ids, load_chat_template
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.loading import ASSETS
@@ -181,7 +182,10 @@ def _app(args: argparse.Namespace, engine: ServedEngine) -> FastAPI:
         limits=limits,
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
     )
-    return create_app(engine, engine.tokenizer, template, config)
+    app = create_app(engine, engine.tokenizer, template, config)
+    if ep_totals is not None:
+        app.state.metrics.attach_ep(ep_totals)
+    return app
 
 
 def _uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -267,7 +271,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
     engine = dataclasses.replace(engine, pack_cpu_weights=False)
-    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=False)
+    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True)
     timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
     rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
     worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731
@@ -289,7 +293,7 @@ def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankMo
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
     try:
-        app = _app(args, dp_engine)
+        app = _app(args, dp_engine, dp_engine.ep_totals)
     except ValueError as e:
         dp_engine.close()
         print(f"openk3 serve: {e}", file=sys.stderr)

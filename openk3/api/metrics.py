@@ -3,7 +3,8 @@
 Written from the engine thread (prometheus_client's metrics are thread-safe), read by `GET /metrics`. Gauges mirror the last
 engine snapshot; counters and histograms are fed per step and per finished request by the front end.
 Prefix-cache counters count prompt tokens, as vLLM does: queries += prompt tokens looked up, hits += tokens found cached.
-Expert-parallel serving (rank 0 of `serve --ep N`) adds `openk3:ep_*` families through `attach_ep` (docs/parallel.md, Metrics).
+Expert-parallel serving (rank 0 of `serve --ep N` or `serve --dp D`) adds `openk3:ep_*` families through `attach_ep`
+(docs/parallel.md, Metrics).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class ServerMetrics:
         self._ep: EPTotals | None = None
 
     def attach_ep(self, totals: EPTotals) -> None:
-        """Also export expert-parallel stats (rank 0 of `serve --ep N`), read from `totals` at each engine snapshot."""
+        """Also export expert-parallel stats (rank 0 of `serve --ep N` or `--dp D`), read from `totals` at each engine snapshot."""
         r, name = self.registry, self.model_name
 
         def gauge(metric: str, doc: str) -> Gauge:
@@ -133,6 +134,9 @@ class ServerMetrics:
         self.ep_bytes = counter("ep_bytes_sent", "Rank 0's dispatch, metadata and combine bytes").labels(model_name=name)
         self.ep_prefetch = counter("ep_prefetch_bytes", "Rank 0's MoonEP expert-weight prefetch bytes").labels(model_name=name)
         self.ep_spilled = counter("ep_spilled_entries", "MoonEP entries sent home for lack of a prefetch slot").labels(model_name=name)
+        self.ep_dummy = counter(
+            "ep_dummy_forwards", "Data-parallel ranks' one-token forwards run for want of work (their entries are in ep_recv_tokens)"
+        ).labels(model_name=name)
         self._ep = totals
 
     def _observe_ep(self, totals: EPTotals) -> None:
@@ -151,6 +155,7 @@ class ServerMetrics:
             (self.ep_bytes, "ep_bytes", totals.bytes_sent),
             (self.ep_prefetch, "ep_prefetch", totals.prefetch_bytes),
             (self.ep_spilled, "ep_spilled", totals.spilled),
+            (self.ep_dummy, "ep_dummy", totals.dummy_forwards),
         ):
             if total > self._last_totals.get(key, 0):
                 counter.inc(total - self._last_totals.get(key, 0))

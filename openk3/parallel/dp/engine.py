@@ -19,6 +19,8 @@ sampling) are seeded seed + rank.
 Behind the server (`openk3 serve --dp D --ep D`) it is the AsyncEngine's engine (serve/engine.py ServedEngine): stats()
 sums every rank's last report (rank_stats.py), `cache` is rank 0's (the layout every rank's pools share), and a remote
 request counts as scheduled once its rank reports it is no longer waiting (the server's queue limits read that).
+`ep_totals` is what the server's `openk3:ep_*` metrics read: rank 0's EP stats after each step, every rank's entries
+(rank_stats.py add_ep_step); every rank drains its own backend's each step.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from dataclasses import dataclass, field
 from openk3.config import ModelConfig
 from openk3.parallel.dp.channel import AddRequest, DPChannel, FinishRequest, Inbox, Outbox
 from openk3.parallel.dp.lockstep import LockstepModel
-from openk3.parallel.dp.rank_stats import merge_engine_stats
+from openk3.parallel.dp.rank_stats import LeaderEPStats, add_ep_step, merge_engine_stats
 from openk3.parallel.dp.router import DPRouter
+from openk3.parallel.serving.driver import EPTotals
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import EngineStats, LLMEngine
@@ -78,6 +81,8 @@ class DataParallelEngine:
         idle = local.stats()
         self._ranks = [_RankState(idle) for _ in range(self.num_ranks)]
         self._remote: dict[str, _Remote] = {}
+        self._ep_stats = LeaderEPStats(lockstep.model)
+        self.ep_totals = EPTotals()
         self._closed = False
         self._failure: str | None = None
         self.steps = 0
@@ -189,6 +194,7 @@ class DataParallelEngine:
             raise
         assert gathered is not None
         self.steps += 1
+        add_ep_step(self.ep_totals, self._ep_stats.drain(), gathered)
         merged = list(outputs)
         now = time.monotonic()
         waiting = {request_id for box in gathered for request_id in box.unscheduled}
@@ -240,6 +246,7 @@ class DataParallelEngine:
 def run_dp_worker(engine: LLMEngine, lockstep: LockstepModel, channel: DPChannel) -> int:
     """A DP rank's loop until rank 0 sends STOP; returns the steps run."""
     steps = requests = 0
+    ep_stats = LeaderEPStats(lockstep.model)
     try:
         while True:
             inbox = channel.scatter(None)
@@ -255,6 +262,7 @@ def run_dp_worker(engine: LLMEngine, lockstep: LockstepModel, channel: DPChannel
                     engine.finish(command.request_id, command.status)
             outputs = engine.step() if engine.has_unfinished() else []
             lockstep.end_step()
+            ep_stats.drain()  # every rank's entries are in rank 0's stats too
             channel.gather(Outbox(tuple(outputs), engine.stats(), int(engine.has_unfinished()), tuple(engine.unscheduled_request_ids())))
             steps += 1
     finally:

@@ -3,12 +3,21 @@ step, channel.py) summed, so the server's /metrics and admission read the whole 
 
 Counts, pool sizes and running totals add up; the MLA usage is the mean of the ranks' (their pools are the same size);
 the prefix-cache counters add up, tier by tier (every rank's engine has the same tiers), the transfer inbox's too.
+
+Expert-parallel stats need no merging: each MoE layer's EPStats already hold every rank's entries (the backends
+all-gather them), so rank 0 reports the group's from its own backend, drained once per step (LeaderEPStats; every
+leader drains its own, or they would pile up for the life of the server) into an EPTotals (add_ep_step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.dp.channel import Outbox
+from openk3.parallel.ep.backend import EPBackend, TokenSplit
+from openk3.parallel.ep.stats import EPStats
+from openk3.parallel.serving.driver import EPDriver, EPTotals, ForwardModel
 from openk3.serve.cache.stats import PrefixCacheStats
 from openk3.serve.cache.tier_types import TierStats
 from openk3.serve.engine import EngineStats
@@ -60,3 +69,30 @@ def merge_engine_stats(ranks: Sequence[EngineStats]) -> EngineStats:
         generation_tokens_total=sum(s.generation_tokens_total for s in ranks),
         prefix_cache=merge_prefix_stats(prefix) if prefix else None,
     )
+
+
+class LeaderEPStats:
+    """A DP leader's expert-parallel stats, one lockstep step at a time (empty when the ranks collect none). With tensor
+    parallelism in the group the leader's model is the group's EPDriver, which drains the backend after each forward;
+    without, it is the rank's own model, whose MoE layers share the backend."""
+
+    def __init__(self, model: ForwardModel) -> None:
+        self._driver = model if isinstance(model, EPDriver) else None
+        self._backend: EPBackend | TokenSplit | None = None
+        if self._driver is None and isinstance(model, K3ForCausalLM):
+            self._backend = next((m.backend for m in model.moe_layers() if isinstance(m.backend, EPBackend | TokenSplit)), None)
+
+    def drain(self) -> list[EPStats]:
+        """The step's stats, once the step's forward has run."""
+        if self._driver is not None:
+            return self._driver.last_stats
+        return self._backend.drain_stats() if self._backend is not None else []
+
+
+def add_ep_step(totals: EPTotals, stats: list[EPStats], boxes: Sequence[Outbox]) -> None:
+    """Rank 0: one step's EP stats into the group's totals. A rank whose Outbox has neither outputs nor requests left had
+    nothing to run and ran the dummy forward (lockstep.py). A step in which every rank did (rank 0 only delivering the
+    end of a remote request) is left out: it ran no request's token, and would overwrite the last real step's gauges."""
+    idle = sum(1 for box in boxes if not box.outputs and not box.unfinished)
+    if idle < len(boxes):
+        totals.add(stats, dummy_forwards=idle)

@@ -43,10 +43,13 @@ class StatsSource(Protocol):
 
 
 class EPTotals:
-    """What the driver's EP backend reported so far: per MoE layer the last step's stats, and running totals.
+    """What rank 0's EP backend reported so far: per MoE layer the last step's stats, and running totals.
 
     Entries and rows per rank are global (the backends all-gather them); bytes are rank 0's own sends. Written by the
-    thread that runs the model, read by the metrics between steps on that same thread.
+    thread that runs the model, read by the metrics between steps on that same thread. Fed by the EPDriver after each
+    forward (`serve --ep N`), or by the DataParallelEngine after each lockstep step (`serve --dp D`, dp/rank_stats.py),
+    with the number of DP ranks whose engine had nothing to run and that ran the one-token dummy forward instead: those
+    tokens are routed and computed too, so their entries are in the stats.
     """
 
     def __init__(self) -> None:
@@ -56,11 +59,13 @@ class EPTotals:
         self.bytes_sent = 0
         self.prefetch_bytes = 0
         self.spilled = 0
+        self.dummy_forwards = 0
 
-    def add(self, stats: list[EPStats]) -> None:
+    def add(self, stats: list[EPStats], dummy_forwards: int = 0) -> None:
         if not stats:
             return
         self.steps += 1
+        self.dummy_forwards += dummy_forwards
         for s in stats:
             self.last[s.layer_index] = s
             if not self.recv_entries_R:
@@ -86,6 +91,7 @@ class EPDriver:
         self.model, self.channel, self.stats = model, channel, stats
         self.config = model.config
         self.totals = EPTotals()
+        self.last_stats: list[EPStats] = []  # what the backend reported in the last forward (also added to totals)
         self._cache: CacheTensors | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -118,7 +124,8 @@ class EPDriver:
                 self._failure = f"{type(e).__name__}: {e}"
                 raise
             if self.stats is not None:
-                self.totals.add(self.stats.drain_stats())
+                self.last_stats = self.stats.drain_stats()
+                self.totals.add(self.last_stats)
             return logits
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:

@@ -14,11 +14,26 @@ slot holds.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from openk3.config import LayerKind, ModelConfig
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the runner knows on the host about a step's sequences, so that the model need not read it back from the tensors."""
+
+    any_fresh: bool  # some sequence has no context yet
+    slot_range: tuple[int, int] | None  # (first, end) when the state slots are consecutive ascending ids
+
+    @staticmethod
+    def of(context_lens: Sequence[int], state_slots: Sequence[int]) -> HostFacts:
+        first = state_slots[0] if state_slots else 0
+        consecutive = bool(state_slots) and all(s == first + i for i, s in enumerate(state_slots))
+        return HostFacts(any(c == 0 for c in context_lens), (first, first + len(state_slots)) if consecutive else None)
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,8 @@ class ForwardBatch:
     # The batch of a captured graph (serve/graphs.py): its tensors are static buffers refilled before every replay, so the
     # model may decide nothing from their values on the host: the fresh mask is always applied, slots always gathered.
     capturable: bool = False
+    # given by the runner (and the step channel), which built the tensors from host lists; None: read from the tensors
+    host_facts: HostFacts | None = None
 
     # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
     # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
@@ -53,10 +70,14 @@ class ForwardBatch:
     @functools.cached_property
     def fresh_seqs(self) -> torch.Tensor | None:
         """[N] bool, the sequences with no context (they start from a zero KDA state whatever their slot holds), or None when
-        there are none: the usual step then skips the masking. One host check per step, shared by every KDA layer (none in a
-        capturable batch, which always masks)."""
+        there are none: the usual step then skips the masking. Without host facts one host check per step, shared by every
+        KDA layer; none in a capturable batch, which always masks."""
         fresh = self.context_lens == 0
-        return fresh if self.capturable or bool(fresh.any()) else None
+        if self.capturable:
+            return fresh
+        if self.host_facts is not None:
+            return fresh if self.host_facts.any_fresh else None
+        return fresh if bool(fresh.any()) else None
 
     @functools.cached_property
     def slot_range(self) -> tuple[int, int] | None:
@@ -65,6 +86,8 @@ class ForwardBatch:
         memory traffic). The state pool hands out slots in order, so a batch admitted together usually qualifies."""
         if self.capturable or self.state_slots is None or self.state_slots.numel() == 0:
             return None
+        if self.host_facts is not None:
+            return self.host_facts.slot_range
         first, n = int(self.state_slots[0]), self.state_slots.numel()
         expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)
         return (first, first + n) if torch.equal(self.state_slots, expected) else None
@@ -101,6 +124,7 @@ class ForwardBatch:
             page_table=page_table,
             logits_indices=torch.tensor(cu[1:], dtype=torch.int64, device=device) - 1 if only_last_logits else None,
             is_decode=all(n == 1 for n in lens),
+            host_facts=HostFacts.of(context_lens, state_slots),
         )
 
 

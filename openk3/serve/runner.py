@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.prepare import prepare_for_serving
@@ -120,6 +120,7 @@ class ModelRunner:
             page_table=table.to(dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             is_decode=all(n == 1 for n in lens),
+            host_facts=HostFacts.of(context_lens, slots),
         )
         return batch, sampling
 

@@ -12,7 +12,7 @@ import torch
 from openk3.api.metrics import ServerMetrics
 from openk3.config import debug
 from openk3.llm import LLM
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
@@ -24,7 +24,8 @@ def batches() -> list[ForwardBatch]:
     table = torch.tensor([[3, 4, 0], [7, 8, 9]])
     cached = ForwardBatch.for_step([[11, 12, 13], [14]], [16, 40], [2, 5], table)
     decode = ForwardBatch.for_step([[1], [2]], [5, 6], [0, 1], table[:, :1])
-    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3))]  # the last: no cache, every row's logits
+    fresh = ForwardBatch.for_step([[5, 6], [7]], [0, 3], [4, 5], table[:, :2])  # a new sequence, consecutive slots
+    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3)), fresh]  # the third: no cache, every row's logits
 
 
 def fields(b: ForwardBatch) -> dict:
@@ -67,8 +68,10 @@ def exchange(ctx: ParallelContext) -> list:
 @pytest.mark.distributed
 def test_step_channel_round_trip() -> None:
     sent, received = run_ranks(exchange, 2)
-    assert received == sent and len(sent) == 6
+    assert received == sent and len(sent) == 7
     assert sent[3]["is_decode"] and not sent[2]["is_decode"] and sent[4]["page_table"] is None
+    # the host facts travel in the header: none given, slots not consecutive, consecutive, and a fresh sequence
+    assert [sent[i]["host_facts"] for i in (4, 2, 3, 5)] == [None, HostFacts(False, None), HostFacts(False, (0, 2)), HostFacts(True, (4, 6))]
 
 
 def test_step_channel_refuses_half_a_cache_addressing() -> None:
@@ -82,6 +85,8 @@ def test_step_channel_refuses_half_a_cache_addressing() -> None:
     assert cached.page_table is not None
     assert header[3] == cached.page_table.shape[1]
     assert payload.numel() == 4 + 4 + 3 + 2 + 2 + 6 + 2  # ids, positions, cu_seqlens, context, slots, table, logits rows
+    with pytest.raises(ValueError, match="graphs capture a single-process step only"):
+        StepChannel.encode_step(dataclasses.replace(cached, capturable=True))
 
 
 def test_ep_stats_in_metrics() -> None:

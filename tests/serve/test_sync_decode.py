@@ -36,26 +36,18 @@ class Allowed(NamedTuple):
     why: str
 
 
-# Once per batch, shared by every KDA layer (cached_property): the runner knows both on the host, but ForwardBatch is also
-# the multi-rank step channel's wire format (parallel/serving/step_channel.py CARRIED_FIELDS), so handing them over means
-# a field there too. Until then one read each per step is the floor.
-PER_BATCH = {
-    "openk3/model/batch.py:fresh_seqs": Allowed(1, "any sequence without context: bool(any) once per batch"),
-    "openk3/model/batch.py:slot_range": Allowed(2, "consecutive slots: int(first) and torch.equal once per batch"),
-}
 # The host reads a decode forward is allowed, by the device its ops were chosen for, each with why it is the floor today.
 ALLOWED: dict[str, dict[str, Allowed]] = {
-    "cpu": PER_BATCH
-    | {
+    "cpu": {
         # the C kernel's slot-id range check before it writes through the ids: a read of CPU memory the kernel reads
         # anyway, not a device sync (the "c" backend exists only on CPU); two per KDA layer of the debug model
         "openk3/ops/kda/decode_fused.py:<genexpr>": Allowed(6, "C kernel range check on host memory"),
     },
-    "cuda": PER_BATCH
-    | {
+    "cuda": {
         # the torch forms of the routed experts loop over experts in Python, so they need each expert's pair count (and
         # check the id range) on the host, per MoE layer. The no-sync form is moe_experts "triton" for packed MXFP4
-        # experts (ops/triton/moe_mxfp4.py); full-precision experts on CUDA have no such kernel yet.
+        # experts (ops/triton/moe_mxfp4.py); a captured decode graph runs the fixed-shape form (moe_experts "static"),
+        # which reads nothing back (tests/serve/test_decode_graphs.py).
         "openk3/ops/moe/single.py:moe_experts_single_token": Allowed(8, "per-expert loop (one token)"),
         "openk3/ops/moe/grouped.py:moe_experts_grouped": Allowed(4, "per-expert slice bounds"),
         "openk3/ops/moe/naive.py:check_moe_inputs": Allowed(8, "expert id range of the grouped form"),

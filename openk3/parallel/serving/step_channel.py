@@ -6,8 +6,9 @@ Rank 0 (the driver) alone schedules and samples; the other ranks run the same fo
 layer is a collective (their experts, their share of the tokens). A message is a fixed int64 header, then for a step one
 int64 payload holding the batch's tensors end to end, so a step costs two broadcasts whatever its size:
 
-  header   [kind, a, b, c, d, e, 0, 0]
-    STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode
+  header   [kind, a, b, c, d, e, f, g]
+    STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode, and the batch's host facts (model/batch.py):
+           f=any_fresh (-1: none given), g=first slot of a consecutive range (-1: not consecutive, -2: none given)
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
     COPIES a=n; payload [n, 3] (kind, src, dst): the slot and page copies rank 0's prefix cache made since the last step
            (CacheTensors.copy_log), which every worker replays on its own pools before the next STEP
@@ -33,12 +34,14 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.parallel.group import ParallelContext
 
 HEADER = 8
 # The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
-CARRIED_FIELDS = ("input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode")
+CARRIED_FIELDS = (
+    "input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode", "capturable", "host_facts",
+)  # fmt: skip
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
@@ -112,6 +115,8 @@ class StepChannel:
     @staticmethod
     def encode_step(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
         """The header and payload of a step; raises before anything is sent for a batch the wire format cannot carry."""
+        if batch.capturable:
+            raise ValueError("StepChannel: a capturable batch is a decode graph's, and graphs capture a single-process step only")
         parts = [batch.input_ids, batch.positions, batch.cu_seqlens, batch.context_lens]
         width = -1
         if (batch.state_slots is None) != (batch.page_table is None):
@@ -126,7 +131,10 @@ class StepChannel:
             rows = batch.logits_indices.numel()
             parts.append(batch.logits_indices)
         payload = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
-        return [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode)], payload
+        facts = batch.host_facts
+        fresh = -1 if facts is None else int(facts.any_fresh)
+        first = -2 if facts is None else -1 if facts.slot_range is None else facts.slot_range[0]
+        return [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode), fresh, first], payload
 
     def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
         self._send(header, payload)
@@ -155,7 +163,7 @@ class StepChannel:
         """The next message on a worker: a step's batch (on `device`), the cache shape, copies to replay, or None for STOP."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
-        kind, a, b, c, d, e = (int(x) for x in header[:6])
+        kind, a, b, c, d, e, f, g = (int(x) for x in header[:8])
         if kind == MessageKind.STOP:
             dist.barrier(group=self.group)
             return None
@@ -177,4 +185,5 @@ class StepChannel:
         ids, positions, cu, context = parts[:4]
         slots, table = (parts[4], parts[5].reshape(seqs, width)) if width >= 0 else (None, None)
         logits = parts[-1] if rows >= 0 else None
-        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e))
+        facts = None if f == -1 else HostFacts(bool(f), None if g == -1 else (g, g + seqs))
+        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e), host_facts=facts)

@@ -19,6 +19,7 @@ evaluates ceil(log2(amax / 6)) in fp32 floats, which misses an fp32 amax a few u
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from enum import Enum
@@ -147,7 +148,14 @@ _E8M0_VALUES = _e8m0_values()  # [256]
 
 
 def decode_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> DecodeTables:
-    """Tables for decoding to `dtype` (computed in bf16 or fp32; every table entry and product is exact in both)."""
+    """Tables for decoding to `dtype` (computed in bf16 or fp32; every table entry and product is exact in both), made
+    once per dtype and device: a copy to a GPU at every expert's decode would be a host-to-device copy per expert, and
+    one inside a CUDA graph capture fails."""
+    return _decode_tables(dtype, torch.device(device))
+
+
+@functools.cache
+def _decode_tables(dtype: torch.dtype, device: torch.device) -> DecodeTables:
     compute = _compute_dtype(dtype)
     # Each byte's two elements are gathered as one integer twice the element width: half the gathers on CPU.
     pair_dtype = torch.int32 if compute == torch.bfloat16 else torch.int64

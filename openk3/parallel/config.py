@@ -81,7 +81,7 @@ class ParallelConfig:
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
-        ranks = f"ep={self.ep}" if self.tp == 1 else f"tp={self.tp}, ep={self.ep}"
+        ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"ep={self.ep}"])
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
         if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:

@@ -143,11 +143,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed, self.device), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
-            graphs = DecodeGraphs(self.runner.model, self.cache, capture, cfg.cuda_graph_max_batch or cfg.max_num_seqs, self.max_model_len)
-            self.runner.graphs = graphs
-            if capture.warm_start:  # every bucket now, so no request waits for a capture
-                with torch.inference_mode():
-                    graphs.capture_all()
+            max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
+            self.runner.graphs = DecodeGraphs(self.runner.model, self.cache, capture, max_batch, self.max_model_len, self.device)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id

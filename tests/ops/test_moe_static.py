@@ -1,5 +1,5 @@
-"""The fixed-shape routed-expert form (ops/moe/static.py): equal to the definition for dense and packed banks, no host read,
-and what the "sized" dispatch takes while a graph is captured (ops/capture.py)."""
+"""The fixed-shape routed-expert form (ops/moe/static.py): equal to the definition for dense and packed banks, every
+expert asked for once whatever the routing, no host read (what a decode graph runs, serve/graphs.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from openk3.ops.activation import silu_glu
-from openk3.ops.capture import capturing, graph_capture
-from openk3.ops.moe import DenseExpertBank, moe_experts_grouped, moe_experts_naive, moe_experts_sized, moe_experts_static
+from openk3.ops.moe import DenseExpertBank, moe_experts_grouped, moe_experts_naive, moe_experts_static
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from tests.serve.test_sync_decode import recording_host_reads
 
@@ -60,14 +59,3 @@ def test_static_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
     with recording_host_reads(sites, monkeypatch):
         moe_experts_static(x, idx, w, bank, silu_glu)
     assert not sites, f"host reads: {dict(sites)}"
-
-
-def test_sized_takes_the_static_form_while_capturing(monkeypatch: pytest.MonkeyPatch) -> None:
-    x, idx, w, bank = _case(4, 8, 2, 16, 16, seed=6)
-    sites: Counter[str] = Counter()
-    assert not capturing()
-    with graph_capture(), recording_host_reads(sites, monkeypatch):
-        assert capturing()
-        got = moe_experts_sized(x, idx, w, bank, silu_glu)
-    assert not capturing() and not sites
-    torch.testing.assert_close(got, moe_experts_static(x, idx, w, bank, silu_glu), rtol=0, atol=0)

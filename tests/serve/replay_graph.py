@@ -133,13 +133,11 @@ def _pools(cache: CacheTensors) -> list[torch.Tensor]:
 class ReplayCapture:
     """A GraphCapture (serve/graphs.py) on CPU. `checked_cache`: compare every replay with the eager forward (docstring)."""
 
-    warm_start = False  # captured at first use, after a test has chosen the ops
-
     def __init__(self, checked_cache: CacheTensors | None = None) -> None:
         self.checked_cache = checked_cache
         self.graphs: list[ReplayGraph] = []
 
-    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[ReplayGraph, torch.Tensor]:
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> ReplayGraph:
         fn()  # the warm-up run CudaGraphCapture makes before capturing: anything cached by it is not recorded
         calls: list[tuple[Any, tuple, dict, Any]] = []
         with _readbacks_refused(), _Recorder(calls):
@@ -147,4 +145,4 @@ class ReplayCapture:
         graph = ReplayGraph(fn, calls, self.checked_cache)
         graph.output = out
         self.graphs.append(graph)
-        return graph, out
+        return graph

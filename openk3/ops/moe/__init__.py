@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from openk3.ops.capture import capturing
 from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
 from openk3.ops.moe.batched import moe_experts_batched
@@ -35,10 +34,7 @@ def moe_experts_sized(
     """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
     backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
     Otherwise one token: its experts in turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4
-    banks): grouped. `linear`: the products of the per-expert forms. While a graph is being captured (ops/capture.py):
-    the fixed-shape form, whatever the size (the others size their work by the routing)."""
-    if capturing():
-        return moe_experts_static(x_TD, topk_idx, topk_weight, bank, act)
+    banks): grouped. `linear`: the products of the per-expert forms."""
     pairs = topk_idx.numel()
     if (
         batched_c is not None

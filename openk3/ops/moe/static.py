@@ -4,11 +4,11 @@ token did not choose the expert). No host read and no data-dependent size, so a 
 Legend: T tokens, k experts per token, E experts, D expert input width, I expert intermediate width.
 
 Why: the other forms size their work by the routing (per-expert pair counts read back to the host, or a padded block
-sized by the busiest expert), which a captured graph cannot do. The price is E * T expert rows instead of k * T, so it is
-for decode-sized steps (what serve/graphs.py captures): at T = 16 and k / E = 16 / 896 the arithmetic is 56x the routed
-rows', while a decode step's cost is reading the experts' weights, which a batch of T * k pairs mostly touches anyway.
-Packed MXFP4 banks go one expert at a time (dequantised per expert, as the grouped form does); the Triton form
-(moe_experts "triton", CUDA) reads them packed with a device-built launch table and is also capturable.
+sized by the busiest expert), which a captured graph cannot do. The price is E * T expert rows instead of k * T and the
+whole bank read per layer: at K3's E / k = 896 / 16 that is 56x the routed arithmetic, and at T = 16 about 4x the expert
+weights a routed form reads (16 x 16 pairs touch about 223 of the 896 experts). So it is the graph form for small expert
+counts and dense banks; packed MXFP4 experts on CUDA take the Triton grouped GEMM (moe_experts "triton"), which reads
+them packed through a launch table built on the device (serve/graphs.py graph_expert_form).
 The result equals the routed sum up to the order of fp32 additions (the unchosen experts add exact zeros).
 """
 

@@ -95,7 +95,9 @@ class Tiles:
 
     def __init__(self, sorted_experts_P: torch.Tensor, num_experts: int, block_m: int) -> None:
         pairs = sorted_experts_P.numel()
-        counts = torch.bincount(sorted_experts_P, minlength=num_experts)
+        # not bincount: on CUDA it reads the ids' max back to size its output, a sync (and fatal inside a graph capture)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=sorted_experts_P.device)
+        counts.scatter_add_(0, sorted_experts_P.long(), torch.ones_like(sorted_experts_P, dtype=torch.int64))
         seg_end = torch.cumsum(counts, 0)
         tiles_per_expert = (counts + block_m - 1) // block_m
         tile_end = torch.cumsum(tiles_per_expert, 0)

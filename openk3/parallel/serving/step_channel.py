@@ -185,5 +185,7 @@ class StepChannel:
         ids, positions, cu, context = parts[:4]
         slots, table = (parts[4], parts[5].reshape(seqs, width)) if width >= 0 else (None, None)
         logits = parts[-1] if rows >= 0 else None
+        if f not in (-1, 0, 1) or g < -2 or (f == -1) != (g == -2):
+            raise RuntimeError(f"StepChannel: host facts f={f}, g={g} in a step header (driver and worker run different openk3 versions?)")
         facts = None if f == -1 else HostFacts(bool(f), None if g == -1 else (g, g + seqs))
         return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e), host_facts=facts)

@@ -159,14 +159,14 @@ def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
 
 def engine_decode(batch: int, device: torch.device, new_tokens: int, cuda_graphs: bool) -> tuple[float, list[list[int]]]:
     """(decode tokens per second, the greedy tokens) of the embedded tiny model serving `batch` requests of `new_tokens`
-    each; with cuda_graphs the decode steps replay graphs captured at start-up (serve/graphs.py)."""
+    each; with cuda_graphs the decode steps replay graphs (serve/graphs.py), captured in the warm-up run."""
     from openk3.llm import LLM
     from openk3.serve.sampling import SamplingParams
 
     llm = LLM("tiny", num_pages=max(64, batch * 8), page_size=16, max_num_seqs=batch, max_model_len=128, device=str(device), cuda_graphs=cuda_graphs)
     prompts = [[1 + (i % 200), 2, 3] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    llm.generate(prompts, params)  # warm-up: the same steps, so every graph bucket the timed run needs is captured first
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start

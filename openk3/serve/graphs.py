@@ -22,6 +22,9 @@ host (model/batch.py `capturable`).
   reads.
 - Run eagerly: prefill and mixed steps, steps wider than the largest batch bucket, and contexts longer than P pages.
 - The sampler runs after the replay, outside the graph, on logits rows 0..n-1 of one buffer every graph writes into.
+
+Contract: a graph keeps the kernels and addresses of its capture, so once a bucket is captured the model's parameters may
+change only in place (copy_), and its ops and expert backends not at all (select_ops, set_expert_backend).
 """
 
 from __future__ import annotations

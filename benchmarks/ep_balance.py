@@ -95,13 +95,13 @@ def simulate(s: float, ranks: int, tokens: int, seed: int) -> dict[str, float]:
     out["moonep"] = ratio(plan.load_R())
     dest = torch.stack([assign_entries(plan, tpe, r, now[r]).dest_N.view(tokens, K) for r in range(ranks)])
     out["moonep_a2a"] = sum(remote_pairs(dest[r], r) for r in range(ranks)) * (DISPATCH_B + COMBINE_B)
-    per_rank = plan.prefetch_ptr[1:] - plan.prefetch_ptr[:-1]
+    per_rank = plan.prefetch_count_R
     out["prefetch_total"] = int(per_rank.sum()) * EXPERT_B
     out["prefetch_max"] = int(per_rank.max()) * EXPERT_B
     budget = plan_moonep(tpe, epn, 2)
     check_plan(budget, tpe)
     out["moonep_b2"] = ratio(budget.load_R())
-    out["moonep_b2_spill"] = budget.spilled / float(tpe.sum())
+    out["moonep_b2_spill"] = float(budget.spilled) / float(tpe.sum())
     return out
 
 

@@ -1,14 +1,18 @@
 """MoonEP backend for the MoE seam: plan per layer and step, prefetch remote experts, run the fixed grouped layout.
 
 Legend: T tokens of this rank, k experts per token, E experts, W ranks, epn = E / W home experts per rank, B prefetch
-slots, X bytes per expert on the wire, CAP entry slots per rank.
+slots, B' = min(B, E), G = epn + B' compute-set groups, X bytes per expert on the wire, CAP entry slots per rank.
 
 Per call: all-gather tokens-per-expert [W, E] (the only data-dependent collective before dispatch), plan on every rank
-(identical input, identical plan), send each prefetched expert from its home to its destination (all_to_all_single of
-raw bytes: packed MXFP4 codes and scales when the bank is packed), then dispatch with slots fixed by the plan. Every rank
-computes exactly CAP entries (the plan's load), in a buffer of plan.buffer_slots rows whatever the routing skew.
-Five collectives (count gather, prefetch, then the exchange's three) and three host reads (tpe with this rank's routing
-for the planner, which is host code; the exchange's counts; the slot check) per call.
+(identical input, identical plan) on the device, send each prefetched expert from its home to its destination
+(all_to_all_single of raw bytes: packed MXFP4 codes and scales when the bank is packed), then dispatch with slots fixed by
+the plan. Every rank computes at most CAP entries (more only on a home that takes spilled entries back), in a buffer of
+its planned slots, which never exceeds moonep.buffer_bound whatever the routing skew.
+Five collectives (count gather, prefetch, then the exchange's three) and two host reads per call, both because
+torch's all_to_all_single takes its split sizes as host integers: (1) after planning, one copy of this rank's prefetch
+split sizes, its grouped layout (segment starts and counts, which the grouped GEMM loops over on the host) and the spill
+count (LayerCounts); (2) the exchange's counts (exchange.py). Removing them needs a device-initiated exchange
+(NVSHMEM-style kernels, as MoonEP's own). The plan, the per-entry routes and the slot check run on the device without a host read.
 The prefetch budget caps B at budget // X; below epn that may spill entries home (EPStats.spilled).
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -32,21 +37,57 @@ from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.group import ParallelContext
 
 
-def prefetch(tally: Tally, plan: MoonPlan, shard: ExpertShard) -> tuple[SlotBank, int]:
+class LayerCounts(NamedTuple):
+    """The backend's one host read per call: the integers that torch's collectives and the grouped GEMM take on the host."""
+
+    send_W: list[int]  # experts this rank sends to each rank's prefetch slots
+    recv_W: list[int]  # experts each home sends into this rank's prefetch slots (its list, grouped by home)
+    starts_G: list[int]  # this rank's grouped layout: first slot of each group (home experts, then its prefetch list)
+    counts_G: list[int]  # entries of each group
+    used_slots: int  # rows of this rank's grouped buffer
+    spilled: int  # for EPStats
+
+
+def listed_WB(plan: MoonPlan) -> torch.Tensor:
+    """[W, B'] bool: the entries of the prefetch table that are on a rank's list (the rest is padding)."""
+    width = plan.prefetch_RB.shape[1]
+    return torch.arange(width, device=plan.prefetch_RB.device) < plan.prefetch_count_R.unsqueeze(1)
+
+
+def read_counts(tally: Tally, plan: MoonPlan, rank: int) -> LayerCounts:
+    world, epn = plan.num_ranks, plan.experts_per_rank
+    listed, home_WB = listed_WB(plan), plan.prefetch_RB // epn
+    send = (listed & (home_WB == rank)).sum(1)
+    homes = torch.arange(world, device=home_WB.device).unsqueeze(1)
+    recv = ((home_WB[rank] == homes) & listed[rank]).sum(1)
+    mine = [send, recv, plan.group_start_RG[rank], plan.group_count_RG[rank], plan.used_slots_R[rank : rank + 1], plan.spilled.view(1)]
+    host = tally.to_host(torch.cat(mine)).tolist()
+    width = plan.group_start_RG.shape[1]
+    send_W, recv_W = host[:world], host[world : 2 * world]
+    starts, counts = host[2 * world : 2 * world + width], host[2 * world + width : 2 * world + 2 * width]
+    # Groups past epn + this rank's list are empty prefetch slots: the compute set ends with its list.
+    groups = epn + sum(recv_W)
+    return LayerCounts(send_W, recv_W, starts[:groups], counts[:groups], host[-2], host[-1])
+
+
+def prefetch(tally: Tally, plan: MoonPlan, shard: ExpertShard, counts: LayerCounts) -> tuple[SlotBank, int]:
     """This rank's compute set (home experts, then its prefetch list) and the bytes it sent to other ranks' slots."""
     ctx = tally.ctx
     epn, me = plan.experts_per_rank, ctx.rank
-    mine = plan.prefetch_of(me)
-    # Each home sends, per destination, the destination's prefetch list restricted to its own experts, in list order.
-    outgoing = [plan.prefetch_of(d)[plan.prefetch_of(d) // epn == me] - me * epn for d in range(ctx.world_size)]
-    send = shard.to_bytes(torch.cat(outgoing)) if sum(o.numel() for o in outgoing) else torch.zeros(0, shard.expert_nbytes, dtype=torch.uint8)
-    recv_counts = [int((mine // epn == h).sum()) for h in range(ctx.world_size)]
-    got = tally.all_to_all(send.to(ctx.device), [o.numel() for o in outgoing], recv_counts)
+    # Each home sends, per destination, the destination's list restricted to its own experts, in list order: the
+    # row-major order of the table. How many is known on the host, so a stable sort brings them to the front (a boolean
+    # selection would read its size back).
+    ours = (listed_WB(plan) & (plan.prefetch_RB // epn == me)).reshape(-1)
+    num_send = sum(counts.send_W)
+    picked = torch.sort(ours.to(torch.uint8), descending=True, stable=True).indices[:num_send]
+    send = shard.to_bytes(plan.prefetch_RB.reshape(-1)[picked] - me * epn) if num_send else torch.zeros(0, shard.expert_nbytes, dtype=torch.uint8)
+    got = tally.all_to_all(send.to(ctx.device), counts.send_W, counts.recv_W)
     # Received grouped by home; put them back in prefetch-list order (a stable sort of the list by home is that grouping).
+    mine = plan.prefetch_RB[me, : sum(counts.recv_W)]
     by_home = torch.sort(mine // epn, stable=True).indices
     ordered = torch.empty_like(got)
     ordered[by_home.to(got.device)] = got
-    prefetched = shard.from_bytes(ordered) if mine.numel() else None
+    prefetched = shard.from_bytes(ordered) if mine.shape[0] else None
     return SlotBank(shard.bank, prefetched), int(send.numel())
 
 
@@ -116,33 +157,27 @@ class MoonEPBackend:
         if self.collector is not None:
             self.collector.observe(index, routing.topk_idx)
         t0 = time.perf_counter()
-        local = counts_per_id(routing.topk_idx.reshape(-1).to(ctx.device), num_experts)
-        every = tally.all_gather(local)
-        # The planner runs on the host, so it needs tpe and this rank's routing there: one read for both.
-        both = tally.to_host(torch.cat([every.reshape(-1), routing.topk_idx.reshape(-1).to(ctx.device).long()]))
-        tpe, topk = both[: every.numel()].view_as(every), both[every.numel() :].view(routing.topk_idx.shape)
-        plan = plan_moonep(tpe, epn, self.prefetch_slots(shard), self.pad)
-        bank, prefetch_bytes = prefetch(tally, plan, shard)
+        topk = routing.topk_idx.to(ctx.device)
+        every = tally.all_gather(counts_per_id(topk.reshape(-1), num_experts))
+        plan = plan_moonep(every, epn, self.prefetch_slots(shard), self.pad)
+        counts = read_counts(tally, plan, ctx.rank)
+        bank, prefetch_bytes = prefetch(tally, plan, shard, counts)
         plan_s = time.perf_counter() - t0
         self.last_plan[index] = plan
-        route = assign_entries(plan, tpe, ctx.rank, topk)
-        experts = torch.cat([torch.arange(ctx.rank * epn, (ctx.rank + 1) * epn), plan.prefetch_of(ctx.rank)])
-        starts = plan.offset_ER[experts, ctx.rank].tolist()
-        counts = plan.alloc_ER[experts, ctx.rank].tolist()
-        expected = int(plan.alloc_ER[:, ctx.rank].sum())
+        route = assign_entries(plan, every, ctx.rank, topk)
+        expected = sum(counts.counts_G)
 
         def compute(got: Received) -> torch.Tensor:
             if got.slot_n is None or got.slot_n.shape[0] != expected:
                 raise RuntimeError(f"MoonEP: rank {ctx.rank} received {got.row_n.shape[0]} entries for {expected} planned slots")
-            # A validation read: two entries in one slot would silently overwrite each other's row.
-            fill = torch.zeros(plan.buffer_slots, dtype=torch.int64, device=got.slot_n.device).index_add_(0, got.slot_n, torch.ones_like(got.slot_n))
-            if bool(tally.to_host((fill > 1).any())):
-                raise RuntimeError(f"MoonEP: rank {ctx.rank} received two entries for one planned slot")
-            return grouped_in_slots(got, bank, layer.expert_act, starts, counts, plan.buffer_slots)
+            # Two entries in one slot would silently overwrite each other's row; checked on the device, so nothing waits.
+            fill = torch.zeros(counts.used_slots, dtype=torch.int64, device=got.slot_n.device).index_add_(0, got.slot_n, torch.ones_like(got.slot_n))
+            torch._assert_async((fill <= 1).all(), f"MoonEP: rank {ctx.rank} received two entries for one planned slot")
+            return grouped_in_slots(got, bank, layer.expert_act, counts.starts_G, counts.counts_G, counts.used_slots)
 
         y32, traffic = dispatch_combine(tally, z_TD, route.dest_N, route.group_N, routing.topk_weight.reshape(-1), 0, compute, route.slot_N)
         if self.collect_stats:
-            self._stats.append(record_stats(ctx, index, "moonep", topk, num_experts, traffic, tally, prefetch_bytes, plan.spilled, plan_s))
+            self._stats.append(record_stats(ctx, index, "moonep", topk, num_experts, traffic, tally, prefetch_bytes, counts.spilled, plan_s))
         return y32.to(z_TD.dtype)
 
     def drain_stats(self) -> list[EPStats]:

@@ -1,6 +1,6 @@
 """MoonEP planner, the definition: the same steps as moonep.py written as plain loops over Python integers.
 
-Legend: R ranks, E experts, epn home experts per rank, B prefetch slots per rank, CAP slots per rank.
+Legend: R ranks, E experts, epn home experts per rank, B prefetch slots per rank, B' = min(B, E), G = epn + B', CAP slots per rank.
 Ties always go to the lowest index (what torch.argmax/argmin do), so this and the vectorised planner agree exactly.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.parallel.ep.moonep import EntryRoute, MoonPlan, check_shapes
+from openk3.parallel.ep.moonep import UNUSED, EntryRoute, MoonPlan, check_shapes
 
 
 def _argmax(values: list[int]) -> int:
@@ -18,6 +18,8 @@ def _argmax(values: list[int]) -> int:
 def plan_reference(tpe_RE: torch.Tensor, experts_per_rank: int, prefetch_slots: int, pad: int = 1) -> MoonPlan:
     check_shapes(tpe_RE, experts_per_rank, prefetch_slots, pad)
     tpe = tpe_RE.long().tolist()
+    if min(min(row) for row in tpe) < 0:
+        raise ValueError("moonep plan: tokens_per_expert has negative counts")
     num_ranks, num_experts, epn = len(tpe), len(tpe[0]), experts_per_rank
     count = [sum(tpe[s][e] for s in range(num_ranks)) for e in range(num_experts)]
     capacity = -(-sum(count) // num_ranks)
@@ -57,23 +59,31 @@ def plan_reference(tpe_RE: torch.Tensor, experts_per_rank: int, prefetch_slots: 
             alloc[e][r] = 0
         prefetch.append(remote[:prefetch_slots])
 
+    width = min(prefetch_slots, num_experts)
+    groups = epn + width
     group = [[0] * num_ranks for _ in range(num_experts)]
     offset = [[0] * num_ranks for _ in range(num_experts)]
-    used = [0] * num_ranks
+    starts, counts, used = [], [], [0] * num_ranks
     for r in range(num_ranks):
-        for g, e in enumerate(list(range(r * epn, (r + 1) * epn)) + prefetch[r]):
+        members = list(range(r * epn, (r + 1) * epn)) + prefetch[r]
+        starts.append([0] * groups)
+        counts.append([0] * groups)
+        for g, e in enumerate(members):
             group[e][r], offset[e][r] = g, used[r]
+            starts[r][g], counts[r][g] = used[r], alloc[e][r]
             used[r] += -(-alloc[e][r] // pad) * pad
-    ptr = [0]
-    for p in prefetch:
-        ptr.append(ptr[-1] + len(p))
-    bound = capacity + (epn + prefetch_slots) * (pad - 1)
+        for g in range(len(members), groups):
+            starts[r][g] = used[r]
 
-    def t(x: list) -> torch.Tensor:
+    def t(x: list | int) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64)
 
-    flat_prefetch = t([e for p in prefetch for e in p]) if ptr[-1] else torch.zeros(0, dtype=torch.int64)
-    return MoonPlan(capacity, epn, prefetch_slots, pad, t(alloc), t(ptr), flat_prefetch, spilled, t(group), t(offset), t(used), max(bound, max(used)))
+    table = torch.full((num_ranks, width), UNUSED, dtype=torch.int64)
+    for r, p in enumerate(prefetch):
+        table[r, : len(p)] = t(p)
+    return MoonPlan(
+        epn, prefetch_slots, pad, t(capacity), t(alloc), table, t([len(p) for p in prefetch]), t(spilled), t(group), t(offset), t(starts), t(counts), t(used)
+    )
 
 
 def assign_entries_reference(plan: MoonPlan, tpe_RE: torch.Tensor, rank: int, topk_idx: torch.Tensor) -> EntryRoute:

@@ -25,7 +25,8 @@ class EPStats(NamedTuple):
     comm_s: float  # this rank's wall time in the dispatch and combine collectives
     plan_s: float  # MoonEP: count all-gather + plan + weight prefetch (0.0 for the static methods)
     # This rank's collectives and deliberate host reads for the layer (comm.Tally), the stats' own all-gather and host
-    # read excluded: exact EP 3 and 1, fixed capacity 2 and 0, MoonEP 5 and 3 (count all-gather, prefetch, host planner).
+    # read excluded: exact EP 3 and 1, fixed capacity 2 and 0, MoonEP 5 and 2 (count all-gather, prefetch; the plan's
+    # split sizes and the exchange's counts).
     collectives: int = 0
     host_reads: int = 0
     dropped: int = 0  # fixed-capacity mode: this rank's entries beyond an expert's capacity, computed as zero

@@ -202,6 +202,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.runner.graphs is not None:
+            self.runner.graphs.check_integrity()
         if not self.has_unfinished():
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:

@@ -136,6 +136,18 @@ class DecodeGraphs:
     def num_captured(self) -> int:
         return len(self._graphs)
 
+    def check_integrity(self) -> None:
+        """Every graph is a bucket's, and the static buffers address only real or scratch slots and pages (a replay's
+        stale rows are padding or an earlier step's, never an id outside the pools)."""
+        for rows, pages in self._graphs:
+            if rows not in self.buckets or pages not in self.widths:
+                raise AssertionError(f"DecodeGraphs: a graph for batch {rows} x {pages} pages, buckets {self.buckets} x {self.widths}")
+        assert self.cache.scratch_slot is not None and self.cache.scratch_page is not None
+        if not bool(((self.state_slots >= 0) & (self.state_slots <= self.cache.scratch_slot)).all()):
+            raise AssertionError(f"DecodeGraphs: static state slots outside 0..{self.cache.scratch_slot}")
+        if not bool(((self.page_table >= 0) & (self.page_table <= self.cache.scratch_page)).all()):
+            raise AssertionError(f"DecodeGraphs: static page table entries outside 0..{self.cache.scratch_page}")
+
     @contextlib.contextmanager
     def _graph_experts(self) -> Iterator[None]:
         """The layers' routed experts in their graph form while a graph's forward runs (module docstring), then as before."""

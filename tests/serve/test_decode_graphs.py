@@ -101,6 +101,12 @@ def test_replays_equal_the_eager_forward_and_the_eager_engine(monkeypatch: pytes
     assert tokens(graphed) == want
     graphs = graphs_of(graphed)
     assert sorted({rows for rows, _ in graphs._graphs}) == [1, 2, 4, 6], "the shrinking batch passed through every bucket"
+    graphed.engine.check_integrity()
+    assert graphed.engine.cache.scratch_page is not None
+    graphs.page_table[0, 0] = graphed.engine.cache.scratch_page + 1
+    with pytest.raises(AssertionError, match="static page table entries outside"):
+        graphs.check_integrity()
+    graphs.page_table[0, 0] = 0
     assert graphs.replays == sum(g.replays for g in capture.graphs) == len(compared) >= 10
     layers = graphs.model.moe_layers()
     assert all(isinstance(m.backend, LocalExperts) and m.backend.impl == moe for m in layers), "eager form restored"

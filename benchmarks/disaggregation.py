@@ -262,20 +262,13 @@ def planner_bytes(config, tokens: int, cache_bytes: int) -> float:
     return transfer(sc, tokens, one, one, inside_domain=True).bytes
 
 
-def ms(xs: list[float]) -> str:
+def ms(xs: list[float], tail: float, digits: int) -> str:
+    """mean / median / the `tail` quantile (nearest rank), in milliseconds with `digits` decimals; "-" for none."""
     if not xs:
         return "-"
     s = sorted(xs)
-    p90 = s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
-    return f"{statistics.fmean(xs) * 1e3:.0f} / {statistics.median(xs) * 1e3:.0f} / {p90 * 1e3:.0f}"
-
-
-def ms1(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    s = sorted(xs)
-    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
-    return f"{statistics.fmean(xs) * 1e3:.1f} / {statistics.median(xs) * 1e3:.1f} / {p99 * 1e3:.1f}"
+    q = s[min(len(s) - 1, round(tail * (len(s) - 1)))]
+    return " / ".join(f"{v * 1e3:.{digits}f}" for v in (statistics.fmean(xs), statistics.median(xs), q))
 
 
 def main() -> int:
@@ -364,7 +357,7 @@ def main() -> int:
             rt, ri = f"{base[c][0] / statistics.fmean(ttft):.2f}x", f"{base[c][1] / statistics.fmean(itl):.2f}x"
         else:
             rt = ri = "n/a (correctness gate failed)"
-        lines.append(f"| {name} | {c} | {engines} | {ms(ttft)} | {rt} | {ms1(itl)} | {ri} | {wall:.2f} | {seconds / wall:.2f} |")
+        lines.append(f"| {name} | {c} | {engines} | {ms(ttft, 0.9, 0)} | {rt} | {ms(itl, 0.99, 1)} | {ri} | {wall:.2f} | {seconds / wall:.2f} |")
     lines += [
         "",
         "Ratios: aggregated x1's mean / this mean at the same concurrency (above 1: faster). 1P1D uses two engines: aggregated x2 is",

@@ -159,6 +159,10 @@ class CacheTensors:
             page_size=page_size,
         )
 
+    def pools(self) -> list[torch.Tensor]:
+        """Every pool: the KDA states, the conv windows, then the MLA latents."""
+        return [*self.kda_state, *self.conv_state, *self.mla_latent]
+
     @property
     def num_slots(self) -> int:
         return self.kda_state[0].shape[0] if self.kda_state else 0

@@ -112,7 +112,7 @@ class ReplayGraph:
         if self.checked_cache is None:
             self._run_recording()
             return
-        pools = _pools(self.checked_cache)
+        pools = self.checked_cache.pools()
         before = [p.clone() for p in pools]
         self._run_recording()
         assert self.output is not None
@@ -124,10 +124,6 @@ class ReplayGraph:
         same_logits = torch.equal(eager, replayed)
         if not same_logits or mismatched:
             raise AssertionError(f"replay {self.replays} differs from the eager forward on the same inputs (logits equal: {same_logits}, pools {mismatched})")
-
-
-def _pools(cache: CacheTensors) -> list[torch.Tensor]:
-    return [*cache.kda_state, *cache.conv_state, *cache.mla_latent]
 
 
 class ReplayCapture:

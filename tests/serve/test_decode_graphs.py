@@ -53,7 +53,7 @@ def compare_with_unpadded_eager(monkeypatch: pytest.MonkeyPatch, llm: LLM) -> li
     real rows would show here, where the bit-for-bit check (same static batch) cannot see them."""
     cache = llm.engine.cache.tensors
     real_run = DecodeGraphs.run
-    pools = [*cache.kda_state, *cache.conv_state, *cache.mla_latent]
+    pools = cache.pools()
     compared: list[int] = []
 
     def run(self: DecodeGraphs, batch: ForwardBatch, bucket: tuple[int, int]) -> torch.Tensor:
@@ -152,7 +152,7 @@ def test_padding_rows_write_only_the_scratch_slot_and_page(monkeypatch: pytest.M
     cache, graphs = llm.engine.cache, graphs_of(llm)
     assert cache.scratch_slot == 6 and cache.scratch_page == 64
     g = torch.Generator().manual_seed(0)
-    pools = [*cache.tensors.kda_state, *cache.tensors.conv_state, *cache.tensors.mla_latent]
+    pools = cache.tensors.pools()
     for p in pools:
         p.copy_(torch.randn(p.shape, generator=g))
     before = [p.clone() for p in pools]

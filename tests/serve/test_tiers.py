@@ -27,7 +27,7 @@ def entry(tokens: list[int], nbytes: int = 100, page_size: int = 4, fill: int = 
 def test_pack_unpack_roundtrip_across_page_sizes() -> None:
     g = torch.Generator().manual_seed(0)
     src = CacheTensors.allocate(debug(), num_slots=2, num_pages=6, page_size=4)
-    for t in (*src.kda_state, *src.conv_state, *src.mla_latent):
+    for t in src.pools():
         t.copy_(torch.randn(t.shape, generator=g))
     buf = pack(src, slot=1, page_ids=[5, 2, 3], num_tokens=10)
     assert buf.dtype == torch.uint8 and buf.numel() == buffer_nbytes(src, 10)

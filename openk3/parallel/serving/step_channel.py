@@ -80,7 +80,7 @@ class CacheShape(NamedTuple):
 
 
 def pool_elements(cache: CacheTensors) -> int:
-    return sum(t.numel() for pools in (cache.kda_state, cache.conv_state, cache.mla_latent) for t in pools)
+    return sum(t.numel() for t in cache.pools())
 
 
 class StepChannel:

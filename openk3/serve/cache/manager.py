@@ -74,7 +74,7 @@ class CacheManager:
             tiers = TierStack(host, disk) if host is not None or disk is not None else None
             slots = range(num_slots, num_slots + num_snapshots)
             self.prefix = PrefixCache(self.block_pool, self.tensors, slots, prefix.salt, tiers)
-            pools = (*self.tensors.kda_state, *self.tensors.conv_state, *self.tensors.mla_latent)
+            pools = self.tensors.pools()
             self.inbox = TransferInbox(max(1, sum(t.numel() * t.element_size() for t in pools)))
 
     @staticmethod

@@ -113,11 +113,9 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.widths = width_buckets(cache.pages_for(max_model_len))
         rows, pages = self.buckets[-1], self.widths[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.state_slots = torch.full((rows,), cache.scratch_slot, dtype=torch.int64, device=device)
-        self.page_table = torch.full((rows, pages), cache.scratch_page, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.context_lens, self.state_slots = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(4))
+        self.page_table = torch.empty(rows, pages, dtype=torch.int64, device=device)
+        self._pad(0, rows)  # every row padding until a step fills it
         self.logits = torch.zeros(rows, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=device)
         self._graphs: dict[tuple[int, int], Captured] = {}
         self.replays = 0  # decode steps served by a replay

@@ -53,7 +53,7 @@ class EngineConfig:
         None, "on CPU, also keep the large projections in oneDNN's blocked layout (faster above 16 rows, a second copy of them)", flag="--cpu-weight-packing"
     )
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
-    cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch-size bucket (needs a CUDA device)")
+    cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
 

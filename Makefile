@@ -2,6 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed-stamp
+FLA_SITE := .venv/fla-site
 
 .PHONY: venv test test-fast lint serve clean system-deps
 
@@ -12,7 +13,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
 
-venv: $(STAMP)
+# fla-core (fla's KDA kernels) for tests/ops/test_kda_fla_interpreted.py, which runs its real kernels under Triton's
+# interpreter in a subprocess. Installed beside the venv, not into it: importable there, it would make transformers'
+# kimi_linear (the HF parity oracle) call fla's Triton kernels on CPU tensors, which fails. Pinned: the test checks this
+# version's contract; the gpu extra asks for fla-core>=0.6.
+$(FLA_SITE)/.stamp: $(STAMP)
+	$(PIP) install -q --no-deps --target $(FLA_SITE) fla-core==0.6.0 einops==0.8.2
+	touch $@
+
+venv: $(STAMP) $(FLA_SITE)/.stamp
 
 # Debian packages the tests need: bubblewrap (sandbox namespaces), zstd (snapshot export), gcc (the CPU kernels of
 # openk3/ops/cpu, built on first use; without a compiler the engine runs the torch ops and their tests skip), libc6-dev

@@ -111,3 +111,17 @@ def test_missing_fla_is_a_clear_error_when_asked_for(monkeypatch: pytest.MonkeyP
     with pytest.raises(ImportError, match=r"openk3\[gpu\]"):
         registry().get("kda_prefill", "fla", OpTarget("cuda"))(q, k, v, g, beta, None, s0)
     assert registry().entry("kda_prefill", "auto", OpTarget("cuda"))[0] == "fast"  # fla is chosen by name, never by default
+
+
+def test_an_fla_without_a_keyword_the_seam_passes_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's entries take **kwargs and drop unknown names: an fla whose kernel lacks state_v_first (fla-core before 0.5.2
+    called it transpose_state_layout) would run with the state in the wrong layout, so the seam refuses it by name."""
+
+    def old_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, transpose_state_layout=False, cu_seqlens=None, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(fla_kernels, "_fla_kda", lambda: SimpleNamespace(chunk_kda=old_kernel, fused_recurrent_kda=old_kernel))
+    q, k, v, g, beta, s0 = inputs()
+    for entry in ("fla", "fla_recurrent"):
+        with pytest.raises(ImportError, match="has no parameter state_v_first .*ignore it silently"):
+            registry().get("kda_prefill", entry, OpTarget("cuda"))(q, k, v, g, beta, None, s0)

@@ -13,9 +13,14 @@ kernels read with unit stride along K. FLA_STATE_LAYOUT names the layout this se
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import sys
+from collections.abc import Callable
 from enum import Enum
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -46,6 +51,30 @@ def _fla_kda() -> ModuleType:
         raise ImportError(f"kda_prefill 'fla' / 'fla_recurrent' need fla (flash-linear-attention), which could not be imported ({e}): {INSTALL_HINT}") from e
 
 
+# The keywords _run passes. fla's entries take **kwargs and drop any name they do not know without a word, so a renamed
+# or missing parameter (state_v_first was transpose_state_layout before fla-core 0.5.2) would silently run the kernels with
+# the state in the wrong layout: each is checked against the installed fla's signature before the first call.
+FLA_KEYWORDS = ("scale", "initial_state", "output_final_state", "state_v_first", "cu_seqlens")
+
+
+def _fla_kernel(kernel: str) -> Callable[..., Any]:
+    fn = getattr(_fla_kda(), kernel)
+    _check_keywords(fn, kernel)
+    return fn
+
+
+@functools.cache
+def _check_keywords(fn: Callable[..., Any], kernel: str) -> None:
+    params = inspect.signature(fn).parameters
+    missing = [name for name in FLA_KEYWORDS if name not in params]
+    if missing:
+        fla = sys.modules.get("fla")
+        raise ImportError(
+            f"kda_prefill 'fla': fla {getattr(fla, '__version__', '(version unknown)')}'s {kernel} has no parameter {', '.join(missing)} "
+            f"(it would ignore it silently); openk3 passes {', '.join(FLA_KEYWORDS)}: {INSTALL_HINT} with fla-core>=0.6"
+        )
+
+
 def _run(
     kernel: str,
     q: torch.Tensor,
@@ -60,7 +89,7 @@ def _run(
     # the shapes always; the cu_seqlens values only outside a CUDA graph capture, where reading them back is not allowed
     # (the decode path's one-token boundaries are valid by construction, model/kda.py)
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
-    fn = getattr(_fla_kda(), kernel)
+    fn = _fla_kernel(kernel)
     state = None if initial_state is None else convert_state(initial_state.float(), OPENK3_STATE_LAYOUT, FLA_STATE_LAYOUT)
     o, final = fn(
         q,

@@ -21,6 +21,9 @@ from openk3.ops.triton import interpreting, require_launchable
 from openk3.ops.triton.online_softmax import online_softmax_step
 
 BLOCK_H, BLOCK_S = 16, 32  # BH is tl.dot's smallest M
+# float32 latents take half the key rows per tile: at 32 the tile spills to the stack on sm_90 and sm_100 at K3's Lr 512
+# (benchmarks/gpu/compile_check.py, benchmarks/results/gpu_compile.md)
+BLOCK_S_FP32 = 16
 
 
 @triton.jit
@@ -92,7 +95,8 @@ def latent_attention_paged(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_
         q_NHR, latent_pool, table, lens, u,
         h, lr, r - lr, page_size, q_NHR.stride(0), q_NHR.stride(1), latent_pool.stride(0), latent_pool.stride(1),
         table.stride(0), u.stride(0), u.stride(1),
-        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_L=triton.next_power_of_2(lr), BLOCK_R=max(16, triton.next_power_of_2(r - lr)),
+        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S_FP32 if latent_pool.dtype == torch.float32 else BLOCK_S,
+        BLOCK_L=triton.next_power_of_2(lr), BLOCK_R=max(16, triton.next_power_of_2(r - lr)),
         DOT_DTYPE=dot_dtype, PRECISION="ieee" if exact else "tf32",
     )  # fmt: skip
     return u

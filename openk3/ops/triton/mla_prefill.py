@@ -26,6 +26,7 @@ from openk3.ops.triton import interpreting, require_launchable
 from openk3.ops.triton.online_softmax import online_softmax_step
 
 BLOCK_T, BLOCK_S = 16, 32  # BT is tl.dot's smallest M
+BLOCK_S_FP32 = 16  # float32 latents: at 32 key rows the tile spills on sm_90 and sm_100 (as ops/triton/mla_decode.py)
 
 
 @triton.jit
@@ -104,7 +105,8 @@ def mla_prefill_latent(
     _latent_prefill_kernel[grid](
         q_tHR, kv_sR, u_tHL,
         t, s, lr, dr, q_offset, q_tHR.stride(0), q_tHR.stride(1), kv_sR.stride(0), u_tHL.stride(0), u_tHL.stride(1),
-        BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, BLOCK_L=triton.next_power_of_2(lr), BLOCK_R=max(16, triton.next_power_of_2(dr)),
+        BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S_FP32 if kv_dtype == torch.float32 else BLOCK_S,
+        BLOCK_L=triton.next_power_of_2(lr), BLOCK_R=max(16, triton.next_power_of_2(dr)),
         DOT_DTYPE=dot_dtype, PRECISION="ieee" if exact else "tf32",
     )  # fmt: skip
     out.copy_(torch.matmul(u_tHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1))

@@ -67,11 +67,12 @@ class GatedMLA(nn.Module):
         linears = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
         return linears + [self.g_proj] if self.output_gate else linears
 
-    def select(self, prefill_impl: str, target: OpTarget) -> None:
-        """The prefill attention by name (ops/registry.py "mla_prefill"), "auto" resolved for `target`, and the decode
-        attention over the pages ("mla_decode": the definition's torch ops when the prefill is "naive")."""
+    def select(self, prefill_impl: str, target: OpTarget, decode_impl: str = "auto") -> None:
+        """The prefill attention by name (ops/registry.py "mla_prefill") and the decode attention over the pages
+        ("mla_decode"), "auto" resolved for `target`; an "auto" decode is the definition's torch ops when the prefill is
+        "naive", so that choosing the reference prefill makes the whole layer the reference."""
         self.prefill = op("mla_prefill", prefill_impl, target)
-        self.decode = op("mla_decode", "naive" if prefill_impl == "naive" else "auto", target)
+        self.decode = op("mla_decode", "naive" if decode_impl == "auto" and prefill_impl == "naive" else decode_impl, target)
 
     def input_projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q or q_a [T, *], kv_a [T, R], gate logits or None): the projections of x."""

@@ -32,7 +32,8 @@ class OpChoice:
 
     kda: str = "auto"
     conv: str = "auto"
-    mla: str = "auto"
+    mla: str = "auto"  # the MLA prefill attention ("mla_prefill")
+    mla_decode: str = "auto"  # the paged MLA decode attention ("mla_decode"); "auto" is the definition's torch ops when mla is "naive"
     moe: str = "auto"
     attn_res: str = "auto"  # "naive": one-shot mix per sublayer; "fast": two-phase (phase 1 once per AttnRes block); "sized": by step size
     linear: str = "auto"  # the bias-free projections ("naive": F.linear; "fast": the CPU forms, ops/linear.py)
@@ -205,7 +206,7 @@ class K3ForCausalLM(nn.Module):
             if isinstance(attn, KimiDeltaAttention):
                 attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
             elif isinstance(attn, GatedMLA):
-                attn.select(ops.mla, target)
+                attn.select(ops.mla, target, ops.mla_decode)
             backend = layer.block_sparse_moe.backend if layer.is_moe else None
             if isinstance(backend, LocalExperts):  # a name set on the backend itself is kept; the model's own follows ops
                 layer.block_sparse_moe.backend = LocalExperts(ops.moe if backend.impl == previous.moe else backend.impl, target)

@@ -92,6 +92,27 @@ def test_naive_ops_match_fast_ops() -> None:
         torch.testing.assert_close(naive.forward_tokens(tokens), fast.forward_tokens(tokens), atol=2e-4, rtol=1e-4)
 
 
+def test_mla_decode_is_chosen_by_name(debug_model: K3ForCausalLM) -> None:
+    """OpChoice.mla_decode names the paged decode attention; "auto" follows a "naive" prefill to the definition."""
+    from openk3.model.mla import GatedMLA
+    from openk3.ops.registry import op
+
+    layers = [layer.self_attn for layer in debug_model.model.decoder_layers if isinstance(layer.self_attn, GatedMLA)]
+    previous = debug_model.ops
+    try:
+        debug_model.select_ops(OpChoice(mla="naive"))
+        assert layers and all(a.decode is op("mla_decode", "naive") for a in layers)
+        debug_model.select_ops(OpChoice(mla_decode="naive"))
+        assert all(a.decode is op("mla_decode", "naive") and a.prefill is op("mla_prefill", "auto") for a in layers)
+        if kernels_available():
+            debug_model.select_ops(OpChoice(mla="naive", mla_decode="fast"))  # an explicit name is kept under a naive prefill
+            assert all(a.decode is op("mla_decode", "fast") and a.decode is not op("mla_decode", "naive") for a in layers)
+        with pytest.raises(Exception, match="mla_decode"):
+            debug_model.select_ops(OpChoice(mla_decode="no-such-kernel"))
+    finally:
+        debug_model.select_ops(previous)
+
+
 def test_kimi_linear_features_switch_off() -> None:
     cfg = debug().replace(
         attn_res_block_size=None,

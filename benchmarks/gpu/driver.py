@@ -9,11 +9,13 @@ ratio. Ratios are baseline time / kernel time, both measured in this run, on thi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +30,32 @@ class Shapes:
     mla: tuple[int, int, int, int, int]  # N, H, context, Lr, Dr
     mla_prefill: tuple[int, int, int, int]  # chunk t, context s (chunk included), H, Lr (K3's Dn 128, Dr 64, Dv 128)
     kda: tuple[int, int, int]  # T, H, K (= V)
+    kda_decode: tuple[int, int, int]  # N sequences of one token, H, K (= V)
+    k3_slice: tuple[int, int, int]  # prefill chunk t, decode batch N, decode context
     engine_batches: tuple[int, ...]
     repeats: int
 
 
 FULL = Shapes(
-    moe=(512, 8, 64, 512, 1024), mla=(32, 64, 4096, 512, 64), mla_prefill=(2048, 16384, 16, 512), kda=(4096, 16, 128), engine_batches=(1, 16, 64), repeats=20
+    moe=(512, 8, 64, 512, 1024),
+    mla=(32, 64, 4096, 512, 64),
+    mla_prefill=(2048, 16384, 16, 512),
+    kda=(4096, 16, 128),
+    kda_decode=(64, 96, 128),
+    k3_slice=(2048, 64, 4096),
+    engine_batches=(1, 16, 64),
+    repeats=20,
 )
-DRY = Shapes(moe=(5, 2, 4, 32, 64), mla=(2, 2, 40, 32, 16), mla_prefill=(20, 50, 2, 32), kda=(16, 2, 16), engine_batches=(1, 2), repeats=1)
+DRY = Shapes(
+    moe=(5, 2, 4, 32, 64),
+    mla=(2, 2, 40, 32, 16),
+    mla_prefill=(20, 50, 2, 32),
+    kda=(16, 2, 16),
+    kda_decode=(3, 2, 16),
+    k3_slice=(12, 2, 20),
+    engine_batches=(1, 2),
+    repeats=1,
+)
 
 
 @dataclass
@@ -157,6 +177,191 @@ def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
     return row
 
 
+def bench_kda_decode(s: Shapes, device: torch.device, dry_run: bool) -> list[Row]:
+    """The KDA decode step as the model runs it (model/kda.py): N sequences of one token on scattered state slots. openk3's
+    torch step (ops/kda/decode_inplace.py on the gathered states, written back) against fla's fused recurrence through the
+    seam (states turned V-first and back, ops/kda/fla_kernels.py); and the seam against fla on openk3's own K-first
+    layout, which needs no conversion: what the two transposes cost."""
+    import torch.nn.functional as F
+
+    from openk3.ops.kda.decode_inplace import kda_decode_
+
+    n, h, dk = s.kda_decode
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    q, k = F.normalize(r(n, h, dk), dim=-1), F.normalize(r(n, h, dk), dim=-1)
+    v, gate, beta = r(n, h, dk), -F.softplus(r(n, h, dk)), torch.sigmoid(r(n, h))
+    pool = r(2 * n, h, dk, dk) * 0.1
+    slots = torch.randperm(2 * n, generator=g, device=device)[:n]
+    one_each = torch.arange(n + 1, device=device)
+    shape = f"N={n} H={h} K=V={dk}"
+
+    def torch_step() -> torch.Tensor:
+        state = pool.index_select(0, slots)
+        o = kda_decode_(q, k, v, gate, beta, state)
+        pool.index_copy_(0, slots, state)
+        return o
+
+    names = ("KDA decode: fla fused_recurrent_kda (seam) vs openk3 torch step", "KDA decode: fla on K-first states vs the seam's V-first")
+    if dry_run and importlib.util.find_spec("fla") is None:  # the dry run checks the baseline runs and the rows are formed
+        torch_step()
+        return [Row(name, shape, "skipped (dry run: fla is not installed)") for name in names]
+    from fla.ops.kda import fused_recurrent_kda  # runs under the interpreter too (tests/ops/test_kda_fla_interpreted.py)
+
+    from openk3.ops.kda.fla_kernels import kda_recurrent_fla
+
+    def seam_step() -> torch.Tensor:
+        o, state = kda_recurrent_fla(q[None], k[None], v[None], gate[None], beta[None], None, pool.index_select(0, slots), one_each)
+        pool.index_copy_(0, slots, state)
+        return o[0]
+
+    def key_first_step() -> torch.Tensor:
+        o, state = fused_recurrent_kda(
+            q[None], k[None], v[None], gate[None], beta[None], scale=None, initial_state=pool.index_select(0, slots),
+            output_final_state=True, state_v_first=False, cu_seqlens=one_each,
+        )  # fmt: skip
+        pool.index_copy_(0, slots, state)
+        return o[0]
+
+    start = pool.clone()
+    outs = []
+    for step in (torch_step, seam_step, key_first_step):
+        pool.copy_(start)
+        outs.append((step(), pool.clone()))
+    checks = [close(outs[1][0], outs[0][0], 2e-2), close(outs[2][0], outs[1][0], 2e-2)]
+    states_ok = [close(outs[1][1], outs[0][1], 2e-2), close(outs[2][1], outs[1][1], 2e-2)]
+    rows = [Row(name, shape, check if check != "ok" else state) for name, check, state in zip(names, checks, states_ok, strict=True)]
+    for row, (base, kern) in zip(rows, ((torch_step, seam_step), (seam_step, key_first_step)), strict=True):
+        if row.check == "ok":
+            row.baseline_ms, row.kernel_ms = timed(base, s.repeats, device), timed(kern, s.repeats, device)
+    return rows
+
+
+def bench_mla_decode_sdpa(s: Shapes, device: torch.device, dtype: torch.dtype) -> Row:
+    """The whole MLA decode attention two ways: per-head K and V expanded from the sequence's cached latents and torch's
+    SDPA (what an implementation without weight absorption runs), against the absorbed query through the paged Triton
+    kernel and u . W_uv (openk3's decode with mla_decode="triton")."""
+    import torch.nn.functional as F
+
+    from openk3.ops.triton.mla_decode import latent_attention_paged
+
+    n, h, ctx, lr, dr = s.mla
+    dn, dv = (128, 128) if lr >= 512 else (16, 16)
+    page = 64 if ctx >= 64 else 8
+    pages = -(-ctx // page)
+    g = torch.Generator(device=device).manual_seed(0)
+    pool = torch.randn(n * pages, page, lr + dr, generator=g, device=device).to(dtype)
+    table = torch.randperm(n * pages, generator=g, device=device).view(n, pages)
+    lens = torch.full((n,), ctx, device=device)
+    q_nope, q_pe = torch.randn(n, h, dn, generator=g, device=device).to(dtype), torch.randn(n, h, dr, generator=g, device=device).to(dtype)
+    w_uk, w_uv = (torch.randn(h, w, lr, generator=g, device=device).mul(lr**-0.5).to(dtype) for w in (dn, dv))
+    scale = (dn + dr) ** -0.5
+
+    def sdpa() -> torch.Tensor:
+        rows = pool[table].flatten(1, 2)[:, :ctx]  # [N, ctx, R]: every sequence's cached latents, in order
+        c, k_pe = rows.split([lr, dr], dim=-1)
+        k_nope = torch.einsum("nsl,hdl->nhsd", c, w_uk)
+        keys = torch.cat([k_nope, k_pe[:, None].expand(n, h, ctx, dr)], dim=-1)
+        values = torch.einsum("nsl,hdl->nhsd", c, w_uv)
+        query = torch.cat([q_nope, q_pe], dim=-1)[:, :, None]
+        return F.scaled_dot_product_attention(query, keys, values, scale=scale)[:, :, 0]
+
+    def absorbed() -> torch.Tensor:
+        q_lat = torch.einsum("nhd,hdl->nhl", q_nope.float(), w_uk.float())
+        q_nhr = torch.cat([q_lat, q_pe.float()], dim=-1) * scale
+        u = latent_attention_paged(q_nhr, pool, table, lens, lr)
+        return torch.einsum("nhl,hdl->nhd", u, w_uv.float()).to(dtype)
+
+    row = Row("MLA decode attention: absorbed Triton vs expanded K/V + SDPA", f"N={n} H={h} ctx={ctx} Lr={lr}", close(absorbed(), sdpa(), 3e-2))
+    if row.check == "ok":
+        row.baseline_ms, row.kernel_ms = timed(sdpa, s.repeats, device), timed(absorbed, s.repeats, device)
+    return row
+
+
+def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> Any:
+    """K3's widths over two layers, a KDA and an MLA layer, each with the latent MoE over all 896 routed experts as packed
+    MXFP4 (about 31 GB of experts), built on the meta device and filled on `device` with random weights (std 0.02, E8M0
+    scales near 2^-8, balanced routing); the debug model's widths in the dry run."""
+    from openk3.config.presets import debug, k3
+    from openk3.model import K3ForCausalLM, OpChoice
+    from openk3.model.weights import cast_model
+
+    config = (debug() if dry_run else k3()).replace(num_hidden_layers=2, mla_layers=(1,), first_k_dense_replace=0)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config, OpChoice(packed_experts=True))
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            parts = name.split(".")
+            owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+            if t.dtype == torch.uint8:  # packed E2M1 codes (any byte), E8M0 scales near 2^-8 (weights of about 0.02)
+                t.random_(0, 256, generator=g) if leaf.endswith("_packed") else t.random_(116, 122, generator=g)
+            elif name.endswith("_res_proj.weight") or leaf == "e_score_correction_bias":
+                t.zero_()
+            elif "norm" in owner or leaf in ("A_log", "dt_bias"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=g)
+    cast_model(model, dtype)
+    return model.eval()
+
+
+def bench_k3_slice(s: Shapes, device: torch.device, dtype: torch.dtype, dry_run: bool) -> list[Row]:
+    """A prefill chunk of one sequence and a decode step of N sequences at a long context through the K3 slice
+    (k3_slice_model), on the torch forms ("auto" on CUDA) against the GPU kernels chosen by name: fla for KDA, Triton for
+    the MLA prefill and decode and the MXFP4 experts (the dry run keeps KDA on torch: fla needs CUDA)."""
+    from openk3.model import CacheTensors, ForwardBatch, OpChoice
+    from openk3.ops.registry import OpTarget
+
+    t, n, ctx = s.k3_slice
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the earlier rows' blocks, before some 31 GB of experts
+    model = k3_slice_model(device, dtype, dry_run)
+    target = OpTarget(device="cuda", dtype=dtype)  # the dry run selects the CUDA entries too: CPU tensors run under the interpreter
+    forms = {
+        "torch": OpChoice(packed_experts=True),
+        "kernels": OpChoice(kda="auto" if dry_run else "fla", mla="triton", mla_decode="triton", moe="triton", packed_experts=True),
+    }
+    page = 64 if not dry_run else 4
+    pages_per_seq = -(-(ctx + 1) // page)
+    cache = CacheTensors.allocate(model.config, num_slots=n + 1, num_pages=n * pages_per_seq + -(-t // page), page_size=page, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(1)
+    for pool in cache.pools():  # decode reads ctx cached positions per sequence: any values do for timing
+        pool.normal_(0.0, 0.1, generator=g)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (t,), generator=g, device=device).tolist()
+    prefill = ForwardBatch.for_step([tokens], [0], [n], torch.arange(n * pages_per_seq, n * pages_per_seq + -(-t // page), device=device)[None])
+    table = torch.arange(n * pages_per_seq, device=device).view(n, pages_per_seq)
+    decode = ForwardBatch.for_step([[7 + i] for i in range(n)], [ctx] * n, list(range(n)), table)
+    start = [p.clone() for p in cache.pools()]
+
+    def step(batch: Any) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with torch.no_grad():
+                return model(batch, cache)
+
+        return run
+
+    rows = []
+    for label, batch, shape in (("prefill chunk", prefill, f"t={t}"), ("decode step", decode, f"N={n} ctx={ctx}")):
+        results = {}
+        for form, ops in forms.items():
+            for pool, saved in zip(cache.pools(), start, strict=True):
+                pool.copy_(saved)
+            model.select_ops(ops, target)
+            results[form] = step(batch)()
+        row = Row(f"K3 slice (KDA + MLA layer, 896 MXFP4 experts), {label}: kernels vs torch forms", shape, close(results["kernels"], results["torch"], 5e-2))
+        if row.check == "ok":
+            times = {}
+            for form, ops in forms.items():
+                model.select_ops(ops, target)
+                times[form] = timed(step(batch), max(1, s.repeats // 4), device)
+            row.baseline_ms, row.kernel_ms = times["torch"], times["kernels"]
+        rows.append(row)
+    return rows
+
+
 def engine_decode(batch: int, device: torch.device, new_tokens: int, cuda_graphs: bool) -> tuple[float, list[list[int]]]:
     """(decode tokens per second, the greedy tokens) of the embedded tiny model serving `batch` requests of `new_tokens`
     each; with cuda_graphs the decode steps replay graphs (serve/graphs.py), captured in the warm-up run."""
@@ -185,10 +390,51 @@ def engine_row(batch: int, device: torch.device, dry_run: bool) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; OPENK3_COMMIT where the tree travelled without its .git (a lent GPU machine)."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("OPENK3_COMMIT", "unknown")
+
+
+def guarded(name: str, make: Callable[[], Any]) -> list[Any]:
+    """A bench's rows, or one FAIL row naming the exception: one broken kernel must not cost the rest of the run."""
+    try:
+        rows = make()
+    except Exception as e:  # reported in the table and on stderr, and the run goes on
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:160].replace("|", "/")
+        return [Row(name, "-", f"FAIL ({type(e).__name__}: {first})")]
+    return rows if isinstance(rows, list) else [rows]
+
+
+class Report:
+    """gpu.md, rewritten after every row: a run stopped by its time limit still leaves the rows it finished."""
+
+    def __init__(self, out: Path, header: list[str], dry_run: bool) -> None:
+        self.out, self.header, self.dry_run = out, header, dry_run
+        self.kernels: list[Row] = []
+        self.engine: list[str] = []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def lines(self, finished: bool) -> list[str]:
+        return [
+            *self.header,
+            "| kernel vs baseline | shape | check | baseline ms | kernel ms | baseline / kernel |",
+            "|---|---|---|---|---|---|",
+            *(row.markdown(self.dry_run) for row in self.kernels),
+            "",
+            "Engine decode, embedded tiny model, 64 new tokens per request (prefill included in the time), eager vs CUDA graphs:",
+            "",
+            "| batch | eager tok/s | graphs tok/s | graphs / eager | greedy sequences equal |",
+            "|---|---|---|---|---|",
+            *self.engine,
+            "",
+            *([] if finished else ["**Incomplete: the run stopped before every row was measured.**", ""]),
+        ]
+
+    def write(self, finished: bool = False) -> None:
+        (self.out / "gpu.md").write_text("\n".join(self.lines(finished)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,31 +450,45 @@ def main(argv: list[str] | None = None) -> int:
             print("driver.py: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
             return 2
         device, dtype, shapes = torch.device("cuda"), torch.bfloat16, FULL
-    rows = [bench_moe(shapes, device, dtype), bench_mla(shapes, device, dtype), bench_mla_prefill(shapes, device, dtype)]
-    rows.append(bench_kda(shapes, device, args.dry_run))
-    engine = [engine_row(batch, device, args.dry_run) for batch in shapes.engine_batches]
+    import triton
+
     machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()} (dry run)"
-    lines = [
-        f"# GPU kernels vs torch baselines{' (DRY RUN: CPU interpreter, tiny shapes, timings meaningless)' if args.dry_run else ''}",
-        "",
-        f"Command: `python benchmarks/gpu/driver.py {' '.join(argv if argv is not None else sys.argv[1:])}`; machine: {machine}; "
-        f"commit {git_commit()}; torch {torch.__version__}.",
-        "",
-        "| kernel vs baseline | shape | check | baseline ms | kernel ms | baseline / kernel |",
-        "|---|---|---|---|---|---|",
-        *(row.markdown(args.dry_run) for row in rows),
-        "",
-        "Engine decode, embedded tiny model, 64 new tokens per request (prefill included in the time), eager vs CUDA graphs:",
-        "",
-        "| batch | eager tok/s | graphs tok/s | graphs / eager | greedy sequences equal |",
-        "|---|---|---|---|---|",
-        *engine,
-        "",
+    report = Report(
+        args.out,
+        [
+            f"# GPU kernels vs torch baselines{' (DRY RUN: CPU interpreter, tiny shapes, timings meaningless)' if args.dry_run else ''}",
+            "",
+            f"Command: `python benchmarks/gpu/driver.py {' '.join(argv if argv is not None else sys.argv[1:])}`; machine: {machine}; "
+            f"commit {git_commit()}; torch {torch.__version__}; triton {triton.__version__}.",
+            "",
+        ],
+        args.dry_run,
+    )
+    # cheapest first; the K3 slice (about 31 GB of experts) last
+    benches: list[tuple[str, Callable[[], Any]]] = [
+        ("MoE experts", lambda: bench_moe(shapes, device, dtype)),
+        ("MLA decode", lambda: bench_mla(shapes, device, dtype)),
+        ("MLA decode vs SDPA", lambda: bench_mla_decode_sdpa(shapes, device, dtype)),
+        ("MLA prefill", lambda: bench_mla_prefill(shapes, device, dtype)),
+        ("KDA prefill", lambda: bench_kda(shapes, device, args.dry_run)),
+        ("KDA decode", lambda: bench_kda_decode(shapes, device, args.dry_run)),
     ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 1 if any(row.check.startswith("FAIL") for row in rows) else 0
+    failed_engine = False
+    for name, make in benches:
+        report.kernels += guarded(name, make)
+        report.write()
+    for batch in shapes.engine_batches:
+        try:
+            report.engine.append(engine_row(batch, device, args.dry_run))
+        except Exception as e:  # a failed capture is this row's result; the K3 slice still runs
+            traceback.print_exc()
+            report.engine.append(f"| {batch} | FAIL ({type(e).__name__}) | - | - | - |")
+            failed_engine = True
+        report.write()
+    report.kernels += guarded("K3 slice", lambda: bench_k3_slice(shapes, device, dtype, args.dry_run))
+    report.write(finished=True)
+    print("\n".join(report.lines(finished=True)))
+    return 1 if failed_engine or any(row.check.startswith("FAIL") for row in report.kernels) else 0
 
 
 if __name__ == "__main__":

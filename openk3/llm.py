@@ -3,7 +3,9 @@
 `LLM(model, tokenizer=None, **overrides)`: `model` is what serve/loading.py resolves (a preset name or a checkpoint folder)
 or an already built module with a `.config`; `overrides` are EngineConfig's and ParallelConfig's settings by name
 (`max_num_seqs=8`, `dtype=torch.bfloat16`, `enable_prefix_caching=True`, `ep=2`, ...), checked as `openk3 serve` checks its
-flags; `config=` / `parallel=` take whole config objects, which overrides then amend. On CPU a model loaded here keeps its
+flags; `config=` / `parallel=` take whole config objects, which overrides then amend. `ops="kda=naive,moe=naive"` (or a
+dict) names op implementations (serve/op_names.py): they are set on the model's OpChoice, a module's too (they become its
+own), on every rank of a multi-rank layout. On CPU a model loaded here keeps its
 large projections also in oneDNN's blocked layout (pack_cpu_weights, a second copy of them); a module passed in is not,
 since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
 
@@ -63,6 +65,8 @@ class LLM:
         parallel = dataclasses.replace(parallel or ParallelConfig(), **parallel_overrides)
         parallel.check_engine(config)
         config = config.with_packing_default(owns_model=not isinstance(model, torch.nn.Module))  # nothing else writes to it
+        if not isinstance(model, torch.nn.Module):
+            config.check_ops_on_device()  # before the weights load or any rank starts; a module's own device is checked as it is prepared
         net: CausalLM | None
         self._ep = None
         if parallel.world_size != 1:
@@ -88,7 +92,8 @@ class LLM:
                 self.engine = self._ep.dp_engine.local
             else:
                 assert net is not None
-                self.engine = LLMEngine(net, tok, config)
+                # a driver's ranks selected the named ops as they built their shards
+                self.engine = LLMEngine(net, tok, config.prepared_by_ranks() if self._ep is not None else config)
                 self.core = self.engine
         except BaseException:
             if self._ep is not None:

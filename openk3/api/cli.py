@@ -85,7 +85,8 @@ def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, s
             raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
         driver, _ = start_driver(ctx, spec)
         try:
-            app = _app(args, LLMEngine(driver, model_tokenizer(args.model, config.seed, args.tokenizer == "byte"), config), driver.totals)
+            tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
+            app = _app(args, LLMEngine(driver, tokenizer, config.prepared_by_ranks()), driver.totals)
             _record_expert_load(app, driver.model, parallel)
         except BaseException:
             driver.close()
@@ -146,7 +147,7 @@ def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, An
             app = _app(args, ranks.dp_engine)
         else:
             assert ranks.driver is not None
-            app = _app(args, LLMEngine(ranks.driver, tokenizer, config))
+            app = _app(args, LLMEngine(ranks.driver, tokenizer, config.prepared_by_ranks()))
     except BaseException:
         ranks.close()
         raise
@@ -224,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        _, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group
+        config, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group
+        config.check_ops_on_device()  # and before the weights load
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
@@ -252,7 +254,7 @@ def run_expert_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     from openk3.parallel.serving.ranks import run_worker_rank
 
-    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True)
+    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True, ops=engine.ops)
     rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
     worker = lambda ctx: run_worker_rank(ctx, spec)  # noqa: E731
     return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
@@ -271,7 +273,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     engine, parallel = server_configs(args)
     # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
     engine = dataclasses.replace(engine, pack_cpu_weights=False)
-    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True)
+    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True, ops=engine.ops)
     timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
     rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
     worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731

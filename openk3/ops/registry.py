@@ -56,6 +56,7 @@ class Implementation:
     differentiable: bool
     summary: str
     backend: str = ANY
+    requires: tuple[str, ...] = ()  # modules an optional dependency provides (imported on first call, checked by engines at start-up)
 
 
 CPU_INFERENCE = OpTarget()  # what a model is built for until a trainer or the serving runner selects again
@@ -68,13 +69,22 @@ class OpRegistry:
         self._impls: dict[tuple[str, str, str], Implementation] = {}
         self._auto: dict[str, AutoRule] = {}
 
-    def register(self, op: str, impl: str, fn: Callable[..., Any] | None, summary: str, backend: str = ANY, differentiable: bool = False) -> None:
+    def register(
+        self,
+        op: str,
+        impl: str,
+        fn: Callable[..., Any] | None,
+        summary: str,
+        backend: str = ANY,
+        differentiable: bool = False,
+        requires: tuple[str, ...] = (),
+    ) -> None:
         key = (op, impl, backend)
         if key in self._impls:
             raise ValueError(f"OpRegistry: {op}/{impl} is already registered for backend {backend!r}")
         if impl == "auto":
             raise ValueError(f"OpRegistry: 'auto' is a rule (register_auto), not an implementation of {op}")
-        self._impls[key] = Implementation(fn, differentiable, summary, backend)
+        self._impls[key] = Implementation(fn, differentiable, summary, backend, requires)
 
     def register_auto(self, op: str, rule: AutoRule) -> None:
         self._auto[op] = rule
@@ -135,6 +145,7 @@ def registry() -> OpRegistry:
     from openk3.ops.triton import latent_attention_triton, mla_prefill_triton, moe_experts_triton
 
     partial = functools.partial
+    FLA, TRITON = ("fla.ops.kda",), ("triton",)  # the gpu extra's packages (fla-core, triton), imported by their entries on first call
     r = OpRegistry()
     r.register("linear", "naive", linear_torch, "F.linear (the definition)", differentiable=True)
     r.register("linear", "fast", linear_cpu, "weight-first / oneDNN (packed weights) by rows and weight size", backend="cpu")
@@ -150,8 +161,8 @@ def registry() -> OpRegistry:
     r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)")
     r.register("kda_prefill", "autograd", kda_chunk_autograd, "chunkwise WY form without in-place updates (training)", differentiable=True)
     # fla's kernels (ops/kda/fla_kernels.py, fla imported on first call): chosen by name, like the Triton entries below
-    r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda")
-    r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda")
+    r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda", requires=FLA)
+    r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda", requires=FLA)
     r.register_auto("kda_prefill", lambda t: "autograd" if t.training else "fast")
 
     r.register("short_conv", "naive", conv_naive.causal_conv1d, "per-sequence loops (the definition)", differentiable=True)
@@ -163,7 +174,7 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "absorbed", mla_absorbed, "attention in the latent space (the decode form)", differentiable=True)
     r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
     # by name only, like the other Triton entries below ("auto" stays on the torch forms until a hardware run)
-    r.register("mla_prefill", "triton", mla_prefill_triton, "the latent attention of the chunk as a causal Triton kernel, no K/V", backend="cuda")
+    r.register("mla_prefill", "triton", mla_prefill_triton, "the chunk's latent attention as a causal Triton kernel, no K/V", backend="cuda", requires=TRITON)
     r.register_auto("mla_prefill", lambda t: "fast")
 
     r.register("mla_decode", "naive", mla_decode_paged, "absorbed query over the gathered pages, torch ops", differentiable=True)
@@ -171,7 +182,7 @@ def registry() -> OpRegistry:
     # Triton (ops/triton/, imported on first call): chosen by name; "auto" keeps the torch forms on CUDA until docs/gpu.md's
     # hardware run has passed
     triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
-    r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda")
+    r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda", requires=TRITON)
     r.register_auto("mla_decode", lambda t: "fast" if "c" in t.backends() else "naive")
 
     # the layer evaluates the decode token itself (model/kda.py) and reads the resolved name and backend
@@ -193,7 +204,7 @@ def registry() -> OpRegistry:
         sized = partial(moe_experts_sized, linear=linear, batched_c=moe_experts_batched_c if backend == "c" else None)
         r.register("moe_experts", "sized", sized, "single-token / batched / grouped by the step's pairs (ops/thresholds.py)", backend, grad)
     r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
-    r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts by a Triton grouped GEMM, decoded in registers", backend="cuda")
+    r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts, Triton grouped GEMM decoding in registers", backend="cuda", requires=TRITON)
     r.register_auto("moe_experts", lambda t: "sized")
 
     # AttnRes is evaluated by the model itself (model/attn_res.py); the registry holds its names and its rule

@@ -96,6 +96,13 @@ class ParallelConfig:
         if self.world_size > 1 and engine.cuda_graphs:
             # a multi-rank step is the driver's broadcast plus collectives whose split sizes are read on the host
             raise ValueError(f"cuda_graphs=True with {ranks}: decode graphs capture a single-process step only (docs/gpu.md)")
+        moe = engine.op_names.get("moe")
+        if self.ep > 1 and moe is not None:
+            # the expert-parallel backends (parallel/ep) run the routed experts in their own grouped form, not LocalExperts
+            raise ValueError(
+                f"ops moe={moe!r} with {ranks}: expert parallelism runs the routed experts in its own grouped form, which takes no "
+                "implementation name; leave moe out of --ops (the other names apply on every rank)"
+            )
         if self.world_size > 1 and engine.device.startswith("cuda:"):
             # each rank takes the GPU of its local rank; an explicit index would put every rank on that one device
             raise ValueError(f"device={engine.device!r} with {ranks}: rank r takes GPU r, so name no index (device='cuda')")

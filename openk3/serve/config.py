@@ -56,11 +56,22 @@ class EngineConfig:
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
+    # implementations of the model's ops by name, set on its OpChoice before "auto" is resolved (serve/op_names.py); held
+    # as the canonical "field=impl,..." (a dict is accepted too)
+    ops: str | None = setting(
+        None,
+        "op implementations by name, set on the model's OpChoice: field=impl pairs such as kda=fla,mla=triton,mla_decode=triton,moe=triton "
+        "(docs/serving.md lists the fields and names; default: the model's own choice, 'auto' resolved for the device)",
+    )
 
     def __post_init__(self) -> None:
         dtype, device = _names(self.dtype, self.device)  # LLM(dtype=torch.bfloat16) as well as "bfloat16"
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "device", device)
+        if self.ops is not None:
+            from openk3.serve.op_names import format_op_names, parse_op_names
+
+            object.__setattr__(self, "ops", format_op_names(parse_op_names(self.ops)))
         check_settings(self)
         if self.disk_offload_bytes > 0 and self.disk_offload_dir is None:
             raise ValueError(f"EngineConfig.disk_offload_bytes={self.disk_offload_bytes} needs disk_offload_dir")
@@ -85,6 +96,35 @@ class EngineConfig:
         if self.pack_cpu_weights is not None:
             return self
         return dataclasses.replace(self, pack_cpu_weights=owns_model and self._cpu_fp32)
+
+    @property
+    def op_names(self) -> dict[str, str | int]:
+        """The OpChoice fields `ops` names, with their implementations ({} when it names none)."""
+        if self.ops is None:
+            return {}
+        from openk3.serve.op_names import parse_op_names
+
+        return parse_op_names(self.ops)
+
+    def check_ops_on_device(self) -> None:
+        """Refuse a named implementation that cannot run on this device and dtype, or whose optional dependency (triton,
+        fla) cannot be imported. For the entry points that build the model, before its weights load; an engine given a
+        built model checks the names on the model's own device when it prepares it (serve/prepare.py)."""
+        if self.ops is None:
+            return
+        import torch
+
+        from openk3.ops.registry import OpTarget
+        from openk3.serve.op_names import check_op_names, check_op_requirements
+
+        target = OpTarget(torch.device(self.device).type, dtype=self.torch_dtype)
+        check_op_names(self.op_names, target)
+        check_op_requirements(self.op_names, target)
+
+    def prepared_by_ranks(self) -> EngineConfig:
+        """These settings for an engine whose model is a multi-rank driver: every rank selected the named ops when it built
+        its shard (RankModelSpec.ops), so the driver's engine has none left to select."""
+        return dataclasses.replace(self, ops=None)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -140,7 +140,8 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={self.max_model_len} does not fit in the cache: {num_pages} pages x {cfg.page_size} tokens = {capacity}"
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache, Sampler(cfg.seed, self.device), self.device, pack_cpu_weights=cfg.pack_cpu_weights is True)
+        sampler = Sampler(cfg.seed, self.device)
+        self.runner = ModelRunner(model, self.cache, sampler, self.device, pack_cpu_weights=cfg.pack_cpu_weights is True, ops=cfg.op_names)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs

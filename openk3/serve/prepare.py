@@ -2,7 +2,8 @@
 by the runner -- the model classes stay plain single-device modules.
 
 What it does: "auto" implementations resolved for inference on the device (ops/registry.py; a model in training mode keeps
-its owner's choices), and, by swapping the model's attach points for serving modules that hold the same parameters:
+its owner's choices), after the implementations the engine names (EngineConfig.ops, serve/op_names.py) are set on the
+model's own OpChoice, and, by swapping the model's attach points for serving modules that hold the same parameters:
 - every ProjectionGroup becomes FusedProjections: its members' weights tied into one block (serve/fused.py), one matmul
   for the group, the pieces returned as views of its output;
 - every StackedWeights becomes FusedWeights: the stacked tensor is the block itself (no concatenation per call);
@@ -17,7 +18,7 @@ not change; autograd always takes the per-member path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import cast
 
 import torch
@@ -28,6 +29,7 @@ from openk3.model.model import K3ForCausalLM
 from openk3.ops.linear import PackedWeight
 from openk3.ops.registry import OpTarget
 from openk3.serve.fused import FusedRows
+from openk3.serve.op_names import select_named_ops
 
 
 class FusedProjections(ProjectionGroup):
@@ -107,12 +109,16 @@ def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
             yield parent, name, child
 
 
-def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False) -> None:
+def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights: bool = False, ops: Mapping[str, str | int] | None = None) -> None:
     """Apply the serving layout to `model` in place (module docstring), and resolve its "auto" implementations for
-    inference on `device` in the model's dtype (ops/registry.py). `pack_cpu_weights` needs the CPU forms of "linear"
-    (fp32 inference on CPU): asked for elsewhere, it is an error, not a flag quietly dropped."""
+    inference on `device` in the model's dtype (ops/registry.py). `ops`: implementations named for the engine
+    (EngineConfig.op_names), set on the model's OpChoice first; a name that cannot run there, or a model it cannot apply
+    to, is an error. `pack_cpu_weights` needs the CPU forms of "linear" (fp32 inference on CPU): asked for elsewhere, it
+    is an error, not a flag quietly dropped."""
     target = OpTarget(device.type, dtype=model.lm_head.weight.dtype if isinstance(model, K3ForCausalLM) else torch.float32)
-    if isinstance(model, K3ForCausalLM) and not model.training:  # a module in training mode keeps the choices its owner made
+    if ops:
+        select_named_ops(model, ops, target)
+    elif isinstance(model, K3ForCausalLM) and not model.training:  # a module in training mode keeps the choices its owner made
         model.select_ops(target=target)
     if pack_cpu_weights and "cpu" not in target.backends():
         raise ValueError(f"pack_cpu_weights: oneDNN's packed weights are for CPU fp32 inference, not {device.type} {target.dtype} (leave it unset or off)")

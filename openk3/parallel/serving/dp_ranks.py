@@ -62,7 +62,8 @@ class _Leader:
             if tokenizer is None:  # a leader's engine needs only the end-of-sequence id, which rank 0's tokenizer has
                 source = spec.source
                 tokenizer = ByteTokenizer(max(256, model.config.vocab_size)) if isinstance(source, torch.nn.Module) else model_tokenizer(source, config.seed)
-            rank_config = dataclasses.replace(config, seed=config.seed + groups.dp_rank)  # distinct streams for unseeded sampling
+            # distinct streams for unseeded sampling; the named ops are the spec's, selected as the rank built its shard
+            rank_config = dataclasses.replace(config.prepared_by_ranks(), seed=config.seed + groups.dp_rank)
             self.engine = LLMEngine(self.lockstep, tokenizer, rank_config)
         except Exception as e:  # reported in the leaders' handshake (every rank then leaves), not left for them to wait on
             self.error = _failure(groups.world.rank, e)

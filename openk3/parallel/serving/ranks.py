@@ -27,6 +27,7 @@ from openk3.parallel.serving.rank_model import attach_rank_experts, engine_place
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.parallel.tp.shard import parallelize_tensor
 from openk3.serve.loading import resolve_model
+from openk3.serve.op_names import parse_op_names
 from openk3.serve.prepare import prepare_for_serving
 
 ModelSource = str | Path | torch.nn.Module
@@ -45,16 +46,18 @@ class RankModelSpec:
     tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1)
     ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
+    ops: str | None = None  # EngineConfig.ops: the implementations every rank selects for its shard (serve/op_names.py)
 
     @classmethod
-    def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool) -> RankModelSpec:
-        """The spec of a layout as ParallelConfig declares it (every entry point builds it here, so none drops a setting)."""
-        return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp)
+    def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
+        """The spec of a layout as ParallelConfig declares it, with the engine's named ops (every entry point builds it here,
+        so none drops a setting; the driver's engine then takes EngineConfig.prepared_by_ranks())."""
+        return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp, ops=ops)
 
 
 def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext | None = None) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
-    """This rank's model (and its expert-parallel backend, None without expert parallelism), in the serving layout
-    (serve/prepare.py; the same on every rank). `ctx`: every rank (the experts are spread over them); `tp_ctx`: this
+    """This rank's model (and its expert-parallel backend, None without expert parallelism), in the serving layout with
+    the spec's named ops (serve/prepare.py; the same on every rank). `ctx`: every rank (the experts are spread over them); `tp_ctx`: this
     rank's tensor-parallel group, whose ranks hold the same tokens (default: `ctx` itself for one engine over every
     rank, a group of one with data-parallel attention; rank_groups.py). A checkpoint folder is read per rank (own
     shard and experts only); a preset without a checkpoint is built from its seed on every rank, then cut; a module is
@@ -65,7 +68,7 @@ def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: Parallel
     if spec.dp > 1 and (spec.dp * spec.tp != ctx.world_size or not spec.ep):
         raise ValueError(f"data-parallel attention: dp={spec.dp} x tp={spec.tp} ranks with ep, got {ctx.world_size} ranks, ep={spec.ep}")
     model, backend = _rank_model(spec, ctx, tp_ctx)
-    prepare_for_serving(model, ctx.device)
+    prepare_for_serving(model, ctx.device, ops=parse_op_names(spec.ops))
     return model, backend
 
 

@@ -8,6 +8,7 @@ and through the model's decode path. Prints one JSON object; the test judges it.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import warnings
@@ -69,6 +70,7 @@ def model() -> dict[str, Any]:
     def counted(kernel: str) -> Any:
         fn = real(kernel)
 
+        @functools.wraps(fn)  # the seam checks fla's signature through it
         def run(q: torch.Tensor, *args: Any, cu_seqlens: torch.Tensor | None = None, **kwargs: Any) -> Any:
             calls.append((kernel, q.shape[1], 1 if cu_seqlens is None else cu_seqlens.numel() - 1))
             return fn(q, *args, cu_seqlens=cu_seqlens, **kwargs)

@@ -125,3 +125,12 @@ def test_an_fla_without_a_keyword_the_seam_passes_is_refused(monkeypatch: pytest
     for entry in ("fla", "fla_recurrent"):
         with pytest.raises(ImportError, match="has no parameter state_v_first .*ignore it silently"):
             registry().get("kda_prefill", entry, OpTarget("cuda"))(q, k, v, g, beta, None, s0)
+
+
+def test_cu_seqlens_are_asserted_on_their_device() -> None:
+    """On CUDA the seam checks cu_seqlens with a device-side assertion instead of reading it back every call; on CPU the
+    same assertion fails at once, which is how it is tested here."""
+    fla_kernels.assert_cu_seqlens_on_device(torch.tensor([0, 5, 5, 37]), 37)
+    for bad in ([1, 5, 37], [0, 5, 36], [0, 6, 5, 37]):
+        with pytest.raises(RuntimeError, match=r"cu_seqlens must be \[N\+1\], non-decreasing from 0 to T=37"):
+            fla_kernels.assert_cu_seqlens_on_device(torch.tensor(bad), 37)

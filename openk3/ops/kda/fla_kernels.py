@@ -51,28 +51,31 @@ def _fla_kda() -> ModuleType:
         raise ImportError(f"kda_prefill 'fla' / 'fla_recurrent' need fla (flash-linear-attention), which could not be imported ({e}): {INSTALL_HINT}") from e
 
 
-# The keywords _run passes. fla's entries take **kwargs and drop any name they do not know without a word, so a renamed
-# or missing parameter (state_v_first was transpose_state_layout before fla-core 0.5.2) would silently run the kernels with
-# the state in the wrong layout: each is checked against the installed fla's signature before the first call.
-FLA_KEYWORDS = ("scale", "initial_state", "output_final_state", "state_v_first", "cu_seqlens")
-
-
 def _fla_kernel(kernel: str) -> Callable[..., Any]:
-    fn = getattr(_fla_kda(), kernel)
-    _check_keywords(fn, kernel)
-    return fn
+    return getattr(_fla_kda(), kernel)
 
 
 @functools.cache
-def _check_keywords(fn: Callable[..., Any], kernel: str) -> None:
+def _check_keywords(fn: Callable[..., Any], kernel: str, keywords: tuple[str, ...]) -> None:
+    """fla's entries take **kwargs and drop any name they do not know without a word, so a renamed or missing parameter
+    (state_v_first was transpose_state_layout before fla-core 0.5.2) would silently run the kernel with the state in the
+    wrong layout: every keyword _run passes is checked against the installed fla's signature before the first call."""
     params = inspect.signature(fn).parameters
-    missing = [name for name in FLA_KEYWORDS if name not in params]
+    missing = [name for name in keywords if name not in params]
     if missing:
         fla = sys.modules.get("fla")
         raise ImportError(
             f"kda_prefill 'fla': fla {getattr(fla, '__version__', '(version unknown)')}'s {kernel} has no parameter {', '.join(missing)} "
-            f"(it would ignore it silently); openk3 passes {', '.join(FLA_KEYWORDS)}: {INSTALL_HINT} with fla-core>=0.6"
+            f"(it would ignore it silently); openk3 passes {', '.join(keywords)}: {INSTALL_HINT} with fla-core>=0.6"
         )
+
+
+def assert_cu_seqlens_on_device(cu_seqlens: torch.Tensor, tokens: int) -> None:
+    """cu_seqlens runs from 0 to `tokens` without decreasing, asserted on its device: an error surfaces at the next
+    synchronisation instead of a host read of the values on every call (each KDA layer of every decode step), and the
+    check stays legal inside a CUDA graph capture."""
+    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == tokens) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+    torch._assert_async(ok, f"kda: cu_seqlens must be [N+1], non-decreasing from 0 to T={tokens}")
 
 
 def _run(
@@ -86,23 +89,21 @@ def _run(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # the shapes always; the cu_seqlens values only outside a CUDA graph capture, where reading them back is not allowed
-    # (the decode path's one-token boundaries are valid by construction, model/kda.py)
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+    # the shapes on the host; on CUDA the cu_seqlens values on the device (a host read would sync every call)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=not q.is_cuda)
+    if q.is_cuda and cu_seqlens is not None:
+        assert_cu_seqlens_on_device(cu_seqlens, q.shape[1])
     fn = _fla_kernel(kernel)
     state = None if initial_state is None else convert_state(initial_state.float(), OPENK3_STATE_LAYOUT, FLA_STATE_LAYOUT)
-    o, final = fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=state,
-        output_final_state=True,
-        state_v_first=FLA_STATE_LAYOUT is StateLayout.VALUE_FIRST,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-    )
+    keywords = {
+        "scale": scale,
+        "initial_state": state,
+        "output_final_state": True,
+        "state_v_first": FLA_STATE_LAYOUT is StateLayout.VALUE_FIRST,
+        "cu_seqlens": None if cu_seqlens is None else cu_seqlens.long(),
+    }
+    _check_keywords(fn, kernel, tuple(keywords))
+    o, final = fn(q, k, v, g, beta, **keywords)
     return o.to(v.dtype), convert_state(final.float(), FLA_STATE_LAYOUT, OPENK3_STATE_LAYOUT)
 
 

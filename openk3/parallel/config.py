@@ -97,7 +97,7 @@ class ParallelConfig:
             # a multi-rank step is the driver's broadcast plus collectives whose split sizes are read on the host
             raise ValueError(f"cuda_graphs=True with {ranks}: decode graphs capture a single-process step only (docs/gpu.md)")
         moe = engine.op_names.get("moe")
-        if self.ep > 1 and moe is not None:
+        if self.ep > 1 and moe not in (None, "auto"):
             # the expert-parallel backends (parallel/ep) run the routed experts in their own grouped form, not LocalExperts
             raise ValueError(
                 f"ops moe={moe!r} with {ranks}: expert parallelism runs the routed experts in its own grouped form, which takes no "

@@ -65,6 +65,7 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
     from openk3.api.cli import server_configs
 
     engine, parallel = server_configs(serve_args)
+    engine.check_ops_on_device()  # --ops here, before any replica loads weights (each replica checks again as it prepares its model)
     if parallel.export_eplb_stats is not None:
         raise ValueError("--export-eplb-stats with --replicas: every replica would write its own counts to the one file; export from one `openk3 serve`")
     if config.router == "prefix" and not engine.enable_prefix_caching:

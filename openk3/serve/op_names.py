@@ -8,9 +8,9 @@ afterwards for the device the engine serves on, as without the setting (serve/pr
 name that cannot run fails at start-up, never at the first request:
 - parse_op_names, when the settings are made: a field OpChoice lacks, a malformed or repeated pair, a chunk size that is
   not a power of two;
-- check_op_names, against the registry (ops/registry.py) for the device and dtype that run the names: by the entry points
-  that build the model, before its weights load (EngineConfig.check_ops_on_device, which also imports the optional
-  dependencies the named entries need: check_op_requirements), and when the engine prepares it;
+- check_op_names, against the registry (ops/registry.py) for the device and dtype that run the names, and
+  check_op_requirements, which imports the optional packages the named entries need (triton, fla): by the entry points
+  that build the model, before its weights load (EngineConfig.check_ops_on_device), and when the engine prepares it;
 - select_named_ops, on the model itself: one the names cannot apply to (not a K3ForCausalLM, in training mode, experts
   that run through a backend taking no name) is refused rather than left with a name unused.
 """
@@ -160,7 +160,8 @@ def select_named_ops(model: nn.Module, names: Mapping[str, str | int], target: O
     if model.training:
         _fail(f"{shown!r}: the model is in training mode, which keeps the implementations its owner chose; give the engine a model in eval mode")
     check_op_names(names, target)
-    if "moe" in names:
+    check_op_requirements(names, target)
+    if names.get("moe", "auto") != "auto":  # "auto" is what every backend runs without a name
         _check_expert_backends(model, str(names["moe"]))
         if names["moe"] == "triton" and not model.ops.packed_experts:  # the kernel reads E2M1 codes and E8M0 scales
             _fail("moe='triton' reads packed MXFP4 experts, and this model's experts are dense (a checkpoint without MXFP4 experts, or a preset)")

@@ -107,7 +107,7 @@ def test_mla_decode_is_chosen_by_name(debug_model: K3ForCausalLM) -> None:
         if kernels_available():
             debug_model.select_ops(OpChoice(mla="naive", mla_decode="fast"))  # an explicit name is kept under a naive prefill
             assert all(a.decode is op("mla_decode", "fast") and a.decode is not op("mla_decode", "naive") for a in layers)
-        with pytest.raises(Exception, match="mla_decode"):
+        with pytest.raises(ValueError, match="mla_decode: implementation .no-such-kernel. is unknown"):
             debug_model.select_ops(OpChoice(mla_decode="no-such-kernel"))
     finally:
         debug_model.select_ops(previous)

@@ -35,6 +35,7 @@ def test_expert_parallelism_refuses_a_moe_name_before_any_rank_starts(capsys: py
     with pytest.raises(ValueError, match="with dp=2, ep=2: expert parallelism"):
         ParallelConfig(dp=2, ep=2).check_engine(EngineConfig(ops="moe=naive"))
     ParallelConfig(ep=2).check_engine(EngineConfig(ops="kda=naive,mla=naive"))  # the trunk's names apply on every rank
+    ParallelConfig(ep=2).check_engine(EngineConfig(ops="moe=auto"))  # the default, which expert parallelism runs as it always does
     ParallelConfig(tp=2).check_engine(EngineConfig(ops=NAIVE))  # experts split by width run LocalExperts on each rank
     assert cli.run(build_parser().parse_args(["serve", "--model", "debug", "--ep", "2", "--ops", "moe=naive"])) == 2
     assert message in capsys.readouterr().err

@@ -30,6 +30,8 @@ def test_a_replica_reserves_every_rank() -> None:
     assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
     with pytest.raises(ValueError, match="--prefill-replicas with multi-rank replicas"):
         application(EP_ARGV, ScaleConfig(replicas=1, prefill_replicas=1))
+    with pytest.raises(ValueError, match="kda='fla' cannot run on cpu"):  # --ops is checked before any replica loads weights
+        application([*ARGV, "--ops", "kda=fla"], ScaleConfig(replicas=1))
 
 
 @pytest.fixture(scope="module")

@@ -109,34 +109,42 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 class Recorder:
-    """While installed, every Triton launch in this process is compiled for `target` and recorded, and never run."""
+    """While installed, every Triton launch in this process is compiled for `target` and recorded, and never run; the
+    package's wrappers accept CPU tensors meanwhile. Everything it changes is put back on exit."""
 
     def __init__(self, arch: int) -> None:
         from triton.backends.compiler import GPUTarget
-        from triton.runtime.driver import driver
-        from triton.runtime.jit import JITFunction
 
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             raise RuntimeError("compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
         self.launches: list[Launch] = []
         self.compiled: set[Any] = set()
         self.case = ""
-        self._driver, self._jit = driver, JITFunction
-        self._run = JITFunction.run
         self._target = GPUTarget("cuda", arch, 32)
+        self._undo: list[Callable[[], None]] = []
+
+    def _replace(self, owner: Any, name: str, value: Any) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, original))
 
     def __enter__(self) -> Recorder:
-        recorder, run = self, self._run
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+
+        from openk3.ops.triton import mla_decode, mla_prefill, moe_mxfp4, mxfp4_decode
+
+        recorder, run = self, JITFunction.run
 
         def compile_only(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             recorder.compiled.add(fn)
             fn.device_caches.clear()  # its binder holds the target it was made for: another arch must not reuse it
             try:
                 kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)  # warmup: compile, do not launch
+                usage = resource_usage(kernel.asm["cubin"])
             except Exception as e:  # a compile error is this launch's result, the next case still runs
                 recorder.launches.append(Launch(recorder.case, fn.__name__, error=summary(e)))
                 return None
-            usage = resource_usage(kernel.asm["cubin"])
             recorder.launches.append(
                 Launch(
                     recorder.case,
@@ -150,16 +158,24 @@ class Recorder:
             )
             return kernel
 
-        self._jit.run = compile_only  # type: ignore[method-assign]
-        self._active = self._driver._active  # reset_active() would build the default driver, which needs a GPU
-        self._driver.set_active(CompileOnlyDriver(self._target))
+        try:
+            # the wrappers refuse CPU tensors outside the interpreter, since a kernel cannot read them; nothing runs here
+            for module in (mla_decode, mla_prefill, moe_mxfp4, mxfp4_decode):
+                self._replace(module, "require_launchable", lambda *args, **kwargs: None)
+            # set_active's counterpart, reset_active(), would build the default driver, which needs a GPU: the one that
+            # was active goes back instead
+            self._replace(driver, "_active", CompileOnlyDriver(self._target))
+            self._replace(JITFunction, "run", compile_only)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         for fn in self.compiled:  # the binders made for this target must not serve a later launch on a real GPU
             fn.device_caches.clear()
-        self._jit.run = self._run  # type: ignore[method-assign]
-        self._driver._active = self._active
+        while self._undo:
+            self._undo.pop()()
 
     def call(self, case: str, wrapper: Callable[..., Any], *args: Any) -> None:
         """Call wrapper(*args); its launches are compiled under `case`. A wrapper that fails before its launch fails the case."""
@@ -172,15 +188,6 @@ class Recorder:
             return
         if len(self.launches) == before:
             self.launches.append(Launch(case, "(wrapper)", error="no Triton launch was made"))
-
-
-def allow_cpu_tensors() -> None:
-    """The wrappers refuse CPU tensors outside the interpreter (they cannot run there); here nothing runs, so the check goes."""
-    from openk3.ops.triton import mla_decode, mla_prefill, moe_mxfp4, mxfp4_decode
-
-    for module in (mla_decode, mla_prefill, moe_mxfp4, mxfp4_decode):
-        if hasattr(module, "require_launchable"):
-            module.require_launchable = lambda *args, **kwargs: None  # type: ignore[attr-defined]
 
 
 def random_mxfp4(g: torch.Generator, experts: int, rows: int, cols: int) -> Any:
@@ -247,7 +254,6 @@ def report(arch: int, launches: list[Launch]) -> str:
 
 
 def check(arch: int, dtypes: list[torch.dtype]) -> list[Launch]:
-    allow_cpu_tensors()
     with Recorder(arch) as recorder:
         k3_cases(recorder, dtypes)
     return recorder.launches

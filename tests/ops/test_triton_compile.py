@@ -91,13 +91,17 @@ def test_a_kernel_that_does_not_compile_is_a_failed_launch(tmp_path: Path) -> No
         sys.path.insert(0, {str(tmp_path)!r})
         import compile_check, bad_kernel
         from openk3.ops.triton.mxfp4_decode import dequantize_triton
-        compile_check.allow_cpu_tensors()
         codes, scales = torch.zeros(4, 16, dtype=torch.uint8), torch.full((4, 1), 127, dtype=torch.uint8)
         with compile_check.Recorder(90) as recorder:
             recorder.call("bad", bad_kernel.bad[(1,)], torch.zeros(4))
             recorder.call("dequantise", dequantize_triton, codes, scales, torch.bfloat16)
         for launch in recorder.launches:
             print(launch.case, "|", launch.fails(90))
+        from triton.runtime.jit import JITFunction
+        try:  # everything the recorder replaced is back: a CPU tensor is refused again, and launches run, not compile
+            dequantize_triton(codes, scales, torch.bfloat16)
+        except RuntimeError as e:
+            print("restored |", "needs its tensors on one CUDA device" in str(e), JITFunction.run.__name__)
         """
     )
     result = run_python(["-c", code], tmp_path)
@@ -105,3 +109,4 @@ def test_a_kernel_that_does_not_compile_is_a_failed_launch(tmp_path: Path) -> No
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("bad | ") and "None" not in lines[0] and "arange" in lines[0], lines
     assert lines[1] == "dequantise | None", lines
+    assert lines[2] == "restored | True run", lines

@@ -2,18 +2,23 @@
 
 Each row checks the kernel against its baseline on the same inputs first; a row whose check fails reports FAIL and no
 ratio. Ratios are baseline time / kernel time, both measured in this run, on this machine.
-  python benchmarks/gpu/driver.py --out DIR            on CUDA: full shapes
+  python benchmarks/gpu/driver.py --out DIR            on CUDA: full shapes, each bench in a process of its own
   python benchmarks/gpu/driver.py --dry-run --out DIR  on CPU, TRITON_INTERPRET=1: the same code at tiny shapes (tested)
+gpu.md is rewritten after every bench, so a run stopped by its time limit keeps what it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import importlib.util
+import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -114,17 +119,24 @@ def bench_moe(s: Shapes, device: torch.device, dtype: torch.dtype) -> Row:
     return row
 
 
+def paged_latents(s: Shapes, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(latent pool [pages, PS, R], page table [N, P] of scattered pages, lengths [N]) for s.mla's N sequences of `context`
+    cached rows each."""
+    n, _, ctx, lr, dr = s.mla
+    page = 64 if ctx >= 64 else 8
+    pages = -(-ctx // page)
+    pool = torch.randn(n * pages, page, lr + dr, generator=g, device=device).to(dtype)
+    table = torch.randperm(n * pages, generator=g, device=device).view(n, pages)
+    return pool, table, torch.full((n,), ctx, device=device)
+
+
 def bench_mla(s: Shapes, device: torch.device, dtype: torch.dtype) -> Row:
     from openk3.ops.mla.decode_cpu import latent_attention_torch
     from openk3.ops.triton.mla_decode import latent_attention_paged
 
     n, h, ctx, lr, dr = s.mla
-    page = 64 if ctx >= 64 else 8
-    pages = -(-ctx // page)
     g = torch.Generator(device=device).manual_seed(0)
-    pool = torch.randn(n * pages, page, lr + dr, generator=g, device=device).to(dtype)
-    table = torch.randperm(n * pages, generator=g, device=device).view(n, pages)
-    lens = torch.full((n,), ctx, device=device)
+    pool, table, lens = paged_latents(s, device, dtype, g)
     q = torch.randn(n, h, lr + dr, generator=g, device=device) * (lr + dr) ** -0.5
     base = lambda: latent_attention_torch(q, pool, table, lens, lr)  # noqa: E731
     kern = lambda: latent_attention_paged(q, pool, table, lens, lr)  # noqa: E731
@@ -180,8 +192,8 @@ def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
 def bench_kda_decode(s: Shapes, device: torch.device, dry_run: bool) -> list[Row]:
     """The KDA decode step as the model runs it (model/kda.py): N sequences of one token on scattered state slots. openk3's
     torch step (ops/kda/decode_inplace.py on the gathered states, written back) against fla's fused recurrence through the
-    seam (states turned V-first and back, ops/kda/fla_kernels.py); and the seam against fla on openk3's own K-first
-    layout, which needs no conversion: what the two transposes cost."""
+    seam (states turned V-first and back, ops/kda/fla_kernels.py); and the seam against fla called directly on openk3's
+    own K-first layout, which needs no conversion: what the seam's two transposes and its checks cost."""
     import torch.nn.functional as F
 
     from openk3.ops.kda.decode_inplace import kda_decode_
@@ -202,7 +214,10 @@ def bench_kda_decode(s: Shapes, device: torch.device, dry_run: bool) -> list[Row
         pool.index_copy_(0, slots, state)
         return o
 
-    names = ("KDA decode: fla fused_recurrent_kda (seam) vs openk3 torch step", "KDA decode: fla on K-first states vs the seam's V-first")
+    names = (
+        "KDA decode: fla fused_recurrent_kda (seam) vs openk3 torch step",
+        "KDA decode: fla on K-first states vs the seam (its V-first conversions and checks)",
+    )
     if dry_run and importlib.util.find_spec("fla") is None:  # the dry run checks the baseline runs and the rows are formed
         torch_step()
         return [Row(name, shape, "skipped (dry run: fla is not installed)") for name in names]
@@ -247,12 +262,8 @@ def bench_mla_decode_sdpa(s: Shapes, device: torch.device, dtype: torch.dtype) -
 
     n, h, ctx, lr, dr = s.mla
     dn, dv = (128, 128) if lr >= 512 else (16, 16)
-    page = 64 if ctx >= 64 else 8
-    pages = -(-ctx // page)
     g = torch.Generator(device=device).manual_seed(0)
-    pool = torch.randn(n * pages, page, lr + dr, generator=g, device=device).to(dtype)
-    table = torch.randperm(n * pages, generator=g, device=device).view(n, pages)
-    lens = torch.full((n,), ctx, device=device)
+    pool, table, lens = paged_latents(s, device, dtype, g)
     q_nope, q_pe = torch.randn(n, h, dn, generator=g, device=device).to(dtype), torch.randn(n, h, dr, generator=g, device=device).to(dtype)
     w_uk, w_uv = (torch.randn(h, w, lr, generator=g, device=device).mul(lr**-0.5).to(dtype) for w in (dn, dv))
     scale = (dn + dr) ** -0.5
@@ -281,7 +292,7 @@ def bench_mla_decode_sdpa(s: Shapes, device: torch.device, dtype: torch.dtype) -
 def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> Any:
     """K3's widths over two layers, a KDA and an MLA layer, each with the latent MoE over all 896 routed experts as packed
     MXFP4 (about 31 GB of experts), built on the meta device and filled on `device` with random weights (std 0.02, E8M0
-    scales near 2^-8, balanced routing); the debug model's widths in the dry run."""
+    scales near 2^-8, balanced routing; about 38 GB in all); the debug model's widths in the dry run."""
     from openk3.config.presets import debug, k3
     from openk3.model import K3ForCausalLM, OpChoice
     from openk3.model.weights import cast_model
@@ -289,6 +300,7 @@ def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> A
     config = (debug() if dry_run else k3()).replace(num_hidden_layers=2, mla_layers=(1,), first_k_dense_replace=0)
     with torch.device("meta"):
         model = K3ForCausalLM(config, OpChoice(packed_experts=True))
+    cast_model(model, dtype)  # on meta, free: the weights are then allocated in their serving dtypes, never in fp32 first
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -303,7 +315,6 @@ def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> A
                 t.fill_(1.0)
             else:
                 t.normal_(0.0, 0.02, generator=g)
-    cast_model(model, dtype)
     return model.eval()
 
 
@@ -316,6 +327,7 @@ def bench_k3_slice(s: Shapes, device: torch.device, dtype: torch.dtype, dry_run:
 
     t, n, ctx = s.k3_slice
     if device.type == "cuda":
+        gc.collect()  # engines kept alive by reference cycles hold graph memory pools
         torch.cuda.empty_cache()  # the earlier rows' blocks, before some 31 GB of experts
     model = k3_slice_model(device, dtype, dry_run)
     target = OpTarget(device="cuda", dtype=dtype)  # the dry run selects the CUDA entries too: CPU tensors run under the interpreter
@@ -397,25 +409,85 @@ def git_commit() -> str:
         return os.environ.get("OPENK3_COMMIT", "unknown")
 
 
-def guarded(name: str, make: Callable[[], Any]) -> list[Any]:
+Table = str  # "kernels": Row results; "engine": markdown lines of the engine table
+
+
+def benches(s: Shapes, device: torch.device, dtype: torch.dtype, dry_run: bool) -> dict[str, tuple[Table, Callable[[], Any]]]:
+    """Every bench by name, with the table its rows go to: cheapest first, the K3 slice (about 38 GB) last."""
+    out: dict[str, tuple[Table, Callable[[], Any]]] = {
+        "MoE experts": ("kernels", lambda: bench_moe(s, device, dtype)),
+        "MLA decode": ("kernels", lambda: bench_mla(s, device, dtype)),
+        "MLA decode vs SDPA": ("kernels", lambda: bench_mla_decode_sdpa(s, device, dtype)),
+        "MLA prefill": ("kernels", lambda: bench_mla_prefill(s, device, dtype)),
+        "KDA prefill": ("kernels", lambda: bench_kda(s, device, dry_run)),
+        "KDA decode": ("kernels", lambda: bench_kda_decode(s, device, dry_run)),
+    }
+    for batch in s.engine_batches:
+        out[f"engine batch {batch}"] = ("engine", lambda batch=batch: engine_row(batch, device, dry_run))  # type: ignore[misc]
+    out["K3 slice"] = ("kernels", lambda: bench_k3_slice(s, device, dtype, dry_run))
+    return out
+
+
+def failure(name: str, table: Table, why: str) -> Any:
+    why = why.replace("|", "/")
+    if table == "engine":
+        return f"| {name.removeprefix('engine batch ')} | FAIL ({why}) | - | - | - |"
+    return Row(name, "-", f"FAIL ({why})")
+
+
+def run_here(name: str, table: Table, make: Callable[[], Any]) -> list[Any]:
     """A bench's rows, or one FAIL row naming the exception: one broken kernel must not cost the rest of the run."""
     try:
         rows = make()
     except Exception as e:  # reported in the table and on stderr, and the run goes on
         traceback.print_exc()
-        first = (str(e).strip().splitlines() or [""])[0][:160].replace("|", "/")
-        return [Row(name, "-", f"FAIL ({type(e).__name__}: {first})")]
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return [failure(name, table, f"{type(e).__name__}: {first}")]
     return rows if isinstance(rows, list) else [rows]
 
 
+def run_isolated(name: str, table: Table, dry_run: bool, seconds: float) -> list[Any]:
+    """The bench in a process of its own (`--child`), so that a fault that poisons the CUDA context (an illegal address, a
+    device-side assert) or kills the process costs this bench's rows only; its output goes to this one's."""
+    if seconds <= 0:
+        return [failure(name, table, "not run: the driver's time budget was spent")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", tmp, *(["--dry-run"] if dry_run else [])]
+        try:
+            ended = subprocess.run(cmd, timeout=seconds).returncode
+        except subprocess.TimeoutExpired:
+            return [failure(name, table, f"killed after the {seconds:.0f} s left of the driver's time budget")]
+        result = Path(tmp) / "child.json"
+        if not result.exists():
+            return [failure(name, table, f"its process ended with {ended} before reporting: a crash or a GPU fault, see the log")]
+        rows = json.loads(result.read_text())
+    return [Row(**row) for row in rows] if table == "kernels" else rows
+
+
+def run_child(name: str, table: Table, make: Callable[[], Any], out: Path) -> int:
+    if os.environ.get("OPENK3_DRIVER_ABORT") == name:  # tests: a bench whose process dies, as a GPU fault can end it
+        os.abort()
+    rows = run_here(name, table, make)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "child.json").write_text(json.dumps([dataclasses.asdict(row) if isinstance(row, Row) else row for row in rows]))
+    return 0
+
+
 class Report:
-    """gpu.md, rewritten after every row: a run stopped by its time limit still leaves the rows it finished."""
+    """gpu.md, rewritten after every bench: a run stopped by its time limit still leaves the rows it finished."""
 
     def __init__(self, out: Path, header: list[str], dry_run: bool) -> None:
         self.out, self.header, self.dry_run = out, header, dry_run
         self.kernels: list[Row] = []
         self.engine: list[str] = []
         out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, table: Table, rows: list[Any]) -> None:
+        (self.kernels if table == "kernels" else self.engine).extend(rows)
+        self.write()
+
+    def failed(self) -> bool:
+        return any(row.check.startswith("FAIL") for row in self.kernels) or any("FAIL" in line for line in self.engine)
 
     def lines(self, finished: bool) -> list[str]:
         return [
@@ -441,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes (proves the script, measures nothing)")
+    parser.add_argument("--benches", help="comma-separated bench names to run (default: all)")
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument("--isolate", action="store_true", default=None, help="each bench in its own process (the default on CUDA)")
+    isolation.add_argument("--in-process", dest="isolate", action="store_false", help="every bench in this process (the default in a dry run)")
+    parser.add_argument("--budget-s", type=float, default=280.0, help="with isolation: the time every bench together may take")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # run one bench, write its rows to OUT/child.json (run_isolated)
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -450,6 +528,14 @@ def main(argv: list[str] | None = None) -> int:
             print("driver.py: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
             return 2
         device, dtype, shapes = torch.device("cuda"), torch.bfloat16, FULL
+    every = benches(shapes, device, dtype, args.dry_run)
+    if args.child is not None:
+        return run_child(args.child, *every[args.child], args.out)
+    chosen = list(every) if args.benches is None else [name.strip() for name in args.benches.split(",")]
+    unknown = [name for name in chosen if name not in every]
+    if unknown:
+        parser.error(f"unknown bench {', '.join(map(repr, unknown))}: expected some of {', '.join(every)}")
+    isolate = not args.dry_run if args.isolate is None else args.isolate
     import triton
 
     machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()} (dry run)"
@@ -464,31 +550,15 @@ def main(argv: list[str] | None = None) -> int:
         ],
         args.dry_run,
     )
-    # cheapest first; the K3 slice (about 31 GB of experts) last
-    benches: list[tuple[str, Callable[[], Any]]] = [
-        ("MoE experts", lambda: bench_moe(shapes, device, dtype)),
-        ("MLA decode", lambda: bench_mla(shapes, device, dtype)),
-        ("MLA decode vs SDPA", lambda: bench_mla_decode_sdpa(shapes, device, dtype)),
-        ("MLA prefill", lambda: bench_mla_prefill(shapes, device, dtype)),
-        ("KDA prefill", lambda: bench_kda(shapes, device, args.dry_run)),
-        ("KDA decode", lambda: bench_kda_decode(shapes, device, args.dry_run)),
-    ]
-    failed_engine = False
-    for name, make in benches:
-        report.kernels += guarded(name, make)
-        report.write()
-    for batch in shapes.engine_batches:
-        try:
-            report.engine.append(engine_row(batch, device, args.dry_run))
-        except Exception as e:  # a failed capture is this row's result; the K3 slice still runs
-            traceback.print_exc()
-            report.engine.append(f"| {batch} | FAIL ({type(e).__name__}) | - | - | - |")
-            failed_engine = True
-        report.write()
-    report.kernels += guarded("K3 slice", lambda: bench_k3_slice(shapes, device, dtype, args.dry_run))
+    deadline = time.monotonic() + args.budget_s
+    for name in chosen:
+        table, make = every[name]
+        start = time.monotonic()
+        report.add(table, run_isolated(name, table, args.dry_run, deadline - start) if isolate else run_here(name, table, make))
+        print(f"driver.py: {name}: {time.monotonic() - start:.1f} s", flush=True)  # sizes the next run's budget
     report.write(finished=True)
     print("\n".join(report.lines(finished=True)))
-    return 1 if failed_engine or any(row.check.startswith("FAIL") for row in report.kernels) else 0
+    return 1 if report.failed() else 0
 
 
 if __name__ == "__main__":

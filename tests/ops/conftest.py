@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +79,15 @@ def nan_poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(torch, name, _poisoning(getattr(torch, name)))
     for name in _TENSOR_METHODS:
         monkeypatch.setattr(torch.Tensor, name, _poisoning(getattr(torch.Tensor, name)))
+
+
+# fla-core, installed beside the venv by `make test` (Makefile: importable in this process, it would break transformers'
+# kimi_linear oracle), for the tests that run fla's kernels in a subprocess under Triton's interpreter
+REPO = Path(__file__).resolve().parents[2]
+FLA_SITE = Path(os.environ.get("OPENK3_FLA_SITE", REPO / ".venv" / "fla-site"))
+needs_fla_site = pytest.mark.skipif(not (FLA_SITE / "fla").is_dir(), reason=f"fla-core is not installed in {FLA_SITE} (make test installs it there)")
+
+
+def fla_interpreter_env() -> dict[str, str]:
+    """A subprocess environment with fla and this checkout importable and Triton's interpreter on."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(FLA_SITE), str(REPO)])}

@@ -12,7 +12,6 @@ benchmarks/gpu/run.sh runs it on a GPU (and tests/ops/test_kda_fla.py runs the s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +21,19 @@ import pytest
 
 from openk3.ops.triton import triton_available
 
+from .conftest import fla_interpreter_env, needs_fla_site
+
 REPO = Path(__file__).resolve().parents[2]
-FLA_SITE = Path(os.environ.get("OPENK3_FLA_SITE", REPO / ".venv" / "fla-site"))
 
 pytestmark = [
     pytest.mark.triton,
     pytest.mark.skipif(not triton_available(), reason="triton is not installed (the gpu extra)"),
-    pytest.mark.skipif(not (FLA_SITE / "fla").is_dir(), reason=f"fla-core is not installed in {FLA_SITE} (make test installs it there)"),
+    needs_fla_site,
 ]
 
 
 def run(mode: str) -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(FLA_SITE), str(REPO)])}
+    env = fla_interpreter_env()
     result = subprocess.run([sys.executable, str(REPO / "tests" / "ops" / "fla_interpreted.py"), mode], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])

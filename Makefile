@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 # fla-core (fla's KDA kernels) for tests/ops/test_kda_fla_interpreted.py, which runs its real kernels under Triton's
 # interpreter in a subprocess. Installed beside the venv, not into it: importable there, it would make transformers'
 # kimi_linear (the HF parity oracle) call fla's Triton kernels on CPU tensors, which fails. Pinned: the test checks this
-# version's contract; the gpu extra asks for fla-core>=0.6.
-$(FLA_SITE)/.stamp: $(STAMP)
+# version's contract (a new pin here reinstalls it); the gpu extra asks for fla-core>=0.6.
+$(FLA_SITE)/.stamp: $(STAMP) Makefile
+	rm -rf $(FLA_SITE)
 	$(PIP) install -q --no-deps --target $(FLA_SITE) fla-core==0.6.0 einops==0.8.2
 	touch $@
 

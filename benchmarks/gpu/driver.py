@@ -296,6 +296,7 @@ def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> A
     from openk3.config.presets import debug, k3
     from openk3.model import K3ForCausalLM, OpChoice
     from openk3.model.weights import cast_model
+    from openk3.serve.prepare import prepare_for_serving
 
     config = (debug() if dry_run else k3()).replace(num_hidden_layers=2, mla_layers=(1,), first_k_dense_replace=0)
     with torch.device("meta"):
@@ -315,7 +316,9 @@ def k3_slice_model(device: torch.device, dtype: torch.dtype, dry_run: bool) -> A
                 t.fill_(1.0)
             else:
                 t.normal_(0.0, 0.02, generator=g)
-    return model.eval()
+    model.eval()
+    prepare_for_serving(model, device)  # the serving layout (fused projections), as an engine runs it
+    return model
 
 
 def bench_k3_slice(s: Shapes, device: torch.device, dtype: torch.dtype, dry_run: bool) -> list[Row]:

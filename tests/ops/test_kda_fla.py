@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from openk3.ops.kda import fla_kernels
 from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.fla_kernels import StateLayout, convert_state
-from openk3.ops.kda.naive import kda_recurrent
+from openk3.ops.kda.naive import assert_cu_seqlens_on_device, kda_recurrent
 from openk3.ops.registry import OpTarget, registry
 
 B, T, H, K, V = 2, 37, 2, 16, 8
@@ -128,9 +128,9 @@ def test_an_fla_without_a_keyword_the_seam_passes_is_refused(monkeypatch: pytest
 
 
 def test_cu_seqlens_are_asserted_on_their_device() -> None:
-    """On CUDA the seam checks cu_seqlens with a device-side assertion instead of reading it back every call; on CPU the
-    same assertion fails at once, which is how it is tested here."""
-    fla_kernels.assert_cu_seqlens_on_device(torch.tensor([0, 5, 5, 37]), 37)
+    """On CUDA the KDA entries (fla's seam included) check cu_seqlens with a device-side assertion instead of reading it back
+    every call; on CPU the same assertion fails at once, which is how it is tested here."""
+    assert_cu_seqlens_on_device(torch.tensor([0, 5, 5, 37]), 37)
     for bad in ([1, 5, 37], [0, 5, 36], [0, 6, 5, 37]):
         with pytest.raises(RuntimeError, match=r"cu_seqlens must be \[N\+1\], non-decreasing from 0 to T=37"):
-            fla_kernels.assert_cu_seqlens_on_device(torch.tensor(bad), 37)
+            assert_cu_seqlens_on_device(torch.tensor(bad), 37)

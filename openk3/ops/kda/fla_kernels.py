@@ -51,10 +51,6 @@ def _fla_kda() -> ModuleType:
         raise ImportError(f"kda_prefill 'fla' / 'fla_recurrent' need fla (flash-linear-attention), which could not be imported ({e}): {INSTALL_HINT}") from e
 
 
-def _fla_kernel(kernel: str) -> Callable[..., Any]:
-    return getattr(_fla_kda(), kernel)
-
-
 @functools.cache
 def _check_keywords(fn: Callable[..., Any], kernel: str, keywords: tuple[str, ...]) -> None:
     """fla's entries take **kwargs and drop any name they do not know without a word, so a renamed or missing parameter
@@ -70,14 +66,6 @@ def _check_keywords(fn: Callable[..., Any], kernel: str, keywords: tuple[str, ..
         )
 
 
-def assert_cu_seqlens_on_device(cu_seqlens: torch.Tensor, tokens: int) -> None:
-    """cu_seqlens runs from 0 to `tokens` without decreasing, asserted on its device: an error surfaces at the next
-    synchronisation instead of a host read of the values on every call (each KDA layer of every decode step), and the
-    check stays legal inside a CUDA graph capture."""
-    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == tokens) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
-    torch._assert_async(ok, f"kda: cu_seqlens must be [N+1], non-decreasing from 0 to T={tokens}")
-
-
 def _run(
     kernel: str,
     q: torch.Tensor,
@@ -89,11 +77,8 @@ def _run(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # the shapes on the host; on CUDA the cu_seqlens values on the device (a host read would sync every call)
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=not q.is_cuda)
-    if q.is_cuda and cu_seqlens is not None:
-        assert_cu_seqlens_on_device(cu_seqlens, q.shape[1])
-    fn = _fla_kernel(kernel)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # on CUDA the cu_seqlens values are asserted on the device
+    fn = getattr(_fla_kda(), kernel)
     state = None if initial_state is None else convert_state(initial_state.float(), OPENK3_STATE_LAYOUT, FLA_STATE_LAYOUT)
     keywords = {
         "scale": scale,

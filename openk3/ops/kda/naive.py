@@ -12,9 +12,17 @@ from __future__ import annotations
 import torch
 
 
-def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values: bool = True) -> int:
-    """Validate shapes shared by every KDA prefill path; returns N, the number of sequences. `check_values`: also the
-    cu_seqlens values (host reads)."""
+def assert_cu_seqlens_on_device(cu_seqlens: torch.Tensor, tokens: int) -> None:
+    """cu_seqlens runs from 0 to `tokens` without decreasing, asserted on its device: an error surfaces at the next
+    synchronisation instead of a host read of the values on every call (each KDA layer of every decode step), and the
+    check stays legal inside a CUDA graph capture."""
+    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == tokens) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+    torch._assert_async(ok, f"kda: cu_seqlens must be [N+1], non-decreasing from 0 to T={tokens}")
+
+
+def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
+    """Validate shapes shared by every KDA prefill path; returns N, the number of sequences. The cu_seqlens values are
+    read on the host for CPU tensors, and asserted on the device for others (assert_cu_seqlens_on_device)."""
     if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"kda: q, k, g must all be [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}")
     B, T, H, _ = q.shape
@@ -29,9 +37,11 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values: 
             raise ValueError(f"kda: with cu_seqlens the batch must be packed into B=1, got B={B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"kda: cu_seqlens must be [N+1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
-        if check_values and (int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T):
+        if cu_seqlens.device.type != "cpu":
+            assert_cu_seqlens_on_device(cu_seqlens, T)
+        elif int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
             raise ValueError(f"kda: cu_seqlens must be [N+1] from 0 to T={T}, got {cu_seqlens.tolist()}")
-        if check_values and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        elif bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError(f"kda: cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
         N = cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (N, H, q.shape[-1], v.shape[-1]):

@@ -165,16 +165,20 @@ def bench_mla_prefill(s: Shapes, device: torch.device, dtype: torch.dtype) -> Ro
     return row
 
 
-def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
+def kda_inputs(g: torch.Generator, lead: tuple[int, ...], h: int, dk: int) -> tuple[torch.Tensor, ...]:
+    """q, k (L2-normalised), v, the log decay gate (<= 0) [*lead, H, K] and beta [*lead, H], drawn from `g` on its device."""
     import torch.nn.functional as F
 
+    r = lambda *shape: torch.randn(*shape, generator=g, device=g.device)  # noqa: E731
+    q, k = F.normalize(r(*lead, h, dk), dim=-1), F.normalize(r(*lead, h, dk), dim=-1)
+    return q, k, r(*lead, h, dk), -F.softplus(r(*lead, h, dk)), torch.sigmoid(r(*lead, h))
+
+
+def bench_kda(s: Shapes, device: torch.device, dry_run: bool) -> Row:
     from openk3.ops.kda.chunk import kda_chunk
 
     t, h, dk = s.kda
-    g = torch.Generator(device=device).manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
-    q, k = F.normalize(r(1, t, h, dk), dim=-1), F.normalize(r(1, t, h, dk), dim=-1)
-    v, gate, beta = r(1, t, h, dk), -F.softplus(r(1, t, h, dk)), torch.sigmoid(r(1, t, h))
+    q, k, v, gate, beta = kda_inputs(torch.Generator(device=device).manual_seed(0), (1, t), h, dk)
     shape = f"T={t} H={h} K=V={dk}"
     base = lambda: kda_chunk(q, k, v, gate, beta)  # noqa: E731
     if dry_run:  # fla's kernels need a GPU; the dry run checks the baseline runs and the row is formed
@@ -194,16 +198,12 @@ def bench_kda_decode(s: Shapes, device: torch.device, dry_run: bool) -> list[Row
     torch step (ops/kda/decode_inplace.py on the gathered states, written back) against fla's fused recurrence through the
     seam (states turned V-first and back, ops/kda/fla_kernels.py); and the seam against fla called directly on openk3's
     own K-first layout, which needs no conversion: what the seam's two transposes and its checks cost."""
-    import torch.nn.functional as F
-
     from openk3.ops.kda.decode_inplace import kda_decode_
 
     n, h, dk = s.kda_decode
     g = torch.Generator(device=device).manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
-    q, k = F.normalize(r(n, h, dk), dim=-1), F.normalize(r(n, h, dk), dim=-1)
-    v, gate, beta = r(n, h, dk), -F.softplus(r(n, h, dk)), torch.sigmoid(r(n, h))
-    pool = r(2 * n, h, dk, dk) * 0.1
+    q, k, v, gate, beta = kda_inputs(g, (n,), h, dk)
+    pool = torch.randn(2 * n, h, dk, dk, generator=g, device=device) * 0.1
     slots = torch.randperm(2 * n, generator=g, device=device)[:n]
     one_each = torch.arange(n + 1, device=device)
     shape = f"N={n} H={h} K=V={dk}"

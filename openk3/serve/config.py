@@ -117,9 +117,9 @@ class EngineConfig:
         from openk3.ops.registry import OpTarget
         from openk3.serve.op_names import check_op_names, check_op_requirements
 
-        target = OpTarget(torch.device(self.device).type, dtype=self.torch_dtype)
-        check_op_names(self.op_names, target)
-        check_op_requirements(self.op_names, target)
+        names, target = self.op_names, OpTarget(torch.device(self.device).type, dtype=self.torch_dtype)
+        check_op_names(names, target)
+        check_op_requirements(names, target)
 
     def prepared_by_ranks(self) -> EngineConfig:
         """These settings for an engine whose model is a multi-rank driver: every rank selected the named ops when it built

@@ -82,6 +82,8 @@ TOOLS = REQUIRED + (
     "uname",
     "pwd",
     "mkfifo",
+    "tty",  # terminal sessions (pty_create): what a user of a terminal expects to find
+    "stty",
 )
 ETC = {
     "etc/passwd": "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",

@@ -111,10 +111,11 @@ class Helper:
         """Join the cgroups, drop to host `uid` (None: stay root), exec `argv` (argv[0] an absolute host path)."""
         return [self.path, "spawn", "-" if uid is None else str(uid), str(len(procs_files)), *procs_files, *argv]
 
-    def enter_argv(self, pidfd: int, init_pid: int, spec_fd: int, procs_files: list[str]) -> list[str]:
+    def enter_argv(self, pidfd: int, init_pid: int, spec_fd: int, procs_files: list[str], tty: bool = False) -> list[str]:
         """Join the cgroups and the sandbox of `init_pid` (whose pidfd the daemon holds), drop everything, exec the command of
-        `spec_fd` (a `command_spec` memfd)."""
-        return [self.path, "enter", str(pidfd), str(init_pid), self.seccomp_hex, str(spec_fd), str(len(procs_files)), *procs_files]
+        `spec_fd` (a `command_spec` memfd); with `tty`, its stdin (a pty slave) becomes its controlling terminal."""
+        mode = "enter-tty" if tty else "enter"
+        return [self.path, mode, str(pidfd), str(init_pid), self.seccomp_hex, str(spec_fd), str(len(procs_files)), *procs_files]
 
 
 def command_spec(cwd: str, env: list[str], argv: list[str]) -> int:

@@ -16,13 +16,15 @@ C_SOURCE = r"""
        write our pid into each cgroup.procs file, drop to host uid/gid UID (or stay when UID is "-") with no supplementary
        groups, then exec ARGV[0] (an absolute host path) with the inherited environment.
    enter PIDFD PID BPF SPECFD NPROCS PROCS...
+   enter-tty PIDFD PID BPF SPECFD NPROCS PROCS...
        read the command from SPECFD (NUL-terminated strings: CWD, NENV, NENV variables ENV, then ARGV), join the cgroups,
        then the namespaces and root of the sandbox init PID (PIDFD must be the daemon's pidfd of that init, which proves the
        pid was not reused), become the sandbox's root, drop every capability, set no_new_privs, load the seccomp program BPF
        (hex of struct sock_filter), fork into the pid namespace. The child starts a session of its own (so it can signal
        neither the daemon's process group nor another sandbox's, and has no controlling terminal), closes every descriptor
        above 2, changes to CWD and execs ARGV with exactly the variables ENV (PATH lookup inside the sandbox); the parent
-       exits as the child did.
+       exits as the child did. With enter-tty, stdin must be a terminal (the slave of a pty of the sandbox's own devpts),
+       which the child makes the controlling terminal of its new session, so job control and Ctrl-C work as in a terminal.
    Exit status 125 with a line "openk3-enter: ..." on stderr: the sandbox could not be entered and no part of ARGV ran. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -37,6 +39,7 @@ C_SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -71,7 +74,7 @@ static long number(const char *s, const char *what) {
 static void need(int ok) {
     if (!ok) {
         errno = EINVAL;
-        die("usage: spawn UID NPROCS PROCS... ARGV... | enter PIDFD PID BPF SPECFD NPROCS PROCS...");
+        die("usage: spawn UID NPROCS PROCS... ARGV... | enter[-tty] PIDFD PID BPF SPECFD NPROCS PROCS...");
     }
 }
 
@@ -237,7 +240,7 @@ static struct command read_command(int fd) {
     return c;
 }
 
-static int enter(int argc, char **argv) {
+static int enter(int argc, char **argv, int tty) {
     int i = 2;
     need(i + 4 < argc);
     int pidfd = (int)number(argv[i++], "pidfd");
@@ -258,6 +261,8 @@ static int enter(int argc, char **argv) {
            every other sandbox's helpers, and sharing its session would give /dev/tty (TIOCSTI) on the operator's terminal. */
         if (setsid() < 0)
             die("start a session");
+        if (tty && ioctl(0, TIOCSCTTY, 0) != 0)
+            die("make stdin the controlling terminal");
         environ = c.env;
         if (syscall(SYS_close_range, 3, ~0U, 0) != 0)
             die("close inherited descriptors");
@@ -290,7 +295,9 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "spawn") == 0)
         return spawn(argc, argv);
     if (strcmp(argv[1], "enter") == 0)
-        return enter(argc, argv);
+        return enter(argc, argv, 0);
+    if (strcmp(argv[1], "enter-tty") == 0)
+        return enter(argc, argv, 1);
     need(0);
     return ENTER_FAILED;
 }

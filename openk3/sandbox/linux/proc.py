@@ -68,6 +68,7 @@ def run_captured(
     stdout_fd: int | None = None,
     on_output: OnOutput | None = None,
     stop: threading.Event | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> Captured:
     """Run argv, feed stdin, keep at most `max_output_bytes` of each stream; at the deadline call `on_timeout` (kill the tree).
 
@@ -75,7 +76,8 @@ def run_captured(
     cap is read and dropped so a chatty command cannot block on a full pipe. `stdin` as an int and `stdout_fd` are descriptors
     the command reads or writes directly (archives streamed by another thread, never held here); the caller closes them.
     With `on_output`, chunks go to it instead of the result; `stop` set by another thread ends the command as a deadline
-    would (seen within one 50 ms wait).
+    would (seen within one 50 ms wait). `on_start` gets the helper's pid as soon as it runs, before anything here can reap
+    it (a pidfd opened there is certain to be the helper's).
     """
     start = time.monotonic()
     deadline = start + timeout_s
@@ -90,6 +92,8 @@ def run_captured(
         pass_fds=pass_fds,
         start_new_session=True,
     )
+    if on_start is not None:
+        on_start(proc.pid)
     assert proc.stderr is not None
     out_fd, err_fd = (-1 if proc.stdout is None else proc.stdout.fileno()), proc.stderr.fileno()
     bufs = {fd: bytearray() for fd in (out_fd, err_fd) if fd >= 0}

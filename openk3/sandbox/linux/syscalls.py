@@ -25,6 +25,8 @@ MNT_DETACH = 0x2
 SYS_OPENAT2 = 437  # same number on every architecture that has it (x86_64, aarch64, riscv64)
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 
 
@@ -71,9 +73,10 @@ def make_private(target: str) -> None:
     mount("none", target, None, MS_PRIVATE)
 
 
-def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+    # fsencode: a name a sandbox wrote need not be UTF-8 (bytes, or str with surrogate escapes as os.scandir gives it)
     how = OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = LIBC.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = LIBC.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(path), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     _check(fd, f"openat2 {path!r}")
     return int(fd)
 

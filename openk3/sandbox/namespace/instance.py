@@ -14,6 +14,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 from openk3.sandbox.linux import proc, syscalls
 from openk3.sandbox.linux.cgroups import CgroupSet
@@ -214,9 +215,10 @@ class Instance:
             assert self.init_pid is not None and self.init_pidfd is not None
             return self.init_pid, os.dup(self.init_pidfd)
 
-    def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None, env: dict[str, str]) -> tuple[list[str], tuple[int, int]]:
+    def enter_argv(self, leaf: str, cmd: str | list[str], cwd: str | None, env: dict[str, str], tty: bool = False) -> tuple[list[str], tuple[int, int]]:
         """openk3-enter's command line for `cmd` with the sandbox's env plus `env`, and the descriptors it names (its pidfd of
-        the init and the memfd holding the command): pass them, then close them."""
+        the init and the memfd holding the command): pass them, then close them. `tty`: stdin is a pty slave to make the
+        command's controlling terminal (namespace/terminal.py)."""
         variables = environment({**self.env, **env}, "env")
         spec = command_spec(cwd or self.workdir, variables, command_argv(cmd))
         try:
@@ -224,7 +226,7 @@ class Instance:
         except BaseException:
             os.close(spec)
             raise
-        return self.helper.enter_argv(pidfd, pid, spec, self.cg.procs_files(leaf)), (pidfd, spec)
+        return self.helper.enter_argv(pidfd, pid, spec, self.cg.procs_files(leaf), tty), (pidfd, spec)
 
     def finish_leaf(self, leaf: str) -> None:
         """Drop an exec's cgroup, or remember it while background children it left (nohup, daemons) still run."""
@@ -246,6 +248,7 @@ class Instance:
         stdout_fd: int | None = None,
         on_output: proc.OnOutput | None = None,
         stop: threading.Event | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> ExecResult:
         leaf = self.new_leaf()
         argv, fds = self.enter_argv(leaf, cmd, cwd, env)
@@ -257,7 +260,7 @@ class Instance:
 
         try:
             got = proc.run_captured(
-                argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, pass_fds=fds, stdout_fd=stdout_fd, on_output=on_output, stop=stop
+                argv, HOST_ENV, stdin, timeout_s, max_output_bytes, kill_tree, fds, stdout_fd, on_output=on_output, stop=stop, on_start=on_start
             )
             if got.timed_out or got.stopped:
                 self.cg.wait_empty(leaf_path, timeout_s=1.0)
@@ -268,7 +271,7 @@ class Instance:
         if retry and got.returncode == ENTER_FAILED and got.stderr.startswith(ENTER_ERROR_PREFIX) and not self.alive():
             # The init died between our liveness check and openk3-enter (e.g. after `kill -9 -1`): the command never
             # started, so starting a new init and running it once more is safe.
-            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, retry=False, stdout_fd=stdout_fd, on_output=on_output, stop=stop)
+            return self.exec(cmd, timeout_s, cwd, env, stdin, max_output_bytes, False, stdout_fd, on_output, stop, on_start)
         return ExecResult(
             exit_code=got.returncode,
             stdout=got.stdout,

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from openk3.sandbox.fs import rootfs
 from openk3.sandbox.fs.layers import LayerStore
@@ -213,11 +214,13 @@ class SandboxLifecycle:
         stdout_fd: int | None = None,
         on_output: OnOutput | None = None,
         stop: threading.Event | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> ExecResult:
         """Run `cmd` in the sandbox; `stdin` as an int and `stdout_fd` are descriptors it reads or writes directly (archives);
-        `on_output` takes the output as it comes (then not in the result) and `stop` ends the command early (proc.py)."""
+        `on_output` takes the output as it comes (then not in the result), `stop` ends the command early and `on_start` gets
+        the helper's pid when it starts (proc.py)."""
         box = self.check_exec(sid, cmd, timeout_s, cwd, env, max_output_bytes)
-        return box.exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes, stdout_fd=stdout_fd, on_output=on_output, stop=stop)
+        return box.exec(cmd, timeout_s, cwd, dict(env or {}), stdin, max_output_bytes, stdout_fd=stdout_fd, on_output=on_output, stop=stop, on_start=on_start)
 
     def check_exec(self, sid: str, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str] | None, max_output_bytes: int) -> Instance:
         """The sandbox an exec with these arguments would run in, or the error it would raise before starting (so a stream or

@@ -7,19 +7,22 @@ until their sandbox is destroyed; at `max_processes` the oldest finished one is 
 spawn is refused (503 Busy).
 
 Contract: the table's lock guards the dict of handles, each handle's lock its buffers and result; the exec thread is the
-only writer of a handle.
+only writer of a handle. Its stdin and signals go through `io` (background_input.py), which has a lock of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import uuid
 
+from openk3.sandbox.api.background_input import ProcessInput
 from openk3.sandbox.namespace.backend import NamespaceBackend
 from openk3.sandbox.protocol import Busy, ExecResult, InvalidArgument, NotFound, ProcessOutput, ProcessStatus, SandboxError
 
 MAX_OUTPUT_BYTES = 64 << 20
+MAX_STDIN_WRITE = 1 << 20  # per write_stdin call: a request body the daemon holds whole
 
 
 @dataclasses.dataclass
@@ -33,6 +36,7 @@ class _Handle:
     err: bytearray = dataclasses.field(default_factory=bytearray)
     result: ExecResult | None = None
     error: str | None = None
+    io: ProcessInput = dataclasses.field(default_factory=ProcessInput)
 
     def append(self, stream: str, chunk: bytes) -> None:
         with self.lock:
@@ -63,23 +67,31 @@ class BackgroundProcesses:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         max_output_bytes: int = 16 << 20,
+        stdin: bool = False,
     ) -> str:
-        """Start `cmd` and return its process id at once; arguments are checked as exec checks them, before it starts."""
+        """Start `cmd` and return its process id at once; arguments are checked as exec checks them, before it starts. With
+        `stdin`, its stdin is a pipe the caller writes with `write_stdin` and ends with `close_stdin`; else it reads EOF."""
         if max_output_bytes > MAX_OUTPUT_BYTES:
             # The daemon keeps this much per stream until the handle goes: what a sandbox prints must not be able to fill it.
             raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected <= {MAX_OUTPUT_BYTES} for a background process")
         self.backend.check_exec(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
         self._make_room()
         handle = _Handle(process_id=f"bg-{uuid.uuid4().hex[:12]}", sandbox_id=sandbox_id)
+        reader = handle.io.open_stdin() if stdin else None
 
         def run() -> None:
             try:
-                handle.result = self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, None, max_output_bytes, on_output=handle.append, stop=handle.stop)
+                handle.result = self.backend.exec(
+                    sandbox_id, cmd, timeout_s, cwd, env, reader, max_output_bytes, on_output=handle.append, stop=handle.stop, on_start=handle.io.started
+                )
             except SandboxError as e:  # its sandbox was destroyed or restored under it, or its init could not start
                 handle.error = str(e)
             except Exception as e:  # a host failure: reported in the status rather than lost with the thread
                 handle.error = f"internal error: {type(e).__name__}: {e}"
             finally:
+                if reader is not None:
+                    os.close(reader)
+                handle.io.close()
                 handle.done.set()
 
         with self._lock:
@@ -128,6 +140,23 @@ class BackgroundProcesses:
         h.stop.set()
         h.done.wait()
         return self.status(process_id)
+
+    def write_stdin(self, process_id: str, data: bytes, timeout_s: float = 10.0) -> int:
+        """Bytes for the command's stdin (spawned with stdin=True); returns how many went in within `timeout_s`."""
+        if len(data) > MAX_STDIN_WRITE:
+            raise InvalidArgument(f"data: {len(data)} bytes; expected at most {MAX_STDIN_WRITE} per call")
+        if not 0 <= timeout_s <= 60:
+            raise InvalidArgument(f"timeout_s={timeout_s}: expected 0..60")
+        return self._handle(process_id).io.write(process_id, data, timeout_s)
+
+    def close_stdin(self, process_id: str) -> None:
+        """End the command's stdin: it reads EOF once it has read what was written."""
+        self._handle(process_id).io.close_stdin(process_id)
+
+    def signal(self, process_id: str, signal: int | str) -> None:
+        """Send `signal` (a number or a name) to the command's process group inside the sandbox (background_input.py)."""
+        h = self._handle(process_id)
+        h.io.signal(process_id, signal, h.done)
 
     def wait(self, process_id: str, timeout_s: float) -> ProcessStatus:
         """Its status once it has ended or `timeout_s` passed, whichever comes first."""

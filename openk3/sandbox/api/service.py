@@ -14,6 +14,9 @@ from collections.abc import Iterator
 
 from openk3.sandbox.api import transfer
 from openk3.sandbox.api.background import BackgroundProcesses
+from openk3.sandbox.api.service_interactive import InteractiveCalls
+from openk3.sandbox.api.terminals import Terminals
+from openk3.sandbox.api.watches import Watches
 from openk3.sandbox.fs import archive, safefs
 from openk3.sandbox.linux.proc import OnOutput
 from openk3.sandbox.namespace.backend import NamespaceBackend
@@ -38,13 +41,15 @@ from openk3.sandbox.protocol import (
 )
 
 
-class SandboxService:
+class SandboxService(InteractiveCalls):
     def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None) -> None:
         self.backend = NamespaceBackend(config)
         self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host, self.backend.helper, factories)
         self._lock = threading.Lock()
         self._shells: dict[str, tuple[str, ShellSession]] = {}
         self.background = BackgroundProcesses(self.backend)
+        self.terminals = Terminals(self.backend)
+        self.watches = Watches(self.backend)
 
     # namespace sandboxes
     def create(
@@ -100,8 +105,9 @@ class SandboxService:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         max_output_bytes: int = 16 << 20,
+        stdin: bool = False,
     ) -> str:
-        return self.background.spawn(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
+        return self.background.spawn(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes, stdin)
 
     def process_status(self, process_id: str) -> ProcessStatus:
         return self.background.status(process_id)
@@ -199,6 +205,7 @@ class SandboxService:
             return
         self._close_shells_of(target_id)
         self.background.stop_sandbox(target_id)
+        self._end_interactive(target_id, forget=False)
         self.backend.restore(target_id, snapshot_id)
 
     def fork(self, source_id: str, n: int) -> list[str]:
@@ -218,6 +225,7 @@ class SandboxService:
             return
         self._close_shells_of(target_id)
         self.background.forget_sandbox(target_id)
+        self._end_interactive(target_id, forget=True)
         self.backend.destroy(target_id)
 
     def stats(self, sandbox_id: str) -> SandboxStats:
@@ -232,6 +240,7 @@ class SandboxService:
         for sid in self.backend.expired(now):
             self._close_shells_of(sid)
             self.background.forget_sandbox(sid)
+            self._end_interactive(sid, forget=True)
             try:
                 self.backend.destroy(sid)
                 reaped.append(sid)
@@ -261,5 +270,7 @@ class SandboxService:
             except SandboxError:
                 continue
         self.background.close()
+        self.terminals.table.close()
+        self.watches.table.close()
         self.envs.close()
         self.backend.close(keep_snapshots)

@@ -21,6 +21,7 @@ from openk3.sandbox.linux import signals
 from openk3.sandbox.protocol import Conflict
 
 WRITE_CHUNK = 1 << 16
+START_WAIT_S = 10.0  # how long a signal waits for a command that is still entering its sandbox
 
 
 class ProcessInput:
@@ -89,22 +90,27 @@ class ProcessInput:
                 self._writer = None
 
     def signal(self, process_id: str, signal: int | str, done: threading.Event) -> None:
-        """Send `signal` to the command's process group (linux/signals.py); 409 when it has not started or has ended."""
+        """Send `signal` to the command's process group (linux/signals.py). A command still entering its sandbox is waited
+        for (up to START_WAIT_S), so a signal right after spawn is not lost; one that has ended answers 409."""
         number = signals.parse(signal)
-        with self._lock:
-            if self._ended or done.is_set():
-                raise Conflict(f"process_id={process_id!r}: the process has ended")
-            if self._helper is None:
-                raise Conflict(f"process_id={process_id!r}: the process is still starting; retry")
-            command = signals.command_pidfd(self._helper[1], self._helper[0])
-        if command is None:
-            raise Conflict(f"process_id={process_id!r}: the command is not running (still entering its sandbox, or exited); retry or check its status")
+        deadline = time.monotonic() + START_WAIT_S
+        while (command := self._command(process_id, done)) is None:
+            if time.monotonic() >= deadline:
+                raise Conflict(f"process_id={process_id!r}: the command did not start within {START_WAIT_S:g} s; check its status")
+            done.wait(0.01)
         try:
             signals.send_to_group(command, number)
         except ProcessLookupError as e:
             raise Conflict(f"process_id={process_id!r}: the command exited before the signal") from e
         finally:
             os.close(command)
+
+    def _command(self, process_id: str, done: threading.Event) -> int | None:
+        """A pidfd of the running command, None while it is still starting; 409 once it has ended."""
+        with self._lock:
+            if self._ended or done.is_set():
+                raise Conflict(f"process_id={process_id!r}: the process has ended")
+            return None if self._helper is None else signals.command_pidfd(self._helper[1], self._helper[0])
 
     def close(self) -> None:
         """The command has ended: release the pipe and the helper's pidfd."""

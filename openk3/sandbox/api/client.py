@@ -8,12 +8,14 @@ connection pool of `max_connections`.
 Archives stream both ways: `upload_tar`/`import_snapshot` send bytes or a binary file object as the request body (read in
 1 MiB chunks), `download_tar`/`export_snapshot` read the server's frames and return bytes, or write into `out` when given.
 `limits` (protocol.ArchiveLimits) lowers the server's archive limits for one call. Files travel raw (`write_file` as the
-body, `read_file` as the answer); `exec_stream` yields OutputChunk items as the command writes them, then its ExecResult.
+body, `read_file` as the answer); `exec_stream` yields OutputChunk items as the command writes them, then its ExecResult;
+`pty_stream` and `watch_stream` yield a terminal's output and a watch's events as they come (NDJSON, item_stream.py).
 `api_key` (default: the OPENK3_SANDBOX_API_KEY variable) is sent as `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -32,6 +34,7 @@ from openk3.sandbox.protocol import (
     from_jsonable,
     to_jsonable,
 )
+from openk3.sandbox.protocol_interactive import PtyOutput, WatchEvent
 
 API_KEY_ENV = "OPENK3_SANDBOX_API_KEY"  # auth.ENV_VAR; not imported from there, which needs the server's packages
 
@@ -65,6 +68,23 @@ def _record(line: bytes) -> OutputChunk | ExecResult:
     raise ERRORS_BY_NAME.get(err.get("type", ""), SandboxError)(err.get("message", "exec_stream failed"))
 
 
+def _item(line: bytes, convert: Callable[[Any], Any]) -> tuple[bool, Any]:
+    """(ended, item) of one pty_stream or watch_stream line (item None for an idle line); an error line raises."""
+    rec = json.loads(line)
+    if "item" in rec:
+        return False, convert(rec["item"])
+    if "error" in rec:
+        err = rec["error"]
+        raise ERRORS_BY_NAME.get(err.get("type", ""), SandboxError)(err.get("message", "stream failed"))
+    return bool(rec.get("end")), None
+
+
+def _stream_gone(method: str, base_url: str) -> SandboxError:
+    return SandboxError(f"{method}: the stream from {base_url} ended before its end line")
+
+
+PTY_OUTPUT = functools.partial(from_jsonable, PtyOutput)
+WATCH_EVENT = functools.partial(from_jsonable, WatchEvent)
 UPLOAD_CHUNK = 1 << 20
 
 
@@ -115,6 +135,30 @@ class SandboxClient(Methods):
                         yield _record(line.encode())
         except httpx.TransportError as e:
             raise SandboxError(f"exec_stream: the stream from {self.base_url} failed: {e}") from e
+
+    def _items(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Iterator[Any]:
+        try:
+            with self._http.stream("POST", f"/v1/{method}", json=_args(kwargs)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for(response)
+                for line in response.iter_lines():
+                    ended, item = _item(line.encode(), convert) if line else (False, None)
+                    if ended:
+                        return
+                    if item is not None:
+                        yield item
+        except httpx.TransportError as e:
+            raise SandboxError(f"{method}: the stream from {self.base_url} failed: {e}") from e
+        raise _stream_gone(method, self.base_url)
+
+    def pty_stream(self, pty_id: str, offset: int = 0, max_bytes: int = 1 << 16) -> Iterator[PtyOutput]:
+        """The terminal's output from `offset` as it comes (PtyOutput items), until the terminal ends (the last has more=False)."""
+        return self._items("pty_stream", {"pty_id": pty_id, "offset": offset, "max_bytes": max_bytes}, PTY_OUTPUT)
+
+    def watch_stream(self, watch_id: str) -> Iterator[WatchEvent]:
+        """The watch's events as they come, until the watch ends (stopped, its directory gone, its sandbox restored)."""
+        return self._items("watch_stream", {"watch_id": watch_id}, WATCH_EVENT)
 
     def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
         try:
@@ -185,6 +229,30 @@ class AsyncSandboxClient(Methods):
                         yield _record(line.encode())
         except httpx.TransportError as e:
             raise SandboxError(f"exec_stream: the stream from {self.base_url} failed: {e}") from e
+
+    async def _items(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> AsyncIterator[Any]:
+        try:
+            async with self._http.stream("POST", f"/v1/{method}", json=_args(kwargs)) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    _raise_for(response)
+                async for line in response.aiter_lines():
+                    ended, item = _item(line.encode(), convert) if line else (False, None)
+                    if ended:
+                        return
+                    if item is not None:
+                        yield item
+        except httpx.TransportError as e:
+            raise SandboxError(f"{method}: the stream from {self.base_url} failed: {e}") from e
+        raise _stream_gone(method, self.base_url)
+
+    def pty_stream(self, pty_id: str, offset: int = 0, max_bytes: int = 1 << 16) -> AsyncIterator[PtyOutput]:
+        """As SandboxClient.pty_stream, as an async iterator."""
+        return self._items("pty_stream", {"pty_id": pty_id, "offset": offset, "max_bytes": max_bytes}, PTY_OUTPUT)
+
+    def watch_stream(self, watch_id: str) -> AsyncIterator[WatchEvent]:
+        """As SandboxClient.watch_stream, as an async iterator."""
+        return self._items("watch_stream", {"watch_id": watch_id}, WATCH_EVENT)
 
     async def _call(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import IO, Any
 
+from openk3.sandbox.api.client_interactive import InteractiveMethods
 from openk3.sandbox.protocol import (
     ArchiveLimits,
     DirEntry,
@@ -24,10 +25,7 @@ from openk3.sandbox.protocol import (
 Archive = bytes | IO[bytes]
 
 
-class Methods:
-    def _invoke(self, method: str, kwargs: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
-        raise NotImplementedError
-
+class Methods(InteractiveMethods):
     def _send(self, method: str, kwargs: dict[str, Any], data: Archive, convert: Callable[[Any], Any]) -> Any:
         raise NotImplementedError
 
@@ -74,9 +72,11 @@ class Methods:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         max_output_bytes: int = 16 << 20,
+        stdin: bool = False,
     ) -> Any:
+        """Start `cmd` in the background; with `stdin`, its stdin is a pipe fed by process_write_stdin, else it reads EOF."""
         args = {"sandbox_id": sandbox_id, "cmd": cmd, "timeout_s": timeout_s, "cwd": cwd, "env": env, "max_output_bytes": max_output_bytes}
-        return self._invoke("spawn", args, decode_tagged)
+        return self._invoke("spawn", {**args, "stdin": stdin}, decode_tagged)
 
     def process_status(self, process_id: str) -> Any:
         return self._invoke("process_status", {"process_id": process_id}, lambda r: from_jsonable(ProcessStatus, r))

@@ -45,7 +45,7 @@ def _line(record: dict[str, Any]) -> bytes:
     return json.dumps(record).encode() + b"\n"
 
 
-async def _disconnected(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
     """Returns when the client has gone. The body was read before the stream starts, so the next message is the
     disconnect; the stream itself may be silent for long (a command waiting), so waiting for a failed write would not do."""
     while (await receive())["type"] != "http.disconnect":
@@ -79,7 +79,7 @@ def start(service: SandboxService, pool: WorkerPool, kwargs: dict[str, Any], rec
     job.add_done_callback(lambda _: pool.release())
 
     async def lines() -> AsyncIterator[bytes]:
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         try:
             while True:
                 item = asyncio.ensure_future(queue.get())

@@ -12,7 +12,8 @@ thread reaps sandboxes whose TTL expired.
 Archives travel raw too: `upload_tar` and `import_snapshot` take the (optionally zstd) archive as the request body, and
 `write_file` the file, with their other arguments as JSON in the `args` query parameter, read in chunks as the service
 consumes them; `download_tar` and `export_snapshot` answer a stream of frames (protocol.frame) produced chunk by chunk in
-the worker pool, `exec_stream` NDJSON lines (exec_stream.py). A request holds its worker slot until its stream ends.
+the worker pool, `exec_stream` NDJSON lines (exec_stream.py), `pty_stream` and `watch_stream` NDJSON lines of a terminal's
+output or a watch's events (item_stream.py). A request holds its worker slot until its stream ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from openk3.sandbox.api import auth, errors, exec_stream
+from openk3.sandbox.api import auth, errors, exec_stream, item_stream
 from openk3.sandbox.api.body import Body
 from openk3.sandbox.api.pool import WorkerPool
 from openk3.sandbox.api.service import SandboxService
@@ -56,6 +57,21 @@ METHODS = (
     "process_output",
     "process_wait",
     "process_kill",
+    "process_write_stdin",
+    "process_close_stdin",
+    "process_signal",
+    "pty_create",
+    "pty_write",
+    "pty_resize",
+    "pty_read",
+    "pty_stream",
+    "pty_status",
+    "pty_wait",
+    "pty_kill",
+    "watch_dir",
+    "watch_events",
+    "watch_stream",
+    "watch_stop",
     "read_file",
     "write_file",
     "list_dir",
@@ -78,7 +94,10 @@ METHODS = (
     "reap_expired",
 )
 # Calls that last as long as the caller's command, archive or environment call: the long pool.
-LONG = frozenset({"exec", "exec_stream", "process_wait", "shell_run", "call_env", "upload_tar", "download_tar", "export_snapshot", "import_snapshot"})
+LONG = frozenset(
+    {"exec", "exec_stream", "process_wait", "shell_run", "call_env", "upload_tar", "download_tar", "export_snapshot", "import_snapshot"}
+    | {"process_write_stdin", "pty_write", "pty_read", "pty_stream", "pty_wait", "watch_events", "watch_stream"}
+)
 MAX_FILE_BYTES = 64 << 20  # write_file bodies, as read_file's default max_bytes
 
 
@@ -99,6 +118,7 @@ BODY_ARGS: dict[str, Callable[..., dict[str, Any]]] = {"upload_tar": _upload_tar
 WHOLE_BODY = frozenset({"write_file"})  # read whole (at most MAX_FILE_BYTES) before the call; archives stream
 STREAMED = {"download_tar": "download_tar_stream", "export_snapshot": "export_snapshot_stream"}
 RAW_RESULT = frozenset({"read_file"})  # bytes answered as application/octet-stream
+ITEM_STREAMS = frozenset({"pty_stream", "watch_stream"})  # NDJSON of a handle's news (item_stream.py)
 
 
 def _next_chunk(chunks: Iterator[bytes]) -> bytes | None:
@@ -245,6 +265,16 @@ def create_app(
             pool.release()
             raise
 
+    async def item_streamed(method: str, kwargs: dict[str, Any], request: Request) -> Response:
+        pool = pools[method]
+        pool.acquire()
+        try:
+            items = await pool.run(lambda: validated[method](**kwargs))  # an unknown handle or a bad offset stays a 4xx answer
+            return item_stream.start(method, pool, items, request.receive)
+        except BaseException:
+            pool.release()
+            raise
+
     async def dispatch(method: str, request: Request) -> Response:
         if method in BODY_ARGS:
             return await with_body(method, request)
@@ -259,6 +289,8 @@ def create_app(
             return await exec_streamed(kwargs, request)
         if method in STREAMED:
             return await streamed(method, kwargs)
+        if method in ITEM_STREAMS:
+            return await item_streamed(method, kwargs, request)
         return _answer(method, await in_pool(method, lambda: validated[method](**kwargs)))
 
     @app.post("/v1/{method}", response_model=None)

@@ -6,13 +6,18 @@ a restore of the sandbox ends its terminals and watches (what they produced stay
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Annotated
+
+import pydantic
 
 from openk3.sandbox.api.background import BackgroundProcesses
 from openk3.sandbox.api.terminals import Terminals
 from openk3.sandbox.api.watches import Watches
 from openk3.sandbox.protocol_interactive import PtyOutput, PtyStatus, WatchEvent, WatchEvents
 
-STREAM_POLL_S = 15.0  # how long one step of a stream waits for news before it checks that its client is still there
+# Strict: JSON `true` must be refused, not sent as signal 1 (pydantic's lax mode reads a bool as an int).
+SignalArg = Annotated[int, pydantic.Strict()] | str
+STREAM_POLL_S = 5.0  # how long one step of a stream waits for news before it checks that its client is still there
 
 
 class InteractiveCalls:
@@ -28,7 +33,7 @@ class InteractiveCalls:
     def process_close_stdin(self, process_id: str) -> None:
         self.background.close_stdin(process_id)
 
-    def process_signal(self, process_id: str, signal: int | str) -> None:
+    def process_signal(self, process_id: str, signal: SignalArg) -> None:
         """Send `signal` (a number or a name such as "SIGINT") to the process group of a background process."""
         self.background.signal(process_id, signal)
 

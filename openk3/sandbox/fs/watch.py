@@ -1,7 +1,7 @@
 """TreeWatch: inotify watches on a directory tree of a sandbox, opened host-side only through openat2 inside its root.
 
 The watched directory is opened with RESOLVE_IN_ROOT relative to the sandbox's merged root, like read_file (a sandbox
-symlink to /etc is the sandbox's /etc), and kept open (O_PATH) for the watch's life; every subdirectory is opened beneath it
+symlink to /etc is the sandbox's /etc), and known by its inode from then on; every subdirectory is opened beneath it
 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV, so symlinked directories are not followed and nothing outside
 the tree is ever watched. A watch is on inodes, not names: a sandbox that swaps the watched directory for a symlink to a
 host path gets a move_self (the watch ends), never the host's events. The merged root is the same overlay superblock the
@@ -60,16 +60,25 @@ class TreeWatch:
         self.max_dirs = max_dirs
         self.ended: str | None = None  # why no event can follow any more
         self._limit_reported = False
-        rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The sandbox's root is held, not the watched directory: an open descriptor of a directory keeps its dentry, and
+        # the kernel sends IN_DELETE_SELF only once the last one goes, so holding it would hide the directory's removal.
+        self.rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self.top = openat2(rootfd, self.path.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+            top = self._open_path()
         except FileNotFoundError as e:
+            os.close(self.rootfd)
             raise NotFound(f"path={path!r}: no such directory in the sandbox") from e
         except OSError as e:
+            os.close(self.rootfd)
             raise InvalidArgument(f"path={path!r}: {e.strerror}") from e
-        finally:
-            os.close(rootfd)
-        self.inotify = inotify.Inotify()
+        st = os.fstat(top)
+        os.close(top)
+        self.identity = (st.st_dev, st.st_ino)  # the directory watched, whatever name it has later
+        try:
+            self.inotify = inotify.Inotify()
+        except BaseException:
+            os.close(self.rootfd)
+            raise
         self._paths: dict[int, bytes] = {}  # watch descriptor -> path below the watched directory (b"" for itself)
         try:
             self._watch_tree(b"", [])
@@ -78,6 +87,22 @@ class TreeWatch:
         except BaseException:
             self.close()
             raise
+
+    def _open_path(self) -> int:
+        """The watched path as the sandbox resolves it now (its symlinks inside its root, like read_file)."""
+        return openat2(self.rootfd, self.path.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+
+    def _open_top(self) -> int | None:
+        """The watched directory, if its path still leads to it (it may have been moved, or replaced by another)."""
+        try:
+            fd = self._open_path()
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            return None
+        return fd
 
     @property
     def fileno(self) -> int:
@@ -89,6 +114,15 @@ class TreeWatch:
 
     def _watch_tree(self, rel: bytes, out: list[WatchEvent]) -> None:
         """Watch `rel` and, when recursive, every directory below it (not through symlinks)."""
+        top = self._open_top()
+        if top is None:
+            return  # the watched directory left its path: its own move_self or delete_self follows
+        try:
+            self._watch_below(top, rel, out)
+        finally:
+            os.close(top)
+
+    def _watch_below(self, top: int, rel: bytes, out: list[WatchEvent]) -> None:
         pending = [rel]
         while pending:
             here = pending.pop()
@@ -96,7 +130,7 @@ class TreeWatch:
                 self._report_limit(here, out)
                 return
             try:
-                fd = openat2(self.top, here or ".", os.O_RDONLY | os.O_DIRECTORY, resolve=BENEATH)
+                fd = openat2(top, here or ".", os.O_RDONLY | os.O_DIRECTORY, resolve=BENEATH)
             except OSError:
                 continue  # gone again, or replaced by a symlink or a file: nothing to watch there
             try:
@@ -175,4 +209,4 @@ class TreeWatch:
 
     def close(self) -> None:
         self.inotify.close()
-        os.close(self.top)
+        os.close(self.rootfd)

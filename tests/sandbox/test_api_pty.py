@@ -84,6 +84,10 @@ def test_output_is_kept_in_a_bounded_ring_with_offsets(api):
     assert got.offset == done.output_bytes and not got.more
     tail = client.pty_read(pty, done.output_bytes - 5, max_bytes=3)
     assert (tail.data, tail.offset, tail.skipped, tail.more) == (b"END", done.output_bytes - 2, 0, True)
+    streamed = list(client.pty_stream(pty, max_bytes=1000))  # the sync stream of an ended terminal: what was kept, then the end
+    assert b"".join(i.data for i in streamed) == got.data and streamed[0].skipped == got.skipped and not streamed[-1].more
+    with pytest.raises(NotFound):
+        next(client.pty_stream("pty-nope"))  # refused before the stream starts, as a 4xx answer
 
 
 def test_refusals_name_the_argument(api):

@@ -59,6 +59,7 @@ def test_changes_in_the_tree_arrive_with_sandbox_paths(api):
     client.watch_stop(w)
     final = client.watch_events(w)
     assert (final.active, final.reason) == (False, "stopped by watch_stop")
+    assert list(client.watch_stream(w)) == []  # the sync stream of an ended watch ends at once
 
 
 def test_host_paths_and_symlinks_are_out_of_reach(api):

@@ -25,7 +25,12 @@ MNT_DETACH = 0x2
 SYS_OPENAT2 = 437  # same number on every architecture that has it (x86_64, aarch64, riscv64)
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
+# Trees the daemon builds or reads on its own side (layers, staging copies): no symlink, magic link, `..` above the start or
+# other mount is ever followed, so nothing planted in the tree can point a host-side write or read elsewhere.
+RESOLVE_STRICT = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 
 
 class OpenHow(ctypes.Structure):
@@ -73,7 +78,7 @@ def make_private(target: str) -> None:
 
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
     how = OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = LIBC.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = LIBC.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(path), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     _check(fd, f"openat2 {path!r}")
     return int(fd)
 

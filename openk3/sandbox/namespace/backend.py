@@ -18,7 +18,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 
+from openk3.sandbox.fs import tree
 from openk3.sandbox.linux import cgroups, syscalls
 from openk3.sandbox.namespace.lifecycle import SandboxLifecycle
 from openk3.sandbox.namespace.manifests import Manifests
@@ -26,6 +28,9 @@ from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.protocol import InvalidArgument, NotFound, QuotaExceeded, SnapshotInfo, SnapshotKind
 
 FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
+# Called with the total bytes an operation will have added to the layer store, each time that total grows and before those
+# bytes are written; raises QuotaExceeded to refuse (the caller's quota: see api/service.py).
+Charge = Callable[[int], None]
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +74,62 @@ class NamespaceBackend(SandboxLifecycle):
             meta = self._meta[sid]
             self.standbys.prepare(snap.snapshot_id, self._params(meta), lambda: self._build(sid, snap.layers, meta.limits, meta.env, meta.workdir))
 
-    def snapshot(self, sid: str, prewarm: bool = True) -> SnapshotInfo:
+    def _charge(self, sid: str, total: int, charge: Charge | None) -> None:
+        """Refuse, before writing, a snapshot that would take this sandbox's snapshots past limits.store_bytes or the caller
+        past its quota (`charge`)."""
+        limit = self._meta[sid].limits.store_bytes
+        if limit is not None:
+            with self._lock:
+                held = sum(s.stored_bytes for s in self._snapshots.values() if s.source == sid)
+            if held + total > limit:
+                raise QuotaExceeded(
+                    f"snapshot of {sid}: its snapshots hold {held} bytes of the layer store and this one needs {total} more, "
+                    f"over limits.store_bytes={limit} (delete some of its snapshots)"
+                )
+        if charge is not None:
+            charge(total)
+
+    def snapshot(self, sid: str, prewarm: bool = True, charge: Charge | None = None) -> SnapshotInfo:
         box = self.box(sid)
         with box.lock:
             box.cg.freeze()
             try:
                 upper = os.path.join(box.dir, "u")
-                staged = self.store.stage_copy(upper) if os.listdir(upper) else None
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise QuotaExceeded(f"snapshot of {sid}: the layer store is full (store_bytes={self.config.store_bytes})") from e
-                raise
+                staged = None
+                if os.listdir(upper):
+                    # What the copy will allocate (holes are kept), charged and reserved before a byte is written.
+                    need = tree.tree_size(upper)[1]
+                    self._charge(sid, need, charge)
+                    staged = self.store.stage_copy(upper, need)
             finally:
                 box.cg.freeze(frozen=False)
             base_layers = box.layers
             self.store.incref(base_layers)
-        layers = base_layers
-        if staged is not None:
-            layers = base_layers + (self.store.adopt(staged).digest,)
-        if len(layers) > self.config.max_layers:
-            # Squash only the upper half: the bottom layers (an image's, shared by every sandbox over it) stay as they are, so a
-            # deep chain costs a copy of the recent change sets, not of the whole image, and the shared layers stay shared.
-            keep = self.config.max_layers // 2
-            squashed = self.store.add_squash(list(layers[keep:])).digest
-            self.store.decref(layers[keep:])
-            layers = layers[:keep] + (squashed,)
-        info = SnapshotInfo(snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=layers, source=sid, created_at=time.time(), captures=FS_CAPTURES)
+        layers, stored = base_layers, 0
+        try:
+            if staged is not None:
+                layer, new = self.store.adopt(staged)
+                layers, stored = base_layers + (layer.digest,), layer.bytes if new else 0
+            if len(layers) > self.config.max_layers:
+                # Squash only the upper half: the bottom layers (an image's, shared by every sandbox over it) stay as they are,
+                # so a deep chain costs a copy of the recent change sets, not of the whole image, and the shared layers stay shared.
+                keep = self.config.max_layers // 2
+                self._charge(sid, stored + sum(self.store.get(d).bytes for d in layers[keep:]), charge)
+                squashed, new = self.store.add_squash(list(layers[keep:]))
+                self.store.decref(layers[keep:])
+                layers, stored = layers[:keep] + (squashed.digest,), squashed.bytes if new else 0
+        except BaseException:
+            self.store.decref(layers)
+            raise
+        info = SnapshotInfo(
+            snapshot_id=self._new_id("snap-"),
+            kind=SnapshotKind.FS,
+            layers=layers,
+            source=sid,
+            created_at=time.time(),
+            captures=FS_CAPTURES,
+            stored_bytes=stored,
+        )
         self._record(info)
         if prewarm:
             self._prepare_standby(sid, info)
@@ -118,12 +153,12 @@ class NamespaceBackend(SandboxLifecycle):
         self._prepare_standby(sid, snap)
         self._start_services(sid)
 
-    def fork(self, source: str, n: int) -> list[str]:
+    def fork(self, source: str, n: int, charge: Charge | None = None) -> list[str]:
         """n sandboxes from a sandbox's current files (snapshotted once) or from an fs snapshot; each gets its own upper."""
         if not 1 <= n <= 1024:
             raise InvalidArgument(f"n={n}: expected 1..1024")
         own = source.startswith("sb-")
-        snap = self.snapshot(source, prewarm=False) if own else self.snapshot_info(source)
+        snap = self.snapshot(source, prewarm=False, charge=charge) if own else self.snapshot_info(source)
         meta = self._meta[source] if own else None
         try:
             if meta is None:
@@ -160,8 +195,15 @@ class NamespaceBackend(SandboxLifecycle):
             self.store.decref(taken + spare)
             raise
         self.store.decref(spare)
+        stored = sum(self.store.get(d).bytes for d in dict.fromkeys(held))
         info = SnapshotInfo(
-            snapshot_id=self._new_id("snap-"), kind=SnapshotKind.FS, layers=tuple(digests), source="import", created_at=time.time(), captures=FS_CAPTURES
+            snapshot_id=self._new_id("snap-"),
+            kind=SnapshotKind.FS,
+            layers=tuple(digests),
+            source="import",
+            created_at=time.time(),
+            captures=FS_CAPTURES,
+            stored_bytes=stored,
         )
         self._record(info)
         return info

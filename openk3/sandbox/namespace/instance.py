@@ -283,6 +283,11 @@ class Instance:
         st = os.statvfs(self.dir)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
+    def disk_full(self) -> bool:
+        """Its disk quota is (all but) used up: less than 64 KiB or no inode left, as after a write that hit ENOSPC."""
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
+
     def teardown(self) -> None:
         """Everything this instance holds on the host, in reverse order of creation: processes, mounts, cgroups."""
         with self.lock:

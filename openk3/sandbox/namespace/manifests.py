@@ -99,9 +99,18 @@ def parse(path: str) -> SnapshotInfo:
             raise ValueError(f"{key}: expected a string")
     if not isinstance(s["created_at"], (int, float)):
         raise ValueError("created_at: expected a number")
+    stored = s.get("stored_bytes", 0)  # absent from manifests written before store quotas: charged nothing
+    if not isinstance(stored, int) or isinstance(stored, bool) or stored < 0:
+        raise ValueError("stored_bytes: expected an integer >= 0")
     kind = SnapshotKind(s["kind"])
     if kind is not SnapshotKind.FS:
         raise ValueError(f"kind={kind.value!r}: only fs snapshots persist")
     return SnapshotInfo(
-        snapshot_id=s["snapshot_id"], kind=kind, layers=tuple(layers), source=s["source"], created_at=float(s["created_at"]), captures=s["captures"]
+        snapshot_id=s["snapshot_id"],
+        kind=kind,
+        layers=tuple(layers),
+        source=s["source"],
+        created_at=float(s["created_at"]),
+        captures=s["captures"],
+        stored_bytes=stored,
     )

@@ -60,11 +60,12 @@ class LayerStore:
             self._refs[digest] = 1
             return layer
 
-    def stage_copy(self, src: str) -> str:
-        """Copy `src` (a frozen upper directory) into scratch space; the caller thaws, then calls `adopt`."""
+    def stage_copy(self, src: str, ids: tree.IdShift | None = None) -> str:
+        """Copy `src` (a frozen upper directory) into scratch space, owners rewritten by `ids` if given; the caller thaws, then
+        calls `adopt`."""
         staged = self._scratch()
         try:
-            tree.copy_tree(src, staged)
+            tree.copy_tree(src, staged, ids)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -12,7 +12,7 @@ import os
 import shutil
 import stat
 import tarfile
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import zstandard
 
@@ -20,6 +20,19 @@ from openk3.sandbox.fs import archive
 
 OVERLAY_XATTRS = ("trusted.overlay.opaque",)
 XATTR_PAX = "SCHILY.xattr."
+OVERFLOW_ID = 65534  # the kernel's overflowuid/gid: how an id without a mapping shows
+
+
+class IdShift(NamedTuple):
+    """Owners rewritten by a copy: id `host` (uid and gid) becomes `stored`, every other id OVERFLOW_ID. A sandbox's upper
+    is its own host uid's, a layer the canonical owner's (namespace/uids.py); anything else (the whiteouts overlayfs makes
+    as root) has no owner a sandbox could use, so it gets none."""
+
+    host: int
+    stored: int
+
+    def __call__(self, id_: int) -> int:
+        return self.stored if id_ == self.host else OVERFLOW_ID
 
 
 def is_whiteout(st: os.stat_result) -> bool:
@@ -36,8 +49,11 @@ def _xattrs(path: str) -> dict[str, bytes]:
     return found
 
 
-def _copy_meta(src_st: os.stat_result, dst: str, xattrs: dict[str, bytes]) -> None:
-    os.lchown(dst, src_st.st_uid, src_st.st_gid)
+def _copy_meta(src_st: os.stat_result, dst: str, xattrs: dict[str, bytes], ids: IdShift | None = None) -> None:
+    if ids is None:
+        os.lchown(dst, src_st.st_uid, src_st.st_gid)
+    else:
+        os.lchown(dst, ids(src_st.st_uid), ids(src_st.st_gid))
     if not stat.S_ISLNK(src_st.st_mode):
         os.chmod(dst, stat.S_IMODE(src_st.st_mode))
     for name, value in xattrs.items():
@@ -45,7 +61,7 @@ def _copy_meta(src_st: os.stat_result, dst: str, xattrs: dict[str, bytes]) -> No
     os.utime(dst, ns=(src_st.st_atime_ns, src_st.st_mtime_ns), follow_symlinks=False)
 
 
-def copy_entry(src: str, dst: str, st: os.stat_result) -> None:
+def copy_entry(src: str, dst: str, st: os.stat_result, ids: IdShift | None = None) -> None:
     """Copy one non-directory entry (file, symlink, whiteout, fifo) with its metadata."""
     if stat.S_ISREG(st.st_mode):
         shutil.copyfile(src, dst, follow_symlinks=False)
@@ -55,11 +71,12 @@ def copy_entry(src: str, dst: str, st: os.stat_result) -> None:
         os.mknod(dst, st.st_mode, st.st_rdev)
     else:
         return
-    _copy_meta(st, dst, {} if stat.S_ISLNK(st.st_mode) else _xattrs(src))
+    _copy_meta(st, dst, {} if stat.S_ISLNK(st.st_mode) else _xattrs(src), ids)
 
 
-def copy_tree(src: str, dst: str) -> None:
-    """Recursive copy of `src` into a not yet existing `dst`, metadata, whiteouts and opaque markers included."""
+def copy_tree(src: str, dst: str, ids: IdShift | None = None) -> None:
+    """Recursive copy of `src` into a not yet existing `dst`, metadata, whiteouts and opaque markers included; owners
+    rewritten by `ids` if given."""
     os.mkdir(dst)
     dirs = [(src, dst, os.lstat(src))]
     for dirpath, dstpath, _ in dirs:
@@ -71,10 +88,10 @@ def copy_tree(src: str, dst: str) -> None:
                     os.mkdir(target)
                     dirs.append((entry.path, target, st))
                 else:
-                    copy_entry(entry.path, target, st)
+                    copy_entry(entry.path, target, st, ids)
     # Directory metadata last, deepest first, so filling a directory does not bump its mtime afterwards.
     for dirpath, dstpath, st in reversed(dirs):
-        _copy_meta(st, dstpath, _xattrs(dirpath))
+        _copy_meta(st, dstpath, _xattrs(dirpath), ids)
 
 
 def walk_entries(root: str) -> list[tuple[str, os.stat_result]]:

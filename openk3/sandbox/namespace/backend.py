@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 
+from openk3.sandbox.fs.tree import IdShift
 from openk3.sandbox.linux import cgroups, syscalls
 from openk3.sandbox.namespace.lifecycle import SandboxLifecycle
 from openk3.sandbox.namespace.manifests import Manifests
@@ -75,7 +76,9 @@ class NamespaceBackend(SandboxLifecycle):
             box.cg.freeze()
             try:
                 upper = os.path.join(box.dir, "u")
-                staged = self.store.stage_copy(upper) if os.listdir(upper) else None
+                # The upper is the sandbox's own uid's; a layer is the canonical owner's, so any sandbox can mount it (uids.py).
+                ids = None if box.uid is None or self.uids is None else IdShift(box.uid, self.uids.base)
+                staged = self.store.stage_copy(upper, ids) if os.listdir(upper) else None
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise QuotaExceeded(f"snapshot of {sid}: the layer store is full (store_bytes={self.config.store_bytes})") from e
@@ -177,6 +180,8 @@ class NamespaceBackend(SandboxLifecycle):
         for sid in self.sandboxes():
             self.destroy(sid)
         self.standbys.close()
+        if self.uids is not None:
+            self.uids.close()
         if keep_snapshots:
             self.store.check_integrity()
             cgroups.recover(self.layout, self.cg_prefix)

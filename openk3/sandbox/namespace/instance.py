@@ -53,6 +53,7 @@ class Instance:
         bwrap: str,
         helper: Helper,
         uid: int | None,
+        idmap: int | None,
         init_timeout_s: float = 10.0,
     ) -> None:
         self.sid = sid
@@ -65,7 +66,8 @@ class Instance:
         self.workdir = workdir
         self.bwrap = bwrap
         self.helper = helper
-        self.uid = uid  # host uid of the sandbox's root; None = host root
+        self.uid = uid  # host uid of the sandbox's root, its own (uids.py); None = host root
+        self.idmap = idmap  # user namespace mapping the layers' owner to `uid` (the pool's fd); None = layers as they are
         self.init_timeout_s = init_timeout_s
         self.lock = threading.RLock()
         self.init: subprocess.Popen[bytes] | None = None
@@ -84,9 +86,10 @@ class Instance:
     def mount_root(self, layer_paths: list[str]) -> None:
         """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs.
 
-        The sandbox's tmpfs is 0710 root:<sandbox gid>: bwrap, running as the sandbox uid, must resolve the root's path (see
-        settings.check_traversable), and no other host user may reach its files, although the path is in the host's
-        mountinfo. `shm` (its /dev/shm) belongs to the sandbox's root, mode 0700, like the rest of its tree.
+        The sandbox's tmpfs is 0710 root:<its gid>: bwrap, running as the sandbox's uid, must resolve the root's path (see
+        settings.check_traversable), and no other host user (another sandbox's uid included) may reach its files, although
+        the path is in the host's mountinfo. `shm` (its /dev/shm) and the upper belong to the sandbox's root, as the lower
+        layers seem to through their idmapped mounts.
         """
         os.makedirs(self.dir, exist_ok=True)
         group, mode = (0, "0700") if self.uid is None else (self.uid, "0710")
@@ -98,7 +101,8 @@ class Instance:
             if self.uid is not None:
                 for d in ("u", "shm"):  # the merged "/" takes the upper root's owner
                     os.chown(os.path.join(self.dir, d), self.uid, self.uid)
-            syscalls.mount_overlay(self.merged, [*reversed(layer_paths), self.base], os.path.join(self.dir, "u"), os.path.join(self.dir, "w"))
+            lowers = [*reversed(layer_paths), self.base]
+            syscalls.mount_overlay(self.merged, lowers, os.path.join(self.dir, "u"), os.path.join(self.dir, "w"), self.idmap)
         except OSError:
             syscalls.umount(self.dir, detach=True)
             raise

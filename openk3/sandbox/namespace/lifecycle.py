@@ -26,7 +26,7 @@ from openk3.sandbox.namespace import recovery, statedir
 from openk3.sandbox.namespace.instance import Instance
 from openk3.sandbox.namespace.settings import BackendConfig, check_traversable, check_unshared_id
 from openk3.sandbox.namespace.standby import Standbys
-from openk3.sandbox.namespace.uids import UidPool
+from openk3.sandbox.namespace.uids import UidPool, running_uids
 from openk3.sandbox.protocol import (
     Conflict,
     ExecResult,
@@ -77,7 +77,6 @@ class SandboxLifecycle:
         self.state = os.path.realpath(config.state_dir)
         if config.sandbox_uid is not None:
             check_traversable(self.state)
-        self.uids = None if config.sandbox_uid is None else UidPool(config.sandbox_uid, config.sandbox_uids, self.helper.path)
         # The state tmpfs and its instance name: fresh, or a killed predecessor's taken back with its layers and snapshot
         # manifests (backend.py reloads those) after its sandboxes' mounts, processes and cgroups are gone (statedir.py).
         self.state_dir = statedir.open_state(self.state, self.layout, config.store_bytes, config.sandbox_uid)
@@ -86,6 +85,11 @@ class SandboxLifecycle:
         # Other dead instances (a daemon killed on another state dir, or on this one before it was moved) leave mounts and
         # cgroups that no start on their own dir may ever clean: remove them here.
         recovery.clean_dead_instances(self.layout, keep=self.instance_name)
+        # Made once those are gone (see uids.py): an id still running a process now is skipped.
+        self.uids: UidPool | None = None
+        if config.sandbox_uid is not None:
+            pool_end = config.sandbox_uid + config.sandbox_uids
+            self.uids = UidPool(config.sandbox_uid, config.sandbox_uids, self.helper.path, running_uids(config.sandbox_uid, pool_end))
         # 0711 root down to sbx/, then 0710 root:<its gid> for each sandbox's own dir: bwrap, running as the sandbox's uid,
         # must resolve its root's path (the paths are in the host's mountinfo, so hiding names would not help), nobody but
         # root may list, and no other host user, another sandbox's uid included, may pass into a sandbox's dir; the layer

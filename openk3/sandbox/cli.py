@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "minus one at once; no user, group or /etc/subuid or /etc/subgid range may use any of them",
     )
     serve.add_argument(
+        "--sandbox-ptys",
+        type=int,
+        default=BackendConfig.sandbox_ptys,
+        help="ptys one sandbox may have open at once (default 64); all sandboxes share the host's kernel.pty.max",
+    )
+    serve.add_argument(
         "--env-factory",
         action="append",
         default=[],
@@ -80,7 +86,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
         service = SandboxService(
-            BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid, sandbox_uids=args.sandbox_uids), factories
+            BackendConfig(
+                state_dir=args.state_dir,
+                store_bytes=args.store_bytes,
+                sandbox_uid=args.sandbox_uid,
+                sandbox_uids=args.sandbox_uids,
+                sandbox_ptys=args.sandbox_ptys,
+            ),
+            factories,
         )
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")

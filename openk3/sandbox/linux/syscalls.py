@@ -2,7 +2,7 @@
 
 Mounting through libc instead of spawning mount(8) keeps create/restore at a few milliseconds; openat2 with RESOLVE_IN_ROOT
 lets the host read and write a sandbox's tree with the sandbox's own view of symlinks and `..`; open_tree + mount_setattr make
-the idmapped lower layers of an overlay (namespace/uids.py).
+the idmapped lower layers of an overlay (namespace/uids.py), fspick + fsconfig change a mount another namespace holds.
 """
 
 from __future__ import annotations
@@ -30,11 +30,19 @@ RESOLVE_IN_ROOT = 0x10
 
 # The new mount API: one number on every architecture (x86_64, aarch64, riscv64).
 SYS_OPEN_TREE = 428
+SYS_FSCONFIG = 431
+SYS_FSPICK = 433
 SYS_MOUNT_SETATTR = 442
 AT_FDCWD = -100
 AT_EMPTY_PATH = 0x1000
 OPEN_TREE_CLONE = 1
 MOUNT_ATTR_IDMAP = 0x00100000
+FSPICK_CLOEXEC = 0x1
+FSPICK_SYMLINK_NOFOLLOW = 0x2
+FSPICK_NO_AUTOMOUNT = 0x4
+FSPICK_EMPTY_PATH = 0x8
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_RECONFIGURE = 7
 
 
 class OpenHow(ctypes.Structure):
@@ -73,6 +81,25 @@ def idmapped_tree(path: str, userns_fd: int) -> int:
         os.close(fd)
         raise
     return int(fd)
+
+
+def reconfigure(fd: int, options: dict[str, str]) -> None:
+    """Change the options of the file system whose mount root `fd` is (fspick + fsconfig), wherever that mount lives.
+
+    Legacy file systems (devpts among them) parse the new options as a whole remount: options left out fall back to their
+    defaults, so pass every one that is to stay.
+    """
+    pick = LIBC.syscall(SYS_FSPICK, ctypes.c_int(fd), b"", ctypes.c_uint(FSPICK_CLOEXEC | FSPICK_EMPTY_PATH | FSPICK_NO_AUTOMOUNT | FSPICK_SYMLINK_NOFOLLOW))
+    _check(pick, "fspick")
+    try:
+        for key, value in options.items():
+            _check(
+                LIBC.syscall(SYS_FSCONFIG, ctypes.c_int(pick), ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(), value.encode(), ctypes.c_int(0)),
+                f"fsconfig {key}={value}",
+            )
+        _check(LIBC.syscall(SYS_FSCONFIG, ctypes.c_int(pick), ctypes.c_uint(FSCONFIG_CMD_RECONFIGURE), None, None, ctypes.c_int(0)), "fsconfig reconfigure")
+    finally:
+        os.close(int(pick))
 
 
 def mount_overlay(target: str, lower_top_first: list[str], upper: str, work: str, idmap: int | None = None) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 
-from openk3.sandbox.linux import proc, syscalls
+from openk3.sandbox.linux import proc, ptys, syscalls
 from openk3.sandbox.linux.cgroups import CgroupSet
 from openk3.sandbox.linux.helper import ENTER_ERROR_PREFIX, ENTER_FAILED, HOST_ENV, Helper, command_argv, command_spec, environment
 from openk3.sandbox.namespace.bwrap import init_argv
@@ -54,6 +54,7 @@ class Instance:
         helper: Helper,
         uid: int | None,
         idmap: int | None,
+        max_ptys: int,
         init_timeout_s: float = 10.0,
     ) -> None:
         self.sid = sid
@@ -68,6 +69,7 @@ class Instance:
         self.helper = helper
         self.uid = uid  # host uid of the sandbox's root, its own (uids.py); None = host root
         self.idmap = idmap  # user namespace mapping the layers' owner to `uid` (the pool's fd); None = layers as they are
+        self.max_ptys = max_ptys  # the `max=` of its /dev/pts (linux/ptys.py)
         self.init_timeout_s = init_timeout_s
         self.lock = threading.RLock()
         self.init: subprocess.Popen[bytes] | None = None
@@ -125,7 +127,8 @@ class Instance:
             return f"x{self._next_leaf}"
 
     def start_init(self) -> None:
-        """Start bwrap as the sandbox uid inside the sandbox's cgroups, wait for "ready", then pin the init with a pidfd.
+        """Start bwrap as the sandbox uid inside the sandbox's cgroups, wait for "ready", pin the init with a pidfd, then cap
+        its ptys (linux/ptys.py).
 
         openk3-enter joins the cgroups before it execs bwrap, so bwrap's cgroup namespace is rooted at the sandbox's own
         cgroup (no host cgroup path is visible inside) and nothing runs outside the limits even for a moment.
@@ -165,6 +168,12 @@ class Instance:
             with os.fdopen(info_r, "rb") as info:
                 pid = wait_ready(out.fileno(), info.fileno(), self.init_timeout_s)
                 self.init_pidfd = pin(pid, self.init.pid)
+            try:
+                early = ptys.cap(pid, self.init_pidfd, self.max_ptys)
+            except OSError as e:
+                raise StartupError(f"capping its ptys at sandbox_ptys={self.max_ptys}: {e}") from e
+            if early:
+                raise StartupError(f"it opened ptys {early[:8]} before they were capped at sandbox_ptys={self.max_ptys}")
         except StartupError as e:
             # The helper first (if the deadline passed before it joined the cgroups, a cgroup kill would miss it), then the
             # whole sandbox: whatever the init started must not outlive the failed start.
@@ -174,6 +183,9 @@ class Instance:
             self.init.wait()
             self._close_stdin()
             self.init = None
+            if self.init_pidfd is not None:
+                os.close(self.init_pidfd)
+                self.init_pidfd = None
             raise SandboxError(f"sandbox {self.sid}: init failed to start: {e}") from e
         out.close()
         self.init_pid = pid

@@ -184,6 +184,7 @@ class SandboxLifecycle:
                 self.helper,
                 uid,
                 idmap,
+                self.config.sandbox_ptys,
                 self.config.init_timeout_s,
             )
             box.start_init()

@@ -34,6 +34,9 @@ class BackendConfig:
     # openk3-enter for commands), but an escape from the mount namespace would then own the host's root-owned files.
     sandbox_uid: int | None = 100_000
     sandbox_uids: int = 65_536
+    # Pseudo-terminals one sandbox may have open at once (the `max=` of its own devpts, linux/ptys.py): every sandbox draws
+    # them from the host-wide kernel.pty.max (4096 by default, less kernel.pty.reserve), which no uid or namespace splits.
+    sandbox_ptys: int = 64
     # How long an init may take to say it is up before its sandbox is killed and the call fails: after a restore the init
     # runs the sandbox's own files, which may never say it.
     init_timeout_s: float = 10.0
@@ -62,6 +65,8 @@ class BackendConfig:
                 f"sandbox_uids={self.sandbox_uids}: expected 2..{top} (ids sandbox_uid..sandbox_uid+sandbox_uids-1 below 2**32-1; "
                 "one is the owner on disk, each other one a live sandbox)"
             )
+        if not 0 <= self.sandbox_ptys <= 2**20:
+            raise InvalidArgument(f"sandbox_ptys={self.sandbox_ptys}: expected 0..2**20 (the kernel's ceiling for one devpts)")
         if not 0 < self.init_timeout_s <= 600:
             raise InvalidArgument(f"init_timeout_s={self.init_timeout_s}: expected 0 < init_timeout_s <= 600")
         if self.cgroups not in ("auto", "v1"):

@@ -37,7 +37,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sandbox-uid",
         type=int,
         default=BackendConfig.sandbox_uid,
-        help="host uid and gid of every sandbox's root (default 100000); no user, group or /etc/subuid range may use it",
+        help="host uid and gid that owns the base and the layers on disk (default 100000); each sandbox runs as its own id above it (see --sandbox-uids)",
+    )
+    serve.add_argument(
+        "--sandbox-uids",
+        type=int,
+        default=BackendConfig.sandbox_uids,
+        help="ids reserved from --sandbox-uid on (default 65536: 100000..165535); one per live sandbox, so at most this many "
+        "minus one at once; no user, group or /etc/subuid or /etc/subgid range may use any of them",
+    )
+    serve.add_argument(
+        "--sandbox-ptys",
+        type=int,
+        default=BackendConfig.sandbox_ptys,
+        help="ptys one sandbox may have open at once (default 64); all sandboxes share the host's kernel.pty.max",
     )
     serve.add_argument(
         "--env-factory",
@@ -72,7 +85,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
-        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid), factories)
+        service = SandboxService(
+            BackendConfig(
+                state_dir=args.state_dir,
+                store_bytes=args.store_bytes,
+                sandbox_uid=args.sandbox_uid,
+                sandbox_uids=args.sandbox_uids,
+                sandbox_ptys=args.sandbox_ptys,
+            ),
+            factories,
+        )
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")
         return 1

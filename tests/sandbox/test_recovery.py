@@ -51,7 +51,7 @@ b.exec(sid, "printf two > /root/f; rm -r /root/d")
 report["snapshots"].append(b.snapshot(sid).snapshot_id)
 b.exec(sid, "setsid sleep 600 >/dev/null 2>&1 &")
 if mode == "freeze":
-    def stuck(upper, nbytes):
+    def stuck(upper, nbytes, ids=None):
         cg = b.box(sid).cg
         v2 = b.layout.v2_root is not None
         report["frozen"] = open(os.path.join(cg.control, "cgroup.freeze" if v2 else "freezer.state")).read().strip() in ("1", "FROZEN")

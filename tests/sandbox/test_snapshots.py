@@ -47,9 +47,20 @@ VIEW = ("etc", "root", "tmp", "work", "usr/bin")
 
 
 def view(svc, sid: str) -> str:
-    """Digest of the sandbox's mutable areas as the sandbox sees them (through the merged overlay)."""
+    """Digest of the sandbox's mutable areas as the sandbox sees them (through the merged overlay): every entry must belong to
+    its root, which is a host uid of its own (each instance has another), so owners count as that and nothing else."""
     root = svc.backend.merged_root(sid)
-    return ",".join(tree.tree_digest(os.path.join(root, part)) if os.path.exists(os.path.join(root, part)) else "-" for part in VIEW)
+    uid = svc.backend.box(sid).uid or 0
+    parts = []
+    for part in VIEW:
+        path = os.path.join(root, part)
+        if not os.path.exists(path):
+            parts.append("-")
+            continue
+        owners = {(st.st_uid, st.st_gid) for _, st in tree.walk_entries(path)}
+        assert owners == {(uid, uid)}, (part, uid, owners)
+        parts.append(tree.tree_digest(path, with_owner=False))
+    return ",".join(parts)
 
 
 def test_snapshot_restore_fork_semantics(svc, tmp_path):
@@ -66,7 +77,9 @@ def test_snapshot_restore_fork_semantics(svc, tmp_path):
         assert edited != at_snapshot
         svc.restore(sid, snap.snapshot_id)
         assert view(svc, sid) == at_snapshot
-        assert tree.tree_digest(os.path.join(svc.backend.merged_root(sid), "work")) == tree.tree_digest(reference)
+        # The reference keeps the host uid of the instance it was copied from; the restored instance runs as another one
+        # (view checked that its root owns everything).
+        assert tree.tree_digest(os.path.join(svc.backend.merged_root(sid), "work"), with_owner=False) == tree.tree_digest(reference, with_owner=False)
         r = svc.exec(sid, "cat /work/proj/src/a.py /work/proj/link; test -e /usr/bin/yes || echo deleted; ls /work")
         assert r.stdout == b"v1\nv1\ndeleted\nproj\n"  # deletions (file and directory) survive the restore
         svc.exec(sid, EDIT)

@@ -119,7 +119,8 @@ class SandboxService:
         return safefs.read_file(self.backend.merged_root(sandbox_id), path, max_bytes)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        safefs.write_file(self.backend.merged_root(sandbox_id), path, data, mode, self.backend.config.sandbox_uid)
+        box = self.backend.box(sandbox_id)  # its own uid: a file the host writes is the sandbox's root's, as if it wrote it
+        safefs.write_file(box.merged, path, data, mode, box.uid)
 
     def list_dir(self, sandbox_id: str, path: str = "/") -> list[DirEntry]:
         return safefs.list_dir(self.backend.merged_root(sandbox_id), path)

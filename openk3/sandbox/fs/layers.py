@@ -88,13 +88,14 @@ class LayerStore:
             self._refs[digest] = 1
             return layer, True
 
-    def stage_copy(self, src: str, nbytes: int) -> str:
-        """Copy `src` (a frozen upper directory of `nbytes` allocated) into scratch space, within a reservation of that size;
-        the caller thaws, then calls `adopt`. A store that fills anyway (holes the copy could not keep) is QuotaExceeded."""
+    def stage_copy(self, src: str, nbytes: int, ids: tree.IdShift | None = None) -> str:
+        """Copy `src` (a frozen upper directory of `nbytes` allocated) into scratch space, within a reservation of that size,
+        owners rewritten by `ids` if given; the caller thaws, then calls `adopt`. A store that fills anyway (holes the copy
+        could not keep) is QuotaExceeded."""
         staged = self._scratch()
         try:
             with self.reserve(nbytes, "snapshot"):
-                tree.copy_tree(src, staged)
+                tree.copy_tree(src, staged, ids)
         except BaseException as e:
             shutil.rmtree(staged, ignore_errors=True)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -9,20 +9,42 @@ follows a symlink: the names come from sandboxes and callers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import stat
+from typing import NamedTuple
 
 from openk3.sandbox.fs import sparse
 from openk3.sandbox.fs.safetree import Meta, Tree
+
+OVERFLOW_ID = 65534  # the kernel's overflowuid/gid: how an id without a mapping shows
+
+
+class IdShift(NamedTuple):
+    """Owners rewritten by a copy: id `host` (uid and gid) becomes `stored`, every other id OVERFLOW_ID. A sandbox's upper
+    is its own host uid's, a layer the canonical owner's (namespace/uids.py); anything else (the whiteouts overlayfs makes
+    as root) has no owner a sandbox could use, so it gets none."""
+
+    host: int
+    stored: int
+
+    def __call__(self, id_: int) -> int:
+        return self.stored if id_ == self.host else OVERFLOW_ID
+
+
+def _meta(st: os.stat_result, ids: IdShift | None, xattrs: dict[str, bytes] | None = None) -> Meta:
+    meta = Meta.of(st, xattrs)
+    return meta if ids is None else dataclasses.replace(meta, uid=ids(meta.uid), gid=ids(meta.gid))
 
 
 def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def copy_entry(src: Tree, rel: str, st: os.stat_result, dst: Tree, dst_rel: str) -> None:
-    """Copy one non-directory entry (file with its holes, symlink, whiteout, fifo) with its metadata; sockets are skipped."""
+def copy_entry(src: Tree, rel: str, st: os.stat_result, dst: Tree, dst_rel: str, ids: IdShift | None = None) -> None:
+    """Copy one non-directory entry (file with its holes, symlink, whiteout, fifo) with its metadata, owners rewritten by
+    `ids` if given; sockets are skipped."""
     kind = stat.S_IFMT(st.st_mode)
     if stat.S_ISREG(kind):
         fin = src.open_file(rel)
@@ -30,7 +52,7 @@ def copy_entry(src: Tree, rel: str, st: os.stat_result, dst: Tree, dst_rel: str)
             fout = dst.create(dst_rel)
             try:
                 sparse.copy(fin, fout)
-                dst.set_meta(dst_rel, kind, Meta.of(st), fout)
+                dst.set_meta(dst_rel, kind, _meta(st, ids), fout)
             finally:
                 os.close(fout)
         finally:
@@ -42,11 +64,12 @@ def copy_entry(src: Tree, rel: str, st: os.stat_result, dst: Tree, dst_rel: str)
         dst.mknod(dst_rel, kind, 0)
     else:
         return  # devices other than whiteouts cannot be made by a sandbox without capabilities; sockets do not persist
-    dst.set_meta(dst_rel, kind, Meta.of(st))
+    dst.set_meta(dst_rel, kind, _meta(st, ids))
 
 
-def copy_into(source: Tree, target: Tree) -> None:
-    """Copy every entry of `source` into the empty tree `target` (its root's metadata too), holes and markers included."""
+def copy_into(source: Tree, target: Tree, ids: IdShift | None = None) -> None:
+    """Copy every entry of `source` into the empty tree `target` (its root's metadata too), holes and markers included,
+    owners rewritten by `ids` if given."""
     dirs = []
     for rel, st in source.entries():
         if stat.S_ISDIR(st.st_mode):
@@ -54,17 +77,18 @@ def copy_into(source: Tree, target: Tree) -> None:
                 target.mkdir(rel)
             dirs.append((rel, st))
         else:
-            copy_entry(source, rel, st, target, rel)
+            copy_entry(source, rel, st, target, rel, ids)
     # Directory metadata last, deepest first, so filling a directory does not bump its mtime afterwards.
     for rel, st in reversed(dirs):
-        target.set_meta(rel, stat.S_IFDIR, Meta.of(st, source.xattrs(rel)))
+        target.set_meta(rel, stat.S_IFDIR, _meta(st, ids, source.xattrs(rel)))
 
 
-def copy_tree(src: str, dst: str) -> None:
-    """Recursive copy of `src` into a not yet existing `dst`, metadata, holes, whiteouts and opaque markers included."""
+def copy_tree(src: str, dst: str, ids: IdShift | None = None) -> None:
+    """Recursive copy of `src` into a not yet existing `dst`, metadata, holes, whiteouts and opaque markers included; owners
+    rewritten by `ids` if given."""
     os.mkdir(dst, 0o700)
     with Tree(src) as source, Tree(dst) as target:
-        copy_into(source, target)
+        copy_into(source, target, ids)
 
 
 def walk_entries(root: str) -> list[tuple[str, os.stat_result]]:
@@ -138,6 +162,8 @@ def squash(layers_bottom_first: list[str], dst: str) -> None:
             with Tree(layer) as source:
                 for rel, st in source.entries():
                     if not rel:
+                        # The root's owner and mode as the top layer has them (what the stack showed), like any directory.
+                        target.set_meta("", stat.S_IFDIR, Meta.of(st, source.xattrs("")))
                         continue
                     if stat.S_ISDIR(st.st_mode):
                         xattrs = source.xattrs(rel)

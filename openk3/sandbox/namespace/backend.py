@@ -100,7 +100,9 @@ class NamespaceBackend(SandboxLifecycle):
                     # What the copy will allocate (holes are kept), charged and reserved before a byte is written.
                     need = tree.tree_size(upper)[1]
                     self._charge(sid, need, charge)
-                    staged = self.store.stage_copy(upper, need)
+                    # The upper is the sandbox's own uid's; a layer is the canonical owner's, so any sandbox can mount it (uids.py).
+                    ids = None if box.uid is None or self.uids is None else tree.IdShift(box.uid, self.uids.base)
+                    staged = self.store.stage_copy(upper, need, ids)
             finally:
                 box.cg.freeze(frozen=False)
             base_layers = box.layers
@@ -219,6 +221,8 @@ class NamespaceBackend(SandboxLifecycle):
         for sid in self.sandboxes():
             self.destroy(sid)
         self.standbys.close()
+        if self.uids is not None:
+            self.uids.close()
         if keep_snapshots:
             self.store.check_integrity()
             cgroups.recover(self.layout, self.cg_prefix)

@@ -7,7 +7,8 @@ environment calls, exec_stream, process_wait) in one, everything else in the oth
 list; beyond a pool's workers plus `max_queue` the server answers 503 at once. Bytes inside JSON travel as {"b64": ...}
 (protocol.to_jsonable); whole files travel raw: `read_file` answers application/octet-stream and `write_file` takes the
 file as the request body. With `api_key` set every request needs `Authorization: Bearer <key>` (auth.py). A background
-thread reaps sandboxes whose TTL expired.
+thread reaps sandboxes whose TTL expired; that maintenance (`reap_expired`, like `close`) is no route, since a caller's
+`{"now": 1e12}` would destroy every sandbox.
 
 Archives travel raw too: `upload_tar` and `import_snapshot` take the (optionally zstd) archive as the request body, and
 `write_file` the file, with their other arguments as JSON in the `args` query parameter, read in chunks as the service
@@ -75,7 +76,6 @@ METHODS = (
     "heartbeat",
     "export_snapshot",
     "import_snapshot",
-    "reap_expired",
 )
 # Calls that last as long as the caller's command, archive or environment call: the long pool.
 LONG = frozenset({"exec", "exec_stream", "process_wait", "shell_run", "call_env", "upload_tar", "download_tar", "export_snapshot", "import_snapshot"})

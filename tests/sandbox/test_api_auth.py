@@ -44,7 +44,13 @@ def test_serve_refuses_a_public_bind_without_a_key(tmp_path):
 @pytest.mark.sandbox
 def test_requests_need_the_key(svc):
     with running(create_app(svc, workers=2, reap_interval_s=None, api_key=KEY)) as url:
-        wrong = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Basic {KEY}"})
+        wrong: tuple[dict[str, str], ...] = (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": KEY},
+            {"Authorization": f"Bearer {KEY}x"},
+            {"Authorization": f"Basic {KEY}"},
+        )
         for headers in (*wrong, {"Authorization": f"bearer {KEY[:-1]}"}, {"Authorization": f"Bearer{KEY}"}, {"Authorization": "Bearer"}):
             r = httpx.post(f"{url}/v1/create", json={}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized", headers

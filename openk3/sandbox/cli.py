@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 
+from openk3.sandbox.api.output_budget import DEFAULT_OUTPUT_BUDGET
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import SandboxError
@@ -33,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM keep the state tmpfs with its fs snapshots for the next start on this --state-dir (a kill -9 always keeps them)",
     )
     serve.add_argument("--workers", type=int, default=8, help="threads running blocking sandbox operations")
+    serve.add_argument(
+        "--output-budget-bytes",
+        type=int,
+        default=DEFAULT_OUTPUT_BUDGET,
+        help="bytes of background-process output the daemon keeps for callers, all processes together (default 256 MiB); "
+        "beyond it the largest streams drop their oldest bytes",
+    )
     serve.add_argument(
         "--sandbox-uid",
         type=int,
@@ -72,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
-        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid), factories)
+        config = BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid)
+        service = SandboxService(config, factories, args.output_budget_bytes)
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")
         return 1

@@ -30,7 +30,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from openk3.sandbox.api import auth, errors, exec_stream
+from openk3.sandbox.api import auth, errors, exec_stream, metrics
 from openk3.sandbox.api.body import Body
 from openk3.sandbox.api.pool import WorkerPool
 from openk3.sandbox.api.service import SandboxService
@@ -171,6 +171,12 @@ def create_app(
         @app.middleware("http")
         async def require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
             return await call_next(request) if auth.authorized(request, key) else auth.unauthorized()
+
+    metrics_registry = metrics.registry(service)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(content=metrics.render(metrics_registry), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from openk3.sandbox.api import transfer
 from openk3.sandbox.api.background import BackgroundProcesses
+from openk3.sandbox.api.output_budget import DEFAULT_OUTPUT_BUDGET
 from openk3.sandbox.fs import archive, safefs
 from openk3.sandbox.linux.proc import OnOutput
 from openk3.sandbox.namespace.backend import NamespaceBackend
@@ -39,12 +40,12 @@ from openk3.sandbox.protocol import (
 
 
 class SandboxService:
-    def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None) -> None:
+    def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None, output_budget_bytes: int = DEFAULT_OUTPUT_BUDGET) -> None:
         self.backend = NamespaceBackend(config)
         self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host, self.backend.helper, factories)
         self._lock = threading.Lock()
         self._shells: dict[str, tuple[str, ShellSession]] = {}
-        self.background = BackgroundProcesses(self.backend)
+        self.background = BackgroundProcesses(self.backend, output_budget_bytes=output_budget_bytes)
 
     # namespace sandboxes
     def create(

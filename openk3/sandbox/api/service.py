@@ -76,6 +76,10 @@ class SandboxService:
     ) -> ExecResult:
         return self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, stdin, max_output_bytes)
 
+    def check_exec(self, sandbox_id: str, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str] | None, max_output_bytes: int) -> None:
+        """Raise what an exec with these arguments would raise before starting (so a stream can still answer 4xx)."""
+        self.backend.check_exec(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
+
     def exec_streaming(
         self,
         sandbox_id: str,
@@ -154,6 +158,12 @@ class SandboxService:
             if shell_id not in self._shells:
                 raise NotFound(f"shell_id={shell_id!r}: no such shell session")
             return self._shells[shell_id][1]
+
+    def shell_sandbox(self, shell_id: str) -> str | None:
+        """The sandbox a shell session runs in, None when there is no such session."""
+        with self._lock:
+            entry = self._shells.get(shell_id)
+        return None if entry is None else entry[0]
 
     def shell_run(self, shell_id: str, cmd: str, timeout_s: float = 60.0, max_output_bytes: int = 1 << 20) -> ExecResult:
         return self._shell(shell_id).run(cmd, timeout_s, max_output_bytes)

@@ -144,17 +144,25 @@ class ProcessStatus:
     stderr_bytes: int
     truncated: bool  # output beyond max_output_bytes was dropped
     error: str | None  # why it could not run or finish (its sandbox went away, its init failed), else None
+    # Bytes dropped from the start of each stream to keep the daemon within its output budget: output is available from
+    # these offsets on (offsets stay absolute: *_bytes counts everything the process wrote).
+    stdout_dropped: int
+    stderr_dropped: int
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessOutput:
-    """Output of a background process from the offsets asked for; pass `*_offset` back to get what came after."""
+    """Output of a background process from the offsets asked for; pass `*_offset` back to get what came after. `*_dropped`:
+    bytes between the offset asked for and the first byte returned that the daemon dropped (its output budget); 0 when
+    nothing was lost."""
 
     stdout: bytes
     stderr: bytes
     stdout_offset: int
     stderr_offset: int
     running: bool
+    stdout_dropped: int
+    stderr_dropped: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,7 +199,7 @@ def test_prewarmed_standby_matches_limits_and_state(svc):
         svc.exec(sid, "echo s > /root/state")
         at_snapshot = view(svc, sid)
         snap = svc.snapshot(sid)  # prepares a standby built with pids=64
-        (child,) = svc.fork(snap.snapshot_id, 1)  # default limits: must not adopt the pids=64 standby
+        child = svc.create(image=snap.snapshot_id)  # default limits: must not adopt the pids=64 standby
         try:
             assert pids_max(svc, child) == str(Limits().pids)
         finally:
@@ -217,3 +217,38 @@ def test_prewarmed_standby_matches_limits_and_state(svc):
 def pids_max(svc, sid: str) -> str:
     with open(f"{svc.backend.box(sid).cg.limit_dirs['pids']}/pids.max") as f:
         return f.read().strip()
+
+
+def test_a_fork_of_a_snapshot_keeps_the_settings_it_was_taken_with(svc):
+    """Issue: fork(snapshot_id) came back with default limits, env, workdir, services and labels (fork(sandbox_id) kept
+    them). Both forks of the same state must now be the same sandbox."""
+    settings = {
+        "limits": Limits(pids=48, memory_bytes=96 << 20),
+        "env": {"ROLE": "worker"},
+        "workdir": "/tmp",
+        "ttl_s": 4321.0,
+        "services": ("echo started >> /tmp/service.log",),
+        "labels": {"run": "r7"},
+    }
+    sid = svc.create(**settings)
+    forks: list[str] = []
+    try:
+        snap = svc.snapshot(sid)
+        svc.destroy(sid)  # the settings live with the snapshot, not with the sandbox it came from
+        sid = ""
+        forks = svc.fork(snap.snapshot_id, 2)
+        for child in forks:
+            assert pids_max(svc, child) == "48"
+            assert svc.exec(child, "echo $ROLE; pwd").stdout == b"worker\n/tmp\n"
+            meta = svc.backend._meta[child]
+            assert (meta.ttl_s, meta.services, meta.limits) == (4321.0, settings["services"], settings["limits"])
+        assert {i.sandbox_id for i in svc.list_sandboxes({"run": "r7"})} == set(forks)
+        plain = svc.create(image=snap.snapshot_id)  # create() takes its own arguments: defaults unless given
+        forks.append(plain)
+        assert pids_max(svc, plain) == str(Limits().pids) and svc.exec(plain, "echo ${ROLE:-none}").stdout == b"none\n"
+        svc.delete_snapshot(snap.snapshot_id)
+    finally:
+        for child in forks:
+            svc.destroy(child)
+        if sid:
+            svc.destroy(sid)

@@ -3,7 +3,8 @@
 Snapshot (kind="fs") of a live sandbox: freeze its cgroup, copy the overlay upper (its change set, usually small) into scratch
 space, thaw, then content-address the copy; the snapshot is the sandbox's stack plus that layer; deeper than `max_layers`, its upper
 half is squashed into one layer. Restore: kill the sandbox's processes, remount the overlay over the snapshot's stack with an empty
-upper, restart the init. Fork(n): snapshot once, create n sandboxes over it.
+upper, restart the init. Fork(n): snapshot once, create n sandboxes over it, with the settings (limits, env, workdir, TTL,
+services, labels) of the sandbox the snapshot was taken from (snapshot_settings.py).
 
 Persistence: every fs snapshot has a manifest on the state tmpfs (manifests.py), written before the snapshot is served and
 removed before its layers are released, so a daemon killed at any point leaves no manifest naming a missing layer. A daemon
@@ -25,6 +26,7 @@ from openk3.sandbox.linux import cgroups, syscalls
 from openk3.sandbox.namespace.lifecycle import SandboxLifecycle
 from openk3.sandbox.namespace.manifests import Manifests
 from openk3.sandbox.namespace.settings import BackendConfig
+from openk3.sandbox.namespace.snapshot_settings import SandboxSettings
 from openk3.sandbox.protocol import InvalidArgument, NotFound, QuotaExceeded, SnapshotInfo, SnapshotKind
 
 FS_CAPTURES = "file tree and metadata (incl. deletions); no process memory: restore restarts the init and recorded services"
@@ -39,6 +41,7 @@ class NamespaceBackend(SandboxLifecycle):
     def __init__(self, config: BackendConfig | None = None) -> None:
         super().__init__(config)
         self.manifests = Manifests(os.path.join(self.state, "snapshots"))
+        self._settings: dict[str, SandboxSettings] = {}  # by snapshot id, for snapshots taken of a sandbox
         self._reload()
 
     def _reload(self) -> None:
@@ -46,21 +49,23 @@ class NamespaceBackend(SandboxLifecycle):
         infos, unreadable = self.manifests.load()
         for name, reason in unreadable:
             logger.warning("snapshot manifest %s discarded: %s", name, reason)
-        refused = self.store.reopen({info.snapshot_id: info.layers for info in infos})
-        for info in infos:
+        refused = self.store.reopen({info.snapshot_id: info.layers for info, _ in infos})
+        for info, settings in infos:
             if info.snapshot_id in refused:
                 logger.warning("snapshot %s discarded: %s", info.snapshot_id, refused[info.snapshot_id])
                 self.manifests.remove(info.snapshot_id)
                 continue
             with self._lock:
                 self._snapshots[info.snapshot_id] = info
+                if settings is not None:
+                    self._settings[info.snapshot_id] = settings
         if infos or unreadable:
             logger.warning("state dir %s: %d snapshots reloaded, %d discarded", self.state, len(infos) - len(refused), len(refused) + len(unreadable))
 
-    def _record(self, info: SnapshotInfo) -> None:
+    def _record(self, info: SnapshotInfo, settings: SandboxSettings | None = None) -> None:
         """Write the manifest, then serve the snapshot; on failure the caller's layer references are given back."""
         try:
-            self.manifests.write(info)
+            self.manifests.write(info, settings)
         except OSError as e:
             self.store.decref(info.layers)
             if e.errno == errno.ENOSPC:
@@ -68,6 +73,8 @@ class NamespaceBackend(SandboxLifecycle):
             raise
         with self._lock:
             self._snapshots[info.snapshot_id] = info
+            if settings is not None:
+                self._settings[info.snapshot_id] = settings
 
     def _prepare_standby(self, sid: str, snap: SnapshotInfo) -> None:
         if self.config.prewarm:
@@ -132,7 +139,8 @@ class NamespaceBackend(SandboxLifecycle):
             captures=FS_CAPTURES,
             stored_bytes=stored,
         )
-        self._record(info)
+        meta = self._meta[sid]
+        self._record(info, SandboxSettings(meta.limits, dict(meta.env), meta.workdir, meta.ttl_s, meta.services, dict(meta.labels)))
         if prewarm:
             self._prepare_standby(sid, info)
         return info
@@ -156,16 +164,18 @@ class NamespaceBackend(SandboxLifecycle):
         self._start_services(sid)
 
     def fork(self, source: str, n: int, charge: Charge | None = None) -> list[str]:
-        """n sandboxes from a sandbox's current files (snapshotted once) or from an fs snapshot; each gets its own upper."""
+        """n sandboxes from a sandbox's current files (snapshotted once) or from an fs snapshot; each gets its own upper and
+        the settings the source sandbox had (when the snapshot was taken), or the defaults for a snapshot that has none."""
         if not 1 <= n <= 1024:
             raise InvalidArgument(f"n={n}: expected 1..1024")
         own = source.startswith("sb-")
         snap = self.snapshot(source, prewarm=False, charge=charge) if own else self.snapshot_info(source)
-        meta = self._meta[source] if own else None
+        with self._lock:
+            s = self._settings.get(snap.snapshot_id)
         try:
-            if meta is None:
+            if s is None:
                 return [self.create(snap.snapshot_id) for _ in range(n)]
-            return [self.create(snap.snapshot_id, meta.limits, meta.env, meta.workdir, meta.ttl_s, meta.services, meta.labels) for _ in range(n)]
+            return [self.create(snap.snapshot_id, s.limits, s.env, s.workdir, s.ttl_s, s.services, s.labels) for _ in range(n)]
         finally:
             if own:
                 self.delete_snapshot(snap.snapshot_id)
@@ -173,6 +183,7 @@ class NamespaceBackend(SandboxLifecycle):
     def delete_snapshot(self, snapshot_id: str) -> None:
         with self._lock:
             snap = self._snapshots.pop(snapshot_id, None)
+            self._settings.pop(snapshot_id, None)
         if snap is None:
             raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot on host {self.config.host}")
         self.manifests.remove(snapshot_id)

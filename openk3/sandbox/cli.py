@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 
+from openk3.sandbox.api.output_budget import DEFAULT_OUTPUT_BUDGET
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.process.registry import EnvFactories
 from openk3.sandbox.protocol import SandboxError
@@ -23,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "here is visible in the host's process list, so prefer the variable or --api-key-file)",
     )
     serve.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file (its first line)")
+    serve.add_argument(
+        "--keys-file",
+        default=None,
+        metavar="PATH",
+        help="JSON file of tenants, each with its own API key and quotas (docs/sandbox.md, Tenants); mode 600; replaces --api-key",
+    )
     serve.add_argument("--no-api-key", action="store_true", help="allow a non-loopback --host without a key (behind an authenticating proxy)")
     serve.add_argument("--port", type=int, default=8700)
     serve.add_argument("--state-dir", default="/run/openk3-sandbox", help="tmpfs mount point for layers and sandbox roots")
@@ -34,10 +41,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--workers", type=int, default=8, help="threads running blocking sandbox operations")
     serve.add_argument(
+        "--output-budget-bytes",
+        type=int,
+        default=DEFAULT_OUTPUT_BUDGET,
+        help="bytes of background-process output the daemon keeps for callers, all processes together (default 256 MiB); "
+        "beyond it the largest streams drop their oldest bytes",
+    )
+    serve.add_argument(
         "--sandbox-uid",
         type=int,
         default=BackendConfig.sandbox_uid,
-        help="host uid and gid of every sandbox's root (default 100000); no user, group or /etc/subuid range may use it",
+        help="host uid and gid that owns the base and the layers on disk (default 100000); each sandbox runs as its own id above it (see --sandbox-uids)",
+    )
+    serve.add_argument(
+        "--sandbox-uids",
+        type=int,
+        default=BackendConfig.sandbox_uids,
+        help="ids reserved from --sandbox-uid on (default 65536: 100000..165535); one per live sandbox, so at most this many "
+        "minus one at once; no user, group or /etc/subuid or /etc/subgid range may use any of them",
+    )
+    serve.add_argument(
+        "--sandbox-ptys",
+        type=int,
+        default=BackendConfig.sandbox_ptys,
+        help="ptys one sandbox may have open at once (default 64); all sandboxes share the host's kernel.pty.max",
     )
     serve.add_argument(
         "--env-factory",
@@ -51,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from openk3.sandbox.api import auth
+    from openk3.sandbox.api import auth, tenants
     from openk3.sandbox.api.server import serve
     from openk3.sandbox.api.service import SandboxService
 
@@ -66,13 +93,33 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"openk3 sandbox serve: --api-key-file={args.api_key_file!r}: {e.strerror}")
             return 2
-    refusal = auth.check_serving(args.host, api_key, args.no_api_key)
+    keys = None
+    if args.keys_file is not None:
+        if api_key is not None:
+            print(f"openk3 sandbox serve: --keys-file and an API key ({auth.ENV_VAR}, --api-key or --api-key-file): give one")
+            return 2
+        try:
+            keys = tenants.load(args.keys_file)
+        except OSError as e:
+            print(f"openk3 sandbox serve: --keys-file={args.keys_file!r}: {e.strerror}")
+            return 2
+        except SandboxError as e:
+            print(f"openk3 sandbox serve: {e}")
+            return 2
+    refusal = None if keys is not None else auth.check_serving(args.host, api_key, args.no_api_key)
     if refusal is not None:
         print(f"openk3 sandbox serve: refusing to start: {refusal}")
         return 2
     try:
         factories = EnvFactories.parse(args.env_factory, args.env_pythonpath)
-        service = SandboxService(BackendConfig(state_dir=args.state_dir, store_bytes=args.store_bytes, sandbox_uid=args.sandbox_uid), factories)
+        config = BackendConfig(
+            state_dir=args.state_dir,
+            store_bytes=args.store_bytes,
+            sandbox_uid=args.sandbox_uid,
+            sandbox_uids=args.sandbox_uids,
+            sandbox_ptys=args.sandbox_ptys,
+        )
+        service = SandboxService(config, factories, args.output_budget_bytes)
     except SandboxError as e:
         print(f"openk3 sandbox serve: {e}")
         return 1
@@ -80,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     # mounts and cgroups go away with the daemon instead of waiting for the next start's crash recovery.
     signal.signal(signal.SIGTERM, _exit_on_term)
     try:
-        serve(service, args.host, args.port, args.workers, api_key)
+        serve(service, args.host, args.port, args.workers, api_key, keys)
     except SystemExit:
         pass
     finally:

@@ -32,6 +32,9 @@ class Limits:
     # Files, directories and links the sandbox may create (upper layer and /dev/shm together): tmpfs inodes cost kernel
     # memory that `disk_bytes` does not bound (an empty file uses no blocks).
     inodes: int = 65536
+    # Bytes this sandbox's live snapshots may hold in the host's shared layer store (their new layers, holes not counted),
+    # checked before a snapshot writes anything; None leaves only the store's size (and the caller's quota) as the bound.
+    store_bytes: int | None = 2**30
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None and self.memory_bytes < 4 * 2**20:
@@ -44,6 +47,8 @@ class Limits:
             raise InvalidArgument(f"limits.disk_bytes={self.disk_bytes}: expected >= 1 MiB")
         if not 64 <= self.inodes <= 2**31:
             raise InvalidArgument(f"limits.inodes={self.inodes}: expected 64..2**31")
+        if self.store_bytes is not None and self.store_bytes < 0:
+            raise InvalidArgument(f"limits.store_bytes={self.store_bytes}: expected None or >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +102,7 @@ class SnapshotInfo:
     source: str  # sandbox or process-environment id it was taken from
     created_at: float
     captures: str  # human-readable statement of what the snapshot holds
+    stored_bytes: int = 0  # bytes its new layers added to the host's layer store (0 when every layer was there already)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,17 +144,25 @@ class ProcessStatus:
     stderr_bytes: int
     truncated: bool  # output beyond max_output_bytes was dropped
     error: str | None  # why it could not run or finish (its sandbox went away, its init failed), else None
+    # Bytes dropped from the start of each stream to keep the daemon within its output budget: output is available from
+    # these offsets on (offsets stay absolute: *_bytes counts everything the process wrote).
+    stdout_dropped: int
+    stderr_dropped: int
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessOutput:
-    """Output of a background process from the offsets asked for; pass `*_offset` back to get what came after."""
+    """Output of a background process from the offsets asked for; pass `*_offset` back to get what came after. `*_dropped`:
+    bytes between the offset asked for and the first byte returned that the daemon dropped (its output budget); 0 when
+    nothing was lost."""
 
     stdout: bytes
     stderr: bytes
     stdout_offset: int
     stderr_offset: int
     running: bool
+    stdout_dropped: int
+    stderr_dropped: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,14 +44,15 @@ def state_dir() -> str:
 
 
 def sandbox_uid() -> int:
-    """The default sandbox uid, or, where this host gives it to someone (a subuid range), one far above the usual ranges."""
+    """The default sandbox uid, or, where this host gives an id of its pool to someone (a subuid range), one far above the
+    usual ranges."""
     for uid in (100_000, 1_900_000_000):
         try:
-            check_unshared_id(uid)
+            check_unshared_id(uid, BackendConfig.sandbox_uids)
             return uid
         except InvalidArgument:
             continue
-    pytest.skip("no free sandbox uid: 100000 and 1900000000 both belong to a host user, group or subordinate id range")
+    pytest.skip("no free sandbox uids: 100000.. and 1900000000.. both meet a host user, group or subordinate id range")
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +84,10 @@ def leftovers(svc: SandboxService) -> list[str]:
     if svc.backend.store.refcounts():
         found.append(f"layers {svc.backend.store.refcounts()}")
     svc.backend.store.check_integrity()
+    if svc.backend.uids is not None:
+        svc.backend.uids.check_integrity()
+        if svc.backend.uids.held():
+            found.append(f"host uids {svc.backend.uids.held()}")
     mounts = syscalls.mounts_under(os.path.join(svc.backend.state, "sbx"))
     if mounts:
         found.append(f"mounts {mounts}")

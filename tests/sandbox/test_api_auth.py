@@ -44,13 +44,23 @@ def test_serve_refuses_a_public_bind_without_a_key(tmp_path):
 @pytest.mark.sandbox
 def test_requests_need_the_key(svc):
     with running(create_app(svc, workers=2, reap_interval_s=None, api_key=KEY)) as url:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+        wrong: tuple[dict[str, str], ...] = (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": KEY},
+            {"Authorization": f"Bearer {KEY}x"},
+            {"Authorization": f"Basic {KEY}"},
+        )
+        for headers in (*wrong, {"Authorization": f"bearer {KEY[:-1]}"}, {"Authorization": f"Bearer{KEY}"}, {"Authorization": "Bearer"}):
             r = httpx.post(f"{url}/v1/create", json={}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized", headers
         assert httpx.get(f"{url}/v1/health").status_code == 401
         assert svc.backend.sandboxes() == []  # nothing ran for the refused calls
         with pytest.raises(Unauthorized, match="API key"), SandboxClient(url) as c:
             c.list_sandboxes()
+        for scheme in ("bearer", "BEARER", "BeArEr", "Bearer  "):  # RFC 7235: the scheme is case-insensitive
+            r = httpx.post(f"{url}/v1/list_sandboxes", json={}, headers={"Authorization": f"{scheme} {KEY}"})
+            assert r.status_code == 200 and r.json() == {"result": []}, scheme
         with SandboxClient(url, api_key=KEY) as c:
             sid = c.create()
             assert c.exec(sid, "echo ok").stdout == b"ok\n"

@@ -1,6 +1,6 @@
 """Escape suite, API and neighbours (issue 18 item 3 and the attacks that already failed before it): a caller cannot pick the
-code a host-side environment imports, one sandbox cannot see or signal another's processes, and restoring A's snapshot into
-B gives B exactly A's files while A and B stay separate."""
+code a host-side environment imports or call the daemon's own maintenance, one sandbox cannot see or signal another's
+processes, and restoring A's snapshot into B gives B exactly A's files while A and B stay separate."""
 
 from __future__ import annotations
 
@@ -35,6 +35,22 @@ def test_env_factories_come_from_the_operators_allow_list(svc, tmp_path):
     assert not marker.exists() and svc.envs.ids() == []
     eid = svc.create_env("demo", {"seed": 3})  # the built-in demo stays available
     svc.destroy(eid)
+
+
+def test_reaping_is_not_an_api_call(svc):
+    """`reap_expired(now=...)` is the daemon's maintenance: over HTTP, a `now` far in the future destroyed every sandbox."""
+    sid = svc.create(ttl_s=3600)
+    try:
+        with running(create_app(svc, workers=2, reap_interval_s=None)) as url:
+            for body in ({"now": 1e12}, {}):
+                r = httpx.post(f"{url}/v1/reap_expired", json=body)
+                assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound", r.text
+                assert "reap_expired" in r.json()["error"]["message"]
+            r = httpx.post(f"{url}/v1/close", json={})
+            assert r.status_code == 404
+        assert svc.backend.sandboxes() == [sid] and svc.exec(sid, "echo alive").stdout == b"alive\n"
+    finally:
+        svc.destroy(sid)
 
 
 def test_env_kwargs_are_on_no_host_command_line(svc):

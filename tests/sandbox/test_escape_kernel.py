@@ -172,7 +172,7 @@ def test_dev_shm_and_inodes_share_the_disk_quota(svc):
 
 
 def test_no_host_paths_visible_and_state_dir_closed(svc):
-    sid = svc.create()
+    sid, other = svc.create(), svc.create()
     try:
         backend = svc.backend
         mountinfo = svc.exec(sid, "cat /proc/self/mountinfo").stdout.decode()
@@ -183,11 +183,12 @@ def test_no_host_paths_visible_and_state_dir_closed(svc):
         assert "openk3-sandbox" not in cgroups and backend.instance_name not in cgroups
         init_cgroup = open(f"/proc/{backend.box(sid).init_pid}/cgroup").read()
         assert backend.cg_prefix in init_cgroup  # while the host sees the real place: the namespace is rooted there
-        uid = backend.config.sandbox_uid
         box = backend.box(sid)
+        uid = box.uid
+        assert uid is not None and uid != backend.box(other).uid
         for path, owner, mode in (
-            (backend.state, (0, uid), 0o710),
-            (os.path.join(backend.state, "sbx"), (0, uid), 0o710),
+            (backend.state, (0, 0), 0o711),
+            (os.path.join(backend.state, "sbx"), (0, 0), 0o711),
             (box.dir, (0, uid), 0o710),
             (os.path.join(box.dir, "shm"), (uid, uid), 0o700),
             (os.path.join(box.dir, "w"), (0, 0), 0o700),
@@ -195,12 +196,19 @@ def test_no_host_paths_visible_and_state_dir_closed(svc):
         ):
             st = os.stat(path)
             assert ((st.st_uid, st.st_gid), stat.S_IMODE(st.st_mode)) == (owner, mode), path
-        # The sandbox uid on the host (a process that left its mount namespace) can list nothing and reach no layer.
+        # The sandbox's uid on the host (a process that left its mount namespace) can list nothing and reach no layer; another
+        # sandbox's uid, and the layers' owner (which no process runs as), cannot even pass into its dir.
         for path in (backend.state, os.path.join(backend.state, "sbx"), backend.store.root, box.dir):
             r = subprocess.run(["/bin/ls", path], user=uid, group=uid, extra_groups=[], capture_output=True, text=True, check=False, env={})
             assert r.returncode != 0 and "Permission denied" in r.stderr, path
+        for stranger in (backend.box(other).uid, backend.config.sandbox_uid):
+            r = subprocess.run(
+                ["/bin/ls", os.path.join(box.dir, "u")], user=stranger, group=stranger, extra_groups=[], capture_output=True, text=True, check=False, env={}
+            )
+            assert r.returncode != 0 and "Permission denied" in r.stderr, stranger
     finally:
         svc.destroy(sid)
+        svc.destroy(other)
 
 
 def test_other_host_users_cannot_reach_a_live_sandbox(svc):

@@ -62,11 +62,30 @@ def test_sandbox_uid_must_be_nobody_elses(tmp_path):
     (tmp_path / "subgid").write_text("carol:400000:10\n")
     etc = str(tmp_path)
     for uid, hit in ((1000, "user 'alice'"), (100000, "user 'alice'"), (200000, "group 'sbx'"), (365535, "range of 'bob'"), (400009, "carol")):
-        with pytest.raises(InvalidArgument, match=f"sandbox_uid={uid}: .*{hit}"):
-            check_unshared_id(uid, etc)
+        with pytest.raises(InvalidArgument, match=f"sandbox_uid={uid}, sandbox_uids=1: .*{hit}"):
+            check_unshared_id(uid, etc=etc)
     for uid in (365536, 400010, 500000, 299999):
-        check_unshared_id(uid, etc)
-    check_unshared_id(100000, str(tmp_path / "missing"))  # no files, nothing to collide with
+        check_unshared_id(uid, etc=etc)
+    check_unshared_id(100000, etc=str(tmp_path / "missing"))  # no files, nothing to collide with
+
+
+def test_every_id_of_the_pool_must_be_nobody_elses(tmp_path):
+    """Each sandbox runs as one id of sandbox_uid..sandbox_uid+sandbox_uids-1: a user, group or subordinate range anywhere in
+    it would share files and limits with a sandbox."""
+    (tmp_path / "passwd").write_text("alice:x:1000:1000::/home/alice:/bin/sh\nsvc:x:150000:150000::/:/bin/sh\n")
+    (tmp_path / "group").write_text("tty:x:5:\nsbx:x:260000:\n")
+    (tmp_path / "subuid").write_text("bob:300000:65536\n")
+    etc = str(tmp_path)
+    for uid, count, hit in (
+        (100000, 65536, "user 'svc'"),  # inside the range, not at its start
+        (250000, 10001, "group 'sbx'"),  # the last id
+        (290000, 10001, "range of 'bob'"),  # the ranges overlap at one id
+        (365535, 10, "range of 'bob'"),  # starts in bob's last id
+    ):
+        with pytest.raises(InvalidArgument, match=f"sandbox_uid={uid}, sandbox_uids={count}: .*{hit}"):
+            check_unshared_id(uid, count, etc)
+    for uid, count in ((100000, 50000), (150001, 10000), (240000, 20000), (365536, 65536), (250000, 10000)):
+        check_unshared_id(uid, count, etc)
 
 
 def test_base_libraries_come_from_the_fixed_environment(tmp_path, monkeypatch):

@@ -97,6 +97,13 @@ PLANTED = {
     "silent": ("exec cat /root/never\n", "did not say ready within 1 s"),  # a FIFO nobody writes: blocks forever
     "exits": ("echo planted; exit 3\n", "exited before it was ready: 'planted'"),
     "noisy": ('echo planted noise; echo more >&2; exec /usr/bin/bash.real "$@"\n', None),  # then starts as usual
+    # takes 70 ptys before the daemon caps /dev/pts at 64 (linux/ptys.py), keeps them open and starts as usual
+    "ptys": (
+        "exec python3 -c 'import os, sys\n"
+        'for _ in range(70): os.set_inheritable(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY), True)\n'
+        'os.execv("/usr/bin/bash.real", ["bash", *sys.argv[1:]])\' "$@"\n',
+        f"opened ptys [64, 65, 66, 67, 68, 69] before they were capped at sandbox_ptys={BackendConfig.sandbox_ptys}",
+    ),
 }
 
 

@@ -120,9 +120,10 @@ def test_no_privileges_beyond_own_namespaces(either_svc):
         assert init_caps == ["0000000000000000"] * 5  # the init, the sandbox's own bash, too
         r = svc.exec(sid, "echo 1 > /proc/sys/kernel/sysrq")
         assert r.exit_code != 0
-        # Its root is the only id mapped, to an unprivileged host uid (read from the host, the map is relative to the host);
-        # inside, the map is relative to the intermediate namespace bwrap --disable-userns puts in between.
-        host_uid = svc.backend.config.sandbox_uid or 0
+        # Its root is the only id mapped, to an unprivileged host uid of its own (read from the host, the map is relative to
+        # the host); inside, the map is relative to the intermediate namespace bwrap --disable-userns puts in between.
+        host_uid = svc.backend.box(sid).uid or 0
+        assert host_uid != (svc.backend.config.sandbox_uid or 0) or host_uid == 0  # never the layers' owner
         with open(f"/proc/{svc.backend.box(sid).init_pid}/uid_map") as f:
             assert f.read().split() == ["0", str(host_uid), "1"]
         assert svc.exec(sid, "cat /proc/self/uid_map").stdout.split() == [b"0", b"0", b"1"]

@@ -51,7 +51,7 @@ b.exec(sid, "printf two > /root/f; rm -r /root/d")
 report["snapshots"].append(b.snapshot(sid).snapshot_id)
 b.exec(sid, "setsid sleep 600 >/dev/null 2>&1 &")
 if mode == "freeze":
-    def stuck(upper):
+    def stuck(upper, nbytes, ids=None):
         cg = b.box(sid).cg
         v2 = b.layout.v2_root is not None
         report["frozen"] = open(os.path.join(cg.control, "cgroup.freeze" if v2 else "freezer.state")).read().strip() in ("1", "FROZEN")
@@ -68,9 +68,9 @@ sys.stdin.read()
 """
 
 
-def config_for(service, state: str) -> BackendConfig:
+def config_for(service, state: str, cgroups: str = "auto") -> BackendConfig:
     base = service.backend.config
-    return BackendConfig(state_dir=state, cache_dir=base.cache_dir, store_bytes=256 * 2**20, sandbox_uid=base.sandbox_uid)
+    return BackendConfig(state_dir=state, cache_dir=base.cache_dir, store_bytes=256 * 2**20, sandbox_uid=base.sandbox_uid, cgroups=cgroups)
 
 
 def new_state_dir() -> str:
@@ -80,7 +80,13 @@ def new_state_dir() -> str:
 
 def crash(config: BackendConfig, mode: str = "snapshots") -> dict:
     """Run a daemon in a child process until it reports, then SIGKILL it; returns its report."""
-    fields = {"state_dir": config.state_dir, "cache_dir": config.cache_dir, "store_bytes": config.store_bytes, "sandbox_uid": config.sandbox_uid}
+    fields = {
+        "state_dir": config.state_dir,
+        "cache_dir": config.cache_dir,
+        "store_bytes": config.store_bytes,
+        "sandbox_uid": config.sandbox_uid,
+        "cgroups": config.cgroups,
+    }
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, json.dumps(fields)],
         env={**os.environ, "PYTHONPATH": ROOT},
@@ -159,8 +165,13 @@ def test_snapshots_survive_kill_9(service):
         close_clean(fresh)
 
 
-def test_crash_mid_snapshot_leaves_nothing_frozen_or_half_made(service):
-    config = config_for(service, new_state_dir())
+@pytest.mark.parametrize("cgroups", ["auto", "v1"])
+def test_crash_mid_snapshot_leaves_nothing_frozen_or_half_made(service, cgroups):
+    # v1: the sandbox's own freezer cgroup is self-frozen; thawing the instance's parent after the kill does not thaw it, so
+    # its processes stayed frozen with SIGKILL pending until some later start. The restart must thaw it at once.
+    if cgroups == "v1" and "freezer" not in service.backend.layout.v1_roots:
+        pytest.skip("host has no cgroup v1 freezer hierarchy (pure v2): the v1 path cannot run here")
+    config = config_for(service, new_state_dir(), cgroups)
     report = crash(config, mode="freeze")
     assert report["frozen"] and any(running(p) for p in report["pids"])  # frozen, not dead, when the daemon died
     fresh = NamespaceBackend(config)

@@ -47,9 +47,20 @@ VIEW = ("etc", "root", "tmp", "work", "usr/bin")
 
 
 def view(svc, sid: str) -> str:
-    """Digest of the sandbox's mutable areas as the sandbox sees them (through the merged overlay)."""
+    """Digest of the sandbox's mutable areas as the sandbox sees them (through the merged overlay): every entry must belong to
+    its root, which is a host uid of its own (each instance has another), so owners count as that and nothing else."""
     root = svc.backend.merged_root(sid)
-    return ",".join(tree.tree_digest(os.path.join(root, part)) if os.path.exists(os.path.join(root, part)) else "-" for part in VIEW)
+    uid = svc.backend.box(sid).uid or 0
+    parts = []
+    for part in VIEW:
+        path = os.path.join(root, part)
+        if not os.path.exists(path):
+            parts.append("-")
+            continue
+        owners = {(st.st_uid, st.st_gid) for _, st in tree.walk_entries(path)}
+        assert owners == {(uid, uid)}, (part, uid, owners)
+        parts.append(tree.tree_digest(path, with_owner=False))
+    return ",".join(parts)
 
 
 def test_snapshot_restore_fork_semantics(svc, tmp_path):
@@ -66,7 +77,9 @@ def test_snapshot_restore_fork_semantics(svc, tmp_path):
         assert edited != at_snapshot
         svc.restore(sid, snap.snapshot_id)
         assert view(svc, sid) == at_snapshot
-        assert tree.tree_digest(os.path.join(svc.backend.merged_root(sid), "work")) == tree.tree_digest(reference)
+        # The reference keeps the host uid of the instance it was copied from; the restored instance runs as another one
+        # (view checked that its root owns everything).
+        assert tree.tree_digest(os.path.join(svc.backend.merged_root(sid), "work"), with_owner=False) == tree.tree_digest(reference, with_owner=False)
         r = svc.exec(sid, "cat /work/proj/src/a.py /work/proj/link; test -e /usr/bin/yes || echo deleted; ls /work")
         assert r.stdout == b"v1\nv1\ndeleted\nproj\n"  # deletions (file and directory) survive the restore
         svc.exec(sid, EDIT)
@@ -186,7 +199,7 @@ def test_prewarmed_standby_matches_limits_and_state(svc):
         svc.exec(sid, "echo s > /root/state")
         at_snapshot = view(svc, sid)
         snap = svc.snapshot(sid)  # prepares a standby built with pids=64
-        (child,) = svc.fork(snap.snapshot_id, 1)  # default limits: must not adopt the pids=64 standby
+        child = svc.create(image=snap.snapshot_id)  # default limits: must not adopt the pids=64 standby
         try:
             assert pids_max(svc, child) == str(Limits().pids)
         finally:
@@ -204,3 +217,38 @@ def test_prewarmed_standby_matches_limits_and_state(svc):
 def pids_max(svc, sid: str) -> str:
     with open(f"{svc.backend.box(sid).cg.limit_dirs['pids']}/pids.max") as f:
         return f.read().strip()
+
+
+def test_a_fork_of_a_snapshot_keeps_the_settings_it_was_taken_with(svc):
+    """Issue: fork(snapshot_id) came back with default limits, env, workdir, services and labels (fork(sandbox_id) kept
+    them). Both forks of the same state must now be the same sandbox."""
+    settings = {
+        "limits": Limits(pids=48, memory_bytes=96 << 20),
+        "env": {"ROLE": "worker"},
+        "workdir": "/tmp",
+        "ttl_s": 4321.0,
+        "services": ("echo started >> /tmp/service.log",),
+        "labels": {"run": "r7"},
+    }
+    sid = svc.create(**settings)
+    forks: list[str] = []
+    try:
+        snap = svc.snapshot(sid)
+        svc.destroy(sid)  # the settings live with the snapshot, not with the sandbox it came from
+        sid = ""
+        forks = svc.fork(snap.snapshot_id, 2)
+        for child in forks:
+            assert pids_max(svc, child) == "48"
+            assert svc.exec(child, "echo $ROLE; pwd").stdout == b"worker\n/tmp\n"
+            meta = svc.backend._meta[child]
+            assert (meta.ttl_s, meta.services, meta.limits) == (4321.0, settings["services"], settings["limits"])
+        assert {i.sandbox_id for i in svc.list_sandboxes({"run": "r7"})} == set(forks)
+        plain = svc.create(image=snap.snapshot_id)  # create() takes its own arguments: defaults unless given
+        forks.append(plain)
+        assert pids_max(svc, plain) == str(Limits().pids) and svc.exec(plain, "echo ${ROLE:-none}").stdout == b"none\n"
+        svc.delete_snapshot(snap.snapshot_id)
+    finally:
+        for child in forks:
+            svc.destroy(child)
+        if sid:
+            svc.destroy(sid)

@@ -110,6 +110,8 @@ def test_backend_config_validation_names_the_field():
         ({"store_bytes": 1}, "store_bytes=1"),
         ({"host": "a@b"}, "host='a@b'"),
         ({"init_timeout_s": 0}, "init_timeout_s=0"),
+        ({"sandbox_uids": 1}, "sandbox_uids=1"),
+        ({"sandbox_ptys": 2**20 + 1}, f"sandbox_ptys={2**20 + 1}"),
     ):
         with pytest.raises(InvalidArgument, match=field):
             BackendConfig(**kwargs)

@@ -1,6 +1,6 @@
 """The HTTP service's API token: who may call a daemon that can run commands in every sandbox of its host.
 
-With a key set, every request must carry `Authorization: Bearer <key>`; anything else is 401 with a JSON error body (the
+With a key set, every request must carry `Authorization: Bearer <key>` (the scheme in any case); anything else is 401 with a JSON error body (the
 clients raise Unauthorized). The comparison is constant-time (hmac.compare_digest) so response timing tells nothing about
 how much of a guess was right. A daemon bound to an address other than loopback refuses to start without a key unless the
 operator says so explicitly (`--no-api-key`, for a daemon behind an authenticating proxy).
@@ -39,9 +39,19 @@ def check_serving(host: str, api_key: str | None, allow_no_key: bool) -> str | N
     return None
 
 
+def bearer_token(header: str) -> str | None:
+    """The credentials of an `Authorization: Bearer <token>` header, or None for any other scheme. RFC 7235: the scheme is
+    case-insensitive (`bearer`, `BEARER`) and separated from the token by one or more spaces."""
+    scheme, _, rest = header.partition(" ")
+    token = rest.lstrip(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def authorized(request: Request, api_key: str) -> bool:
-    given = request.headers.get("authorization", "")
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {api_key}".encode())
+    token = bearer_token(request.headers.get("authorization", ""))
+    # Compared in full even when the scheme is wrong, so the time taken says nothing about the key.
+    given = (token or "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, api_key.encode()) and token is not None
 
 
 def unauthorized() -> JSONResponse:

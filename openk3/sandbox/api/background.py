@@ -1,13 +1,15 @@
 """Background processes: a command started in a sandbox that outlives the call starting it, with a handle to poll, read and kill.
 
 Each runs as an ordinary exec (its own cgroup leaf, the same deadline and byte cap) on a thread of its own, with its output
-appended to two buffers as it arrives; `output` reads them from the offsets the caller passes back, so a poller gets each
-byte once. `kill` ends the command's whole tree (the leaf's cgroup kill, as at a deadline) and waits for it. Handles live
-until their sandbox is destroyed; at `max_processes` the oldest finished one is dropped, and when none has finished a new
-spawn is refused (503 Busy).
+appended to two streams as it arrives; `output` reads them from the offsets the caller passes back, so a poller gets each
+byte once. What all handles keep is bounded by one daemon-wide budget (output_budget.py): past it the largest streams drop
+their oldest bytes, and status and output say how many. `kill` ends the command's whole tree (the leaf's cgroup kill, as at
+a deadline) and waits for it. Handles live until their sandbox is destroyed; at `max_processes` the oldest finished one is
+dropped, and when none has finished a new spawn is refused (503 Busy).
 
-Contract: the table's lock guards the dict of handles, each handle's lock its buffers and result; the exec thread is the
-only writer of a handle. Its stdin and signals go through `io` (background_input.py), which has a lock of its own.
+Contract: the table's lock guards the dict of handles, each handle's lock its result, the budget's lock every stream; the
+exec thread is the only writer of a handle. Its stdin and signals go through `io` (background_input.py), which has a lock
+of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import uuid
 
 from openk3.sandbox.api.background_input import ProcessInput
+from openk3.sandbox.api.output_budget import DEFAULT_OUTPUT_BUDGET, OutputBudget, Stream
 from openk3.sandbox.namespace.backend import NamespaceBackend
 from openk3.sandbox.protocol import Busy, ExecResult, InvalidArgument, NotFound, ProcessOutput, ProcessStatus, SandboxError
 
@@ -29,24 +32,21 @@ MAX_STDIN_WRITE = 1 << 20  # per write_stdin call: a request body the daemon hol
 class _Handle:
     process_id: str
     sandbox_id: str
+    out: Stream
+    err: Stream
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    out: bytearray = dataclasses.field(default_factory=bytearray)
-    err: bytearray = dataclasses.field(default_factory=bytearray)
     result: ExecResult | None = None
     error: str | None = None
     io: ProcessInput = dataclasses.field(default_factory=ProcessInput)
 
-    def append(self, stream: str, chunk: bytes) -> None:
-        with self.lock:
-            (self.out if stream == "stdout" else self.err).extend(chunk)
-
 
 class BackgroundProcesses:
-    def __init__(self, backend: NamespaceBackend, max_processes: int = 1024) -> None:
+    def __init__(self, backend: NamespaceBackend, max_processes: int = 1024, output_budget_bytes: int = DEFAULT_OUTPUT_BUDGET) -> None:
         self.backend = backend
         self.max_processes = max_processes
+        self.budget = OutputBudget(output_budget_bytes)
         self._lock = threading.Lock()
         self._handles: dict[str, _Handle] = {}
 
@@ -57,7 +57,8 @@ class BackgroundProcesses:
             finished = [h for h in self._handles.values() if h.done.is_set()]
             if not finished:
                 raise Busy(f"{self.max_processes} background processes are running; kill some or retry later")
-            del self._handles[finished[0].process_id]  # dicts keep insertion order: the oldest
+            gone = self._handles.pop(finished[0].process_id)  # dicts keep insertion order: the oldest
+        self.budget.release(gone.out, gone.err)
 
     def spawn(
         self,
@@ -76,13 +77,16 @@ class BackgroundProcesses:
             raise InvalidArgument(f"max_output_bytes={max_output_bytes}: expected <= {MAX_OUTPUT_BYTES} for a background process")
         self.backend.check_exec(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
         self._make_room()
-        handle = _Handle(process_id=f"bg-{uuid.uuid4().hex[:12]}", sandbox_id=sandbox_id)
+        handle = _Handle(process_id=f"bg-{uuid.uuid4().hex[:12]}", sandbox_id=sandbox_id, out=self.budget.stream(), err=self.budget.stream())
         reader = handle.io.open_stdin() if stdin else None
+
+        def on_output(stream: str, chunk: bytes) -> None:
+            self.budget.append(handle.out if stream == "stdout" else handle.err, chunk)
 
         def run() -> None:
             try:
                 handle.result = self.backend.exec(
-                    sandbox_id, cmd, timeout_s, cwd, env, reader, max_output_bytes, on_output=handle.append, stop=handle.stop, on_start=handle.io.started
+                    sandbox_id, cmd, timeout_s, cwd, env, reader, max_output_bytes, on_output=on_output, stop=handle.stop, on_start=handle.io.started
                 )
             except SandboxError as e:  # its sandbox was destroyed or restored under it, or its init could not start
                 handle.error = str(e)
@@ -105,8 +109,13 @@ class BackgroundProcesses:
                 raise NotFound(f"process_id={process_id!r}: no such background process")
             return self._handles[process_id]
 
+    def sandbox_of(self, process_id: str) -> str:
+        """The sandbox a handle belongs to (what its owner is derived from, see tenant_view.py)."""
+        return self._handle(process_id).sandbox_id
+
     def status(self, process_id: str) -> ProcessStatus:
         h = self._handle(process_id)
+        (out_start, out_end), (err_start, err_end) = self.budget.offsets(h.out), self.budget.offsets(h.err)
         with h.lock:
             r = h.result
             return ProcessStatus(
@@ -117,22 +126,32 @@ class BackgroundProcesses:
                 timed_out=r is not None and r.timed_out,
                 killed=h.stop.is_set(),
                 oom_killed=r is not None and r.oom_killed,
-                stdout_bytes=len(h.out),
-                stderr_bytes=len(h.err),
+                stdout_bytes=out_end,
+                stderr_bytes=err_end,
                 truncated=r is not None and r.truncated,
                 error=h.error,
+                stdout_dropped=out_start,
+                stderr_dropped=err_start,
             )
 
     def output(self, process_id: str, stdout_offset: int = 0, stderr_offset: int = 0, max_bytes: int = 1 << 20) -> ProcessOutput:
-        """Up to `max_bytes` of each stream from the given offsets; the returned offsets are where the next call starts."""
+        """Up to `max_bytes` of each stream from the given offsets, or from the first byte still kept when the budget dropped
+        those (`*_dropped` says how many bytes were skipped); the returned offsets are where the next call starts."""
         if stdout_offset < 0 or stderr_offset < 0 or max_bytes < 1:
             raise InvalidArgument(f"stdout_offset={stdout_offset}, stderr_offset={stderr_offset}, max_bytes={max_bytes}: expected offsets >= 0, max_bytes >= 1")
         h = self._handle(process_id)
         running = not h.done.is_set()  # read before the bytes: a "not running" answer has seen all of them
-        with h.lock:
-            out = bytes(h.out[stdout_offset : stdout_offset + max_bytes])
-            err = bytes(h.err[stderr_offset : stderr_offset + max_bytes])
-        return ProcessOutput(stdout=out, stderr=err, stdout_offset=stdout_offset + len(out), stderr_offset=stderr_offset + len(err), running=running)
+        out_skipped, out = self.budget.read(h.out, stdout_offset, max_bytes)
+        err_skipped, err = self.budget.read(h.err, stderr_offset, max_bytes)
+        return ProcessOutput(
+            stdout=out,
+            stderr=err,
+            stdout_offset=stdout_offset + out_skipped + len(out),
+            stderr_offset=stderr_offset + err_skipped + len(err),
+            running=running,
+            stdout_dropped=out_skipped,
+            stderr_dropped=err_skipped,
+        )
 
     def kill(self, process_id: str) -> ProcessStatus:
         """End the process and everything it started; returns its final status."""
@@ -176,6 +195,8 @@ class BackgroundProcesses:
         with self._lock:
             for h in doomed:
                 self._handles.pop(h.process_id, None)
+        for h in doomed:
+            self.budget.release(h.out, h.err)
 
     def stop_sandbox(self, sandbox_id: str) -> None:
         """Kill a sandbox's background processes, keeping their handles (its restore: the output stays readable)."""
@@ -189,6 +210,10 @@ class BackgroundProcesses:
     def ids(self) -> list[str]:
         with self._lock:
             return sorted(self._handles)
+
+    def running_count(self) -> int:
+        with self._lock:
+            return sum(not h.done.is_set() for h in self._handles.values())
 
     def close(self) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from starlette.types import Receive
 from openk3.sandbox.api import errors
 from openk3.sandbox.api.pool import WorkerPool
 from openk3.sandbox.api.service import SandboxService
+from openk3.sandbox.api.tenant_view import TenantView
 from openk3.sandbox.protocol import to_jsonable
 
 QUEUE_CHUNKS = 16  # chunks of at most 64 KiB waiting for the client
@@ -52,7 +53,7 @@ async def disconnected(receive: Receive) -> None:
         continue
 
 
-def start(service: SandboxService, pool: WorkerPool, kwargs: dict[str, Any], receive: Receive) -> StreamingResponse:
+def start(service: SandboxService | TenantView, pool: WorkerPool, kwargs: dict[str, Any], receive: Receive) -> StreamingResponse:
     """Run the (already checked) exec on `pool`, whose slot the caller holds; the slot is released when the command ends."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=QUEUE_CHUNKS)

@@ -7,7 +7,13 @@ environment calls, exec_stream, process_wait) in one, everything else in the oth
 list; beyond a pool's workers plus `max_queue` the server answers 503 at once. Bytes inside JSON travel as {"b64": ...}
 (protocol.to_jsonable); whole files travel raw: `read_file` answers application/octet-stream and `write_file` takes the
 file as the request body. With `api_key` set every request needs `Authorization: Bearer <key>` (auth.py). A background
-thread reaps sandboxes whose TTL expired.
+thread reaps sandboxes whose TTL expired; that maintenance (`reap_expired`, like `close`) is no route, since a caller's
+`{"now": 1e12}` would destroy every sandbox.
+
+Tenancy: with a keys file (`tenants`, tenants.py) instead of one key, each key names a tenant and each request is served
+by that tenant's TenantView (tenant_view.py): it sees, lists and acts on its own sandboxes, snapshots, processes and shells
+only, within its quotas, and any other id is a 404 that says no more than a missing one. `GET /metrics` covers every tenant,
+so only an operator tenant may read it (others get 404).
 
 Archives travel raw too: `upload_tar` and `import_snapshot` take the (optionally zstd) archive as the request body, and
 `write_file` the file, with their other arguments as JSON in the `args` query parameter, read in chunks as the service
@@ -30,10 +36,13 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from openk3.sandbox.api import auth, errors, exec_stream, item_stream
+from openk3.sandbox.api import auth, errors, exec_stream, item_stream, metrics
 from openk3.sandbox.api.body import Body
 from openk3.sandbox.api.pool import WorkerPool
 from openk3.sandbox.api.service import SandboxService
+from openk3.sandbox.api.tenant_ledger import TenantLedger
+from openk3.sandbox.api.tenant_view import TenantView
+from openk3.sandbox.api.tenants import Tenants
 from openk3.sandbox.protocol import (
     FRAME_DATA,
     FRAME_END,
@@ -91,7 +100,6 @@ METHODS = (
     "heartbeat",
     "export_snapshot",
     "import_snapshot",
-    "reap_expired",
 )
 # Calls that last as long as the caller's command, archive or environment call: the long pool.
 LONG = frozenset(
@@ -154,14 +162,27 @@ def create_app(
     reap_interval_s: float | None = 5.0,
     long_workers: int = 64,
     api_key: str | None = None,
+    tenants: Tenants | None = None,
 ) -> FastAPI:
-    """The app; `workers` threads for short calls, `long_workers` for execs and transfers (threads mostly waiting on pipes)."""
+    """The app; `workers` threads for short calls, `long_workers` for execs and transfers (threads mostly waiting on pipes);
+    either one `api_key` for everything or `tenants`, a key per tenant."""
+    if api_key is not None and tenants is not None:
+        raise InvalidArgument("api_key and tenants: give one key or a keys file, not both")
     short = WorkerPool("short", workers, max_queue)
     long = WorkerPool("long", long_workers, max_queue)
     pools = {name: long if name in LONG else short for name in METHODS}
     plain = [name for name in METHODS if name not in BODY_ARGS and name not in STREAMED and name != "exec_stream"]
-    validated = {name: pydantic.validate_call(getattr(service, name)) for name in plain}
-    validated.update({name: pydantic.validate_call(getattr(service, target)) for name, target in STREAMED.items()})
+    # What a request calls: the service itself, or (tenancy) the view of the tenant whose key it carries.
+    apis: dict[str | None, SandboxService | TenantView] = {None: service}
+    ledger = None
+    if tenants is not None:
+        ledger = TenantLedger(tenants, lambda: set(service.backend.sandboxes()) | {i for i in service.envs.ids() if i.startswith("pe-")})
+        apis = {name: TenantView(service, tenant, ledger) for name, tenant in tenants.by_name.items()}
+    validated_by_api: dict[str | None, dict[str, Callable[..., Any]]] = {}
+    for who, api in apis.items():
+        calls = {name: pydantic.validate_call(getattr(api, name)) for name in plain}
+        calls.update({name: pydantic.validate_call(getattr(api, target)) for name, target in STREAMED.items()})
+        validated_by_api[who] = calls
     body_args = {name: pydantic.validate_call(fn) for name, fn in BODY_ARGS.items()}
     stream_args = pydantic.validate_call(exec_stream.exec_stream_args)
     stop = threading.Event()
@@ -192,9 +213,34 @@ def create_app(
         async def require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
             return await call_next(request) if auth.authorized(request, key) else auth.unauthorized()
 
+    if tenants is not None:
+        keys = tenants
+
+        @app.middleware("http")
+        async def identify_tenant(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            tenant = keys.identify(auth.bearer_token(request.headers.get("authorization", "")))
+            if tenant is None:
+                return auth.unauthorized()
+            request.state.tenant = tenant.name
+            return await call_next(request)
+
+    def tenant_of(request: Request) -> str | None:
+        return getattr(request.state, "tenant", None)
+
+    metrics_registry = metrics.registry(service, ledger.figures if ledger is not None else None)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        who = tenant_of(request)
+        if tenants is not None and (who is None or not tenants.by_name[who].operator):
+            return JSONResponse(status_code=404, content={"error": {"type": "NotFound", "message": "/metrics: not found"}})
+        return Response(content=metrics.render(metrics_registry), media_type=metrics.CONTENT_TYPE)
+
     @app.get("/v1/health")
-    async def health() -> dict[str, Any]:
-        return {"ok": True, "host": service.backend.config.host, "cgroups": service.backend.layout.name, "sandboxes": len(service.backend.sandboxes())}
+    async def health(request: Request) -> dict[str, Any]:
+        api = apis[tenant_of(request)]
+        live = len(api.list_sandboxes()) if isinstance(api, TenantView) else len(service.backend.sandboxes())
+        return {"ok": True, "host": service.backend.config.host, "cgroups": service.backend.layout.name, "sandboxes": live}
 
     async def in_pool(method: str, fn: Callable[[], Any]) -> Any:
         pool = pools[method]
@@ -204,7 +250,7 @@ def create_app(
         finally:
             pool.release()
 
-    async def with_body(method: str, request: Request) -> Response:
+    async def with_body(method: str, request: Request, api: SandboxService | TenantView) -> Response:
         try:
             args = json.loads(request.query_params.get("args", "{}"))
         except ValueError:
@@ -216,11 +262,11 @@ def create_app(
 
         def run() -> Any:
             data = body.read_all(MAX_FILE_BYTES, method) if method in WHOLE_BODY else body
-            return getattr(service, method)(data=data, **kwargs)
+            return getattr(api, method)(data=data, **kwargs)
 
         return _answer(method, await in_pool(method, run))
 
-    async def streamed(method: str, kwargs: dict[str, Any]) -> Response:
+    async def streamed(method: str, kwargs: dict[str, Any], validated: dict[str, Callable[..., Any]]) -> Response:
         pool = pools[method]
         pool.acquire()
         try:
@@ -249,23 +295,21 @@ def create_app(
 
         return StreamingResponse(frames(), media_type="application/octet-stream")
 
-    async def exec_streamed(kwargs: dict[str, Any], request: Request) -> Response:
+    async def exec_streamed(kwargs: dict[str, Any], request: Request, api: SandboxService | TenantView) -> Response:
         checked = stream_args(**kwargs)
         pool = pools["exec_stream"]
         pool.acquire()
         try:
             # Refusals before the command starts (unknown sandbox, bad timeout or env) stay a 4xx answer, not a stream line.
             await pool.run(
-                lambda: service.backend.check_exec(
-                    checked["sandbox_id"], checked["cmd"], checked["timeout_s"], checked["cwd"], checked["env"], checked["max_output_bytes"]
-                )
+                lambda: api.check_exec(checked["sandbox_id"], checked["cmd"], checked["timeout_s"], checked["cwd"], checked["env"], checked["max_output_bytes"])
             )
-            return exec_stream.start(service, pool, checked, request.receive)
+            return exec_stream.start(api, pool, checked, request.receive)
         except BaseException:
             pool.release()
             raise
 
-    async def item_streamed(method: str, kwargs: dict[str, Any], request: Request) -> Response:
+    async def item_streamed(method: str, kwargs: dict[str, Any], request: Request, validated: dict[str, Callable[..., Any]]) -> Response:
         pool = pools[method]
         pool.acquire()
         try:
@@ -276,8 +320,10 @@ def create_app(
             raise
 
     async def dispatch(method: str, request: Request) -> Response:
+        who = tenant_of(request)
+        api, validated = apis[who], validated_by_api[who]
         if method in BODY_ARGS:
-            return await with_body(method, request)
+            return await with_body(method, request, api)
         try:
             body = await request.json()
         except ValueError:
@@ -286,11 +332,11 @@ def create_app(
             raise InvalidArgument("request body: expected a JSON object of keyword arguments")
         kwargs = decode_tagged(body)
         if method == "exec_stream":
-            return await exec_streamed(kwargs, request)
+            return await exec_streamed(kwargs, request, api)
         if method in STREAMED:
-            return await streamed(method, kwargs)
+            return await streamed(method, kwargs, validated)
         if method in ITEM_STREAMS:
-            return await item_streamed(method, kwargs, request)
+            return await item_streamed(method, kwargs, request, validated)
         return _answer(method, await in_pool(method, lambda: validated[method](**kwargs)))
 
     @app.post("/v1/{method}", response_model=None)
@@ -302,7 +348,7 @@ def create_app(
     return app
 
 
-def serve(service: SandboxService, host: str, port: int, workers: int, api_key: str | None = None) -> None:
+def serve(service: SandboxService, host: str, port: int, workers: int, api_key: str | None = None, tenants: Tenants | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(service, workers=workers, api_key=api_key), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(service, workers=workers, api_key=api_key, tenants=tenants), host=host, port=port, log_level="warning")

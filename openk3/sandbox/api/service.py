@@ -14,12 +14,13 @@ from collections.abc import Iterator
 
 from openk3.sandbox.api import transfer
 from openk3.sandbox.api.background import BackgroundProcesses
+from openk3.sandbox.api.output_budget import DEFAULT_OUTPUT_BUDGET
 from openk3.sandbox.api.service_interactive import InteractiveCalls
 from openk3.sandbox.api.terminals import Terminals
 from openk3.sandbox.api.watches import Watches
 from openk3.sandbox.fs import archive, safefs
 from openk3.sandbox.linux.proc import OnOutput
-from openk3.sandbox.namespace.backend import NamespaceBackend
+from openk3.sandbox.namespace.backend import Charge, NamespaceBackend
 from openk3.sandbox.namespace.settings import BackendConfig
 from openk3.sandbox.namespace.shell import ShellSession
 from openk3.sandbox.process.envs import ProcessEnvs
@@ -42,12 +43,12 @@ from openk3.sandbox.protocol import (
 
 
 class SandboxService(InteractiveCalls):
-    def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None) -> None:
+    def __init__(self, config: BackendConfig | None = None, factories: EnvFactories | None = None, output_budget_bytes: int = DEFAULT_OUTPUT_BUDGET) -> None:
         self.backend = NamespaceBackend(config)
         self.envs = ProcessEnvs(self.backend.layout, self.backend.cg_prefix, self.backend.config.host, self.backend.helper, factories)
         self._lock = threading.Lock()
         self._shells: dict[str, tuple[str, ShellSession]] = {}
-        self.background = BackgroundProcesses(self.backend)
+        self.background = BackgroundProcesses(self.backend, output_budget_bytes=output_budget_bytes)
         self.terminals = Terminals(self.backend)
         self.watches = Watches(self.backend)
 
@@ -79,6 +80,10 @@ class SandboxService(InteractiveCalls):
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
         return self.backend.exec(sandbox_id, cmd, timeout_s, cwd, env, stdin, max_output_bytes)
+
+    def check_exec(self, sandbox_id: str, cmd: str | list[str], timeout_s: float, cwd: str | None, env: dict[str, str] | None, max_output_bytes: int) -> None:
+        """Raise what an exec with these arguments would raise before starting (so a stream can still answer 4xx)."""
+        self.backend.check_exec(sandbox_id, cmd, timeout_s, cwd, env, max_output_bytes)
 
     def exec_streaming(
         self,
@@ -125,7 +130,8 @@ class SandboxService(InteractiveCalls):
         return safefs.read_file(self.backend.merged_root(sandbox_id), path, max_bytes)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        safefs.write_file(self.backend.merged_root(sandbox_id), path, data, mode, self.backend.config.sandbox_uid)
+        box = self.backend.box(sandbox_id)  # its own uid: a file the host writes is the sandbox's root's, as if it wrote it
+        safefs.write_file(box.merged, path, data, mode, box.uid)
 
     def list_dir(self, sandbox_id: str, path: str = "/") -> list[DirEntry]:
         return safefs.list_dir(self.backend.merged_root(sandbox_id), path)
@@ -160,6 +166,12 @@ class SandboxService(InteractiveCalls):
                 raise NotFound(f"shell_id={shell_id!r}: no such shell session")
             return self._shells[shell_id][1]
 
+    def shell_sandbox(self, shell_id: str) -> str | None:
+        """The sandbox a shell session runs in, None when there is no such session."""
+        with self._lock:
+            entry = self._shells.get(shell_id)
+        return None if entry is None else entry[0]
+
     def shell_run(self, shell_id: str, cmd: str, timeout_s: float = 60.0, max_output_bytes: int = 1 << 20) -> ExecResult:
         return self._shell(shell_id).run(cmd, timeout_s, max_output_bytes)
 
@@ -190,6 +202,12 @@ class SandboxService(InteractiveCalls):
 
     # routed by id
     def snapshot(self, source_id: str, kind: SnapshotKind | str = SnapshotKind.FS) -> SnapshotInfo:
+        return self.snapshot_charged(source_id, kind, None)
+
+    # The *_charged forms take the store charge of a multi-tenant front end (tenant_view.py): called with the running total
+    # of bytes the store would newly hold, before they are written, it raises QuotaExceeded to refuse. They are no routes
+    # (the server routes the names in server.METHODS only), so no caller can pass a charge over HTTP.
+    def snapshot_charged(self, source_id: str, kind: SnapshotKind | str, charge: Charge | None) -> SnapshotInfo:
         kind = SnapshotKind(kind)
         if source_id.startswith("pe-"):
             if kind is not SnapshotKind.PROCESS:
@@ -197,7 +215,7 @@ class SandboxService(InteractiveCalls):
             return self.envs.snapshot(source_id)
         if kind is not SnapshotKind.FS:
             raise InvalidArgument(f"kind={kind.value!r}: namespace sandboxes take kind='fs' (no CRIU: see docs/sandbox.md)")
-        return self.backend.snapshot(source_id)
+        return self.backend.snapshot(source_id, charge=charge)
 
     def restore(self, target_id: str, snapshot_id: str) -> None:
         if target_id.startswith("pe-"):
@@ -209,9 +227,12 @@ class SandboxService(InteractiveCalls):
         self.backend.restore(target_id, snapshot_id)
 
     def fork(self, source_id: str, n: int) -> list[str]:
+        return self.fork_charged(source_id, n, None)
+
+    def fork_charged(self, source_id: str, n: int, charge: Charge | None) -> list[str]:
         if source_id.startswith(("pe-", "psnap-")):
             return self.envs.fork(source_id, n)
-        return self.backend.fork(source_id, n)
+        return self.backend.fork(source_id, n, charge=charge)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         if snapshot_id.startswith("psnap-"):
@@ -257,8 +278,11 @@ class SandboxService(InteractiveCalls):
 
     def import_snapshot(self, data: bytes | archive.Reader, limits: ArchiveLimits | None = None) -> SnapshotInfo:
         """Verify every shipped layer against its digest, reuse layers already here, and register a new snapshot."""
+        return self.import_snapshot_charged(data, limits, None)
+
+    def import_snapshot_charged(self, data: bytes | archive.Reader, limits: ArchiveLimits | None, charge: Charge | None) -> SnapshotInfo:
         source = io.BytesIO(data) if isinstance(data, bytes) else data
-        return transfer.import_snapshot(self.backend, source, self._archive_limits(limits))
+        return transfer.import_snapshot(self.backend, source, self._archive_limits(limits), charge=charge)
 
     def close(self, keep_snapshots: bool = False) -> None:
         """Everything this service holds goes; fs snapshots stay on the state dir for the next daemon if `keep_snapshots`."""

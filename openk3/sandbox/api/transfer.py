@@ -21,16 +21,20 @@ from collections.abc import Iterator
 import zstandard
 
 from openk3.sandbox.fs import archive
-from openk3.sandbox.namespace.backend import NamespaceBackend
-from openk3.sandbox.protocol import ArchiveLimits, ExecResult, InvalidArgument, SandboxError, SnapshotInfo
+from openk3.sandbox.namespace.backend import Charge, NamespaceBackend
+from openk3.sandbox.protocol import ArchiveLimits, ExecResult, InvalidArgument, QuotaExceeded, SandboxError, SnapshotInfo
 
 TAR_TIMEOUT_S = 300.0
 MAX_MANIFEST_BYTES = 1 << 20
 LAYER_MEMBER = re.compile(r"layers/([0-9a-f]{64})\.tar\.zst")
 
 
-def _failed(what: str, r: ExecResult) -> InvalidArgument:
-    return InvalidArgument(f"{what} failed: {r.stderr.decode(errors='replace').strip() or f'tar exited {r.exit_code}'}")
+def _failed(what: str, r: ExecResult) -> SandboxError:
+    said = r.stderr.decode(errors="replace").strip()
+    if "No space left on device" in said or "Disk quota exceeded" in said:
+        # The sandbox's disk (its limits.disk_bytes or inodes) is full: a quota, not a bad archive.
+        return QuotaExceeded(f"{what} failed: the sandbox's disk is full: {said[-500:]}")
+    return InvalidArgument(f"{what} failed: {said or f'tar exited {r.exit_code}'}")
 
 
 def upload_tar(backend: NamespaceBackend, sandbox_id: str, source: archive.Reader, dest: str, limits: ArchiveLimits) -> None:
@@ -65,6 +69,10 @@ def upload_tar(backend: NamespaceBackend, sandbox_id: str, source: archive.Reade
             raise err
         raise InvalidArgument(f"{what}: reading the archive failed: {type(err).__name__}: {err}") from err
     if result.exit_code != 0:
+        if backend.box(sandbox_id).disk_full():
+            # GNU tar often says only "Wrote only N of M bytes": the full disk is why, and it is a quota (507), not bad input.
+            said = result.stderr.decode(errors="replace").strip()[-300:]
+            raise QuotaExceeded(f"{what} failed: the sandbox's disk is full (limits.disk_bytes / limits.inodes): {said}")
         raise _failed(what, result)
 
 
@@ -138,8 +146,9 @@ def export_snapshot(backend: NamespaceBackend, snapshot_id: str, skip_layers: tu
         backend.store.decref(snap.layers)
 
 
-def import_snapshot(backend: NamespaceBackend, source: archive.Reader, limits: ArchiveLimits) -> SnapshotInfo:
-    """Unpack each shipped layer into the store as it streams (verified against its digest), then register the snapshot."""
+def import_snapshot(backend: NamespaceBackend, source: archive.Reader, limits: ArchiveLimits, charge: Charge | None = None) -> SnapshotInfo:
+    """Unpack each shipped layer into the store as it streams (verified against its digest), then register the snapshot;
+    `charge` sees the running total of the layers' data before each file of it is written."""
     what = "snapshot archive"
     stream = archive.TarStream(archive.decompressed(source, limits, what), archive.Budget(limits, what))
     first = stream.next()
@@ -151,7 +160,7 @@ def import_snapshot(backend: NamespaceBackend, source: archive.Reader, limits: A
         raise InvalidArgument(f'{what}: manifest.json: expected {{"layers": [digest, ...]}} ({e})') from e
     if not isinstance(digests, list) or not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests):
         raise InvalidArgument(f"{what}: manifest.json: layers must be a list of sha256 hex digests")
-    layers = archive.Budget(limits, f"{what}: layers")  # every layer archive's members count against one budget
+    layers = archive.Budget(limits, f"{what}: layers", charge=charge)  # every layer archive's members count against one budget
     held: list[str] = []
     try:
         for m in stream:

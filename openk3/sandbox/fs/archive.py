@@ -5,7 +5,8 @@ compression ratio are chosen by an attacker. `TarStream` reads one tar stream in
 bytes and holds back what is not yet checked: a consumer (the sandbox's tar, an HTTP response) only ever receives the bytes
 of members that passed `check_member`, plus the all-zero end of the archive. Headers (pax records, GNU long names, sparse
 maps) may use at most HEADER_BUDGET bytes before the member they describe, so tarfile never buffers more than that. Sparse
-members are relayed as they are (holes are never expanded here) and count at their apparent size. What follows the last
+members are relayed as they are (holes are never expanded here) and count at their apparent size, except where the reader
+keeps holes as holes (a layer import, `holes_kept`): there they count the data they carry. What follows the last
 member must be zeros: tarfile stops at a header it cannot parse where GNU tar would skip ahead, so anything after it could
 otherwise reach the consumer unchecked.
 """
@@ -16,7 +17,7 @@ import dataclasses
 import os
 import tarfile
 from collections.abc import Callable, Iterator
-from typing import IO, Protocol
+from typing import IO, Protocol, cast
 
 import zstandard
 
@@ -38,12 +39,17 @@ class ArchiveRefused(InvalidArgument):
 
 @dataclasses.dataclass
 class Budget:
-    """Members and apparent bytes counted across one transfer (for snapshots, every layer archive of it together)."""
+    """Members and bytes counted across one transfer (for snapshots, every layer archive of it together).
+
+    `charge`, when set, is called with the running byte total each time a member adds to it, before that member's data is
+    written; it raises (QuotaExceeded) to stop the transfer there.
+    """
 
     limits: ArchiveLimits
     what: str
     members: int = 0
     bytes: int = 0
+    charge: Callable[[int], None] | None = None
 
     def add(self, name: str, size: int) -> None:
         lim = self.limits
@@ -56,6 +62,8 @@ class Budget:
         self.bytes += size
         if self.bytes > lim.max_bytes:
             raise ArchiveRefused(f"{self.what}: members expand past max_bytes={lim.max_bytes}")
+        if size and self.charge is not None:
+            self.charge(self.bytes)
 
 
 class _Gate:
@@ -116,6 +124,12 @@ def _refuse_pax(limit: int) -> type[tarfile.TarInfo]:
     return Checked
 
 
+def sparse_map(m: tarfile.TarInfo) -> list[tuple[int, int]]:
+    """(offset, length) of each data extent of a sparse member, as tarfile parsed them (typeshed calls the list bytes)."""
+    assert m.sparse is not None
+    return cast(list[tuple[int, int]], m.sparse)
+
+
 def _bad_path(name: str) -> bool:
     parts = name.split("/")
     return name.startswith("/") or ".." in parts
@@ -125,12 +139,13 @@ class TarStream:
     """One tar stream read member by member; each member is checked before it is returned and before any byte of it is
     relayed. With `relay`, `chunks()` hands out the checked raw bytes (to pass the archive on unchanged)."""
 
-    def __init__(self, source: Reader, budget: Budget, relay: bool = False, whiteouts: bool = False) -> None:
+    def __init__(self, source: Reader, budget: Budget, relay: bool = False, whiteouts: bool = False, holes_kept: bool = False) -> None:
         lim = budget.limits
         assert lim.max_bytes is not None and lim.max_path_bytes is not None
         self.budget = budget
         self.what = budget.what
         self.whiteouts = whiteouts
+        self.holes_kept = holes_kept
         self.gate = _Gate(source, lim.max_bytes, budget.what, relay)
         try:
             self.tar = tarfile.open(fileobj=self.gate, mode="r|", bufsize=CHUNK, tarinfo=_refuse_pax(HEADER_BUDGET))  # type: ignore[call-overload]
@@ -153,7 +168,28 @@ class TarStream:
             raise ArchiveRefused(f"{self.what}: member {m.name!r}: device files are refused")
         elif not (m.isreg() or m.isdir() or m.issym() or m.islnk() or m.isfifo()):
             raise ArchiveRefused(f"{self.what}: member {m.name!r}: unsupported type {m.type!r}")
-        self.budget.add(m.name, m.size if m.isreg() else 0)
+        size = m.size if m.isreg() else 0
+        if m.sparse is not None:
+            carried = self._check_sparse_map(m)
+            size = carried if self.holes_kept else size
+        self.budget.add(m.name, size)
+
+    def _check_sparse_map(self, m: tarfile.TarInfo) -> int:
+        """A sparse member's map must be ordered extents inside its length whose data fits the member's body; returns the
+        bytes of data it carries."""
+        end = 0
+        for offset, length in sparse_map(m):
+            if length == 0 and 0 <= offset <= m.size:
+                continue  # GNU tar writes empty entries (a file of holes, or its end); they carry nothing
+            if offset < end or length < 0 or offset + length > m.size:
+                raise ArchiveRefused(
+                    f"{self.what}: member {m.name!r}: sparse map entry ({offset}, {length}) is out of order, negative or past the file's length {m.size}"
+                )
+            end = offset + length
+        carried = sum(length for _, length in sparse_map(m))
+        if carried > self.tar.offset - m.offset_data:
+            raise ArchiveRefused(f"{self.what}: member {m.name!r}: its sparse map names {carried} bytes of data, more than its body holds")
+        return carried
 
     def next(self) -> tarfile.TarInfo | None:
         """The next checked member (its data readable with `extract` until the following call), or None at the end."""
@@ -163,7 +199,7 @@ class TarStream:
         except (tarfile.TarError, EOFError, ValueError) as e:
             if isinstance(e, ArchiveRefused):
                 raise
-            raise ArchiveRefused(f"{self.what}: malformed tar ({e})") from e
+            raise ArchiveRefused(f"{self.what}: malformed tar: a header, pax record or sparse map could not be parsed ({type(e).__name__}: {e})") from e
         self.tar.members.clear()  # tarfile keeps every member; a stream needs none of them
         if m is None:
             self._finish()
@@ -182,6 +218,21 @@ class TarStream:
         if f is None:
             raise ArchiveRefused(f"{self.what}: member {m.name!r}: expected a regular file")
         return f
+
+    def sparse_data(self, m: tarfile.TarInfo) -> Iterator[tuple[int, bytes]]:
+        """A sparse member's data as (file offset, chunk), read straight from the stream: holes are never materialised."""
+        fileobj = self.tar.fileobj
+        assert fileobj is not None
+        if fileobj.tell() != m.offset_data:
+            fileobj.seek(m.offset_data)  # forward only: the map was read, the data follows
+        for offset, length in sparse_map(m):
+            while length > 0:
+                chunk = fileobj.read(min(CHUNK, length))
+                if not chunk:
+                    raise ArchiveRefused(f"{self.what}: truncated member {m.name!r}")
+                yield offset, chunk
+                offset += len(chunk)
+                length -= len(chunk)
 
     def _skip_data(self) -> None:
         """Read the current member's data up to the next header in chunks (so relayed bytes leave as they arrive)."""

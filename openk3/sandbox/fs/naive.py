@@ -7,9 +7,9 @@ produce the same trees (tests compare digests), and benchmarks/sandbox.py measur
 from __future__ import annotations
 
 import os
-import shutil
 
 from openk3.sandbox.fs import tree
+from openk3.sandbox.fs.safetree import DIR_FLAGS, Tree
 
 
 def snapshot(root: str, dst: str) -> None:
@@ -18,17 +18,13 @@ def snapshot(root: str, dst: str) -> None:
 
 
 def restore(snap: str, root: str) -> None:
-    """Make `root` identical to `snap`: empty it, then copy everything back."""
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    for name in os.listdir(snap):
-        src = os.path.join(snap, name)
-        st = os.lstat(src)
-        if os.path.isdir(src) and not os.path.islink(src):
-            tree.copy_tree(src, os.path.join(root, name))
-        else:
-            tree.copy_entry(src, os.path.join(root, name), st)
+    """Make `root` identical to `snap`: empty it, then copy everything back (following no symlink of either tree)."""
+    with Tree(root) as target, Tree(snap) as source:
+        listing = target.open("", DIR_FLAGS)
+        try:
+            names = os.listdir(listing)
+        finally:
+            os.close(listing)
+        for name in names:
+            target.remove(name)
+        tree.copy_into(source, target)

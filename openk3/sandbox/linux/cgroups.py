@@ -251,7 +251,13 @@ def kill_under(path: str, v2: bool, keep: frozenset[int] = frozenset()) -> None:
                 except ProcessLookupError:
                     pass
     finally:
-        freeze(path, v2, frozen=False)
+        if v2:
+            freeze(path, v2, frozen=False)
+        else:
+            # A v1 cgroup frozen by itself (a sandbox frozen mid-snapshot when its daemon died) stays frozen when its parent
+            # thaws (freezer.self_freezing), so its killed processes would never run to their death: thaw every level.
+            for dirpath, _dirs, _files in os.walk(path):
+                freeze(dirpath, v2, frozen=False)
 
 
 def remove_tree(root: str) -> None:

@@ -25,6 +25,9 @@ C_SOURCE = r"""
        above 2, changes to CWD and execs ARGV with exactly the variables ENV (PATH lookup inside the sandbox); the parent
        exits as the child did. With enter-tty, stdin must be a terminal (the slave of a pty of the sandbox's own devpts),
        which the child makes the controlling terminal of its new session, so job control and Ctrl-C work as in a terminal.
+   userns
+       unshare a user namespace (no ids mapped yet), print "ready" and wait in it until stdin closes; the daemon writes
+       its uid_map and gid_map and opens /proc/<pid>/ns/user meanwhile (it cannot unshare itself: it has threads).
    Exit status 125 with a line "openk3-enter: ..." on stderr: the sandbox could not be entered and no part of ARGV ran. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -74,7 +77,7 @@ static long number(const char *s, const char *what) {
 static void need(int ok) {
     if (!ok) {
         errno = EINVAL;
-        die("usage: spawn UID NPROCS PROCS... ARGV... | enter[-tty] PIDFD PID BPF SPECFD NPROCS PROCS...");
+        die("usage: spawn UID NPROCS PROCS... ARGV... | enter[-tty] PIDFD PID BPF SPECFD NPROCS PROCS... | userns");
     }
 }
 
@@ -290,6 +293,22 @@ static int enter(int argc, char **argv, int tty) {
     return 128 + WTERMSIG(status);
 }
 
+static int userns(int argc) {
+    need(argc == 2);
+    if (unshare(CLONE_NEWUSER) != 0)
+        die("unshare a user namespace");
+    if (write(1, "ready\n", 6) != 6)
+        die("say ready");
+    char b;
+    for (;;) {
+        ssize_t n = read(0, &b, 1);
+        if (n == 0)
+            return 0;
+        if (n < 0 && errno != EINTR)
+            die("wait for stdin to close");
+    }
+}
+
 int main(int argc, char **argv) {
     need(argc >= 2);
     if (strcmp(argv[1], "spawn") == 0)
@@ -298,6 +317,8 @@ int main(int argc, char **argv) {
         return enter(argc, argv, 0);
     if (strcmp(argv[1], "enter-tty") == 0)
         return enter(argc, argv, 1);
+    if (strcmp(argv[1], "userns") == 0)
+        return userns(argc);
     need(0);
     return ENTER_FAILED;
 }

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from openk3.sandbox.linux import proc, syscalls
+from openk3.sandbox.linux import proc, ptys, syscalls
 from openk3.sandbox.linux.cgroups import CgroupSet
 from openk3.sandbox.linux.helper import ENTER_ERROR_PREFIX, ENTER_FAILED, HOST_ENV, Helper, command_argv, command_spec, environment
 from openk3.sandbox.namespace.bwrap import init_argv
@@ -54,6 +54,8 @@ class Instance:
         bwrap: str,
         helper: Helper,
         uid: int | None,
+        idmap: int | None,
+        max_ptys: int,
         init_timeout_s: float = 10.0,
     ) -> None:
         self.sid = sid
@@ -66,7 +68,9 @@ class Instance:
         self.workdir = workdir
         self.bwrap = bwrap
         self.helper = helper
-        self.uid = uid  # host uid of the sandbox's root; None = host root
+        self.uid = uid  # host uid of the sandbox's root, its own (uids.py); None = host root
+        self.idmap = idmap  # user namespace mapping the layers' owner to `uid` (the pool's fd); None = layers as they are
+        self.max_ptys = max_ptys  # the `max=` of its /dev/pts (linux/ptys.py)
         self.init_timeout_s = init_timeout_s
         self.lock = threading.RLock()
         self.init: subprocess.Popen[bytes] | None = None
@@ -85,9 +89,10 @@ class Instance:
     def mount_root(self, layer_paths: list[str]) -> None:
         """tmpfs (the quota) + overlay of `layer_paths` (bottom first) over the base rootfs.
 
-        The sandbox's tmpfs is 0710 root:<sandbox gid>: bwrap, running as the sandbox uid, must resolve the root's path (see
-        settings.check_traversable), and no other host user may reach its files, although the path is in the host's
-        mountinfo. `shm` (its /dev/shm) belongs to the sandbox's root, mode 0700, like the rest of its tree.
+        The sandbox's tmpfs is 0710 root:<its gid>: bwrap, running as the sandbox's uid, must resolve the root's path (see
+        settings.check_traversable), and no other host user (another sandbox's uid included) may reach its files, although
+        the path is in the host's mountinfo. `shm` (its /dev/shm) and the upper belong to the sandbox's root, as the lower
+        layers seem to through their idmapped mounts.
         """
         os.makedirs(self.dir, exist_ok=True)
         group, mode = (0, "0700") if self.uid is None else (self.uid, "0710")
@@ -99,7 +104,8 @@ class Instance:
             if self.uid is not None:
                 for d in ("u", "shm"):  # the merged "/" takes the upper root's owner
                     os.chown(os.path.join(self.dir, d), self.uid, self.uid)
-            syscalls.mount_overlay(self.merged, [*reversed(layer_paths), self.base], os.path.join(self.dir, "u"), os.path.join(self.dir, "w"))
+            lowers = [*reversed(layer_paths), self.base]
+            syscalls.mount_overlay(self.merged, lowers, os.path.join(self.dir, "u"), os.path.join(self.dir, "w"), self.idmap)
         except OSError:
             syscalls.umount(self.dir, detach=True)
             raise
@@ -122,7 +128,8 @@ class Instance:
             return f"x{self._next_leaf}"
 
     def start_init(self) -> None:
-        """Start bwrap as the sandbox uid inside the sandbox's cgroups, wait for "ready", then pin the init with a pidfd.
+        """Start bwrap as the sandbox uid inside the sandbox's cgroups, wait for "ready", pin the init with a pidfd, then cap
+        its ptys (linux/ptys.py).
 
         openk3-enter joins the cgroups before it execs bwrap, so bwrap's cgroup namespace is rooted at the sandbox's own
         cgroup (no host cgroup path is visible inside) and nothing runs outside the limits even for a moment.
@@ -162,6 +169,12 @@ class Instance:
             with os.fdopen(info_r, "rb") as info:
                 pid = wait_ready(out.fileno(), info.fileno(), self.init_timeout_s)
                 self.init_pidfd = pin(pid, self.init.pid)
+            try:
+                early = ptys.cap(pid, self.init_pidfd, self.max_ptys)
+            except OSError as e:
+                raise StartupError(f"capping its ptys at sandbox_ptys={self.max_ptys}: {e}") from e
+            if early:
+                raise StartupError(f"it opened ptys {early[:8]} before they were capped at sandbox_ptys={self.max_ptys}")
         except StartupError as e:
             # The helper first (if the deadline passed before it joined the cgroups, a cgroup kill would miss it), then the
             # whole sandbox: whatever the init started must not outlive the failed start.
@@ -171,6 +184,9 @@ class Instance:
             self.init.wait()
             self._close_stdin()
             self.init = None
+            if self.init_pidfd is not None:
+                os.close(self.init_pidfd)
+                self.init_pidfd = None
             raise SandboxError(f"sandbox {self.sid}: init failed to start: {e}") from e
         out.close()
         self.init_pid = pid
@@ -285,6 +301,11 @@ class Instance:
     def disk_used(self) -> int:
         st = os.statvfs(self.dir)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def disk_full(self) -> bool:
+        """Its disk quota is (all but) used up: less than 64 KiB or no inode left, as after a write that hit ENOSPC."""
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
 
     def teardown(self) -> None:
         """Everything this instance holds on the host, in reverse order of creation: processes, mounts, cgroups."""

@@ -27,6 +27,7 @@ from openk3.sandbox.namespace import recovery, statedir
 from openk3.sandbox.namespace.instance import Instance
 from openk3.sandbox.namespace.settings import BackendConfig, check_traversable, check_unshared_id
 from openk3.sandbox.namespace.standby import Standbys
+from openk3.sandbox.namespace.uids import UidPool, running_uids
 from openk3.sandbox.protocol import (
     Conflict,
     ExecResult,
@@ -69,14 +70,14 @@ class SandboxLifecycle:
                 raise Unsupported("cgroups='v1': this host has no v1 freezer hierarchy")
         self.bwrap = features.bwrap
         if config.sandbox_uid is not None:
-            check_unshared_id(config.sandbox_uid)
+            check_unshared_id(config.sandbox_uid, config.sandbox_uids)
         # The cache holds the helper the daemon runs as root and the base of every sandbox: only root may be able to change it.
         helper.check_private_dir(config.cache_dir, "cache_dir")
         self.helper = helper.Helper(helper.build(config.cache_dir), seccomp.program().hex())
         self.base = rootfs.ensure_base(config.cache_dir, config.sandbox_uid or 0)
         self.state = os.path.realpath(config.state_dir)
         if config.sandbox_uid is not None:
-            check_traversable(self.state, config.sandbox_uid)
+            check_traversable(self.state)
         # The state tmpfs and its instance name: fresh, or a killed predecessor's taken back with its layers and snapshot
         # manifests (backend.py reloads those) after its sandboxes' mounts, processes and cgroups are gone (statedir.py).
         self.state_dir = statedir.open_state(self.state, self.layout, config.store_bytes, config.sandbox_uid)
@@ -85,14 +86,18 @@ class SandboxLifecycle:
         # Other dead instances (a daemon killed on another state dir, or on this one before it was moved) leave mounts and
         # cgroups that no start on their own dir may ever clean: remove them here.
         recovery.clean_dead_instances(self.layout, keep=self.instance_name)
-        # 0710 root:<sandbox gid> down to each sandbox's root: bwrap, running as the sandbox uid, must resolve that path (the
-        # paths are in the host's mountinfo, so hiding names would not help), and no other host user may pass at all; the
-        # layer store (layers.py) is 0700, reachable by the overlays (mounted by root) and by nothing else.
-        group, mode = (0, 0o700) if config.sandbox_uid is None else (config.sandbox_uid, 0o710)
+        # Made once those are gone (see uids.py): an id still running a process now is skipped.
+        self.uids: UidPool | None = None
+        if config.sandbox_uid is not None:
+            pool_end = config.sandbox_uid + config.sandbox_uids
+            self.uids = UidPool(config.sandbox_uid, config.sandbox_uids, self.helper.path, running_uids(config.sandbox_uid, pool_end))
+        # 0711 root down to sbx/, then 0710 root:<its gid> for each sandbox's own dir: bwrap, running as the sandbox's uid,
+        # must resolve its root's path (the paths are in the host's mountinfo, so hiding names would not help), nobody but
+        # root may list, and no other host user, another sandbox's uid included, may pass into a sandbox's dir; the layer
+        # store (layers.py) is 0700, reachable by the overlays (mounted by root) and by nothing else.
         sbx = os.path.join(self.state, "sbx")
         os.mkdir(sbx)
-        os.chown(sbx, 0, group)
-        os.chmod(sbx, mode)
+        os.chmod(sbx, 0o700 if config.sandbox_uid is None else 0o711)
         self.store = LayerStore(os.path.join(self.state, "layers"))
         self._lock = threading.Lock()
         self._boxes: dict[str, Instance] = {}
@@ -161,7 +166,9 @@ class SandboxLifecycle:
         self.store.incref(layers)
         box = None
         cg = None
+        uid: int | None = None
         try:
+            uid, idmap = self.uids.take() if self.uids is not None else (None, None)
             cg = cgroups.CgroupSet(self.layout, self.cg_prefix, name)
             cg.set_limits(limits.memory_bytes, limits.pids, limits.cpus)
             box = Instance(
@@ -176,22 +183,33 @@ class SandboxLifecycle:
                 workdir,
                 self.bwrap,
                 self.helper,
-                self.config.sandbox_uid,
+                uid,
+                idmap,
+                self.config.sandbox_ptys,
                 self.config.init_timeout_s,
             )
             box.start_init()
             return box
         except BaseException:
-            if box is not None:
-                box.teardown()
-            elif cg is not None:
-                cg.remove()
-            self.store.decref(layers)
+            try:
+                if box is not None:
+                    box.teardown()
+                elif cg is not None:
+                    cg.remove()
+                self._give_back_uid(uid)
+            finally:
+                self.store.decref(layers)
             raise
 
+    def _give_back_uid(self, uid: int | None) -> None:
+        if self.uids is not None and uid is not None:
+            self.uids.release(uid)
+
     def _release(self, box: Instance) -> None:
+        """Tear `box` down and give back its layers, and its uid once its processes are gone (teardown raises otherwise)."""
         try:
             box.teardown()
+            self._give_back_uid(box.uid)
         finally:
             self.store.decref(box.layers)
 
@@ -243,9 +261,8 @@ class SandboxLifecycle:
         if box is None or meta is None:
             raise NotFound(f"sandbox_id={sid!r}: no such sandbox on host {self.config.host}")
         try:
-            box.teardown()
+            self._release(box)
         finally:
-            self.store.decref(box.layers)
             self.standbys.wait(sid)
 
     def stats(self, sid: str) -> SandboxStats:

@@ -1,6 +1,7 @@
 """Snapshot manifests on the state tmpfs: what lets fs snapshots outlive the daemon process.
 
-One small JSON file per snapshot, `snapshots/<snapshot id>.json`, holding its SnapshotInfo (the layer digests, bottom first).
+One small JSON file per snapshot, `snapshots/<snapshot id>.json`, holding its SnapshotInfo (the layer digests, bottom first)
+and, for a snapshot of a sandbox, the settings that sandbox had (snapshot_settings.py: what a fork of the snapshot runs with).
 A manifest is written to a temporary name, fsynced and renamed into place, then the directory is fsynced: rename is atomic,
 so a reader sees either no manifest or a whole one, never a half-written one. A crash between the write and the rename leaves
 a `.tmp-*` file, which `load` deletes; a manifest that does not parse (a store that lost writes, a hand edit) is discarded
@@ -13,12 +14,19 @@ import json
 import os
 import re
 import uuid
+from typing import NamedTuple
 
-from openk3.sandbox.protocol import SnapshotInfo, SnapshotKind, to_jsonable
+from openk3.sandbox.namespace.snapshot_settings import SandboxSettings
+from openk3.sandbox.protocol import InvalidArgument, SnapshotInfo, SnapshotKind, to_jsonable
 
 VERSION = 1
 SUFFIX = ".json"
 TEMP_PREFIX = ".tmp-"
+
+
+class Recorded(NamedTuple):
+    info: SnapshotInfo
+    settings: SandboxSettings | None  # None: imported, or written before settings were kept
 
 
 class Manifests:
@@ -37,8 +45,11 @@ class Manifests:
         finally:
             os.close(fd)
 
-    def write(self, info: SnapshotInfo) -> None:
-        body = json.dumps({"version": VERSION, "snapshot": to_jsonable(info)}, sort_keys=True).encode()
+    def write(self, info: SnapshotInfo, settings: SandboxSettings | None = None) -> None:
+        doc = {"version": VERSION, "snapshot": to_jsonable(info)}
+        if settings is not None:
+            doc["settings"] = settings.to_json()
+        body = json.dumps(doc, sort_keys=True).encode()
         temp = os.path.join(self.root, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -62,9 +73,9 @@ class Manifests:
             return
         self._sync_dir()
 
-    def load(self) -> tuple[list[SnapshotInfo], list[tuple[str, str]]]:
+    def load(self) -> tuple[list[Recorded], list[tuple[str, str]]]:
         """Every whole manifest, and (file name, reason) for each one discarded (and deleted): temporaries and unreadable ones."""
-        good: list[SnapshotInfo] = []
+        good: list[Recorded] = []
         bad: list[tuple[str, str]] = []
         for name in sorted(os.listdir(self.root)):
             path = os.path.join(self.root, name)
@@ -73,18 +84,18 @@ class Manifests:
                 os.unlink(path)
                 continue
             try:
-                info = parse(path)
-                if name != info.snapshot_id + SUFFIX:
-                    raise ValueError(f"it names snapshot {info.snapshot_id!r}")
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                recorded = parse(path)
+                if name != recorded.info.snapshot_id + SUFFIX:
+                    raise ValueError(f"it names snapshot {recorded.info.snapshot_id!r}")
+            except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as e:
                 bad.append((name, f"unreadable manifest ({type(e).__name__}: {e})"))
                 os.unlink(path)
                 continue
-            good.append(info)
+            good.append(recorded)
         return good, bad
 
 
-def parse(path: str) -> SnapshotInfo:
+def parse(path: str) -> Recorded:
     with open(path, "rb") as f:
         doc = json.loads(f.read())
     if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("snapshot"), dict):
@@ -99,9 +110,19 @@ def parse(path: str) -> SnapshotInfo:
             raise ValueError(f"{key}: expected a string")
     if not isinstance(s["created_at"], (int, float)):
         raise ValueError("created_at: expected a number")
+    stored = s.get("stored_bytes", 0)  # absent from manifests written before store quotas: charged nothing
+    if not isinstance(stored, int) or isinstance(stored, bool) or stored < 0:
+        raise ValueError("stored_bytes: expected an integer >= 0")
     kind = SnapshotKind(s["kind"])
     if kind is not SnapshotKind.FS:
         raise ValueError(f"kind={kind.value!r}: only fs snapshots persist")
-    return SnapshotInfo(
-        snapshot_id=s["snapshot_id"], kind=kind, layers=tuple(layers), source=s["source"], created_at=float(s["created_at"]), captures=s["captures"]
+    info = SnapshotInfo(
+        snapshot_id=s["snapshot_id"],
+        kind=kind,
+        layers=tuple(layers),
+        source=s["source"],
+        created_at=float(s["created_at"]),
+        captures=s["captures"],
+        stored_bytes=stored,
     )
+    return Recorded(info, SandboxSettings.from_json(doc["settings"]) if "settings" in doc else None)

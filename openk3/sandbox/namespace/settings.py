@@ -25,12 +25,18 @@ class BackendConfig:
     # At most this many standbys at once (each an idle init, a tmpfs, an overlay and cgroups); beyond it the one prepared
     # longest ago goes, so 100 live snapshots do not mean 100 idle sandboxes.
     max_standbys: int = 16
-    # Host uid (and gid) that a sandbox's root maps to. Not 0: a process that escaped its mount namespace would otherwise own
-    # every root-owned host file. It must be nobody else's: no /etc/passwd user or group, no /etc/subuid or /etc/subgid range
-    # (checked at start), since whoever holds that id can read every sandbox's files. None runs sandboxes as host root
-    # (uid 0 mapped to 0): still without capabilities (bwrap --cap-drop ALL for the init, openk3-enter for commands), but an
-    # escape from the mount namespace would then own the host's root-owned files.
+    # Host ids of sandboxes (uid and gid alike): `sandbox_uid` (B) owns the base rootfs and the layers on disk, and each live
+    # sandbox runs as its own id from B+1..B+sandbox_uids-1 (namespace/uids.py), so per-uid kernel limits are per sandbox; at
+    # most sandbox_uids-1 sandboxes and standbys live at once. Not 0: a process that escaped its mount namespace would
+    # otherwise own every root-owned host file. The whole range must be nobody else's: no /etc/passwd user or group, no
+    # /etc/subuid or /etc/subgid range (checked at start), since whoever holds such an id could reach sandbox files. None
+    # runs sandboxes as host root (uid 0 mapped to 0): still without capabilities (bwrap --cap-drop ALL for the init,
+    # openk3-enter for commands), but an escape from the mount namespace would then own the host's root-owned files.
     sandbox_uid: int | None = 100_000
+    sandbox_uids: int = 65_536
+    # Pseudo-terminals one sandbox may have open at once (the `max=` of its own devpts, linux/ptys.py): every sandbox draws
+    # them from the host-wide kernel.pty.max (4096 by default, less kernel.pty.reserve), which no uid or namespace splits.
+    sandbox_ptys: int = 64
     # How long an init may take to say it is up before its sandbox is killed and the call fails: after a restore the init
     # runs the sandbox's own files, which may never say it.
     init_timeout_s: float = 10.0
@@ -53,6 +59,14 @@ class BackendConfig:
             raise InvalidArgument(f"default_ttl_s={self.default_ttl_s}: expected > 0")
         if self.sandbox_uid is not None and not 1 <= self.sandbox_uid < 2**32 - 1:
             raise InvalidArgument(f"sandbox_uid={self.sandbox_uid}: expected None (host root) or 1..2**32-2")
+        top = 2**32 - 1 - (self.sandbox_uid or 1)  # ids up to 2**32-2: (uid_t)-1 is no id
+        if not 2 <= self.sandbox_uids <= top:
+            raise InvalidArgument(
+                f"sandbox_uids={self.sandbox_uids}: expected 2..{top} (ids sandbox_uid..sandbox_uid+sandbox_uids-1 below 2**32-1; "
+                "one is the owner on disk, each other one a live sandbox)"
+            )
+        if not 0 <= self.sandbox_ptys <= 2**20:
+            raise InvalidArgument(f"sandbox_ptys={self.sandbox_ptys}: expected 0..2**20 (the kernel's ceiling for one devpts)")
         if not 0 < self.init_timeout_s <= 600:
             raise InvalidArgument(f"init_timeout_s={self.init_timeout_s}: expected 0 < init_timeout_s <= 600")
         if self.cgroups not in ("auto", "v1"):
@@ -64,15 +78,16 @@ class BackendConfig:
             raise InvalidArgument(f"host={self.host!r}: expected a host name without '@' or '/' (it ends every id)")
 
 
-def check_traversable(path: str, uid: int) -> None:
-    """bwrap runs as the sandbox uid and resolves the root's path, so every ancestor of the state dir must let it pass."""
+def check_traversable(path: str) -> None:
+    """bwrap runs as a sandbox's own uid and resolves its root's path, so every ancestor of the state dir must let every
+    uid of the pool pass: search permission for others (the dir itself is the daemon's, 0711)."""
     parent = os.path.dirname(path)
     while True:
         st = os.stat(parent)
-        if not (st.st_mode & 0o001 or st.st_uid == uid):
+        if not st.st_mode & 0o001:
             raise InvalidArgument(
-                f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not "
-                f"traversable by sandbox_uid={uid}; pick a state dir under /run or /tmp, or set sandbox_uid=None"
+                f"state_dir={path!r}: ancestor {parent!r} (mode {oct(st.st_mode & 0o777)}) is not traversable by the "
+                "sandbox uids (expected search permission for others, o+x); pick a state dir under /run or /tmp, or set sandbox_uid=None"
             )
         if parent == "/":
             return
@@ -90,28 +105,30 @@ def _id_files(etc: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def check_unshared_id(uid: int, etc: str = "/etc") -> None:
-    """Refuse a sandbox uid that a host user or group has, or that a subordinate id range hands out.
+def check_unshared_id(uid: int, count: int = 1, etc: str = "/etc") -> None:
+    """Refuse sandbox ids uid..uid+count-1 if a host user or group has one, or a subordinate id range hands one out.
 
-    Every sandbox's root is that uid (and gid) on the host, and the sandbox dirs are open to that group (instance.py): a user
-    with that id, in that group, or allowed to map it in a user namespace of their own (newuidmap) could read and change
-    every sandbox's files.
+    Each sandbox's root is one of those ids (uid and gid) on the host, its dir is open to that group (instance.py), and the
+    first owns every layer: a user with such an id, in such a group, or allowed to map one in a user namespace of their own
+    (newuidmap) could read and change sandbox files.
     """
+    end = uid + count
     for name, lines in _id_files(etc):
         for line in lines:
             fields = line.split(":")
             try:
-                if name == "passwd" and uid in (int(fields[2]), int(fields[3])):
+                if name == "passwd" and any(uid <= int(i) < end for i in fields[2:4]):
                     hit = f"user {fields[0]!r} (uid {fields[2]}, gid {fields[3]})"
-                elif name == "group" and int(fields[2]) == uid:
-                    hit = f"group {fields[0]!r}"
-                elif name in ("subuid", "subgid") and int(fields[1]) <= uid < int(fields[1]) + int(fields[2]):
+                elif name == "group" and uid <= int(fields[2]) < end:
+                    hit = f"group {fields[0]!r} (gid {fields[2]})"
+                elif name in ("subuid", "subgid") and int(fields[1]) < end and uid < int(fields[1]) + int(fields[2]):
                     hit = f"the range of {fields[0]!r} ({fields[1]}, {fields[2]} ids)"
                 else:
                     continue
             except (IndexError, ValueError):
                 continue  # a malformed line names no id
             raise InvalidArgument(
-                f"sandbox_uid={uid}: {os.path.join(etc, name)} gives it to {hit}, who could then read and change every "
-                "sandbox's files; pick an id no user, group or subordinate range uses (openk3 sandbox serve --sandbox-uid)"
+                f"sandbox_uid={uid}, sandbox_uids={count}: {os.path.join(etc, name)} gives ids of {uid}..{end - 1} to {hit}, who "
+                "could then read and change sandbox files; pick a range no user, group or subordinate range uses (openk3 "
+                "sandbox serve --sandbox-uid, --sandbox-uids)"
             )

@@ -28,8 +28,9 @@ class StateDir:
 
 
 def open_state(path: str, layout: cgroups.Layout, store_bytes: int, sandbox_uid: int | None) -> StateDir:
-    """The state tmpfs at `path` (a realpath), 0700 root or 0710 root:<sandbox gid> (see docs/sandbox.md, Root)."""
-    group, mode = (0, 0o700) if sandbox_uid is None else (sandbox_uid, 0o710)
+    """The state tmpfs at `path` (a realpath), 0700 root, or 0711 root when sandboxes run as their own uids, which must pass
+    on their way to their roots (see docs/sandbox.md, Root)."""
+    mode = 0o700 if sandbox_uid is None else 0o711
     flags = syscalls.MS_NOSUID | syscalls.MS_NODEV
     name = recovery.state_mounts().get(path)
     if name is not None:
@@ -38,7 +39,7 @@ def open_state(path: str, layout: cgroups.Layout, store_bytes: int, sandbox_uid:
             recovery.unmount_below(path)
             recovery.remove_cgroups(layout, name)
             syscalls.mount("none", path, None, MS_REMOUNT | flags, f"size={store_bytes}")
-            os.chown(path, 0, group)
+            os.chown(path, 0, 0)
             os.chmod(path, mode)
             shutil.rmtree(os.path.join(path, "sbx"), ignore_errors=True)
         except BaseException:
@@ -50,6 +51,6 @@ def open_state(path: str, layout: cgroups.Layout, store_bytes: int, sandbox_uid:
         syscalls.umount(point, detach=True)
     os.makedirs(path, exist_ok=True)
     name = recovery.new_name()
-    syscalls.mount(recovery.SOURCE_PREFIX + name, path, "tmpfs", flags, f"size={store_bytes},mode={mode:04o},uid=0,gid={group}")
+    syscalls.mount(recovery.SOURCE_PREFIX + name, path, "tmpfs", flags, f"size={store_bytes},mode={mode:04o},uid=0,gid=0")
     syscalls.make_private(path)
     return StateDir(path, name, recovery.InstanceLock.take_or_refuse(path, name), reopened=False)

@@ -20,6 +20,7 @@ from openk3.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensD
 from openk3.serve.frontend import AsyncEngine, RequestStream
 from openk3.serve.output import OutputKind, RequestOutput
 from openk3.serve.request import TokenLogprobs
+from openk3.serve.request_ids import sample_id
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.structured.compiler import GrammarCompiler, GrammarError
 from openk3.serve.structured.spec import Grammar, StructuredOutputs
@@ -195,7 +196,7 @@ async def open_updates(frontend: AsyncEngine, request_id: str, jobs: list[Engine
     streams: list[RequestStream] = []
     try:
         for i, job in enumerate(jobs):
-            engine_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
+            engine_id = request_id if len(jobs) == 1 else sample_id(request_id, i)
             streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind))
     except BaseException:
         for stream in streams:

@@ -1,10 +1,10 @@
 """LLMEngine, the engine core: scheduler, cache and runner stepped together, on token ids only.
 
 `add_request` queues a prompt of token ids (one sample); `step` schedules, runs the model, appends the sampled tokens, applies
-the token stop rules and reports per request only what is new (EngineCoreOutput: the new token ids, their logprobs, why it
-ended); `finish` and `abort` end a request anywhere in its life. Stop rules here, in vLLM's order: length (max_tokens or
-max_model_len) first, then -- once min_tokens are out -- stop tokens (EOS unless ignore_eos, and stop_token_ids). Text, stop
-strings and n samples belong to the OutputProcessor (output.py), which finishes a request whose stop string it finds.
+every stop rule (serve/stopping.py: length, stop tokens, stop strings, and the text they need) and reports per request only
+what is new (EngineCoreOutput: the new token ids, their logprobs and text, why it ended); `finish` and `abort` end a request
+anywhere in its life. The n samples of a caller's request and how text reaches callers belong to the OutputProcessor
+(output.py).
 Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine.
 """
 
@@ -29,6 +29,7 @@ from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler
+from openk3.serve.stopping import RequestText, token_stop
 from openk3.serve.tokenizer import Tokenizer
 
 
@@ -146,6 +147,7 @@ class LLMEngine:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
             self.runner.graphs = DecodeGraphs(self.runner.model, self.cache, capture, max_batch, self.max_model_len, self.device)
+        self._texts: dict[str, RequestText] = {}  # each unfinished request's text and stop strings (stopping.py)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
@@ -160,7 +162,9 @@ class LLMEngine:
         self.check_prompt(ids)
         # a seeded request draws from its own generator, made where the sampler draws (the model's device)
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
-        self.scheduler.add_request(Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator))
+        req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator)
+        self._texts[request_id] = RequestText(self.tokenizer, ids, params)
+        self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -179,6 +183,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(request_id, status)
+        self._texts.pop(request_id, None)
         req.timings.finished = time.monotonic()
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()  # a request the output processor finished (a stop string) can be the last one
@@ -239,15 +244,6 @@ class LLMEngine:
             prefix_cache=prefix_cache_stats(self.cache),
         )
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.sampling_params
-        if req.num_tokens >= self.max_model_len or (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens):
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_output_tokens >= p.min_tokens and token in req.stop_token_ids:
-            req.stop_reason = None if token == self._eos and token not in p.stop_token_ids else token
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
     def step(self) -> list[EngineCoreOutput]:
         """One scheduling step; returns an output for each request that received a token (with only that token)."""
         out = self.scheduler.schedule()
@@ -259,21 +255,29 @@ class LLMEngine:
         result = self.runner.execute(out)
         outputs = []
         now = time.monotonic()
-        for req in self.scheduler.update_from_output(out, result):
+        for req in self.scheduler.update_from_output(out, result.token_ids):
             self._generation_tokens_total += 1
-            token = req.output_token_ids[-1]
+            token = req.token_ids[-1]
             if req.timings.first_token is None:
                 req.timings.first_token = now
             req.timings.last_token = now
             lp = result.logprobs.get(req.request_id)
             logprobs = None if lp is None else (lp,)
-            status = self._stop_status(req, token)
+            status = token_stop(req, token, self.max_model_len, self._eos)
+            text = self._texts[req.request_id].add(token, status, req.num_output_tokens)
+            if text.stop is not None:  # a stop string wins over the length
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, text.stop
             metrics = None
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
+                del self._texts[req.request_id]
                 req.timings.finished = now
                 metrics = req.metrics()
-            outputs.append(EngineCoreOutput(req.request_id, (token,), logprobs, req.num_cached_tokens, req.status.finish_reason, req.stop_reason, metrics))
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id, (token,), logprobs, req.num_cached_tokens, req.status.finish_reason, req.stop_reason, metrics, text.text, text.dropped
+                )
+            )
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs

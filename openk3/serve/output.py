@@ -1,17 +1,14 @@
-"""OutputProcessor: from the engine core's per-step token ids to what callers see -- text, stop strings, the n samples.
+"""OutputProcessor: from the engine core's per-step outputs to what callers see -- the n samples, text as a whole or as deltas.
 
-The core (engine.py) reports per step only what changed: each request's new token ids, their logprobs, and why it ended
-(a stop token or the length). Everything else happens here, once, for `LLM` and the server alike:
+The core (engine.py) reports per step only what changed: each request's new token ids, their logprobs, the text they add
+and why it ended; every stop rule, stop strings included, and the text they need are the core's (stopping.py). What is
+left happens here, once, for `LLM` and the server alike:
 
-- n fan-out: a caller's request with n > 1 becomes n core requests "{i}_{id}" with seeds seed + i (vLLM's rule); their
-  outputs are regrouped under the caller's id, completions in index order.
-- Detokenisation (one IncrementalDetokenizer per sample). A stop token's own text is left out unless
-  include_stop_str_in_output.
-- Stop strings, once min_tokens are out: looked for where the new text ends, over the last max(len(stop)) - 1 characters
-  before it and the new text, so the work per step does not grow with the text. The text is cut before the stop string
-  (after it with include_stop_str_in_output), the core request is finished, and a stop string wins over the length.
-- Hold-back: a streamed sample keeps its last max(len(stop)) - 1 characters unsent while it may still grow into a stop
-  string (none with include_stop_str_in_output, when nothing would be cut), so a stream never shows text that is cut later.
+- n fan-out: a caller's request with n > 1 becomes n core requests "{id}-{i}" (request_ids.py) with seeds seed + i (vLLM's
+  rule); their outputs are regrouped under the caller's id, completions in index order.
+- Hold-back: a streamed sample keeps its last max(len(stop)) - 1 characters unsent while they may still turn out to start
+  a stop string (none with include_stop_str_in_output, when nothing would be cut), so a stream never shows text the core
+  cuts later (the core reports such a cut as `text_dropped` characters, always within what was held back).
 - Output kinds (vLLM's RequestOutputKind): DELTA -- every step, only what is new (the server's streams); FINAL_ONLY -- one
   output when every sample has ended, whole (LLM.generate, non-streaming responses).
 
@@ -36,8 +33,8 @@ from openk3.serve.output_types import (
     hold_back,
 )
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus, TokenLogprobs
+from openk3.serve.request_ids import sample_id
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.tokenizer import IncrementalDetokenizer
 
 __all__ = ["CompletionOutput", "FinishedRequest", "IterationStats", "OutputKind", "OutputProcessor", "RequestOutput", "find_stop_string", "hold_back"]
 
@@ -47,14 +44,11 @@ class _Sample:
     index: int
     core_id: str
     params: SamplingParams
-    detok: IncrementalDetokenizer
-    window: int  # max(len(stop)) - 1: the text a stop string ending in new text can reach back into
     hold: int
     streamed: bool  # DELTA: keep `unsent`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     parts: list[str] = field(default_factory=list)  # the whole text, for FINAL_ONLY (joined once, at the end)
-    tail: str = ""  # the last `window` characters of the text
     unsent: str = ""  # DELTA: text not yet sent (at most `hold` characters between steps)
     num_sent_tokens: int = 0  # DELTA: token ids (and logprobs) already sent
     last_token_time: float | None = None
@@ -81,8 +75,6 @@ class _Sample:
             self.parts.append(new)
             if self.streamed:
                 self.unsent += new
-        if self.window and not drop:  # after a drop the sample has ended: nothing is looked for again
-            self.tail = (self.tail + new)[-self.window :]
 
 
 @dataclass(eq=False)
@@ -134,16 +126,14 @@ class OutputProcessor(Generic[EngineT]):
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
-        core_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        window = max((len(s) for s in params.stop), default=1) - 1
+        core_ids = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
         samples = []
         try:
             for i, core_id in enumerate(core_ids):
                 child = params if params.n == 1 else params.for_child(i)
                 self.engine.add_request(core_id, ids, child, group_id=request_id if params.n > 1 else None)
-                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
                 logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-                samples.append(_Sample(i, core_id, child, detok, window, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))
+                samples.append(_Sample(i, core_id, child, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))
         except BaseException:
             for s in samples:
                 self.engine.abort(s.core_id)
@@ -209,33 +199,16 @@ class OutputProcessor(Generic[EngineT]):
         if s.finished:
             stats.finished.append(_finished(s.finish_reason or "abort", s.metrics))
 
-    def _advance(self, group: _Group, s: _Sample, out: EngineCoreOutput) -> None:
+    @staticmethod
+    def _advance(group: _Group, s: _Sample, out: EngineCoreOutput) -> None:
         if s.index == 0:
             group.num_cached_tokens = out.num_cached_tokens
-        p = s.params
         s.token_ids.extend(out.new_token_ids)
         if s.logprobs is not None and out.new_logprobs is not None:
             s.logprobs.extend(out.new_logprobs)
-        ends_on_stop_token = out.finish_reason == "stop"
-        new = ""
-        for j, token in enumerate(out.new_token_ids):
-            if ends_on_stop_token and j == len(out.new_token_ids) - 1 and not p.include_stop_str_in_output:
-                continue  # a stop token's text is left out
-            new += s.detok.add(token)
         if out.finish_reason is not None:
-            new += s.detok.flush()
             s.finish_reason, s.stop_reason, s.metrics = out.finish_reason, out.stop_reason, out.metrics
-        drop = 0
-        if p.stop and len(s.token_ids) > p.min_tokens and new:
-            text = s.tail + new
-            found = find_stop_string(text, len(new), p.stop, p.include_stop_str_in_output)
-            if found is not None:
-                stop, cut = found
-                drop, new = max(0, len(s.tail) - cut), text[len(s.tail) : max(cut, len(s.tail))]
-                s.finish_reason, s.stop_reason = RequestStatus.FINISHED_STOPPED.finish_reason, stop
-                if out.finish_reason is None:
-                    s.metrics = self.engine.finish(s.core_id, RequestStatus.FINISHED_STOPPED)
-        s.add_text(new, drop)
+        s.add_text(out.new_text, out.text_dropped)
 
     def _output(self, group: _Group, samples: list[_Sample]) -> RequestOutput | None:
         if group.kind == OutputKind.FINAL_ONLY:

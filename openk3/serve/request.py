@@ -1,16 +1,16 @@
 """Request: one sequence in the engine core, and what the core reports about it after each step.
 
-Ownership: the engine creates a Request and appends sampled tokens; the scheduler alone changes `status` and
-`num_computed_tokens` (tokens whose cache is written). The scheduling rule needs nothing else: a request wants
-`num_tokens - num_computed_tokens` more tokens computed. Text, stop strings and the n samples of a caller's request are
-not the core's business: serve/output.py turns the core's per-step `EngineCoreOutput`s into what callers see.
+Ownership: the engine creates a Request; the scheduler alone changes `status` and `num_computed_tokens` (tokens whose
+cache is written) and appends sampled tokens. The scheduling rule needs nothing else: a request wants
+`num_tokens - num_computed_tokens` more tokens computed. Whether a token ends it, and the text it adds, are
+serve/stopping.py's (the core's); the n samples of a caller's request and how text reaches callers are serve/output.py's.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,37 +70,55 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
-@dataclass
 class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    stop_reason: int | None = None  # the stop token id that ended it (None for EOS and for every other end)
-    num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when seeded (on the engine's device); survives preemption: draws never repeat
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
-    group_id: str | None = None  # the caller's request when this is one of its n samples (the scheduler shares slots by it)
+    """One sample of a prompt in the engine core: its tokens (prompt, then what it sampled, in one list that grows in place),
+    its sampling parameters, its place in the schedule and its timings. The scheduler, the runner and the sampler all read
+    this one object; nothing keeps a copy of its tokens."""
 
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty; expected at least one token")
-        if self.sampling_params.n != 1:
-            n = self.sampling_params.n
-            raise ValueError(f"request {self.request_id!r}: n={n}; the engine core runs one sample per request (OutputProcessor fans n out)")
-        self.timings = RequestTimings(arrival=self.arrival_time)
-        if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        group_id: str | None = None,
+        generator: torch.Generator | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; expected at least one token")
+        if sampling_params.n != 1:
+            n = sampling_params.n
+            raise ValueError(f"request {request_id!r}: n={n}; the engine core runs one sample per request (OutputProcessor fans n out)")
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.group_id = group_id  # the caller's request when this is one of its n samples (the scheduler shares slots by it)
+        # prompt then outputs; the runner packs slices of it and the sampler reads it whole (penalties, grammars)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose cache is written: only the scheduler changes it
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS, length, abort)
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
+        self.timings = RequestTimings(arrival=time.monotonic() if arrival_time is None else arrival_time)
+        # per-request RNG when seeded (on the engine's device); survives preemption: draws never repeat
+        if generator is None and sampling_params.seed is not None:
+            generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.generator = generator
         # tokens that end the request once min_tokens are out (and are masked before that); fixed for its life
-        ids = set(self.sampling_params.stop_token_ids)
-        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
-            ids.add(self.eos_token_id)
+        ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            ids.add(eos_token_id)
         self.stop_token_ids = frozenset(ids)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens} computed)"
+
+    def append_output(self, token: int) -> None:
+        self.token_ids.append(token)
 
     @property
     def group(self) -> str:
@@ -108,20 +126,20 @@ class Request:
         return self.group_id if self.group_id is not None else self.request_id
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -177,9 +195,11 @@ class EngineCoreOutput:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprobs, ...] | None  # None unless the request asked for logprobs
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    finish_reason: str | None = None  # "stop" (a stop token) | "length"; None while running
-    stop_reason: int | None = None  # the stop token id (None for EOS)
+    finish_reason: str | None = None  # "stop" (a stop token or string) | "length"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string (None for EOS)
     metrics: RequestMetrics | None = None  # when finished
+    new_text: str = ""  # the text the new tokens add (serve/stopping.py), after dropping the last `text_dropped` characters
+    text_dropped: int = 0  # characters of text already reported that a stop string cut (never streamed: output.py holds them)
 
     @property
     def finished(self) -> bool:

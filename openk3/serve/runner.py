@@ -1,12 +1,13 @@
-"""ModelRunner: applies the scheduler's diff to its own copy of the running requests, packs the step into one
-variable-length ForwardBatch (sequences end to end, no padding), runs the model under inference_mode and samples. With
-decode graphs (serve/graphs.py) a decode step that fits a bucket is replayed from its graph instead.
+"""ModelRunner: packs one step of the scheduler's plan into a variable-length ForwardBatch (sequences end to end, no padding),
+runs the model under inference_mode and samples. With decode graphs (serve/graphs.py) a decode step that fits a bucket is
+replayed from its graph instead.
 
 A model that is an nn.Module gets the serving layout when the runner is built (serve/prepare.py: the named ops, fused
 projections, and on CPU with pack_cpu_weights oneDNN's blocked weights); a multi-rank driver's ranks have prepared theirs
 at start-up, so ops named for a model that is not a module are an error (its ranks take them: RankModelSpec.ops).
-It keeps, per request, the tokens (it appends what it samples, so a decode step needs no token from the scheduler), the slot
-and the page list. A request samples when its computed tokens catch up with its tokens this step; only those rows get logits.
+The runner keeps no request state: it reads each scheduled Request (its tokens and computed count) and the cache (its slot
+and pages), and changes none of them; the scheduler applies what was sampled. A request samples when its computed tokens
+catch up with its tokens this step; only those rows get logits.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.op_names import format_op_names
 from openk3.serve.prepare import prepare_for_serving
-from openk3.serve.request import TokenLogprobs
+from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
-from openk3.serve.sampling import SamplingParams
-from openk3.serve.scheduler import RunnerOutput, SchedulerOutput
+from openk3.serve.scheduler import SchedulerOutput
 
 
 class CausalLM(Protocol):
@@ -39,16 +39,13 @@ class CausalLM(Protocol):
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
 
-@dataclass
-class _RunningState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    slot: int
-    page_ids: list[int]
-    num_computed_tokens: int
+@dataclass(frozen=True)
+class StepSamples:
+    """What a step sampled: request id -> token, for the requests whose computed tokens caught up, and their logprobs
+    (only for requests that asked)."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
 
 
 class ModelRunner:
@@ -72,54 +69,30 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.device = torch.device(device)
-        self._reqs: dict[str, _RunningState] = {}
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
 
-    @property
-    def num_known(self) -> int:
-        return len(self._reqs)
-
-    def _apply_diff(self, out: SchedulerOutput) -> None:
-        for req_id in out.forget_request_ids:
-            self._reqs.pop(req_id, None)
-        for nr in out.new_requests:
-            self._reqs[nr.request_id] = _RunningState(
-                token_ids=list(nr.token_ids),
-                num_prompt_tokens=nr.num_prompt_tokens,
-                params=nr.sampling_params,
-                stop_token_ids=nr.stop_token_ids,
-                generator=nr.generator,
-                slot=nr.slot,
-                page_ids=list(nr.page_ids),
-                num_computed_tokens=nr.num_computed_tokens,
-            )
-        for cr in out.cached_requests:
-            st = self._reqs[cr.request_id]
-            if st.num_computed_tokens != cr.num_computed_tokens:
-                raise AssertionError(f"runner vs scheduler on {cr.request_id}: {st.num_computed_tokens} vs {cr.num_computed_tokens}")
-            st.page_ids.extend(cr.new_page_ids)
-
-    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[str]]:
-        """The packed step and the ids of the requests that sample, in logits-row order."""
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
+        """The packed step and the requests that sample, in logits-row order."""
         ids: list[int] = []
         positions: list[int] = []
         cu = [0]
-        context_lens, slots, page_rows, sampling, logits_rows = [], [], [], [], []
-        for req_id, n in out.num_scheduled_tokens.items():
-            st = self._reqs[req_id]
-            c = st.num_computed_tokens
-            if c + n > len(st.token_ids):
-                raise AssertionError(f"{req_id}: scheduled {n} tokens from {c} but only {len(st.token_ids)} are known")
-            if self.cache.pages_for(c + n) > len(st.page_ids):
-                raise AssertionError(f"{req_id}: {c + n} tokens need {self.cache.pages_for(c + n)} pages, holds {len(st.page_ids)}")
-            ids.extend(st.token_ids[c : c + n])
+        context_lens, slots, page_rows, logits_rows = [], [], [], []
+        sampling: list[Request] = []
+        for req, n in zip(out.requests, out.num_tokens, strict=True):
+            c = req.num_computed_tokens
+            if c + n > req.num_tokens:
+                raise AssertionError(f"{req.request_id}: scheduled {n} tokens from {c} but only {req.num_tokens} are known")
+            pages = self.cache.page_ids(req.request_id)
+            if self.cache.pages_for(c + n) > len(pages):
+                raise AssertionError(f"{req.request_id}: {c + n} tokens need {self.cache.pages_for(c + n)} pages, holds {len(pages)}")
+            ids.extend(req.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             cu.append(cu[-1] + n)
             context_lens.append(c)
-            slots.append(st.slot)
-            page_rows.append(st.page_ids)
-            if c + n == len(st.token_ids):
-                sampling.append(req_id)
+            slots.append(self.cache.slot(req.request_id))
+            page_rows.append(pages)
+            if c + n == req.num_tokens:
+                sampling.append(req)
                 logits_rows.append(cu[-1] - 1)
         # Entries past a request's own pages are never read (the model only touches pages covering its positions).
         width = max(len(p) for p in page_rows)
@@ -139,10 +112,11 @@ class ModelRunner:
         )
         return batch, sampling
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self._apply_diff(out)
+    def execute(self, out: SchedulerOutput) -> StepSamples:
+        """Run one planned step: forward the packed batch and sample the rows whose requests caught up. Requests are read,
+        never changed (the scheduler's update_from_output advances them)."""
         if out.is_empty:
-            return RunnerOutput({}, {})
+            return StepSamples({}, {})
         batch, sampling = self.build_batch(out)
         with torch.inference_mode():
             bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
@@ -151,16 +125,7 @@ class ModelRunner:
                 logits = self.graphs.run(batch, bucket)
             else:
                 logits = self.model(batch, self.cache.tensors)
-            for req_id, n in out.num_scheduled_tokens.items():
-                self._reqs[req_id].num_computed_tokens += n
-            states = [(r, self._reqs[r]) for r in sampling]
-            rows = [SamplingRow(st.params, st.generator, st.token_ids, st.num_prompt_tokens, st.stop_token_ids, r) for r, st in states]
+            rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
             result = self.sampler(logits, rows)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
-        for req_id, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            self._reqs[req_id].token_ids.append(token)
-            sampled[req_id] = token
-            if lp is not None:
-                logprobs[req_id] = lp
-        return RunnerOutput(sampled, logprobs)
+        logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
+        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs)

@@ -8,8 +8,8 @@ queue, recomputed from token 0 later). Then, if nothing was preempted, waiting r
 pages, budget and `max_num_seqs` allow, in FIFO order with one exception that keeps one caller from starving the rest:
 the n samples of one caller's request (its `group`) take turns with other requests -- the next admitted is the waiting
 request whose group has the fewest running samples (preempted ones first, then arrival order). With n = 1 everywhere
-that is plain FIFO. What goes to the runner is a diff: requests it has not seen (all their tokens, slot and pages), page
-ids added to the ones it knows, the tokens to compute per request, and the ids it must forget.
+that is plain FIFO. What goes to the runner is the plan of the step: the scheduled requests themselves, in batch order,
+with the tokens each computes; the runner reads their tokens from the Request and their slot and pages from the cache.
 Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
 hit), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points and fixed intervals always,
 and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States
@@ -24,12 +24,9 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
-from openk3.serve.request import Request, RequestStatus, TokenLogprobs
-from openk3.serve.sampling import SamplingParams
+from openk3.serve.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -45,47 +42,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class NewRequestData:
-    """A request the runner has not seen (first admission, or again after preemption)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # prompt + outputs so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    slot: int
-    page_ids: tuple[int, ...]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True)
-class CachedRequestData:
-    request_id: str
-    new_page_ids: tuple[int, ...]
-    num_computed_tokens: int  # the runner's copy must agree
-
-
-@dataclass(frozen=True)
 class SchedulerOutput:
-    new_requests: tuple[NewRequestData, ...]
-    cached_requests: tuple[CachedRequestData, ...]
-    num_scheduled_tokens: Mapping[str, int]  # request id -> tokens this step, in batch order
-    forget_request_ids: frozenset[str]  # finished, aborted or preempted since the last step
+    """One step's plan: the scheduled requests in batch order and how many tokens each computes."""
+
+    requests: tuple[Request, ...]
+    num_tokens: tuple[int, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens this step, in batch order."""
+        return {r.request_id: n for r, n in zip(self.requests, self.num_tokens, strict=True)}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+        return sum(self.num_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    sampled_token_ids: Mapping[str, int]  # only requests whose computed tokens caught up this step
-    logprobs: Mapping[str, TokenLogprobs]
+        return not self.requests
 
 
 class Scheduler:
@@ -95,7 +69,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._forget: set[str] = set()
         self.num_preemptions_total = 0
 
     @property
@@ -147,7 +120,7 @@ class Scheduler:
         if self.cache.prefix is None:
             n = self._chunk(req, budget)
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
-        tokens = req.all_token_ids
+        tokens = req.token_ids
         match = self.cache.fetch(self.cache.match_prefix(tokens))
         start = match.num_tokens
         # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
@@ -178,13 +151,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
-        self._forget.add(req.request_id)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
-        new: list[NewRequestData] = []
+        scheduled: list[Request] = []
+        counts: list[int] = []
         preempted = False
 
         i = 0
@@ -202,8 +173,8 @@ class Scheduler:
                 new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
             if new_pages is None:
                 continue  # req itself was preempted; running[i] is now the next request (or the loop ends)
-            scheduled[req.request_id] = n
-            cached.append(CachedRequestData(req.request_id, tuple(new_pages), req.num_computed_tokens))
+            scheduled.append(req)
+            counts.append(n)
             budget -= n
             i += 1
 
@@ -214,47 +185,33 @@ class Scheduler:
             admitted = self._admit(req, budget)
             if admitted is None:
                 break  # later requests wait behind the one whose turn it is rather than overtaking it
-            n = admitted
             self.waiting.remove(req)
             running_per_group[req.group] += 1
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
             self.running.append(req)
-            new.append(
-                NewRequestData(
-                    request_id=req.request_id,
-                    token_ids=tuple(req.all_token_ids),
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    sampling_params=req.sampling_params,
-                    stop_token_ids=req.stop_token_ids,
-                    generator=req.generator,
-                    slot=self.cache.slot(req.request_id),
-                    page_ids=tuple(self.cache.page_ids(req.request_id)),
-                    num_computed_tokens=req.num_computed_tokens,
-                )
-            )
-            scheduled[req.request_id] = n
-            budget -= n
+            scheduled.append(req)
+            counts.append(admitted)
+            budget -= admitted
 
-        forget, self._forget = frozenset(self._forget), set()
-        return SchedulerOutput(tuple(new), tuple(cached), scheduled, forget)
+        return SchedulerOutput(tuple(scheduled), tuple(counts))
 
-    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed counts and append sampled tokens; returns the requests that received a token, in batch order."""
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance computed counts and append the sampled tokens (request id -> token, only for the requests whose
+        computed tokens caught up this step); returns the requests that received a token, in batch order."""
         got_token = []
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+        for req, n in zip(out.requests, out.num_tokens, strict=True):
+            if req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             req.num_computed_tokens += n
             if self._snapshot_due(req):
-                self.cache.snapshot(req_id, req.all_token_ids[: req.num_computed_tokens])
-            token = result.sampled_token_ids.get(req_id)
+                self.cache.snapshot(req.request_id, req.token_ids[: req.num_computed_tokens])
+            token = sampled.get(req.request_id)
             if token is None:
                 continue
-            assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its computed tokens caught up"
-            req.output_token_ids.append(token)
+            assert req.num_computed_tokens == req.num_tokens, f"{req.request_id} sampled before its computed tokens caught up"
+            req.append_output(token)
             got_token.append(req)
         return got_token
 
@@ -267,9 +224,8 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            self._forget.add(req_id)
             if self.cache.prefix is not None and req.num_computed_tokens > 0:
-                self.cache.snapshot(req_id, req.all_token_ids[: req.num_computed_tokens])  # the next turn of a conversation
+                self.cache.snapshot(req_id, req.token_ids[: req.num_computed_tokens])  # the next turn of a conversation
         else:
             self.waiting.remove(req)
         if self.cache.holds(req_id):

@@ -65,7 +65,7 @@ def test_hold_back_is_the_longest_stop_minus_one_and_none_when_the_stop_is_kept(
 def test_n_samples_regroup_in_index_order_and_reuse_the_prompt_tuple() -> None:
     p = OutputProcessor(engine(FakeModel()))
     ids = p.add_request("r", [1, 2, 3], SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=4), OutputKind.DELTA)
-    assert ids == ["0_r", "1_r", "2_r"]
+    assert ids == ["r-0", "r-1", "r-2"]
     assert {p.engine.scheduler.requests[i].group for i in ids} == {"r"}  # the scheduler shares slots by the caller's request
     p.add_request("single", [1, 2], SamplingParams(max_tokens=2))
     assert p.engine.scheduler.requests["single"].group == "single"

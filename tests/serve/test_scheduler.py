@@ -9,7 +9,7 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.request import Request, RequestStatus
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from openk3.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.serve.serve_fakes import FakeModel, reference_greedy
 
@@ -23,27 +23,31 @@ def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[str
         req = sched.requests[rid]
         if req.num_computed_tokens + n == req.num_tokens:
             sampled[rid] = token
-    return [r.request_id for r in sched.update_from_output(out, RunnerOutput(sampled, {}))]
+    return [r.request_id for r in sched.update_from_output(out, sampled)]
 
 
 def make(pages: int, slots: int, **cfg) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), CacheManager(debug(), num_pages=pages, page_size=4, num_slots=slots))
 
 
-def test_chunked_prefill_budget_and_diff_exact() -> None:
+def held(s: Scheduler, out: SchedulerOutput) -> list[tuple[str, int, list[int], int]]:
+    """Each scheduled request's id, slot, pages and computed tokens as the runner reads them."""
+    return [(r.request_id, s.cache.slot(r.request_id), s.cache.page_ids(r.request_id), r.num_computed_tokens) for r in out.requests]
+
+
+def test_chunked_prefill_budget_and_plan_exact() -> None:
     s = make(10, 3, max_num_batched_tokens=8, max_num_seqs=2, long_prefill_token_threshold=6)
     for rid, n in (("A", 10), ("B", 3), ("C", 2)):
         s.add_request(Request(rid, list(range(1, n + 1)), GREEDY))
 
     out = s.schedule()
     assert dict(out.num_scheduled_tokens) == {"A": 6, "B": 2}  # A capped by the chunk size, B by the budget, C by max_num_seqs
-    assert [(n.request_id, n.slot, n.page_ids, n.num_computed_tokens) for n in out.new_requests] == [("A", 0, (0, 1), 0), ("B", 1, (2,), 0)]
-    assert out.cached_requests == () and out.forget_request_ids == frozenset()
+    assert held(s, out) == [("A", 0, [0, 1], 0), ("B", 1, [2], 0)]
     assert fake_run(s, out) == []  # nobody caught up yet
 
     out = s.schedule()
     assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 1}
-    assert [(c.request_id, c.new_page_ids, c.num_computed_tokens) for c in out.cached_requests] == [("A", (3,), 6), ("B", (), 2)]
+    assert held(s, out) == [("A", 0, [0, 1, 3], 6), ("B", 1, [2], 2)]
     assert fake_run(s, out) == ["A", "B"]
 
     out = s.schedule()
@@ -52,10 +56,9 @@ def test_chunked_prefill_budget_and_diff_exact() -> None:
     s.finish("B", RequestStatus.FINISHED_STOPPED)
     assert s.cache.num_free_pages == 10 - 3  # only A's 3 pages (11 tokens computed) are held now
     out = s.schedule()
-    # A decodes while C prefills: one mixed step; the runner is told to forget B
+    # A decodes while C prefills: one mixed step; B is gone from the plan
     assert dict(out.num_scheduled_tokens) == {"A": 1, "C": 2}
-    assert out.forget_request_ids == frozenset({"B"})
-    assert [n.page_ids for n in out.new_requests] == [(4,)]  # B's page 2 went to the back of the free queue
+    assert held(s, out)[1][2] == [4]  # B's page 2 went to the back of the free queue
     s.check_integrity()
     for rid in ("A", "C"):
         s.finish(rid, RequestStatus.FINISHED_ABORTED)
@@ -76,13 +79,13 @@ def test_preemption_frees_newest_and_recomputes() -> None:
     new = s.waiting[0]
     assert new.request_id == "new" and new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert new.num_tokens == 9 and new.num_preemptions == 1 and s.num_preemptions_total == 1
-    assert out.forget_request_ids == frozenset({"new"})
+    assert not s.cache.holds("new")
     s.check_integrity()
     fake_run(s, out)
     s.finish("old", RequestStatus.FINISHED_STOPPED)
-    out = s.schedule()  # resumed: all 9 tokens (prompt + outputs) recomputed as one prefill, sent as a new request
+    out = s.schedule()  # resumed: all 9 tokens (prompt + outputs) recomputed as one prefill
     assert dict(out.num_scheduled_tokens) == {"new": 9}
-    assert out.new_requests[0].token_ids == (2,) * 7 + (7, 7)
+    assert out.requests[0].token_ids == [2] * 7 + [7, 7] and out.requests[0].num_computed_tokens == 0
     s.check_integrity()
 
 
@@ -108,7 +111,6 @@ def run_all(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
         eng.scheduler.check_integrity()
     eng.check_integrity()
     assert eng.cache.num_free_pages == eng.cache.num_pages and eng.cache.num_free_slots == eng.cache.state_pool.num_slots
-    assert eng.runner.num_known <= eng.config.max_num_seqs
     return done
 
 
@@ -186,11 +188,12 @@ def test_the_samples_of_one_request_take_turns_with_other_requests() -> None:
     s.add_request(Request("B", [1, 2, 3], GREEDY))
     s.add_request(Request("C", [1, 2, 3], GREEDY))
     out = s.schedule()
-    assert [n.request_id for n in out.new_requests] == ["0_A", "B", "C", "1_A"]
+    assert [r.request_id for r in out.requests] == ["0_A", "B", "C", "1_A"]
     fake_run(s, out)
     s.finish("B", RequestStatus.FINISHED_STOPPED)
-    assert [n.request_id for n in s.schedule().new_requests] == ["2_A"]  # the group's next sample, in arrival order
+    admitted = [r.request_id for r in s.schedule().requests if r.num_computed_tokens == 0]  # nothing computed yet: new this step
+    assert admitted == ["2_A"]  # the group's next sample, in arrival order
     fifo = make(40, 8, max_num_batched_tokens=64, max_num_seqs=2)
     for rid in ("X", "Y", "Z"):
         fifo.add_request(Request(rid, [1, 2, 3], GREEDY))
-    assert [n.request_id for n in fifo.schedule().new_requests] == ["X", "Y"]
+    assert [r.request_id for r in fifo.schedule().requests] == ["X", "Y"]

@@ -79,7 +79,8 @@ def free_port() -> int:
 
 def start_daemon(code: str, state: str, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-c", SERVE, "sandbox", "serve", "--port", str(port), "--state-dir", state, "--store-bytes", str(4 * 2**30)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": code}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # cwd too: `python -c` puts the working directory first on sys.path, before PYTHONPATH
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": code}, cwd=code, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

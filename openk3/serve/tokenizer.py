@@ -255,6 +255,12 @@ class IncrementalDetokenizer:
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
+            if self.prefix_offset >= 64:
+                # Only the window from prefix_offset is ever decoded again: drop what lies before it, so the detokeniser holds
+                # a few tokens, not a second copy of the request's output.
+                del self.token_ids[: self.prefix_offset]
+                self.read_offset -= self.prefix_offset
+                self.prefix_offset = 0
             return full_text[len(prefix_text) :]
         return ""
 

@@ -105,3 +105,16 @@ def test_byte_level_bpe_reports_the_most_bytes_a_token_covers(tmp_path) -> None:
     spec["normalizer"] = {"type": "NFKC"}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     assert HFTokenizer(tmp_path).max_bytes_per_token is None
+
+
+def test_a_long_stream_decodes_whole_and_the_detokeniser_stays_small() -> None:
+    tok = ByteTokenizer()
+    text = "caf\u00e9 \u20ac \U0001f600 " * 200  # multi-byte characters cut across the window's compaction points
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    deltas = []
+    for t in ids:
+        deltas.append(detok.add(t))
+        assert len(detok.token_ids) < 80  # a window, not a copy of the output
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text

@@ -45,12 +45,11 @@ class _Sample:
     core_id: str
     params: SamplingParams
     hold: int
-    streamed: bool  # DELTA: keep `unsent`
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    parts: list[str] = field(default_factory=list)  # the whole text, for FINAL_ONLY (joined once, at the end)
+    streamed: bool  # DELTA: only what is not yet sent is kept; FINAL_ONLY: everything, for the one output at the end
+    token_ids: list[int] = field(default_factory=list)  # DELTA: not yet sent
+    logprobs: list[TokenLogprobs] | None = None  # DELTA: not yet sent
+    parts: list[str] = field(default_factory=list)  # FINAL_ONLY: the whole text (joined once, at the end)
     unsent: str = ""  # DELTA: text not yet sent (at most `hold` characters between steps)
-    num_sent_tokens: int = 0  # DELTA: token ids (and logprobs) already sent
     last_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -62,19 +61,17 @@ class _Sample:
 
     def add_text(self, new: str, drop: int) -> None:
         """Append `new` after removing the last `drop` characters (a stop string that began in earlier text)."""
-        if drop:
-            if self.streamed:
-                self.unsent = self.unsent[: len(self.unsent) - drop]  # hold-back kept those characters unsent
-            while drop:
-                last = self.parts.pop()
-                if len(last) > drop:
-                    self.parts.append(last[: len(last) - drop])
-                    break
-                drop -= len(last)
+        if self.streamed:
+            self.unsent = self.unsent[: len(self.unsent) - drop] + new  # hold-back kept the dropped characters unsent
+            return
+        while drop:
+            last = self.parts.pop()
+            if len(last) > drop:
+                self.parts.append(last[: len(last) - drop])
+                break
+            drop -= len(last)
         if new:
             self.parts.append(new)
-            if self.streamed:
-                self.unsent += new
 
 
 @dataclass(eq=False)
@@ -230,9 +227,11 @@ class OutputProcessor(Generic[EngineT]):
         # an aborted sample never learns whether its held-back end starts a stop string: that text stays unsent
         keep = 0 if s.finished and s.finish_reason != "abort" else min(s.hold, len(s.unsent))
         text, s.unsent = s.unsent[: len(s.unsent) - keep], s.unsent[len(s.unsent) - keep :]
-        sent, s.num_sent_tokens = s.num_sent_tokens, len(s.token_ids)
-        logprobs = None if s.logprobs is None else tuple(s.logprobs[sent:])
-        return CompletionOutput(s.index, text, tuple(s.token_ids[sent:]), s.finish_reason, s.stop_reason, logprobs, s.metrics)
+        tokens, s.token_ids = tuple(s.token_ids), []
+        logprobs = None
+        if s.logprobs is not None:
+            logprobs, s.logprobs = tuple(s.logprobs), []
+        return CompletionOutput(s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.metrics)
 
 
 def _finished(reason: str, m: RequestMetrics | None) -> FinishedRequest:

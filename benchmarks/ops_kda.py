@@ -100,7 +100,7 @@ def main() -> int:
         zero = torch.zeros(len(lengths), args.heads, args.dim, args.dim)
         runs: dict[str, Callable[[tuple], tuple]] = {
             "openk3 kda_chunk": lambda x: kda_chunk(*x, cu_seqlens=cu),
-            "openk3 kda_mixed (1-token sequences to kda_decode)": lambda x: kda_mixed(kda_chunk, *x, zero, cu),
+            "openk3 kda_mixed (1-token sequences to kda_decode)": lambda x: kda_mixed(*x, initial_state=zero, cu_seqlens=cu),
             "openk3 kda_recurrent (reference)": lambda x: kda_recurrent(*x, cu_seqlens=cu),
         }
         for fn in runs.values():

@@ -10,10 +10,9 @@ slot (zeros when the sequence has no context yet) and writes the state after the
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -21,49 +20,16 @@ from torch import nn
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
-from openk3.ops.kda.decode import kda_decode
-from openk3.ops.kda.decode_fused import MAX_HEAD_DIM, kda_decode_fused
-from openk3.ops.kda.decode_inplace import kda_decode_
-from openk3.ops.kda.gate import kda_gate
-from openk3.ops.kda.mixed import kda_mixed
-from openk3.ops.norm import l2_norm
-from openk3.ops.registry import CPU_INFERENCE, OpTarget, op, registry
-from openk3.ops.short_conv import causal_conv1d_update, causal_conv1d_update_
+from openk3.ops.kda.decode_step import KDADecodeStep, KDALayerWeights, KDASlots, delta_rule_inputs, gated_output, gather_slots
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, OpUse, op, registry
 
-FLA_PREFILLS = ("fla", "fla_recurrent")  # the "kda_prefill" entries that run fla's kernels (ops/kda/fla_kernels.py)
+KDAPrefill = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # ops/kda/naive.py's kda_recurrent signature
 
 
 @dataclass(frozen=True)
 class KDALayerCache:
     state_SHKV: torch.Tensor  # fp32 recurrent states, one per slot
     conv_SCW: torch.Tensor  # conv windows (last W-1 pre-conv inputs of q | k | v)
-
-
-def _slot_states(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """The slots' contents, with sequences that start fresh (no context) reading zeros whatever the slot holds."""
-    assert batch.state_slots is not None
-    states = pool.index_select(0, batch.state_slots)
-    fresh = batch.fresh_seqs
-    if fresh is None:
-        return states
-    return states.masked_fill(fresh.view(-1, *([1] * (states.dim() - 1))), 0.0)
-
-
-def _advance_in_pool(pool: torch.Tensor, batch: ForwardBatch, step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Run `step` (an op that advances the states it is given in place) on the batch's slots where they live: through a slice
-    of the pool when the step's slots are consecutive, else on a gathered copy that is written back. The decode step's
-    KDA state and conv windows both go this way (ops/kda/decode_inplace.py says why it is the fast path)."""
-    assert batch.state_slots is not None
-    span = batch.slot_range
-    if span is None:
-        states = _slot_states(pool, batch)
-        out = step(states)
-        pool.index_copy_(0, batch.state_slots, states)
-        return out
-    states = pool[span[0] : span[1]]
-    if batch.fresh_seqs is not None:  # no context yet: start from zero whatever the slot holds
-        states.masked_fill_(batch.fresh_seqs.view(-1, *([1] * (states.dim() - 1))), 0.0)
-    return step(states)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -113,29 +79,14 @@ class KimiDeltaAttention(nn.Module):
         return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
 
     def select(self, kda_impl: str, conv_impl: str, target: OpTarget, chunk_size: int | None = None) -> None:
-        """The prefill implementations by name (ops/registry.py "kda_prefill", "short_conv"), "auto" resolved for `target`;
+        """The prefill form by name (ops/registry.py "kda_prefill", "short_conv"), "auto" resolved for `target`, and the
+        decode form ("kda_decode") by its "auto" rule, which pairs it with the prefill and this layer's head size;
         `chunk_size` for the chunkwise forms (their own default when None)."""
-        name, entry = registry().entry("kda_prefill", kda_impl, target)
-        prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = registry().get("kda_prefill", name, target)
-        if chunk_size is not None and name in ("fast", "autograd"):
-            prefill = functools.partial(prefill, chunk_size=chunk_size)
-        self.kda_prefill, self.kda_prefill_name = prefill, name
-        self.kda_prefill_differentiable = entry.differentiable
+        use = OpUse(head_dim=self.head_dim, chunk_size=chunk_size)
+        prefill_name = registry().entry("kda_prefill", kda_impl, target)[0]
+        self.kda_prefill: KDAPrefill = registry().get("kda_prefill", prefill_name, target, use)
+        self.kda_decode: KDADecodeStep = registry().get("kda_decode", "auto", target, replace(use, paired_with=prefill_name))
         self.conv_prefill = op("short_conv", conv_impl, target)
-        # the decode token ("kda_decode"): the definitions when the prefill runs them too (naive), fla's recurrent kernel
-        # when the prefill runs fla's (CUDA: decode tokens as one-token sequences of one varlen call), else "auto"
-        decode, decode_entry = registry().entry("kda_decode", "naive" if name == "naive" else "auto", target)
-        self.fla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        if name in FLA_PREFILLS:
-            self.decode_form = "fla"
-            self.fla_decode = registry().get("kda_prefill", "fla_recurrent", target)
-        elif decode == "naive":
-            self.decode_form = "reference"  # old state in, new state out: differentiable, and the order every form is checked in
-        elif decode_entry.backend == "c" and self.head_dim <= MAX_HEAD_DIM:
-            self.decode_form = "fused"  # the whole token in one C call (ops/kda/decode_fused.py)
-        else:
-            self.decode_form = "in_pool"  # conv windows and states advanced where they live, torch ops
-        self.reference_ops = name == "naive"  # rule 1: "naive" runs the definitions on every kind of step
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: the three depthwise kernels stacked in q | k | v order, as the conv windows are."""
@@ -146,82 +97,36 @@ class KimiDeltaAttention(nn.Module):
         qkv, f_a, g, b = self.in_proj(x_TD)
         return qkv, f_a, g, b
 
-    def _decode_fused(
-        self, qkv_TC: torch.Tensor, f_TP: torch.Tensor, gate: torch.Tensor, b_logit: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
-    ) -> torch.Tensor:
-        """The decode token from the projections on through the output gate in one CPU kernel (ops/kda/decode_fused.py)."""
-        assert cache is not None and batch.state_slots is not None
-        return kda_decode_fused(
-            qkv_TC, self.conv_weight(), cache.conv_SCW, batch.state_slots, batch.fresh_seqs, f_TP, self.A_log, self.dt_bias,
-            b_logit, cache.state_SHKV, self.gate_kind, self.gate_lower_bound, self.o_norm.weight, self.eps, gate,
-        )  # fmt: skip
-
-    @staticmethod
-    def _refuse_autograd(x: torch.Tensor, step: str, form: str) -> None:
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError(
-                f"the KDA {step} {form!r} is inference-only; for training select the differentiable forms (model.select_ops("
-                "target=OpTarget(training=True)), or OpChoice(kda='autograd') / 'naive' by name), or run under torch.no_grad()"
-            )
+    def layer_weights(self) -> KDALayerWeights:
+        return KDALayerWeights(self.conv_weight(), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound, self.o_norm, self.o_norm.weight, self.eps)
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
-        t = x_TD.shape[0]
-        h, k = self.num_heads, self.head_dim
         qkv_TC, f_a, gate_in, b_logit = self.input_projections(x_TD)
-        f_TP = self.f_b_proj(f_a)  # both paths below need the gate pre-activation and the output gate
-        gate = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
-        decode = batch.is_decode and cache is not None
-        if decode and self.decode_form != "reference":
-            self._refuse_autograd(qkv_TC, "decode", self.decode_form)
-            if self.decode_form == "fused":
-                return self.o_proj(self._decode_fused(qkv_TC, f_TP, gate, b_logit, batch, cache).to(x_TD.dtype))
-        # the serving path: conv windows and KDA states advanced where they live in the pools, no gather and scatter
-        in_pool = decode and self.decode_form == "in_pool"
-
-        conv_state = None
-        if in_pool:
-            assert cache is not None
-            pre_conv, weight = qkv_TC, self.conv_weight()
-            qkv_TC = _advance_in_pool(cache.conv_SCW, batch, lambda window: causal_conv1d_update_(pre_conv, weight, window, "silu"))
-        elif decode:
-            assert cache is not None and batch.state_slots is not None
-            qkv_TC, conv_state = causal_conv1d_update(qkv_TC, self.conv_weight(), _slot_states(cache.conv_SCW, batch), activation="silu")
+        f_TP = self.f_b_proj(f_a)
+        gate_TP = gate_in if self.full_rank_output_gate else self.g_b_proj(gate_in)
+        if batch.is_decode and cache is not None:
+            assert batch.state_slots is not None
+            slots = KDASlots(cache.state_SHKV, cache.conv_SCW, batch.state_slots, batch.fresh_seqs, batch.slot_range)
+            o_TP = self.kda_decode(qkv_TC, f_TP, b_logit, gate_TP, self.layer_weights(), slots)
         else:
-            init_conv = _slot_states(cache.conv_SCW, batch) if cache is not None else None
-            y, conv_state = self.conv_prefill(qkv_TC[None], self.conv_weight(), init_conv, batch.cu_seqlens, activation="silu")
-            qkv_TC = y[0]
-        qkv = qkv_TC.view(t, 3, h, k)
-        q, kk = l2_norm(qkv[:, :2]).unbind(1)  # q and k normalised in one pass
-        v = qkv[:, 2]
+            o_TP = self._prefill(qkv_TC, f_TP, b_logit, gate_TP, batch, cache)
+        return self.o_proj(o_TP.to(x_TD.dtype))
 
-        g_THK = kda_gate(f_TP.view(t, h, k), self.A_log, self.dt_bias, self.gate_kind, self.gate_lower_bound)
-        beta_TH = torch.sigmoid(b_logit.float())
-
-        if in_pool:  # the state read once and advanced in place (ops/kda/decode_inplace.py)
-            assert cache is not None
-            o_THV = _advance_in_pool(cache.state_SHKV, batch, lambda state: kda_decode_(q, kk, v, g_THK, beta_TH, state))
-        elif decode and self.fla_decode is not None:  # fla's fused recurrence over t one-token sequences, states gathered
-            assert cache is not None
-            one_each = torch.arange(t + 1, dtype=torch.int64, device=q.device)
-            o, new_state = self.fla_decode(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, _slot_states(cache.state_SHKV, batch), one_each)
-            o_THV = o[0]
-        elif decode:  # the reference order, and the differentiable form: old state in, new state out
-            assert cache is not None
-            o_THV, new_state = kda_decode(q, kk, v, g_THK, beta_TH, _slot_states(cache.state_SHKV, batch))
-        else:
-            if not self.kda_prefill_differentiable:
-                self._refuse_autograd(q, "prefill", self.kda_prefill_name)
-            init = _slot_states(cache.state_SHKV, batch) if cache is not None else None
-            if init is not None and not self.reference_ops and self.fla_decode is None:  # single-token sequences take the decode kernel (ops/kda/mixed.py)
-                o, new_state = kda_mixed(self.kda_prefill, q[None], kk[None], v[None], g_THK[None], beta_TH[None], init, batch.cu_seqlens)
-            else:
-                o, new_state = self.kda_prefill(q[None], kk[None], v[None], g_THK[None], beta_TH[None], None, init, batch.cu_seqlens)
-            o_THV = o[0]
-        if cache is not None and not in_pool:
-            assert batch.state_slots is not None and conv_state is not None
+    def _prefill(
+        self, qkv_TC: torch.Tensor, f_TP: torch.Tensor, b_TH: torch.Tensor, gate_TP: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None
+    ) -> torch.Tensor:
+        """Conv and delta rule over the step's sequences (cu_seqlens), from their slots' states when there is a cache."""
+        weights = self.layer_weights()
+        init_conv = init_state = None
+        if cache is not None:
+            assert batch.state_slots is not None
+            init_conv = gather_slots(cache.conv_SCW, batch.state_slots, batch.fresh_seqs)
+            init_state = gather_slots(cache.state_SHKV, batch.state_slots, batch.fresh_seqs)
+        y, conv_state = self.conv_prefill(qkv_TC[None], weights.conv_weight_CW, init_conv, batch.cu_seqlens, activation="silu")
+        q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, weights, self.num_heads)
+        o, new_state = self.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
+        if cache is not None:
+            assert batch.state_slots is not None
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
             cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
-
-        # norm before the gate, both in fp32 (the gate would otherwise be applied to bf16-rounded values)
-        o32 = self.o_norm(o_THV.float()) * torch.sigmoid(gate.view(t, h, k).float())
-        return self.o_proj(o32.to(x_TD.dtype).reshape(t, h * k))
+        return gated_output(o[0], gate_TP, self.o_norm)

@@ -9,26 +9,29 @@ official names except for the routed experts, which are stacked per layer (weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast, overload
 
 import torch
 from torch import nn
 
 from openk3.checks import check_int, fail
 from openk3.config import LayerKind, ModelConfig
-from openk3.model.attn_res import BlockMixes, Mixer, mix, new_mixer, use_two_phase
+from openk3.model.attn_res import PlainResidual, mix_query, new_mixer
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts, Router, SelectsExpertOps
-from openk3.ops.registry import CPU_INFERENCE, OpTarget, registry
+from openk3.ops.attn_res import DepthStream, MixQuery
+from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 
 @dataclass(frozen=True)
 class OpChoice:
     """Implementations chosen by name (rule 1; ops/registry.py lists them): "naive" is the reference, "auto" the best for
-    the target the model is built or prepared for (e.g. kda: "fast" for inference, "autograd" for training)."""
+    the target the model is built or prepared for (e.g. kda: "mixed" for inference, "autograd" for training)."""
 
     kda: str = "auto"
     conv: str = "auto"
@@ -67,6 +70,15 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_proj, self.self_attention_res_norm = new_mixer(d, eps)
             self.mlp_res_proj, self.mlp_res_norm = new_mixer(d, eps)
 
+    def mixers(self) -> tuple[MixQuery | None, MixQuery | None]:
+        """The AttnRes mixers of (attention's, the MLP's) input, keyed 2i and 2i + 1; None without AttnRes."""
+        if not self.attn_res:
+            return None, None
+        return (
+            mix_query(2 * self.index, self.self_attention_res_proj, self.self_attention_res_norm),
+            mix_query(2 * self.index + 1, self.mlp_res_proj, self.mlp_res_norm),
+        )
+
     def feed_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x_TD) if self.is_moe else self.mlp(x_TD)
 
@@ -78,89 +90,68 @@ class DecoderLayer(nn.Module):
         return self.self_attn(h, batch, layer_cache)
 
 
+class DecoderLayers(nn.ModuleList):
+    """`model.layers` (the checkpoint's `model.layers.{i}.*`): a ModuleList that hands out its items as DecoderLayer."""
+
+    def __iter__(self) -> Iterator[DecoderLayer]:
+        return cast(Iterator[DecoderLayer], super().__iter__())
+
+    @overload
+    def __getitem__(self, idx: slice) -> DecoderLayers: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+    def __getitem__(self, idx: int | slice) -> DecoderLayer | DecoderLayers:
+        return cast("DecoderLayer | DecoderLayers", super().__getitem__(idx))
+
+
 class K3Model(nn.Module):
     def __init__(self, config: ModelConfig, ops: OpChoice) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
-        self.layers = nn.ModuleList(layers)
-        self.decoder_layers = layers  # typed view of the same modules (iterating a ModuleList yields plain nn.Module)
+        self.layers = DecoderLayers(DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj, self.output_attn_res_norm = new_mixer(config.hidden_size, config.rms_norm_eps)
         # position of each layer inside its kind's cache list (KDA layers and MLA layers are numbered separately)
         kinds = config.layer_kinds
         self.cache_index = [sum(1 for j in range(i) if kinds[j] == kinds[i]) for i in range(config.num_hidden_layers)]
-        self.attn_res_impl = registry().entry("attn_res", ops.attn_res)[0]
+        self.select_depth_stream(ops.attn_res, CPU_INFERENCE)
+
+    def select_depth_stream(self, impl: str, target: OpTarget) -> None:
+        """The residual stream over depth (ops/registry.py "attn_res" by name, or the plain sum without AttnRes)."""
+        stream: Callable[[torch.Tensor], DepthStream] = op("attn_res", impl, target)
+        self.depth_stream = stream if self.config.attn_res_block_size is not None else PlainResidual
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        """The spec's layer loop over the residual stream (ops/attn_res/stream.py says what each call does): a sublayer
+        reads its input from the stream and adds its output to it; an AttnRes block starts by storing the partial sum."""
+        stream = self.depth_stream(self.embed_tokens(batch.input_ids))
+        block_size = self.config.attn_res_block_size
+        mixers = [layer.mixers() for layer in self.layers]
+        output_mixer = self.output_mixer()
+        for layer, (attn_mixer, mlp_mixer) in zip(self.layers, mixers, strict=True):
+            if block_size is not None and layer.index % block_size == 0:
+                stream.start_block(self._block_readers(layer.index, block_size, mixers, output_mixer))
+            stream.add(layer.attention(stream.read(attn_mixer), batch, cache, self.cache_index[layer.index]))
+            stream.add(layer.feed_forward(layer.post_attention_layernorm(stream.read(mlp_mixer))))
+        return self.norm(stream.read(output_mixer))
+
+    def output_mixer(self) -> MixQuery | None:
         if self.config.attn_res_block_size is None:
-            for layer in self.decoder_layers:
-                h = h + layer.attention(h, batch, cache, self.cache_index[layer.index])
-                h = h + layer.feed_forward(layer.post_attention_layernorm(h))
-            return self.norm(h)
-        return self.norm(self._forward_attn_res(h, batch, cache, self.config.attn_res_block_size))
+            return None
+        return mix_query(2 * self.config.num_hidden_layers, self.output_attn_res_proj, self.output_attn_res_norm)
 
-    def _forward_attn_res(self, embed_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, block_size: int) -> torch.Tensor:
-        """The spec's layer loop: `blocks` holds finished block outputs (b_0 = the embedding), `partial` the running sum of the
-        current block. A sublayer's input is the AttnRes mix of both; its output is added to `partial`."""
-        if use_two_phase(self.attn_res_impl, embed_TD.shape[0]):
-            return self._forward_attn_res_two_phase(embed_TD, batch, cache, block_size)
-        blocks: list[torch.Tensor] = []
-        partial: torch.Tensor | None = embed_TD
-        for layer in self.decoder_layers:
-            assert partial is not None
-            x = mix(blocks, partial, layer.self_attention_res_proj, layer.self_attention_res_norm) if blocks else partial
-            if layer.index % block_size == 0:
-                blocks.append(partial)
-                partial = None
-            a = layer.attention(x, batch, cache, self.cache_index[layer.index])
-            partial = a if partial is None else partial + a
-            y = mix(blocks, partial, layer.mlp_res_proj, layer.mlp_res_norm)
-            partial = partial + layer.feed_forward(layer.post_attention_layernorm(y))
-        assert partial is not None
-        return mix(blocks, partial, self.output_attn_res_proj, self.output_attn_res_norm)
-
-    def _forward_attn_res_two_phase(self, embed_TD: torch.Tensor, batch: ForwardBatch, cache: CacheTensors | None, block_size: int) -> torch.Tensor:
-        """The same loop with phase 1 once per AttnRes block. The first layer of a block mixes the old blocks and the partial
-        sum that it then stores, i.e. exactly the new block set, so it reads phase 1's output alone; every later mixer of the
-        block (and the output mixer after the last block) merges the block's current partial sum."""
-        blocks: list[torch.Tensor] = []
-        partial: torch.Tensor = embed_TD
-        phase: BlockMixes | None = None
-        for layer in self.decoder_layers:
-            attn_mixer = Mixer(layer.self_attention_res_proj, layer.self_attention_res_norm)
-            if layer.index % block_size == 0:
-                blocks.append(partial)
-                phase = BlockMixes(blocks, self._block_mixers(layer.index, block_size))
-                x = partial if layer.index == 0 else phase.blocks_only(attn_mixer)
-                a = layer.attention(x, batch, cache, self.cache_index[layer.index])
-                partial = a
-            else:
-                assert phase is not None
-                a = layer.attention(phase.merge(attn_mixer, partial), batch, cache, self.cache_index[layer.index])
-                partial = partial + a
-            assert phase is not None
-            y = phase.merge(Mixer(layer.mlp_res_proj, layer.mlp_res_norm), partial)
-            partial = partial + layer.feed_forward(layer.post_attention_layernorm(y))
-        assert phase is not None
-        return phase.merge(Mixer(self.output_attn_res_proj, self.output_attn_res_norm), partial)
-
-    def _block_mixers(self, start: int, block_size: int) -> list[Mixer]:
-        """The mixers whose sources are the blocks stored at layer `start` (plus that block's partial sum): attention and MLP
-        mixers of the block's layers, and the output mixer if this is the last block. Layer 0's attention mixer is left out:
-        with no block stored before it, it reads the embedding unmixed (the naive loop never uses it either)."""
+    def _block_readers(self, start: int, block_size: int, mixers: list[tuple[MixQuery | None, MixQuery | None]], output: MixQuery | None) -> list[MixQuery]:
+        """The mixers that read the block set stored at layer `start`: attention and MLP mixers of the block's layers, and
+        the output mixer after the last block. Layer 0's attention mixer is left out: it reads the embedding unmixed."""
         end = min(start + block_size, self.config.num_hidden_layers)
-        mixers: list[Mixer] = []
-        for layer in self.decoder_layers[start:end]:
-            if layer.index > 0:
-                mixers.append(Mixer(layer.self_attention_res_proj, layer.self_attention_res_norm))
-            mixers.append(Mixer(layer.mlp_res_proj, layer.mlp_res_norm))
+        readers = [m for i in range(start, end) for m in (mixers[i] if i > 0 else mixers[i][1:])]
         if end == self.config.num_hidden_layers:
-            mixers.append(Mixer(self.output_attn_res_proj, self.output_attn_res_norm))
-        return mixers
+            readers.append(output)
+        return [m for m in readers if m is not None]
 
 
 class K3ForCausalLM(nn.Module):
@@ -200,8 +191,8 @@ class K3ForCausalLM(nn.Module):
                 module.select(target, ops.norm)
             elif isinstance(module, Router):
                 module.select(target, ops.route)
-        self.model.attn_res_impl = registry().entry("attn_res", ops.attn_res, target)[0]
-        for layer in self.model.decoder_layers:
+        self.model.select_depth_stream(ops.attn_res, target)
+        for layer in self.model.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
                 attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
@@ -225,7 +216,7 @@ class K3ForCausalLM(nn.Module):
                 moe.experts = PackedExperts.from_dense(moe.experts)
 
     def moe_layers(self) -> list[LatentMoE]:
-        return [layer.block_sparse_moe for layer in self.model.decoder_layers if layer.is_moe]
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
@@ -240,7 +231,7 @@ class K3ForCausalLM(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
-        for layer in self.model.decoder_layers:
+        for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.reset_gate_parameters(g)
         for moe in self.moe_layers():

@@ -13,9 +13,14 @@ A backend is where an entry runs. The same name may be registered for several; a
 An entry of an inference backend refuses a call outside what it was chosen for (autograd on, another dtype or device,
 ops/cpu/__init__.py) with an error that says to select again; it never falls back quietly.
 
+A rule reads the target and, where an op runs beside another, how its caller uses it (OpUse): the KDA decode form pairs
+with the layer's prefill form (the definitions with "naive", fla's recurrence with fla's chunks) and takes the fused C
+kernel only for head dims it holds. Every entry is a function: the model calls what the registry hands it and never asks
+which form it got.
+
 Per-call size policies that are part of an implementation (moe "sized": single-token / batched / grouped by the step's
-pairs; linear: C rows kernel / weight-first / oneDNN by rows and weight size; AttnRes "sized": one-shot below 64 tokens)
-keep their switches in ops/thresholds.py with the measurements.
+pairs; linear: C rows kernel / weight-first / oneDNN by rows and weight size; AttnRes "sized": one-shot below 64 tokens;
+KDA "mixed": one-token sequences to the decode recurrence) keep their switches in ops/thresholds.py with the measurements.
 """
 
 from __future__ import annotations
@@ -51,17 +56,28 @@ class OpTarget:
 
 
 @dataclass(frozen=True)
+class OpUse:
+    """What "auto" may read besides the target: how the caller runs the op (fields it does not know stay None)."""
+
+    paired_with: str | None = None  # the resolved name of the op this one runs beside (kda_decode: the layer's kda_prefill)
+    head_dim: int | None = None  # the attention head size (kernels that hold a head in registers or on the stack)
+    chunk_size: int | None = None  # the block size of chunkwise forms (bound to the entries that take one; None: theirs)
+
+
+@dataclass(frozen=True)
 class Implementation:
-    fn: Callable[..., Any] | None  # None: evaluated by the model itself, which reads the resolved name and backend
+    fn: Callable[..., Any]
     differentiable: bool
     summary: str
     backend: str = ANY
     requires: tuple[str, ...] = ()  # modules an optional dependency provides (imported on first call, checked by engines at start-up)
+    chunked: bool = False  # takes chunk_size= (OpUse.chunk_size)
 
 
 CPU_INFERENCE = OpTarget()  # what a model is built for until a trainer or the serving runner selects again
+UNSTATED_USE = OpUse()  # a caller that says nothing of how it runs the op
 
-AutoRule = Callable[[OpTarget], str]  # the implementation's name for a target
+AutoRule = Callable[[OpTarget, OpUse], str]  # the implementation's name for a target and a use
 
 
 class OpRegistry:
@@ -73,18 +89,19 @@ class OpRegistry:
         self,
         op: str,
         impl: str,
-        fn: Callable[..., Any] | None,
+        fn: Callable[..., Any],
         summary: str,
         backend: str = ANY,
         differentiable: bool = False,
         requires: tuple[str, ...] = (),
+        chunked: bool = False,
     ) -> None:
         key = (op, impl, backend)
         if key in self._impls:
             raise ValueError(f"OpRegistry: {op}/{impl} is already registered for backend {backend!r}")
         if impl == "auto":
             raise ValueError(f"OpRegistry: 'auto' is a rule (register_auto), not an implementation of {op}")
-        self._impls[key] = Implementation(fn, differentiable, summary, backend, requires)
+        self._impls[key] = Implementation(fn, differentiable, summary, backend, requires, chunked)
 
     def register_auto(self, op: str, rule: AutoRule) -> None:
         self._auto[op] = rule
@@ -96,13 +113,13 @@ class OpRegistry:
             raise ValueError(f"unknown op {op!r}: registered ops are {sorted({o for o, _, _ in self._impls})}")
         return names + (["auto"] if op in self._auto else [])
 
-    def entry(self, op: str, impl: str, target: OpTarget = CPU_INFERENCE) -> tuple[str, Implementation]:
-        """(the implementation's name, its entry) for `impl` on `target`: "auto" resolved by the op's rule, the entry of the
-        first backend the target offers; refuses a non-differentiable implementation for training."""
+    def entry(self, op: str, impl: str, target: OpTarget = CPU_INFERENCE, use: OpUse = UNSTATED_USE) -> tuple[str, Implementation]:
+        """(the implementation's name, its entry) for `impl` on `target`: "auto" resolved by the op's rule for `target` and
+        `use`, the entry of the first backend the target offers; refuses a non-differentiable implementation for training."""
         names = self.names(op)
         if impl not in names:
             raise ValueError(f"{op}: implementation {impl!r} is unknown: expected one of {names}")
-        name = self._auto[op](target) if impl == "auto" else impl
+        name = self._auto[op](target, use) if impl == "auto" else impl
         backends = target.backends()
         found = next((e for b in backends if (e := self._impls.get((op, name, b))) is not None), None)
         if found is None:
@@ -112,19 +129,41 @@ class OpRegistry:
             raise ValueError(f"{op}: implementation {name!r} is inference-only; for training choose one of {differentiable}")
         return name, found
 
-    def get(self, op: str, impl: str, target: OpTarget = CPU_INFERENCE) -> Callable[..., Any]:
-        name, found = self.entry(op, impl, target)
-        if found.fn is None:
-            raise ValueError(f"{op}/{name} has no function: the model evaluates it and reads the resolved name (entry())")
+    def get(self, op: str, impl: str, target: OpTarget = CPU_INFERENCE, use: OpUse = UNSTATED_USE) -> Callable[..., Any]:
+        """The function of `impl` (or "auto") for `target` and `use`, with use.chunk_size bound where the form takes one."""
+        found = self.entry(op, impl, target, use)[1]
+        if found.chunked and use.chunk_size is not None:
+            return functools.partial(found.fn, chunk_size=use.chunk_size)
         return found.fn
+
+
+FLA_PREFILLS = ("fla", "fla_recurrent")  # the "kda_prefill" forms that run fla's kernels (ops/kda/fla_kernels.py)
+
+
+def kda_decode_rule(target: OpTarget, use: OpUse) -> str:
+    """The decode form beside prefill form `use.paired_with`: the definitions beside "naive" (rule 1: the reference runs on
+    every kind of step) and for training; fla's recurrence beside fla's kernels (decode tokens as one-token sequences of
+    one varlen call); the fused C kernel where the target offers it and a head fits it; else the in-pool torch ops."""
+    from openk3.ops.kda.decode_fused import MAX_HEAD_DIM  # here, as registry() imports the ops: ops/ stays acyclic
+
+    if use.paired_with == "naive" or target.training:
+        return "naive"
+    if use.paired_with in FLA_PREFILLS:
+        return "fla"
+    if "c" in target.backends() and use.head_dim is not None and use.head_dim <= MAX_HEAD_DIM:
+        return "fused"
+    return "in_pool"
 
 
 @functools.cache
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
+    from openk3.ops.attn_res import OneShotStream, TwoPhaseStream, attn_res_sized
+    from openk3.ops.kda import decode_step
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
     from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
+    from openk3.ops.kda.mixed import kda_mixed
     from openk3.ops.kda.naive import kda_recurrent
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
@@ -150,24 +189,25 @@ def registry() -> OpRegistry:
     r.register("linear", "naive", linear_torch, "F.linear (the definition)", differentiable=True)
     r.register("linear", "fast", linear_cpu, "weight-first / oneDNN (packed weights) by rows and weight size", backend="cpu")
     r.register("linear", "fast", linear_c, "the C few-row kernel up to 16 rows, then the CPU forms", backend="c")
-    r.register_auto("linear", lambda t: "fast" if "cpu" in t.backends() else "naive")
+    r.register_auto("linear", lambda t, _: "fast" if "cpu" in t.backends() else "naive")
 
     r.register("rms_norm", "naive", rms_norm_reference, "spelled out (the definition)", differentiable=True)
     r.register("rms_norm", "fast", rms_norm, "torch's fused rms_norm in fp32", differentiable=True)
     r.register("rms_norm", "fast", rms_norm_c, "one C loop over the rows", backend="c")
-    r.register_auto("rms_norm", lambda t: "fast")
+    r.register_auto("rms_norm", lambda t, _: "fast")
 
     r.register("kda_prefill", "naive", kda_recurrent, "the per-token recurrence (the definition)", differentiable=True)
-    r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)")
-    r.register("kda_prefill", "autograd", kda_chunk_autograd, "chunkwise WY form without in-place updates (training)", differentiable=True)
+    r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)", chunked=True)
+    r.register("kda_prefill", "autograd", kda_chunk_autograd, "chunkwise WY form without in-place updates (training)", differentiable=True, chunked=True)
     # fla's kernels (ops/kda/fla_kernels.py, fla imported on first call): chosen by name, like the Triton entries below
     r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda", requires=FLA)
     r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda", requires=FLA)
-    r.register_auto("kda_prefill", lambda t: "autograd" if t.training else "fast")
+    r.register("kda_prefill", "mixed", kda_mixed, "one-token sequences to the decode recurrence, the rest chunkwise (inference)", chunked=True)
+    r.register_auto("kda_prefill", lambda t, _: "autograd" if t.training else "mixed")
 
     r.register("short_conv", "naive", conv_naive.causal_conv1d, "per-sequence loops (the definition)", differentiable=True)
     r.register("short_conv", "fast", conv_fast.causal_conv1d, "one grouped conv over the packed batch", differentiable=True)
-    r.register_auto("short_conv", lambda t: "fast")
+    r.register_auto("short_conv", lambda t, _: "fast")
 
     r.register("mla_prefill", "naive", mla_expanded, "K/V expanded, explicit softmax (the definition)", differentiable=True)
     r.register("mla_prefill", "fast", mla_expanded_sdpa, "K/V expanded, torch's SDPA", differentiable=True)
@@ -175,7 +215,7 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
     # by name only, like the other Triton entries below ("auto" stays on the torch forms until a hardware run)
     r.register("mla_prefill", "triton", mla_prefill_triton, "the chunk's latent attention as a causal Triton kernel, no K/V", backend="cuda", requires=TRITON)
-    r.register_auto("mla_prefill", lambda t: "fast")
+    r.register_auto("mla_prefill", lambda t, _: "fast")
 
     r.register("mla_decode", "naive", mla_decode_paged, "absorbed query over the gathered pages, torch ops", differentiable=True)
     r.register("mla_decode", "fast", partial(mla_decode_paged, latent_attention=latent_attention_c), "the latent attention in one C call", backend="c")
@@ -183,17 +223,19 @@ def registry() -> OpRegistry:
     # hardware run has passed
     triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
     r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda", requires=TRITON)
-    r.register_auto("mla_decode", lambda t: "fast" if "c" in t.backends() else "naive")
+    r.register_auto("mla_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
-    # the layer evaluates the decode token itself (model/kda.py) and reads the resolved name and backend
-    r.register("kda_decode", "naive", None, "conv and delta rule on gathered slots: old state in, new state out", differentiable=True)
-    r.register("kda_decode", "fast", None, "conv windows and states advanced in place in the pools, torch ops")
-    r.register("kda_decode", "fast", None, "the whole token after the projections in one C call", backend="c")
-    r.register_auto("kda_decode", lambda t: "naive" if t.training else "fast")
+    # a layer's decode step from its projections on (ops/kda/decode_step.py); "auto" pairs it with the prefill (kda_decode_rule)
+    naive_step = decode_step.kda_decode_step_naive
+    r.register("kda_decode", "naive", naive_step, "conv and delta rule on gathered slots: old state in, new state out", differentiable=True)
+    r.register("kda_decode", "in_pool", decode_step.kda_decode_step_in_pool, "conv windows and states advanced in place in the pools, torch ops")
+    r.register("kda_decode", "fused", decode_step.kda_decode_step_fused, "the whole step after the projections in one C call", backend="c")
+    r.register("kda_decode", "fla", decode_step.kda_decode_step_fla, "fla's fused_recurrent_kda over one-token sequences", backend="cuda", requires=FLA)
+    r.register_auto("kda_decode", kda_decode_rule)
 
     r.register("moe_route", "naive", sigmoid_topk_route, "sigmoid, biased top-k, renormalise in torch ops", differentiable=True)
     r.register("moe_route", "fast", sigmoid_topk_route_c, "the steps after the logits in one C loop", backend="c")
-    r.register_auto("moe_route", lambda t: "fast" if "c" in t.backends() else "naive")
+    r.register_auto("moe_route", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_experts", "naive", moe_experts_naive, "per-token, per-expert loop (the definition)", differentiable=True)
     r.register("moe_experts", "batched", moe_experts_batched, "all experts as one padded batch (dense banks)", differentiable=True)
@@ -205,12 +247,13 @@ def registry() -> OpRegistry:
         r.register("moe_experts", "sized", sized, "single-token / batched / grouped by the step's pairs (ops/thresholds.py)", backend, grad)
     r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
     r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts, Triton grouped GEMM decoding in registers", backend="cuda", requires=TRITON)
-    r.register_auto("moe_experts", lambda t: "sized")
+    r.register_auto("moe_experts", lambda t, _: "sized")
 
-    # AttnRes is evaluated by the model itself (model/attn_res.py); the registry holds its names and its rule
-    for name, summary in (("naive", "one-shot mix per sublayer"), ("fast", "two-phase, phase 1 once per block"), ("sized", "one-shot below 64 tokens")):
-        r.register("attn_res", name, None, summary, differentiable=True)
-    r.register_auto("attn_res", lambda t: "sized")
+    # the residual stream over depth of one forward (ops/attn_res/stream.py): embedding in, a stream the layer loop reads and adds to
+    r.register("attn_res", "naive", OneShotStream, "one-shot mix per sublayer (the definition)", differentiable=True)
+    r.register("attn_res", "fast", TwoPhaseStream, "two-phase: phase 1 once per block, a merge per sublayer", differentiable=True)
+    r.register("attn_res", "sized", attn_res_sized, "one-shot below 64 tokens, two-phase from there", differentiable=True)
+    r.register_auto("attn_res", lambda t, _: "sized")
     return r
 
 

@@ -1,7 +1,7 @@
 """Every tuned size switch of the CPU fast paths, in one place, each with the measurement that chose it. Values are for the
 2-core dev box (AMD EPYC Zen 4 VM, 32 MiB L3, fp32, 2 threads); rerun the named benchmark before changing one.
 
-The ops read them as their own module names (ops/linear.py, ops/moe/__init__.py, model/attn_res.py), so a test can move a
+The ops read them as their own module names (ops/linear.py, ops/moe/__init__.py, ops/attn_res/sized.py), so a test can move a
 switch for one op with monkeypatch.
 """
 
@@ -22,7 +22,7 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 # at 128-256 pairs per expert, where the loop's large per-expert GEMMs win.
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
 
-# model/attn_res.py "auto" -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the
+# ops/attn_res/sized.py ("auto") -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the
 # one-shot mix is kept: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per block and a merge is not fewer ops
 # than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is 0-4% slower there; it is level
 # at 64 tokens and cheaper from 256 up, where reading and normalising the stored blocks dominates.

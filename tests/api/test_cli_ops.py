@@ -30,7 +30,7 @@ def test_the_flag_reaches_the_engines_model(torch_one_thread) -> None:
 @pytest.mark.parametrize(
     ("ops", "message"),
     [
-        ("kda=fla", "kda='fla' cannot run on cpu float32: expected one of autograd, fast, naive, auto"),
+        ("kda=fla", "kda='fla' cannot run on cpu float32: expected one of autograd, fast, mixed, naive, auto"),
         ("kda=fla,kda=naive", "kda is named twice"),
         ("packed_experts=1", "packed_experts cannot be named"),
     ],

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from openk3.config import ModelConfig, debug
 from openk3.model import K3ForCausalLM, OpChoice
-from openk3.model.attn_res import TWO_PHASE_MIN_TOKENS
 from openk3.ops.registry import OpTarget
+from openk3.ops.thresholds import TWO_PHASE_MIN_TOKENS
 
 from .test_model import run_chunks
 

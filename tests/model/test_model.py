@@ -97,7 +97,7 @@ def test_mla_decode_is_chosen_by_name(debug_model: K3ForCausalLM) -> None:
     from openk3.model.mla import GatedMLA
     from openk3.ops.registry import op
 
-    layers = [layer.self_attn for layer in debug_model.model.decoder_layers if isinstance(layer.self_attn, GatedMLA)]
+    layers = [layer.self_attn for layer in debug_model.model.layers if isinstance(layer.self_attn, GatedMLA)]
     previous = debug_model.ops
     try:
         debug_model.select_ops(OpChoice(mla="naive"))

@@ -1,4 +1,5 @@
-"""AttnRes: two-phase == one-shot, the closed-form special cases, and a loop-by-loop transcription of the formula."""
+"""AttnRes: two-phase == one-shot (the ops and the residual streams), the closed-form special cases, and a loop-by-loop
+transcription of the formula."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from openk3.ops.attn_res import BlockPartial, attn_res, attn_res_merge, attn_res_phase1
+from openk3.ops.attn_res import BlockPartial, DepthStream, MixQuery, OneShotStream, TwoPhaseStream, attn_res, attn_res_merge, attn_res_phase1, attn_res_sized
+from openk3.ops.attn_res import sized as attn_res_sized_module
 
 EPS = 1e-5
 
@@ -130,3 +132,37 @@ def test_bad_shapes_raise() -> None:
         attn_res_merge(partial, 2, prefix, queries[0], norm_weights[0], EPS)
     with pytest.raises(ValueError, match="prefix shape"):
         attn_res_merge(partial, 0, prefix[:2], queries[0], norm_weights[0], EPS)
+
+
+def _run_stream(stream: DepthStream, layers: int, block_size: int, g: torch.Generator) -> list[torch.Tensor]:
+    """A decoder's loop over `stream` (ops/attn_res/stream.py) with random sublayers: every read, in order."""
+    n, d = 5, 16
+    mixers = [MixQuery(key, torch.randn(d, generator=g), 1.0 + 0.3 * torch.randn(d, generator=g), EPS) for key in range(2 * layers + 1)]
+    outs = [torch.randn(n, d, generator=g) for _ in range(2 * layers)]
+    reads = []
+    for i in range(layers):
+        if i % block_size == 0:
+            end = min(i + block_size, layers)
+            readers = [mixers[k] for k in range(2 * i, 2 * end) if k > 0] + (mixers[-1:] if end == layers else [])
+            stream.start_block(readers)
+        for k in (2 * i, 2 * i + 1):
+            reads.append(stream.read(mixers[k]))
+            stream.add(outs[k] * reads[-1].tanh())  # the sublayer's output depends on its input, as in the model
+    reads.append(stream.read(mixers[-1]))
+    return reads
+
+
+@pytest.mark.parametrize("layers,block_size", [(1, 1), (4, 1), (5, 2), (6, 3), (4, 9)])
+def test_two_phase_stream_equals_one_shot_stream(layers: int, block_size: int) -> None:
+    embed = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    want = _run_stream(OneShotStream(embed), layers, block_size, torch.Generator().manual_seed(1))
+    got = _run_stream(TwoPhaseStream(embed), layers, block_size, torch.Generator().manual_seed(1))
+    assert torch.equal(got[0], embed) and torch.equal(want[0], embed)  # the first layer reads the embedding unmixed
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_sized_stream_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attn_res_sized_module, "TWO_PHASE_MIN_TOKENS", 5)
+    assert isinstance(attn_res_sized(torch.zeros(4, 8)), OneShotStream)
+    assert isinstance(attn_res_sized(torch.zeros(5, 8)), TwoPhaseStream)

@@ -214,7 +214,7 @@ def test_gate_rejects_mismatched_arguments() -> None:
 
 def test_prefill_op_dispatch_and_input_errors() -> None:
     assert op("kda_prefill", "naive") is kda_recurrent
-    assert op("kda_prefill", "fast") is kda_chunk and op("kda_prefill", "auto") is kda_chunk
+    assert op("kda_prefill", "fast") is kda_chunk and op("kda_prefill", "auto") is kda_mixed  # chunkwise, one-token sequences split off
     assert op("kda_prefill", "auto", OpTarget(training=True)) is kda_chunk_autograd  # "auto" is resolved for the mode
     with pytest.raises(ValueError, match="'fast' is inference-only; for training choose one of \\['autograd', 'naive'\\]"):
         op("kda_prefill", "fast", OpTarget(training=True))
@@ -274,7 +274,7 @@ def test_mixed_step_equals_recurrence(lengths: list[int]) -> None:
     parts = [make_inputs(1, n, KDAGate.SOFTPLUS, seed=10 + i) for i, n in enumerate(lengths)]
     q, k, v, g, beta, S0 = pack(parts)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    o, s = kda_mixed(kda_chunk, q, k, v, g, beta, S0, cu)
+    o, s = kda_mixed(q, k, v, g, beta, None, S0, cu)
     assert o.shape == (1, sum(lengths), H, V) and s.shape == (len(lengths), H, K, V)
     for n, p in enumerate(parts):
         o_n, s_n = kda_recurrent(*p[:5], initial_state=p[5])

@@ -110,7 +110,7 @@ def test_missing_fla_is_a_clear_error_when_asked_for(monkeypatch: pytest.MonkeyP
     q, k, v, g, beta, s0 = inputs()
     with pytest.raises(ImportError, match=r"openk3\[gpu\]"):
         registry().get("kda_prefill", "fla", OpTarget("cuda"))(q, k, v, g, beta, None, s0)
-    assert registry().entry("kda_prefill", "auto", OpTarget("cuda"))[0] == "fast"  # fla is chosen by name, never by default
+    assert registry().entry("kda_prefill", "auto", OpTarget("cuda"))[0] == "mixed"  # fla is chosen by name, never by default
 
 
 def test_an_fla_without_a_keyword_the_seam_passes_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

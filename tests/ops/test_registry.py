@@ -9,8 +9,8 @@ import torch
 from openk3.config import debug
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention
-from openk3.ops.kda.chunk import kda_chunk
 from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.registry import OpRegistry, OpTarget, registry
 from openk3.serve.prepare import prepare_for_serving
 
@@ -21,7 +21,7 @@ def toy() -> OpRegistry:
     r.register("add", "fast", lambda a, b: "any-device fast", "fast anywhere")
     r.register("add", "fast", lambda a, b: "cpu fast", "the CPU backend", backend="cpu")
     r.register("add", "fast", lambda a, b: "cuda fast", "a device's own", backend="cuda")
-    r.register_auto("add", lambda t: "naive" if t.training else "fast")
+    r.register_auto("add", lambda t, _: "naive" if t.training else "fast")
     return r
 
 
@@ -78,7 +78,7 @@ def kda_prefills(model: K3ForCausalLM) -> set[object]:
 
 def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     model = K3ForCausalLM(debug())
-    assert kda_prefills(model) == {kda_chunk}  # built for CPU inference
+    assert kda_prefills(model) == {kda_mixed}  # built for CPU inference
     model.select_ops(target=OpTarget(training=True))
     assert kda_prefills(model) == {kda_chunk_autograd}  # "auto" for training: the differentiable form
     model.init_weights(0)
@@ -86,7 +86,7 @@ def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     prepare_for_serving(model, torch.device("cpu"))
     assert kda_prefills(model) == {kda_chunk_autograd}  # a module in training mode keeps what its owner chose
     prepare_for_serving(model.eval(), torch.device("cpu"))
-    assert kda_prefills(model) == {kda_chunk}  # an eval-mode one gets "auto" resolved again, for inference
+    assert kda_prefills(model) == {kda_mixed}  # an eval-mode one gets "auto" resolved again, for inference
     with pytest.raises(ValueError, match="'fast' is inference-only"):
         model.select_ops(OpChoice(kda="fast"), OpTarget(training=True))
 

@@ -16,6 +16,7 @@ from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention
+from openk3.ops.registry import op
 from openk3.parallel.config import ParallelConfig
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
@@ -49,7 +50,7 @@ def test_the_spec_carries_the_names_to_each_ranks_model() -> None:
         warnings.simplefilter("ignore")  # the preset's random weights
         model, _ = build_rank_model(spec, ParallelContext.single())
     assert model.ops == OpChoice(kda="naive", mla="naive", moe="naive")
-    assert all(a.kda_prefill_name == "naive" for a in (layer.self_attn for layer in model.model.decoder_layers) if isinstance(a, KimiDeltaAttention))
+    assert all(a.kda_prefill is op("kda_prefill", "naive") for a in (layer.self_attn for layer in model.model.layers) if isinstance(a, KimiDeltaAttention))
     with pytest.raises(ValueError, match="kda='fla' cannot run on cpu float32"):
         build_rank_model(RankModelSpec.of(K3ForCausalLM(debug()).eval(), ParallelConfig(), torch.float32, 0, False, ops="kda=fla"), ParallelContext.single())
 

@@ -87,7 +87,7 @@ def test_bad_pairs_are_refused_naming_the_field_and_value(ops: object, message: 
 def test_names_are_checked_for_the_device_that_runs_them() -> None:
     check_op_names(parse_op_names(GPU_KERNELS), CUDA)
     check_op_names({"kda": "fla_recurrent", "mla": "auto", "kda_chunk_size": 16}, CUDA)
-    with pytest.raises(ValueError, match=r"kda='fla' cannot run on cpu float32: expected one of autograd, fast, naive, auto \(on cpu float32"):
+    with pytest.raises(ValueError, match=r"kda='fla' cannot run on cpu float32: expected one of autograd, fast, mixed, naive, auto \(on cpu float32"):
         check_op_names({"kda": "fla"}, OpTarget())
     with pytest.raises(ValueError, match="moe='triton' cannot run on cpu bfloat16: expected one of .*naive"):
         check_op_names({"moe": "triton"}, OpTarget(dtype=torch.bfloat16))
@@ -108,10 +108,10 @@ def test_gpu_kernels_are_selected_for_cuda_keeping_the_checkpoints_packed_expert
     model = K3ForCausalLM(debug(), OpChoice(packed_experts=True)).eval()
     prepare_for_serving(model, torch.device("cuda"), ops=parse_op_names(GPU_KERNELS))  # selection only: nothing is launched
     assert model.ops == OpChoice(kda="fla", mla="triton", mla_decode="triton", moe="triton", packed_experts=True)
-    layers = [layer.self_attn for layer in model.model.decoder_layers]
+    layers = [layer.self_attn for layer in model.model.layers]
     kda = [a for a in layers if isinstance(a, KimiDeltaAttention)]
     mla = [a for a in layers if isinstance(a, GatedMLA)]
-    assert kda and all(a.kda_prefill_name == "fla" and a.decode_form == "fla" for a in kda)
+    assert kda and all(a.kda_prefill is op("kda_prefill", "fla", CUDA) and a.kda_decode is op("kda_decode", "fla", CUDA) for a in kda)
     assert mla and all(a.prefill is op("mla_prefill", "triton", CUDA) and a.decode is op("mla_decode", "triton", CUDA) for a in mla)
     assert all(isinstance(m.backend, LocalExperts) and m.backend.impl == "triton" for m in model.moe_layers())
 
@@ -169,10 +169,10 @@ def test_llm_runs_the_named_implementations_with_the_default_tokens() -> None:
     model = llm.model
     assert isinstance(model, K3ForCausalLM)
     assert model.ops == OpChoice(kda="naive", conv="naive", mla="naive", moe="naive", packed_experts=True)  # the checkpoint's packing kept
-    layers = [layer.self_attn for layer in model.model.decoder_layers]
-    assert all(
-        a.reference_ops and a.kda_prefill_name == "naive" and a.conv_prefill is op("short_conv", "naive") for a in layers if isinstance(a, KimiDeltaAttention)
-    )
+    layers = [layer.self_attn for layer in model.model.layers]
+    kda = [a for a in layers if isinstance(a, KimiDeltaAttention)]
+    assert kda and all(a.kda_prefill is op("kda_prefill", "naive") and a.kda_decode is op("kda_decode", "naive") for a in kda)
+    assert all(a.conv_prefill is op("short_conv", "naive") for a in kda)
     # mla_decode "auto" follows the naive prefill to the definition
     assert all(a.prefill is op("mla_prefill", "naive") and a.decode is op("mla_decode", "naive") for a in layers if isinstance(a, GatedMLA))
     assert all(isinstance(m.backend, LocalExperts) and m.backend.op is op("moe_experts", "naive") for m in model.moe_layers())
@@ -180,7 +180,7 @@ def test_llm_runs_the_named_implementations_with_the_default_tokens() -> None:
 
 
 def test_a_gpu_kernel_on_cpu_is_a_startup_error() -> None:
-    with pytest.raises(ValueError, match="EngineConfig.ops: kda='fla' cannot run on cpu float32: expected one of autograd, fast, naive, auto"):
+    with pytest.raises(ValueError, match="EngineConfig.ops: kda='fla' cannot run on cpu float32: expected one of autograd, fast, mixed, naive, auto"):
         LLM("debug", ops="kda=fla")  # refused before the model is built
     module = build(debug())
     with pytest.raises(ValueError, match="EngineConfig.ops: mla='triton' cannot run on cpu float32"):

@@ -46,7 +46,7 @@ def all_blocks_in_use(model) -> bool:
 
 
 def kda_layer(model) -> KimiDeltaAttention:
-    layer = model.model.decoder_layers[0].self_attn
+    layer = model.model.layers[0].self_attn
     assert isinstance(layer, KimiDeltaAttention)
     return layer
 

@@ -1,4 +1,4 @@
-"""Attention Residuals mixer, one-shot: the definition.
+"""Attention Residuals mixer, one-shot: the definition, and the residual stream that applies it at every read ("naive").
 
 Legend: S sources (the stored blocks followed by the current partial sum), N tokens, D hidden width.
 
@@ -10,7 +10,11 @@ All math is fp32 because the softmax over a handful of sources is sensitive to b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from openk3.ops.attn_res.stream import MixQuery
 
 
 def check_query(name: str, query_D: torch.Tensor, norm_weight_D: torch.Tensor, width: int) -> None:
@@ -37,3 +41,26 @@ def attn_res(sources_SND: torch.Tensor, query_D: torch.Tensor, norm_weight_D: to
     p_SN = torch.softmax(logits_SN, dim=0)
     out_ND = (p_SN.unsqueeze(-1) * v32).sum(0)
     return out_ND.to(sources_SND.dtype)
+
+
+class OneShotStream:
+    """The "naive" form of ops/attn_res/stream.py's DepthStream: every read stacks and re-normalises all its sources."""
+
+    def __init__(self, embed_TD: torch.Tensor) -> None:
+        self._blocks: list[torch.Tensor] = []
+        self._partial: torch.Tensor | None = embed_TD
+
+    def start_block(self, readers: Sequence[MixQuery]) -> None:
+        assert self._partial is not None, "start_block twice without a sublayer between"
+        self._blocks.append(self._partial)
+        self._partial = None
+
+    def read(self, mixer: MixQuery | None) -> torch.Tensor:
+        sources = self._blocks if self._partial is None else [*self._blocks, self._partial]
+        if len(sources) == 1:
+            return sources[0]
+        assert mixer is not None, "an AttnRes read names its mixer"
+        return attn_res(torch.stack(sources), mixer.query_D, mixer.norm_weight_D, mixer.eps)
+
+    def add(self, out_TD: torch.Tensor) -> None:
+        self._partial = out_TD if self._partial is None else self._partial + out_TD

@@ -1,4 +1,5 @@
-"""Attention Residuals, two-phase evaluation: an exact reorganisation of the one-shot mixer.
+"""Attention Residuals, two-phase evaluation: an exact reorganisation of the one-shot mixer, and the residual stream that
+evaluates it ("fast").
 
 Legend: B completed blocks (nb), Q pseudo-queries of one AttnRes block, N tokens, D hidden width.
 
@@ -14,11 +15,13 @@ Both phases score a source as (V . q) * rsqrt(mean(V^2) + eps), the same number 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from openk3.ops.attn_res.naive import check_query
+from openk3.ops.attn_res.stream import MixQuery
 
 
 class BlockPartial(NamedTuple):
@@ -64,3 +67,38 @@ def attn_res_merge(partial: BlockPartial, q: int, prefix_ND: torch.Tensor, query
 
 def _inv_rms(v32: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(v32.square().mean(-1) + eps)
+
+
+class TwoPhaseStream:
+    """The "fast" form of ops/attn_res/stream.py's DepthStream. From start_block until the next block the stored blocks are
+    fixed, so phase 1 scores all of the block's readers against them at once (each block read and normalised once per
+    block instead of once per sublayer); each read then only merges the one extra source, the current partial sum.
+    The first reader of a block mixes the old blocks and the partial sum just stored, i.e. exactly the new block set, so it
+    reads phase 1's output alone."""
+
+    def __init__(self, embed_TD: torch.Tensor) -> None:
+        self._blocks: list[torch.Tensor] = []
+        self._partial: torch.Tensor | None = embed_TD
+        self._phase: BlockPartial | None = None
+        self._slot: dict[int, int] = {}  # MixQuery.key -> its row of phase 1
+
+    def start_block(self, readers: Sequence[MixQuery]) -> None:
+        assert self._partial is not None, "start_block twice without a sublayer between"
+        self._blocks.append(self._partial)
+        self._partial = None
+        self._slot = {m.key: q for q, m in enumerate(readers)}
+        queries_QD = torch.stack([m.query_D for m in readers])
+        norms_QD = torch.stack([m.norm_weight_D for m in readers])
+        self._phase = attn_res_phase1(torch.stack(self._blocks), queries_QD, norms_QD, readers[0].eps)
+
+    def read(self, mixer: MixQuery | None) -> torch.Tensor:
+        if self._partial is None and len(self._blocks) == 1:
+            return self._blocks[0]
+        assert self._phase is not None and mixer is not None, "an AttnRes read after start_block names its mixer"
+        slot = self._slot[mixer.key]
+        if self._partial is None:
+            return self._phase.out_QND[slot].to(self._blocks[-1].dtype)
+        return attn_res_merge(self._phase, slot, self._partial, mixer.query_D, mixer.norm_weight_D, mixer.eps)
+
+    def add(self, out_TD: torch.Tensor) -> None:
+        self._partial = out_TD if self._partial is None else self._partial + out_TD

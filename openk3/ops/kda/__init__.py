@@ -1,7 +1,9 @@
-"""Kimi Delta Attention ops. Prefill is chosen by name through ops/registry.py ("kda_prefill": naive = the per-token
-definition, fast = chunkwise in place, autograd = chunkwise differentiable); decode (one token per sequence) is kda_decode
-(the definition's order) or kda_decode_ (in place, the state read once), and kda_mixed splits a mixed serving step between
-decode and prefill; the KDA layer picks among them."""
+"""Kimi Delta Attention ops, chosen by name through ops/registry.py. Prefill ("kda_prefill", one signature: naive.py's
+kda_recurrent): naive = the per-token definition, fast = chunkwise in place, autograd = chunkwise differentiable, mixed =
+chunkwise with the one-token sequences of a serving step sent to kda_decode, fla / fla_recurrent = fla's kernels. Decode
+("kda_decode", one signature: a layer's step from its projections, decode_step.py): naive, in_pool, fused (C), fla, paired
+with the prefill by the registry's "auto" rule. The building blocks: kda_decode (the definition's order), kda_decode_ (in
+place, the state read once), kda_gate."""
 
 from __future__ import annotations
 

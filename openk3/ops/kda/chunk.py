@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.kda.chunk_layout import ChunkLayout
+from openk3.ops.kda.inference_only import refuse_autograd
 from openk3.ops.kda.naive import check_kda_inputs
 
 # Smallest block factorised in one matmul; below it pairs go by dyadic levels (always exact, more passes).
@@ -136,7 +137,9 @@ def kda_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] fp32; equal to naive.kda_recurrent up to fp32 rounding.
 
-    g must be a log decay (<= 0, as kda_gate returns): the overflow-free splits below rely on G falling along each chunk."""
+    g must be a log decay (<= 0, as kda_gate returns): the overflow-free splits below rely on G falling along each chunk.
+    Inference only (buffers are updated in place): kda_chunk_autograd is the form autograd runs through."""
+    refuse_autograd("fast", q)
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from openk3.ops.kda.inference_only import refuse_autograd
 from openk3.ops.kda.naive import check_kda_inputs
 
 
@@ -77,6 +78,7 @@ def _run(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_autograd(kernel, q)  # registered inference-only (ops/registry.py): no test covers a backward through this seam
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # on CUDA the cu_seqlens values are asserted on the device
     fn = getattr(_fla_kda(), kernel)
     state = None if initial_state is None else convert_state(initial_state.float(), OPENK3_STATE_LAYOUT, FLA_STATE_LAYOUT)

@@ -150,7 +150,7 @@ def parallelize_tensor(model: K3ForCausalLM, ctx: ParallelContext, split_experts
     cutter = _Cutter(model, ctx)
     if ctx.world_size == 1:
         return cutter.splits
-    for layer in model.model.decoder_layers:
+    for layer in model.model.layers:
         attn = layer.self_attn
         if isinstance(attn, KimiDeltaAttention):
             cutter.kda(attn)

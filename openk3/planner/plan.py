@@ -57,7 +57,7 @@ class Plan:
         if self.layout is None:
             return None
         lp = self.choice.long_prefill if self.choice else None
-        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, lp)
+        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, self.request.system.accelerator.vendor, lp)
 
 
 def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:

@@ -45,7 +45,7 @@ def _price_note(plan: Plan) -> str:
 
 def _candidate_row(c: Candidate, plan: Plan) -> list[str]:
     m = c.metrics
-    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, c.long_prefill)
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, plan.request.system.accelerator.vendor, c.long_prefill)
     return [
         c.describe(),
         str(c.seqs_per_group),
@@ -120,10 +120,12 @@ def _traffic_table(plan: Plan) -> list[str]:
     if t is None:
         return []
     n = max(t.tokens, 1e-9)
+    vendor = plan.request.system.accelerator.vendor
+    fabric = vendor.scale_up_fabric if vendor is not None else "scale-up fabric"
     rows = [
         ["weights (HBM read)", _size(t.weights), _size(t.weights / n)],
         ["KV/state (HBM read + KDA write)", _size(t.kv_state), _size(t.kv_state / n)],
-        ["expert all-to-all, scale-up (NVLink)", _size(t.a2a_scale_up), _size(t.a2a_scale_up / n)],
+        [f"expert all-to-all, scale-up ({fabric})", _size(t.a2a_scale_up), _size(t.a2a_scale_up / n)],
         ["expert all-to-all, scale-out (NIC)", _size(t.a2a_scale_out), _size(t.a2a_scale_out / n)],
         ["TP all-reduce, scale-up / scale-out", f"{_size(t.allreduce_scale_up)} / {_size(t.allreduce_scale_out)}", ""],
         ["MoonEP weight prefetch", _size(t.prefetch), ""],

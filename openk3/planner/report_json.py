@@ -21,7 +21,7 @@ from openk3.planner.traffic import step_traffic
 
 def _candidate_json(c: Candidate, plan: Plan, on_front: frozenset[int] = frozenset()) -> dict[str, Any]:
     m = c.metrics
-    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, c.long_prefill)
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, plan.request.system.accelerator.vendor, c.long_prefill)
     return {
         "layout": c.describe(),
         "accelerators": c.layout.num_accelerators,

@@ -23,6 +23,7 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, candidate_tps, max_concurrency, tp_problem, working_set
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
+from openk3.planner.placement import tp_placement_problem
 from openk3.planner.pp_cp import KDASplit, LongPrefill, fix_ttft, with_long_prefill
 
 
@@ -60,7 +61,7 @@ class Candidate:
 @dataclass(frozen=True)
 class SearchSpace:
     sizes: tuple[int, ...] | None = None  # None: derived from the system
-    tps: tuple[int, ...] | None = None  # None: every divisor of the heads inside the scale-up domain up to 8
+    tps: tuple[int, ...] | None = None  # None: every TP up to 8 that divides the heads and tiles the scale-up domain
     balances: tuple[Balance, ...] = (Balance.EPLB, Balance.MOONEP)
     redundancy: bool = True
     redundant: tuple[int, ...] | None = None  # explicit redundant-expert counts; None: 0, and one per rank when `redundancy`
@@ -120,8 +121,8 @@ def candidate_layouts(config: ModelConfig, system: System, space: SearchSpace) -
     for n in sizes:
         if space.tps is None:
             tps = candidate_tps(n, system, max_tp=8, config=config)
-        else:  # asked for explicitly: may leave the scale-up domain (then priced over the NIC), never split a head
-            tps = [t for t in space.tps if n % t == 0 and tp_problem(config, t) is None]
+        else:  # asked for explicitly: still whole groups inside a scale-up domain, never a split head
+            tps = [t for t in space.tps if tp_placement_problem(t, n, system) is None and tp_problem(config, t) is None]
         for tp in tps:
             for balance in space.balances:
                 if space.redundant is not None:
@@ -244,7 +245,11 @@ def why_not(
     the closest layout. Sizes where something fits are left out."""
     out: dict[int, Misfit] = {}
     for n in sizes:
-        options = candidate_tps(n, system, config=config) if tps is None else [t for t in tps if n % t == 0 and tp_problem(config, t) is None]
+        options = (
+            candidate_tps(n, system, config=config)
+            if tps is None
+            else [t for t in tps if tp_placement_problem(t, n, system) is None and tp_problem(config, t) is None]
+        )
         closest: Misfit | None = None
         fits = False
         for tp in options:

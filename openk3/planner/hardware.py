@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,17 @@ _SYSTEM_KEYS = {
 }
 
 
+class Vendor(Enum):
+    """Who makes the accelerator: it decides which engines and which collective library can run a plan on it."""
+
+    NVIDIA = "nvidia"
+    AMD = "amd"
+
+    @property
+    def scale_up_fabric(self) -> str:
+        return {Vendor.NVIDIA: "NVLink", Vendor.AMD: "Infinity Fabric"}[self]
+
+
 @dataclass(frozen=True)
 class Accelerator:
     name: str
@@ -51,6 +63,7 @@ class Accelerator:
     hbm_visible_bytes: float | None = None
     fp8_flops: float | None = None
     fp4_flops: float | None = None
+    vendor: Vendor | None = None  # None: a user row that does not say; then no engine is matched to it
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -108,8 +121,18 @@ def _figure(row_name: str, key: str, raw: Any) -> tuple[float, str]:
     return float(value), source
 
 
+def _vendor(row_name: str, raw: Any) -> tuple[Vendor, str]:
+    if not isinstance(raw, Mapping) or "value" not in raw or "source" not in raw:
+        raise ValueError(f"catalogue row {row_name!r}: vendor must be {{'value': 'nvidia' | 'amd', 'source': text}}, got {raw!r}")
+    try:
+        return Vendor(raw["value"]), str(raw["source"])
+    except ValueError:
+        raise ValueError(f"catalogue row {row_name!r}: vendor={raw['value']!r} is invalid: expected one of {[v.value for v in Vendor]}") from None
+
+
 def _convert(row_name: str, row: Mapping[str, Any], keys: Mapping[str, tuple[str, float, bool]]) -> tuple[dict[str, Any], dict[str, str]]:
-    unknown = set(row) - set(keys) - {"accelerator"}
+    text_keys = {"accelerator"} if keys is _SYSTEM_KEYS else {"vendor"}
+    unknown = set(row) - set(keys) - text_keys
     if unknown:
         raise ValueError(f"catalogue row {row_name!r}: unknown fields {sorted(unknown)}; expected {sorted(keys)}")
     values: dict[str, Any] = {}
@@ -122,6 +145,8 @@ def _convert(row_name: str, row: Mapping[str, Any], keys: Mapping[str, tuple[str
         value, source = _figure(row_name, key, row[key])
         values[attr] = int(value) if factor == 1 and isinstance(factor, int) else value * factor
         sources[attr] = source
+    if "vendor" in text_keys and "vendor" in row:
+        values["vendor"], sources["vendor"] = _vendor(row_name, row["vendor"])
     return values, sources
 
 
@@ -158,6 +183,8 @@ def _raw_rows(rows: Mapping[str, Any], keys: Mapping[str, tuple[str, float, bool
                 row[key] = {"value": value / factor, "source": obj.sources.get(attr, "")}
         if isinstance(obj, System):
             row["accelerator"] = obj.accelerator.name
+        elif obj.vendor is not None:
+            row["vendor"] = {"value": obj.vendor.value, "source": obj.sources.get("vendor", "")}
         out[name] = row
     return out
 

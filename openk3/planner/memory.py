@@ -16,6 +16,7 @@ from openk3.config.tensor_parallel import tensor_parallel_split_params
 from openk3.planner.attention import attention_shape, attention_tp_problem, gqa_of
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
+from openk3.planner.placement import tp_placement_problem
 from openk3.serve.cache.spec import CacheSpec, MLAPageSpec
 
 DEFAULT_FILL = 0.9
@@ -201,10 +202,10 @@ def tp_problem(config: ModelConfig, tp: int) -> str | None:
 
 
 def candidate_tps(num_accelerators: int, system: System, max_tp: int = 16, config: ModelConfig | None = None) -> list[int]:
-    """TP sizes that divide the instance, stay inside one scale-up domain (TP all-reduces every layer) and, given the
-    config, divide its attention heads."""
+    """TP sizes whose groups divide the instance and sit whole inside one scale-up domain (TP all-reduces every layer;
+    `placement.py`) and, given the config, divide its attention heads."""
     limit = min(system.scale_up_domain, max_tp, num_accelerators)
-    tps = [t for t in range(1, limit + 1) if num_accelerators % t == 0]
+    tps = [t for t in range(1, limit + 1) if tp_placement_problem(t, num_accelerators, system) is None]
     return [t for t in tps if config is None or tp_problem(config, t) is None]
 
 

@@ -23,7 +23,8 @@ class FrontRow:
 
     @property
     def per_user_tok_s(self) -> float:
-        return self.candidate.metrics.per_user_tok_s
+        """What a user sees (prefill interleaved when a workload implies it)."""
+        return self.candidate.user_tok_s
 
     @property
     def per_accelerator_tok_s(self) -> float:
@@ -36,7 +37,7 @@ def pareto_rows(candidates: Sequence[Candidate]) -> tuple[FrontRow, ...]:
     feasible = [c for c in candidates if c.meets_slo]
     # sweep: sort by per-user speed descending, then throughput descending, cost ascending; a point is on the front when its
     # throughput beats every faster point's
-    order = sorted(feasible, key=lambda c: (-c.metrics.per_user_tok_s, -c.metrics.per_accelerator_tok_s, c.metrics.usd_per_m_output))
+    order = sorted(feasible, key=lambda c: (-c.user_tok_s, -c.metrics.per_accelerator_tok_s, c.metrics.usd_per_m_output))
     front: set[int] = set()
     best = float("-inf")
     for c in order:

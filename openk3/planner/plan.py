@@ -57,7 +57,7 @@ class Plan:
         if self.layout is None:
             return None
         lp = self.choice.long_prefill if self.choice else None
-        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, lp)
+        return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, self.request.system.accelerator.vendor, lp)
 
 
 def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:
@@ -72,12 +72,11 @@ def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:
 
 
 def _slo_problem(result: SearchResult, slo: SLO) -> str:
-    fastest = max(result.candidates, key=lambda c: c.metrics.per_user_tok_s)
+    fastest = max(result.candidates, key=lambda c: c.user_tok_s)
     quickest = min(result.candidates, key=lambda c: c.metrics.ttft_s)
     parts = [f"no layout meets the SLO (>= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s)"]
     parts.append(
-        f"the fastest fitting candidate reaches {fastest.metrics.per_user_tok_s:.1f} tok/s per user "
-        f"({fastest.layout.describe()}, {fastest.concurrency:,} sequences)"
+        f"the fastest fitting candidate reaches {fastest.user_tok_s:.1f} tok/s per user ({fastest.layout.describe()}, {fastest.concurrency:,} sequences)"
     )
     parts.append(f"the lowest TTFT is {quickest.metrics.ttft_s:.2f} s ({quickest.layout.describe()})")
     return "; ".join(parts)
@@ -92,7 +91,7 @@ def make_plan(req: PlanRequest) -> Plan:
     def run(space: SearchSpace, concurrency: int | None) -> SearchResult:
         return search(
             req.config, req.quant, req.system, req.context, req.slo, req.prompt, space,
-            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power,
+            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power, mix=req.requests,
         )  # fmt: skip
 
     full = run(replace(req.space, sizes=sizes), None)

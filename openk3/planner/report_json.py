@@ -21,7 +21,7 @@ from openk3.planner.traffic import step_traffic
 
 def _candidate_json(c: Candidate, plan: Plan, on_front: frozenset[int] = frozenset()) -> dict[str, Any]:
     m = c.metrics
-    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, c.long_prefill)
+    runs = support(c.layout, plan.request.efficiency.comm_overlap, plan.request.quant, plan.request.system.accelerator.vendor, c.long_prefill)
     return {
         "layout": c.describe(),
         "accelerators": c.layout.num_accelerators,
@@ -31,7 +31,9 @@ def _candidate_json(c: Candidate, plan: Plan, on_front: frozenset[int] = frozens
         "balance": c.layout.balance.value,
         "seqs_per_group": c.seqs_per_group,
         "concurrency": c.concurrency,
-        "per_user_tok_s": m.per_user_tok_s,
+        "per_user_tok_s": c.user_tok_s,  # what users see: the SLO is checked on this
+        "decode_step_tok_s": m.per_user_tok_s,
+        "decode_stretch": c.stretch,
         "ttft_s": m.ttft_s,
         "tok_s_per_accelerator": m.per_accelerator_tok_s,
         "usd_per_m_output": m.usd_per_m_output,
@@ -190,7 +192,9 @@ def render_json(plan: Plan) -> dict[str, Any]:
         }
         doc["metrics"] = {
             "throughput_tok_s": m.throughput_tok_s,
-            "per_user_tok_s": m.per_user_tok_s,
+            "per_user_tok_s": plan.choice.user_tok_s if plan.choice else m.per_user_tok_s,  # what users see: the SLO is checked on this
+            "decode_step_tok_s": m.per_user_tok_s,
+            "decode_stretch": plan.choice.stretch if plan.choice else 1.0,
             "ttft_s": m.ttft_s,
             "prefill_tok_s": m.prefill_tok_s,
             "tokens_per_joule": m.tokens_per_joule,

@@ -14,6 +14,7 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Quantisation
 from openk3.planner.memory import DEFAULT_FILL, tp_problem
 from openk3.planner.perf import Efficiency
+from openk3.planner.placement import tp_placement_problem
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.workload import RequestMix
 
@@ -27,7 +28,7 @@ class PlanRequest:
     prompt: int | None = None
     quant: Quantisation = field(default_factory=Quantisation)
     accelerators: int | None = None  # None: searched up to space.max_accelerators
-    tp: int | None = None  # None: searched (divisors of the heads inside the scale-up domain)
+    tp: int | None = None  # None: searched (divisors of the heads whose groups sit whole inside a scale-up domain)
     balance: Balance | None = None  # None: searched (space.balances)
     redundant_experts: int | None = None  # None: searched (none, or one per rank with EPLB)
     slo: SLO = field(default_factory=SLO)
@@ -53,6 +54,12 @@ class PlanRequest:
                 raise ValueError(f"{problem} ({self.config.name})")
             if self.accelerators is not None and self.accelerators % self.tp:
                 raise ValueError(f"tp={self.tp} is invalid: expected a divisor of accelerators={self.accelerators}")
+            # groups that would straddle scale-up domains cannot exist as priced (placement.py); with the size open, the
+            # search keeps only sizes where they fit, which for tp > domain is none
+            size = self.accelerators if self.accelerators is not None else self.tp
+            placement = tp_placement_problem(self.tp, size, self.system)
+            if placement:
+                raise ValueError(f"tp={self.tp} is invalid: {placement}")
         if self.disaggregate and self.requests is None:
             raise ValueError("disaggregation needs a workload: --input/--output or --requests (and optionally --rate)")
 

@@ -9,9 +9,13 @@ dtype, and its multi-rank path has run on CPU/gloo only. So on more than one acc
 what openk3 runs today (the GPU path is the first gap); a single accelerator is.
 
 Engines are matched on documented features only (DP attention, TP, wide EP with EPLB/redundant experts, two-batch
-overlap): SGLang (`--enable-dp-attention`, `--enable-two-batch-overlap`, EPLB), vLLM (`--data-parallel-size` with
-`--enable-expert-parallel`, `--enable-eplb`, dual-batch overlap), TensorRT-LLM (attention DP, wide EP with EPLB). Whether
-an engine supports the model itself (KDA, AttnRes) is not checked. MoonEP's per-batch balancing is a library
+overlap), and on the accelerator's vendor (the catalogue's `vendor`): on NVIDIA, SGLang (`--enable-dp-attention`,
+`--enable-two-batch-overlap`, EPLB), vLLM (`--data-parallel-size` with `--enable-expert-parallel`, `--enable-eplb`,
+dual-batch overlap), TensorRT-LLM (attention DP, wide EP with EPLB); on AMD (ROCm), SGLang (DP attention and wide EP
+over AMD's MoRI all-to-all on MI355X: LMSYS blog 2026-05-28, lmsys.org/blog/2026-05-28-mori) and vLLM (ROCm builds,
+docs.vllm.ai "Expert Parallel Deployment": DP + EP with its allgather/reduce-scatter backend) -- TensorRT-LLM is CUDA
+only. An accelerator whose row names no vendor is matched to no engine. Whether an engine supports the model itself
+(KDA, AttnRes) is not checked. MoonEP's per-batch balancing is a library
 (MoonshotAI/MoonEP) that none of the three documents as integrated, so a MoonEP layout names no engine but openk3.
 Pipeline parallelism for prefill is documented by all three (`--pp-size`, `--pipeline-parallel-size`, `pp_size`);
 context parallelism over a KDA recurrence (state handed between ranks, or a chunk-parallel scan) is documented by none
@@ -22,10 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from openk3.planner.hardware import Vendor
 from openk3.planner.inputs import Balance, Layout, Quantisation
 from openk3.planner.pp_cp import LongPrefill
 
-ENGINES = ("SGLang", "vLLM", "TensorRT-LLM")
+ENGINES = {Vendor.NVIDIA: ("SGLang", "vLLM", "TensorRT-LLM"), Vendor.AMD: ("SGLang", "vLLM")}
+# the GPU stack openk3's multi-rank path would need on each vendor's accelerators
+GPU_STACK = {Vendor.NVIDIA: "CUDA/NCCL", Vendor.AMD: "ROCm/RCCL"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Support:
         return f"{ours}; engines: {', '.join(self.engines) if self.engines else 'none known'}"
 
 
-def support(layout: Layout, comm_overlap: float, quant: Quantisation, long_prefill: LongPrefill | None = None) -> Support:
+def support(layout: Layout, comm_overlap: float, quant: Quantisation, vendor: Vendor | None, long_prefill: LongPrefill | None = None) -> Support:
     missing: list[str] = []
     pp, cp = (long_prefill.pp, long_prefill.cp) if long_prefill else (1, 1)
     if pp > 1:
@@ -54,6 +61,8 @@ def support(layout: Layout, comm_overlap: float, quant: Quantisation, long_prefi
             missing.append(f"two-batch overlap hiding {comm_overlap:.0%} of communication (openk3 overlaps none)")
         if quant.dispatch_bits < 16:
             missing.append("FP8 dispatch (openk3 dispatches in the activation dtype)")
-        missing.append("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)")
-    engines = () if (layout.balance == Balance.MOONEP and layout.num_accelerators > 1) or cp > 1 else ENGINES
+        stack = GPU_STACK[vendor] if vendor is not None else "the accelerator's GPU stack"
+        missing.append(f"multi-rank serving on {stack} (run on CPU/gloo only)")
+    moonep = layout.balance == Balance.MOONEP and layout.num_accelerators > 1
+    engines = () if vendor is None or moonep or cp > 1 else ENGINES[vendor]
     return Support(openk3=not missing, openk3_missing=tuple(missing), engines=engines)

@@ -5,8 +5,10 @@ attention heads, balance policies, redundant experts (none, or one per rank), an
 of two up to what HBM holds, the memory limit itself, and -- under an SLO -- the largest batch that still meets it (found
 by bisection between the grid points, since per-user speed falls as the batch grows). A layout whose weights and one
 sequence per group do not fit is not a candidate at all; `why_not` says how far it misses. A candidate is feasible when
-its per-user decode speed is at least `min_user_tok_s` and its TTFT at most `max_ttft_s`; feasible candidates are ranked
-by $ per 1M output tokens.
+its per-user speed is at least `min_user_tok_s` and its TTFT at most `max_ttft_s`; feasible candidates are ranked by $
+per 1M output tokens. The per-user speed is what a user sees: with a workload (input/output lengths, a rate) the decode
+steps are stretched by the prefill its requests bring (`workload.decode_stretch`); without one, no prefill load is
+implied and it is the decode step's own speed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, candidate_tps, max_concurrency, tp_problem, working_set
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
+from openk3.planner.placement import tp_placement_problem
 from openk3.planner.pp_cp import KDASplit, LongPrefill, fix_ttft, with_long_prefill
+from openk3.planner.workload import RequestMix, decode_stretch, mean_prefill_busy
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,14 @@ class Candidate:
     miss: str  # why it misses the SLO ("" when it meets it)
     batch_cap: str = ""  # what sets the batch: "memory" (the HBM limit), "SLO" (one more sequence misses it), "fixed" (asked for)
     long_prefill: LongPrefill | None = None  # PP/CP for the prompt, when the search needed them for the TTFT SLO
+    # wall time per decode step / the step itself: the prefill a workload's requests bring interleaves with decode
+    # (workload.decode_stretch); 1.0 when no workload is given, or for a decode pool that never prefills
+    stretch: float = 1.0
+
+    @property
+    def user_tok_s(self) -> float:
+        """What each user sees: decode steps slowed by the prefill interleaved with them. The per-user SLO is checked on this."""
+        return self.metrics.per_user_tok_s / self.stretch
 
     def describe(self) -> str:
         return self.layout.describe() + (f", prefill {self.long_prefill.describe()}" if self.long_prefill else "")
@@ -60,7 +72,7 @@ class Candidate:
 @dataclass(frozen=True)
 class SearchSpace:
     sizes: tuple[int, ...] | None = None  # None: derived from the system
-    tps: tuple[int, ...] | None = None  # None: every divisor of the heads inside the scale-up domain up to 8
+    tps: tuple[int, ...] | None = None  # None: every TP up to 8 that divides the heads and tiles the scale-up domain
     balances: tuple[Balance, ...] = (Balance.EPLB, Balance.MOONEP)
     redundancy: bool = True
     redundant: tuple[int, ...] | None = None  # explicit redundant-expert counts; None: 0, and one per rank when `redundancy`
@@ -109,8 +121,8 @@ class SearchResult:
         for c in self.candidates:
             n = c.layout.num_accelerators
             cur = out.get(n)
-            key = (c.meets_slo, -c.metrics.usd_per_m_output if c.meets_slo else c.metrics.per_user_tok_s)
-            if cur is None or key > (cur.meets_slo, -cur.metrics.usd_per_m_output if cur.meets_slo else cur.metrics.per_user_tok_s):
+            key = (c.meets_slo, -c.metrics.usd_per_m_output if c.meets_slo else c.user_tok_s)
+            if cur is None or key > (cur.meets_slo, -cur.metrics.usd_per_m_output if cur.meets_slo else cur.user_tok_s):
                 out[n] = c
         return dict(sorted(out.items()))
 
@@ -120,8 +132,8 @@ def candidate_layouts(config: ModelConfig, system: System, space: SearchSpace) -
     for n in sizes:
         if space.tps is None:
             tps = candidate_tps(n, system, max_tp=8, config=config)
-        else:  # asked for explicitly: may leave the scale-up domain (then priced over the NIC), never split a head
-            tps = [t for t in space.tps if n % t == 0 and tp_problem(config, t) is None]
+        else:  # asked for explicitly: still whole groups inside a scale-up domain, never a split head
+            tps = [t for t in space.tps if tp_placement_problem(t, n, system) is None and tp_problem(config, t) is None]
         for tp in tps:
             for balance in space.balances:
                 if space.redundant is not None:
@@ -166,16 +178,24 @@ def search(
     fill: float = DEFAULT_FILL,
     concurrency: int | None = None,
     power: PowerParams | None = None,
+    mix: RequestMix | None = None,
 ) -> SearchResult:
     """Every layout of `space` that holds the weights and its batch; `concurrency` fixes the instance's batch instead of
-    searching it."""
+    searching it. With a workload `mix`, every candidate's per-user speed is what its users see with the mix's prefill
+    interleaved at the mix's rate (full capacity without one), and the SLO is checked on that."""
     slo, space = slo or SLO(), space or SearchSpace()
     efficiency, comm, balance, power = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams(), power or PowerParams()
     out: list[Candidate] = []
     for layout in candidate_layouts(config, system, space):
         limit = max_concurrency(config, quant, layout, context, system, fill) // layout.dp
+        prefill_busy = None
+        if mix is not None and limit >= 1:  # replica-seconds of prefill per request: the layout's, whatever the batch
+            probe = Scenario(
+                config, quant, layout, Workload(context=context, concurrency=layout.dp, prompt=prompt), system, efficiency, comm, balance, fill, power
+            )
+            prefill_busy = mean_prefill_busy(probe, mix)
 
-        def make(b: int, total: int | None = None, layout: Layout = layout, limit: int = limit) -> Candidate:
+        def make(b: int, total: int | None = None, layout: Layout = layout, limit: int = limit, prefill_busy: float | None = prefill_busy) -> Candidate:
             # memory binds a searched batch that is the HBM limit itself; a batch the caller fixed is its own choice
             capped = total is None and b >= limit
             cap = "fixed" if total is not None else ("memory" if capped else "")
@@ -190,12 +210,17 @@ def search(
                     m = with_long_prefill(m, lp)
                 else:
                     lp = None
+            stretch = 1.0
+            if mix is not None and prefill_busy is not None:
+                stretch = decode_stretch(prefill_busy, mix.mean_output / m.throughput_tok_s, mix.rate)
+            user = m.per_user_tok_s / stretch
             miss = []
-            if m.per_user_tok_s < slo.min_user_tok_s:
-                miss.append(f"{m.per_user_tok_s:.1f} tok/s/user < {slo.min_user_tok_s:g}")
+            if user < slo.min_user_tok_s:
+                seen = f" with prefill interleaved ({m.per_user_tok_s:.1f} on decode steps alone)" if stretch > 1 else ""
+                miss.append(f"{user:.1f} tok/s/user{seen} < {slo.min_user_tok_s:g}")
             if m.ttft_s > slo.max_ttft_s:
                 miss.append(f"TTFT {m.ttft_s:.2f}s > {slo.max_ttft_s:g}s")
-            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp)
+            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp, stretch)
 
         if concurrency is not None:
             b = -(-concurrency // layout.dp)
@@ -244,7 +269,11 @@ def why_not(
     the closest layout. Sizes where something fits are left out."""
     out: dict[int, Misfit] = {}
     for n in sizes:
-        options = candidate_tps(n, system, config=config) if tps is None else [t for t in tps if n % t == 0 and tp_problem(config, t) is None]
+        options = (
+            candidate_tps(n, system, config=config)
+            if tps is None
+            else [t for t in tps if tp_placement_problem(t, n, system) is None and tp_problem(config, t) is None]
+        )
         closest: Misfit | None = None
         fits = False
         for tp in options:

@@ -34,6 +34,7 @@ from openk3.planner import (
 )
 from openk3.planner.cli import main
 from openk3.planner.comm import allreduce_time
+from openk3.planner.hardware import Vendor
 from openk3.planner.memory import candidate_tps
 
 CAT = load_catalogue()
@@ -179,16 +180,16 @@ BF16_DISPATCH = Quantisation(dispatch_bits=16)  # what openk3 dispatches (the ac
 
 
 def test_layouts_say_who_can_run_them(capsys: pytest.CaptureFixture[str]) -> None:
-    tp2 = support(Layout(72, tp=2), 0.7, Q)
+    tp2 = support(Layout(72, tp=2), 0.7, Q, Vendor.NVIDIA)
     assert not tp2.openk3 and any("two-batch overlap" in r for r in tp2.openk3_missing) and "SGLang" in tp2.engines
-    assert support(Layout(1), 0.7, Q).openk3
-    assert support(Layout(72, balance=Balance.MOONEP), 0.7, Q).engines == ()
+    assert support(Layout(1), 0.7, Q, Vendor.NVIDIA).openk3
+    assert support(Layout(72, balance=Balance.MOONEP), 0.7, Q, Vendor.NVIDIA).engines == ()
     # openk3 runs TP over all ranks (tp=N), DP attention with TP inside each group, and EP over all ranks: what is
     # missing then is the rest
     cuda_only = ("multi-rank serving on CUDA/NCCL (run on CPU/gloo only)",)
     for tp in (8, 2, 1):
-        assert support(Layout(8, tp=tp), 0.0, BF16_DISPATCH).openk3_missing == cuda_only, tp
-    assert any("replicated 2x" in r for r in support(Layout(8, tp=8, ep=4), 0.0, BF16_DISPATCH).openk3_missing)
+        assert support(Layout(8, tp=tp), 0.0, BF16_DISPATCH, Vendor.NVIDIA).openk3_missing == cuda_only, tp
+    assert any("replicated 2x" in r for r in support(Layout(8, tp=8, ep=4), 0.0, BF16_DISPATCH, Vendor.NVIDIA).openk3_missing)
     rc, doc = _json(["plan", "--context", "8k", "--accelerators", "72", "--json", *FAST], capsys)
     assert rc == 0 and doc["runnable"]["openk3"] is False and doc["runnable"]["engines"]
     assert all("runnable" in c for c in doc["search"]["candidates"])

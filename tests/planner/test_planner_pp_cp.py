@@ -9,7 +9,7 @@ import pytest
 
 from openk3.config import k3
 from openk3.planner.cli import main
-from openk3.planner.hardware import load_catalogue
+from openk3.planner.hardware import Vendor, load_catalogue
 from openk3.planner.inputs import Layout, Quantisation, Workload
 from openk3.planner.memory import attn_res_slots, cache_spec
 from openk3.planner.models import deepseek_v3
@@ -102,7 +102,7 @@ def test_search_meets_a_1m_ttft_slo_only_with_pp_cp() -> None:
 
 def test_pp_alone_is_runnable_by_engines_not_openk3() -> None:
     sc = _sc()
-    runs = support(Layout(1), 0.0, Quantisation(), long_prefill(sc, pp=8))
+    runs = support(Layout(1), 0.0, Quantisation(), Vendor.NVIDIA, long_prefill(sc, pp=8))
     assert not runs.openk3 and runs.engines and "PP8" in runs.openk3_missing[0]
 
 

@@ -24,8 +24,9 @@ ALLOWED = {
     "serve": {"config", "ops", "model", "checks", "options"},
     "parallel": {"config", "ops", "model", "serve", "checks", "options"},
     "train": {"config", "ops", "model", "checks"},
-    "llm": {"config", "model", "serve", "parallel", "options"},
-    "api": {"config", "ops", "model", "serve", "parallel", "llm", "checks", "options"},
+    "launch": {"config", "model", "serve", "parallel", "checks", "options"},  # build_engine: one way to build an engine
+    "llm": {"config", "model", "serve", "parallel", "options", "launch"},
+    "api": {"config", "ops", "model", "serve", "parallel", "llm", "checks", "options", "launch"},
     "scale": {"config", "serve", "api", "checks", "options", "llm"},  # replicas on Ray Serve: builds on the server
     "planner": {"config", "checks"},
     "sandbox": {"checks"},

@@ -23,10 +23,10 @@ from openk3.api.engine_args import (
 if TYPE_CHECKING:  # the CLI imports torch and the server lazily, so `openk3 plan` and `--help` stay fast
     from fastapi import FastAPI
 
+    from openk3.launch.spec import EngineSpec
     from openk3.parallel.config import ParallelConfig
     from openk3.parallel.group import ParallelContext
     from openk3.parallel.serving.driver import EPTotals
-    from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.serve.config import EngineConfig
     from openk3.serve.engine import ServedEngine
 
@@ -65,38 +65,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bs.set_defaults(func=run_cli)
 
 
-def build_server(args: argparse.Namespace, ctx: ParallelContext | None = None, spec: RankModelSpec | None = None) -> FastAPI:
+def build_server(args: argparse.Namespace, group: ParallelContext | None = None) -> FastAPI:
     """The FastAPI app for parsed `serve` arguments (also used by tests and benchmarks/serve.py).
 
-    With `ctx` and `spec` (rank 0 of an expert-parallel group, `--ep N`) the engine's model is an EPDriver: each step is
-    broadcast to the worker ranks, which must be in run_worker_rank; `app.state.ep_driver.close()` releases them."""
+    With `group` (rank 0 of a joined multi-rank group under torchrun) the engine's model is an EPDriver whose steps are
+    broadcast to the worker ranks in run_worker_rank, or with --dp the engine is a DataParallelEngine over every rank's;
+    `app.state.rank_group.close()` releases the other ranks."""
     import torch
 
-    from openk3.serve.engine import LLMEngine
-    from openk3.serve.loading import build_model, model_tokenizer
+    from openk3.launch.engine import build_engine
 
     config, parallel = server_configs(args)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    if ctx is not None:
-        from openk3.parallel.serving.ranks import start_driver
-
-        if spec is None:
-            raise ValueError("build_server: an expert-parallel rank 0 (ctx) needs the ranks' RankModelSpec")
-        driver, _ = start_driver(ctx, spec)
-        try:
-            tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
-            app = _app(args, LLMEngine(driver, tokenizer, config.prepared_by_ranks()), driver.totals)
-            _record_expert_load(app, driver.model, parallel)
-        except BaseException:
-            driver.close()
-            raise
-        app.state.ep_driver = driver
-        return app
-    model, tokenizer = build_model(args.model, config.torch_dtype, config.device, config.seed, byte_tokenizer=args.tokenizer == "byte")
-    app = _app(args, LLMEngine(model, tokenizer, config))
-    _record_expert_load(app, model, parallel)
+    built = build_engine(_engine_spec(args, config, parallel), group)
+    try:
+        app = _app(args, built.core, built.ep_totals)
+        _record_expert_load(app, built.counted_model, parallel)
+    except BaseException:
+        if built.group is not None:
+            built.group.close()
+        raise
+    if built.group is not None:
+        app.state.rank_group = built.group
     return app
+
+
+def _engine_spec(args: argparse.Namespace, config: EngineConfig, parallel: ParallelConfig) -> EngineSpec:
+    from openk3.launch.spec import EngineSpec
+
+    return EngineSpec(args.model, config, parallel, byte_tokenizer=args.tokenizer == "byte")
 
 
 def _record_expert_load(app: FastAPI, model: Any, parallel: ParallelConfig) -> None:
@@ -105,7 +103,7 @@ def _record_expert_load(app: FastAPI, model: Any, parallel: ParallelConfig) -> N
     if parallel.export_eplb_stats is not None:
         from openk3.parallel.ep.load_stats import record_expert_load
 
-        app.state.expert_load = record_expert_load(model, parallel.export_eplb_stats)  # after the engine prepared the model
+        app.state.expert_load = record_expert_load(model, parallel.export_eplb_stats)  # after build_engine prepared the model
 
 
 def _export_expert_load(app: FastAPI, rc: int) -> int:
@@ -124,13 +122,11 @@ def _export_expert_load(app: FastAPI, rc: int) -> int:
 
 def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     """The app for `serve` flags with a multi-rank layout (--tp/--ep/--dp), its other ranks spawned on this machine as
-    `LLM(tp=, ep=, dp=)` spawns them (parallel/serving/local.py), instead of joining a torchrun group: what a Ray Serve
+    `LLM(tp=, ep=, dp=)` spawns them (launch/engine.py), instead of joining a torchrun group: what a Ray Serve
     replica of several ranks runs (openk3.scale). Returns the app and the LocalEP, whose close() stops those ranks."""
     import torch
 
-    from openk3.parallel.serving.local import LocalEP
-    from openk3.serve.engine import LLMEngine
-    from openk3.serve.loading import model_tokenizer
+    from openk3.launch.engine import build_engine
 
     config, parallel = server_configs(args)
     if parallel.world_size == 1:
@@ -139,19 +135,14 @@ def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, An
         raise ValueError("--export-eplb-stats with spawned ranks is not supported: export from one process or a torchrun server")
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    config = dataclasses.replace(config, pack_cpu_weights=False)  # the ranks prepare their own shards at start-up
-    tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
-    ranks = LocalEP(args.model, parallel, config.torch_dtype, config.device, config.seed, config, tokenizer)
+    built = build_engine(_engine_spec(args, config, parallel))
+    assert built.local_ranks is not None
     try:
-        if ranks.dp_engine is not None:
-            app = _app(args, ranks.dp_engine)
-        else:
-            assert ranks.driver is not None
-            app = _app(args, LLMEngine(ranks.driver, tokenizer, config.prepared_by_ranks()))
+        app = _app(args, built.core)
     except BaseException:
-        ranks.close()
+        built.local_ranks.close()
         raise
-    return app, ranks
+    return app, built.local_ranks
 
 
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
@@ -248,14 +239,12 @@ def run(args: argparse.Namespace) -> int:
 def run_expert_parallel(args: argparse.Namespace) -> int:
     """One rank of `torchrun --nproc-per-node N -m openk3 serve --ep N` (or `--tp N`; openk3.parallel.serving.torchrun):
     rank 0 serves HTTP and drives, the others follow."""
-    from openk3.parallel.serving.ranks import RankModelSpec
+    from openk3.parallel.serving.ranks import run_worker_rank
     from openk3.parallel.serving.torchrun import serve_ranks
 
     engine, parallel = server_configs(args)
-    from openk3.parallel.serving.ranks import run_worker_rank
-
-    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True, ops=engine.ops)
-    rank0 = lambda ctx: _serve_rank0(args, ctx, spec)  # noqa: E731
+    spec = _engine_spec(args, engine, parallel).rank_spec(collect_stats=True)
+    rank0 = lambda ctx: _serve_rank0(args, ctx)  # noqa: E731
     worker = lambda ctx: run_worker_rank(ctx, spec)  # noqa: E731
     return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
 
@@ -267,43 +256,25 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     import datetime
 
     from openk3.parallel.serving.dp_ranks import run_dp_worker_rank
-    from openk3.parallel.serving.ranks import RankModelSpec
     from openk3.parallel.serving.torchrun import serve_ranks
 
     engine, parallel = server_configs(args)
+    spec = _engine_spec(args, engine, parallel).rank_spec(collect_stats=True)
     # each rank's engine runs its model through a LockstepModel, whose weights the rank prepared at start-up
     engine = dataclasses.replace(engine, pack_cpu_weights=False)
-    spec = RankModelSpec.of(args.model, parallel, engine.torch_dtype, engine.seed, collect_stats=True, ops=engine.ops)
     timeout = datetime.timedelta(seconds=parallel.ep_timeout_s)
-    rank0 = lambda ctx: _serve_dp_rank0(args, ctx, spec, engine, timeout)  # noqa: E731
+    rank0 = lambda ctx: _serve_dp_rank0(args, ctx)  # noqa: E731
     worker = lambda ctx: run_dp_worker_rank(ctx, spec, engine, timeout)  # noqa: E731
     return serve_ranks(parallel.world_size, engine.device, rank0, worker, "openk3 serve", args.torch_threads, parallel.ep_timeout_s)
 
 
-def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec, config: EngineConfig, timeout: Any) -> int:
-    import torch
-
-    from openk3.parallel.serving.dp_ranks import start_dp_leader
-    from openk3.serve.loading import model_tokenizer
-
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
-    tokenizer = model_tokenizer(args.model, config.seed, args.tokenizer == "byte")
+def _serve_dp_rank0(args: argparse.Namespace, ctx: ParallelContext) -> int:
     try:
-        dp_engine = start_dp_leader(ctx, spec, config, tokenizer, timeout)
-    except RuntimeError as e:
+        app = build_server(args, ctx)
+    except (RuntimeError, ValueError) as e:  # a rank failed to start, or the server refused its settings
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    try:
-        app = _app(args, dp_engine, dp_engine.ep_totals)
-    except ValueError as e:
-        dp_engine.close()
-        print(f"openk3 serve: {e}", file=sys.stderr)
-        return 2
-    except BaseException:
-        dp_engine.close()
-        raise
-    return _serve_then_release(app, args, dp_engine, "a data-parallel")
+    return _serve_then_release(app, args, app.state.rank_group, "a data-parallel")
 
 
 def _keep_handlers_until_workers_stop(log: logging.Logger) -> None:
@@ -315,13 +286,13 @@ def _keep_handlers_until_workers_stop(log: logging.Logger) -> None:
         signal.signal(sig, lambda num, _frame: log.info("rank 0: signal %d, stopping the workers", num))
 
 
-def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext, spec: RankModelSpec) -> int:
+def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext) -> int:
     try:
-        app = build_server(args, ctx, spec)
+        app = build_server(args, ctx)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    return _serve_then_release(app, args, app.state.ep_driver, "an expert-parallel")
+    return _serve_then_release(app, args, app.state.rank_group, "an expert-parallel")
 
 
 class _RankGroup(Protocol):

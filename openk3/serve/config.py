@@ -121,11 +121,6 @@ class EngineConfig:
         check_op_names(names, target)
         check_op_requirements(names, target)
 
-    def prepared_by_ranks(self) -> EngineConfig:
-        """These settings for an engine whose model is a multi-rank driver: every rank selected the named ops when it built
-        its shard (RankModelSpec.ops), so the driver's engine has none left to select."""
-        return dataclasses.replace(self, ops=None)
-
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch

@@ -141,7 +141,7 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         sampler = Sampler(cfg.seed, self.device)
-        self.runner = ModelRunner(model, self.cache, sampler, self.device, pack_cpu_weights=cfg.pack_cpu_weights is True, ops=cfg.op_names)
+        self.runner = ModelRunner(model, self.cache, sampler, self.device)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs

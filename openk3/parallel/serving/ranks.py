@@ -51,7 +51,7 @@ class RankModelSpec:
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
         """The spec of a layout as ParallelConfig declares it, with the engine's named ops (every entry point builds it here,
-        so none drops a setting; the driver's engine then takes EngineConfig.prepared_by_ranks())."""
+        so none drops a setting; the driver's engine runs the model as its ranks prepared it)."""
         return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp, ops=ops)
 
 

@@ -22,12 +22,12 @@ import torch
 from openk3.launch.spec import EngineSpec
 from openk3.parallel.dp.engine import DataParallelEngine
 from openk3.parallel.group import ParallelContext
+from openk3.parallel.layout import ServingPlan, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, EPTotals
 from openk3.parallel.serving.local import LocalEP
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine, ServedEngine
 from openk3.serve.loading import build_model, model_tokenizer
-from openk3.serve.prepare import prepare_for_serving
 from openk3.serve.runner import CausalLM
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
 
@@ -73,7 +73,7 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
         net, tokenizer = build_model(spec.model, config.torch_dtype, config.device, config.seed, spec.byte_tokenizer, spec.tokenizer)
     param = next(iter(net.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")  # where the engine runs it
-    prepare_for_serving(cast(torch.nn.Module, net), device, config.pack_cpu_weights is True, config.op_names)
+    apply_serving_layout(cast(torch.nn.Module, net), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))
     engine = LLMEngine(net, tokenizer, config)
     return Engine(engine, engine, net)
 

@@ -68,7 +68,7 @@ def test_tp2_ranks_run_the_named_ops_with_one_process_tokens() -> None:
         warnings.simplefilter("ignore")
         want = greedy(LLM("debug", ops=NAIVE))
         llm = LLM("debug", ops=NAIVE, tp=2)
-    assert llm.engine.config.ops is None  # the ranks selected them; the driver's engine has none to select
+    assert llm.engine.config.ops == NAIVE  # a record only: the ranks selected them as they built their shards
     assert llm._ep is not None and llm._ep.driver is not None
     rank0 = llm._ep.driver.model
     assert isinstance(rank0, K3ForCausalLM) and rank0.ops == OpChoice(kda="naive", mla="naive", moe="naive")

@@ -153,7 +153,7 @@ def test_request_limits_are_settings() -> None:
 
 
 def test_the_limits_are_serve_flags() -> None:
-    from openk3.api.engine_args import server_settings
+    from openk3.api.server_flags import server_settings
     from openk3.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--max-waiting-requests", "3", "--queue-timeout-s", "2.5", "--max-n", "2", "--max-stop-token-ids", "0"])

@@ -157,8 +157,8 @@ def test_cli_registers_serve_and_bench_serve() -> None:
 def test_build_server_from_cli_arguments(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
-    from openk3.api.cli import build_server
     from openk3.cli import build_parser
+    from openk3.launch.server import build_server
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

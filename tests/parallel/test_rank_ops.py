@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from openk3.api import cli
 from openk3.cli import build_parser
 from openk3.config import debug
+from openk3.launch import cli
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention

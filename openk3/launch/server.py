@@ -114,6 +114,7 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
 def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | None = None) -> FastAPI:
     """The server over `engine`; `ep_totals`: rank 0's expert-parallel stats, for /metrics (`--ep N`, `--dp D`)."""
     from openk3.api.chat import generation_stop_ids, load_chat_template
+    from openk3.api.served_model import ModelIdentity
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.loading import ASSETS
 
@@ -123,12 +124,10 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
     frontend, limits = server_settings(args)
     config = ServerConfig(
         connection=connection_settings(args),
-        model_name=args.served_model_name or str(args.model),
-        model_root=str(args.model),
+        model=ModelIdentity(args.served_model_name or str(args.model), str(args.model), generation_stop_ids(folder)),
         api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_timeout_s=args.shutdown_timeout,
-        stop_token_ids=generation_stop_ids(folder),
         frontend=frontend,
         limits=limits,
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,

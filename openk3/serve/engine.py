@@ -73,7 +73,7 @@ class EngineCore(Protocol):
 
 
 class ServedEngine(EngineCore, Protocol):
-    """What the HTTP server (serve/frontend.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
+    """What the HTTP server (serve/async_engine.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
     `cache` is one engine's cache manager, for its layout (page size, per-page and per-slot bytes, dtype); how much of
     every pool is used comes from stats(), which with data-parallel attention covers every rank."""
 

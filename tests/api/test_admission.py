@@ -14,8 +14,8 @@ import pytest
 from openk3.api.errors import frontend_error
 from openk3.api.limits import RequestLimits
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.config import FrontendConfig
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import GatedStep, debug_engine, start_server, stop_server
 

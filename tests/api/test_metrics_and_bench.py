@@ -13,7 +13,7 @@ from openk3.api.bench import add_arguments, benchmark
 from openk3.api.bench_data import DatasetConfig, ideal_prefix_hit_rate, make_requests
 from openk3.api.bench_metrics import RequestResult, parse_goodput, summarize, tpot
 from openk3.api.metrics import ServerMetrics
-from openk3.serve.frontend import FinishedRequest
+from openk3.serve.async_engine import FinishedRequest
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES, debug_engine, metric
 

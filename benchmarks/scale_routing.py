@@ -1,7 +1,7 @@
 """Scale-out routing: openk3's prefix-aware replica router against Ray's power-of-two-choices, on one multi-turn workload.
 
 Two replicas of the model (each `openk3 serve --enable-prefix-caching`, one Ray CPU and one torch thread) on a local Ray
-cluster behind openk3's front end, deployed with `openk3.scale.deploy.application` (what `openk3 serve --replicas 2
+cluster behind openk3's front end, deployed with `openk3.launch.replicas.replica_application` (what `openk3 serve --replicas 2
 --replica-router prefix|pow2` runs). The same workload runs twice, on a fresh deployment each time: `--replica-router
 prefix` (PrefixAffinityRouter) and the baseline `pow2` (Ray's default router). Both have prefix caching on in every
 replica; only the routing differs.
@@ -239,7 +239,8 @@ async def warm_up(base: str, args: argparse.Namespace) -> None:
 def run_router(router: str, args: argparse.Namespace, system: str) -> RouterRun:
     from ray import serve
 
-    from openk3.scale.deploy import ScaleConfig, application
+    from openk3.launch.replicas import replica_application
+    from openk3.scale.deploy import ScaleConfig
 
     argv = ["--model", args.model, "--enable-prefix-caching", "--torch-threads", "1", "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     port = free_port()
@@ -248,7 +249,7 @@ def run_router(router: str, args: argparse.Namespace, system: str) -> RouterRun:
     run = RouterRun(router)
     try:
         config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance)
-        serve.run(application(argv, config), name="openk3", route_prefix="/")
+        serve.run(replica_application(argv, config), name="openk3", route_prefix="/")
         wait_healthy(base, args.replicas, 180)
         asyncio.run(warm_up(base, args))
         asyncio.run(workload(base, args, system, run))
@@ -345,7 +346,7 @@ def main() -> int:
         f"command: `.venv/bin/python benchmarks/scale_routing.py{''.join(' ' + a for a in sys.argv[1:])}`",
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, ray {ray.__version__}, commit {commit}",
-        f"deployment: openk3.scale.deploy.application, {args.replicas} replicas x (1 Ray CPU, --torch-threads 1, --enable-prefix-caching, "
+        f"deployment: openk3.launch.replicas.replica_application, {args.replicas} replicas x (1 Ray CPU, --torch-threads 1, --enable-prefix-caching, "
         f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}; every run on a fresh deployment "
         f"(serve.shutdown between), {args.repeats} pairs, the order alternating (prefix first, then pow2 first, ...)",
         f"workload: {n} conversations x {args.turns} turns sharing one system prompt of {system_tokens} tokens; "

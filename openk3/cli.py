@@ -12,7 +12,8 @@ import sys
 
 # sub-command modules, in the order `openk3 --help` lists them; a module that is not installed yet is skipped
 COMMAND_MODULES = (
-    "openk3.api.cli_generate",
+    "openk3.llm_cli",
+    "openk3.launch.cli",
     "openk3.api.cli",
     "openk3.planner.cli",
     "openk3.train.cli",

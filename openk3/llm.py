@@ -30,19 +30,20 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from openk3.launch.engine import build_engine
+from openk3.launch.spec import EngineSpec
 from openk3.options import split_overrides
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.config import EngineConfig
-from openk3.serve.engine import EngineCore, LLMEngine
-from openk3.serve.loading import build_model, model_tokenizer
+from openk3.serve.engine import EngineCore
 from openk3.serve.output import OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.runner import CausalLM
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
+from openk3.serve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from openk3.parallel.ep.load_stats import LoadRecording
@@ -67,39 +68,13 @@ class LLM:
         config = config.with_packing_default(owns_model=not isinstance(model, torch.nn.Module))  # nothing else writes to it
         if not isinstance(model, torch.nn.Module):
             config.check_ops_on_device()  # before the weights load or any rank starts; a module's own device is checked as it is prepared
-        net: CausalLM | None
-        self._ep = None
-        if parallel.world_size != 1:
-            from openk3.parallel.serving.local import LocalEP
-
-            if isinstance(model, torch.nn.Module):
-                tok = tokenizer or ByteTokenizer(max(256, cast(CausalLM, model).config.vocab_size))
-            else:
-                tok = tokenizer or model_tokenizer(model, config.seed)
-            self._ep = LocalEP(model, parallel, config.torch_dtype, config.device, config.seed, config, tok)
-            net = self._ep.driver  # None with dp > 1: the ranks' own engines run the model
-        elif isinstance(model, torch.nn.Module):
-            net = cast(CausalLM, model)  # any module obeying the contract (tests pass fakes)
-            tok = tokenizer or ByteTokenizer(max(256, net.config.vocab_size))
-        else:
-            net, tok = build_model(model, config.torch_dtype, config.device, config.seed, tokenizer=tokenizer)
         # `core` is what generate() steps: the engine, or with dp > 1 the engine spread over the ranks; `engine` is this
         # process's own LLMEngine either way (with dp > 1 rank 0's, to inspect: stepping it alone would break the lockstep)
-        self.core: EngineCore
-        try:
-            if self._ep is not None and self._ep.dp_engine is not None:
-                self.core = self._ep.dp_engine
-                self.engine = self._ep.dp_engine.local
-            else:
-                assert net is not None
-                # a driver's ranks selected the named ops as they built their shards
-                self.engine = LLMEngine(net, tok, config.prepared_by_ranks() if self._ep is not None else config)
-                self.core = self.engine
-        except BaseException:
-            if self._ep is not None:
-                self._ep.close()
-            raise
-        self.tokenizer = tok
+        built = build_engine(EngineSpec(model, config, parallel, tokenizer))
+        self._ep = built.local_ranks
+        self.core: EngineCore = built.core
+        self.engine = built.local
+        self.tokenizer = built.tokenizer
         self.processor = OutputProcessor(self.core)
         self._ids = itertools.count()
         self._load_recording: LoadRecording | None = None
@@ -107,9 +82,8 @@ class LLM:
             # after the engine prepared the model for serving; rank 0's model sees every token (dp > 1 is refused)
             from openk3.parallel.ep.load_stats import record_expert_load
 
-            counted = self._ep.driver.model if self._ep is not None and self._ep.driver is not None else net
             try:
-                self._load_recording = record_expert_load(counted, parallel.export_eplb_stats)
+                self._load_recording = record_expert_load(built.counted_model, parallel.export_eplb_stats)
             except BaseException:
                 self.close()
                 raise

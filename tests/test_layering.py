@@ -1,9 +1,11 @@
 """Dependencies point one way, and no module imports itself through others.
 
-Layers, lowest first: config -> ops -> model -> serve -> parallel -> llm (the offline entry) -> api (HTTP and the CLI
-commands); train builds on model; planner and sandbox are leaves that never touch CUDA (the sandbox not even torch).
-Each package (or top-level module) lists what it may import; anything else is a wrong arrow. The walk uses `ast`, so it
-also sees imports inside functions and under TYPE_CHECKING: a lazy import is still a dependency, and a cycle.
+Layers, lowest first: config -> ops -> model -> serve -> parallel -> api (HTTP) -> scale (Ray Serve replicas) -> launch
+(build_engine, the `openk3 serve` processes) -> llm (the offline entry) and its `openk3 generate`; train builds on model;
+planner and sandbox are leaves that never touch CUDA (the sandbox not even torch). Each package (or top-level module)
+lists what it may import; anything else is a wrong arrow. The walk uses `ast`, so it also sees imports inside functions
+and under TYPE_CHECKING, and `importlib.import_module("openk3...")` with a literal name: a lazy import, or one by name,
+is still a dependency, and a cycle.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ ALLOWED = {
     "serve": {"config", "ops", "model", "checks", "options"},
     "parallel": {"config", "ops", "model", "serve", "checks", "options"},
     "train": {"config", "ops", "model", "checks"},
-    "llm": {"config", "model", "serve", "parallel", "options"},
-    "api": {"config", "ops", "model", "serve", "parallel", "llm", "checks", "options"},
-    "scale": {"config", "serve", "api", "checks", "options", "llm"},  # replicas on Ray Serve: builds on the server
+    "api": {"config", "ops", "model", "serve", "parallel", "checks", "options"},  # HTTP only
+    "scale": {"config", "serve", "parallel", "api", "checks", "options"},  # replicas on Ray Serve, built as launch says
+    # build_engine (one way to build an engine) and the processes that serve it: above the server and its replicas
+    "launch": {"config", "model", "serve", "parallel", "api", "scale", "checks", "options"},
+    "llm": {"config", "model", "serve", "parallel", "options", "launch"},
+    "llm_cli": {"serve", "llm", "launch"},  # `openk3 generate`
     "planner": {"config", "checks"},
     "sandbox": {"checks"},
     "cli": set(),  # finds each package's `cli` module by name (importlib), so `openk3 plan` never loads torch
@@ -44,8 +49,21 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def imported_by_name(node: ast.AST) -> str | None:
+    """The module a call `import_module("openk3...")` (or `importlib.import_module(...)`) names with a literal string."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    first = node.args[0]
+    if called == "import_module" and isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("openk3."):
+        return first.value
+    return None
+
+
 def imported_modules(path: Path) -> list[str]:
-    """Every openk3-or-other module `path` names in an import, `from a import b` giving both `a` and `a.b`."""
+    """Every openk3-or-other module `path` names in an import, `from a import b` giving both `a` and `a.b`, and every
+    openk3 module it imports by a literal name."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
     for node in ast.walk(tree):
@@ -54,6 +72,8 @@ def imported_modules(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
             names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif (by_name := imported_by_name(node)) is not None:
+            names.append(by_name)
     return names
 
 
@@ -99,6 +119,8 @@ def import_graph() -> dict[str, set[str]]:
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
                     targets.add(sub if sub in paths else node.module)
+            elif (by_name := imported_by_name(node)) in paths:
+                targets.add(by_name)
         graph[module] = targets - {module}
     return graph
 
@@ -164,6 +186,22 @@ def test_checker_catches_a_wrong_arrow_and_a_cycle(tmp_path: Path, monkeypatch) 
     assert any("torch.cuda" in v for v in found)
     assert any("openk3.newpkg has no layering rule" in v for v in found)
     assert cycles(import_graph()) == [["openk3.model.a", "openk3.model.b"]]
+
+
+def test_checker_sees_a_cycle_and_a_wrong_arrow_through_import_module(tmp_path: Path, monkeypatch) -> None:
+    """The cycle issue 33 found (api/cli.py -> scale/cli.py -> scale/deploy.py -> api/cli.py) hid behind a name."""
+    root = tmp_path / "openk3"
+    for package in ("api", "scale"):
+        (root / package).mkdir(parents=True)
+    (root / "api" / "cli.py").write_text('import importlib\n\ndef scale():\n    return importlib.import_module("openk3.scale.cli")\n')
+    (root / "scale" / "cli.py").write_text("from openk3.scale import deploy\n")
+    (root / "scale" / "deploy.py").write_text("def parser():\n    from openk3.api import cli\n")
+    (root / "scale" / "__init__.py").write_text("")
+    (root / "api" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
+    assert "openk3.scale.cli" in imported_modules(root / "api" / "cli.py")
+    assert any("openk3.api imports openk3.scale.cli" in v for v in violations())
+    assert cycles(import_graph()) == [["openk3.api.cli", "openk3.scale.cli", "openk3.scale.deploy"]]
 
 
 def test_planner_and_sandbox_import_without_torch() -> None:

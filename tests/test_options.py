@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from openk3.api.engine_args import add_engine_arguments, engine_configs
 from openk3.cli import build_parser
+from openk3.launch.flags import add_engine_arguments, engine_configs
 from openk3.options import add_arguments, from_args, setting, split_overrides
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.config import EngineConfig

@@ -167,7 +167,7 @@ RETRY_AFTER_S = 1
 def frontend_error(e: BaseException) -> APIError | None:
     """The front end's refusals as 503s (queue full or timed out: with Retry-After); None for any other error."""
     from openk3.serve.admission import QueueFullError, QueueTimeoutError
-    from openk3.serve.frontend import EngineDeadError, FrontendClosedError
+    from openk3.serve.async_engine import EngineDeadError, FrontendClosedError
 
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, QueueFullError):

@@ -1,5 +1,5 @@
 """`/v1/completions` and `/v1/chat/completions`, second half: engine outputs -> a JSON response or an SSE stream (the
-jobs are built in api/serving.py).
+jobs are built in api/jobs.py).
 
 Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
 `delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
@@ -20,8 +20,9 @@ from collections.abc import AsyncGenerator
 from pydantic import BaseModel
 
 from openk3.api.agent_output import ChoiceParser
+from openk3.api.engine_job import EngineJob
 from openk3.api.errors import APIError, frontend_error
-from openk3.api.generation import EngineJob, Updates, final_outputs, open_updates, usage
+from openk3.api.jobs import ChatJob
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest, ToolCall
 from openk3.api.responses import (
     ChatChoice,
@@ -32,8 +33,11 @@ from openk3.api.responses import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
+    Usage,
 )
-from openk3.api.serving import ChatJob, Served
+from openk3.api.served_model import ServedModel
+from openk3.api.updates import Updates, final_outputs, open_updates
 from openk3.serve.output import OutputKind
 
 log = logging.getLogger("openk3.api")
@@ -59,7 +63,16 @@ def _stream_error(e: Exception) -> bytes:
     return sse(APIError(status, str(e)).body())
 
 
-async def completion_response(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     results = await final_outputs(s.frontend, request_id, jobs)
     out = []
@@ -74,10 +87,12 @@ async def completion_response(s: Served, req: CompletionRequest, jobs: list[Engi
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
     completion_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
     u = usage(prompt_tokens, completion_tokens, sum(r.num_cached_tokens for r in results))
-    return CompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
+    return CompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u)
 
 
-async def open_completion_stream(s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> tuple[AsyncGenerator[bytes, None], Updates]:
+async def open_completion_stream(
+    s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]
+) -> tuple[AsyncGenerator[bytes, None], Updates]:
     """The engine requests added (a refusal is still a plain HTTP error), and the events that will stream their outputs."""
     request_id = f"cmpl-{uuid.uuid4().hex}"
     updates = await open_updates(s.frontend, request_id, jobs, OutputKind.DELTA)
@@ -85,7 +100,7 @@ async def open_completion_stream(s: Served, req: CompletionRequest, jobs: list[E
 
 
 async def completion_stream(
-    s: Served, req: CompletionRequest, jobs: list[EngineJob], texts: list[str], request_id: str, updates: Updates
+    s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str], request_id: str, updates: Updates
 ) -> AsyncGenerator[bytes, None]:
     created = int(time.time())
     offsets: dict[int, int] = {}
@@ -106,11 +121,11 @@ async def completion_stream(
                 if req.logprobs is not None:
                     logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[choice]))
+                yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice]))
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
             u = usage(prompt_tokens, completion_tokens, sum(cached.values()))
-            yield sse(CompletionResponse(id=request_id, created=created, model=s.model_name, choices=[], usage=u))
+            yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[], usage=u))
     except Exception as e:
         yield _stream_error(e)
     finally:
@@ -118,7 +133,7 @@ async def completion_stream(
     yield DONE
 
 
-async def chat_response(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> ChatCompletionResponse:
+async def chat_response(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob) -> ChatCompletionResponse:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = chat.job
     (result,) = await final_outputs(s.frontend, request_id, [job])
@@ -138,10 +153,10 @@ async def chat_response(s: Served, req: ChatCompletionRequest, chat: ChatJob) ->
         out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in result.outputs)
     u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
-    return ChatCompletionResponse(id=request_id, model=s.model_name, choices=out, usage=u)
+    return ChatCompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u)
 
 
-async def open_chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
+async def open_chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     updates = await open_updates(s.frontend, request_id, [chat.job], OutputKind.DELTA)
     return chat_stream(s, req, chat, request_id, updates), updates
@@ -162,12 +177,12 @@ def _chat_deltas(parser: ChoiceParser | None, text: str, finished: bool, stop_re
     return out or [DeltaMessage(content="")]
 
 
-async def chat_stream(s: Served, req: ChatCompletionRequest, chat: ChatJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
+async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
     created = int(time.time())
     job = chat.job
 
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model_name, choices=choices, usage=u))
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model.name, choices=choices, usage=u))
 
     completion_tokens, cached, opened = 0, 0, set()
     parsers: dict[int, ChoiceParser | None] = {}

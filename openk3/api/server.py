@@ -28,16 +28,16 @@ from starlette.requests import ClientDisconnect
 from openk3.api.chat import ChatTemplate
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, ClientGone, frontend_error
-from openk3.api.generation import TokenTexts
 from openk3.api.idle import IdleCallback
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.routes import completions, health, health_generate, models, router_info, tokens
 from openk3.api.routes.state import ServerConfig, ServerState
-from openk3.api.serving import Served
+from openk3.api.served_model import ServedModel
+from openk3.api.token_texts import TokenTexts
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
+from openk3.serve.async_engine import AsyncEngine, EngineDeadError, FrontendClosedError
 from openk3.serve.engine import ServedEngine
-from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
 from openk3.serve.heap_trim import HeapTrimmer
 from openk3.serve.tokenizer import Tokenizer
 
@@ -47,21 +47,19 @@ log = logging.getLogger("openk3.api")
 
 
 def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
-    metrics = ServerMetrics(config.model_name)
+    metrics = ServerMetrics(config.model.name)
     frontend = AsyncEngine(engine, observer=metrics, config=config.frontend)
     chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)
-    served = Served(
+    served = ServedModel(
         frontend=frontend,
         tokenizer=tokenizer,
         chat_template=chat_template,
-        model_name=config.model_name,
-        model_root=config.model_root,
+        model=config.model,
         max_model_len=engine.max_model_len,
         vocab_size=min(engine.model_config.vocab_size, max(tokenizer.vocab_size, 1)),
         texts=TokenTexts(tokenizer),
         encoder=PromptEncoder(tokenizer, engine.max_model_len),
         limits=config.limits,
-        stop_token_ids=config.stop_token_ids,
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
     )

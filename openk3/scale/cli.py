@@ -1,4 +1,5 @@
-"""`openk3 serve --replicas N`: the replicas on Ray Serve behind one endpoint on --host/--port (api/cli.py dispatches here).
+"""`openk3 serve --replicas N`: the replicas on Ray Serve behind one endpoint on --host/--port (launch/cli.py dispatches
+here, with the flags read into a ReplicaLaunch by launch/replicas.py).
 
 The other `openk3 serve` flags configure every replica's engine and server, as for one `openk3 serve`. A local Ray cluster
 is started unless --ray-address names one. Imports of Ray wait until the command runs, so `openk3 --help` stays fast.
@@ -11,6 +12,10 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from openk3.scale.replica_launch import ReplicaLaunch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,7 @@ def refuse_without_replicas(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, launch: ReplicaLaunch) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from openk3.scale.deploy import ScaleConfig, application
 
@@ -51,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             router=args.replica_router or "prefix",
             replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
         )
-        app = application(args, config)
+        app = application(launch, config)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2

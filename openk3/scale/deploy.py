@@ -1,8 +1,10 @@
-"""The `serve.run` entry: an Application of N engine replicas and the front end, from `openk3 serve` flags.
+"""The `serve.run` entry: an Application of N engine replicas and the front end, for `openk3 serve` flags read by the
+launch layer (a ReplicaLaunch: openk3.launch.replicas.replica_application builds the Application from argv).
 
     from ray import serve
-    from openk3.scale.deploy import ScaleConfig, application
-    serve.run(application(["--model", "tiny", "--enable-prefix-caching"], ScaleConfig(replicas=2)), name="openk3")
+    from openk3.launch.replicas import replica_application
+    from openk3.scale.deploy import ScaleConfig
+    serve.run(replica_application(["--model", "tiny", "--enable-prefix-caching"], ScaleConfig(replicas=2)), name="openk3")
 
 `router="prefix"` routes by cached prefix (router.py) and needs the replicas' prefix caching; `router="pow2"` is Ray's
 default power-of-two-choices router (the baseline the benchmark compares with; router.py adds report targeting). `prefill_replicas=P` adds a pool of P
@@ -13,9 +15,7 @@ same engine flags and the same router, and need prefix caching (the hand-off lan
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -25,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from openk3.checks import check_choice, check_int, check_number
 from openk3.scale.frontend import Frontend
 from openk3.scale.replica import EngineReplica
+from openk3.scale.replica_launch import ReplicaLaunch
 from openk3.scale.router import PrefixAffinityRouter, TargetedPowerOfTwoRouter
 
 ROUTERS = ("prefix", "pow2")
@@ -51,20 +52,9 @@ class ScaleConfig:
         check_int("ScaleConfig", "max_imbalance", self.max_imbalance, low=1)
 
 
-def serve_arguments(argv: list[str]) -> argparse.Namespace:
-    """`openk3 serve` flags (engine, server, model) as the replicas' server reads them."""
-    from openk3.api import cli
-
-    parser = argparse.ArgumentParser(prog="openk3")
-    cli.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
-
-
-def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> int:
+def check_combination(launch: ReplicaLaunch, config: ScaleConfig) -> int:
     """The replicas' prefix match unit; a flag combination replicas cannot serve is a ValueError naming it."""
-    from openk3.api.cli import server_configs
-
-    engine, parallel = server_configs(serve_args)
+    engine, parallel = launch.engine, launch.parallel
     engine.check_ops_on_device()  # --ops here, before any replica loads weights (each replica checks again as it prepares its model)
     if parallel.export_eplb_stats is not None:
         raise ValueError("--export-eplb-stats with --replicas: every replica would write its own counts to the one file; export from one `openk3 serve`")
@@ -78,43 +68,22 @@ def check_combination(serve_args: argparse.Namespace, config: ScaleConfig) -> in
     return engine.prefix_match_unit
 
 
-def replica_resources(serve_args: argparse.Namespace, config: ScaleConfig) -> dict[str, float]:
+def replica_resources(launch: ReplicaLaunch, config: ScaleConfig) -> dict[str, float]:
     """Ray's actor options for one replica: `replica_cpus` per rank and, on CUDA, one GPU per rank. A replica of several
     ranks spawns them on its own node, and they see the GPUs Ray gives the replica's actor (CUDA_VISIBLE_DEVICES), so
     the actor itself asks for every rank's share: Ray places it only on a node where all of them are free."""
-    from openk3.api.cli import server_configs
-
-    engine, parallel = server_configs(serve_args)
-    ranks = parallel.world_size
+    ranks = launch.parallel.world_size
     options = {"num_cpus": config.replica_cpus * ranks}
-    if engine.device.startswith("cuda"):
+    if launch.engine.device.startswith("cuda"):
         options["num_gpus"] = float(ranks)
     return options
 
 
-# the flags that name files or folders: a replica runs in a Ray worker process, whose working directory is not the
-# caller's, so a relative path would name another place there (or nothing)
-PATH_FLAGS = ("model", "chat_template", "eplb_stats", "disk_offload_dir")
-
-
-def with_absolute_paths(serve_args: argparse.Namespace) -> argparse.Namespace:
-    """`serve_args` with every relative path flag made absolute against this process's working directory (a `--model`
-    that is a preset name, not an existing path, stays as it is)."""
-    out = argparse.Namespace(**vars(serve_args))
-    for name in PATH_FLAGS:
-        value = getattr(out, name, None)
-        if value is None:
-            continue
-        path = Path(value)
-        if not path.is_absolute() and (name != "model" or path.exists()):
-            setattr(out, name, str(path.resolve()) if isinstance(value, str) else path.resolve())
-    return out
-
-
-def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Application:
-    serve_args = with_absolute_paths(serve_arguments(argv) if isinstance(argv, list) else argv)
-    match_unit = check_combination(serve_args, config)
-    resources = replica_resources(serve_args, config)
+def application(launch: ReplicaLaunch, config: ScaleConfig) -> Application:
+    """The replicas and their front end; `launch`: the `openk3 serve` flags every replica runs, as the launch layer read
+    them (openk3.launch.replicas.replica_application builds one from argv)."""
+    match_unit = check_combination(launch, config)
+    resources = replica_resources(launch, config)
     if config.router == "prefix":
         router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
     else:
@@ -131,12 +100,12 @@ def application(argv: list[str] | argparse.Namespace, config: ScaleConfig) -> Ap
             health_check_period_s=2.0,
             health_check_timeout_s=30.0,
         )
-        return deployment.bind(serve_args)
+        return deployment.bind(launch)
 
     ingress: Any = serve.ingress()(Frontend)  # the deferred-app form: Frontend.__serve_build_asgi_app__ builds it
     front: Any = serve.deployment(ingress, name="Frontend", num_replicas=1, ray_actor_options={"num_cpus": 0})
     decode = pool(REPLICA_DEPLOYMENT, config.replicas)
     if not config.prefill_replicas:
-        return front.bind(decode, serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)
+        return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)
     prefill = pool(PREFILL_DEPLOYMENT, config.prefill_replicas)
-    return front.bind(decode, serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT)
+    return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT)

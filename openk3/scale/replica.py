@@ -1,5 +1,6 @@
-"""One engine replica: the `openk3 serve` app (api/cli.py's build_server: the LLMEngine, the AsyncEngine front end and the
-OpenAI routes) inside a Ray Serve replica, called in-process for each forwarded request (asgi_call.py).
+"""One engine replica: the `openk3 serve` app (built as the launch layer says, ReplicaLaunch.build_server: the engine, the
+AsyncEngine front end and the OpenAI routes) inside a Ray Serve replica, called in-process for each forwarded request
+(asgi_call.py).
 
 The replica starts its engine in its (async) constructor, so Ray counts it RUNNING only once it can serve. Ray's health
 check asks the app's own /health, which fails once the engine loop has died: Ray then replaces the replica, as a
@@ -11,25 +12,24 @@ record a call carries before it serves the request, which then hits the record a
 A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
 
 A replica of several ranks (`--tp/--ep/--dp` with `--replicas`) spawns its other ranks on its own node, as `LLM(ep=N)`
-does (api/cli.py build_server_with_local_ranks); Ray reserves every rank's CPUs (and GPUs) for the replica's actor
+does (launch/replicas.py build_replica_server); Ray reserves every rank's CPUs (and GPUs) for the replica's actor
 (deploy.py), and the replica's shutdown stops them.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any
 
 from ray import serve
 
 from openk3.scale.asgi_call import ResponseStart, asgi_call
 from openk3.scale.calls import ReplicaCall, ReplicaReport, ResponseHead, WrongReplicaError
 from openk3.scale.forward import REPLICA_HEADER
+from openk3.scale.replica_launch import ReplicaLaunch, SpawnedRanks
 from openk3.serve.output import OutputKind
 from openk3.serve.sampling import SamplingParams
 
@@ -40,15 +40,10 @@ PREFILL = SamplingParams(temperature=0, max_tokens=1)
 
 class EngineReplica:
     # Ray Serve awaits an async constructor (replicas may start their engines here); type checkers want None from __init__
-    async def __init__(self, serve_args: argparse.Namespace) -> None:  # type: ignore[misc]
-        from openk3.api.cli import build_server, build_server_with_local_ranks, server_configs
-
+    async def __init__(self, launch: ReplicaLaunch) -> None:  # type: ignore[misc]
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._ranks: Any = None  # the LocalEP of a multi-rank replica
-        if server_configs(serve_args)[1].world_size > 1:
-            self.app, self._ranks = build_server_with_local_ranks(serve_args)
-        else:
-            self.app = build_server(serve_args)
+        self._ranks: SpawnedRanks | None  # a multi-rank replica's other ranks
+        self.app, self._ranks = launch.build_server(launch.serve_args)
         self._lifespan: AbstractAsyncContextManager[object] = self.app.router.lifespan_context(self.app)
         try:
             await self._lifespan.__aenter__()

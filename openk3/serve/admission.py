@@ -2,7 +2,7 @@
 
 A server under more load than it can serve should refuse early (503 with Retry-After) rather than queue without end, and a
 request that cannot be scheduled in time should end rather than hold its client forever. Only the engine thread sees the
-queue exactly, so this object lives there (serve/frontend.py calls it between steps). A request counts as waiting from the
+queue exactly, so this object lives there (serve/async_engine.py calls it between steps). A request counts as waiting from the
 moment the engine accepts it until one of its samples is first scheduled; preempted samples are admitted work and do not
 count. Time comes from an injectable clock, so tests step it instead of sleeping.
 """

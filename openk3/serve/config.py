@@ -121,11 +121,6 @@ class EngineConfig:
         check_op_names(names, target)
         check_op_requirements(names, target)
 
-    def prepared_by_ranks(self) -> EngineConfig:
-        """These settings for an engine whose model is a multi-rank driver: every rank selected the named ops when it built
-        its shard (RankModelSpec.ops), so the driver's engine has none left to select."""
-        return dataclasses.replace(self, ops=None)
-
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
@@ -164,7 +159,7 @@ def _names(dtype: Any, device: Any) -> tuple[Any, Any]:
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    """Admission control of the async front end (serve/frontend.py), the server's: `LLM.generate` takes every request it is
+    """Admission control of the async front end (serve/async_engine.py), the server's: `LLM.generate` takes every request it is
     given, but a server under more load than it can serve should refuse early rather than queue without end. A request counts
     as waiting from the moment the engine accepts it until one of its samples is first scheduled (preempted samples are
     admitted work and do not count)."""

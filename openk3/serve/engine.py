@@ -74,7 +74,7 @@ class EngineCore(Protocol):
 
 
 class ServedEngine(EngineCore, Protocol):
-    """What the HTTP server (serve/frontend.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
+    """What the HTTP server (serve/async_engine.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
     `cache` is one engine's cache manager, for its layout (page size, per-page and per-slot bytes, dtype); how much of
     every pool is used comes from stats(), which with data-parallel attention covers every rank."""
 
@@ -142,7 +142,7 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         sampler = Sampler(cfg.seed, self.device)
-        self.runner = ModelRunner(model, self.cache, sampler, self.device, pack_cpu_weights=cfg.pack_cpu_weights is True, ops=cfg.op_names)
+        self.runner = ModelRunner(model, self.cache, sampler, self.device)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs

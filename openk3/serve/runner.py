@@ -2,9 +2,8 @@
 runs the model under inference_mode and samples. With decode graphs (serve/graphs.py) a decode step that fits a bucket is
 replayed from its graph instead.
 
-A model that is an nn.Module gets the serving layout when the runner is built (serve/prepare.py: the named ops, fused
-projections, and on CPU with pack_cpu_weights oneDNN's blocked weights); a multi-rank driver's ranks have prepared theirs
-at start-up, so ops named for a model that is not a module are an error (its ranks take them: RankModelSpec.ops).
+The runner runs the model as it is given: whoever builds the engine has applied the serving layout before
+(openk3.launch.engine.build_engine; a multi-rank driver's ranks at start-up).
 The runner keeps no request state: it reads each scheduled Request (its tokens and computed count) and the cache (its slot
 and pages), and changes none of them; the scheduler applies what was sampled. A request samples when its computed tokens
 catch up with its tokens this step; only those rows get logits.
@@ -12,7 +11,7 @@ catch up with its tokens this step; only those rows get logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,8 +21,6 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
-from openk3.serve.op_names import format_op_names
-from openk3.serve.prepare import prepare_for_serving
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.scheduler import SchedulerOutput
@@ -55,16 +52,7 @@ class ModelRunner:
         cache: CacheManager,
         sampler: Sampler,
         device: torch.device | str = "cpu",
-        pack_cpu_weights: bool = False,
-        ops: Mapping[str, str | int] | None = None,
     ) -> None:
-        if isinstance(model, torch.nn.Module):
-            prepare_for_serving(model, torch.device(device), pack_cpu_weights, ops)
-        elif ops:
-            raise ValueError(
-                f"EngineConfig.ops={format_op_names(ops)!r}: the engine's model is a {type(model).__name__}, whose ops the engine cannot select; "
-                "a multi-rank driver's ranks select them as they build their shards (RankModelSpec.ops, EngineConfig.prepared_by_ranks)"
-            )
         self.model = model
         self.cache = cache
         self.sampler = sampler

@@ -18,9 +18,10 @@ import torch
 import uvicorn
 
 from openk3.api.chat import ChatTemplate
+from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.engine import EngineConfig, LLMEngine
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.loading import build_model
 from openk3.serve.tokenizer import Tokenizer
 
@@ -89,9 +90,7 @@ def start_server(
     engine = debug_engine(**engine_overrides)
     if before_start is not None:
         before_start(engine)
-    config = ServerConfig(
-        model_name="debug", model_root="debug", api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s, **(server or {})
-    )
+    config = ServerConfig(ModelIdentity("debug", "debug"), api_key=api_key, max_body_bytes=max_body_bytes, shutdown_timeout_s=graceful_s, **(server or {}))
     app = create_app(engine, tokenizer or engine.tokenizer, ChatTemplate.default(), config)
     # uvicorn annotates an int, but hands the value to asyncio.wait_for, which takes the fractions of a second tests use
     return serve_app(app, timeout_graceful_shutdown=graceful_s, **config.connection.uvicorn_options())  # type: ignore[arg-type]

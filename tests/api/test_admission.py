@@ -14,8 +14,8 @@ import pytest
 from openk3.api.errors import frontend_error
 from openk3.api.limits import RequestLimits
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.config import FrontendConfig
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import GatedStep, debug_engine, start_server, stop_server
 
@@ -153,7 +153,7 @@ def test_request_limits_are_settings() -> None:
 
 
 def test_the_limits_are_serve_flags() -> None:
-    from openk3.api.engine_args import server_settings
+    from openk3.api.server_flags import server_settings
     from openk3.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--max-waiting-requests", "3", "--queue-timeout-s", "2.5", "--max-n", "2", "--max-stop-token-ids", "0"])

@@ -8,7 +8,7 @@ import pytest
 
 from openk3.api.chat import CHATML_END, ChatTemplate, generation_stop_ids, load_chat_template
 from openk3.api.chat_format import ChatFormat
-from openk3.api.generation import sampling_params
+from openk3.api.engine_job import sampling_params
 from openk3.api.protocol import ChatCompletionRequest, ChatMessage
 from openk3.serve.loading import ASSETS
 from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer

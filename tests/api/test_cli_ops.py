@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from openk3.api import cli
-from openk3.api.cli import build_server
 from openk3.cli import build_parser
+from openk3.launch import cli
+from openk3.launch.server import build_server
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import LocalExperts
 from openk3.ops.registry import op

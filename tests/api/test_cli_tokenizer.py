@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from openk3.api.cli import build_server
 from openk3.cli import build_parser
+from openk3.launch.server import build_server
 from openk3.serve.tokenizer import ByteTokenizer, TokenizerNotFoundError
 from tests.serve.test_loading_eos import EOS, folder_without_tokenizer
 

@@ -179,9 +179,9 @@ def test_openapi_documents_the_request_bodies(client: httpx.Client) -> None:
 
 
 def test_connection_settings_are_serve_flags() -> None:
-    from openk3.api.cli import _uvicorn_options
-    from openk3.api.engine_args import connection_settings
+    from openk3.api.server_flags import connection_settings
     from openk3.cli import build_parser
+    from openk3.launch.server import _uvicorn_options
 
     defaults = connection_settings(build_parser().parse_args(["serve"]))
     assert defaults == ConnectionConfig()

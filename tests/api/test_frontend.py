@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openk3.llm import LLM
-from openk3.serve.frontend import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.async_engine import AsyncEngine, EngineDeadError, FrontendClosedError
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import debug_engine
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from openk3.serve.frontend import AsyncEngine
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import GatedStep, debug_engine
 

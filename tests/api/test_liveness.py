@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from openk3.api import cli
 from openk3.api.routes.state import check_open
+from openk3.launch import server as cli
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.config import FrontendConfig
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import GatedStep, debug_engine
 

@@ -13,7 +13,7 @@ from openk3.api.bench import add_arguments, benchmark
 from openk3.api.bench_data import DatasetConfig, ideal_prefix_hit_rate, make_requests
 from openk3.api.bench_metrics import RequestResult, parse_goodput, summarize, tpot
 from openk3.api.metrics import ServerMetrics
-from openk3.serve.frontend import FinishedRequest
+from openk3.serve.async_engine import FinishedRequest
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import MAX_NUM_SEQS, NUM_PAGES, debug_engine, metric
 
@@ -157,8 +157,8 @@ def test_cli_registers_serve_and_bench_serve() -> None:
 def test_build_server_from_cli_arguments(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
-    from openk3.api.cli import build_server
     from openk3.cli import build_parser
+    from openk3.launch.server import build_server
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

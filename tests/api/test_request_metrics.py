@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from openk3.api.metrics import ServerMetrics
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.engine import LLMEngine
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.output import OutputKind
 from openk3.serve.sampling import SamplingParams
 from tests.api.conftest import NUM_PAGES, PAGE_SIZE, debug_engine, metric

@@ -58,7 +58,7 @@ def test_model_info_of_a_checkpoint_folder_names_it_and_its_config(live: LiveSer
     # can load the tokenizer), and model_type / architectures are what its config.json says
     app_state = live.app.state  # type: ignore[attr-defined]
     state = app_state.server
-    app_state.server = dataclasses.replace(state, config=dataclasses.replace(state.config, model_root="tiny"))
+    app_state.server = dataclasses.replace(state, config=dataclasses.replace(state.config, model=dataclasses.replace(state.config.model, root="tiny")))
     try:
         body = http.get("/model_info").json()
         server_model_path = http.get("/server_info").json()["model_path"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from openk3.api.chat import load_chat_template
+from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import ASSETS, build_model
@@ -53,7 +54,7 @@ def check(instance: Any, schema: dict[str, Any]) -> None:
 def live(torch_one_thread) -> Iterator[LiveServer]:
     model, tokenizer = build_model("tiny", torch.float32, "cpu", seed=0)
     engine = LLMEngine(model, tokenizer, EngineConfig(num_pages=256, page_size=16, max_num_seqs=8, max_model_len=2048))
-    app = create_app(engine, tokenizer, load_chat_template(ASSETS / "tiny"), ServerConfig(model_name="tiny", model_root="tiny"))
+    app = create_app(engine, tokenizer, load_chat_template(ASSETS / "tiny"), ServerConfig(ModelIdentity("tiny", "tiny")))
     live = serve_app(app, startup_s=60)
     yield live
     stop_server(live)

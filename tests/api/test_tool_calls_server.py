@@ -12,6 +12,7 @@ import pytest
 
 from openk3.api.chat import load_chat_template
 from openk3.api.protocol import ChatMessage
+from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import ASSETS
@@ -44,7 +45,7 @@ class Scripted:
     def __init__(self) -> None:
         self.model = ScriptedModel([0], vocab_size=260)
         engine = LLMEngine(self.model, TOKENIZER, EngineConfig(num_pages=512, page_size=16, max_num_seqs=4, max_model_len=4096))
-        app = create_app(engine, TOKENIZER, TEMPLATE, ServerConfig(model_name="k3", model_root="k3"))
+        app = create_app(engine, TOKENIZER, TEMPLATE, ServerConfig(ModelIdentity("k3", "k3")))
         self.live = serve_app(app)
 
     def script(self, messages: list[dict], reply: str, tools: list[dict] | None = None, forced: str = "", **kwargs) -> None:

@@ -109,6 +109,7 @@ def test_the_chat_route_and_tokenize_read_no_marker_out_of_a_message(torch_one_t
     import torch
 
     from openk3.api.chat import load_chat_template
+    from openk3.api.served_model import ModelIdentity
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.engine import EngineConfig, LLMEngine
     from openk3.serve.loading import ASSETS, build_model
@@ -117,7 +118,7 @@ def test_the_chat_route_and_tokenize_read_no_marker_out_of_a_message(torch_one_t
     model, tok = build_model("tiny", torch.float32, "cpu", seed=0)
     template = load_chat_template(ASSETS / "tiny")
     engine = LLMEngine(model, tok, EngineConfig(num_pages=64, page_size=16, max_num_seqs=2, max_model_len=1024))
-    live = serve_app(create_app(engine, tok, template, ServerConfig(model_name="tiny", model_root="tiny")), startup_s=60)
+    live = serve_app(create_app(engine, tok, template, ServerConfig(ModelIdentity("tiny", "tiny"))), startup_s=60)
     try:
         end = tok.encode("<|im_end|>")
         assert len(end) == 1

@@ -177,8 +177,8 @@ def test_ep_refuses_early() -> None:
     with warnings.catch_warnings(), pytest.raises(ValueError, match=r"device='cuda:0' with ep=2: .*name no index"):
         warnings.simplefilter("ignore")
         LLM("debug", ep=2, device="cuda:0")
-    from openk3.api.cli import server_configs
     from openk3.cli import build_parser
+    from openk3.launch.server import server_configs
 
     args = build_parser().parse_args(["serve", "--ep", "2", "--ep-method", "ep", "--device", "cuda:1"])
     with pytest.raises(ValueError, match="device='cuda:1' with ep=2: .*name no index"):  # the same check as LLM's, before any rank starts

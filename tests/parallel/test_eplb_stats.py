@@ -164,8 +164,8 @@ def test_export_is_refused_with_data_parallel_attention(tmp_path: Path) -> None:
 
 
 def test_openk3_serve_refuses_before_any_rank_joins(capsys: pytest.CaptureFixture[str]) -> None:
-    from openk3.api.cli import run
     from openk3.cli import build_parser
+    from openk3.launch.cli import run
 
     for flags, message in (
         (["--ep", "2", "--ep-method", "eplb"], "without eplb_stats"),
@@ -179,8 +179,8 @@ def test_openk3_serve_refuses_before_any_rank_joins(capsys: pytest.CaptureFixtur
 def test_the_server_exports_after_it_drained(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from openk3.api.cli import _export_expert_load, build_server
     from openk3.cli import build_parser
+    from openk3.launch.server import build_server, export_expert_load
 
     torch.set_num_threads(1)
     path = tmp_path / "served.json"
@@ -192,7 +192,7 @@ def test_the_server_exports_after_it_drained(tmp_path: Path) -> None:
         body = {"model": "debug", "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
         assert client.post("/v1/completions", json=body).status_code == 200
     assert not path.exists(), "written at shutdown, not before"
-    assert _export_expert_load(app, 0) == 0
+    assert export_expert_load(app, 0) == 0
     load = ExpertLoad.load(path)
     k = debug().moe.num_experts_per_token
     assert all(int(c.sum()) == (len(PROMPTS[0]) + 2) * k for c in load.layers.values())

@@ -19,7 +19,8 @@ from openk3.model.weights import load_model, save_model
 from openk3.parallel.ep.backend import TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
-from openk3.parallel.serving.rank_model import load_rank_model, resident_expert_bytes
+from openk3.parallel.serving.rank_model import resident_expert_bytes
+from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.parallel.test_eplb_stats import skewed_load_file
@@ -97,7 +98,8 @@ def rank_load(ctx: ParallelContext, folder: str, stats: str) -> dict[str, tuple[
     from the load file `stats`)."""
     out = {}
     for method in ("moonep", "eplb"):
-        model, backend = load_rank_model(folder, ctx, method, eplb_stats=stats if method == "eplb" else None)
+        spec = RankModelSpec(folder, method, torch.float32, 0, collect_stats=True, eplb_stats=stats if method == "eplb" else None)
+        model, backend = build_rank_model(spec, ctx)
         assert isinstance(backend, TokenSplit)  # replicated tokens: the default
         out[method] = resident_expert_bytes(model, backend), [int(s.global_ids[0]) for s in backend.inner.shards.values()]
     return out

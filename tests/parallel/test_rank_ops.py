@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from openk3.api import cli
 from openk3.cli import build_parser
 from openk3.config import debug
+from openk3.launch import cli
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention
@@ -69,7 +69,7 @@ def test_tp2_ranks_run_the_named_ops_with_one_process_tokens() -> None:
         warnings.simplefilter("ignore")
         want = greedy(LLM("debug", ops=NAIVE))
         llm = LLM("debug", ops=NAIVE, tp=2)
-    assert llm.engine.config.ops is None  # the ranks selected them; the driver's engine has none to select
+    assert llm.engine.config.ops == NAIVE  # a record only: the ranks selected them as they built their shards
     assert llm._ep is not None and llm._ep.driver is not None
     rank0 = llm._ep.driver.model
     assert isinstance(rank0, K3ForCausalLM) and rank0.ops == OpChoice(kda="naive", mla="naive", moe="naive")

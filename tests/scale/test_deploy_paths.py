@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
 
-from openk3.scale.deploy import serve_arguments, with_absolute_paths  # noqa: E402
+from openk3.launch.replicas import with_absolute_paths  # noqa: E402
+from openk3.launch.serve_flags import parse_serve_arguments as serve_arguments  # noqa: E402
 
 
 def test_relative_path_flags_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

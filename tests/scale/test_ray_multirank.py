@@ -15,8 +15,9 @@ from tests.scale.test_ray_replicas import ARGV, local_deployment, wait_healthy
 
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (the `ray` extra)")
 
+from openk3.launch.replicas import replica_application, replica_launch  # noqa: E402
 from openk3.llm import LLM  # noqa: E402
-from openk3.scale.deploy import ScaleConfig, application, replica_resources, serve_arguments  # noqa: E402
+from openk3.scale.deploy import ScaleConfig, replica_resources  # noqa: E402
 from openk3.serve.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -26,12 +27,12 @@ PROMPT = "And God said, Let there be light: and there was light."
 
 
 def test_a_replica_reserves_every_rank() -> None:
-    assert replica_resources(serve_arguments(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)) == {"num_cpus": 1.0}
-    assert replica_resources(serve_arguments(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
+    assert replica_resources(replica_launch(EP_ARGV), ScaleConfig(replicas=1, replica_cpus=0.5)) == {"num_cpus": 1.0}
+    assert replica_resources(replica_launch(ARGV), ScaleConfig(replicas=1)) == {"num_cpus": 1.0}
     with pytest.raises(ValueError, match="--prefill-replicas with multi-rank replicas"):
-        application(EP_ARGV, ScaleConfig(replicas=1, prefill_replicas=1))
+        replica_application(EP_ARGV, ScaleConfig(replicas=1, prefill_replicas=1))
     with pytest.raises(ValueError, match="kda='fla' cannot run on cpu"):  # --ops is checked before any replica loads weights
-        application([*ARGV, "--ops", "kda=fla"], ScaleConfig(replicas=1))
+        replica_application([*ARGV, "--ops", "kda=fla"], ScaleConfig(replicas=1))
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
 serve = pytest.importorskip("ray.serve")
 
+from openk3.launch.replicas import replica_application  # noqa: E402
 from openk3.scale.cluster import RayStartError, connect  # noqa: E402
-from openk3.scale.deploy import ScaleConfig, application  # noqa: E402
+from openk3.scale.deploy import ScaleConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -60,7 +61,7 @@ def local_deployment(argv: list[str], config: ScaleConfig) -> Iterator[str]:
         pytest.skip(f"Ray cannot start here: {e}")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(argv, config), name="openk3", route_prefix="/")
+    serve.run(replica_application(argv, config), name="openk3", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

@@ -14,13 +14,13 @@ import torch
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.cache import tier_record
 from openk3.serve.cache.tier_record import MAGIC, TierRecordError
 from openk3.serve.cache.tier_types import TierEntry, TierKind
 from openk3.serve.cache.transfer import buffer_nbytes
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
-from openk3.serve.frontend import AsyncEngine
 from openk3.serve.output import OutputKind
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from openk3.config import debug
+from openk3.launch.engine import build_engine
+from openk3.launch.spec import EngineSpec
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention
@@ -22,7 +24,7 @@ from openk3.ops.registry import OpTarget, op, registry
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.op_names import FIELDS, NOT_NAMED, REGISTRY_OPS, check_op_names, parse_op_names, select_named_ops
-from openk3.serve.prepare import prepare_for_serving
+from openk3.serve.prepare import FusedProjections, prepare_for_serving
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.model.conftest import build
@@ -149,11 +151,17 @@ class Driver:
         return iter([])
 
 
-def test_an_engine_whose_model_is_no_module_refuses_names() -> None:
-    with pytest.raises(ValueError, match=r"EngineConfig.ops='kda=naive': the engine's model is a Driver, whose ops the engine cannot select"):
-        LLMEngine(Driver(), ByteTokenizer(256), EngineConfig(ops="kda=naive", max_num_seqs=2, num_pages=8))
-    assert EngineConfig(ops="kda=naive").prepared_by_ranks() == EngineConfig()
-    LLMEngine(Driver(), ByteTokenizer(256), EngineConfig(ops="kda=naive", max_num_seqs=2, num_pages=8).prepared_by_ranks()).close()
+def test_the_engine_runs_its_model_as_given_and_build_engine_prepares_it() -> None:
+    """The engine never selects ops nor ties projections (a multi-rank driver's ranks did, or build_engine): the names
+    reach the model through build_engine's serving layout only."""
+    LLMEngine(Driver(), ByteTokenizer(256), EngineConfig(ops="kda=naive", max_num_seqs=2, num_pages=8)).close()
+    model = K3ForCausalLM(debug()).eval()
+    LLMEngine(model, ByteTokenizer(256), EngineConfig(ops="kda=naive", max_num_seqs=2, num_pages=8)).close()
+    assert model.ops == OpChoice() and not any(isinstance(m, FusedProjections) for m in model.modules())
+    built = build_engine(EngineSpec(model, EngineConfig(ops="kda=naive", max_num_seqs=2, num_pages=8)))
+    built.core.close()
+    assert any(isinstance(m, FusedProjections) for m in model.modules())
+    assert model.ops == OpChoice(kda="naive")
 
 
 def greedy(llm: LLM) -> list[list[int]]:

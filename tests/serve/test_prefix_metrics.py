@@ -41,8 +41,8 @@ def test_tier_metrics_follow_the_engine() -> None:
 
 
 def test_cli_flags_reach_engine_config() -> None:
-    from openk3.api.engine_args import engine_configs
     from openk3.cli import build_parser
+    from openk3.launch.flags import engine_configs
 
     args = build_parser().parse_args(
         ["serve", "--enable-prefix-caching", "--prefix-match-unit", "32", "--cpu-offload-gb", "0.5", "--disk-offload-dir", "/tmp/x", "--disk-offload-gb", "2"]
@@ -62,8 +62,8 @@ def test_server_reports_cached_tokens_in_usage() -> None:
     import pytest
     from fastapi.testclient import TestClient
 
-    from openk3.api.cli import build_server
     from openk3.cli import build_parser
+    from openk3.launch.server import build_server
 
     args = build_parser().parse_args(
         [

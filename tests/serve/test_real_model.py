@@ -95,8 +95,8 @@ def test_cpu_weight_packing_only_for_models_the_engine_owns(monkeypatch: pytest.
         assert not packed(LLM("debug", num_pages=32, page_size=8, pack_cpu_weights=False).engine.model)
 
     import openk3.serve.engine as engine_mod
-    from openk3.api.cli import build_server
     from openk3.cli import build_parser
+    from openk3.launch.server import build_server
 
     seen: list[bool] = []
     real = engine_mod.LLMEngine.__init__

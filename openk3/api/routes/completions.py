@@ -8,12 +8,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
+from openk3.api.jobs import chat_job, completion_jobs
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
 from openk3.api.replies import chat_response, completion_response, open_chat_stream, open_completion_stream
 from openk3.api.routes.schema import json_body
 from openk3.api.routes.state import State, authorize, check_model, check_open, read_request
 from openk3.api.routes.streams import EventStreamResponse, until_disconnect
-from openk3.api.serving import chat_job, completion_jobs
 
 router = APIRouter(dependencies=[Depends(authorize)])
 

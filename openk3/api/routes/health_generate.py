@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from openk3.api.errors import APIError, frontend_error
 from openk3.api.routes.state import State, check_open
 from openk3.api.routes.streams import until_disconnect
-from openk3.serve.frontend import AsyncEngine
+from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.output_types import OutputKind, RequestOutput
 from openk3.serve.sampling import SamplingParams
 

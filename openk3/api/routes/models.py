@@ -12,7 +12,7 @@ router = APIRouter(dependencies=[Depends(authorize)])
 
 def _card(state: State) -> ModelCard:
     config = state.config
-    return ModelCard(id=config.model_name, root=config.model_root, max_model_len=state.served.max_model_len)
+    return ModelCard(id=config.model.name, root=config.model.root, max_model_len=state.served.max_model_len)
 
 
 @router.get("/v1/models", response_model=ModelList)

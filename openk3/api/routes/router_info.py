@@ -46,8 +46,8 @@ def server_info(state: ServerState) -> dict[str, Any]:
     engine = state.served.frontend.engine
     cfg = engine.config
     return {
-        "model_path": model_path(state.config.model_root),
-        "served_model_name": state.config.model_name,
+        "model_path": model_path(state.config.model.root),
+        "served_model_name": state.config.model.name,
         "version": package_version(),
         "context_length": engine.max_model_len,
         # the running batch's bound (one KDA state slot each), over every data-parallel engine behind this server
@@ -71,7 +71,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 
 def model_info(state: ServerState) -> dict[str, Any]:
-    root = state.config.model_root
+    root = state.config.model.root
     out: dict[str, Any] = {"model_path": model_path(root), "is_generation": True, "max_context_length": state.served.frontend.engine.max_model_len}
     # Left out: `tokenizer_path`. The tokenizer object does not record its file (--tokenizer byte uses none), and the
     # gateway falls back to model_path for it, which is where openk3 reads the checkpoint's own tokenizer.

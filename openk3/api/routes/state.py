@@ -1,4 +1,4 @@
-"""What every route shares: the server's config, the served engine and metrics (one `ServerState` on `app.state`), reached
+"""What every route shares: the server's config, the served model and metrics (one `ServerState` on `app.state`), reached
 through FastAPI dependencies instead of closures, and the checks the routes run (API key, model name, engine alive)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, read_json
 from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
-from openk3.api.serving import Served
+from openk3.api.served_model import ModelIdentity, ServedModel
 from openk3.serve.config import FrontendConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -22,11 +22,11 @@ M = TypeVar("M", bound=BaseModel)
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_name: str
-    model_root: str
+    """The server's settings (create_app's): which model it answers as, and what the HTTP side allows."""
+
+    model: ModelIdentity
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20  # a 10 MB body is refused with 413 before it is read
-    stop_token_ids: tuple[int, ...] = ()  # the checkpoint's end tokens (generation_config.json)
     shutdown_timeout_s: float = 30.0
     frontend: FrontendConfig = field(default_factory=FrontendConfig)  # admission: waiting-queue bound and timeout
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
@@ -39,7 +39,7 @@ class ServerState:
     """Fixed for the app's lifetime; create_app stores it as `app.state.server`."""
 
     config: ServerConfig
-    served: Served
+    served: ServedModel
     metrics: ServerMetrics
 
 
@@ -70,11 +70,11 @@ async def read_request(request: Request, state: ServerState, model: type[M]) -> 
 
 
 def check_model(config: ServerConfig, name: str | None) -> None:
-    if name is not None and name != config.model_name:
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{config.model_name}`.", param="model", code="model_not_found")
+    if name is not None and name != config.model.name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{config.model.name}`.", param="model", code="model_not_found")
 
 
-def check_open(served: Served) -> None:
+def check_open(served: ServedModel) -> None:
     frontend = served.frontend
     if not frontend.is_healthy:
         stalled = frontend.stalled_for()

@@ -63,7 +63,7 @@ class _Leader:
                 source = spec.source
                 tokenizer = ByteTokenizer(max(256, model.config.vocab_size)) if isinstance(source, torch.nn.Module) else model_tokenizer(source, config.seed)
             # distinct streams for unseeded sampling; the named ops are the spec's, selected as the rank built its shard
-            rank_config = dataclasses.replace(config.prepared_by_ranks(), seed=config.seed + groups.dp_rank)
+            rank_config = dataclasses.replace(config, seed=config.seed + groups.dp_rank)
             self.engine = LLMEngine(self.lockstep, tokenizer, rank_config)
         except Exception as e:  # reported in the leaders' handshake (every rank then leaves), not left for them to wait on
             self.error = _failure(groups.world.rank, e)

@@ -9,8 +9,8 @@ Which experts rank r holds, per MoE layer:
   rank reads the same file, so places the same replicas. Re-placing from loads collected while serving is not built.
 
 Where they come from:
-- a checkpoint folder (`load_rank_model`): load_model(experts=...) reads only those experts' tensors, so a rank never
-  holds another rank's expert weights, not even while loading;
+- a checkpoint folder (ranks.py, with `rank_expert_ids`): load_model(experts=...) reads only those experts' tensors, so
+  a rank never holds another rank's expert weights, not even while loading;
 - a model already built in full (a preset's seeded random weights, or a caller's module): `attach_rank_experts` cuts the
   banks to the rank's experts and, with drop_full_banks=True, replaces the full banks so they can be freed.
 Either way the backend's shards share storage with the model's (cut) banks: no second copy.
@@ -24,10 +24,8 @@ from typing import cast
 
 import torch
 
-from openk3.config import config_from_hf
 from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import DenseExperts, PackedExperts
-from openk3.model.weights import load_model
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
@@ -37,7 +35,6 @@ from openk3.parallel.ep.placement import Placement, contiguous_placement
 from openk3.parallel.ep.shard import ExpertShard
 from openk3.parallel.ep.static_backend import ExpertParallelBackend
 from openk3.parallel.group import ParallelContext
-from openk3.parallel.tp.shard import parallelize_tensor
 
 EPLB_REDUNDANT_FRACTION = 0.1
 
@@ -86,7 +83,7 @@ def attach_rank_experts(
     """Attach the expert-parallel backend (experts sharded; tokens replicated, so wrapped in TokenSplit, or each rank's own
     with data-parallel attention) and return it.
 
-    loaded_per_rank: the model's banks already hold exactly this rank's experts in placement order (load_rank_model);
+    loaded_per_rank: the model's banks already hold exactly this rank's experts in placement order (loaded with rank_expert_ids);
     otherwise they are full banks, cut here (and replaced when drop_full_banks, else copied so the caller's module keeps
     its own experts)."""
     chosen = EPMethod(method)
@@ -110,35 +107,6 @@ def attach_rank_experts(
     backend: TokenSplit | EPBackend = TokenSplit(split_ctx or ctx, inner) if replicated_tokens else inner
     model.set_expert_backend(backend)
     return backend
-
-
-def load_rank_model(
-    folder: str | Path,
-    ctx: ParallelContext,
-    method: EPMethod | str,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    collect_stats: bool = True,
-    tp: int = 1,
-    ep: bool = True,
-    replicated_tokens: bool = True,
-    tp_ctx: ParallelContext | None = None,
-    eplb_stats: str | Path | None = None,
-) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
-    """Load a checkpoint folder with only this rank's part: its experts (ep; eplb places them from the load file
-    `eplb_stats`), its tensor-parallel blocks (tp > 1: the group is the TP group; without ep every expert is split by width
-    instead). Returns the expert-parallel backend attached, None without ep."""
-    tp_group = tp_ctx or ctx
-    layout = (lambda model: parallelize_tensor(model, tp_group, split_experts=not ep)) if tp > 1 else None
-    if not ep:
-        return load_model(folder, dtype=dtype, device=device, layout=layout), None
-    config = config_from_hf(Path(folder))
-    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, method, eplb_stats)
-    model = load_model(folder, dtype=dtype, device=device, experts=rank_expert_ids(placements, ctx.rank), layout=layout)
-    return model, attach_rank_experts(
-        model, ctx, method, placements, loaded_per_rank=True, collect_stats=collect_stats, replicated_tokens=replicated_tokens, split_ctx=tp_group
-    )
 
 
 def resident_expert_bytes(model: K3ForCausalLM, backend: TokenSplit | EPBackend | None = None) -> int:

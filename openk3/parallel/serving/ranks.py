@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 
-from openk3.config import preset
+from openk3.config import ModelConfig, config_from_hf, preset
 from openk3.model.model import K3ForCausalLM
+from openk3.model.weights import load_model
 from openk3.parallel.config import ParallelConfig
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.group import ParallelContext
+from openk3.parallel.layout import ExpertLayout, ServingPlan, TensorParallelCut, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, run_worker
-from openk3.parallel.serving.rank_model import attach_rank_experts, engine_placements, load_rank_model
+from openk3.parallel.serving.rank_model import engine_placements, rank_expert_ids
 from openk3.parallel.serving.step_channel import StepChannel
-from openk3.parallel.tp.shard import parallelize_tensor
 from openk3.serve.loading import resolve_model
 from openk3.serve.op_names import parse_op_names
-from openk3.serve.prepare import prepare_for_serving
 
 ModelSource = str | Path | torch.nn.Module
 
@@ -51,13 +51,13 @@ class RankModelSpec:
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
         """The spec of a layout as ParallelConfig declares it, with the engine's named ops (every entry point builds it here,
-        so none drops a setting; the driver's engine then takes EngineConfig.prepared_by_ranks())."""
+        so none drops a setting; the driver's engine runs the model as its ranks prepared it)."""
         return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp, ops=ops)
 
 
 def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext | None = None) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
-    """This rank's model (and its expert-parallel backend, None without expert parallelism), in the serving layout with
-    the spec's named ops (serve/prepare.py; the same on every rank). `ctx`: every rank (the experts are spread over them); `tp_ctx`: this
+    """This rank's model (and its expert-parallel backend, None without expert parallelism), laid out for serving with
+    the spec's named ops (parallel/layout.py; the same on every rank). `ctx`: every rank (the experts are spread over them); `tp_ctx`: this
     rank's tensor-parallel group, whose ranks hold the same tokens (default: `ctx` itself for one engine over every
     rank, a group of one with data-parallel attention; rank_groups.py). A checkpoint folder is read per rank (own
     shard and experts only); a preset without a checkpoint is built from its seed on every rank, then cut; a module is
@@ -67,58 +67,37 @@ def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: Parallel
         raise ValueError(f"tensor parallel: tp={spec.tp} but the tensor-parallel group has {tp_ctx.world_size} ranks")
     if spec.dp > 1 and (spec.dp * spec.tp != ctx.world_size or not spec.ep):
         raise ValueError(f"data-parallel attention: dp={spec.dp} x tp={spec.tp} ranks with ep, got {ctx.world_size} ranks, ep={spec.ep}")
-    model, backend = _rank_model(spec, ctx, tp_ctx)
-    prepare_for_serving(model, ctx.device, ops=parse_op_names(spec.ops))
-    return model, backend
-
-
-def _rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
-    source, method = spec.source, spec.method
-    tensor_parallel = spec.tp > 1
-    # the ranks of tp_ctx run the same tokens (TokenSplit hands each its share to dispatch); alone, a rank dispatches its own
-    replicated = tp_ctx.world_size > 1
+    source = spec.source
     if isinstance(source, torch.nn.Module):
         if not isinstance(source, K3ForCausalLM):
             raise ValueError(f"ep/tp: the model must be a K3ForCausalLM to shard it, got {type(source).__name__}")
-        if tensor_parallel:  # the workers hold their own (pickled) copy; rank 0 must not cut the caller's module
-            source = copy.deepcopy(source) if ctx.rank == 0 else source
-            parallelize_tensor(source, tp_ctx, split_experts=not spec.ep)
-        if not spec.ep:
-            return source, None
-        layers = [moe.layer_index for moe in source.moe_layers()]
-        placements = engine_placements(layers, source.config.moe.num_experts, ctx.world_size, method, spec.eplb_stats)
-        drop = tensor_parallel or ctx.rank != 0
-        backend = attach_rank_experts(
-            source, ctx, method, placements, False, drop_full_banks=drop, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
-        )
-        return source, backend
+        # the workers hold their own (pickled) copy; rank 0 must not cut the caller's module, nor take its experts
+        model = copy.deepcopy(source) if spec.tp > 1 and ctx.rank == 0 else source
+        plan = _serving_plan(spec, model.config, ctx, tp_ctx, drop_full_banks=spec.tp > 1 or ctx.rank != 0)
+        return model, apply_serving_layout(model, plan)
     folder = resolve_model(source)
     if folder is not None:
-        return load_rank_model(
-            folder,
-            ctx,
-            method,
-            spec.dtype,
-            ctx.device,
-            spec.collect_stats,
-            tp=spec.tp,
-            ep=spec.ep,
-            replicated_tokens=replicated,
-            tp_ctx=tp_ctx,
-            eplb_stats=spec.eplb_stats,
-        )
-    config = preset(str(source))
-    net = K3ForCausalLM(config)
-    net.init_weights(spec.seed)
-    net = net.to(device=ctx.device, dtype=spec.dtype).eval()
-    if tensor_parallel:
-        parallelize_tensor(net, tp_ctx, split_experts=not spec.ep)
-    if not spec.ep:
-        return net, None
-    placements = engine_placements([moe.layer_index for moe in net.moe_layers()], config.moe.num_experts, ctx.world_size, method, spec.eplb_stats)
-    return net, attach_rank_experts(
-        net, ctx, method, placements, False, drop_full_banks=True, collect_stats=spec.collect_stats, replicated_tokens=replicated, split_ctx=tp_ctx
-    )
+        plan = _serving_plan(spec, config_from_hf(Path(folder)), ctx, tp_ctx, drop_full_banks=True)
+        experts = rank_expert_ids(plan.experts.placements, ctx.rank) if plan.experts is not None else None
+        cut = plan.tensor_parallel.apply if plan.tensor_parallel is not None else None
+        model = load_model(folder, dtype=spec.dtype, device=ctx.device, experts=experts, layout=cut)
+        return model, apply_serving_layout(model, plan.loaded())
+    model = K3ForCausalLM(preset(str(source)))
+    model.init_weights(spec.seed)
+    model = model.to(device=ctx.device, dtype=spec.dtype).eval()
+    return model, apply_serving_layout(model, _serving_plan(spec, model.config, ctx, tp_ctx, drop_full_banks=True))
+
+
+def _serving_plan(spec: RankModelSpec, config: ModelConfig, ctx: ParallelContext, tp_ctx: ParallelContext, drop_full_banks: bool) -> ServingPlan:
+    cut = TensorParallelCut(tp_ctx, split_experts=not spec.ep) if spec.tp > 1 else None
+    experts = None
+    if spec.ep:
+        layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+        placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, spec.method, spec.eplb_stats)
+        # the ranks of tp_ctx run the same tokens (TokenSplit hands each its share to dispatch); alone, a rank dispatches its own
+        replicated = tp_ctx.world_size > 1
+        experts = ExpertLayout(ctx, spec.method, placements, tp_ctx, replicated, spec.collect_stats, drop_full_banks=drop_full_banks)
+    return ServingPlan(ctx.device, cut, experts, ops=parse_op_names(spec.ops))
 
 
 def _failure(rank: int, error: BaseException) -> str:

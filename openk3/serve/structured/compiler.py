@@ -3,7 +3,7 @@
 `GrammarCompiler` wraps xgrammar's compiler over the tokenizer's `TokenizerInfo` (serve/structured/vocab.py) and keeps the
 last `cache_size` compiled grammars by spec, so a schema sent with every request is compiled on its first request only
 (xgrammar also caches by grammar text underneath). Compiling costs milliseconds for ordinary schemas but is unbounded for
-big ones, so callers compile where the request is built, on a worker thread, never on the engine's step (api/generation.py).
+big ones, so callers compile where the request is built, on a worker thread, never on the engine's step (api/structured_request.py).
 A spec that cannot be compiled raises `GrammarError`, a ValueError that names the spec's field.
 Thread-safe: the cache is locked; xgrammar's compiler is safe to call from several threads.
 """

@@ -4,7 +4,7 @@ One kind per request: a JSON schema (`json`), any JSON object (`json_object`), a
 few strings (`choice`), an EBNF grammar in xgrammar's syntax (`grammar`, GBNF-style: `root ::= ...`), or an xgrammar
 structural tag (`structural_tag`, as JSON text: what tool calls compile to, api/tool_choice.py). Texts are stored as they
 will be compiled, so a spec is its own cache key. `Grammar` is a compiled spec for one vocabulary: it is built where the
-request is (api/generation.py, off the engine thread) and rides in SamplingParams; the sampler only applies it.
+request is (api/jobs.py through api/structured_request.py, off the engine thread) and rides in SamplingParams; the sampler only applies it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from openk3.api.engine_args import add_engine_arguments, add_process_arguments, engine_configs
+from openk3.launch.flags import add_engine_arguments, add_process_arguments, engine_configs
 from openk3.serve.sampling import SamplingParams
 
 ENGINE_FLAGS_NOT_TAKEN = ("seed",)  # --seed here is the sampling seed; the engine's own stays at its default

@@ -1,0 +1,88 @@
+"""A validated request's prompt and sampling fields -> an engine job (prompt ids and SamplingParams).
+
+Everything a client can get wrong is checked here, before the first byte of a response, so that a streaming request still
+fails with a plain 4xx: prompt token ids, the context length (prompt + requested completion against max_model_len), and the
+sampling fields (SamplingParams validates; its ValueError names the field).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from openk3.api.errors import APIError, from_value_error
+from openk3.api.protocol import _SamplingFields
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.structured.spec import Grammar
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
+    """Validate one prompt; returns the completion length it will get (max_tokens, or the rest of the context when None)."""
+    if not ids:
+        raise APIError(400, f"{prompt_param} is empty: expected at least one token", param=prompt_param, code="invalid_value")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{prompt_param} has token id {bad}: expected ids in 0..{vocab_size - 1}", param=prompt_param, code="invalid_value")
+    room = max_model_len - len(ids)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = "none left" if max_tokens is None else f"{max_tokens} for the completion"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(ids) + (max_tokens or 0)} tokens ({len(ids)} in the {prompt_param}, {asked}). "
+            f"Please reduce the length of the {prompt_param} or the {tokens_param}.",
+            param=prompt_param if room < 1 else tokens_param,
+            code="context_length_exceeded",
+        )
+    return max_tokens if max_tokens is not None else room
+
+
+def sampling_params(
+    req: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    extra_stop: Sequence[str] = (),
+    extra_stop_ids: Sequence[int] = (),
+    skip_special_tokens: bool | None = None,
+    grammar: Grammar | None = None,
+) -> SamplingParams:
+    """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
+    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text)."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+    if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop += [s for s in extra_stop if s not in stop]
+    stop_ids = list(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        stop_ids += [t for t in extra_stop_ids if t not in stop_ids]
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids),
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,  # vLLM's name or SGLang's
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            structured_outputs=grammar,
+        )
+    except ValueError as e:
+        raise from_value_error(e) from e

@@ -1,0 +1,49 @@
+"""Each token's own text, for logprobs in the completions and chat formats (OpenAI's shapes; JSON has no -inf)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from openk3.api.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from openk3.serve.request import TokenLogprobs
+from openk3.serve.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+class TokenTexts:
+    """Each token's own text for logprobs (one id decoded alone, specials spelled out), cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def completion_logprobs(self, lps: Sequence[TokenLogprobs], offset: int) -> tuple[CompletionLogprobs, int]:
+        out = CompletionLogprobs()
+        for lp in lps:
+            text = self(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_clamp(lp.logprob))
+            out.top_logprobs.append({self(t): _clamp(v) for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset
+
+    def chat_logprobs(self, lps: Sequence[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for lp in lps:
+            text = self(lp.token_id)
+            top = [TopLogprob(token=self(t), logprob=_clamp(v), bytes=list(self(t).encode("utf-8", "replace"))) for t, v in lp.top]
+            content.append(TokenLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode("utf-8", "replace")), top_logprobs=top))
+        return ChatLogprobs(content=content)

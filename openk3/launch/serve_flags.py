@@ -1,0 +1,43 @@
+"""Every `openk3 serve` flag, in one place: the model's, the engine's (launch/flags.py), the HTTP server's
+(api/server_flags.py), the process's, and scale-out's (scale/cli.py). The replicas parse the same flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from openk3.api.server_flags import add_server_arguments
+from openk3.launch.flags import add_engine_arguments, add_process_arguments
+from openk3.scale import cli as scale_cli
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset name (tiny, debug) or checkpoint folder; default: the embedded demo model")
+    p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 (env OPENK3_API_KEY)")
+    add_engine_arguments(p)
+    add_server_arguments(p)
+    add_process_arguments(p)
+    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
+    p.add_argument(
+        "--tokenizer",
+        choices=("auto", "byte"),
+        default="auto",
+        help="auto: the checkpoint's own (tokenizer.json or Kimi's tiktoken.model; a folder without one is an error); "
+        "byte: the byte tokenizer, with the checkpoint's bos/eos ids",
+    )
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (larger: HTTP 413)")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    scale_cli.add_arguments(p)
+
+
+def parse_serve_arguments(argv: list[str]) -> argparse.Namespace:
+    """`openk3 serve` flags (engine, server, model) from an argument list, as `openk3 serve ARGV` would read them."""
+    parser = argparse.ArgumentParser(prog="openk3 serve")
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import _SamplingFields
+from openk3.serve.prompt_check import PromptError
+from openk3.serve.prompt_check import check_prompt as serve_check_prompt
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.structured.spec import Grammar
 
@@ -23,21 +25,20 @@ class EngineJob:
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
-    """Validate one prompt; returns the completion length it will get (max_tokens, or the rest of the context when None)."""
-    if not ids:
-        raise APIError(400, f"{prompt_param} is empty: expected at least one token", param=prompt_param, code="invalid_value")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"{prompt_param} has token id {bad}: expected ids in 0..{vocab_size - 1}", param=prompt_param, code="invalid_value")
+    """Validate one prompt by the engine's rule (serve/prompt_check.py), named as this request names it, and the completion
+    it asks for; returns the completion length it will get (max_tokens, or the rest of the context when None)."""
+    try:
+        serve_check_prompt(ids, vocab_size, max_model_len)
+    except PromptError as e:
+        raise APIError(400, e.message(prompt_param), param=prompt_param, code=e.code) from None
     room = max_model_len - len(ids)
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        asked = "none left" if max_tokens is None else f"{max_tokens} for the completion"
+    if max_tokens is not None and max_tokens > room:
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(ids) + (max_tokens or 0)} tokens ({len(ids)} in the {prompt_param}, {asked}). "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_param}, {max_tokens} for the completion). "
             f"Please reduce the length of the {prompt_param} or the {tokens_param}.",
-            param=prompt_param if room < 1 else tokens_param,
+            param=tokens_param,
             code="context_length_exceeded",
         )
     return max_tokens if max_tokens is not None else room

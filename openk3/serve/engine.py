@@ -24,6 +24,7 @@ from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
+from openk3.serve.prompt_check import check_prompt
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -168,14 +169,9 @@ class LLMEngine:
         self._prompt_tokens_total += len(ids)
 
     def check_prompt(self, ids: list[int]) -> None:
-        """Refuse a prompt this engine cannot take (empty, ids outside the vocabulary, longer than the model length)."""
-        if not ids:
-            raise ValueError("prompt is empty: expected at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum model length of {self.max_model_len}")
+        """Refuse a prompt this engine cannot take (serve/prompt_check.py: empty, ids outside the vocabulary, no room left
+        for a completion token): a PromptError, a ValueError."""
+        check_prompt(ids, self.model_config.vocab_size, self.max_model_len)
 
     def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None:
         """End a request wherever it is (frees its pages and slot at once); its metrics, or None for an unknown id."""

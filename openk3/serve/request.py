@@ -85,8 +85,6 @@ class Request:
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; expected at least one token")
         if sampling_params.n != 1:
             n = sampling_params.n
             raise ValueError(f"request {request_id!r}: n={n}; the engine core runs one sample per request (OutputProcessor fans n out)")

@@ -112,7 +112,7 @@ def test_abort_ends_every_running_sample_and_frees_the_engine() -> None:
 
 def test_a_refused_prompt_leaves_nothing_queued() -> None:
     p = OutputProcessor(engine())
-    with pytest.raises(ValueError, match="longer than the maximum model length"):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
         p.add_request("r", list(range(10)) * 100, SamplingParams(n=2))
     assert not p.engine.has_unfinished() and "r" not in p
     with pytest.raises(ValueError, match="one sample per request"):

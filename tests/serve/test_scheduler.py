@@ -173,10 +173,13 @@ def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="max_model_len=1000"):
         engine(num_pages=10, max_model_len=1000)
     eng = engine()
-    with pytest.raises(ValueError, match="longer than the maximum model length of 128"):
-        eng.add_request("x", [1] * 129)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens.* has 128 tokens, which leaves none"):
+        eng.add_request("x", [1] * 128)  # a prompt must leave room for the token it samples
+    eng.add_request("fits", [1] * 127)
+    with pytest.raises(ValueError, match="token id 300: expected ids in 0..255"):
         eng.add_request("y", [300])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.add_request("z", [])
 
 
 def test_the_samples_of_one_request_take_turns_with_other_requests() -> None:

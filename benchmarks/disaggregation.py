@@ -38,9 +38,12 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
+from openk3.launch.engine import build_engine
+from openk3.launch.spec import EngineSpec
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.runner import CausalLM
@@ -101,7 +104,7 @@ def worker(index: int, commands: list, results, model_name: str, seed: int, engi
                     if kind == "reset":
                         if engine is not None:
                             engine.close()
-                        engine = LLMEngine(model, tokenizer, engine_cfg)
+                        engine = build_engine(EngineSpec(cast(torch.nn.Module, model), engine_cfg, tokenizer=tokenizer)).local
                         engine.add_request("warm-up", list(range(5, 105)), greedy(4))
                         while engine.has_unfinished():
                             engine.step()

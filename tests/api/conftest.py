@@ -20,9 +20,10 @@ import uvicorn
 from openk3.api.chat import ChatTemplate
 from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
+from openk3.launch.engine import build_engine
+from openk3.launch.spec import EngineSpec
 from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.engine import EngineConfig, LLMEngine
-from openk3.serve.loading import build_model
 from openk3.serve.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 256
@@ -32,12 +33,12 @@ MAX_NUM_SEQS = 16
 
 
 def debug_engine(**overrides: Any) -> LLMEngine:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, tokenizer = build_model("debug", torch.float32, "cpu", seed=0)
+    """The debug preset's engine, built as the server builds one (build_engine: the model in its serving layout)."""
     cfg: dict[str, Any] = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_batched_tokens=512)
     cfg.update(overrides)
-    return LLMEngine(model, tokenizer, EngineConfig(**cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_engine(EngineSpec("debug", EngineConfig(**cfg))).local
 
 
 @dataclass

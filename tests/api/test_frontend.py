@@ -96,7 +96,7 @@ def test_leaving_early_aborts_and_frees(torch_one_thread) -> None:
 def test_bad_prompt_raises_value_error(torch_one_thread) -> None:
     @with_frontend
     async def check(frontend):
-        with pytest.raises(ValueError, match="token ids"):
+        with pytest.raises(ValueError, match="token id 10000: expected ids in"):
             async for _ in frontend.generate("bad", [1, 10_000], SamplingParams()):
                 pass
         assert frontend.is_healthy

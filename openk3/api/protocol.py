@@ -55,6 +55,8 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far (its choice's prompt and completion tokens)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):

@@ -2,7 +2,8 @@
 jobs are built in api/jobs.py).
 
 Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
-`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
+`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage (with vLLM's
+`continuous_usage_stats` every chunk also carries its choice's usage so far, as vLLM counts it); an error after the
 stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
 Chat replies in a Kimi format go through one `ChoiceParser` per choice (api/agent_output.py): `reasoning_content`, content
 and `tool_calls`, whole or as `delta.reasoning_content` / `delta.content` / `delta.tool_calls` pieces (a call's arguments
@@ -72,6 +73,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
+def continuous_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Usage on every chunk. vLLM sends it only with include_usage too and ignores the flag alone; here the flag alone still
+    gets what it asks for (never a field silently dropped), without the final usage chunk nobody asked for."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
 async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     results = await final_outputs(s.frontend, request_id, jobs)
@@ -105,12 +112,15 @@ async def completion_stream(
     created = int(time.time())
     offsets: dict[int, int] = {}
     completion_tokens, cached = 0, dict[int, int]()
+    per_choice: dict[int, int] = {}  # completion tokens so far, for continuous usage
+    every_chunk = continuous_usage(req)
     try:
         async for i, update in updates:
             cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
             for d in update.outputs:
                 index = i * req.n + d.index
                 completion_tokens += len(d.token_ids)
+                per_choice[index] = per_choice.get(index, 0) + len(d.token_ids)
                 text = d.text
                 if index not in offsets:
                     offsets[index] = 0
@@ -121,7 +131,8 @@ async def completion_stream(
                 if req.logprobs is not None:
                     logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice]))
+                so_far = usage(len(jobs[i].prompt_token_ids), per_choice[index], cached[i]) if every_chunk else None
+                yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice], usage=so_far))
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
             u = usage(prompt_tokens, completion_tokens, sum(cached.values()))
@@ -184,6 +195,12 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model.name, choices=choices, usage=u))
 
+    every_chunk = continuous_usage(req)
+    per_choice: dict[int, int] = {}  # completion tokens so far, for continuous usage
+
+    def so_far(index: int) -> Usage | None:
+        return usage(len(job.prompt_token_ids), per_choice.get(index, 0), cached) if every_chunk else None
+
     completion_tokens, cached, opened = 0, 0, set()
     parsers: dict[int, ChoiceParser | None] = {}
     try:
@@ -194,7 +211,8 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                 if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
                     opened.add(d.index)
                     parsers[d.index] = chat.parser()
-                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))], so_far(d.index))
+                per_choice[d.index] = per_choice.get(d.index, 0) + len(d.token_ids)
                 if not d.text and d.finish_reason is None and not d.token_ids:
                     continue
                 logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
@@ -210,7 +228,7 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                         finish_reason=finish if last else None,
                         stop_reason=d.stop_reason if last else None,
                     )
-                    yield chunk([choice])
+                    yield chunk([choice], so_far(d.index))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
     except Exception as e:

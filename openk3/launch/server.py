@@ -173,5 +173,8 @@ def serve_until_stopped(app: FastAPI, args: argparse.Namespace, sock: socket.soc
         server.should_exit = True
 
     frontend.on_failure = stop
-    server.run(sockets=None if sock is None else [sock])
+    if sock is None:
+        server.run()
+    else:
+        server.run(sockets=[sock])
     return 1 if frontend.error is not None else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import _SamplingFields
@@ -52,13 +53,16 @@ def sampling_params(
     extra_stop_ids: Sequence[int] = (),
     skip_special_tokens: bool | None = None,
     grammar: Grammar | None = None,
+    prompt_logprobs: int | None = None,
+    token_rules: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
-    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text)."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text);
+    `prompt_logprobs`, when given, over the request's (completions' echo + logprobs scores the prompt too)."""
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they have no place in a stream's chunks
+        raise APIError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs", code="invalid_value")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop += [s for s in extra_stop if s not in stop]
     stop_ids = list(req.stop_token_ids or ())
@@ -79,11 +83,13 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,  # vLLM's name or SGLang's
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=grammar,
+            **(token_rules or {}),
         )
     except ValueError as e:
         raise from_value_error(e) from e

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from openk3.api.agent_output import ChoiceParser
+from openk3.api.chat import ChatTemplate
 from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
 from openk3.api.served_model import ServedModel
 from openk3.api.structured_request import StructuredRequest, compile_structured
+from openk3.api.token_fields import token_rules, truncate_prompt
 from openk3.api.tool_choice import ToolPlan, plan_tools, required_call_prefix, structured_reply_prefix
 from openk3.api.user_text import PromptText
 
@@ -37,14 +40,43 @@ class ChatJob:
         return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix)
 
 
+def check_cache_salt(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's cache_salt keeps a request's cached prefix from other requests. Without prefix caching nothing is shared, so
+    it holds as it is; with it, openk3's prefix index has one salt (the model's), so a salted request is refused rather than
+    shared with everyone."""
+    if req.cache_salt is not None and s.frontend.engine.config.enable_prefix_caching:
+        why = "the prefix cache is shared by every request on this server (one salt); start it without --enable-prefix-caching to isolate requests"
+        raise APIError(400, f"cache_salt is not supported: {why}", param="cache_salt", code="unsupported")
+
+
+def template_kwargs(req: ChatCompletionRequest, template: ChatTemplate) -> dict[str, Any] | None:
+    """chat_template_kwargs plus OpenAI's reasoning_effort and verbosity, handed to the template as vLLM does when it reads
+    them. A template that reads only K3's `thinking` gets reasoning_effort "none" as thinking off and "high" as on; the
+    levels between have no meaning there, so they are a 400 rather than quietly the same as one of those."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for name in ("reasoning_effort", "verbosity"):
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name in template.variables:
+            kwargs[name] = value
+        elif name == "reasoning_effort" and "thinking" in template.variables and value in ("none", "high"):
+            kwargs["thinking"] = value == "high"
+        else:
+            has_thinking = name == "reasoning_effort" and "thinking" in template.variables
+            why = "only none (thinking off) or high (thinking on)" if has_thinking else f"the chat template ({template.origin}) does not read {name}"
+            raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported")
+    return kwargs or None
+
+
 async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[EngineJob], list[str]]:
     s.limits.check(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of={req.best_of} is not supported: only best_of equal to n ({req.n})", param="best_of", code="unsupported")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", param="echo", code="unsupported")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens=0 is only allowed with echo (to score the prompt without generating)", param="max_tokens", code="invalid_value")
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[arg-type]
     if not prompts:
@@ -52,12 +84,28 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n", code="invalid_value")
     grammar = await s.grammar(req)
+    # echo + logprobs returns the prompt's logprobs too (vLLM): scored with as many alternatives as either field asks
+    scored = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        scored = max(req.logprobs, scored or 0)
+    # max_tokens=0 (echo only) generates one token, which the reply leaves out: the prompt's last row is computed anyway
+    asked = 1 if req.max_tokens == 0 else req.max_tokens
+    check_cache_salt(s, req)
+    rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     jobs, texts = [], []
     for prompt in prompts:
         ids = await s.encoder.encode(prompt, "prompt", add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
-        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
-        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.model.stop_token_ids, grammar=grammar)))
-        texts.append(prompt if isinstance(prompt, str) else await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
+        whole = len(ids)
+        ids = truncate_prompt(ids, req)
+        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "prompt", "max_tokens")
+        params = sampling_params(
+            req, max_tokens, req.logprobs, extra_stop_ids=s.model.stop_token_ids, grammar=grammar, prompt_logprobs=scored, token_rules=rules
+        )
+        jobs.append(EngineJob(ids, params))
+        if isinstance(prompt, str) and len(ids) == whole:
+            texts.append(prompt)
+        else:  # token ids, or a prompt truncate_prompt_tokens cut
+            texts.append(await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
     return jobs, texts
 
 
@@ -65,10 +113,12 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     s.limits.check(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    check_cache_salt(s, req)
     template = s.chat_template
     plan = plan_tools(req, template.format, template.uses_tools)
     tools = plan.template_tools()
-    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools))
+    kwargs = template_kwargs(req, template)
+    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, kwargs, tools))
     end = None if plan.fmt is None else prompt_end(plan.fmt, prompt.text)
     grammar = await s.grammar(req)
     forced = ""
@@ -83,7 +133,8 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
         call = plan.call_grammar(calls_before)
         if call is not None:
             grammar = await s.encoder.run(lambda: compile_structured(s.grammars, StructuredRequest("tools", call)))
-    ids = await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain), "messages")
+    ids = truncate_prompt(await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain), "messages"), req)
+    rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
@@ -93,5 +144,5 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     stops = s.chat_stop + ((call_stop,) if call_stop is not None else ())
     # the parsers read the format's markers, which a Kimi tokenizer has as special tokens: keep them in the text
     skip = None if plan.fmt is None else False
-    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar)
+    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar, token_rules=rules)
     return ChatJob(EngineJob(ids, params), plan, end, forced)

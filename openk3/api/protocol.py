@@ -48,6 +48,15 @@ def _only(accepted: bool, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _only_value(accepted: int, why: str) -> AfterValidator:
+    def check(value: int) -> int:
+        if value != accepted:
+            raise ValueError(f"only {accepted} is supported: {why}")
+        return value
+
+    return AfterValidator(check)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -55,6 +64,8 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far (its choice's prompt and completion tokens)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -99,7 +110,9 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit (api/token_fields.py)
+    # vLLM's: each prompt token's logprob with this many alternatives, scored in the prefill (serve/prompt_logprobs.py)
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # accepted no-ops (NOOP_FIELDS): identifiers and tags for the caller's own bookkeeping; nothing is stored, so `store`
     # may only be false and `service_tier` only ask for the one tier there is
     user: str | None = None
@@ -109,6 +122,13 @@ class _SamplingFields(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache keys on the tokens themselves
     # vLLM extensions
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    # only vLLM's default: a different priority needs priority scheduling, which openk3 does not have (vLLM's fcfs refuses it too)
+    priority: Annotated[Int, _only_value(0, "priority scheduling is not enabled on this server")] = 0
+    cache_salt: str | None = Field(default=None, min_length=1)  # honoured in api/jobs.py (see there)
+    modalities: list[Literal["text"]] | None = None  # OpenAI's: text is the only output openk3 has
     top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0, le=100)
@@ -131,7 +151,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Int | None = Field(default=16, ge=1, le=INT64_MAX)
+    max_tokens: Int | None = Field(default=16, ge=0, le=INT64_MAX)  # 0: with echo, score the prompt without generating (vLLM)
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -168,6 +188,8 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
     refusal: None = None  # what the openai client may echo back from a response; only its empty value
     function_call: None = None
+    audio: None = None  # a reference to an earlier audio reply: openk3 has none, so only null
+    annotations: list[dict[str, Any]] | None = None  # citations of an earlier reply (OpenAI's): not part of the prompt
 
 
 class FunctionDefinition(BaseModel):
@@ -207,6 +229,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's; handed to the chat template, as vLLM does, where it reads them (api/jobs.py), else a 400 naming them
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # sglang-router compatibility (ROUTER_FIELDS): reasoning is always returned apart (`reasoning_content`) where the chat
     # format has a reasoning block, and streamed as it settles; the last message is always a finished turn
     continue_final_message: Annotated[bool, _only(False, "openk3 always renders the last message as a finished turn and starts a new assistant reply")] = False

@@ -2,7 +2,8 @@
 jobs are built in api/jobs.py).
 
 Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
-`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage; an error after the
+`delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage (with vLLM's
+`continuous_usage_stats` every chunk also carries its choice's usage so far, as vLLM counts it); an error after the
 stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
 Chat replies in a Kimi format go through one `ChoiceParser` per choice (api/agent_output.py): `reasoning_content`, content
 and `tool_calls`, whole or as `delta.reasoning_content` / `delta.content` / `delta.tool_calls` pieces (a call's arguments
@@ -31,6 +32,7 @@ from openk3.api.responses import (
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
@@ -38,7 +40,7 @@ from openk3.api.responses import (
 )
 from openk3.api.served_model import ServedModel
 from openk3.api.updates import Updates, final_outputs, open_updates
-from openk3.serve.output import OutputKind
+from openk3.serve.output import CompletionOutput, OutputKind, RequestOutput
 
 log = logging.getLogger("openk3.api")
 
@@ -72,20 +74,53 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
+def continuous_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Usage on every chunk. vLLM sends it only with include_usage too and ignores the flag alone; here the flag alone still
+    gets what it asks for (never a field silently dropped), without the final usage chunk nobody asked for."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
+def _first_completion_piece(
+    s: ServedModel, req: CompletionRequest, text_echoed: str, prompt: RequestOutput, c: CompletionOutput
+) -> tuple[str, CompletionLogprobs | None, int]:
+    """A choice's text and logprobs from its start: the echoed prompt (with its logprobs, scored in the prefill) before the
+    generated part, which max_tokens=0 leaves out (scoring only); and the text offset the next logprobs start at. `prompt`:
+    the output that brought the prompt's logprobs."""
+    scoring_only = req.max_tokens == 0
+    text = (text_echoed if req.echo else "") + ("" if scoring_only else c.text)
+    if req.logprobs is None:
+        return text, None, 0
+    logprobs, offset = CompletionLogprobs(), 0
+    if req.echo:
+        logprobs, offset = s.texts.echo_logprobs(prompt.prompt_token_ids, prompt.prompt_logprobs or ())
+    if not scoring_only:
+        generated, offset = s.texts.completion_logprobs(c.logprobs or (), offset)
+        logprobs.tokens += generated.tokens
+        logprobs.token_logprobs += generated.token_logprobs
+        logprobs.top_logprobs += generated.top_logprobs
+        logprobs.text_offset += generated.text_offset
+    return text, logprobs, offset
+
+
 async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     results = await final_outputs(s.frontend, request_id, jobs)
     out = []
     for i, result in enumerate(results):
+        prompt_logprobs = s.texts.prompt_logprobs(result.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
         for c in result.outputs:
-            echo = texts[i] if req.echo else ""
-            logprobs = s.texts.completion_logprobs(c.logprobs or (), 0)[0] if req.logprobs is not None else None
+            text, logprobs, _ = _first_completion_piece(s, req, texts[i], result, c)
             choice = CompletionChoice(
-                index=i * req.n + c.index, text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                index=i * req.n + c.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=prompt_logprobs,
             )
             out.append(choice)
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
-    completion_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+    completion_tokens = 0 if req.max_tokens == 0 else sum(len(c.token_ids) for r in results for c in r.outputs)
     u = usage(prompt_tokens, completion_tokens, sum(r.num_cached_tokens for r in results))
     return CompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u)
 
@@ -105,23 +140,30 @@ async def completion_stream(
     created = int(time.time())
     offsets: dict[int, int] = {}
     completion_tokens, cached = 0, dict[int, int]()
+    per_choice: dict[int, int] = {}  # completion tokens so far, for continuous usage
+    every_chunk = continuous_usage(req)
+    scores: dict[int, RequestOutput] = {}  # per prompt: the output that brought its prompt logprobs
     try:
         async for i, update in updates:
             cached[i] = max(cached.get(i, 0), update.num_cached_tokens)
             for d in update.outputs:
                 index = i * req.n + d.index
-                completion_tokens += len(d.token_ids)
-                text = d.text
+                num_new = 0 if req.max_tokens == 0 else len(d.token_ids)
+                completion_tokens += num_new
+                per_choice[index] = per_choice.get(index, 0) + num_new
+                if update.prompt_logprobs is not None:  # they come once per prompt, with its first sample's first output
+                    scores[i] = update
                 if index not in offsets:
-                    offsets[index] = 0
-                    text = (texts[i] if req.echo else "") + text
-                if not text and d.finish_reason is None and not d.token_ids:
-                    continue  # one chunk per step that made tokens, even when their text is held back or empty
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
+                    text, logprobs, offsets[index] = _first_completion_piece(s, req, texts[i], scores.get(i, update), d)
+                else:
+                    if not d.text and d.finish_reason is None and not d.token_ids:
+                        continue  # one chunk per step that made tokens, even when their text is held back or empty
+                    text, logprobs = d.text, None
+                    if req.logprobs is not None:
+                        logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice]))
+                so_far = usage(len(jobs[i].prompt_token_ids), per_choice[index], cached[i]) if every_chunk else None
+                yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice], usage=so_far))
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
             u = usage(prompt_tokens, completion_tokens, sum(cached.values()))
@@ -153,7 +195,8 @@ async def chat_response(s: ServedModel, req: ChatCompletionRequest, chat: ChatJo
         out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in result.outputs)
     u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
-    return ChatCompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u)
+    prompt_logprobs = s.texts.prompt_logprobs(result.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
+    return ChatCompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u, prompt_logprobs=prompt_logprobs)
 
 
 async def open_chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:
@@ -184,6 +227,12 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
     def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model.name, choices=choices, usage=u))
 
+    every_chunk = continuous_usage(req)
+    per_choice: dict[int, int] = {}  # completion tokens so far, for continuous usage
+
+    def so_far(index: int) -> Usage | None:
+        return usage(len(job.prompt_token_ids), per_choice.get(index, 0), cached) if every_chunk else None
+
     completion_tokens, cached, opened = 0, 0, set()
     parsers: dict[int, ChoiceParser | None] = {}
     try:
@@ -194,7 +243,8 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                 if d.index not in opened:  # as vLLM: the role chunk comes with the first output, so it marks the first token
                     opened.add(d.index)
                     parsers[d.index] = chat.parser()
-                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                    yield chunk([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))], so_far(d.index))
+                per_choice[d.index] = per_choice.get(d.index, 0) + len(d.token_ids)
                 if not d.text and d.finish_reason is None and not d.token_ids:
                     continue
                 logprobs = s.texts.chat_logprobs(d.logprobs or ()) if req.logprobs else None
@@ -210,7 +260,7 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                         finish_reason=finish if last else None,
                         stop_reason=d.stop_reason if last else None,
                     )
-                    yield chunk([choice])
+                    yield chunk([choice], so_far(d.index))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
     except Exception as e:

@@ -31,6 +31,7 @@ from openk3.api.errors import APIError, ClientGone, frontend_error
 from openk3.api.idle import IdleCallback
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
+from openk3.api.request_id import RequestIdHeader, request_id_of
 from openk3.api.routes import completions, health, health_generate, models, router_info, tokens
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.served_model import ServedModel
@@ -89,6 +90,7 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatTe
     if trimmer is not None:
         app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)
         app.state.heap_trimmer = trimmer
+    app.add_middleware(RequestIdHeader)  # outermost: every answer carries it, errors and CORS preflights included
     return app
 
 
@@ -124,7 +126,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _client_gone(request: Request, e: Exception) -> Response:
         # nobody reads the answer; what happened is worth one line, not a traceback
         client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-        log.info("%s: %s", client, e if isinstance(e, ClientGone) else f"client left during {request.method} {request.url.path}")
+        what = e if isinstance(e, ClientGone) else f"client left during {request.method} {request.url.path}"
+        log.info("%s (request %s): %s", client, request_id_of(request.scope), what)
         return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
@@ -146,5 +149,5 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.url.path, request_id_of(request.scope), exc_info=e)
         return APIError(500, f"internal server error: {type(e).__name__}", code="internal_error").response()

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from openk3.launch.serve_flags import add_serve_arguments
-from openk3.launch.server import build_server, export_expert_load, serve_until_stopped, server_configs
+from openk3.launch.server import build_server, claim_port, export_expert_load, serve_until_stopped, server_configs
 from openk3.scale import cli as scale_cli
 
 
@@ -46,8 +46,15 @@ def run(args: argparse.Namespace) -> int:
 
         return run_expert_parallel(args)
     try:
-        app = build_server(args)
-    except ValueError as e:
+        sock = claim_port(args)  # before the weights load, so a port in use is found at once
+    except OSError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    return export_expert_load(app, serve_until_stopped(app, args))
+    try:
+        app = build_server(args)
+    except ValueError as e:
+        sock.close()
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("openk3.api").info("listening on http://%s:%d", args.host, args.port)
+    return export_expert_load(app, serve_until_stopped(app, args, sock))

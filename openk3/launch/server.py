@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,9 +144,25 @@ def _uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | connection_settings(args).uvicorn_options()
 
 
-def serve_until_stopped(app: FastAPI, args: argparse.Namespace) -> int:
+def claim_port(args: argparse.Namespace) -> socket.socket:
+    """The listening socket for --host/--port, bound before the model loads: a port in use is an error at once, not after
+    the weights have loaded. OSError (EADDRINUSE, ...) names the address."""
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        sock.bind((args.host, args.port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {args.host}:{args.port}: {e.strerror}") from e
+    return sock
+
+
+def serve_until_stopped(app: FastAPI, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Serve until a signal stops the server (0) or the engine loop fails (1): a dead engine cannot recover, so the process
-    ends non-zero and its supervisor (torchrun, Kubernetes, Ray) restarts it, instead of answering 503 for good."""
+    ends non-zero and its supervisor (torchrun, Kubernetes, Ray) restarts it, instead of answering 503 for good. `sock`:
+    the socket claim_port bound (else uvicorn binds --host/--port itself)."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args)))
@@ -156,5 +173,8 @@ def serve_until_stopped(app: FastAPI, args: argparse.Namespace) -> int:
         server.should_exit = True
 
     frontend.on_failure = stop
-    server.run()
+    if sock is None:
+        server.run()
+    else:
+        server.run(sockets=[sock])
     return 1 if frontend.error is not None else 0

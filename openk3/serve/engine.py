@@ -25,6 +25,7 @@ from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.prompt_check import check_prompt
+from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
@@ -149,6 +150,7 @@ class LLMEngine:
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
             self.runner.graphs = DecodeGraphs(self.runner.model, self.cache, capture, max_batch, self.max_model_len, self.device)
         self._texts: dict[str, RequestText] = {}  # each unfinished request's text and stop strings (stopping.py)
+        self._prompt_scores = PromptScores()  # prompt logprobs scored so far, until the first token takes them along
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
@@ -180,6 +182,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(request_id, status)
         self._texts.pop(request_id, None)
+        self._prompt_scores.drop(request_id)
         req.timings.finished = time.monotonic()
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()  # a request the output processor finished (a stop string) can be the last one
@@ -249,6 +252,8 @@ class LLMEngine:
                 f"{self.cache.num_free_pages} free pages, {self.cache.num_free_slots} free slots"
             )
         result = self.runner.execute(out)
+        for request_id, (start, scores) in result.prompt_logprobs.items():
+            self._prompt_scores.add(request_id, start, scores)
         outputs = []
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, result.token_ids):
@@ -259,6 +264,9 @@ class LLMEngine:
             req.timings.last_token = now
             lp = result.logprobs.get(req.request_id)
             logprobs = None if lp is None else (lp,)
+            prompt_logprobs = None
+            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_scores.take(req.request_id) or ()  # () for a one-token prompt: nothing to score
             status = token_stop(req, token, self.max_model_len, self._eos)
             text = self._texts[req.request_id].add(token, status, req.num_output_tokens)
             if text.stop is not None:  # a stop string wins over the length
@@ -271,7 +279,16 @@ class LLMEngine:
                 metrics = req.metrics()
             outputs.append(
                 EngineCoreOutput(
-                    req.request_id, (token,), logprobs, req.num_cached_tokens, req.status.finish_reason, req.stop_reason, metrics, text.text, text.dropped
+                    req.request_id,
+                    (token,),
+                    logprobs,
+                    req.num_cached_tokens,
+                    req.status.finish_reason,
+                    req.stop_reason,
+                    metrics,
+                    text.text,
+                    text.dropped,
+                    prompt_logprobs,
                 )
             )
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():

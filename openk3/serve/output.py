@@ -9,6 +9,8 @@ left happens here, once, for `LLM` and the server alike:
 - Hold-back: a streamed sample keeps its last max(len(stop)) - 1 characters unsent while they may still turn out to start
   a stop string (none with include_stop_str_in_output, when nothing would be cut), so a stream never shows text the core
   cuts later (the core reports such a cut as `text_dropped` characters, always within what was held back).
+- Prompt logprobs belong to the caller's request: only its first sample scores the prompt (the others would score the same
+  tokens again).
 - Output kinds (vLLM's RequestOutputKind): DELTA -- every step, only what is new (the server's streams); FINAL_ONLY -- one
   output when every sample has ended, whole (LLM.generate, non-streaming responses).
 
@@ -83,6 +85,8 @@ class _Group:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     started: bool = False
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: they go out once
     arrival: float = field(default_factory=time.monotonic)  # when the caller's request reached the engine
 
     @property
@@ -128,6 +132,8 @@ class OutputProcessor(Generic[EngineT]):
         try:
             for i, core_id in enumerate(core_ids):
                 child = params if params.n == 1 else params.for_child(i)
+                if i and child.prompt_logprobs is not None:
+                    child = child.replace(prompt_logprobs=None)
                 self.engine.add_request(core_id, ids, child, group_id=request_id if params.n > 1 else None)
                 logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
                 samples.append(_Sample(i, core_id, child, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))
@@ -200,6 +206,8 @@ class OutputProcessor(Generic[EngineT]):
     def _advance(group: _Group, s: _Sample, out: EngineCoreOutput) -> None:
         if s.index == 0:
             group.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                group.prompt_logprobs = out.prompt_logprobs
         s.token_ids.extend(out.new_token_ids)
         if s.logprobs is not None and out.new_logprobs is not None:
             s.logprobs.extend(out.new_logprobs)
@@ -212,9 +220,12 @@ class OutputProcessor(Generic[EngineT]):
             if not group.finished:
                 return None
             outputs = tuple(self._whole(s) for s in group.samples)
+            prompt_logprobs = group.prompt_logprobs
         else:
             outputs = tuple(self._delta(s) for s in samples)
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.finished, group.num_cached_tokens, group.prompt)
+            prompt_logprobs = None if group.prompt_logprobs_sent else group.prompt_logprobs
+            group.prompt_logprobs_sent = group.prompt_logprobs_sent or prompt_logprobs is not None
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.finished, group.num_cached_tokens, group.prompt, prompt_logprobs)
 
     @staticmethod
     def _whole(s: _Sample) -> CompletionOutput:

@@ -36,6 +36,8 @@ class RequestOutput:
     finished: bool  # every sample has ended
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first sample's)
     prompt: str | None = None
+    # prompt tokens 1.. scored (serve/prompt_logprobs.py) when asked for: DELTA in the first output after they are known, once
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def text(self) -> str:

@@ -68,6 +68,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None  # 1 + tokens the model found more likely; prompt logprobs only (vLLM reports it there)
 
 
 class Request:
@@ -198,6 +199,8 @@ class EngineCoreOutput:
     metrics: RequestMetrics | None = None  # when finished
     new_text: str = ""  # the text the new tokens add (serve/stopping.py), after dropping the last `text_dropped` characters
     text_dropped: int = 0  # characters of text already reported that a stop string cut (never streamed: output.py holds them)
+    # with the first token of a request that asked for prompt logprobs: prompt tokens 1.. scored (serve/prompt_logprobs.py)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,13 +6,14 @@ The runner runs the model as it is given: whoever builds the engine has applied 
 (openk3.launch.engine.build_engine; a multi-rank driver's ranks at start-up).
 The runner keeps no request state: it reads each scheduled Request (its tokens and computed count) and the cache (its slot
 and pages), and changes none of them; the scheduler applies what was sampled. A request samples when its computed tokens
-catch up with its tokens this step; only those rows get logits.
+catch up with its tokens this step; only those rows get logits, and the prefill rows of a request that wants its prompt
+scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,6 +22,7 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
+from openk3.serve.prompt_logprobs import rows_to_score, score
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.scheduler import SchedulerOutput
@@ -39,10 +41,19 @@ class CausalLM(Protocol):
 @dataclass(frozen=True)
 class StepSamples:
     """What a step sampled: request id -> token, for the requests whose computed tokens caught up, and their logprobs
-    (only for requests that asked)."""
+    (only for requests that asked); and request id -> (first position, scores) of the prompt tokens it scored."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A request's prefill rows scored this step: positions `positions` of its prompt, in `logits_indices` order."""
+
+    request: Request
+    positions: range
 
 
 class ModelRunner:
@@ -59,13 +70,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The packed step and the requests that sample, in logits-row order."""
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[PromptRows]]:
+        """The packed step, the requests that sample (in logits-row order), then the prompt rows scored (after them)."""
         ids: list[int] = []
         positions: list[int] = []
         cu = [0]
         context_lens, slots, page_rows, logits_rows = [], [], [], []
+        scored_rows: list[int] = []
         sampling: list[Request] = []
+        scored: list[PromptRows] = []
         for req, n in zip(out.requests, out.num_tokens, strict=True):
             c = req.num_computed_tokens
             if c + n > req.num_tokens:
@@ -82,6 +95,10 @@ class ModelRunner:
             if c + n == req.num_tokens:
                 sampling.append(req)
                 logits_rows.append(cu[-1] - 1)
+            prompt_positions = rows_to_score(req, c, n)
+            if prompt_positions:
+                scored.append(PromptRows(req, prompt_positions))
+                scored_rows.extend(range(cu[-2] + prompt_positions.start - c, cu[-2] + prompt_positions.stop - c))
         # Entries past a request's own pages are never read (the model only touches pages covering its positions).
         width = max(len(p) for p in page_rows)
         table = torch.tensor([p + [0] * (width - len(p)) for p in page_rows], dtype=torch.int64)
@@ -94,26 +111,41 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
             state_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             page_table=table.to(dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_rows + scored_rows, dtype=torch.int64, device=dev),
             is_decode=all(n == 1 for n in lens),
             host_facts=HostFacts.of(context_lens, slots),
         )
-        return batch, sampling
+        return batch, sampling, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:
         """Run one planned step: forward the packed batch and sample the rows whose requests caught up. Requests are read,
         never changed (the scheduler's update_from_output advances them)."""
         if out.is_empty:
             return StepSamples({}, {})
-        batch, sampling = self.build_batch(out)
+        batch, sampling, scored = self.build_batch(out)
         with torch.inference_mode():
-            bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+            # a graph returns the logits of every row in batch order, not sampling rows then scored ones
+            bucket = self.graphs.bucket_for(batch) if self.graphs is not None and not scored else None
             if bucket is not None:
                 assert self.graphs is not None
                 logits = self.graphs.run(batch, bucket)
             else:
                 logits = self.model(batch, self.cache.tensors)
             rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
-            result = self.sampler(logits, rows)
+            result = self.sampler(logits[: len(sampling)], rows)
+            prompt_logprobs = self._score_prompts(logits[len(sampling) :], scored)
         logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
-        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs)
+        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _score_prompts(logits_RV: torch.Tensor, scored: list[PromptRows]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        if not scored:
+            return {}
+        targets = [p.request.token_ids[q + 1] for p in scored for q in p.positions]
+        top_k = [p.request.sampling_params.prompt_logprobs or 0 for p in scored for _ in p.positions]
+        scores = score(logits_RV, targets, top_k)
+        out, at = {}, 0
+        for p in scored:
+            out[p.request.request_id] = (p.positions.start, scores[at : at + len(p.positions)])
+            at += len(p.positions)
+        return out

@@ -1,9 +1,10 @@
 """Sampler: one call turns the logits of every request that samples this step into tokens (vLLM's order and meanings).
 
-Order: structured-output grammar mask (serve/structured/matchers.py: one bitmask for the constrained rows, applied in one
-call; each row's grammar advanced with its token after the draw) -> min_tokens mask (stop tokens forbidden until min_tokens
-are out) -> penalties (repetition over prompt and output, frequency and presence over output) -> greedy rows take the
-argmax -> temperature -> min_p -> top_k -> top_p -> draw.
+Order: token rules (serve/token_rules.py: logit_bias, allowed_token_ids, bad_words) -> structured-output grammar mask
+(serve/structured/matchers.py: one bitmask for the constrained rows, applied in one call; each row's grammar advanced with
+its token after the draw) -> min_tokens mask (stop tokens forbidden until min_tokens are out) -> penalties (repetition over
+prompt and output, frequency and presence over output) -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
+top_p -> draw.
 Drawing is the exponential race argmax(p / q), q ~ Exp(1): a seeded request draws q from its own generator, so its tokens do
 not depend on what else is in the batch; unseeded rows share the sampler's generator. q is drawn where the logits are, by
 generators on that device (the engine makes the seeded requests' generators there too): nothing of size M x V crosses
@@ -23,6 +24,7 @@ import torch
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.structured.matchers import GrammarStates
+from openk3.serve.token_rules import apply_token_rules, has_token_rules
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,10 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits_MV.log_softmax(-1) if any(want_logprobs) else None
         device = logits_MV.device
+        ruled = [i for i, r in enumerate(rows) if has_token_rules(r.params)]
+        if ruled:
+            logits_MV = logits_MV.clone()
+            logits_MV[ruled] = apply_token_rules(logits_MV[ruled], [rows[i].params for i in ruled], [rows[i].output_token_ids for i in ruled])
         constrained = any(r.params.structured_outputs is not None for r in rows)
         if constrained:
             logits_MV = logits_MV.clone()

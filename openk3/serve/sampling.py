@@ -36,12 +36,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token's is always included)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token, scored in the prefill (serve/prompt_logprobs.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     # the grammar the output must match, compiled for the model's vocabulary (serve/structured: GrammarCompiler.compile)
     structured_outputs: Grammar | None = None
+    # token rules (serve/token_rules.py): (token id, bias) pairs, the only tokens allowed, token sequences never written
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept the list/str spellings callers use and store immutable tuples.
@@ -72,14 +77,28 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("SamplingParams", "stop_token_ids", self.stop_token_ids, "non-negative integer token ids")
         check_int("SamplingParams", "logprobs", self.logprobs, low=0, optional=True)
+        check_int("SamplingParams", "prompt_logprobs", self.prompt_logprobs, low=0, optional=True)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 fail("SamplingParams", name, value, "a float in [-2, 2]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             fail("SamplingParams", "repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
+        self._check_token_rules()
         if self.structured_outputs is not None:
             self._check_structured()
+
+    def _check_token_rules(self) -> None:
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
+        if any(not _is_int(t) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            fail("SamplingParams", "logit_bias", self.logit_bias, "(token id >= 0, bias in [-100, 100]) pairs")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                fail("SamplingParams", "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
+        if any(not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids):
+            fail("SamplingParams", "bad_words_token_ids", self.bad_words_token_ids, "non-empty token id sequences")
 
     def _check_structured(self) -> None:
         if not isinstance(self.structured_outputs, Grammar):

@@ -11,9 +11,10 @@ request whose group has the fewest running samples (preempted ones first, then a
 that is plain FIFO. What goes to the runner is the plan of the step: the scheduled requests themselves, in batch order,
 with the tokens each computes; the runner reads their tokens from the Request and their slot and pages from the cache.
 Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
-hit), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points and fixed intervals always,
-and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States
-are snapshotted at those cuts, at the prompt end and when a request finishes.
+hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and its prefill chunks are cut where a
+state snapshot is wanted -- at detected branch points and fixed intervals always, and at a multiple of the match unit
+whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States are snapshotted at those cuts,
+at the prompt end and when a request finishes.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.cache.prefix_types import PrefixMatch
 from openk3.serve.request import Request, RequestStatus
 
 
@@ -121,7 +123,9 @@ class Scheduler:
             n = self._chunk(req, budget)
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
         tokens = req.token_ids
-        match = self.cache.fetch(self.cache.match_prefix(tokens))
+        # a cached prefix has no logits to score, so a request that wants its prompt scored computes it all
+        wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
+        match = PrefixMatch.miss() if wants_scores else self.cache.fetch(self.cache.match_prefix(tokens))
         start = match.num_tokens
         # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
         # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).

@@ -64,7 +64,7 @@ CASES: list[tuple[str, str, bytes | dict[str, object], int, str | None, str]] = 
     ("deep nesting", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "JSON"),
     ("5000-digit integer", "/v1/completions", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "JSON"),
     ("huge seed", "/v1/completions", {**OK_COMPLETION, "seed": 10**30}, 400, "seed", "seed"),
-    ("logit_bias", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"1": 5}}, 400, "logit_bias", "logit_bias"),
+    ("logit_bias key not a token id", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"x": 5}}, 400, "logit_bias", "logit_bias"),
     ("detokenize outside vocab", "/detokenize", {"tokens": [5, 300]}, 400, "tokens", "300"),
 ]
 

@@ -191,3 +191,11 @@ def test_bad_arguments_exit_2_before_any_request(argv, message, capsys) -> None:
     assert run_cli(bench_args(*argv), httpx.MockTransport(refuse)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_vllm_bench_serve_flag_names_are_accepted() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    vllm = parser.parse_args(["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "7", "--random-range-ratio", "0.5"])
+    ours = parser.parse_args(["--dataset", "random", "--input-len", "32", "--output-len", "7", "--range-ratio", "0.5"])
+    assert vars(vllm) == vars(ours)

@@ -13,7 +13,6 @@ REFUSED = [
     ("/v1/chat/completions", {**OK_CHAT, "functions": []}, "functions"),
     ("/v1/chat/completions", {**OK_CHAT, "store": True}, "store"),
     ("/v1/chat/completions", {**OK_CHAT, "service_tier": "flex"}, "service_tier"),
-    ("/v1/chat/completions", {**OK_CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": "hi", "cache_control": {}}]}, "messages"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]}, "messages"),
     ("/v1/chat/completions", {**OK_CHAT, "chat_template_kwargs": {"thinking": False}}, "chat_template_kwargs"),  # ChatML reads no kwargs

@@ -220,9 +220,12 @@ def decode_tagged(value: Any) -> Any:
 
 
 def from_jsonable(cls: type, data: dict[str, Any]) -> Any:
-    """Inverse of `to_jsonable` for the flat dataclasses above."""
+    """Inverse of `to_jsonable` for the flat dataclasses above. A field with a default may be absent (a daemon from before the
+    field existed sends none): it takes the default; a field without one must be there."""
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if f.name not in data and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+            continue
         v = data[f.name]
         if isinstance(v, dict):
             v = decode_tagged(v)

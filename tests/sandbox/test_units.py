@@ -55,6 +55,10 @@ def test_protocol_json_round_trip():
     assert from_jsonable(ExecResult, to_jsonable(r)) == r
     s = SnapshotInfo("snap-1@h", SnapshotKind.FS, ("a", "b"), "sb-1@h", 1.0, "files")
     assert from_jsonable(SnapshotInfo, to_jsonable(s)) == s
+    older = {k: v for k, v in to_jsonable(s).items() if k != "stored_bytes"}  # a daemon from before the field existed
+    assert from_jsonable(SnapshotInfo, older).stored_bytes == 0
+    with pytest.raises(KeyError):  # a field without a default cannot be made up
+        from_jsonable(SnapshotInfo, {k: v for k, v in older.items() if k != "layers"})
 
 
 def test_wire_messages_carry_descriptors():

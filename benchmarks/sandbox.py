@@ -6,8 +6,9 @@ the snapshot, destroy both. A correctness gate (the workspace's listing with siz
 snapshot) runs on the first and last cycles; no ratio is reported if it fails. Baselines in the same run: `cp -a` of the
 same workspace on tmpfs (what a full-copy snapshot costs), and a process-memory snapshot of the built-in Python env.
 
-`--daemon-code DIR` runs the daemon from another checkout (say the commit before a change) with this script's client, so a
-before/after compares the same requests. Needs root (see docs/sandbox.md).
+`--daemon-code DIR` runs the daemon from another checkout with this script's client; `--vs DIR` runs a second daemon from
+DIR (say the commit before a change) beside it and alternates every cycle between the two, so a before/after on a shared,
+noisy host compares the same moments, not two runs' loads. Needs root (see docs/sandbox.md).
 
     sudo .venv/bin/python benchmarks/sandbox.py --cycles 100 --out benchmarks/results/sandbox.md
 
@@ -95,23 +96,32 @@ def start_daemon(code: str, state: str, port: int) -> subprocess.Popen[bytes]:
     sys.exit("the daemon did not answer /v1/health within 120 s")
 
 
-def lifecycle(c: SandboxClient, image: str | None, cycles: int, t: dict[str, list[float]], gate: list[str], label: str) -> None:
-    for i in range(cycles):
-        sid = timed(t["create"], c.create, image)
-        timed(t["exec"], c.exec, sid, EDIT_1)
-        check = i in (0, cycles - 1)
-        before = c.exec(sid, LISTING).stdout if check else None
-        snap = timed(t["snapshot"], c.snapshot, sid)
-        c.exec(sid, EDIT_2)
-        timed(t["restore"], c.restore, sid, snap.snapshot_id)
-        if check and c.exec(sid, LISTING).stdout != before:
-            gate.append(f"{label}, cycle {i}: the workspace after restore differs from the one at snapshot")
-        (child,) = timed(t["fork"], c.fork, snap.snapshot_id, 1)
-        if check and c.exec(child, LISTING).stdout != before:
-            gate.append(f"{label}, cycle {i}: the fork's workspace differs from the snapshot")
-        timed(t["destroy"], c.destroy, child)
-        timed(t["destroy"], c.destroy, sid)
-        c.delete_snapshot(snap.snapshot_id)
+def lifecycle(c: SandboxClient, image: str | None, i: int, cycles: int, t: dict[str, list[float]], gate: list[str], label: str) -> None:
+    """Cycle `i` of `cycles`: create, edit, snapshot, edit, restore, fork, destroy both (the gate on the first and last)."""
+    sid = timed(t["create"], c.create, image)
+    timed(t["exec"], c.exec, sid, EDIT_1)
+    check = i in (0, cycles - 1)
+    before = c.exec(sid, LISTING).stdout if check else None
+    snap = timed(t["snapshot"], c.snapshot, sid)
+    c.exec(sid, EDIT_2)
+    timed(t["restore"], c.restore, sid, snap.snapshot_id)
+    if check and c.exec(sid, LISTING).stdout != before:
+        gate.append(f"{label}, cycle {i}: the workspace after restore differs from the one at snapshot")
+    (child,) = timed(t["fork"], c.fork, snap.snapshot_id, 1)
+    if check and c.exec(child, LISTING).stdout != before:
+        gate.append(f"{label}, cycle {i}: the fork's workspace differs from the snapshot")
+    timed(t["destroy"], c.destroy, child)
+    timed(t["destroy"], c.destroy, sid)
+    c.delete_snapshot(snap.snapshot_id)
+
+
+def build_image(c: SandboxClient, archive: bytes) -> str:
+    builder = c.create(limits=None)
+    c.exec(builder, "mkdir -p /work")
+    c.upload_tar(builder, archive, "/work")
+    image = c.snapshot(builder).snapshot_id
+    c.destroy(builder)
+    return image
 
 
 def full_copy_baseline(archive: bytes, cycles: int) -> list[float]:
@@ -147,13 +157,10 @@ def run(args: argparse.Namespace) -> str:
             image = None
             if files:
                 archive = env_archive(files, nbytes)
-                builder = c.create(limits=None)
-                c.exec(builder, "mkdir -p /work")
-                c.upload_tar(builder, archive, "/work")
-                image = c.snapshot(builder).snapshot_id
-                c.destroy(builder)
+                image = build_image(c, archive)
                 extra[f"cp -a, {label} (baseline)"] = full_copy_baseline(archive, args.baseline_cycles)
-            lifecycle(c, image, args.cycles, t[label], gate, label)
+            for i in range(args.cycles):
+                lifecycle(c, image, i, args.cycles, t[label], gate, label)
             if image:
                 c.delete_snapshot(image)
         eid = c.create_env("demo", {"ballast_mb": args.process_mb})
@@ -174,6 +181,62 @@ def run(args: argparse.Namespace) -> str:
         daemon.wait(timeout=120)
         shutil.rmtree(state, ignore_errors=True)
     return report(args, t, extra, gate, load_before, os.getloadavg())
+
+
+def run_ab(args: argparse.Namespace) -> str:
+    """Two daemons at once, this checkout's (`after`) and `--vs`'s (`before`), each cycle run on both in turn (the order
+    alternating), so both see the same machine: on a shared, noisy host a before/after from separate runs compares loads."""
+    load_before = os.getloadavg()
+    codes = {"before": args.vs, "after": args.daemon_code}
+    daemons, clients, states = {}, {}, []
+    workspaces = {"empty": (0, 0), f"{args.files} files / {args.bytes // 2**20} MB": (args.files, args.bytes)}
+    t = {name: {w: {op: [] for op in OPS} for w in workspaces} for name in codes}
+    gate: list[str] = []
+    try:
+        for name, code in codes.items():
+            state = tempfile.mkdtemp(prefix=f"openk3-bench-{name}-", dir="/tmp")
+            os.chmod(state, 0o755)
+            states.append(state)
+            port = free_port()
+            daemons[name] = start_daemon(code, state, port)
+            clients[name] = SandboxClient(f"http://127.0.0.1:{port}")
+        for label, (files, nbytes) in workspaces.items():
+            archive = env_archive(files, nbytes) if files else None
+            images = {name: build_image(c, archive) if archive else None for name, c in clients.items()}
+            for i in range(args.cycles):
+                for name in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                    lifecycle(clients[name], images[name], i, args.cycles, t[name][label], gate, f"{name}, {label}")
+            for name, image in images.items():
+                if image:
+                    clients[name].delete_snapshot(image)
+    finally:
+        for d in daemons.values():
+            d.send_signal(signal.SIGTERM)
+        for d in daemons.values():
+            d.wait(timeout=120)
+        for state in states:
+            shutil.rmtree(state, ignore_errors=True)
+    load_after = os.getloadavg()
+    commit = {n: subprocess.run(["git", "-C", c, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() for n, c in codes.items()}
+    lines = [
+        "# Sandbox lifecycle over HTTP, before/after in one run",
+        "",
+        f"Command: `{' '.join(sys.argv)}`  ",
+        f"Machine: {platform.node()}, kernel {platform.release()}, {os.cpu_count()} cores, load average {load_before[0]:.1f} before / "
+        f"{load_after[0]:.1f} after; before = daemon at {commit['before']}, after = daemon at {commit['after']}; {args.cycles} cycles "
+        "each, alternating.",
+        "",
+        "| workspace | operation | before p50 ms | after p50 ms | after/before p50 | before p99 ms | after p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for label in workspaces:
+        for op in OPS:
+            b, a = t["before"][label][op], t["after"][label][op]
+            pb, pa = statistics.median(b), statistics.median(a)
+            lines.append(f"| {label} | {op} | {pb:.2f} | {pa:.2f} | {pa / pb:.2f} | {pct(b, 0.99):.2f} | {pct(a, 0.99):.2f} |")
+    if gate:
+        lines += ["", "**Correctness gate failed:**", *[f"- {g}" for g in gate]]
+    return "\n".join(lines) + "\n"
 
 
 def report(args, t, extra, gate, load_before, load_after) -> str:
@@ -221,11 +284,12 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=50 * 2**20)
     parser.add_argument("--process-mb", type=int, default=100)
     parser.add_argument("--daemon-code", default=ROOT, help="checkout whose openk3 package the daemon runs (default: this one)")
+    parser.add_argument("--vs", default=None, metavar="DIR", help="also run a daemon from checkout DIR, alternating cycles with this one (before/after)")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("benchmarks/sandbox.py needs root (overlay mounts and cgroups)")
-    text = run(args)
+    text = run_ab(args) if args.vs else run(args)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

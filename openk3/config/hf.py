@@ -15,6 +15,7 @@ from typing import Any
 
 from openk3.config.model import Activation, KDAConfig, KDAGate, MLAConfig, ModelConfig, MoEConfig
 from openk3.config.presets import k3_schedule
+from openk3.config.vision import VisionConfig, vision_from_hf, vision_to_hf
 
 
 def _first(d: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -76,6 +77,15 @@ def mtp_layer_count(source: str | Path | dict[str, Any]) -> int:
     Kimi's configs use): they are stored as decoder layers num_hidden_layers.. and are not part of this model (yet)."""
     raw = _read(source)
     return int(_first(_text_config(raw), "num_nextn_predict_layers", default=raw.get("num_nextn_predict_layers") or 0))
+
+
+def vision_config_from_hf(source: str | Path | dict[str, Any]) -> VisionConfig | None:
+    """The vision tower a multimodal config.json declares (`vision_config`, config/vision.py), or None. Kept apart from
+    ModelConfig, which describes the text model alone (the planner and the engine read that)."""
+    raw = _read(source)
+    if raw.get("vision_config") is None:
+        return None
+    return vision_from_hf(raw["vision_config"], int(_require(_text_config(raw), "hidden_size")))
 
 
 def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
@@ -221,6 +231,10 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def save_config(config: ModelConfig, path: str | Path) -> None:
-    """Write `config` as an HF config.json (what config_from_hf reads back to an equal ModelConfig)."""
-    Path(path).write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+def save_config(config: ModelConfig, path: str | Path, vision: VisionConfig | None = None) -> None:
+    """Write `config` as an HF config.json (what config_from_hf reads back to an equal ModelConfig); with `vision`, in the
+    multimodal release's layout (`kimi_k3`: the text config in `text_config`, the tower in `vision_config`)."""
+    out = config_to_hf(config)
+    if vision is not None:
+        out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": out, "vision_config": vision_to_hf(vision)}
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")

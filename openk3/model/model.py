@@ -18,12 +18,15 @@ from torch import nn
 
 from openk3.checks import check_int, fail
 from openk3.config import LayerKind, ModelConfig
+from openk3.config.vision import VisionConfig
 from openk3.model.attn_res import PlainResidual, mix_query, new_mixer
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import DenseExperts, ExpertBackend, LatentMoE, LocalExperts, PackedExperts, Router, SelectsExpertOps
+from openk3.model.vision import MoonViT
+from openk3.model.vision_projector import PatchMergerProjector, tpool_merge
 from openk3.ops.attn_res import DepthStream, MixQuery
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
@@ -42,6 +45,7 @@ class OpChoice:
     linear: str = "auto"  # the bias-free projections ("naive": F.linear; "fast": the CPU forms, ops/linear.py)
     norm: str = "auto"  # every RMSNorm
     route: str = "auto"  # the MoE router's top-k ("moe_route")
+    vision_attn: str = "auto"  # the vision tower's attention within each image ("vision_attn")
     kda_chunk_size: int | None = None  # chunk length of the chunkwise KDA forms (None: their default)
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
 
@@ -155,15 +159,31 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: OpChoice | None = None) -> None:
+    """The text model, and with `vision` the release's MoonViT tower (`vision_tower.*`) and projector (`mm_projector.*`)
+    beside it (encode_images; the text forward does not read them yet)."""
+
+    def __init__(self, config: ModelConfig, ops: OpChoice | None = None, vision: VisionConfig | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.vision = config, vision
         self.ops = ops or OpChoice()
         self.model = K3Model(config, self.ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if vision is not None:
+            if vision.text_hidden_size != config.hidden_size:
+                raise ValueError(f"vision.text_hidden_size={vision.text_hidden_size} differs from the text model's hidden_size={config.hidden_size}")
+            self.vision_tower = MoonViT(vision, self.ops.vision_attn)
+            self.mm_projector = PatchMergerProjector(vision)
         self.select_ops(self.ops)  # "auto" for inference on CPU until a trainer or the serving runner selects again
+
+    def encode_images(self, pixels_LCPP: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Text-width embeddings [N, D_text] of packed images or video chunks (grids: (t, h, w) patches each): the tower,
+        temporal pooling and the patch merger, the projector; image i's rows follow image i - 1's."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower: its config.json declares no vision_config")
+        hidden = self.vision_tower(pixels_LCPP, grids)
+        return self.mm_projector(tpool_merge(hidden, grids, self.vision.merge_kernel_size))
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor:
         """Logits [M, V] for the rows in `batch.logits_indices` (all T rows when None)."""
@@ -192,6 +212,8 @@ class K3ForCausalLM(nn.Module):
             elif isinstance(module, Router):
                 module.select(target, ops.route)
         self.model.select_depth_stream(ops.attn_res, target)
+        if self.vision is not None:
+            self.vision_tower.select(ops.vision_attn, target)
         for layer in self.model.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):

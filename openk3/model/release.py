@@ -3,7 +3,7 @@
 - `A_log` is stored F32[128] for 96 heads, zero-padded: accepted when every padded entry is zero, otherwise an error that
   names the tensor and both shapes.
 - The multimodal checkpoint prefixes the text model `language_model.` (weights.canonical_name strips it) and ships a vision
-  tower (`vision_tower.*`, `multi_modal_projector.*`): skipped until the multimodal issue.
+  tower (`vision_tower.*`) and projector (`mm_projector.*`): loaded into the model's own (model/vision.py), not skipped.
 - Multi-token-prediction (MTP) layers (`mtp.*`, or decoder layers past num_hidden_layers as DeepSeek-V3-style checkpoints
   number them): skipped until the speculative-decoding issue.
 Skipped tensors are never read, and each kind gets one log line saying how many and why.
@@ -19,26 +19,23 @@ import torch
 
 from openk3.config import ModelConfig
 
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 MTP_OWN_RE = re.compile(r"^model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|shared_head)\.")  # what only an MTP layer holds
 log = logging.getLogger("openk3.model")
 
 
 def release_extras(names: Sequence[str], config: ModelConfig, declared_mtp: int = 0) -> dict[str, str]:
-    """The checkpoint's tensors that are not part of this text model, each with its kind: "vision" (`vision_tower.*`,
-    `multi_modal_projector.*`, until the multimodal issue) or "mtp" (multi-token prediction, until the speculative-decoding
-    issue: `mtp.*` / `model.mtp.*`, or a decoder layer past num_hidden_layers that config.json declares as MTP or that holds
-    MTP's own tensors). Every other name is left to load_state_dict_into, which refuses the ones it does not know."""
+    """The checkpoint's tensors that are not part of this model, each with its kind: "mtp" (multi-token prediction, until
+    the speculative-decoding issue: `mtp.*` / `model.mtp.*`, or a decoder layer past num_hidden_layers that config.json
+    declares as MTP or that holds MTP's own tensors). Every other name is left to load_state_dict_into, which refuses the
+    ones it does not know."""
     n = config.num_hidden_layers
     text = [name.removeprefix("language_model.") for name in names]
     mtp_layers = set(range(n, n + declared_mtp)) | {int(m.group(1)) for t in text if (m := MTP_OWN_RE.match(t)) and int(m.group(1)) >= n}
     extras: dict[str, str] = {}
     for name, t in zip(names, text, strict=True):
         layer = LAYER_RE.match(t)
-        if name.startswith(VISION_PREFIXES):
-            extras[name] = "vision"
-        elif t.startswith(("mtp.", "model.mtp.")) or (layer is not None and int(layer.group(1)) in mtp_layers):
+        if t.startswith(("mtp.", "model.mtp.")) or (layer is not None and int(layer.group(1)) in mtp_layers):
             extras[name] = "mtp"
     return extras
 
@@ -49,8 +46,6 @@ def log_extras(extras: Mapping[str, str], config: ModelConfig) -> None:
     where = f" (layers {', '.join(map(str, layers))}, past num_hidden_layers={config.num_hidden_layers})" if layers else ""
     if mtp:
         log.info("skipping %d multi-token-prediction tensors%s: openk3 has no speculative decoding yet", len(mtp), where)
-    if len(extras) > len(mtp):
-        log.info("skipping %d vision tensors (vision_tower.*, multi_modal_projector.*): openk3 serves the text model only", len(extras) - len(mtp))
 
 
 def fit_a_log(raw_name: str, tensor: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, str | None]:

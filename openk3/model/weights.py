@@ -1,9 +1,10 @@
 """Checkpoint loading and saving: HF-style folders (config.json + model.safetensors or a sharded index), safetensors only.
 
-Accepted tensor names: the official K3/Kimi-Linear names (with or without the multimodal `language_model.` prefix) and
-what transformers' Kimi-Linear port writes (A_log as [1, 1, H, 1]; the dense first layer under `block_sparse_moe.`).
-The K3 release's quirks (zero-padded A_log, its vision tower and multi-token-prediction layers) are model/release.py's;
-any other tensor this model lacks is an error.
+Accepted tensor names: the official K3/Kimi-Linear names (with or without the multimodal `language_model.` prefix),
+what transformers' Kimi-Linear port writes (A_log as [1, 1, H, 1]; the dense first layer under `block_sparse_moe.`), and
+the release's vision tower and projector (`vision_tower.*`, `mm_projector.*`) when config.json declares a vision_config.
+The K3 release's quirks (zero-padded A_log, its multi-token-prediction layers) are model/release.py's; any other tensor
+this model lacks is an error (a vision tensor in a folder whose config.json has no vision_config among them).
 Routed experts arrive one tensor per expert (`experts.{e}.w1.weight`) and are stacked per layer here ([E, I, D]).
 Every problem is reported with the tensor's name, its shape and the expected shape; nothing is loaded half-way.
 An expert-parallel rank loads only its own experts (`load_model(..., experts={layer: global ids})`): the other experts'
@@ -26,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from openk3.config import ModelConfig, config_from_hf, save_config
-from openk3.config.hf import mtp_layer_count
+from openk3.config.hf import mtp_layer_count, vision_config_from_hf
 from openk3.model.model import K3ForCausalLM, OpChoice
 from openk3.model.moe import DenseExperts, PackedExperts
 from openk3.model.release import fit_a_log, log_extras, release_extras
@@ -42,6 +43,7 @@ STACKED_SUFFIX = {
     "weight_scales": "_weight_scale",
 }
 PACKED_SUFFIXES = ("weight_packed", "weight_blocks")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 KEEP_FP32 = ("block_sparse_moe.gate.weight", "e_score_correction_bias", "self_attn.dt_bias", "self_attn.A_log")
 
 
@@ -242,7 +244,8 @@ def load_state_dict_into(
                 expert_seen.setdefault(key, set()).update(rows)
                 continue
             if name not in expected:
-                problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}")
+                hint = " (config.json declares no vision_config)" if model.vision is None and name.startswith(VISION_PREFIXES) else ""
+                problems.append(f"unexpected tensor {raw_name} {tuple(tensor.shape)}{hint}")
                 continue
             target = expected[name]
             dim = slices.dim_of(name) if slices is not None else None
@@ -306,13 +309,14 @@ def load_model(
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
     config = config_from_hf(path)
+    vision = vision_config_from_hf(path)
     all_names = checkpoint_names(path)
     extras = release_extras(all_names, config, mtp_layer_count(path))
     log_extras(extras, config)
     names = [n for n in all_names if n not in extras]
     ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):
-        model = K3ForCausalLM(config, ops)
+        model = K3ForCausalLM(config, ops, vision)
         if experts is not None:
             check_expert_ids(experts, config.moe.num_experts)
             keep_expert_slots(model, {layer: len(ids) for layer, ids in experts.items()})
@@ -371,5 +375,5 @@ def save_model(model: K3ForCausalLM, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     packed = any(isinstance(moe.experts, PackedExperts) for moe in model.moe_layers())
     config = model.config.replace(expert_quantization="mxfp4") if packed else model.config
-    save_config(config, path / "config.json")
+    save_config(config, path / "config.json", model.vision)
     save_file(export_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})

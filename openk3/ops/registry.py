@@ -182,6 +182,7 @@ def registry() -> OpRegistry:
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
     from openk3.ops.triton import latent_attention_triton, mla_prefill_triton, moe_experts_triton
+    from openk3.ops.vision_attn import vision_attention_naive, vision_attention_sdpa
 
     partial = functools.partial
     FLA, TRITON = ("fla.ops.kda",), ("triton",)  # the gpu extra's packages (fla-core, triton), imported by their entries on first call
@@ -254,6 +255,10 @@ def registry() -> OpRegistry:
     r.register("attn_res", "fast", TwoPhaseStream, "two-phase: phase 1 once per block, a merge per sublayer", differentiable=True)
     r.register("attn_res", "sized", attn_res_sized, "one-shot below 64 tokens, two-phase from there", differentiable=True)
     r.register_auto("attn_res", lambda t, _: "sized")
+
+    r.register("vision_attn", "naive", vision_attention_naive, "explicit softmax per image in fp32 (the definition)", differentiable=True)
+    r.register("vision_attn", "fast", vision_attention_sdpa, "torch's SDPA, one call per image", differentiable=True)
+    r.register_auto("vision_attn", lambda t, _: "fast")
     return r
 
 

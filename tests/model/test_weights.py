@@ -96,18 +96,19 @@ def test_dtype_cast_keeps_router_and_gate_in_fp32(tmp_path: Path) -> None:
     assert sd["model.layers.0.self_attn.dt_bias"].dtype == torch.float32
 
 
-def test_multimodal_checkpoint_skips_other_towers_and_checks_weight_shape(tmp_path: Path) -> None:
+def test_multimodal_checkpoint_refuses_undeclared_towers_and_checks_weight_shape(tmp_path: Path) -> None:
     model = build(debug())
     model.quantize_experts()
     tensors = {"language_model." + n: t for n, t in export_state_dict(model).items()}
-    tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
-    tensors["mm_projector.proj.weight"] = torch.zeros(4, 4)
     tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 32])
     path = tmp_path / "mm"
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": config_to_hf(model.config.replace(expert_quantization="mxfp4"))}))
     save_file(tensors, str(path / "model.safetensors"))
     same_logits(model, load_model(path))
+    save_file(tensors | {"vision_tower.patch_embed.weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor vision_tower\.patch_embed\.weight \(4, 4\) \(config.json declares no vision_config\)"):
+        load_model(path)
     tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_shape"] = torch.tensor([32, 64])
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"experts\.0\.w2\.weight_shape records dense shape \[32, 64\], expected \[32, 32\]"):

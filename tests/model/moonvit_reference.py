@@ -10,6 +10,8 @@ MoonViT3dPretrainedModel, PatchMergerMLP, PatchMergerMLPV2, VisionTowerConfig / 
 apply_rope, get_1d_sincos_pos_embed(_from_grid), get_rope_shape, eager_attention.
 Cross-checked against Kimi K2.5's modeling_kimi_k25.py (the same classes without K3's switches) as Ascend/MindSpeed-MM
 holds it: mindspeed_mm/fsdp/models/kimik2_5/modeling_kimi_k25.py at d300ee2852601b3c907406467ee29720b281f7ad.
+Licence: the released model repository's (Moonshot AI's modified MIT licence for its Kimi releases); kept under tests/ as
+an oracle only, never imported by openk3.
 
 Changes made for a CPU oracle, none of them numerical:
 - `get_rope_shape` without @torch.compile and its warm-up decorator; the "eager" attention path (flash-attn is CUDA only);

@@ -7,8 +7,9 @@ sampling fields (SamplingParams validates; its ValueError names the field).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import _SamplingFields
@@ -51,9 +52,11 @@ def sampling_params(
     extra_stop_ids: Sequence[int] = (),
     skip_special_tokens: bool | None = None,
     grammar: Grammar | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
-    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text)."""
+    `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text).
+    `defaults`: the checkpoint's generation_config.json values, for each sampling field the request does not set."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
@@ -63,13 +66,15 @@ def sampling_params(
     stop_ids = list(req.stop_token_ids or ())
     if not req.ignore_eos:
         stop_ids += [t for t in extra_stop_ids if t not in stop_ids]
+    given = req.model_fields_set
+    d = {k: v for k, v in (defaults or {}).items() if k not in given and k != "max_tokens"}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=d.get("top_k") if req.top_k is None else req.top_k,
+            min_p=d.get("min_p", req.min_p),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -80,7 +85,7 @@ def sampling_params(
             logprobs=logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=grammar,
         )

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from openk3.api.agent_output import ChoiceParser
+from openk3.api.chat import ChatOptions
 from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
@@ -37,6 +38,12 @@ class ChatJob:
         return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix)
 
 
+def default_max_tokens(s: ServedModel, ids: list[int]) -> int | None:
+    """generation_config.json's max_new_tokens, cut to the room the prompt leaves (as vLLM does), for a request that sets none."""
+    default = s.model.sampling_defaults.get("max_tokens")
+    return None if default is None else max(1, min(int(default), s.max_model_len - len(ids)))
+
+
 async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[EngineJob], list[str]]:
     s.limits.check(req)
     if req.suffix:
@@ -55,10 +62,20 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
     jobs, texts = [], []
     for prompt in prompts:
         ids = await s.encoder.encode(prompt, "prompt", add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
-        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, req.max_tokens, "prompt", "max_tokens")
-        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.model.stop_token_ids, grammar=grammar)))
+        asked = req.max_tokens if req.max_tokens is not None else default_max_tokens(s, ids)
+        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "prompt", "max_tokens")
+        defaults = s.model.sampling_defaults
+        jobs.append(EngineJob(ids, sampling_params(req, max_tokens, req.logprobs, extra_stop_ids=s.model.stop_token_ids, grammar=grammar, defaults=defaults)))
         texts.append(prompt if isinstance(prompt, str) else await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
     return jobs, texts
+
+
+def chat_options(req: ChatCompletionRequest) -> ChatOptions:
+    """The request fields the prompt depends on: K3's encoding writes a tool-choice message for `required` / `none` (when
+    tools were sent) and a response-format message for JSON mode; the grammar enforces both all the same."""
+    choice = req.tool_choice if isinstance(req.tool_choice, str) and req.tools else None
+    response_format = None if req.response_format is None else req.response_format.model_dump(by_alias=True, exclude_none=True)
+    return ChatOptions(req.reasoning_effort, choice, response_format)
 
 
 async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
@@ -68,7 +85,8 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     template = s.chat_template
     plan = plan_tools(req, template.format, template.uses_tools)
     tools = plan.template_tools()
-    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools))
+    options = chat_options(req)
+    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools, options))
     end = None if plan.fmt is None else prompt_end(plan.fmt, prompt.text)
     grammar = await s.grammar(req)
     forced = ""
@@ -85,6 +103,7 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
             grammar = await s.encoder.run(lambda: compile_structured(s.grammars, StructuredRequest("tools", call)))
     ids = await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain), "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    asked = asked if asked is not None else default_max_tokens(s, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -93,5 +112,7 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     stops = s.chat_stop + ((call_stop,) if call_stop is not None else ())
     # the parsers read the format's markers, which a Kimi tokenizer has as special tokens: keep them in the text
     skip = None if plan.fmt is None else False
-    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar)
+    params = sampling_params(
+        req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar, defaults=s.model.sampling_defaults
+    )
     return ChatJob(EngineJob(ids, params), plan, end, forced)

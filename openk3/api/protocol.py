@@ -203,6 +203,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # checked by the chat renderer: K3 takes low / high / max, or none (thinking off)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
@@ -221,6 +222,11 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt (as completions encode it), False for messages (the template has them)
+    # with messages, vLLM's chat fields: the prompt is rendered exactly as /v1/chat/completions renders it
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -13,7 +13,7 @@ import logging
 
 from pydantic import ValidationError
 
-from openk3.api.chat import ChatTemplate
+from openk3.api.chat_loading import ChatRenderer
 from openk3.api.protocol import ChatCompletionRequest
 from openk3.serve.cache.hashing import chain_keys
 from openk3.serve.tokenizer import Tokenizer
@@ -24,7 +24,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class PromptKeys:
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, model_name: str, match_unit: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: ChatRenderer, model_name: str, match_unit: int = 64) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.match_unit = match_unit

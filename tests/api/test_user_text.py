@@ -108,7 +108,7 @@ def test_the_chat_route_and_tokenize_read_no_marker_out_of_a_message(torch_one_t
     import httpx
     import torch
 
-    from openk3.api.chat import load_chat_template
+    from openk3.api.chat_loading import load_chat_template
     from openk3.api.served_model import ModelIdentity
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.engine import EngineConfig, LLMEngine

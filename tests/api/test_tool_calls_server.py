@@ -183,7 +183,7 @@ def test_tool_choice_none_hides_the_tools_and_parses_nothing(scripted, client) -
     scripted.script(ASK, TWO_CALLS, choice="none")  # rendered without tools, and told to call none
     r = client.chat.completions.create(model="k3", messages=ASK, tools=[WEATHER, TIME], tool_choice="none", temperature=0, max_tokens=400)
     m = r.choices[0].message
-    assert m.tool_calls is None and r.choices[0].finish_reason == "stop" and m.content.startswith("Checking.<|open|>tools<|sep|>")
+    assert m.tool_calls is None and r.choices[0].finish_reason == "stop" and m.content == "Checking."  # the tools block it wrote anyway is dropped
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -201,7 +201,7 @@ def test_a_truncated_call_comes_back_as_content_with_length(scripted, client, st
         m = r.choices[0].message
         content, names, finish = m.content, [c.function.name for c in m.tool_calls or ()], r.choices[0].finish_reason
     assert finish == "length" and names == ["get_weather"]
-    assert content == 'Sure.<|open|>call tool="get_'
+    assert content == "Sure."  # the cut call's markup is dropped, never content
 
 
 def _whole_and_streamed(client, **kwargs) -> list[tuple[str, list[tuple[str, str]], str]]:
@@ -224,7 +224,8 @@ def test_a_malformed_call_is_content_not_an_error(scripted, client) -> None:
         assert not calls and finish == "stop" and content.startswith("Hm." + head + arg)
     scripted.script(ASK, reply.format(CALL[: CALL.index("<|sep|>") + 7] + arg), tools=[WEATHER])
     for content, calls, finish in _whole_and_streamed(client, **kwargs):
-        assert calls == [("get_weather", "")] and finish == "tool_calls" and content.startswith("Hm." + arg)
+        # a value not of its type is kept as a string, as SGLang's K3 detector keeps it
+        assert calls == [("get_weather", '{"city": "Paris"}')] and finish == "tool_calls" and content == "Hm."
 
 
 @pytest.mark.parametrize(

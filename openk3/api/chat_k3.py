@@ -66,10 +66,11 @@ class K3Template:
                 d["content"] = [part.text or "" for part in m.content]
             if d["role"] == "developer":  # K3 has no developer role (the published encoding drops it): it is the system's
                 d["role"] = "system"
-        text, plain, size = [], [], 0
+        text, plain, cuts, size = [], [], [], 0
         for segment in k3_segments(dicts, tools, k3, add_generation_prompt):
             if not segment.control:
                 plain.append((size, size + len(segment.text)))
             text.append(segment.text)
             size += len(segment.text)
-        return PromptText("".join(text), tuple(plain))
+            cuts.append(size)
+        return PromptText("".join(text), tuple(plain), tuple(cuts))

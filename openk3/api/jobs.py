@@ -100,8 +100,9 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
             forced = structured_reply_prefix(plan.fmt, end)
         call = plan.call_grammar(calls_before)
         if call is not None:
-            grammar = await s.encoder.run(lambda: compile_structured(s.grammars, StructuredRequest("tools", call)))
-    ids = await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain), "messages")
+            grammar = await s.encoder.run(lambda: compile_structured(s.call_grammars, StructuredRequest("tools", call)))
+    cuts = prompt.cuts + (len(prompt.text),) if prompt.cuts and forced else prompt.cuts  # the forced prefix: one piece more
+    ids = await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain, cuts), "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     asked = asked if asked is not None else default_max_tokens(s, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field
 
 from openk3.api.chat import ChatOptions
+from openk3.api.chat_format import CALL_MARKUP
 from openk3.api.chat_loading import ChatRenderer
 from openk3.api.errors import APIError
 from openk3.api.limits import RequestLimits
@@ -56,6 +57,13 @@ class ServedModel:
         """Structured-output grammars for this tokenizer, compiled once per spec (built on first use, on a worker thread)."""
         # the model's vocabulary (the logits width), which may run past the tokenizer's ids (`vocab_size` is the smaller)
         return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size)
+
+    @functools.cached_property
+    def call_grammars(self) -> GrammarCompiler:
+        """Tool-call grammars: as `grammars`, except that the Kimi formats' marker special tokens may be written as the one
+        token each is (chat_format.CALL_MARKUP), so a forced call costs the tokens the model would spend on it."""
+        markup = frozenset().union(*CALL_MARKUP.values()) & self.tokenizer.special_token_strings
+        return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size, markup=markup)
 
     async def grammar(self, req: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
         asked = structured_request(req)

@@ -81,3 +81,69 @@ def test_developer_messages_are_the_systems():
     messages = [ChatMessage(role="developer", content="Be brief."), ChatMessage(role="user", content="hi")]
     text = K3Template("test").render(messages, extra={"thinking": False})
     assert text.startswith('<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_each_segment_is_its_own_bpe_run_as_the_release_tokenizes_it(tmp_path):
+    """The ids of a K3 prompt are the segments' ids one after another (control segments as special tokens, text segments as
+    plain text), as tokenization_kimi.py encodes build_chat_segments' output; encoding the text whole would merge across
+    segment boundaries (` role` + `="` ...)."""
+    from openk3.api.user_text import encode_prompt_text
+
+    tok = k3_tokenizer(tmp_path)
+    specials = {"<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"}
+    assert specials <= tok.special_token_strings, "the test tokenizer must have K3's markers as special tokens"
+    for name in ("names_and_effort_high", "typed_arguments_history", "arguments_not_json_and_markers_in_text"):
+        case = CASES[name]
+        expected = [i for text, control in case["segments"] for i in (tok.encode(text) if control else tok.encode_ordinary(text))]
+        assert encode_prompt_text(tok, render(case)) == expected
+
+
+def k3_tokenizer(folder: Path) -> Any:
+    """tests/serve/test_kimi_tokenizer.py's small Kimi tokenizer with K3's special tokens at K3's offsets (163584 + 0..5 in
+    the release, spec/serving.md): [BOS], [EOS], <|end_of_msg|>, <|open|>, <|close|>, <|sep|>."""
+    from openk3.serve.kimi_tokenizer import KimiTokenizer
+    from tests.serve.test_kimi_tokenizer import write_kimi_tokenizer
+
+    write_kimi_tokenizer(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    n = min(int(k) for k in config["added_tokens_decoder"])  # the first special id: [BOS]
+    k3 = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
+    config["added_tokens_decoder"] = {str(n + i): {"content": c, "special": True} for i, c in k3.items()}
+    config.pop("additional_special_tokens", None)
+    config_file.write_text(json.dumps(config))
+    return KimiTokenizer(folder)
+
+
+def test_a_forced_call_writes_each_marker_as_one_token(tmp_path):
+    """tool_choice named: the call grammar lets the model write K3's markers as the special tokens they are (the server's
+    call_grammars vocabulary), so `{"city": "Paris"}` costs the tokens the model would spend, not the markers spelled out
+    byte by byte (what a grammar over the plain vocabulary allows, and all it allows)."""
+    xgr = pytest.importorskip("xgrammar")
+    from openk3.api.chat_format import CALL_MARKUP, ChatFormat
+    from openk3.api.protocol import Tool
+    from openk3.api.tool_choice import ToolPlan
+    from openk3.serve.structured.compiler import GrammarCompiler
+
+    tok = k3_tokenizer(tmp_path)
+    weather = Tool.model_validate(
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        }
+    )
+    call = ToolPlan(ChatFormat.KIMI_K3, (weather,), frozenset({"get_weather"}), forced="get_weather").call_grammar(0)
+    assert call is not None
+    reply = '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>'
+    as_tokens, spelled = tok.encode(reply), tok.encode_ordinary(reply)
+
+    def accepts(compiler: GrammarCompiler, ids: list[int]) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile(call).compiled)
+        return all(matcher.accept_token(i) for i in ids) and matcher.is_terminated() is False and matcher.accept_token(tok.eos_token_id)
+
+    markup = GrammarCompiler(tok, tok.vocab_size, markup=CALL_MARKUP[ChatFormat.KIMI_K3])
+    plain = GrammarCompiler(tok, tok.vocab_size)
+    assert accepts(markup, as_tokens) and not accepts(plain, as_tokens)
+    assert accepts(plain, spelled) and accepts(markup, spelled)
+    assert len(as_tokens) < len(spelled)
+    print(f"forced call of get_weather(city=Paris): {len(as_tokens)} tokens with marker tokens, {len(spelled)} spelled out")

@@ -12,7 +12,7 @@ from openk3.api.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from openk3.api.routes.schema import json_body
 from openk3.api.routes.state import State, check_model, read_request
 from openk3.api.tool_schemas import check_tool_schemas
-from openk3.api.user_text import PromptText
+from openk3.api.user_text import PromptText, encode_prompt_text
 
 router = APIRouter()
 
@@ -40,6 +40,9 @@ async def tokenize(request: Request, state: State) -> Response:
     # no size check: /tokenize answers how long a text is, even one too long to serve (the body limit bounds it)
     add_special = prompt is None if req.add_special_tokens is None else req.add_special_tokens
 
+    if prompt is not None and prompt.cuts and add_special:
+        message = "add_special_tokens=true is not supported with K3's encoding, which writes every special token itself (send it false)"
+        raise APIError(400, message, param="add_special_tokens", code="unsupported")
     if prompt is not None and prompt.plain and add_special:
         message = "add_special_tokens=true with messages that hold special-token strings is not supported (send it false)"
         raise APIError(400, message, param="add_special_tokens", code="unsupported")
@@ -49,7 +52,7 @@ async def tokenize(request: Request, state: State) -> Response:
             return served.tokenizer.encode(req.prompt or "", add_special_tokens=add_special)
         if add_special:
             return served.tokenizer.encode(prompt.text, add_special_tokens=True)
-        return served.tokenizer.encode_with_plain(prompt.text, prompt.plain)  # as the chat route: markers in messages stay text
+        return encode_prompt_text(served.tokenizer, prompt)  # as the chat route: markers in messages stay text
 
     def answer() -> bytes:  # serialised here too: a 700k-id answer takes ~0.4 s through FastAPI's encoder on the event loop
         ids = encode()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from openk3.api.agent_output import ChoiceParser
 from openk3.api.chat import ChatOptions
-from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
+from openk3.api.chat_format import K3_MARKERS, ChatFormat, PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,9 +33,10 @@ class ChatJob:
     plan: ToolPlan
     end: PromptEnd | None = None  # the block the prompt left open
     forced_prefix: str = ""  # written into the prompt to force a call; the parser reads it as the reply's start
+    hidden: frozenset[str] = frozenset()  # special tokens the reply must not show as text (agent_output.HiddenTokens)
 
     def parser(self) -> ChoiceParser | None:
-        return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix)
+        return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix, self.hidden)
 
 
 def default_max_tokens(s: ServedModel, ids: list[int]) -> int | None:
@@ -116,4 +117,6 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     params = sampling_params(
         req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar, defaults=s.model.sampling_defaults
     )
-    return ChatJob(EngineJob(ids, params), plan, end, forced)
+    # K3 replies are decoded with special tokens kept for the parsers: every one but the format's markers is dropped
+    hidden = s.tokenizer.special_token_strings - K3_MARKERS if plan.fmt is ChatFormat.KIMI_K3 else frozenset()
+    return ChatJob(EngineJob(ids, params), plan, end, forced, hidden)

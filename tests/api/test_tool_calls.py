@@ -248,3 +248,16 @@ def test_sglang_k3_detector_edge_cases() -> None:
         assert (p.content, [(c.function.name, c.function.arguments) for c in p.calls()]) == (content, calls), text
         for pieces in splits(text, 2):
             same(streamed(K3, end, pieces), p)
+
+
+def test_reserved_special_tokens_never_reach_the_client_as_text() -> None:
+    """K3 replies are decoded with special tokens kept (the parsers read the markers); any other special token's text
+    (`<|reserved_token_N|>`, `[UNK]`) is dropped, also when a stream cuts it, and `[` or `<` alone stay text."""
+    hidden = frozenset({"<|reserved_token_163600|>", "[UNK]", "[BOS]"})
+    text = k3_reply("a<|reserved_token_163600|>b [UNK]c[d <e", k3_call("get_time", 1, ("q", "string", "x[UNK]y")), think="t[BOS]")
+    for pieces in [[text], *splits(text, 3)]:
+        parser, out = ChoiceParser(K3, OPENED_THINK, "", hidden), Piece()
+        for i, piece in enumerate(pieces):
+            got = parser.feed(piece, final=i == len(pieces) - 1)
+            out.reasoning, out.content, out.tool_calls = out.reasoning + got.reasoning, out.content + got.content, out.tool_calls + got.tool_calls
+        assert (out.reasoning, out.content, calls_of(out)) == ("t", "ab c[d <e", [("get_time", {"q": "xy"})])

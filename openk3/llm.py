@@ -75,6 +75,7 @@ class LLM:
         self.core: EngineCore = built.core
         self.engine = built.local
         self.tokenizer = built.tokenizer
+        self.generation = built.generation
         self.processor = OutputProcessor(self.core)
         self._ids = itertools.count()
         self._load_recording: LoadRecording | None = None
@@ -119,6 +120,11 @@ class LLM:
     def model(self) -> CausalLM:
         return self.core.model
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams: the checkpoint's generation_config.json defaults
+        (vLLM's get_default_sampling_params), else SamplingParams()."""
+        return SamplingParams(**self.generation.defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -129,7 +135,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -107,3 +107,24 @@ def test_reference_field_names_and_refusals() -> None:
         bad[field] = value
         with pytest.raises(ValueError, match=field):
             config_from_hf(bad)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"mla_use_nope": False}, "mla_use_nope"),
+        ({"num_expert_group": 2}, "num_expert_group"),
+        ({"use_grouped_topk": True, "topk_group": 2}, "topk_group"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+    ],
+)
+def test_keys_that_change_the_math_are_refused_by_name(changes, named) -> None:
+    bad = config_to_hf(debug()) | changes
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(bad)
+
+
+def test_the_release_values_of_those_keys_load() -> None:
+    raw = config_to_hf(debug()) | {"use_grouped_topk": True, "topk_group": 1, "topk_method": "noaux_tc", "mla_use_nope": True}
+    assert config_from_hf(raw) == debug()

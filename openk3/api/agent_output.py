@@ -11,11 +11,12 @@ add up to the whole response.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from openk3.api.chat_format import ChatFormat, PromptEnd, call_id
 from openk3.api.protocol import FunctionCall, ToolCall
-from openk3.api.reasoning import ReasoningSplitter
+from openk3.api.reasoning import ReasoningSplitter, held_back
 from openk3.api.responses import DeltaFunctionCall, DeltaToolCall
 from openk3.api.tool_calls import CallOpened, CallParser
 from openk3.api.tool_calls_k2 import KimiK2ToolParser
@@ -33,10 +34,31 @@ class Piece:
         return assemble(self.tool_calls)
 
 
+class HiddenTokens:
+    """Drops the text of special tokens that are not the format's markers (`<|reserved_token_N|>`, `[UNK]`, ...): the reply
+    is decoded with special tokens kept so that the parsers see the markers, and the others must never reach a client as
+    text. A possible start of one at the end of a piece waits for the next."""
+
+    def __init__(self, hidden: frozenset[str]) -> None:
+        self._hidden = tuple(sorted(hidden, key=len, reverse=True))
+        self._pattern = re.compile("|".join(map(re.escape, self._hidden))) if hidden else None
+        self._tail = ""
+
+    def feed(self, text: str, final: bool) -> str:
+        if self._pattern is None:
+            return text
+        text = self._pattern.sub("", self._tail + text)
+        keep = 0 if final else held_back(text, self._hidden)
+        self._tail = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+
 class ChoiceParser:
-    def __init__(self, plan: ToolPlan, end: PromptEnd, forced_prefix: str = "") -> None:
+    def __init__(self, plan: ToolPlan, end: PromptEnd, forced_prefix: str = "", hidden: frozenset[str] = frozenset()) -> None:
+        """`hidden`: the special-token strings to drop from the reply (HiddenTokens)."""
         assert plan.fmt is not None, "nothing to parse without a chat format"
         self.plan = plan
+        self._hidden = HiddenTokens(hidden)
         self._fmt = plan.fmt
         self._reasoning = ReasoningSplitter(plan.fmt, end.in_reasoning)
         self._tools = tool_parser(plan.fmt, plan.tool_names, end.in_response)
@@ -53,7 +75,7 @@ class ChoiceParser:
         if final and stop is not None and stop_reason == stop and not (self._text_tail + text).endswith(stop):
             text += stop  # the reply was stopped at the end of its first call (parallel_tool_calls false): close it
         self._text_tail = (self._text_tail + text)[-32:]
-        reasoning, answer = self._reasoning.feed(text, final)
+        reasoning, answer = self._reasoning.feed(self._hidden.feed(text, final), final)
         content, events = self._tools.feed(answer, final)
         self.has_reasoning = self.has_reasoning or self._reasoning.saw_reasoning
         out = Piece(reasoning, content, self._opened_by_prompt)

@@ -1,15 +1,13 @@
 """Chat templates: messages -> prompt text, with the Jinja template that ships with the model (as Hugging Face checkpoints do).
-
-Where a template is found, in order: an explicit file, `chat_template.jinja` in the model folder, the `chat_template` entry of
-its `tokenizer_config.json`. A model with none (the byte-tokenizer presets) gets a ChatML-style default.
+K3 ships its prompt encoding in Python instead (api/chat_k3.py renders it); api/chat_loading.py picks one for a folder.
 The template gets what Hugging Face templates expect: `messages` (with assistant `tool_calls` -- arguments as a dict when they
 are a JSON object, as vLLM hands them over --, `tool` turns with `tool_call_id` and the called tool's `name`, earlier turns'
 `reasoning_content`), `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, and the request's `chat_template_kwargs`
 (e.g. `thinking`), each of which must be a variable the template reads: a kwarg it never reads is a 400, not ignored.
 A reply must end where the template ends a turn: every end-of-turn marker the template writes (`<|im_end|>`, K3's
 `<|end_of_msg|>` and the like) becomes a stop token when the tokenizer has it as one special token, else a stop string (a
-byte tokenizer spells it out). Checkpoints also name their end tokens in `generation_config.json` (`eos_token_id`, an id or
-a list), which every request stops at, as in vLLM.
+byte tokenizer spells it out). Checkpoints also name their end tokens in `generation_config.json`, which every request stops
+at, as in vLLM (serve/generation_config.py reads it).
 Templates render in Jinja's immutable sandbox: a checkpoint's template is data, not code we trust. Request text is rendered with
 its special-token strings hidden (`render_prompt`, api/user_text.py), so that a marker in a message stays text.
 """
@@ -18,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError, meta
@@ -38,6 +36,16 @@ DEFAULT_CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The request fields a prompt may depend on beyond its messages and tools (K3's encoding writes each of them into the
+    prompt; a Jinja template gets `reasoning_effort` when it reads it)."""
+
+    reasoning_effort: str | None = None
+    tool_choice: str | None = None  # "auto" / "none" / "required"; a named choice is None here
+    response_format: dict[str, Any] | None = None
 
 
 def _raise_exception(message: str) -> None:
@@ -83,20 +91,17 @@ class ChatTemplate:
                 known = ", ".join(sorted(self.variables - set(RESERVED))) or "none"
                 raise ValueError(f"chat_template_kwargs.{key} is not read by the chat template ({self.origin}); it reads: {known}")
 
+    def check_effort(self, effort: str, kwargs: dict[str, Any] | None) -> None:
+        """ValueError unless the template reads `reasoning_effort` (it gets the request's field as that variable)."""
+        if "reasoning_effort" not in self.variables:
+            raise ValueError(f"reasoning_effort={effort!r} is not supported: the chat template ({self.origin}) does not read reasoning_effort")
+
     @staticmethod
     def default() -> ChatTemplate:
         return ChatTemplate(DEFAULT_CHATML, "the built-in ChatML default")
 
     def stops(self, tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """(stop strings, stop token ids) that end a reply at the template's ends of turn."""
-        strings, ids = [], []
-        for marker in self.end_of_turn_markers:
-            encoded = tokenizer.encode(marker, add_special_tokens=False)
-            if len(encoded) == 1 and tokenizer.decode(encoded, skip_special_tokens=True) == "":
-                ids.append(encoded[0])
-            else:
-                strings.append(marker)
-        return tuple(strings), tuple(ids)
+        return turn_stops(self.end_of_turn_markers, tokenizer)
 
     def render(
         self,
@@ -105,8 +110,9 @@ class ChatTemplate:
         special_tokens: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions | None = None,
     ) -> str:
-        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools).text
+        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools, (), options).text
 
     def render_prompt(
         self,
@@ -116,11 +122,16 @@ class ChatTemplate:
         extra: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         markers: Iterable[str] = (),
+        options: ChatOptions | None = None,
     ) -> PromptText:
         """The prompt, and where in it request text holds one of `markers` (the tokenizer's special-token strings), which
         must stay text (api/user_text.py); the template's own markers and `special_tokens` are not request text."""
         user = UserText(markers)
         context = user.hide(dict(extra or {}))
+        effort = None if options is None else options.reasoning_effort
+        if effort is not None:
+            self.check_effort(effort, extra)
+            context.setdefault("reasoning_effort", effort)
         context.update(special_tokens or {})
         dicts = [{**user.hide(d), "role": d["role"]} for d in message_dicts(messages)]  # roles are the server's checked names
         context.update(messages=dicts, add_generation_prompt=add_generation_prompt, tools=user.hide(tools))
@@ -130,6 +141,19 @@ class ChatTemplate:
             raise ValueError(f"messages could not be rendered with the chat template ({self.origin}): {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"messages could not be rendered with the chat template ({self.origin}): {type(e).__name__}: {e}") from e
+
+
+def turn_stops(markers: Iterable[str], tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(stop strings, stop token ids) that end a reply at the ends of turn `markers`: a marker the tokenizer has as one
+    special token is a stop id, else (a byte tokenizer spells it out) a stop string."""
+    strings, ids = [], []
+    for marker in markers:
+        encoded = tokenizer.encode(marker, add_special_tokens=False)
+        if len(encoded) == 1 and tokenizer.decode(encoded, skip_special_tokens=True) == "":
+            ids.append(encoded[0])
+        else:
+            strings.append(marker)
+    return tuple(strings), tuple(ids)
 
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -186,44 +210,3 @@ def _call_dict(call_id: str, name: str, arguments: str) -> dict[str, Any]:
         parsed = None
     args = parsed if isinstance(parsed, dict) else arguments
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _from_tokenizer_config(file: Path) -> str | None:
-    try:
-        entry = json.loads(file.read_text()).get("chat_template")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
-    if isinstance(entry, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in entry if isinstance(t, dict)}
-        entry = named.get("default")
-    return entry if isinstance(entry, str) else None
-
-
-def load_chat_template(model_dir: Path | None, explicit: Path | None = None) -> ChatTemplate:
-    """The model's own template when it ships one, else the ChatML default."""
-    if explicit is not None:
-        if not explicit.is_file():
-            raise ValueError(f"--chat-template {explicit}: no such file")
-        return ChatTemplate(explicit.read_text(), str(explicit))
-    if model_dir is not None:
-        jinja = model_dir / "chat_template.jinja"
-        if jinja.is_file():
-            return ChatTemplate(jinja.read_text(), str(jinja))
-        config = model_dir / "tokenizer_config.json"
-        source = _from_tokenizer_config(config) if config.is_file() else None
-        if source is not None:
-            return ChatTemplate(source, str(config))
-    return ChatTemplate.default()
-
-
-def generation_stop_ids(model_dir: Path | None) -> tuple[int, ...]:
-    """The end tokens a checkpoint's generation_config.json names (eos_token_id: an id or a list), or none."""
-    file = None if model_dir is None else model_dir / "generation_config.json"
-    if file is None or not file.is_file():
-        return ()
-    try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)

@@ -50,6 +50,10 @@ K3_TOOLS_OPEN, K3_TOOLS_CLOSE = f"{OPEN}tools{SEP}", f"{CLOSE}tools{SEP}"
 K3_CALL_OPEN, K3_CALL_CLOSE = f"{OPEN}call", f"{CLOSE}call{SEP}"
 K3_ARG_OPEN, K3_ARG_CLOSE = f"{OPEN}argument", f"{CLOSE}argument{SEP}"
 K3_MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
+K3_MARKERS = frozenset({OPEN, SEP, CLOSE, "<|end_of_msg|>"})  # K3's special tokens the parsers read
+
+# the special tokens a tool-call grammar writes inside its markers: each is one token to the model, never spelled out
+CALL_MARKUP = {ChatFormat.KIMI_K3: frozenset({OPEN, SEP, CLOSE}), ChatFormat.KIMI_K2: frozenset({SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END})}
 
 
 @dataclass(frozen=True)

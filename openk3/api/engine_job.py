@@ -7,7 +7,7 @@ sampling fields (SamplingParams validates; its ValueError names the field).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +55,12 @@ def sampling_params(
     grammar: Grammar | None = None,
     prompt_logprobs: int | None = None,
     token_rules: dict[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
     `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text);
-    `prompt_logprobs`, when given, over the request's (completions' echo + logprobs scores the prompt too)."""
+    `prompt_logprobs`, when given, over the request's (completions' echo + logprobs scores the prompt too); `defaults`: the
+    checkpoint's generation_config.json values, for each sampling field the request does not set."""
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too: it would be silently meaningless
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
     if req.prompt_logprobs is not None and req.stream:  # as vLLM: they have no place in a stream's chunks
@@ -68,13 +70,15 @@ def sampling_params(
     stop_ids = list(req.stop_token_ids or ())
     if not req.ignore_eos:
         stop_ids += [t for t in extra_stop_ids if t not in stop_ids]
+    given = req.model_fields_set
+    d = {k: v for k, v in (defaults or {}).items() if k not in given and k != "max_tokens"}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=d.get("top_k") if req.top_k is None else req.top_k,
+            min_p=d.get("min_p", req.min_p),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -86,7 +90,7 @@ def sampling_params(
             prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=grammar,
             **(token_rules or {}),

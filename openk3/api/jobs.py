@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from openk3.api.agent_output import ChoiceParser
-from openk3.api.chat import ChatTemplate
-from openk3.api.chat_format import PromptEnd, forced_call_prefix, prompt_end
+from openk3.api.chat import ChatOptions
+from openk3.api.chat_format import K3_MARKERS, ChatFormat, PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -35,9 +35,16 @@ class ChatJob:
     plan: ToolPlan
     end: PromptEnd | None = None  # the block the prompt left open
     forced_prefix: str = ""  # written into the prompt to force a call; the parser reads it as the reply's start
+    hidden: frozenset[str] = frozenset()  # special tokens the reply must not show as text (agent_output.HiddenTokens)
 
     def parser(self) -> ChoiceParser | None:
-        return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix)
+        return None if self.end is None else ChoiceParser(self.plan, self.end, self.forced_prefix, self.hidden)
+
+
+def default_max_tokens(s: ServedModel, ids: list[int]) -> int | None:
+    """generation_config.json's max_new_tokens, cut to the room the prompt leaves (as vLLM does), for a request that sets none."""
+    default = s.model.sampling_defaults.get("max_tokens")
+    return None if default is None else max(1, min(int(default), s.max_model_len - len(ids)))
 
 
 def check_cache_salt(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -49,23 +56,20 @@ def check_cache_salt(s: ServedModel, req: CompletionRequest | ChatCompletionRequ
         raise APIError(400, f"cache_salt is not supported: {why}", param="cache_salt", code="unsupported")
 
 
-def template_kwargs(req: ChatCompletionRequest, template: ChatTemplate) -> dict[str, Any] | None:
-    """chat_template_kwargs plus OpenAI's reasoning_effort and verbosity, handed to the template as vLLM does when it reads
-    them. A template that reads only K3's `thinking` gets reasoning_effort "none" as thinking off and "high" as on; the
-    levels between have no meaning there, so they are a 400 rather than quietly the same as one of those."""
+def verbosity_kwargs(req: ChatCompletionRequest, template: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs plus OpenAI's `verbosity`, handed to a Jinja template that reads it (as vLLM does); a template
+    that does not read it (K3's encoding among them) makes it a 400 rather than a field quietly dropped. reasoning_effort
+    goes with the ChatOptions (chat_options below), which both renderers read."""
     kwargs = dict(req.chat_template_kwargs or {})
-    for name in ("reasoning_effort", "verbosity"):
-        value = getattr(req, name)
-        if value is None:
-            continue
-        if name in template.variables:
-            kwargs[name] = value
-        elif name == "reasoning_effort" and "thinking" in template.variables and value in ("none", "high"):
-            kwargs["thinking"] = value == "high"
-        else:
-            has_thinking = name == "reasoning_effort" and "thinking" in template.variables
-            why = "only none (thinking off) or high (thinking on)" if has_thinking else f"the chat template ({template.origin}) does not read {name}"
-            raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported")
+    if req.verbosity is not None:
+        if "verbosity" not in getattr(template, "variables", frozenset()):
+            raise APIError(
+                400,
+                f"verbosity={req.verbosity!r} is not supported: the chat template ({template.origin}) does not read verbosity",
+                param="verbosity",
+                code="unsupported",
+            )
+        kwargs["verbosity"] = req.verbosity
     return kwargs or None
 
 
@@ -97,9 +101,17 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
         ids = await s.encoder.encode(prompt, "prompt", add_special_tokens=True) if isinstance(prompt, str) else list(prompt)  # vLLM: BOS for text
         whole = len(ids)
         ids = truncate_prompt(ids, req)
-        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "prompt", "max_tokens")
+        wanted = asked if asked is not None else default_max_tokens(s, ids)  # generation_config.json's max_tokens, if any
+        max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, wanted, "prompt", "max_tokens")
         params = sampling_params(
-            req, max_tokens, req.logprobs, extra_stop_ids=s.model.stop_token_ids, grammar=grammar, prompt_logprobs=scored, token_rules=rules
+            req,
+            max_tokens,
+            req.logprobs,
+            extra_stop_ids=s.model.stop_token_ids,
+            grammar=grammar,
+            prompt_logprobs=scored,
+            token_rules=rules,
+            defaults=s.model.sampling_defaults,
         )
         jobs.append(EngineJob(ids, params))
         if isinstance(prompt, str) and len(ids) == whole:
@@ -107,6 +119,14 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
         else:  # token ids, or a prompt truncate_prompt_tokens cut
             texts.append(await s.encoder.run(functools.partial(s.tokenizer.decode, ids)))
     return jobs, texts
+
+
+def chat_options(req: ChatCompletionRequest) -> ChatOptions:
+    """The request fields the prompt depends on: K3's encoding writes a tool-choice message for `required` / `none` (when
+    tools were sent) and a response-format message for JSON mode; the grammar enforces both all the same."""
+    choice = req.tool_choice if isinstance(req.tool_choice, str) and req.tools else None
+    response_format = None if req.response_format is None else req.response_format.model_dump(by_alias=True, exclude_none=True)
+    return ChatOptions(req.reasoning_effort, choice, response_format)
 
 
 async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
@@ -117,8 +137,9 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     template = s.chat_template
     plan = plan_tools(req, template.format, template.uses_tools)
     tools = plan.template_tools()
-    kwargs = template_kwargs(req, template)
-    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, kwargs, tools))
+    options = chat_options(req)
+    kwargs = verbosity_kwargs(req, s.chat_template)
+    prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, kwargs, tools, options))
     end = None if plan.fmt is None else prompt_end(plan.fmt, prompt.text)
     grammar = await s.grammar(req)
     forced = ""
@@ -132,10 +153,12 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
             forced = structured_reply_prefix(plan.fmt, end)
         call = plan.call_grammar(calls_before)
         if call is not None:
-            grammar = await s.encoder.run(lambda: compile_structured(s.grammars, StructuredRequest("tools", call)))
-    ids = truncate_prompt(await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain), "messages"), req)
+            grammar = await s.encoder.run(lambda: compile_structured(s.call_grammars, StructuredRequest("tools", call)))
+    cuts = prompt.cuts + (len(prompt.text),) if prompt.cuts and forced else prompt.cuts  # the forced prefix: one piece more
+    ids = truncate_prompt(await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain, cuts), "messages"), req)
     rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    asked = asked if asked is not None else default_max_tokens(s, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt(ids, s.vocab_size, s.max_model_len, asked, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -144,5 +167,17 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     stops = s.chat_stop + ((call_stop,) if call_stop is not None else ())
     # the parsers read the format's markers, which a Kimi tokenizer has as special tokens: keep them in the text
     skip = None if plan.fmt is None else False
-    params = sampling_params(req, max_tokens, logprobs, extra_stop=stops, extra_stop_ids=stop_ids, skip_special_tokens=skip, grammar=grammar, token_rules=rules)
-    return ChatJob(EngineJob(ids, params), plan, end, forced)
+    params = sampling_params(
+        req,
+        max_tokens,
+        logprobs,
+        extra_stop=stops,
+        extra_stop_ids=stop_ids,
+        skip_special_tokens=skip,
+        grammar=grammar,
+        token_rules=rules,
+        defaults=s.model.sampling_defaults,
+    )
+    # K3 replies are decoded with special tokens kept for the parsers: every one but the format's markers is dropped
+    hidden = s.tokenizer.special_token_strings - K3_MARKERS if plan.fmt is ChatFormat.KIMI_K3 else frozenset()
+    return ChatJob(EngineJob(ids, params), plan, end, forced, hidden)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from openk3.api.errors import APIError
-from openk3.api.user_text import PromptText
+from openk3.api.user_text import PromptText, encode_prompt_text
 from openk3.serve.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -68,7 +68,7 @@ class PromptEncoder:
     async def encode_prompt(self, prompt: PromptText, param: str) -> list[int]:
         """A rendered chat prompt: special tokens are read only outside its spans of request text (api/user_text.py)."""
         self.check_size(prompt.text, param)
-        return await self.run(lambda: self.tokenizer.encode_with_plain(prompt.text, prompt.plain))
+        return await self.run(lambda: encode_prompt_text(self.tokenizer, prompt))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -225,12 +225,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # checked by the chat renderer: K3 takes low / high / max, or none (thinking off)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # OpenAI's; handed to the chat template, as vLLM does, where it reads them (api/jobs.py), else a 400 naming them
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # OpenAI's; handed to a Jinja chat template that reads it, as vLLM does (api/jobs.py), else a 400 naming it
     verbosity: Literal["low", "medium", "high"] | None = None
     # sglang-router compatibility (ROUTER_FIELDS): reasoning is always returned apart (`reasoning_content`) where the chat
     # format has a reasoning block, and streamed as it settles; the last message is always a finished turn
@@ -246,6 +246,11 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt (as completions encode it), False for messages (the template has them)
+    # with messages, vLLM's chat fields: the prompt is rendered exactly as /v1/chat/completions renders it
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from openk3.api.chat import ChatTemplate
+from openk3.api.chat import ChatOptions
+from openk3.api.chat_format import CALL_MARKUP
+from openk3.api.chat_loading import ChatRenderer
 from openk3.api.errors import APIError
 from openk3.api.limits import RequestLimits
 from openk3.api.prompt_text import PromptEncoder
@@ -24,11 +26,12 @@ from openk3.serve.tokenizer import Tokenizer
 class ModelIdentity:
     """Which model the server answers as: the name clients send in `model`, its root (the preset or the folder it was
     loaded from, for /v1/models and /get_model_info), and the checkpoint's end tokens (generation_config.json), which
-    every request stops at."""
+    every request stops at, and its sampling defaults (serve/generation_config.py)."""
 
     name: str
     root: str
     stop_token_ids: tuple[int, ...] = ()
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for fields a request leaves unset
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class ServedModel:
 
     frontend: AsyncEngine
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatRenderer
     model: ModelIdentity
     max_model_len: int
     vocab_size: int
@@ -47,12 +50,20 @@ class ServedModel:
     limits: RequestLimits = field(default_factory=RequestLimits)
     chat_stop: tuple[str, ...] = ()  # the chat template's end of turn, when it is text
     chat_stop_token_ids: tuple[int, ...] = ()  # ... or when it is one special token
+    default_chat_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: a request's own keys win
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
         """Structured-output grammars for this tokenizer, compiled once per spec (built on first use, on a worker thread)."""
         # the model's vocabulary (the logits width), which may run past the tokenizer's ids (`vocab_size` is the smaller)
         return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size)
+
+    @functools.cached_property
+    def call_grammars(self) -> GrammarCompiler:
+        """Tool-call grammars: as `grammars`, except that the Kimi formats' marker special tokens may be written as the one
+        token each is (chat_format.CALL_MARKUP), so a forced call costs the tokens the model would spend on it."""
+        markup = frozenset().union(*CALL_MARKUP.values()) & self.tokenizer.special_token_strings
+        return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size, markup=markup)
 
     async def grammar(self, req: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
         asked = structured_request(req)
@@ -65,17 +76,28 @@ class ServedModel:
         return out
 
     def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, kwargs: dict | None = None, tools: list[dict] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        options: ChatOptions | None = None,
     ) -> PromptText:
         """The chat prompt, with the spans of request text that must not become special tokens (api/user_text.py)."""
         if not messages:
             raise APIError(400, "messages is empty: expected at least one message", param="messages", code="invalid_value")
+        kwargs = {**self.default_chat_kwargs, **(kwargs or {})}
         try:
             self.chat_template.check_kwargs(kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="chat_template_kwargs", code="unsupported") from e
+        if options is not None and options.reasoning_effort is not None:
+            try:
+                self.chat_template.check_effort(options.reasoning_effort, kwargs)
+            except ValueError as e:
+                raise APIError(400, str(e), param="reasoning_effort", code="unsupported") from e
         try:
             markers = self.tokenizer.special_token_strings
-            return self.chat_template.render_prompt(messages, add_generation_prompt, self.special_tokens(), kwargs, tools, markers)
+            return self.chat_template.render_prompt(messages, add_generation_prompt, self.special_tokens(), kwargs, tools, markers, options)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from e

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from openk3.api.chat import ChatTemplate
+from openk3.api.chat_loading import ChatRenderer
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, ClientGone, frontend_error
 from openk3.api.idle import IdleCallback
@@ -47,10 +47,11 @@ __all__ = ["ServerConfig", "create_app"]  # ServerConfig lives in routes/state.p
 log = logging.getLogger("openk3.api")
 
 
-def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, config: ServerConfig) -> FastAPI:
+def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRenderer, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model.name)
     frontend = AsyncEngine(engine, observer=metrics, config=config.frontend)
     chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)
+    chat_template.check_kwargs(config.default_chat_template_kwargs)  # a default the renderer does not read fails at start-up
     served = ServedModel(
         frontend=frontend,
         tokenizer=tokenizer,
@@ -63,6 +64,7 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatTe
         limits=config.limits,
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
+        default_chat_kwargs=dict(config.default_chat_template_kwargs),
     )
 
     trimmer = HeapTrimmer(config.heap_trim_slack_bytes) if config.heap_trim_slack_bytes is not None else None

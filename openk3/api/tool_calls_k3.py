@@ -1,18 +1,23 @@
 """Kimi K3's tool calls, parsed incrementally (api/tool_calls.py says what is sent when): after the reasoning, the response
 block's text is content, and the tools block holds `<|open|>call tool="NAME" index="N"<|sep|>` blocks of typed arguments
-`<|open|>argument key="K" type="T"<|sep|>value<|close|>argument<|sep|>`, converted to one JSON object as they come."""
+`<|open|>argument key="K" type="T"<|sep|>value<|close|>argument<|sep|>`, converted to one JSON object as they come.
+Where SGLang's K3 detector tests say otherwise than api/tool_calls.py's shared rules, this parser follows them: a value not of
+its type is kept as a string; markup the end of the reply cuts is dropped, never content; a tools block nobody offered is
+dropped (docs/serving.md, Agent API)."""
 
 from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 
 from openk3.api import chat_format as f
-from openk3.api.reasoning import find_marker, starts_with_marker_prefix
+from openk3.api.reasoning import find_marker, held_back, starts_with_marker_prefix
 from openk3.api.tool_calls import CallOpened, CallParser
 
 _ATTRS = re.compile(r'\s+([A-Za-z_]+)="([^"]*)"')
+log = logging.getLogger("openk3.api")
 _K3_TYPES = {"number": (int, float), "boolean": (bool,), "null": (type(None),), "object": (dict,), "array": (list,)}
 
 
@@ -47,6 +52,13 @@ def _k3_literal(kind: str, text: str) -> str | None:
     return literal if ok else None
 
 
+def _cut_marker(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` are a marker the end of the reply cut, once it holds a whole control token
+    (`<|close|>argu`); a bare `<` or `<|clo` stays text, as SGLang's K3 detector keeps it."""
+    n = held_back(text, markers)
+    return n if any(t in text[len(text) - n :] for t in (f.OPEN, f.CLOSE, f.SEP)) else 0
+
+
 def _json_string_text(text: str) -> str:
     """`text` as it appears inside a JSON string; escaping pieces one by one gives the escape of the whole."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
@@ -71,14 +83,23 @@ class KimiK3ToolParser(CallParser):
             self._buf = ""
             return False
         if self._state == "response":
-            found = self._text_until((f.K3_RESPONSE_CLOSE, f.K3_TOOLS_OPEN, f.K3_MESSAGE_CLOSE), final)
+            markers = (f.K3_RESPONSE_CLOSE, f.K3_TOOLS_OPEN, f.K3_MESSAGE_CLOSE)
+            if final and find_marker(self._buf, markers, True) is None and (n := _cut_marker(self._buf, markers)):
+                self._buf = self._buf[:-n]  # the end of the reply cut a block marker: it is not the answer's text
+            found = self._text_until(markers, final)
             if found is None:
                 return False
             p, marker = found  # a tools block or the message's end closes the response as well
             self._buf = self._buf[p + len(marker) :] if marker == f.K3_RESPONSE_CLOSE else self._buf[p:]
             self._state = "top"
             return True
-        step = {"call": self._call_step, "arguments": self._arguments_step, "string": self._string_step, "literal": self._literal_step}
+        step = {
+            "call": self._call_step,
+            "arguments": self._arguments_step,
+            "string": self._string_step,
+            "literal": self._literal_step,
+            "unoffered": self._unoffered_step,
+        }
         if self._state in step:
             return step[self._state](final)
         s = self._buf.lstrip()
@@ -90,14 +111,29 @@ class KimiK3ToolParser(CallParser):
             if s.startswith(marker):
                 self._buf = s[len(marker) :]
                 if marker == f.K3_TOOLS_OPEN:
-                    if self.tool_names is None:
-                        return self._raw(s)
-                    self._state = "tools"
+                    self._state = "tools" if self.tool_names is not None else "unoffered"
                 self._state = {f.K3_RESPONSE_OPEN: "response", f.K3_MESSAGE_CLOSE: "raw"}.get(marker, self._state)
                 return True
         if not final and starts_with_marker_prefix(s, self._TOP):
             return False
         self._buf, self._state = s, "response"  # text outside any block: the model's answer all the same
+        return True
+
+    def _cut(self, what: str) -> bool:
+        """The reply ended inside tool markup (max_tokens): the markup is dropped, never content; a call opened before
+        keeps the arguments it sent (the reply's finish_reason is `length`)."""
+        log.info("a K3 reply ended inside %s: the unfinished markup (%d characters) is dropped", what, len(self._buf))
+        self._state, self._buf = "raw", ""
+        return False
+
+    def _unoffered_step(self, final: bool) -> bool:
+        """A tools block although no tools are parsed (none offered, or tool_choice none): dropped up to its close."""
+        found = find_marker(self._buf, (f.K3_TOOLS_CLOSE, f.K3_MESSAGE_CLOSE), final)
+        if found is None:
+            self._buf = self._buf[len(self._buf) - held_back(self._buf, (f.K3_TOOLS_CLOSE, f.K3_MESSAGE_CLOSE)) :] if not final else ""
+            return False
+        end = found[0] + (len(f.K3_TOOLS_CLOSE) if found[1] == f.K3_TOOLS_CLOSE else 0)
+        self._buf, self._state = self._buf[end:], "top"
         return True
 
     def _tools_step(self, s: str, final: bool) -> bool:
@@ -107,11 +143,13 @@ class KimiK3ToolParser(CallParser):
         if s.startswith(f.K3_CALL_OPEN):
             self._buf, self._state = s, "call"
             return True
-        if not final and starts_with_marker_prefix(s, (f.K3_TOOLS_CLOSE, f.K3_CALL_OPEN)):
-            return False
+        if starts_with_marker_prefix(s, (f.K3_TOOLS_CLOSE, f.K3_CALL_OPEN)):
+            return self._cut("the tools block") if final else False
         return self._raw(s)
 
     def _call_step(self, final: bool) -> bool:
+        if final and f.SEP not in self._buf and not any(m in self._buf[len(f.K3_CALL_OPEN) :] for m in (f.OPEN, f.CLOSE)):
+            return self._cut("a call header")
         p = self._header(f.K3_CALL_OPEN, (f.OPEN, f.CLOSE, f.K3_MESSAGE_CLOSE), f.SEP, final)
         if p is None:
             return self._state == "raw"
@@ -135,9 +173,11 @@ class KimiK3ToolParser(CallParser):
             self._buf, self._state = s[len(f.K3_CALL_CLOSE) :], "tools"
             return True
         if not s.startswith(f.K3_ARG_OPEN):
-            if not final and starts_with_marker_prefix(s, (f.K3_CALL_CLOSE, f.K3_ARG_OPEN)):
-                return False
+            if starts_with_marker_prefix(s, (f.K3_CALL_CLOSE, f.K3_ARG_OPEN)):
+                return self._cut("a call's close") if final else False
             return self._raw(s)
+        if final and f.SEP not in s:
+            return self._cut("an argument header")
         p = self._header(f.K3_ARG_OPEN, (f.OPEN, f.CLOSE), f.SEP, final)
         if p is None:
             return self._state == "raw"
@@ -157,11 +197,14 @@ class KimiK3ToolParser(CallParser):
         return True
 
     def _string_step(self, final: bool) -> bool:
-        settled, found = self._until((f.K3_ARG_CLOSE, *self._OUT_OF_PLACE), final)
+        markers = (f.K3_ARG_CLOSE, *self._OUT_OF_PLACE)
+        settled, found = self._until(markers, final)
+        if final and found is None:
+            settled -= _cut_marker(self._buf, markers)  # the end of the reply cut a marker: not argument text
         self._emit(_json_string_text(self._buf[:settled]))
         self._buf = self._buf[settled:]
         if found is None:
-            return self._raw(self._buf) if final and self._buf else False
+            return self._cut("a string argument") if final and self._buf else False
         if found[1] != f.K3_ARG_CLOSE:
             return self._raw(self._buf)
         self._emit('"')
@@ -171,10 +214,12 @@ class KimiK3ToolParser(CallParser):
     def _literal_step(self, final: bool) -> bool:
         found = find_marker(self._buf, (f.K3_ARG_CLOSE, *self._OUT_OF_PLACE), final)
         if found is None:
-            return self._raw(self._arg_head + self._buf) if final else False
-        literal = _k3_literal(self._kind, self._buf[: found[0]]) if found[1] == f.K3_ARG_CLOSE else None
-        if literal is None:
+            return self._cut(f"a {self._kind} argument") if final else False
+        if found[1] != f.K3_ARG_CLOSE:
             return self._raw(self._arg_head + self._buf)  # the block, head and all, is where the call went wrong
+        literal = _k3_literal(self._kind, self._buf[: found[0]])
+        if literal is None:  # not a literal of its type: the value as written, as a string (SGLang's rule)
+            literal = json.dumps(self._buf[: found[0]], ensure_ascii=False)
         self._emit(self._head_json + literal)
         self._buf, self._state = self._buf[found[0] + len(f.K3_ARG_CLOSE) :], "arguments"
         return True

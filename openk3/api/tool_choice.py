@@ -31,6 +31,7 @@ from openk3.api import chat_format as f
 from openk3.api.chat_format import ChatFormat, PromptEnd
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from openk3.api.tool_schemas import check_tool_schemas
 from openk3.serve.structured.spec import StructuredOutputs, dump_json
 
 K3_STRING = "[^<]*"  # a K3 string argument is raw text up to its close marker; an enforced one holds no '<'
@@ -202,6 +203,7 @@ def _structured_field(req: ChatCompletionRequest) -> str | None:
 
 def plan_tools(req: ChatCompletionRequest, fmt: ChatFormat | None, template_uses_tools: bool) -> ToolPlan:
     tools = tuple(req.tools or ())
+    check_tool_schemas(tools)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):

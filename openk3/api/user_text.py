@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from openk3.serve.tokenizer import Tokenizer
+
 _BASE = 0x100000
 _LIMIT = 0xFFFE  # plane 16 has 65534 usable code points: a render may hide that many strings
 _PLANE16 = "[\U00100000-\U0010ffff]"
@@ -25,6 +27,22 @@ _WORD = re.compile(r"\w+")
 class PromptText(NamedTuple):
     text: str
     plain: tuple[tuple[int, int], ...]  # character ranges of `text` that are request text holding a special-token string
+    # positions where `text` is cut into separately encoded pieces: K3's encoding has its tokenizer encode every segment as
+    # its own BPE run (api/chat_k3.py); a Jinja template's prompt is encoded whole, as Hugging Face does (no cuts)
+    cuts: tuple[int, ...] = ()
+
+
+def encode_prompt_text(tokenizer: Tokenizer, prompt: PromptText) -> list[int]:
+    """The ids of a rendered prompt: special tokens read only outside its plain spans, each piece between cuts apart."""
+    if not prompt.cuts:
+        return tokenizer.encode_with_plain(prompt.text, prompt.plain)
+    ids: list[int] = []
+    bounds = [0, *(c for c in prompt.cuts if 0 < c < len(prompt.text)), len(prompt.text)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if a < b:
+            spans = [(max(s, a) - a, min(e, b) - a) for s, e in prompt.plain if s < b and a < e]
+            ids += tokenizer.encode_with_plain(prompt.text[a:b], spans) if spans else tokenizer.encode(prompt.text[a:b])
+    return ids
 
 
 class UserText:

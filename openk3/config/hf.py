@@ -88,13 +88,33 @@ def vision_config_from_hf(source: str | Path | dict[str, Any]) -> VisionConfig |
     return vision_from_hf(raw["vision_config"], int(_require(_text_config(raw), "hidden_size")))
 
 
+TOPK_METHODS = ("noaux_tc",)  # sigmoid scores, the selection-only correction bias, plain top-k: what model/moe.py computes
+
+
+def _refuse_unsupported(tc: dict[str, Any]) -> None:
+    """config.json keys that would change the model's math, read by name: a value openk3 does not compute is refused
+    (never loaded as if it said the release's value)."""
+    groups = int(_first(tc, "num_expert_group", "n_group", default=1))
+    if groups != 1:
+        raise ValueError(f"config.json num_expert_group={groups} (group-limited routing) is not supported: K3 and Kimi Linear use 1")
+    if bool(tc.get("use_grouped_topk", False)) and int(_first(tc, "topk_group", default=1)) != 1:
+        raise ValueError(f"config.json use_grouped_topk with topk_group={tc['topk_group']!r} is not supported: with one group it must be 1")
+    if tc.get("mla_use_nope", True) is not True:
+        raise ValueError(f"config.json mla_use_nope={tc['mla_use_nope']!r} is not supported: openk3's MLA layers use no positional encoding (true)")
+    method = tc.get("topk_method")
+    if method is not None and method not in TOPK_METHODS:
+        raise ValueError(f"config.json topk_method={method!r} is not supported: openk3 routes as {', '.join(TOPK_METHODS)}")
+    heads, kv_heads = tc.get("num_attention_heads"), tc.get("num_key_value_heads")
+    if kv_heads is not None and heads is not None and int(kv_heads) != int(heads):
+        raise ValueError(f"config.json num_key_value_heads={kv_heads} differs from num_attention_heads={heads}: MLA has no grouped KV heads")
+
+
 def config_from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
     raw = _read(source)
     tc = _text_config(raw)
     lac = tc.get("linear_attn_config") or {}
     num_layers = int(_require(tc, "num_hidden_layers"))
-    if int(_first(tc, "num_expert_group", "n_group", default=1)) != 1:
-        raise ValueError("config.json num_expert_group > 1 (group-limited routing) is not supported: K3 and Kimi Linear use 1")
+    _refuse_unsupported(tc)
     if str(_first(tc, "moe_router_activation_func", default="sigmoid")) != "sigmoid":
         raise ValueError(f"config.json moe_router_activation_func={tc['moe_router_activation_func']!r} is not supported: expected 'sigmoid'")
     if int(_first(tc, "moe_layer_freq", default=1)) != 1:

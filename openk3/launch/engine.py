@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -27,7 +27,9 @@ from openk3.parallel.serving.driver import EPDriver, EPTotals
 from openk3.parallel.serving.local import LocalEP
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine, ServedEngine
-from openk3.serve.loading import build_model, model_tokenizer
+from openk3.serve.folder_files import log_folder_files
+from openk3.serve.generation_config import GenerationConfig, read_generation_config
+from openk3.serve.loading import build_model, model_tokenizer, resolve_model
 from openk3.serve.runner import CausalLM
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
 
@@ -44,9 +46,24 @@ class Engine:
     group: EPDriver | DataParallelEngine | None = None  # rank 0 of a joined group: what drives the other ranks
     ep_totals: EPTotals | None = None  # rank 0's expert-parallel stats of a joined group, for /metrics
 
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # the checkpoint's generation_config.json
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
+
+
+def generation_config(spec: EngineSpec) -> GenerationConfig:
+    """The checkpoint's generation_config.json (serve/generation_config.py); none for a module or a seeded preset. Logs
+    what openk3 does with each file of the folder (serve/folder_files.py), once, as the engine is built."""
+    if isinstance(spec.model, torch.nn.Module):
+        return GenerationConfig()
+    folder = resolve_model(spec.model)
+    if folder is not None:
+        log_folder_files(folder)
+    generation = read_generation_config(folder)
+    generation.log()
+    return generation
 
 
 def _tokenizer(spec: EngineSpec) -> Tokenizer:
@@ -74,8 +91,9 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
     param = next(iter(net.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")  # where the engine runs it
     apply_serving_layout(cast(torch.nn.Module, net), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))
-    engine = LLMEngine(net, tokenizer, config)
-    return Engine(engine, engine, net)
+    generation = generation_config(spec)
+    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids)
+    return Engine(engine, engine, net, generation=generation)
 
 
 def _unpacked(spec: EngineSpec) -> EngineConfig:
@@ -90,11 +108,12 @@ def _build_on_local_ranks(spec: EngineSpec) -> Engine:
         if ranks.dp_engine is not None:
             return Engine(ranks.dp_engine, ranks.dp_engine.local, None, local_ranks=ranks)
         assert ranks.driver is not None
-        engine = LLMEngine(ranks.driver, tokenizer, config)
+        generation = generation_config(spec)
+        engine = LLMEngine(ranks.driver, tokenizer, config, generation.eos_token_ids)
     except BaseException:
         ranks.close()
         raise
-    return Engine(engine, engine, ranks.driver.model, local_ranks=ranks)
+    return Engine(engine, engine, ranks.driver.model, local_ranks=ranks, generation=generation)
 
 
 def _build_on_group(spec: EngineSpec, group: ParallelContext) -> Engine:
@@ -108,8 +127,9 @@ def _build_on_group(spec: EngineSpec, group: ParallelContext) -> Engine:
         return Engine(dp_engine, dp_engine.local, None, group=dp_engine, ep_totals=dp_engine.ep_totals)
     driver, _ = start_driver(group, rank_spec)
     try:
-        engine = LLMEngine(driver, _tokenizer(spec), config)
+        generation = generation_config(spec)
+        engine = LLMEngine(driver, _tokenizer(spec), config, generation.eos_token_ids)
     except BaseException:
         driver.close()
         raise
-    return Engine(engine, engine, driver.model, group=driver, ep_totals=driver.totals)
+    return Engine(engine, engine, driver.model, group=driver, ep_totals=driver.totals, generation=generation)

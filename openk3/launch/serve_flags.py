@@ -4,12 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
 from openk3.api.server_flags import add_server_arguments
 from openk3.launch.flags import add_engine_arguments, add_process_arguments
 from openk3.scale import cli as scale_cli
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +32,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     add_server_arguments(p)
     add_process_arguments(p)
-    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own, else ChatML)")
+    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own or K3's encoding, else ChatML)")
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        help="chat_template_kwargs every chat request gets unless it sets the key itself, as JSON (e.g. '{\"thinking\": false}')",
+    )
     p.add_argument(
         "--tokenizer",
         choices=("auto", "byte"),

@@ -114,24 +114,27 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
 
 def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | None = None) -> FastAPI:
     """The server over `engine`; `ep_totals`: rank 0's expert-parallel stats, for /metrics (`--ep N`, `--dp D`)."""
-    from openk3.api.chat import generation_stop_ids, load_chat_template
+    from openk3.api.chat_loading import load_chat_template
     from openk3.api.served_model import ModelIdentity
     from openk3.api.server import ServerConfig, create_app
+    from openk3.serve.generation_config import read_generation_config
     from openk3.serve.loading import ASSETS
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
     template = load_chat_template(folder, args.chat_template)
+    generation = read_generation_config(folder)
     frontend, limits = server_settings(args)
     config = ServerConfig(
         connection=connection_settings(args),
-        model=ModelIdentity(args.served_model_name or str(args.model), str(args.model), generation_stop_ids(folder)),
+        model=ModelIdentity(args.served_model_name or str(args.model), str(args.model), generation.eos_token_ids, generation.defaults),
         api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_timeout_s=args.shutdown_timeout,
         frontend=frontend,
         limits=limits,
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

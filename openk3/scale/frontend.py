@@ -82,7 +82,7 @@ class Frontend:
         prefill: DeploymentHandle | None = None,
         prefill_deployment: str | None = None,
     ) -> None:
-        from openk3.api.chat import load_chat_template
+        from openk3.api.chat_loading import load_chat_template
         from openk3.serve.loading import ASSETS, model_tokenizer
 
         model_dir = Path(serve_args.model) if Path(serve_args.model).is_dir() else ASSETS / str(serve_args.model)

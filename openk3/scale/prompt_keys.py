@@ -13,8 +13,9 @@ import logging
 
 from pydantic import ValidationError
 
-from openk3.api.chat import ChatTemplate
+from openk3.api.chat_loading import ChatRenderer
 from openk3.api.protocol import ChatCompletionRequest
+from openk3.api.user_text import encode_prompt_text
 from openk3.serve.cache.hashing import chain_keys
 from openk3.serve.tokenizer import Tokenizer
 
@@ -24,7 +25,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class PromptKeys:
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, model_name: str, match_unit: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: ChatRenderer, model_name: str, match_unit: int = 64) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.match_unit = match_unit
@@ -92,4 +93,4 @@ class PromptKeys:
             special[name] = "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
         # tools are left out: they render near the top of the prompt, and a conversation keeps the same tools anyway
         prompt = self.template.render_prompt(req.messages, req.add_generation_prompt, special, req.chat_template_kwargs, None, tok.special_token_strings)
-        return tok.encode_with_plain(prompt.text, prompt.plain)
+        return encode_prompt_text(tok, prompt)

@@ -11,6 +11,7 @@ Single-threaded: the caller (LLM, or the async frontend's engine thread) owns th
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,7 +110,7 @@ def _param(model: CausalLM) -> torch.Tensor | None:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, checkpoint_eos: Sequence[int] = ()) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -154,6 +155,8 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_config.eos_token_id
+        # the checkpoint's end tokens (generation_config.json) end a reply whatever tokenizer serves it (masked by min_tokens)
+        self._also_eos = frozenset(checkpoint_eos) - {self._eos}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None:
         """Queue one sample of a prompt given as token ids (OutputProcessor.add_request takes text and n > 1); `group_id`:
@@ -165,7 +168,7 @@ class LLMEngine:
         self.check_prompt(ids)
         # a seeded request draws from its own generator, made where the sampler draws (the model's device)
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator)
+        req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator, also_eos=self._also_eos)
         self._texts[request_id] = RequestText(self.tokenizer, ids, params)
         self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)

@@ -1,8 +1,8 @@
 """Where a model comes from: a preset name ("tiny", "debug"), a checkpoint folder (config.json + safetensors + its tokenizer:
 tokenizer.json, or a Kimi tiktoken.model with tokenizer_config.json), or a preset with no shipped checkpoint, built with
 seeded random weights and the byte tokenizer (it says so with a warning: its text is noise, but every code path is the real
-one). A checkpoint folder without a loadable tokenizer is an error naming the files looked for; `byte_tokenizer=True` asks
-for the byte tokenizer instead (with the config's bos/eos ids). Used by `LLM`, `openk3 serve` and every expert-parallel rank.
+one). A checkpoint folder without a loadable tokenizer is an error naming the files looked for; `openk3 serve --tokenizer byte`
+(EngineSpec.byte_tokenizer) asks for the byte tokenizer instead (with the config's bos/eos ids). Used by `LLM`, `openk3 serve` and every expert-parallel rank.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         group_id: str | None = None,
+        also_eos: frozenset[int] = frozenset(),
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
     ) -> None:
@@ -92,6 +93,7 @@ class Request:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        self.also_eos = also_eos  # the checkpoint's other end tokens (generation_config.json): each ends it as the eos does
         self.group_id = group_id  # the caller's request when this is one of its n samples (the scheduler shares slots by it)
         # prompt then outputs; the runner packs slices of it and the sampler reads it whole (penalties, grammars)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -109,8 +111,10 @@ class Request:
         self.generator = generator
         # tokens that end the request once min_tokens are out (and are masked before that); fixed for its life
         ids = set(sampling_params.stop_token_ids)
-        if eos_token_id is not None and not sampling_params.ignore_eos:
-            ids.add(eos_token_id)
+        if not sampling_params.ignore_eos:
+            ids.update(also_eos)
+            if eos_token_id is not None:
+                ids.add(eos_token_id)
         self.stop_token_ids = frozenset(ids)
 
     def __repr__(self) -> str:

@@ -28,7 +28,8 @@ def token_stop(req: Request, token: int, max_model_len: int, eos_token_id: int |
     if req.num_tokens >= max_model_len or (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens):
         return RequestStatus.FINISHED_LENGTH
     if req.num_output_tokens >= p.min_tokens and token in req.stop_token_ids:
-        req.stop_reason = None if token == eos_token_id and token not in p.stop_token_ids else token
+        is_eos = token == eos_token_id or token in req.also_eos
+        req.stop_reason = None if is_eos and token not in p.stop_token_ids else token
         return RequestStatus.FINISHED_STOPPED
     return None
 

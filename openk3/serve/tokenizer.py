@@ -223,7 +223,7 @@ def load_tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:
     else:
         raise TokenizerNotFoundError(
             f"no tokenizer in {path}: looked for {' and for '.join(TOKENIZER_FILES)}; "
-            "to run it without one, pass a tokenizer (LLM(path, tokenizer)) or ask for the byte tokenizer (byte_tokenizer=True)"
+            "to run it without one, pass a tokenizer (LLM(path, tokenizer)) or serve it with the byte tokenizer (openk3 serve --tokenizer byte)"
         )
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer in {path} has {tokenizer.vocab_size} ids, more than the model's vocab_size={vocab_size}")

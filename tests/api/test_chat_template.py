@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from openk3.api.chat import CHATML_END, ChatTemplate, generation_stop_ids, load_chat_template
+from openk3.api.chat import CHATML_END, ChatTemplate
 from openk3.api.chat_format import ChatFormat
+from openk3.api.chat_loading import load_chat_template
 from openk3.api.engine_job import sampling_params
 from openk3.api.protocol import ChatCompletionRequest, ChatMessage
+from openk3.serve.generation_config import read_generation_config
 from openk3.serve.loading import ASSETS
 from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -79,6 +81,9 @@ def test_end_of_turn_is_a_stop_token_when_the_tokenizer_has_it(tmp_path) -> None
 
 
 def test_generation_config_end_tokens_join_every_request_unless_ignore_eos(tmp_path) -> None:
+    def generation_stop_ids(folder):
+        return read_generation_config(folder).eos_token_ids
+
     assert generation_stop_ids(tmp_path) == () and generation_stop_ids(None) == ()
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert generation_stop_ids(tmp_path) == (5, 7)

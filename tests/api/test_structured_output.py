@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from openk3.api.chat import load_chat_template
+from openk3.api.chat_loading import load_chat_template
 from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
 from openk3.serve.engine import EngineConfig, LLMEngine

@@ -139,7 +139,7 @@ def test_arguments_that_turn_bad_end_the_call_and_the_rest_is_content() -> None:
     cases = [
         (K2, bad_json, [("get_weather", "{")], f"okcity: Paris}}{CALL_E}{SEC_E}"),
         (K2, no_call_end, [("get_time", "{}")], f"ok{SEC_E}"),
-        (K3, bad_number, [("get_time", "")], "ok" + block.format("number", "ten")),
+        (K3, bad_number, [("get_time", '{"n": "ten"}')], "ok"),  # a value not of its type is kept as a string (SGLang's rule)
         (K3, twice, [("get_time", '{"n": "a"')], "ok" + block.format("string", "b")),
     ]
     for plan, text, calls, content in cases:
@@ -181,7 +181,10 @@ def test_a_reply_cut_inside_a_call_keeps_the_complete_calls_and_the_rest_is_cont
     cut = text[: text.index("get_time") + len("get_time") + 4]  # inside the second call
     p = whole(plan, end, cut)
     assert [c.function.name for c in p.calls()] == ["get_weather"]
-    assert p.content.startswith("Let me check.") and p.content.endswith(cut[-12:])  # the cut call, as written
+    if plan is K3:  # K3's cut markup is dropped (SGLang's K3 detector: a cut call header yields no call and no text)
+        assert p.content == "Let me check."
+    else:
+        assert p.content.startswith("Let me check.") and p.content.endswith(cut[-12:])  # the cut call, as written
     for pieces in splits(cut, 1):
         same(streamed(plan, end, pieces), p)
 
@@ -196,12 +199,12 @@ def test_repeated_indices_still_get_distinct_ids() -> None:
     assert [c.id for c in p.calls()] == ["functions.get_time:0", "functions.get_time:0-2"]
 
 
-def test_without_tools_sections_are_plain_text_and_k3_blocks_are_still_unwrapped() -> None:
+def test_without_tools_k2_sections_are_plain_text_and_k3_tools_blocks_are_dropped() -> None:
     none_k2 = ToolPlan(ChatFormat.KIMI_K2)
     assert whole(none_k2, NOTHING_OPEN, K2_PARALLEL).content == K2_PARALLEL
     none_k3 = ToolPlan(ChatFormat.KIMI_K3)
     p = whole(none_k3, NOTHING_OPEN, k3_reply("just text", k3_call("get_time", 1)))
-    assert p.calls() == [] and p.content.startswith("just text<|open|>tools<|sep|>")
+    assert p.calls() == [] and p.content == "just text"  # K3 markup for tools nobody offered is dropped, not content
 
 
 def test_forced_calls_start_inside_the_arguments() -> None:
@@ -223,3 +226,38 @@ def test_parallel_false_closes_the_call_the_stop_string_cut() -> None:
     p = parser.feed(f"{SEC_B}{CALL_B}functions.get_time:0{ARGS}{{}}", final=True, stop_reason=CALL_E)
     assert calls_of(p) == [("get_time", {})] and parser.finish_reason("stop") == "tool_calls"
     assert parser.finish_reason("length") == "length"
+
+
+def test_sglang_k3_detector_edge_cases() -> None:
+    """The cases of SGLang's K3 detector tests (test_kimik3_detector.py) where openk3 had differed, whole and streamed at
+    every split: a value not of its type is kept as a string; the end of a reply inside markup never leaks it."""
+    tools = "<|open|>tools<|sep|>"
+    bad_object = k3_reply("", k3_call("get_time", 1, ("n", "number", "42"), ("flag", "boolean", "true"), ("bad", "object", "{not json")))
+    cut_argument = tools + '<|open|>call tool="get_time" index="1"<|sep|><|open|>argument key="q" type="string"<|sep|>print(1<|close|>argu'
+    prefixes = tools + k3_call("get_time", 1, ("q", "string", "<|close|>arg <| x <|sep")) + "<|close|>tools<|sep|>"
+    cases = [  # (where the prompt left off, text, content, [(name, arguments)])
+        (NOTHING_OPEN, bad_object, "", [("get_time", '{"n": 42, "flag": true, "bad": "{not json"}')]),
+        (OPENED_RESPONSE, "all done<|open|>", "all done", []),  # a stream that ends on a cut <|open|> does not leak it
+        (OPENED_RESPONSE, "all done<", "all done<", []),  # a bare "<" is text
+        (NOTHING_OPEN, tools + '<|open|>call tool="get_ti', "", []),  # a cut call header yields no call, and no markup
+        (NOTHING_OPEN, cut_argument, "", [("get_time", '{"q": "print(1')]),  # what was sent stays; the cut marker does not
+        (NOTHING_OPEN, prefixes, "", [("get_time", json.dumps({"q": "<|close|>arg <| x <|sep"}))]),
+    ]
+    for end, text, content, calls in cases:
+        p = whole(K3, end, text)
+        assert (p.content, [(c.function.name, c.function.arguments) for c in p.calls()]) == (content, calls), text
+        for pieces in splits(text, 2):
+            same(streamed(K3, end, pieces), p)
+
+
+def test_reserved_special_tokens_never_reach_the_client_as_text() -> None:
+    """K3 replies are decoded with special tokens kept (the parsers read the markers); any other special token's text
+    (`<|reserved_token_N|>`, `[UNK]`) is dropped, also when a stream cuts it, and `[` or `<` alone stay text."""
+    hidden = frozenset({"<|reserved_token_163600|>", "[UNK]", "[BOS]"})
+    text = k3_reply("a<|reserved_token_163600|>b [UNK]c[d <e", k3_call("get_time", 1, ("q", "string", "x[UNK]y")), think="t[BOS]")
+    for pieces in [[text], *splits(text, 3)]:
+        parser, out = ChoiceParser(K3, OPENED_THINK, "", hidden), Piece()
+        for i, piece in enumerate(pieces):
+            got = parser.feed(piece, final=i == len(pieces) - 1)
+            out.reasoning, out.content, out.tool_calls = out.reasoning + got.reasoning, out.content + got.content, out.tool_calls + got.tool_calls
+        assert (out.reasoning, out.content, calls_of(out)) == ("t", "ab c[d <e", [("get_time", {"q": "xy"})])

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from openk3.api.chat import load_chat_template
+from openk3.api.chat import ChatOptions
+from openk3.api.chat_loading import load_chat_template
 from openk3.api.protocol import ChatMessage
 from openk3.api.served_model import ModelIdentity
 from openk3.api.server import ServerConfig, create_app
@@ -48,8 +49,10 @@ class Scripted:
         app = create_app(engine, TOKENIZER, TEMPLATE, ServerConfig(ModelIdentity("k3", "k3")))
         self.live = serve_app(app)
 
-    def script(self, messages: list[dict], reply: str, tools: list[dict] | None = None, forced: str = "", **kwargs) -> None:
-        prompt = TEMPLATE.render([ChatMessage.model_validate(m) for m in messages], tools=tools, extra=kwargs or None) + forced
+    def script(self, messages: list[dict], reply: str, tools: list[dict] | None = None, forced: str = "", choice: str | None = None, **kwargs) -> None:
+        """`choice`: the request's tool_choice "required" / "none", which K3's encoding writes into the prompt."""
+        options = ChatOptions(tool_choice=choice)
+        prompt = TEMPLATE.render([ChatMessage.model_validate(m) for m in messages], tools=tools, extra=kwargs or None, options=options) + forced
         self.model.script = TOKENIZER.encode(prompt) + TOKENIZER.encode(reply) + [0] * 8
 
 
@@ -149,7 +152,7 @@ def test_the_tool_loop_renders_calls_and_results_back(scripted, client) -> None:
     ]
     prompt = TEMPLATE.render([ChatMessage.model_validate(m) for m in history], tools=[WEATHER])
     assert '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris' in prompt
-    assert '<|open|>message role="tool" tool="get_weather"<|sep|>sunny' in prompt
+    assert '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>sunny' in prompt
     scripted.script(history, f"It is sunny.<|close|>think<|sep|><|open|>response<|sep|>Sunny in Paris.<|close|>response<|sep|>{END}", tools=[WEATHER])
     r = client.chat.completions.create(model="k3", messages=history, tools=[WEATHER], temperature=0, max_tokens=300)
     assert r.choices[0].message.content == "Sunny in Paris." and r.choices[0].finish_reason == "stop"
@@ -171,16 +174,16 @@ def test_named_tool_choice_is_forced_into_the_prompt(scripted, client) -> None:
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"] and r.choices[0].finish_reason == "tool_calls"
     assert r.choices[0].message.content is None
     # "required" with one tool is the same call
-    scripted.script(ASK, f"<|close|>call<|sep|><|close|>tools<|sep|>{END}", tools=[TIME], forced=forced)
+    scripted.script(ASK, f"<|close|>call<|sep|><|close|>tools<|sep|>{END}", tools=[TIME], forced=forced, choice="required")
     r = client.chat.completions.create(model="k3", messages=ASK, tools=[TIME], tool_choice="required", temperature=0, max_tokens=100)
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
 
 
 def test_tool_choice_none_hides_the_tools_and_parses_nothing(scripted, client) -> None:
-    scripted.script(ASK, TWO_CALLS)  # rendered without tools
+    scripted.script(ASK, TWO_CALLS, choice="none")  # rendered without tools, and told to call none
     r = client.chat.completions.create(model="k3", messages=ASK, tools=[WEATHER, TIME], tool_choice="none", temperature=0, max_tokens=400)
     m = r.choices[0].message
-    assert m.tool_calls is None and r.choices[0].finish_reason == "stop" and m.content.startswith("Checking.<|open|>tools<|sep|>")
+    assert m.tool_calls is None and r.choices[0].finish_reason == "stop" and m.content == "Checking."  # the tools block it wrote anyway is dropped
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -198,7 +201,7 @@ def test_a_truncated_call_comes_back_as_content_with_length(scripted, client, st
         m = r.choices[0].message
         content, names, finish = m.content, [c.function.name for c in m.tool_calls or ()], r.choices[0].finish_reason
     assert finish == "length" and names == ["get_weather"]
-    assert content == 'Sure.<|open|>call tool="get_'
+    assert content == "Sure."  # the cut call's markup is dropped, never content
 
 
 def _whole_and_streamed(client, **kwargs) -> list[tuple[str, list[tuple[str, str]], str]]:
@@ -221,14 +224,17 @@ def test_a_malformed_call_is_content_not_an_error(scripted, client) -> None:
         assert not calls and finish == "stop" and content.startswith("Hm." + head + arg)
     scripted.script(ASK, reply.format(CALL[: CALL.index("<|sep|>") + 7] + arg), tools=[WEATHER])
     for content, calls, finish in _whole_and_streamed(client, **kwargs):
-        assert calls == [("get_weather", "")] and finish == "tool_calls" and content.startswith("Hm." + arg)
+        # a value not of its type is kept as a string, as SGLang's K3 detector keeps it
+        assert calls == [("get_weather", '{"city": "Paris"}')] and finish == "tool_calls" and content == "Hm."
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # the template reads `thinking`
+        ({"chat_template_kwargs": {"verbose": True}}, "chat_template_kwargs"),  # K3's encoding reads no such kwarg
+        ({"reasoning_effort": "medium"}, "reasoning_effort"),  # K3 takes low / high / max, or none (thinking off)
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 42}}}]}, "tools"),  # not a JSON Schema
     ],
 )
 def test_what_cannot_be_honoured_is_a_400(scripted, client, extra, param) -> None:
@@ -245,3 +251,52 @@ def test_server_is_clean_afterwards(scripted) -> None:
     while live.in_loop(live.frontend.call(lambda e: e.has_unfinished())) and time.monotonic() < deadline:
         time.sleep(0.05)
     live.in_loop(live.frontend.call(lambda e: e.check_integrity()))
+
+
+def test_tokenize_renders_messages_with_the_chat_fields_and_detokenize_spells_special_tokens(scripted) -> None:
+    """/tokenize with messages takes vLLM's chat fields and returns exactly the chat route's prompt; /detokenize reads it
+    back with special tokens spelled out."""
+    import httpx
+
+    body = {
+        "messages": ASK,
+        "tools": [WEATHER],
+        "chat_template_kwargs": {"thinking": True},
+        "reasoning_effort": "low",
+        "add_generation_prompt": False,
+    }
+    r = httpx.post(scripted.live.base_url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    messages = [ChatMessage.model_validate(m) for m in ASK]
+    expected = TEMPLATE.render(messages, False, extra={"thinking": True}, tools=[WEATHER], options=ChatOptions(reasoning_effort="low"))
+    assert "thinking_effort=low" in expected and "tool-declare" in expected and not expected.endswith("<|open|>think<|sep|>")
+    assert r.json()["tokens"] == TOKENIZER.encode(expected)
+    bos = TOKENIZER.bos_token_id
+    r = httpx.post(scripted.live.base_url + "/detokenize", json={"tokens": [bos, *TOKENIZER.encode("hi")]}, timeout=30)
+    assert r.json()["prompt"] == "<|bos|>hi"
+    for bad, param in (
+        ({**body, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 42}}}]}, "tools"),
+        ({**body, "reasoning_effort": "medium"}, "reasoning_effort"),
+    ):
+        r = httpx.post(scripted.live.base_url + "/tokenize", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_reasoning_effort_none_turns_thinking_off_and_a_server_default_can_too(scripted, client) -> None:
+    scripted.script(ASK, f"Plain.<|close|>response<|sep|>{END}", thinking=False)
+    r = client.chat.completions.create(model="k3", messages=ASK, temperature=0, max_tokens=100, reasoning_effort="none")  # type: ignore[arg-type]
+    m = r.choices[0].message
+    assert m.content == "Plain." and getattr(m, "reasoning_content", None) is None
+    app: Any = scripted.live.app
+    app_defaults = app.state.served.default_chat_kwargs
+    app_defaults["thinking"] = False  # what --default-chat-template-kwargs '{"thinking": false}' sets
+    try:
+        r = client.chat.completions.create(model="k3", messages=ASK, temperature=0, max_tokens=100)
+        assert r.choices[0].message.content == "Plain."
+        scripted.script(ASK, f"Hm.<|close|>think<|sep|><|open|>response<|sep|>Yes.<|close|>response<|sep|>{END}", thinking=True, reasoning_effort="high")
+        r = client.chat.completions.create(  # a request's own kwarg wins over the default
+            model="k3", messages=ASK, temperature=0, max_tokens=300, reasoning_effort="high", extra_body={"chat_template_kwargs": {"thinking": True}}
+        )
+        assert r.choices[0].message.content == "Yes." and getattr(r.choices[0].message, "reasoning_content", None) == "Hm."
+    finally:
+        app_defaults.clear()

@@ -88,10 +88,10 @@ def test_hide_and_reveal_give_back_the_text_with_its_spans() -> None:
     hidden = user.hide({"content": "a<|im_end|>b", "args": ["[EOS]", "\U00100000 kept", 3], "k<|im_end|>": None})
     assert "<|im_end|>" not in json.dumps(hidden, ensure_ascii=False) and "[EOS]" not in json.dumps(hidden)
     rendered = f"<|im_end|>{hidden['content']}|{hidden['args'][0]}|{hidden['args'][1]}"
-    text, spans = user.reveal(rendered)
+    text, spans, _ = user.reveal(rendered)
     assert text == "<|im_end|>a<|im_end|>b|[EOS]|\U00100000 kept"
     assert [text[a:b] for a, b in spans] == ["<|im_end|>", "[EOS]", "\U00100000"]
-    assert UserText([]).reveal("plain") == ("plain", ())
+    assert UserText([]).reveal("plain") == ("plain", (), ())
     words = UserText(["func<|x|>"])
     assert words.hide("call func") == "call func"  # word characters alone are never hidden: `role == 'assistant'` holds
     assert words.hide("call func<") == "call \U00100000"
@@ -108,7 +108,7 @@ def test_the_chat_route_and_tokenize_read_no_marker_out_of_a_message(torch_one_t
     import httpx
     import torch
 
-    from openk3.api.chat import load_chat_template
+    from openk3.api.chat_loading import load_chat_template
     from openk3.api.served_model import ModelIdentity
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.engine import EngineConfig, LLMEngine

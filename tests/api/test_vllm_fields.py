@@ -9,7 +9,7 @@ import pytest
 
 from openk3.api.chat import ChatTemplate
 from openk3.api.errors import APIError
-from openk3.api.jobs import template_kwargs
+from openk3.api.jobs import verbosity_kwargs
 from openk3.api.protocol import ChatCompletionRequest
 from openk3.serve.token_rules import banned_by_bad_words
 from tests.api.test_bad_input import OK_CHAT, OK_COMPLETION, error_of, post
@@ -72,14 +72,12 @@ def test_truncate_prompt_tokens_keeps_the_end(http) -> None:
     assert r.json()["usage"]["prompt_tokens"] == 5 and r.json()["choices"][0]["text"].startswith("n fox")
 
 
-def test_reasoning_effort_reaches_a_template_that_reads_it() -> None:
+def test_verbosity_reaches_a_template_that_reads_it() -> None:
     def req(**fields) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({**OK_CHAT, **fields})
 
-    reads = ChatTemplate("{{ reasoning_effort }}{{ messages }}", "test")
-    assert template_kwargs(req(reasoning_effort="low"), reads) == {"reasoning_effort": "low"}
-    thinking = ChatTemplate("{{ thinking }}{{ messages }}", "test")
-    assert template_kwargs(req(reasoning_effort="none"), thinking) == {"thinking": False}
-    assert template_kwargs(req(reasoning_effort="high"), thinking) == {"thinking": True}
-    with pytest.raises(APIError):
-        template_kwargs(req(reasoning_effort="medium"), thinking)
+    reads = ChatTemplate("{{ verbosity }}{{ messages }}", "test")
+    assert verbosity_kwargs(req(verbosity="low"), reads) == {"verbosity": "low"}
+    assert verbosity_kwargs(req(chat_template_kwargs={"x": 1}), reads) == {"x": 1}
+    with pytest.raises(APIError, match="does not read verbosity"):  # reasoning_effort is the renderers' (test_k3_encoding)
+        verbosity_kwargs(req(verbosity="low"), ChatTemplate("{{ messages }}", "test"))

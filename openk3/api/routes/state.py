@@ -32,6 +32,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # body deadline and CORS (and uvicorn's bounds, for the CLI)
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
+    default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
 
 
 @dataclass(frozen=True)

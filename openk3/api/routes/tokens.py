@@ -6,10 +6,13 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
+from openk3.api.chat import ChatOptions
 from openk3.api.errors import APIError
-from openk3.api.protocol import DetokenizeRequest, TokenizeRequest
+from openk3.api.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from openk3.api.routes.schema import json_body
 from openk3.api.routes.state import State, check_model, read_request
+from openk3.api.tool_schemas import check_tool_schemas
+from openk3.api.user_text import PromptText, encode_prompt_text
 
 router = APIRouter()
 
@@ -22,10 +25,24 @@ async def tokenize(request: Request, state: State) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt", code="invalid_value")
     messages = req.messages
-    prompt = None if messages is None else await served.encoder.run(lambda: served.render_chat(messages))
+    if messages is None and (req.tools is not None or req.chat_template_kwargs is not None or req.reasoning_effort is not None):
+        raise APIError(400, "tools, chat_template_kwargs and reasoning_effort go with messages, not prompt", param="prompt", code="invalid_value")
+    tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools] or None
+    options = ChatOptions(reasoning_effort=req.reasoning_effort)
+
+    def render(messages: list[ChatMessage]) -> PromptText:
+        check_tool_schemas(req.tools or ())
+        if tools is not None and not served.chat_template.uses_tools:
+            raise APIError(400, "tools are not supported for this model: its chat template does not render tools", param="tools", code="unsupported")
+        return served.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs, tools, options)
+
+    prompt = None if messages is None else await served.encoder.run(lambda: render(messages))
     # no size check: /tokenize answers how long a text is, even one too long to serve (the body limit bounds it)
     add_special = prompt is None if req.add_special_tokens is None else req.add_special_tokens
 
+    if prompt is not None and prompt.cuts and add_special:
+        message = "add_special_tokens=true is not supported with K3's encoding, which writes every special token itself (send it false)"
+        raise APIError(400, message, param="add_special_tokens", code="unsupported")
     if prompt is not None and prompt.plain and add_special:
         message = "add_special_tokens=true with messages that hold special-token strings is not supported (send it false)"
         raise APIError(400, message, param="add_special_tokens", code="unsupported")
@@ -35,7 +52,7 @@ async def tokenize(request: Request, state: State) -> Response:
             return served.tokenizer.encode(req.prompt or "", add_special_tokens=add_special)
         if add_special:
             return served.tokenizer.encode(prompt.text, add_special_tokens=True)
-        return served.tokenizer.encode_with_plain(prompt.text, prompt.plain)  # as the chat route: markers in messages stay text
+        return encode_prompt_text(served.tokenizer, prompt)  # as the chat route: markers in messages stay text
 
     def answer() -> bytes:  # serialised here too: a 700k-id answer takes ~0.4 s through FastAPI's encoder on the event loop
         ids = encode()
@@ -52,4 +69,5 @@ async def detokenize(request: Request, state: State) -> dict:
     bad = next((t for t in req.tokens if t >= tokenizer.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"tokens has id {bad}: expected ids in 0..{tokenizer.vocab_size - 1}", param="tokens", code="invalid_value")
-    return {"prompt": await state.served.encoder.run(lambda: tokenizer.decode(req.tokens))}
+    # special tokens spelled out (vLLM's /detokenize does the same): a prompt from /tokenize reads back as it was rendered
+    return {"prompt": await state.served.encoder.run(lambda: tokenizer.decode(req.tokens, skip_special_tokens=False))}

@@ -38,11 +38,13 @@ def _engine_message(e: Exception) -> str:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256, max_threads: int = 2, markup: frozenset[str] = frozenset()) -> None:
+        """`markup`: special tokens its grammars may write as the marker text they stand for (serve/structured/vocab.py)."""
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self._xgr = xgr.GrammarCompiler(token_info(tokenizer, vocab_size), max_threads=max_threads, cache_enabled=True)
+        info = token_info(tokenizer, vocab_size, markup)
+        self._xgr = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
         self._cache: OrderedDict[StructuredOutputs, Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()

@@ -4,7 +4,9 @@ Each entry is what the token writes: raw bytes (the byte tokenizer, Kimi's tikto
 its own encoding (byte-level BPE's printable alphabet, SentencePiece's `▁` and `<0xNN>` byte fallback). Special tokens and
 ids the tokenizer does not have (a model vocabulary padded past the tokenizer's) are empty entries, which the grammar
 engine never allows inside a grammar; the end tokens a request stops on are allowed once the grammar accepts
-(GrammarMatcher's per-request stop tokens, serve/structured/matchers.py).
+(GrammarMatcher's per-request stop tokens, serve/structured/matchers.py). The exception is `markup`: special tokens that a
+tool-call grammar writes as markers (K3's `<|open|>`, `<|sep|>`, `<|close|>`) get their text as their entry, so that the
+grammar lets the model write each marker as the one token the model was trained to emit instead of spelling it out.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _decoders(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [dec, *dec.get("decoders", [])]
 
 
-def _hf_entries(tok: HFTokenizer, vocab_size: int) -> tuple[list[str], str, bool]:
+def _hf_entries(tok: HFTokenizer, vocab_size: int, markup: frozenset[str]) -> tuple[list[str], str, bool]:
     spec = tok.spec
     decoders = _decoders(spec)
     kinds = {d.get("type") for d in decoders}
@@ -52,7 +54,7 @@ def _hf_entries(tok: HFTokenizer, vocab_size: int) -> tuple[list[str], str, bool
         i, content = added["id"], added["content"]
         if i >= vocab_size:
             continue
-        if added.get("special", False):
+        if added.get("special", False) and content not in markup:
             entries[i] = ""
         elif vocab_type == "BYTE_LEVEL":
             entries[i] = "".join(alphabet[b] for b in content.encode("utf-8"))
@@ -61,25 +63,29 @@ def _hf_entries(tok: HFTokenizer, vocab_size: int) -> tuple[list[str], str, bool
     return entries, vocab_type, add_prefix_space
 
 
-def _kimi_entries(tok: KimiTokenizer, vocab_size: int) -> list[bytes]:
+def _kimi_entries(tok: KimiTokenizer, vocab_size: int, markup: frozenset[str]) -> list[bytes]:
     entries = [b""] * vocab_size
     for i in range(min(tok.vocab_size, vocab_size)):
         entries[i] = tok.token_bytes(i)
+    for i, name in tok.special_tokens.items():
+        if name in markup and i < vocab_size:
+            entries[i] = name.encode("utf-8")
     return entries
 
 
-def token_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerInfo:
-    """The grammar engine's view of `tokenizer` over a model vocabulary of `vocab_size` ids (the logits width)."""
+def token_info(tokenizer: Tokenizer, vocab_size: int, markup: frozenset[str] = frozenset()) -> xgrammar.TokenizerInfo:
+    """The grammar engine's view of `tokenizer` over a model vocabulary of `vocab_size` ids (the logits width); `markup`:
+    the special tokens a grammar may write (module docstring)."""
     import xgrammar as xgr
 
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"token_info: the tokenizer has {tokenizer.vocab_size} ids, more than the model's vocab_size={vocab_size}")
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     if isinstance(tokenizer, HFTokenizer):
-        entries, kind, prefix = _hf_entries(tokenizer, vocab_size)
+        entries, kind, prefix = _hf_entries(tokenizer, vocab_size, markup)
         return xgr.TokenizerInfo(entries, getattr(xgr.VocabType, kind), vocab_size=vocab_size, stop_token_ids=stop, add_prefix_space=prefix)
     if isinstance(tokenizer, KimiTokenizer):
-        return xgr.TokenizerInfo(_kimi_entries(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+        return xgr.TokenizerInfo(_kimi_entries(tokenizer, vocab_size, markup), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
     if isinstance(tokenizer, ByteTokenizer):
         raw = [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
         return xgr.TokenizerInfo(raw, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)

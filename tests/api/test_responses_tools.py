@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai", reason="the openai client is the peer ora
 ASK = "Weather in Paris?"
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat tool
 CALLING = f"I should look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|><|open|>tools<|sep|>{CALL}<|close|>tools<|sep|>{END}"
+THINKING = f"I should look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>{END}"
 ANSWER = f"It is mild.<|close|>think<|sep|><|open|>response<|sep|>18C in Paris.<|close|>response<|sep|>{END}"
 
 
@@ -118,6 +119,14 @@ def test_a_named_tool_choice_forces_the_call(scripted: Scripted, client: Any) ->
     r = client.responses.create(model="k3", input=ASK, tools=[TOOL], tool_choice=named, temperature=0, max_output_tokens=400)
     assert [s[:3] for s in summary(r)] == [("function_call", "get_weather", '{"city": "Paris"}')]
     assert r.tool_choice.name == "get_weather"
+
+
+@pytest.mark.parametrize(("effort", "reply", "reasoning"), [("none", f"Plain.<|close|>response<|sep|>{END}", []), ("high", THINKING, ["I should look."])])
+def test_reasoning_effort_is_the_templates_thinking_switch(scripted: Scripted, client: Any, effort: str, reply: str, reasoning: list[str]) -> None:
+    scripted.script([{"role": "user", "content": ASK}], reply, thinking=effort == "high")
+    r = client.responses.create(model="k3", input=ASK, reasoning={"effort": effort}, temperature=0, max_output_tokens=400)
+    assert [c.text for item in r.output if item.type == "reasoning" for c in item.content] == reasoning
+    assert r.output_text == ("Plain." if effort == "none" else "Checking.") and r.reasoning.effort == effort
 
 
 def test_the_agents_sdk_default_model_runs_a_tool_loop(scripted: Scripted) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from openk3.api.agent_output import ChoiceParser
 from openk3.api.errors import APIError, frontend_error
 from openk3.api.jobs import ChatJob, chat_job
 from openk3.api.protocol import ChatMessage, FunctionCall, ToolCall
@@ -65,7 +66,8 @@ async def response_job(s: ServedModel, req: ResponsesRequest, store: ResponseSto
     return ResponseJob(req, chat, tuple(messages), new_id("resp"))
 
 
-def _feed(job: ResponseJob, items: OutputItems, parser, text: str, finished: bool, stop_reason: int | str | None) -> list[Event]:
+def _feed(items: OutputItems, parser: ChoiceParser | None, text: str, finished: bool, stop_reason: int | str | None) -> list[Event]:
+    """One step's text (or the whole reply's) into the items; without a Kimi chat format it is all message text."""
     if parser is None:
         return items.feed(content=text)
     piece = parser.feed(text, final=finished, stop_reason=stop_reason)
@@ -138,7 +140,7 @@ async def whole_response(s: ServedModel, job: ResponseJob, store: ResponseStore)
     (result,) = await final_outputs(s.frontend, job.response_id, [job.chat.job])
     (c,) = result.outputs
     items = OutputItems()
-    _feed(job, items, job.chat.parser(), c.text, True, c.stop_reason)
+    _feed(items, job.chat.parser(), c.text, True, c.stop_reason)
     status = _status(c.finish_reason)
     items.finish(status)
     _keep(job, store, items)
@@ -178,7 +180,7 @@ async def response_stream(s: ServedModel, job: ResponseJob, store: ResponseStore
             for d in update.outputs:
                 output_tokens += len(d.token_ids)
                 finish = d.finish_reason or finish
-                for event in _feed(job, items, parser, d.text, d.finish_reason is not None, d.stop_reason):
+                for event in _feed(items, parser, d.text, d.finish_reason is not None, d.stop_reason):
                     yield _sse(event, sequence)
         status = _status(finish)
         for event in items.finish(status):

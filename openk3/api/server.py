@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over the AsyncEngine front end, built from the routers in api/routes/.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need `Authorization:
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /v1/models/{id} (these need `Authorization:
 Bearer <key>` when the server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text),
 GET /version, POST /tokenize, POST /detokenize, and for sglang-router (routes/router_info.py, routes/health_generate.py):
 GET /server_info, GET /model_info (also as /get_server_info, /get_model_info) and GET /health_generate (a 1-token
@@ -32,7 +32,8 @@ from openk3.api.idle import IdleCallback
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.request_id import RequestIdHeader, request_id_of
-from openk3.api.routes import completions, health, health_generate, models, router_info, tokens
+from openk3.api.responses_store import ResponseStore
+from openk3.api.routes import completions, health, health_generate, models, responses_api, router_info, tokens
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.served_model import ServedModel
 from openk3.api.token_texts import TokenTexts
@@ -85,9 +86,10 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
     app.state.server = ServerState(config, served, metrics)
     app.state.served = served  # by these two names for the CLI (EP metrics) and the tests (the front end)
     app.state.metrics = metrics
+    app.state.response_store = ResponseStore(config.response_store_size)  # previous_response_id (routes/responses_api.py)
     _install_error_handlers(app)
     _install_cors(app, config.connection)
-    for module in (health, health_generate, router_info, models, completions, tokens):
+    for module in (health, health_generate, router_info, models, completions, responses_api, tokens):
         app.include_router(module.router)
     if trimmer is not None:
         app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)

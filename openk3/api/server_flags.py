@@ -27,6 +27,12 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="when the server goes idle with its RSS more than this many MiB above its start-up RSS, give the C heap's free "
         "memory back to the kernel (malloc_trim); negative: never (default 256)",
     )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="how many /v1/responses responses are kept in memory for previous_response_id, least recently used evicted first (default 1024)",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:

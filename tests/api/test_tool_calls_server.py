@@ -49,9 +49,19 @@ class Scripted:
         app = create_app(engine, TOKENIZER, TEMPLATE, ServerConfig(ModelIdentity("k3", "k3")))
         self.live = serve_app(app)
 
-    def script(self, messages: list[dict], reply: str, tools: list[dict] | None = None, forced: str = "", choice: str | None = None, **kwargs) -> None:
-        """`choice`: the request's tool_choice "required" / "none", which K3's encoding writes into the prompt."""
-        options = ChatOptions(tool_choice=choice)
+    def script(
+        self,
+        messages: list[dict],
+        reply: str,
+        tools: list[dict] | None = None,
+        forced: str = "",
+        choice: str | None = None,
+        effort: str | None = None,
+        **kwargs,
+    ) -> None:
+        """`choice`: the request's tool_choice "required" / "none", which K3's encoding writes into the prompt; `effort`: its
+        reasoning_effort, which the encoding writes too."""
+        options = ChatOptions(reasoning_effort=effort, tool_choice=choice)
         prompt = TEMPLATE.render([ChatMessage.model_validate(m) for m in messages], tools=tools, extra=kwargs or None, options=options) + forced
         self.model.script = TOKENIZER.encode(prompt) + TOKENIZER.encode(reply) + [0] * 8
 

@@ -23,7 +23,11 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith(_DEFS):
                 return inline(defs[ref[len(_DEFS) :]], depth + 1)
-            return {k: inline(v, depth + 1) for k, v in node.items()}
+            out = {k: inline(v, depth + 1) for k, v in node.items()}
+            if isinstance(out.get("discriminator"), dict):
+                # its mapping names $defs entries, which are inlined now; the property name alone still picks the branch
+                out["discriminator"] = {k: v for k, v in out["discriminator"].items() if k != "mapping"}
+            return out
         if isinstance(node, list):
             return [inline(v, depth + 1) for v in node]
         return node

@@ -14,6 +14,7 @@ from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, read_json
 from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
+from openk3.api.responses_store import DEFAULT_CAPACITY
 from openk3.api.served_model import ModelIdentity, ServedModel
 from openk3.serve.config import FrontendConfig
 
@@ -31,6 +32,7 @@ class ServerConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)  # admission: waiting-queue bound and timeout
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # body deadline and CORS (and uvicorn's bounds, for the CLI)
+    response_store_size: int = DEFAULT_CAPACITY  # responses kept for previous_response_id (api/responses_store.py)
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
 

@@ -39,6 +39,7 @@ REGISTRY_OPS = {
     "linear": "linear",
     "norm": "rms_norm",
     "route": "moe_route",
+    "vision_attn": "vision_attn",
 }
 NUMBERS = ("kda_chunk_size",)  # fields that take an integer, not a name
 NOT_NAMED = {"packed_experts": "it follows the checkpoint (packed MXFP4 experts or dense ones)"}

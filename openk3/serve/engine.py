@@ -28,6 +28,7 @@ from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
+from openk3.serve.routing import RoutingParts, RoutingRecorder, RoutingTrace, moe_layers
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
@@ -146,6 +147,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         sampler = Sampler(cfg.seed, self.device)
         self.runner = ModelRunner(model, self.cache, sampler, self.device)
+        if isinstance(model, torch.nn.Module) and moe_layers(model):
+            self.runner.routing = RoutingRecorder(model)  # records only the steps of requests that ask (return_routing)
+        self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
@@ -173,6 +177,13 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)
 
+    def _take_routing(self, req: Request) -> RoutingTrace | None:
+        parts = self._routing.pop(req.request_id, None)
+        if not req.sampling_params.return_routing:
+            return None
+        assert parts is not None and self.runner.routing is not None
+        return parts.trace(self.runner.routing.layers, req.num_tokens - 1)  # the last token was sampled, never run
+
     def check_prompt(self, ids: list[int]) -> None:
         """Refuse a prompt this engine cannot take (serve/prompt_check.py: empty, ids outside the vocabulary, no room left
         for a completion token): a PromptError, a ValueError."""
@@ -186,6 +197,7 @@ class LLMEngine:
         self.scheduler.finish(request_id, status)
         self._texts.pop(request_id, None)
         self._prompt_scores.drop(request_id)
+        self._routing.pop(request_id, None)
         req.timings.finished = time.monotonic()
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()  # a request the output processor finished (a stop string) can be the last one
@@ -257,6 +269,8 @@ class LLMEngine:
         result = self.runner.execute(out)
         for request_id, (start, scores) in result.prompt_logprobs.items():
             self._prompt_scores.add(request_id, start, scores)
+        for request_id, (start, rows) in result.routing.items():
+            self._routing.setdefault(request_id, RoutingParts()).add(start, rows)
         outputs = []
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, result.token_ids):
@@ -274,8 +288,9 @@ class LLMEngine:
             text = self._texts[req.request_id].add(token, status, req.num_output_tokens)
             if text.stop is not None:  # a stop string wins over the length
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, text.stop
-            metrics = None
+            metrics, routing = None, None
             if status is not None:
+                routing = self._take_routing(req)
                 self.scheduler.finish(req.request_id, status)
                 del self._texts[req.request_id]
                 req.timings.finished = now
@@ -292,6 +307,7 @@ class LLMEngine:
                     text.text,
                     text.dropped,
                     prompt_logprobs,
+                    routing,
                 )
             )
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():

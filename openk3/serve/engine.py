@@ -150,6 +150,8 @@ class LLMEngine:
         if isinstance(model, torch.nn.Module) and moe_layers(model):
             self.runner.routing = RoutingRecorder(model)  # records only the steps of requests that ask (return_routing)
         self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
+        self._cache_dtype = cache_dtype
+        self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
@@ -183,6 +185,17 @@ class LLMEngine:
             return None
         assert parts is not None and self.runner.routing is not None
         return parts.trace(self.runner.routing.layers, req.num_tokens - 1)  # the last token was sampled, never run
+
+    def weights_changed(self) -> int:
+        """The model's weights were replaced in place, between requests (openk3.rl.weight_sync): the prefix cache is keyed
+        by the new weights' salt, so no state computed with the old ones is hit. Returns the new weight version."""
+        if self.has_unfinished():
+            raise RuntimeError("weights changed while requests are running: update the weights between rollouts, with the engine idle")
+        if self.cache.prefix is not None:
+            model = self.model if isinstance(self.model, torch.nn.Module) else None
+            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype))
+        self.weight_version += 1
+        return self.weight_version
 
     def check_prompt(self, ids: list[int]) -> None:
         """Refuse a prompt this engine cannot take (serve/prompt_check.py: empty, ids outside the vocabulary, no room left

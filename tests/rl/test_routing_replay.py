@@ -84,3 +84,16 @@ def test_replay_forces_the_recorded_experts_on_a_moved_router(model) -> None:
     assert torch.equal(recorder.rows().sort(-1).values, trace.experts_TLk.sort(-1).values)
     logits.float().log_softmax(-1).sum().backward()  # the replayed weights still carry gradients to the router
     assert all(moe.gate.weight.grad is not None and bool(moe.gate.weight.grad.abs().sum() > 0) for moe in trainer.moe_layers())
+
+
+def test_each_sample_of_a_group_gets_its_own_routing(model) -> None:
+    trainer = copy.deepcopy(model)
+    prompt = list(range(120, 140))
+    llm = LLM(model, ByteTokenizer(256), **BASE)
+    (out,) = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, return_routing=True, ignore_eos=True))
+    llm.close()
+    assert len({s.token_ids for s in out.outputs}) > 1  # the samples differ, so their routing past the prompt may too
+    for sample in out.outputs:
+        assert sample.routing is not None
+        ids = prompt + list(sample.token_ids)
+        assert torch.equal(natural_routing(trainer, ids[:-1]).sort(-1).values, sample.routing.experts_TLk.sort(-1).values)

@@ -57,6 +57,10 @@ def test_partial_update_and_refusals() -> None:
     with pytest.raises(ValueError, match="shape"):
         update_weights(llm, {name: torch.zeros(3, 3)})
     assert llm.engine.weight_version == 0
+    llm.processor.add_request("running", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="requests are running"):
+        update_weights(llm, {name: new.state_dict()[name]})
+    llm.processor.abort("running")
     assert update_weights(llm, {name: new.state_dict()[name]}) == 1
     assert torch.equal(dict(llm.model.named_parameters())[name], new.state_dict()[name])  # type: ignore[attr-defined]
     llm.close()

@@ -4,7 +4,8 @@
 every stop rule (serve/stopping.py: length, stop tokens, stop strings, and the text they need) and reports per request only
 what is new (EngineCoreOutput: the new token ids, their logprobs and text, why it ended); `finish` and `abort` end a request
 anywhere in its life. The n samples of a caller's request and how text reaches callers belong to the OutputProcessor
-(output.py).
+(output.py). A request with `return_routing` gets its experts of every MoE layer for every token run with its last output
+(serve/routing.py); `weights_changed` rekeys the prefix cache after the weights were replaced in place (openk3.rl.weight_sync).
 Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine.
 """
 

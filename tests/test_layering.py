@@ -32,6 +32,8 @@ ALLOWED = {
     "launch": {"config", "model", "serve", "parallel", "api", "scale", "checks", "options"},
     "llm": {"config", "model", "serve", "parallel", "options", "launch"},
     "llm_cli": {"serve", "llm", "launch"},  # `openk3 generate`
+    # rollouts: drives an engine through LLM and runs tools in sandboxes (a client of both, so above them)
+    "rl": {"config", "ops", "model", "serve", "parallel", "launch", "llm", "sandbox", "checks"},
     "planner": {"config", "checks"},
     "sandbox": {"checks"},
     "cli": set(),  # finds each package's `cli` module by name (importlib), so `openk3 plan` never loads torch

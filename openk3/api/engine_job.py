@@ -56,6 +56,7 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     token_rules: dict[str, Any] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    return_routing: bool = False,
 ) -> SamplingParams:
     """The request's sampling fields plus the server's own stops (end of turn, the checkpoint's end tokens unless ignore_eos).
     `skip_special_tokens`, when given, decides over the request's (the chat parsers need the format's markers in the text);
@@ -88,6 +89,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            return_routing=return_routing,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),

@@ -79,6 +79,9 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
         raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of={req.best_of} is not supported: only best_of equal to n ({req.n})", param="best_of", code="unsupported")
+    for name in ("return_token_ids", "return_routed_experts"):
+        if getattr(req, name) and req.stream:  # whole-sequence fields: they go with the final response
+            raise APIError(400, f"{name} is not available when stream is true", param=name, code="invalid_value")
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "max_tokens=0 is only allowed with echo (to score the prompt without generating)", param="max_tokens", code="invalid_value")
     p = req.prompt
@@ -112,6 +115,7 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
             prompt_logprobs=scored,
             token_rules=rules,
             defaults=s.model.sampling_defaults,
+            return_routing=req.return_routed_experts,
         )
         jobs.append(EngineJob(ids, params))
         if isinstance(prompt, str) and len(ids) == whole:

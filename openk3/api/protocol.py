@@ -156,6 +156,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = Field(default=None, ge=1, le=MAX_N)
+    # for RL trainers (docs/rollouts.md), not in a stream: vLLM's return_token_ids (each choice's prompt and completion ids,
+    # exactly as run) and SGLang's return_routed_experts (each MoE layer's top-k experts per token run: serve/routing.py)
+    return_token_ids: bool = False
+    return_routed_experts: bool = False
 
 
 class ContentPart(BaseModel):

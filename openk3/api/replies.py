@@ -36,6 +36,7 @@ from openk3.api.responses import (
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
+    RoutedExperts,
     Usage,
 )
 from openk3.api.served_model import ServedModel
@@ -102,6 +103,12 @@ def _first_completion_piece(
     return text, logprobs, offset
 
 
+def _routed_experts(c: CompletionOutput) -> RoutedExperts | None:
+    if c.routing is None:
+        return None
+    return RoutedExperts(layers=list(c.routing.layers), experts=c.routing.experts_TLk.tolist())
+
+
 async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list[EngineJob], texts: list[str]) -> CompletionResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     results = await final_outputs(s.frontend, request_id, jobs)
@@ -117,6 +124,9 @@ async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 prompt_logprobs=prompt_logprobs,
+                prompt_token_ids=list(result.prompt_token_ids) if req.return_token_ids else None,
+                token_ids=([] if req.max_tokens == 0 else list(c.token_ids)) if req.return_token_ids else None,  # as usage counts
+                routed_experts=_routed_experts(c) if req.return_routed_experts else None,
             )
             out.append(choice)
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)

@@ -51,6 +51,14 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token; None for the first (nothing before it)
 
 
+class RoutedExperts(BaseModel):
+    """A completion's routing (serve/routing.py RoutingTrace): experts[t][l][j], the j-th expert of MoE layer layers[l] for
+    position t, over the prompt and the completion but its last token."""
+
+    layers: list[int]
+    experts: list[list[list[int]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -58,6 +66,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
+    routed_experts: RoutedExperts | None = None  # with return_routed_experts
 
 
 class CompletionResponse(BaseModel):

@@ -4,7 +4,8 @@
 every stop rule (serve/stopping.py: length, stop tokens, stop strings, and the text they need) and reports per request only
 what is new (EngineCoreOutput: the new token ids, their logprobs and text, why it ended); `finish` and `abort` end a request
 anywhere in its life. The n samples of a caller's request and how text reaches callers belong to the OutputProcessor
-(output.py).
+(output.py). A request with `return_routing` gets its experts of every MoE layer for every token run with its last output
+(serve/routing.py); `weights_changed` rekeys the prefix cache after the weights were replaced in place (openk3.rl.weight_sync).
 Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine.
 """
 
@@ -28,6 +29,7 @@ from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
+from openk3.serve.routing import RoutingParts, RoutingRecorder, RoutingTrace, moe_layers
 from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
@@ -146,6 +148,11 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         sampler = Sampler(cfg.seed, self.device)
         self.runner = ModelRunner(model, self.cache, sampler, self.device)
+        if isinstance(model, torch.nn.Module) and moe_layers(model):
+            self.runner.routing = RoutingRecorder(model)  # records only the steps of requests that ask (return_routing)
+        self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
+        self._cache_dtype = cache_dtype
+        self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
@@ -173,6 +180,24 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)
 
+    def _take_routing(self, req: Request) -> RoutingTrace | None:
+        parts = self._routing.pop(req.request_id, None)
+        if not req.sampling_params.return_routing:
+            return None
+        assert parts is not None and self.runner.routing is not None
+        return parts.trace(self.runner.routing.layers, req.num_tokens - 1)  # the last token was sampled, never run
+
+    def weights_changed(self) -> int:
+        """The model's weights were replaced in place, between requests (openk3.rl.weight_sync): the prefix cache is keyed
+        by the new weights' salt, so no state computed with the old ones is hit. Returns the new weight version."""
+        if self.has_unfinished():
+            raise RuntimeError("weights changed while requests are running: update the weights between rollouts, with the engine idle")
+        if self.cache.prefix is not None:
+            model = self.model if isinstance(self.model, torch.nn.Module) else None
+            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype))
+        self.weight_version += 1
+        return self.weight_version
+
     def check_prompt(self, ids: list[int]) -> None:
         """Refuse a prompt this engine cannot take (serve/prompt_check.py: empty, ids outside the vocabulary, no room left
         for a completion token): a PromptError, a ValueError."""
@@ -186,6 +211,7 @@ class LLMEngine:
         self.scheduler.finish(request_id, status)
         self._texts.pop(request_id, None)
         self._prompt_scores.drop(request_id)
+        self._routing.pop(request_id, None)
         req.timings.finished = time.monotonic()
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()  # a request the output processor finished (a stop string) can be the last one
@@ -257,6 +283,8 @@ class LLMEngine:
         result = self.runner.execute(out)
         for request_id, (start, scores) in result.prompt_logprobs.items():
             self._prompt_scores.add(request_id, start, scores)
+        for request_id, (start, rows) in result.routing.items():
+            self._routing.setdefault(request_id, RoutingParts()).add(start, rows)
         outputs = []
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, result.token_ids):
@@ -274,8 +302,9 @@ class LLMEngine:
             text = self._texts[req.request_id].add(token, status, req.num_output_tokens)
             if text.stop is not None:  # a stop string wins over the length
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, text.stop
-            metrics = None
+            metrics, routing = None, None
             if status is not None:
+                routing = self._take_routing(req)
                 self.scheduler.finish(req.request_id, status)
                 del self._texts[req.request_id]
                 req.timings.finished = now
@@ -292,6 +321,7 @@ class LLMEngine:
                     text.text,
                     text.dropped,
                     prompt_logprobs,
+                    routing,
                 )
             )
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():

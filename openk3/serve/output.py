@@ -36,6 +36,7 @@ from openk3.serve.output_types import (
 )
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus, TokenLogprobs
 from openk3.serve.request_ids import sample_id
+from openk3.serve.routing import RoutingTrace
 from openk3.serve.sampling import SamplingParams
 
 __all__ = ["CompletionOutput", "FinishedRequest", "IterationStats", "OutputKind", "OutputProcessor", "RequestOutput", "find_stop_string", "hold_back"]
@@ -56,6 +57,7 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
+    routing: RoutingTrace | None = None
 
     @property
     def finished(self) -> bool:
@@ -212,7 +214,7 @@ class OutputProcessor(Generic[EngineT]):
         if s.logprobs is not None and out.new_logprobs is not None:
             s.logprobs.extend(out.new_logprobs)
         if out.finish_reason is not None:
-            s.finish_reason, s.stop_reason, s.metrics = out.finish_reason, out.stop_reason, out.metrics
+            s.finish_reason, s.stop_reason, s.metrics, s.routing = out.finish_reason, out.stop_reason, out.metrics, out.routing
         s.add_text(out.new_text, out.text_dropped)
 
     def _output(self, group: _Group, samples: list[_Sample]) -> RequestOutput | None:
@@ -230,7 +232,7 @@ class OutputProcessor(Generic[EngineT]):
     @staticmethod
     def _whole(s: _Sample) -> CompletionOutput:
         logprobs = None if s.logprobs is None else tuple(s.logprobs)
-        return CompletionOutput(s.index, "".join(s.parts), tuple(s.token_ids), s.finish_reason, s.stop_reason, logprobs, s.metrics)
+        return CompletionOutput(s.index, "".join(s.parts), tuple(s.token_ids), s.finish_reason, s.stop_reason, logprobs, s.metrics, s.routing)
 
     @staticmethod
     def _delta(s: _Sample) -> CompletionOutput:
@@ -242,7 +244,7 @@ class OutputProcessor(Generic[EngineT]):
         logprobs = None
         if s.logprobs is not None:
             logprobs, s.logprobs = tuple(s.logprobs), []
-        return CompletionOutput(s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.metrics)
+        return CompletionOutput(s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.metrics, s.routing)
 
 
 def _finished(reason: str, m: RequestMetrics | None) -> FinishedRequest:

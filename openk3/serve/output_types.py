@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from openk3.serve.request import RequestMetrics, TokenLogprobs
+from openk3.serve.routing import RoutingTrace
 from openk3.serve.sampling import SamplingParams
 
 
@@ -26,6 +27,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: tuple[TokenLogprobs, ...] | None = None  # None unless asked for
     metrics: RequestMetrics | None = None  # once it has finished (None for an abort)
+    # once it has finished, when asked for (SamplingParams.return_routing): prompt and generated tokens but the last
+    routing: RoutingTrace | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.serve.routing import RoutingTrace
 from openk3.serve.sampling import SamplingParams
 
 
@@ -205,6 +206,7 @@ class EngineCoreOutput:
     text_dropped: int = 0  # characters of text already reported that a stop string cut (never streamed: output.py holds them)
     # with the first token of a request that asked for prompt logprobs: prompt tokens 1.. scored (serve/prompt_logprobs.py)
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    routing: RoutingTrace | None = None  # when finished, for a request that asked (SamplingParams.return_routing)
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,7 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.prompt_logprobs import rows_to_score, score
 from openk3.serve.request import Request, TokenLogprobs
+from openk3.serve.routing import RoutingRecorder
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.scheduler import SchedulerOutput
 
@@ -46,6 +47,8 @@ class StepSamples:
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> (first position, [n, L, k] expert ids) of the rows it ran, for requests that asked (serve/routing.py)
+    routing: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
+        self.routing: RoutingRecorder | None = None  # set by the engine where the model has MoE layers to record
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[PromptRows]]:
         """The packed step, the requests that sample (in logits-row order), then the prompt rows scored (after them)."""
@@ -123,19 +127,34 @@ class ModelRunner:
         if out.is_empty:
             return StepSamples({}, {})
         batch, sampling, scored = self.build_batch(out)
+        recorded = [i for i, r in enumerate(out.requests) if r.sampling_params.return_routing]
         with torch.inference_mode():
-            # a graph returns the logits of every row in batch order, not sampling rows then scored ones
-            bucket = self.graphs.bucket_for(batch) if self.graphs is not None and not scored else None
+            # a graph returns the logits of every row in batch order, not sampling rows then scored ones; and it runs no
+            # Python, so a step that records its routing runs eagerly
+            eager = scored or recorded
+            bucket = self.graphs.bucket_for(batch) if self.graphs is not None and not eager else None
             if bucket is not None:
                 assert self.graphs is not None
                 logits = self.graphs.run(batch, bucket)
+            elif recorded:
+                if self.routing is None:
+                    raise ValueError("return_routing: this engine's model has no MoE layers it can record (a single-process engine)")
+                with self.routing.step():
+                    logits = self.model(batch, self.cache.tensors)
             else:
                 logits = self.model(batch, self.cache.tensors)
             rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
             result = self.sampler(logits[: len(sampling)], rows)
             prompt_logprobs = self._score_prompts(logits[len(sampling) :], scored)
         logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
-        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs, prompt_logprobs)
+        routing = {}
+        if recorded:
+            assert self.routing is not None
+            experts_TLk, cu = self.routing.rows(), batch.cu_seqlens.tolist()
+            for i in recorded:
+                req = out.requests[i]
+                routing[req.request_id] = (req.num_computed_tokens, experts_TLk[cu[i] : cu[i + 1]])
+        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs, prompt_logprobs, routing)
 
     @staticmethod
     def _score_prompts(logits_RV: torch.Tensor, scored: list[PromptRows]) -> dict[str, tuple[int, list[TokenLogprobs]]]:

@@ -47,6 +47,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # the top-k experts of every MoE layer for every token run, returned with the completion (serve/routing.py)
+    return_routing: bool = False
 
     def __post_init__(self) -> None:
         # Accept the list/str spellings callers use and store immutable tuples.

@@ -123,9 +123,9 @@ class Scheduler:
             n = self._chunk(req, budget)
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
         tokens = req.token_ids
-        # a cached prefix has no logits to score, so a request that wants its prompt scored computes it all
+        # a cached prefix has no logits to score and no routing to record, so a request that wants either computes it all
         wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
-        match = PrefixMatch.miss() if wants_scores else self.cache.fetch(self.cache.match_prefix(tokens))
+        match = PrefixMatch.miss() if wants_scores or req.sampling_params.return_routing else self.cache.fetch(self.cache.match_prefix(tokens))
         start = match.num_tokens
         # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
         # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).

@@ -214,8 +214,8 @@ class PrefixCache:
             self._evict(leaf)
         return True
 
-    def _evict(self, snap: _Snapshot) -> None:
-        if self.tiers is not None and not self.tiers.contains(snap.key):
+    def _evict(self, snap: _Snapshot, offload: bool = True) -> None:
+        if offload and self.tiers is not None and not self.tiers.contains(snap.key):
             self.tiers.offload(self._pack(snap))
         del snap.node.snapshots[snap.tail]
         del self._lru[snap.key]
@@ -233,6 +233,17 @@ class PrefixCache:
     def clear(self) -> None:
         while self._lru:
             self._evict(next(iter(self._lru.values())))
+
+    def rekey(self, salt: bytes) -> None:
+        """Forget every cached state and key what follows by `salt` (new weights: no state of the old ones may be hit).
+        Nothing is offloaded: a lower tier's entries chain the old salt, so they are never hit again and age out. Only with
+        no request holding pages (the engine is idle)."""
+        while self._lru:
+            self._evict(next(iter(self._lru.values())), offload=False)
+        if self.root.children:
+            raise AssertionError("prefix cache: pages left in the index after every snapshot was dropped")
+        self.salt = salt
+        self.root = _Node(salt, None, None, (), 0)
 
     # integrity ------------------------------------------------------------------------------------------------------------
 

@@ -6,14 +6,17 @@ tear the group down; these tests bound how long that takes and check that no wor
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import warnings
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from openk3.config import debug
@@ -23,6 +26,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.weights import save_model
 from openk3.parallel.serving.driver import EPDriver
 from openk3.parallel.serving.local import LocalEP
+from openk3.parallel.serving.spawned import RankStartError, SpawnedRanks, report_error, report_started
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 
@@ -186,3 +190,59 @@ def test_ep_refuses_early() -> None:
     server_configs(build_parser().parse_args(["serve", "--ep", "1", "--device", "cuda:1"]))
     with pytest.raises(ValueError, match="cpu_offload_bytes / disk_offload_dir with ep=2"):  # device prefix caching runs (test_tensor_parallel)
         LLM("debug", ep=2, enable_prefix_caching=True, cpu_offload_bytes=1 << 20)
+
+
+def _die_before_starting_the_rank(report: Connection) -> None:
+    """A spawned rank that dies as one does in a script without a __main__ guard: before it runs any rank code."""
+    raise SystemExit(3)
+
+
+def _start_then_fail(report: Connection) -> None:
+    report_started(report)
+    try:
+        raise RuntimeError("injected: CUDA out of memory while building the shard")
+    except RuntimeError as e:
+        report_error(report, e)
+        raise SystemExit(1) from e
+
+
+def test_a_worker_that_dies_at_start_up_is_reported_at_once_with_its_exit_code() -> None:
+    """Issue 36 item 3: before, rank 0 waited in init_process_group for a rank that had already died. The wait ends when
+    the worker's process does (its sentinel), not on a timer: the deadline given here is never reached."""
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    worker = spawn.Process(target=_die_before_starting_the_rank, args=(write,), daemon=True)
+    worker.start()
+    write.close()
+    with pytest.raises(RankStartError, match=r"rank 1 \(pid \d+\) exited with code 3 before it reported anything .*__main__"):
+        SpawnedRanks([worker], [read]).wait_started(timeout_s=3600)
+    worker.join()
+
+
+def test_a_worker_that_fails_after_starting_is_reported_with_its_last_error() -> None:
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    worker = spawn.Process(target=_start_then_fail, args=(write,), daemon=True)
+    worker.start()
+    write.close()
+    ranks = SpawnedRanks([worker], [read])
+    ranks.wait_started(timeout_s=3600)
+    worker.join()
+    report = ranks.dead_report()
+    assert report is not None and re.fullmatch(r"rank 1 \(pid \d+\) exited with code 1; its last error: RuntimeError: injected: CUDA out of memory.*", report)
+
+
+def test_a_worker_that_never_starts_is_reported_at_the_deadline() -> None:
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    alive, _keep = spawn.Pipe(duplex=False)
+
+    class Silent:  # a stand-in process that neither reports nor ends: its pipe and its sentinel stay silent
+        pid, exitcode, sentinel = 0, None, alive
+
+    try:
+        with pytest.raises(RankStartError, match=r"rank\(s\) 1 did not start within 0.05 s"):
+            SpawnedRanks([Silent()], [read]).wait_started(timeout_s=0.05)  # type: ignore[list-item]
+    finally:
+        for end in (read, write, alive, _keep):
+            end.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -73,10 +73,11 @@ class FailureLatch:
         """The engine thread's answer to `fut`, or EngineDeadError as soon as the latch trips (then `fut` is cancelled if it
         has not started: the engine thread skips it; one already running is the caller's to undo)."""
         assert self._dead is not None, "FailureLatch.answer before bind"
-        answer = asyncio.wrap_future(fut)
-        dead = asyncio.ensure_future(self._dead.wait())
+        answer: asyncio.Future[T] = asyncio.wrap_future(fut)
+        dead: asyncio.Future[Any] = asyncio.ensure_future(self._dead.wait())
+        racing: list[asyncio.Future[Any]] = [answer, dead]
         try:
-            await asyncio.wait({answer, dead}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         finally:
             dead.cancel()
         if answer.done():

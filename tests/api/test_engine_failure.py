@@ -16,7 +16,7 @@ from openk3.serve.async_engine import AsyncEngine, EngineDeadError, EngineStalle
 from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.sampling import SamplingParams
-from tests.api.conftest import GatedStep, debug_engine, start_server, stop_server
+from tests.api.conftest import debug_engine, start_server, stop_server
 
 PROMPT = list(b"Once upon a time")
 LONG = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -139,7 +139,11 @@ def test_a_stalled_step_refuses_new_requests_at_once_and_keeps_the_running_ones(
 
 def test_http_after_a_failure_is_an_immediate_503_with_an_openai_body_and_retry_after(torch_one_thread) -> None:
     holder: dict[str, StuckStep] = {}
-    live = start_server(before_start=lambda engine: holder.setdefault("stuck", StuckStep(engine)))
+
+    def hold(engine: LLMEngine) -> None:
+        holder["stuck"] = StuckStep(engine)
+
+    live = start_server(before_start=hold)
     stuck = holder["stuck"]
     try:
         with httpx.Client(base_url=live.base_url, timeout=30) as client:

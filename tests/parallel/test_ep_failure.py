@@ -6,7 +6,9 @@ tear the group down; these tests bound how long that takes and check that no wor
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 import warnings
@@ -246,3 +248,48 @@ def test_a_worker_that_never_starts_is_reported_at_the_deadline() -> None:
     finally:
         for end in (read, write, alive, _keep):
             end.close()
+
+
+class StopWorkerOnCall:
+    """Wraps rank 0's model; the `at`-th call SIGSTOPs the worker after the step's broadcast, so rank 0's forward waits in
+    a collective for a rank that is stopped (alive, silent): only the heartbeat can end the wait before ep_timeout_s."""
+
+    def __init__(self, model, worker_pid: int, at: int) -> None:  # noqa: ANN001  # any ForwardModel
+        self.model, self.pid, self.at, self.calls = model, worker_pid, at, 0
+        self.config = model.config
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(self.pid, signal.SIGSTOP)
+        return self.model(batch, cache)
+
+    def parameters(self, recurse: bool = True):  # noqa: ANN201
+        return self.model.parameters(recurse)
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_fails_the_step_by_its_heartbeat_not_the_group_timeout() -> None:
+    """Issue 36 item 2: before, rank 0 waited out ep_timeout_s (300 s by default; here 600 s, which the test would not
+    survive); the heartbeat (2 s) finds the stopped worker, LocalEP kills it, and the step fails with a connection error."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM("debug", ep=2, ep_method="ep", ep_timeout_s=600, heartbeat_timeout_s=2)
+    ep = llm._ep
+    assert ep is not None and ep.driver is not None and ep.driver.heartbeat is not None
+    worker = ep.workers[0]
+    assert worker.pid is not None
+    ep.driver.model = StopWorkerOnCall(ep.driver.model, worker.pid, at=2)
+    try:
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3]], GREEDY)
+        assert ep.driver.heartbeat.lost is not None and ep.driver.failed
+        worker.join(CLOSE_WITHIN_S)
+        assert worker.exitcode == -signal.SIGKILL, "LocalEP killed the stopped worker"
+        close_within(llm, CLOSE_WITHIN_S)
+        assert not dist.is_initialized()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()

@@ -113,6 +113,9 @@ class LocalEP:
                 self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer, datetime.timedelta(seconds=config.ep_timeout_s))
             else:
                 self.driver, self.backend = start_driver(ctx, spec)
+                if self.driver.heartbeat is not None:
+                    # a stopped worker would hold rank 0's step for ep_timeout_s: killed, its sockets close and the step fails now
+                    self.driver.heartbeat.on_lost(lambda error: self._kill_workers())
         except RankStartError:
             self._teardown(0.0)
             raise
@@ -143,6 +146,11 @@ class LocalEP:
                 self.dp_engine.close()
         finally:
             self._teardown(JOIN_TIMEOUT_S)
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            if w.pid is not None and w.exitcode is None:
+                w.kill()
 
     def _teardown(self, grace_s: float) -> None:
         """Join the workers within one shared deadline of `grace_s` (0: stop them now), kill what is left, leave the group."""

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from openk3.parallel.group import ParallelContext
+    from openk3.parallel.serving.heartbeat import RankHeartbeat
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
@@ -87,6 +88,9 @@ class _RankGroup(Protocol):
     @property
     def failed(self) -> bool: ...
 
+    @property
+    def heartbeat(self) -> RankHeartbeat | None: ...
+
     def close(self) -> None: ...
 
 
@@ -96,7 +100,7 @@ def _serve_then_release(app: FastAPI, args: argparse.Namespace, group: _RankGrou
 
     log = logging.getLogger("openk3.parallel.serving")
     _keep_handlers_until_workers_stop(log)
-    heartbeat = getattr(group, "heartbeat", None)  # an EPDriver's; data-parallel groups have none yet
+    heartbeat = group.heartbeat
     if heartbeat is not None:
         heartbeat.on_lost(app.state.served.frontend.fail)  # every caller answered 503 now, the server stops
         heartbeat.on_lost(exit_after(LOST_RANK_EXIT_GRACE_S))

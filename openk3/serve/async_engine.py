@@ -37,6 +37,7 @@ from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, Out
 from openk3.serve.sampling import SamplingParams
 
 T = TypeVar("T")
+DEAD_THREAD_JOIN_S = 1.0
 E = TypeVar("E", bound=ServedEngine)  # LLMEngine, or a DataParallelEngine behind `openk3 serve --dp`
 
 
@@ -259,8 +260,9 @@ class AsyncEngine(Generic[E]):
             self._stop = True
             self._cv.notify()
         if self._thread is not None:
-            # a dead engine's thread may be stuck in a collective that never returns: it is a daemon, leave it behind
-            await asyncio.to_thread(self._thread.join, timeout if self.error is not None else None)
+            # a dead engine's thread may be stuck in a collective with a lost rank, which returns only at the group's timeout
+            # (minutes): it is a daemon, so give it a moment to end (it does at once when its step raised) and leave it behind
+            await asyncio.to_thread(self._thread.join, min(timeout, DEAD_THREAD_JOIN_S) if self.error is not None else None)
 
     # engine thread side
 

@@ -293,3 +293,30 @@ def test_a_stopped_worker_fails_the_step_by_its_heartbeat_not_the_group_timeout(
         if worker.is_alive():
             os.kill(worker.pid, signal.SIGCONT)
             worker.kill()
+
+
+@pytest.mark.distributed
+def test_a_stopped_data_parallel_rank_fails_the_engine_by_its_heartbeat() -> None:
+    """The same with data-parallel attention (dp=2, ep=2): the worker is stopped before the request, so rank 0 learns of
+    it from the heartbeat, whether that comes before the step (which then refuses at once) or during it."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM("debug", dp=2, ep=2, ep_method="ep", ep_timeout_s=600, heartbeat_timeout_s=2)
+    ep = llm._ep
+    assert ep is not None and ep.dp_engine is not None and ep.dp_engine.heartbeat is not None
+    worker = ep.workers[0]
+    assert worker.pid is not None
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)
+        assert ep.dp_engine.heartbeat.lost is not None and ep.dp_engine.failed
+        worker.join(CLOSE_WITHIN_S)
+        assert worker.exitcode == -signal.SIGKILL, "LocalEP killed the stopped worker"
+        close_within(llm, CLOSE_WITHIN_S)
+        assert not dist.is_initialized()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()

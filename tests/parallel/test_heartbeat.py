@@ -22,8 +22,11 @@ INTERVAL_S = 0.2
 BOUND_S = 60.0  # a generous bound for a loaded CI machine; the measured detection is printed
 
 
-def _rank(rank: int, port: int, reports: Any, stop_after_start: bool) -> None:
+def _rank(rank: int, port: int, queues: list[Any], stop_after_start: bool) -> None:
+    """`queues[rank]` is this rank's own: a rank stopped inside a put holds only its own queue's lock."""
     import torch.distributed as dist
+
+    reports = queues[rank]
 
     join_group(rank, 2, f"tcp://127.0.0.1:{port}", rank_device("cpu", rank))
     heartbeat = RankHeartbeat(rank, TIMEOUT_S, INTERVAL_S)
@@ -45,14 +48,13 @@ def _rank(rank: int, port: int, reports: Any, stop_after_start: bool) -> None:
 
 def _start(stop_after_start: bool = False) -> tuple[list[Any], Any]:
     spawn = mp.get_context("spawn")
-    reports = spawn.SimpleQueue()
+    queues = [spawn.SimpleQueue() for _ in range(2)]
     port = free_port()
-    procs = [spawn.Process(target=_rank, args=(r, port, reports, stop_after_start), daemon=True) for r in range(2)]
+    procs = [spawn.Process(target=_rank, args=(r, port, queues, stop_after_start), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    started = [reports.get() for _ in range(2)]
-    assert sorted(s[:2] for s in started) == [("started", 0), ("started", 1)]
-    return procs, reports
+    assert [queues[r].get()[:2] for r in range(2)] == [("started", 0), ("started", 1)]
+    return procs, queues
 
 
 def _cleanup(procs: list[Any]) -> None:
@@ -65,11 +67,11 @@ def _cleanup(procs: list[Any]) -> None:
 
 @pytest.mark.distributed
 def test_a_stopped_rank_is_found_within_the_heartbeat_timeout() -> None:
-    procs, reports = _start()
+    procs, queues = _start()
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        kind, at, message = reports.get()
+        kind, at, message = queues[0].get()
         assert kind == "lost" and "stopped answering its heartbeat (timeout 2 s" in message
         print(f"stopped rank found after {at - stopped_at:.1f} s (timeout {TIMEOUT_S} s)")
         assert at - stopped_at < BOUND_S
@@ -92,14 +94,15 @@ def test_a_dead_rank_0_makes_the_worker_exit_on_its_own() -> None:
 
 @pytest.mark.distributed
 def test_an_agreed_stop_ends_every_heartbeat_and_reports_nothing() -> None:
-    procs, reports = _start(stop_after_start=True)
+    procs, queues = _start(stop_after_start=True)
     try:
         for p in procs:
             p.join(BOUND_S)
         assert [p.exitcode for p in procs] == [0, 0]
         seen = []
-        while not reports.empty():
-            seen.append(reports.get())
+        for q in queues:
+            while not q.empty():
+                seen.append(q.get())
         assert all(kind == "stopped" and ok for kind, _, ok in seen) and len(seen) >= 2
     finally:
         _cleanup(procs)

@@ -146,6 +146,11 @@ class EPDriver:
 
     def close(self) -> None:
         """Idempotent. Healthy: STOP and a barrier with every worker. Failed: nothing is sent (see the class docstring)."""
+        if self.heartbeat is not None and self.heartbeat.lost is not None:
+            # the step's thread may hold the lock inside a collective with the lost rank, which returns only at the group's
+            # timeout: waiting for the lock would hold the process that long, and there is nothing to send anyway
+            self._closed = True
+            return
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -75,7 +75,8 @@ class RankHeartbeat:
             try:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             except Exception as e:  # a peer stopped (timeout) or died (closed sockets)
-                self._lose(e)
+                if not self._stopping.is_set():  # a rank leaving on its own while the others never beat is no loss
+                    self._lose(e)
                 return
             if int(flag.item()):
                 return  # every rank saw the stop flag in this round

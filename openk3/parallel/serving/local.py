@@ -111,11 +111,13 @@ class LocalEP:
             if config.dp > 1:
                 assert engine is not None and tokenizer is not None
                 self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer, datetime.timedelta(seconds=config.ep_timeout_s))
+                heartbeat = self.dp_engine.heartbeat
             else:
                 self.driver, self.backend = start_driver(ctx, spec)
-                if self.driver.heartbeat is not None:
-                    # a stopped worker would hold rank 0's step for ep_timeout_s: killed, its sockets close and the step fails now
-                    self.driver.heartbeat.on_lost(lambda error: self._kill_workers())
+                heartbeat = self.driver.heartbeat
+            if heartbeat is not None:
+                # a stopped worker would hold rank 0's step for ep_timeout_s: killed, its sockets close and the step fails now
+                heartbeat.on_lost(lambda error: self._kill_workers())
         except RankStartError:
             self._teardown(0.0)
             raise

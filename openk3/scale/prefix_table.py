@@ -5,9 +5,15 @@ key j of a request stands for its first (j + 1) x unit tokens, so a replica "hol
 the request's key d - 1. The table is the router's belief, not the replica's truth: it forgets the oldest keys past a
 bound (an engine evicts too), and it forgets a replica that died (its restart comes back empty).
 
-Ties on depth, and requests matching nowhere, go to the replica with the fewest requests in flight (then the lowest id, so
-a decision is reproducible). A match loses to load when the matching replica has `max_imbalance` more requests in flight
-than the least loaded one: a shared system prompt must not pin every conversation to one replica.
+Only the private part of a match draws a request (issue 36: with one shared system prompt every conversation matched the
+replica that had seen it first, and 18 of 18 turns went there while the other replica idled). The table remembers, for
+each key, whether requests have continued it in different ways: such a key is a branch point of the prefix tree (the end
+of a system prompt that many conversations share), which every replica soon holds whatever the routing, since any request
+that lands there caches it. The request's shared depth is the depth of its deepest branch point; what a replica holds
+beyond it -- the conversation's own history -- is its private match. Requests go to the deepest private match; ties
+(among them every new conversation, whose private match is 0 everywhere) go to the replica with the fewest requests in
+flight, then to the deeper whole match, then the lowest id, so a decision is reproducible. A private match still loses to
+load when its replica has `max_imbalance` more requests in flight than the least loaded one.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ class TableConfig:
 class Choice:
     replica: str
     matched_units: int  # depth of the prefix the chosen replica is believed to hold
+    private_units: int = 0  # of those, the units past the request's deepest branch point (what draws it there)
+
+
+# A key's recorded continuation when requests have continued it in more than one way (a branch point).
+_BRANCHES = b""
 
 
 class PrefixTable:
@@ -42,6 +53,8 @@ class PrefixTable:
         self.config = config or TableConfig()
         self._keys: dict[str, OrderedDict[bytes, None]] = {}
         self._in_flight: dict[str, set[str]] = {}
+        # key -> the next key of the requests routed through it, or _BRANCHES once two differed; LRU, bounded like the replicas'
+        self._next: OrderedDict[bytes, bytes] = OrderedDict()
 
     @property
     def replicas(self) -> tuple[str, ...]:
@@ -77,17 +90,28 @@ class PrefixTable:
                 return j + 1
         return 0
 
+    def shared_depth(self, keys: Sequence[bytes]) -> int:
+        """Units of `keys` up to and including its deepest branch point: a key that routed requests (this one counted)
+        continued in different ways."""
+        for j in range(len(keys) - 1, -1, -1):
+            known = self._next.get(keys[j])
+            if known is not None and (known == _BRANCHES or (j + 1 < len(keys) and known != keys[j + 1])):
+                return j + 1
+        return 0
+
     def rank(self, keys: Sequence[bytes], candidates: Iterable[str], avoid: Iterable[str] = ()) -> list[Choice]:
         """`candidates` best first. Replicas in `avoid` (one that just failed this request) go last."""
         avoided = set(avoid)
-        scored = [Choice(r, self.depth(r, keys)) for r in candidates]
+        shared = self.shared_depth(keys)
+        scored = [Choice(r, d, max(0, d - shared)) for r in candidates for d in (self.depth(r, keys),)]
         if not scored:
             return []
         least = min(self.load(c.replica) for c in scored)
 
-        def order(c: Choice) -> tuple[bool, int, int, str]:
-            depth = c.matched_units if self.load(c.replica) - least < self.config.max_imbalance else 0
-            return (c.replica in avoided, -depth, self.load(c.replica), c.replica)
+        def order(c: Choice) -> tuple[bool, int, int, int, str]:
+            load = self.load(c.replica)
+            private = c.private_units if load - least < self.config.max_imbalance else 0
+            return (c.replica in avoided, -private, load, -c.matched_units, c.replica)
 
         return sorted(scored, key=order)
 
@@ -100,6 +124,12 @@ class PrefixTable:
             held.move_to_end(key)
         while len(held) > self.config.max_keys_per_replica:
             held.popitem(last=False)
+        for key, following in zip(keys, keys[1:], strict=False):
+            known = self._next.get(key)
+            self._next[key] = following if known in (None, following) else _BRANCHES
+            self._next.move_to_end(key)
+        while len(self._next) > self.config.max_keys_per_replica * max(1, len(self._keys)):
+            self._next.popitem(last=False)
         self._in_flight[replica].add(request_id)
 
     def completed(self, replica: str, request_id: str) -> None:

@@ -59,8 +59,8 @@ class PrefixAffinityRouter(RequestRouter):
         if not ranked:
             return []
         best = ranked[0]
-        if best.matched_units == 0:
-            # nothing cached anywhere: one rank, so the base class takes the shortest queue among all
+        if best.private_units == 0:
+            # no private match anywhere (a new conversation; nothing cached): one rank, so the base class takes the shortest queue among all
             return [[by_id[c.replica] for c in ranked if c.replica not in avoid] or [by_id[c.replica] for c in ranked]]
         return [[by_id[c.replica]] for c in ranked]
 

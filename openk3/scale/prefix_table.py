@@ -11,9 +11,11 @@ each key, whether requests have continued it in different ways: such a key is a 
 of a system prompt that many conversations share), which every replica soon holds whatever the routing, since any request
 that lands there caches it. The request's shared depth is the depth of its deepest branch point; what a replica holds
 beyond it -- the conversation's own history -- is its private match. Requests go to the deepest private match; ties
-(among them every new conversation, whose private match is 0 everywhere) go to the replica with the fewest requests in
-flight, then to the deeper whole match, then the lowest id, so a decision is reproducible. A private match still loses to
-load when its replica has `max_imbalance` more requests in flight than the least loaded one.
+(among them every new conversation, whose private match is 0 everywhere) go to the replica believed to hold the fewest
+keys, as SGLang's cache-aware router sends a low match to the smallest tree (so conversations, not only requests in
+flight, are spread), then to the one with the fewest requests in flight, the deeper whole match, the lowest id (a
+decision is reproducible). A replica `max_imbalance` or more requests busier than the least loaded one goes after all
+others, its match notwithstanding.
 """
 
 from __future__ import annotations
@@ -108,10 +110,10 @@ class PrefixTable:
             return []
         least = min(self.load(c.replica) for c in scored)
 
-        def order(c: Choice) -> tuple[bool, int, int, int, str]:
+        def order(c: Choice) -> tuple[bool, bool, int, int, int, int, str]:
             load = self.load(c.replica)
-            private = c.private_units if load - least < self.config.max_imbalance else 0
-            return (c.replica in avoided, -private, load, -c.matched_units, c.replica)
+            overloaded = load - least >= self.config.max_imbalance
+            return (c.replica in avoided, overloaded, -c.private_units, len(self._keys.get(c.replica, ())), load, -c.matched_units, c.replica)
 
         return sorted(scored, key=order)
 

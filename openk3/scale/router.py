@@ -58,10 +58,7 @@ class PrefixAffinityRouter(RequestRouter):
         ranked = self.table.rank(keys, by_id, avoid)
         if not ranked:
             return []
-        best = ranked[0]
-        if best.private_units == 0:
-            # no private match anywhere (a new conversation; nothing cached): one rank, so the base class takes the shortest queue among all
-            return [[by_id[c.replica] for c in ranked if c.replica not in avoid] or [by_id[c.replica] for c in ranked]]
+        # one rank per replica, in the table's order (a new conversation: the smallest believed cache first, then load)
         return [[by_id[c.replica]] for c in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:

@@ -11,11 +11,13 @@ each key, whether requests have continued it in different ways: such a key is a 
 of a system prompt that many conversations share), which every replica soon holds whatever the routing, since any request
 that lands there caches it. The request's shared depth is the depth of its deepest branch point; what a replica holds
 beyond it -- the conversation's own history -- is its private match. Requests go to the deepest private match; ties
-(among them every new conversation, whose private match is 0 everywhere) go to the replica believed to hold the fewest
-keys, as SGLang's cache-aware router sends a low match to the smallest tree (so conversations, not only requests in
-flight, are spread), then to the one with the fewest requests in flight, the deeper whole match, the lowest id (a
-decision is reproducible). A replica `max_imbalance` or more requests busier than the least loaded one goes after all
-others, its match notwithstanding.
+(among them every new conversation, whose private match is 0 everywhere) go to the replica that has been sent the fewest
+requests since it joined, so that conversations, not only the requests in flight, are spread (SGLang's cache-aware
+router sends a low match to the smallest tree instead, but tree size tracks how far a replica's conversations have got
+rather than how many it holds: in one of three runs of benchmarks/scale_routing.py it left 20 of 32 requests on one
+replica), then to the one with the fewest requests in flight, the deeper whole match, the lowest id (a decision is
+reproducible). A replica `max_imbalance` or more requests busier than the least loaded one goes after all others, its
+match notwithstanding.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class PrefixTable:
         self.config = config or TableConfig()
         self._keys: dict[str, OrderedDict[bytes, None]] = {}
         self._in_flight: dict[str, set[str]] = {}
+        self._sent: dict[str, int] = {}  # requests routed to each replica since it joined
         # key -> the next key of the requests routed through it, or _BRANCHES once two differed; LRU, bounded like the replicas'
         self._next: OrderedDict[bytes, bytes] = OrderedDict()
 
@@ -70,6 +73,7 @@ class PrefixTable:
         """A replica that died: its cache died with it, and its requests in flight failed."""
         self._keys.pop(replica, None)
         self._in_flight.pop(replica, None)
+        self._sent.pop(replica, None)
 
     def retain(self, replicas: Iterable[str]) -> None:
         """The replica set is now `replicas`: new ones start empty, missing ones are forgotten."""
@@ -113,7 +117,7 @@ class PrefixTable:
         def order(c: Choice) -> tuple[bool, bool, int, int, int, int, str]:
             load = self.load(c.replica)
             overloaded = load - least >= self.config.max_imbalance
-            return (c.replica in avoided, overloaded, -c.private_units, len(self._keys.get(c.replica, ())), load, -c.matched_units, c.replica)
+            return (c.replica in avoided, overloaded, -c.private_units, self._sent.get(c.replica, 0), load, -c.matched_units, c.replica)
 
         return sorted(scored, key=order)
 
@@ -133,6 +137,7 @@ class PrefixTable:
         while len(self._next) > self.config.max_keys_per_replica * max(1, len(self._keys)):
             self._next.popitem(last=False)
         self._in_flight[replica].add(request_id)
+        self._sent[replica] = self._sent.get(replica, 0) + 1
 
     def completed(self, replica: str, request_id: str) -> None:
         self._in_flight.get(replica, set()).discard(request_id)

@@ -1,5 +1,5 @@
-"""The routing rule, with exact choices: longest believed private prefix first, ties and misses to the smallest believed
-cache then the least loaded, load wins over a match past the imbalance bound, a dead replica is forgotten."""
+"""The routing rule, with exact choices: longest believed private prefix first, ties and misses to the replica sent the
+fewest requests, then the least loaded, load wins over a match past the imbalance bound, a dead replica is forgotten."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_longest_prefix_wins_and_misses_go_to_least_loaded() -> None:
     assert [(c.replica, c.matched_units) for c in ranked] == [("a", 3), ("b", 2)]
     t.completed("a", "r1")
     other = list(range(900, 1000))
-    # a miss: the smaller believed cache first (b: 2 keys to a's 3), its one request in flight within the imbalance bound
-    assert [c.replica for c in t.rank(keys(other), ["a", "b"])] == ["b", "a"]
+    # a miss: equal requests sent so far (one each), so the least loaded
+    assert [c.replica for c in t.rank(keys(other), ["a", "b"])] == ["a", "b"]
     t.routed("a", "r3", keys(other))
     t.completed("b", "r2")  # a is now busier: a miss goes to b
     assert t.rank(keys(list(range(2000, 2100))), ["a", "b"])[0].replica == "b"

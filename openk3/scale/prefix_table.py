@@ -58,6 +58,7 @@ class PrefixTable:
         self._keys: dict[str, OrderedDict[bytes, None]] = {}
         self._in_flight: dict[str, set[str]] = {}
         self._sent: dict[str, int] = {}  # requests routed to each replica since it joined
+        self._where: OrderedDict[str, str] = OrderedDict()  # request not yet completed -> the replica it counts as sent to
         # key -> the next key of the requests routed through it, or _BRANCHES once two differed; LRU, bounded like the replicas'
         self._next: OrderedDict[bytes, bytes] = OrderedDict()
 
@@ -68,12 +69,14 @@ class PrefixTable:
     def add_replica(self, replica: str) -> None:
         self._keys.setdefault(replica, OrderedDict())
         self._in_flight.setdefault(replica, set())
+        self._sent.setdefault(replica, 0)
 
     def forget(self, replica: str) -> None:
         """A replica that died: its cache died with it, and its requests in flight failed."""
         self._keys.pop(replica, None)
         self._in_flight.pop(replica, None)
         self._sent.pop(replica, None)
+        self._where = OrderedDict((r, at) for r, at in self._where.items() if at != replica)
 
     def retain(self, replicas: Iterable[str]) -> None:
         """The replica set is now `replicas`: new ones start empty, missing ones are forgotten."""
@@ -121,9 +124,17 @@ class PrefixTable:
 
         return sorted(scored, key=order)
 
+    def chosen(self, replica: str, request_id: str) -> None:
+        """The router's first choice for a request, before Ray confirms where it went (`routed`): it counts as sent there
+        at once. Ray routes a burst of requests before it reports any of them routed; without this, every new conversation
+        of the burst would see the same counts and make the same choice. (Not in flight yet: a choice Ray never carries
+        out must not hold a replica's load up for good.)"""
+        self._count_sent(replica, request_id)
+
     def routed(self, replica: str, request_id: str, keys: Sequence[bytes]) -> None:
         """The request went to `replica`: from now on it caches the request's prefix (the engine snapshots prompt ends)."""
-        self.add_replica(replica)
+        self._count_sent(replica, request_id)
+        self._in_flight[replica].add(request_id)
         held = self._keys[replica]
         for key in keys:
             held[key] = None
@@ -136,8 +147,21 @@ class PrefixTable:
             self._next.move_to_end(key)
         while len(self._next) > self.config.max_keys_per_replica * max(1, len(self._keys)):
             self._next.popitem(last=False)
-        self._in_flight[replica].add(request_id)
-        self._sent[replica] = self._sent.get(replica, 0) + 1
+
+    def _count_sent(self, replica: str, request_id: str) -> None:
+        """Count the request as sent to `replica` once, moving the count there if it was counted elsewhere."""
+        self.add_replica(replica)
+        before = self._where.get(request_id)
+        if before == replica:
+            return
+        if before is not None and before in self._sent:
+            self._sent[before] -= 1
+        self._where[request_id] = replica
+        self._where.move_to_end(request_id)
+        while len(self._where) > self.config.max_keys_per_replica:  # choices Ray never carried out are never completed
+            self._where.popitem(last=False)
+        self._sent[replica] += 1
 
     def completed(self, replica: str, request_id: str) -> None:
         self._in_flight.get(replica, set()).discard(request_id)
+        self._where.pop(request_id, None)

@@ -103,3 +103,24 @@ def test_conversations_sharing_a_system_prompt_spread_and_keep_their_replica() -
                 t.completed(next(iter(homes[c])), f"{c}-{turn}")
     assert all(len(h) == 1 for h in homes.values()), homes
     assert max(sent.values()) <= 0.6 * sum(sent.values()), sent
+
+
+def test_a_burst_of_new_conversations_alternates_before_any_is_reported_routed() -> None:
+    """Ray asks for the choices of a burst before it reports any request routed: the first choice counts at once, and
+    Ray's report, wherever the request really went, moves the count there without counting it twice."""
+    t = PrefixTable()
+    t.retain(["a", "b"])
+    picks = []
+    for c in range(4):
+        prompt = keys(SYSTEM + list(range(1000 * (c + 1), 1000 * (c + 1) + 64)))
+        best = t.rank(prompt, ["a", "b"])[0].replica
+        t.chosen(best, f"c{c}")
+        picks.append(best)
+    assert picks == ["a", "b", "a", "b"]
+    t.routed("b", "c0", keys(SYSTEM))  # Ray sent the first elsewhere: b now counts three, a one
+    t.routed("b", "c1", keys(SYSTEM))
+    assert t.rank(keys(list(range(5000, 5064))), ["a", "b"])[0].replica == "a"
+    t.chosen("a", "c4")
+    t.chosen("a", "c5")
+    # three sent to each: then the load, and only routed requests are in flight (b: c0 and c1; a: none)
+    assert t.rank(keys(list(range(6000, 6064))), ["a", "b"])[0].replica == "a"

@@ -37,8 +37,8 @@ from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, Out
 from openk3.serve.sampling import SamplingParams
 
 T = TypeVar("T")
-DEAD_THREAD_JOIN_S = 1.0
 E = TypeVar("E", bound=ServedEngine)  # LLMEngine, or a DataParallelEngine behind `openk3 serve --dp`
+DEAD_THREAD_JOIN_S = 1.0  # how long `shutdown` waits for a dead engine's thread (see there)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStalledError", "EngineObserver", "FrontendClosedError", "RequestStream"]
@@ -230,7 +230,8 @@ class AsyncEngine(Generic[E]):
             await self.failure.answer(added)
         except (asyncio.CancelledError, EngineDeadError):
             self._active -= 1
-            if not added.cancel():  # too late to withdraw: the add ran (or is running), so the abort goes in behind it
+            refused = added.done() and not added.cancelled() and added.exception() is not None
+            if not added.cancel() and not refused:  # too late to withdraw: the add ran (or is running), so the abort goes in behind it
                 self._abort_soon(request_id)
             raise
         except BaseException:

@@ -6,12 +6,15 @@ test moves; the engine thread is never raced."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 
 import httpx
 import pytest
 
+from openk3.api.errors import APIError
+from openk3.api.routes.state import check_open
 from openk3.serve.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import LLMEngine
@@ -127,6 +130,9 @@ def test_a_stalled_step_refuses_new_requests_at_once_and_keeps_the_running_ones(
             clock.now = 31.0
             with pytest.raises(EngineStalledError, match="has run for 31 s, longer than step_timeout_s 30"):
                 await frontend.add("new", PROMPT, LONG)
+            with pytest.raises(APIError) as health:  # what /health and a new completion answer, before any add
+                check_open(argparse.Namespace(frontend=frontend))  # type: ignore[arg-type]  # check_open reads only .frontend
+            assert (health.value.status, health.value.code, health.value.headers) == (503, "engine_stalled", {"Retry-After": "1"})
             stuck.release.set()
             assert (await running).request_id == "running"  # the stall ended: the running request goes on
             clock.now = 0.0

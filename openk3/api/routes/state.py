@@ -84,4 +84,6 @@ def check_open(served: ServedModel) -> None:
             message = f"the engine's current step has run for {stalled:.0f} s, longer than --step-timeout-s {frontend.config.step_timeout_s:g}"
         else:
             message = "the engine is not running"
-        raise APIError(503, message, code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S if stalled is not None else RESTART_RETRY_AFTER_S)})
+        if frontend.error is None and stalled is not None:  # the step may yet end: come back soon
+            raise APIError(503, message, code="engine_stalled", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(503, message, code="unavailable", headers={"Retry-After": str(RESTART_RETRY_AFTER_S)})

@@ -162,18 +162,23 @@ def _parse(body: bytes, model: type[M]) -> M:
 
 # The queue moves at the engine's step rate, so a refused client may come back soon; one second keeps retries from spinning.
 RETRY_AFTER_S = 1
+# A dead engine's process exits and its supervisor (torchrun, Kubernetes, Ray) starts a new one, which takes seconds at
+# least; a client behind a router is sent to another replica at once whatever this says.
+RESTART_RETRY_AFTER_S = 5
 
 
 def frontend_error(e: BaseException) -> APIError | None:
-    """The front end's refusals as 503s (queue full or timed out: with Retry-After); None for any other error."""
+    """The front end's refusals as 503s, each with Retry-After; None for any other error."""
     from openk3.serve.admission import QueueFullError, QueueTimeoutError
-    from openk3.serve.async_engine import EngineDeadError, FrontendClosedError
+    from openk3.serve.async_engine import EngineDeadError, EngineStalledError, FrontendClosedError
 
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, QueueFullError):
         return APIError(503, f"the server is overloaded: {e}", code="queue_full", headers=retry)
     if isinstance(e, QueueTimeoutError):
         return APIError(503, f"the server is overloaded: {e}", code="queue_timeout", headers=retry)
+    if isinstance(e, EngineStalledError):
+        return APIError(503, str(e), code="engine_stalled", headers=retry)
     if isinstance(e, (EngineDeadError, FrontendClosedError)):
-        return APIError(503, str(e), code="unavailable")
+        return APIError(503, str(e), code="unavailable", headers={"Retry-After": str(RESTART_RETRY_AFTER_S)})
     return None

@@ -38,7 +38,7 @@ from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.served_model import ServedModel
 from openk3.api.token_texts import TokenTexts
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
-from openk3.serve.async_engine import AsyncEngine, EngineDeadError, FrontendClosedError
+from openk3.serve.async_engine import AsyncEngine, EngineDeadError, EngineStalledError, FrontendClosedError
 from openk3.serve.engine import ServedEngine
 from openk3.serve.heap_trim import HeapTrimmer
 from openk3.serve.tokenizer import Tokenizer
@@ -144,6 +144,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(FrontendClosedError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineStalledError)
     @app.exception_handler(QueueFullError)
     @app.exception_handler(QueueTimeoutError)
     async def _unavailable(request: Request, e: Exception) -> JSONResponse:

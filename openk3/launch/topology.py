@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from openk3.parallel.group import ParallelContext
+    from openk3.parallel.serving.heartbeat import RankHeartbeat
 
 
 def run_expert_parallel(args: argparse.Namespace) -> int:
@@ -76,19 +77,33 @@ def _serve_rank0(args: argparse.Namespace, ctx: ParallelContext) -> int:
     return _serve_then_release(app, args, app.state.rank_group, "an expert-parallel")
 
 
+# After a lost rank rank 0's server stops on its own; leaving the group may then block on the engine thread's pending
+# collective, so past this the process exits regardless (its supervisor restarts the group).
+LOST_RANK_EXIT_GRACE_S = 10.0
+
+
 class _RankGroup(Protocol):
     """What rank 0 drives the other ranks through: an EPDriver, or a DataParallelEngine."""
 
     @property
     def failed(self) -> bool: ...
 
+    @property
+    def heartbeat(self) -> RankHeartbeat | None: ...
+
     def close(self) -> None: ...
 
 
 def _serve_then_release(app: FastAPI, args: argparse.Namespace, group: _RankGroup, kind: str) -> int:
     """Rank 0: serve until stopped, release the other ranks, write the expert load if asked; 1 when a step failed."""
+    from openk3.parallel.serving.heartbeat import exit_after
+
     log = logging.getLogger("openk3.parallel.serving")
     _keep_handlers_until_workers_stop(log)
+    heartbeat = group.heartbeat
+    if heartbeat is not None:
+        heartbeat.on_lost(app.state.served.frontend.fail)  # every caller answered 503 now, the server stops
+        heartbeat.on_lost(exit_after(LOST_RANK_EXIT_GRACE_S))
     try:
         rc = serve_until_stopped(app, args)
     finally:

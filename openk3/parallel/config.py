@@ -43,6 +43,9 @@ class ParallelConfig:
     ep_timeout_s: float = setting(
         300.0, "seconds one collective of the expert-parallel group may wait for a rank before the step fails (a stalled or dead rank)", low=1
     )
+    heartbeat_timeout_s: float = setting(
+        5.0, "seconds a rank may miss its heartbeat (beats every second, off the step path) before the group is declared lost and exits", low=2
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -58,10 +58,9 @@ class PrefixAffinityRouter(RequestRouter):
         ranked = self.table.rank(keys, by_id, avoid)
         if not ranked:
             return []
-        best = ranked[0]
-        if best.matched_units == 0:
-            # nothing cached anywhere: one rank, so the base class takes the shortest queue among all
-            return [[by_id[c.replica] for c in ranked if c.replica not in avoid] or [by_id[c.replica] for c in ranked]]
+        if pending_request is not None:
+            self.table.chosen(ranked[0].replica, pending_request.metadata.internal_request_id)
+        # one rank per replica, in the table's order (a new conversation: the replica sent the fewest requests first)
         return [[by_id[c.replica]] for c in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:

@@ -12,6 +12,9 @@ state slot in the engine's next iteration; a caller that leaves while its add is
 nothing added at all (futures the event loop may have cancelled are claimed with `set_running_or_notify_cancel` before
 any work, so the engine thread never answers a cancelled one). `shutdown` refuses new requests, waits for in-flight ones
 up to a timeout, aborts the rest and checks the engine's integrity before the thread ends.
+Failure (serve/engine_failure.py): once the engine has failed -- its step raised, or `fail` was called from outside, as the
+rank heartbeat does while the engine thread is still stuck in a collective -- every open stream, every add still queued
+and every later add get EngineDeadError at once; while a step runs past `step_timeout_s` new adds get EngineStalledError.
 Admission (serve/admission.py, on the engine thread): an add is refused while `max_waiting_requests` requests wait
 unscheduled (QueueFullError), and after each step those that have waited longer than `queue_timeout_s` are aborted
 (QueueTimeoutError, delivered to their streams).
@@ -29,15 +32,16 @@ from typing import Any, Generic, Protocol, TypeVar
 from openk3.serve.admission import Admission
 from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_failure import EngineDeadError, EngineStalledError, FailureLatch
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
 
 T = TypeVar("T")
 E = TypeVar("E", bound=ServedEngine)  # LLMEngine, or a DataParallelEngine behind `openk3 serve --dp`
+DEAD_THREAD_JOIN_S = 1.0  # how long `shutdown` waits for a dead engine's thread (see there)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; in-flight requests get this, and the server reports itself unhealthy."""
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStalledError", "EngineObserver", "FrontendClosedError", "RequestStream"]
 
 
 class FrontendClosedError(RuntimeError):
@@ -90,6 +94,7 @@ class RequestStream:
             return
         self._open = False
         self._frontend._active -= 1
+        self._frontend.failure.unwatch(self._queue)
         if abort:
             self._frontend._abort_soon(self.request_id)
 
@@ -116,7 +121,21 @@ class AsyncEngine(Generic[E]):
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.failure = FailureLatch()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine is dead (None while it is not); any thread."""
+        return self.failure.error
+
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine dead from outside the engine thread (any thread; the rank heartbeat calls it when a rank stops
+        answering): every caller is answered now, new adds are refused, and `on_failure` runs once, on the calling thread.
+        The engine thread, when its step returns or raises, drops the requests it still holds and runs no more steps."""
+        if self.failure.trip(error) and self.on_failure is not None:
+            self.on_failure(error)
+        with self._cv:
+            self._cv.notify()
 
     # event loop side
 
@@ -125,6 +144,7 @@ class AsyncEngine(Generic[E]):
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start: already started")
         self._loop = asyncio.get_running_loop()
+        self.failure.bind(self._loop)
         self._thread = threading.Thread(target=self._run, name="openk3-engine", daemon=True)
         self._thread.start()
 
@@ -175,16 +195,19 @@ class AsyncEngine(Generic[E]):
                 fut.set_exception(e)
 
         self._submit(command)
-        return await asyncio.wrap_future(fut)
+        return await self.failure.answer(fut)
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
         """Add a request and return its output stream (DELTA: one output per step that changed it; FINAL_ONLY: one at the
         end). Raises ValueError on bad input, QueueFullError, EngineDeadError or FrontendClosedError before anything is
         added; a caller cancelled meanwhile leaves nothing behind."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+            raise self.failure.dead_error()
         if not self._accepting or self._thread is None:
             raise FrontendClosedError("the server is shutting down")
+        stalled = self.stalled_for()
+        if stalled is not None:
+            raise EngineStalledError(f"the engine's current step has run for {stalled:.0f} s, longer than step_timeout_s {self.config.step_timeout_s:g}")
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -192,6 +215,8 @@ class AsyncEngine(Generic[E]):
             if not added.set_running_or_notify_cancel():
                 return  # the caller left while this waited behind a step: add nothing (and answer no cancelled future)
             try:
+                if self.error is not None:  # queued behind the step that failed: nothing may enter a dead engine
+                    raise self.failure.dead_error()
                 self._admit(request_id, prompt_token_ids, params, kind)
             except BaseException as e:
                 added.set_exception(e)
@@ -202,15 +227,17 @@ class AsyncEngine(Generic[E]):
         self._active += 1
         try:
             self._submit(add)
-            await asyncio.wrap_future(added)
-        except asyncio.CancelledError:
+            await self.failure.answer(added)
+        except (asyncio.CancelledError, EngineDeadError):
             self._active -= 1
-            if not added.cancel():  # too late to withdraw: the add ran (or is running), so the abort goes in behind it
+            refused = added.done() and not added.cancelled() and added.exception() is not None
+            if not added.cancel() and not refused:  # too late to withdraw: the add ran (or is running), so the abort goes in behind it
                 self._abort_soon(request_id)
             raise
         except BaseException:
             self._active -= 1
             raise
+        self.failure.watch(queue)
         return RequestStream(self, request_id, queue)
 
     async def generate(
@@ -234,7 +261,9 @@ class AsyncEngine(Generic[E]):
             self._stop = True
             self._cv.notify()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            # a dead engine's thread may be stuck in a collective with a lost rank, which returns only at the group's timeout
+            # (minutes): it is a daemon, so give it a moment to end (it does at once when its step raised) and leave it behind
+            await asyncio.to_thread(self._thread.join, min(timeout, DEAD_THREAD_JOIN_S) if self.error is not None else None)
 
     # engine thread side
 
@@ -297,6 +326,8 @@ class AsyncEngine(Generic[E]):
                     self._observe(stats)
                     for request_id, error in self.admission.expired():
                         self._abort(request_id, notify=False, error=error)
+                if self.error is not None and self._queues:  # failed from outside (`fail`) while the step ran
+                    self._fail(self.error)
                 self._publish_stats()
             except Exception as e:  # the engine state is now unknown: fail every request, refuse new ones
                 self._fail(e)
@@ -310,10 +341,9 @@ class AsyncEngine(Generic[E]):
             self.engine.check_integrity()
         self._publish_stats()
 
-    def _fail(self, error: Exception) -> None:
-        self.error = error
-        dead = EngineDeadError(f"the engine loop failed: {error!r}")
-        self._deliver([(queue, dead) for queue in self._queues.values()])
+    def _fail(self, error: BaseException) -> None:
+        """Engine thread: trip the latch (its first trip answers every caller) and drop every request the engine holds."""
+        first = self.failure.trip(error)
         for request_id in list(self._queues):
             try:
                 self.processor.abort(request_id)
@@ -321,7 +351,7 @@ class AsyncEngine(Generic[E]):
                 pass
         self._queues.clear()
         self.admission.clear()
-        if self.on_failure is not None:
+        if first and self.on_failure is not None:
             self.on_failure(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -6,14 +6,19 @@ tear the group down; these tests bound how long that takes and check that no wor
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import threading
 import time
 import warnings
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from openk3.config import debug
@@ -23,6 +28,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.model.weights import save_model
 from openk3.parallel.serving.driver import EPDriver
 from openk3.parallel.serving.local import LocalEP
+from openk3.parallel.serving.spawned import RankStartError, SpawnedRanks, report_error, report_started
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 
@@ -186,3 +192,131 @@ def test_ep_refuses_early() -> None:
     server_configs(build_parser().parse_args(["serve", "--ep", "1", "--device", "cuda:1"]))
     with pytest.raises(ValueError, match="cpu_offload_bytes / disk_offload_dir with ep=2"):  # device prefix caching runs (test_tensor_parallel)
         LLM("debug", ep=2, enable_prefix_caching=True, cpu_offload_bytes=1 << 20)
+
+
+def _die_before_starting_the_rank(report: Connection) -> None:
+    """A spawned rank that dies as one does in a script without a __main__ guard: before it runs any rank code."""
+    raise SystemExit(3)
+
+
+def _start_then_fail(report: Connection) -> None:
+    report_started(report)
+    try:
+        raise RuntimeError("injected: CUDA out of memory while building the shard")
+    except RuntimeError as e:
+        report_error(report, e)
+        raise SystemExit(1) from e
+
+
+def test_a_worker_that_dies_at_start_up_is_reported_at_once_with_its_exit_code() -> None:
+    """Issue 36 item 3: before, rank 0 waited in init_process_group for a rank that had already died. The wait ends when
+    the worker's process does (its sentinel), not on a timer: the deadline given here is never reached."""
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    worker = spawn.Process(target=_die_before_starting_the_rank, args=(write,), daemon=True)
+    worker.start()
+    write.close()
+    with pytest.raises(RankStartError, match=r"rank 1 \(pid \d+\) exited with code 3 before it reported anything .*__main__"):
+        SpawnedRanks([worker], [read]).wait_started(timeout_s=3600)
+    worker.join()
+
+
+def test_a_worker_that_fails_after_starting_is_reported_with_its_last_error() -> None:
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    worker = spawn.Process(target=_start_then_fail, args=(write,), daemon=True)
+    worker.start()
+    write.close()
+    ranks = SpawnedRanks([worker], [read])
+    ranks.wait_started(timeout_s=3600)
+    worker.join()
+    report = ranks.dead_report()
+    assert report is not None and re.fullmatch(r"rank 1 \(pid \d+\) exited with code 1; its last error: RuntimeError: injected: CUDA out of memory.*", report)
+
+
+def test_a_worker_that_never_starts_is_reported_at_the_deadline() -> None:
+    spawn = mp.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    alive, _keep = spawn.Pipe(duplex=False)
+
+    class Silent:  # a stand-in process that neither reports nor ends: its pipe and its sentinel stay silent
+        pid, exitcode, sentinel = 0, None, alive
+
+    try:
+        with pytest.raises(RankStartError, match=r"rank\(s\) 1 did not start within 0.05 s"):
+            SpawnedRanks([Silent()], [read]).wait_started(timeout_s=0.05)  # type: ignore[list-item]
+    finally:
+        for end in (read, write, alive, _keep):
+            end.close()
+
+
+class StopWorkerOnCall:
+    """Wraps rank 0's model; the `at`-th call SIGSTOPs the worker after the step's broadcast, so rank 0's forward waits in
+    a collective for a rank that is stopped (alive, silent): only the heartbeat can end the wait before ep_timeout_s."""
+
+    def __init__(self, model, worker_pid: int, at: int) -> None:  # noqa: ANN001  # any ForwardModel
+        self.model, self.pid, self.at, self.calls = model, worker_pid, at, 0
+        self.config = model.config
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(self.pid, signal.SIGSTOP)
+        return self.model(batch, cache)
+
+    def parameters(self, recurse: bool = True):  # noqa: ANN201
+        return self.model.parameters(recurse)
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_fails_the_step_by_its_heartbeat_not_the_group_timeout() -> None:
+    """Issue 36 item 2: before, rank 0 waited out ep_timeout_s (300 s by default; here 600 s, which the test would not
+    survive); the heartbeat (2 s) finds the stopped worker, LocalEP kills it, and the step fails with a connection error."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM("debug", ep=2, ep_method="ep", ep_timeout_s=600, heartbeat_timeout_s=2)
+    ep = llm._ep
+    assert ep is not None and ep.driver is not None and ep.driver.heartbeat is not None
+    worker = ep.workers[0]
+    assert worker.pid is not None
+    ep.driver.model = StopWorkerOnCall(ep.driver.model, worker.pid, at=2)
+    try:
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3]], GREEDY)
+        assert ep.driver.heartbeat.lost is not None and ep.driver.failed
+        worker.join(CLOSE_WITHIN_S)
+        assert worker.exitcode == -signal.SIGKILL, "LocalEP killed the stopped worker"
+        close_within(llm, CLOSE_WITHIN_S)
+        assert not dist.is_initialized()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()
+
+
+@pytest.mark.distributed
+def test_a_stopped_data_parallel_rank_fails_the_engine_by_its_heartbeat() -> None:
+    """The same with data-parallel attention (dp=2, ep=2): the worker is stopped before the request, so rank 0 learns of
+    it from the heartbeat, whether that comes before the step (which then refuses at once) or during it."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM("debug", dp=2, ep=2, ep_method="ep", ep_timeout_s=600, heartbeat_timeout_s=2)
+    ep = llm._ep
+    assert ep is not None and ep.dp_engine is not None and ep.dp_engine.heartbeat is not None
+    worker = ep.workers[0]
+    assert worker.pid is not None
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)
+        assert ep.dp_engine.heartbeat.lost is not None and ep.dp_engine.failed
+        worker.join(CLOSE_WITHIN_S)
+        assert worker.exitcode == -signal.SIGKILL, "LocalEP killed the stopped worker"
+        close_within(llm, CLOSE_WITHIN_S)
+        assert not dist.is_initialized()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()

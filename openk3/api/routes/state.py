@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel
 
 from openk3.api.connection import ConnectionConfig
-from openk3.api.errors import APIError, read_json
+from openk3.api.errors import RESTART_RETRY_AFTER_S, RETRY_AFTER_S, APIError, read_json
 from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
@@ -87,4 +87,6 @@ def check_open(served: ServedModel) -> None:
             message = f"the engine's current step has run for {stalled:.0f} s, longer than --step-timeout-s {frontend.config.step_timeout_s:g}"
         else:
             message = "the engine is not running"
-        raise APIError(503, message, code="unavailable")
+        if frontend.error is None and stalled is not None:  # the step may yet end: come back soon
+            raise APIError(503, message, code="engine_stalled", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(503, message, code="unavailable", headers={"Retry-After": str(RESTART_RETRY_AFTER_S)})

@@ -35,6 +35,7 @@ from openk3.parallel.dp.lockstep import LockstepModel
 from openk3.parallel.dp.rank_stats import LeaderEPStats, add_ep_step, merge_engine_stats
 from openk3.parallel.dp.router import DPRouter
 from openk3.parallel.serving.driver import EPTotals
+from openk3.parallel.serving.heartbeat import RankHeartbeat
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import EngineStats, LLMEngine
@@ -73,8 +74,9 @@ class _RankState:
 
 
 class DataParallelEngine:
-    def __init__(self, local: LLMEngine, lockstep: LockstepModel, channel: DPChannel) -> None:
+    def __init__(self, local: LLMEngine, lockstep: LockstepModel, channel: DPChannel, heartbeat: RankHeartbeat | None = None) -> None:
         self.local, self.lockstep, self.channel = local, lockstep, channel
+        self.heartbeat = heartbeat  # started; its owner adds what a lost rank means (LocalEP, the server's rank 0)
         self.num_ranks = channel.ctx.world_size
         self.router = DPRouter(self.num_ranks, local.config.prefix_match_unit)
         # until a rank reports after its first step it holds nothing, in pools the size of rank 0's (same settings)
@@ -90,7 +92,10 @@ class DataParallelEngine:
     @property
     def failed(self) -> bool:
         """A step failed: the other ranks may be stuck inside its collectives; close() then sends nothing."""
-        return self._failure is not None or self.lockstep.failed
+        return self._failure is not None or self.lockstep.failed or self._lost()
+
+    def _lost(self) -> bool:
+        return self.heartbeat is not None and self.heartbeat.lost is not None
 
     # what OutputProcessor and LLM read of an engine
     @property
@@ -176,6 +181,8 @@ class DataParallelEngine:
         """One lockstep step of every DP rank (module docstring); the outputs of every rank's requests."""
         if self._closed:
             raise RuntimeError("DataParallelEngine: closed (the DP workers have stopped)")
+        if self._failure is None and self.heartbeat is not None and self.heartbeat.lost is not None:
+            self._failure = str(self.heartbeat.lost)
         if self._failure is not None:
             raise RuntimeError(f"DataParallelEngine: an earlier step failed ({self._failure}); the DP group is unusable, close it and start again")
         inboxes = [Inbox(tuple(r.pending)) for r in self._ranks]
@@ -232,8 +239,13 @@ class DataParallelEngine:
         if self._closed:
             return
         self._closed = True
+        if self._lost():
+            # the step's thread may be inside a collective with the lost rank (holding the TP driver's lock): touch nothing
+            return
         try:
             if self._failure is None:
+                if self.heartbeat is not None:
+                    self.heartbeat.stop()  # every rank's heartbeat ends in the same round, before the ranks leave
                 self.channel.scatter([Inbox(stop=True)] * self.num_ranks)
                 self.channel.barrier()
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +22,7 @@ from openk3.parallel.dp.engine import DataParallelEngine, run_dp_worker
 from openk3.parallel.dp.lockstep import LockstepModel
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, ForwardModel, run_worker
+from openk3.parallel.serving.heartbeat import RankHeartbeat, exit_worker
 from openk3.parallel.serving.rank_groups import RankGroups, rank_groups
 from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
 from openk3.serve.config import EngineConfig
@@ -77,6 +79,7 @@ class _Leader:
 
 def run_dp_worker_rank(world: ParallelContext, spec: RankModelSpec, config: EngineConfig, timeout: datetime.timedelta | None = None) -> int:
     """Any rank but 0 of a data-parallel layout, from its groups to STOP; returns the steps it ran."""
+    heartbeat = RankHeartbeat(world.rank, spec.heartbeat_timeout_s)  # first: every rank creates its groups in one order
     groups = rank_groups(world, spec.tp, spec.dp, timeout)
     if not groups.is_leader:
         channel = groups.tp_channel
@@ -88,13 +91,23 @@ def run_dp_worker_rank(world: ParallelContext, spec: RankModelSpec, config: Engi
             raise
         if any(channel.report_ready(None)):
             return 0
-        return run_worker(model, channel, world.device, getattr(backend, "inner", None))
+        return _beating(heartbeat, lambda: run_worker(model, channel, world.device, getattr(backend, "inner", None)))
     leader = _Leader(groups, spec, config, None)
     if any(leader.dp_channel.report_ready(leader.error)):
         leader.close()
         return 0
-    assert leader.engine is not None and leader.lockstep is not None
-    return run_dp_worker(leader.engine, leader.lockstep, leader.dp_channel)
+    engine, lockstep = leader.engine, leader.lockstep
+    assert engine is not None and lockstep is not None
+    return _beating(heartbeat, lambda: run_dp_worker(engine, lockstep, leader.dp_channel))
+
+
+def _beating(heartbeat: RankHeartbeat, loop: Callable[[], int]) -> int:
+    """A worker's loop with its heartbeat running; a lost rank ends the process (this rank may be stuck with it)."""
+    heartbeat.on_lost(exit_worker)
+    heartbeat.start()
+    steps = loop()
+    heartbeat.stop()  # rank 0 stopped every heartbeat before its STOP (or a start-up failure left none beating)
+    return steps
 
 
 def start_dp_leader(
@@ -102,6 +115,7 @@ def start_dp_leader(
 ) -> DataParallelEngine:
     """Rank 0 of a data-parallel layout: its groups, its own DP group's engine, the handshakes, and the engine the
     caller steps. Raises the first error of any rank that failed to start."""
+    heartbeat = RankHeartbeat(world.rank, spec.heartbeat_timeout_s)
     groups = rank_groups(world, spec.tp, spec.dp, timeout)
     leader = _Leader(groups, spec, config, tokenizer)
     failures = [f for f in leader.dp_channel.report_ready(leader.error) if f is not None]
@@ -109,4 +123,4 @@ def start_dp_leader(
         leader.close()
         raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
     assert leader.engine is not None and leader.lockstep is not None
-    return DataParallelEngine(leader.engine, leader.lockstep, leader.dp_channel)
+    return DataParallelEngine(leader.engine, leader.lockstep, leader.dp_channel, heartbeat.start())

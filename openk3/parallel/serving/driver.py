@@ -26,6 +26,7 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.parallel.ep.stats import EPStats
+from openk3.parallel.serving.heartbeat import RankHeartbeat
 from openk3.parallel.serving.step_channel import CacheShape, CopyLog, StepChannel
 from openk3.serve.cache.transfer import replay
 
@@ -83,12 +84,14 @@ class EPDriver:
     between a header and its payload, nor while this rank is inside a step's collectives.
 
     Failure: once a step's broadcast has begun, any exception (here or in the model) leaves the workers inside that step's
-    collectives, waiting for this rank. The driver is then `failed`: later calls raise at once, and close() sends no STOP
-    (the workers could not read it); the owner must tear the group down instead (destroy it, kill local workers).
+    collectives, waiting for this rank. The driver is then `failed` (as it is once its heartbeat has lost a rank): later
+    calls raise at once, and close() sends no STOP (the workers could not read it); the owner must tear the group down
+    instead (destroy it, kill local workers).
     """
 
-    def __init__(self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None) -> None:
+    def __init__(self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None, heartbeat: RankHeartbeat | None = None) -> None:
         self.model, self.channel, self.stats = model, channel, stats
+        self.heartbeat = heartbeat  # started; its owner adds what a lost rank means (LocalEP, the server's rank 0)
         self.config = model.config
         self.totals = EPTotals()
         self.last_stats: list[EPStats] = []  # what the backend reported in the last forward (also added to totals)
@@ -101,6 +104,8 @@ class EPDriver:
         """A step of the engine's, or (cache None: a batch without cache slots) a cache-free forward such as the dummy
         step of an idle data-parallel rank (dp/lockstep.py), which the workers run without their pools."""
         with self._lock:
+            if self._failure is None and self.heartbeat is not None and self.heartbeat.lost is not None:
+                self._failure = str(self.heartbeat.lost)
             if self._failure is not None:
                 raise RuntimeError(f"EPDriver: an earlier step failed ({self._failure}); the expert-parallel group is unusable, close it and start again")
             if self._closed:
@@ -137,14 +142,21 @@ class EPDriver:
 
     @property
     def failed(self) -> bool:
-        return self._failure is not None
+        return self._failure is not None or (self.heartbeat is not None and self.heartbeat.lost is not None)
 
     def close(self) -> None:
         """Idempotent. Healthy: STOP and a barrier with every worker. Failed: nothing is sent (see the class docstring)."""
+        if self.heartbeat is not None and self.heartbeat.lost is not None:
+            # the step's thread may hold the lock inside a collective with the lost rank, which returns only at the group's
+            # timeout: waiting for the lock would hold the process that long, and there is nothing to send anyway
+            self._closed = True
+            return
         with self._lock:
             if not self._closed:
                 self._closed = True
-                if self._failure is None:
+                if not self.failed:
+                    if self.heartbeat is not None:
+                        self.heartbeat.stop()  # every rank's heartbeat ends in the same round, before the workers leave
                     self.channel.send_stop()
 
 

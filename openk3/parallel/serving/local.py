@@ -3,13 +3,15 @@ engine, N - 1 workers are spawned here (torch.multiprocessing; gloo on CPU, or o
 
 The caller's process joins a default process group for the LLM's lifetime, so it must not be in one already (under
 torchrun, use `openk3 serve --ep N`, torchrun.py). As with any spawn, the caller's script needs an
-`if __name__ == "__main__":` guard.
+`if __name__ == "__main__":` guard; without one (or whenever a worker dies during start-up) LLM raises at once, naming the
+rank, its exit code and its last error (spawned.py), instead of waiting for a rank that will never join.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from openk3.parallel.launch import free_port, join_group, rank_device
 from openk3.parallel.serving.dp_ranks import run_dp_worker_rank, start_dp_leader
 from openk3.parallel.serving.driver import EPDriver
 from openk3.parallel.serving.ranks import ModelSource, RankModelSpec, run_worker_rank, start_driver
+from openk3.parallel.serving.spawned import RankStartError, SpawnedRanks, report_error, report_started
 from openk3.serve.config import EngineConfig
 from openk3.serve.loading import resolve_model
 from openk3.serve.tokenizer import Tokenizer
@@ -30,17 +33,24 @@ JOIN_TIMEOUT_S = 60.0  # all workers together, after STOP
 KILL_GRACE_S = 5.0  # after SIGTERM to workers stuck in a failed step
 
 
-def _local_worker(rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float, engine: EngineConfig | None) -> None:
-    torch.set_num_threads(threads)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), timeout)
+def _local_worker(
+    rank: int, size: int, port: int, spec: RankModelSpec, device: str, threads: int, timeout_s: float, engine: EngineConfig | None, report: Connection
+) -> None:
+    report_started(report)
     try:
-        if engine is not None:
-            run_dp_worker_rank(ctx, spec, engine, timeout)
-        else:
-            run_worker_rank(ctx, spec)
-    finally:
-        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        ctx = join_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(device, rank), timeout)
+        try:
+            if engine is not None:
+                run_dp_worker_rank(ctx, spec, engine, timeout)
+            else:
+                run_worker_rank(ctx, spec)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:
+        report_error(report, e)
+        raise
 
 
 class LocalEP:
@@ -74,15 +84,17 @@ class LocalEP:
         spec = RankModelSpec.of(source, config, dtype, seed, collect_stats=False, ops=engine.ops if engine is not None else None)
         worker_engine = engine if config.dp > 1 else None
         spawn = mp.get_context("spawn")
+        pipes = [spawn.Pipe(duplex=False) for _ in range(1, world)]
         self.workers = [
             spawn.Process(
                 target=_local_worker,
-                args=(r, world, port, spec, dev.type, config.ep_threads, config.ep_timeout_s, worker_engine),
+                args=(r, world, port, spec, dev.type, config.ep_threads, config.ep_timeout_s, worker_engine, pipes[r - 1][1]),
                 daemon=True,
                 name=f"openk3-ep{r}",
             )
             for r in range(1, world)
         ]
+        self.spawned = SpawnedRanks(self.workers, [read for read, _ in pipes])
         self.module = source if isinstance(source, torch.nn.Module) else None
         self._backends = [moe.backend for moe in self.module.moe_layers()] if isinstance(self.module, K3ForCausalLM) else []
         self.driver: EPDriver | None = None
@@ -90,15 +102,31 @@ class LocalEP:
         try:
             for w in self.workers:
                 w.start()
+            for _, write in pipes:
+                write.close()  # the workers hold theirs: a worker's end closes its pipe
+            # nobody joins the group before every worker runs: one that died first is reported now, not waited for
+            self.spawned.wait_started(config.ep_timeout_s)
             # start-up and each collective wait at most ep_timeout_s: a worker that died is reported, not waited for forever
             ctx = join_group(0, world, f"tcp://127.0.0.1:{port}", rank_device(dev, 0), datetime.timedelta(seconds=config.ep_timeout_s))
             if config.dp > 1:
                 assert engine is not None and tokenizer is not None
                 self.dp_engine = start_dp_leader(ctx, spec, engine, tokenizer, datetime.timedelta(seconds=config.ep_timeout_s))
+                heartbeat = self.dp_engine.heartbeat
             else:
                 self.driver, self.backend = start_driver(ctx, spec)
-        except BaseException:
+                heartbeat = self.driver.heartbeat
+            if heartbeat is not None:
+                # a stopped worker would hold rank 0's step for ep_timeout_s: killed, its sockets close and the step fails now
+                heartbeat.on_lost(lambda error: self._kill_workers())
+        except RankStartError:
+            self._teardown(0.0)
+            raise
+        except BaseException as e:
             self._teardown(JOIN_TIMEOUT_S)
+            # a bare gloo or store error (a peer closed its sockets) says nothing of why; the dead worker's own report does
+            dead = self.spawned.dead_report() if isinstance(e, dist.DistError | TimeoutError | ConnectionError) else None
+            if dead is not None:
+                raise RankStartError(f"multi-rank start-up failed: {dead} ({type(e).__name__}: {e})") from e
             raise
 
     def close(self) -> None:
@@ -120,6 +148,11 @@ class LocalEP:
                 self.dp_engine.close()
         finally:
             self._teardown(JOIN_TIMEOUT_S)
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            if w.pid is not None and w.exitcode is None:
+                w.kill()
 
     def _teardown(self, grace_s: float) -> None:
         """Join the workers within one shared deadline of `grace_s` (0: stop them now), kill what is left, leave the group."""

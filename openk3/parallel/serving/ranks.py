@@ -25,6 +25,7 @@ from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.layout import ExpertLayout, ServingPlan, TensorParallelCut, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, run_worker
+from openk3.parallel.serving.heartbeat import RankHeartbeat, exit_worker
 from openk3.parallel.serving.rank_model import engine_placements, rank_expert_ids
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.serve.loading import resolve_model
@@ -47,12 +48,25 @@ class RankModelSpec:
     ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
     ops: str | None = None  # EngineConfig.ops: the implementations every rank selects for its shard (serve/op_names.py)
+    heartbeat_timeout_s: float = 5.0  # ParallelConfig.heartbeat_timeout_s: a rank silent this long is lost (heartbeat.py)
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
         """The spec of a layout as ParallelConfig declares it, with the engine's named ops (every entry point builds it here,
         so none drops a setting; the driver's engine runs the model as its ranks prepared it)."""
-        return cls(source, parallel.ep_method, dtype, seed, collect_stats, parallel.eplb_stats, tp=parallel.tp, ep=parallel.ep > 1, dp=parallel.dp, ops=ops)
+        return cls(
+            source,
+            parallel.ep_method,
+            dtype,
+            seed,
+            collect_stats,
+            parallel.eplb_stats,
+            tp=parallel.tp,
+            ep=parallel.ep > 1,
+            dp=parallel.dp,
+            ops=ops,
+            heartbeat_timeout_s=parallel.heartbeat_timeout_s,
+        )
 
 
 def build_rank_model(spec: RankModelSpec, ctx: ParallelContext, tp_ctx: ParallelContext | None = None) -> tuple[K3ForCausalLM, TokenSplit | EPBackend | None]:
@@ -108,6 +122,7 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
     """A worker rank from joining to STOP: channel, model, start-up handshake, loop; returns the steps it ran (0 when
     some rank failed to start: rank 0 reports that)."""
     channel = StepChannel(ctx)
+    heartbeat = RankHeartbeat(ctx.rank, spec.heartbeat_timeout_s)
     try:
         model, backend = build_rank_model(spec, ctx)
     except Exception as e:
@@ -115,13 +130,18 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
         raise
     if any(channel.report_ready(None)):
         return 0
-    return run_worker(model, channel, ctx.device, backend)
+    heartbeat.on_lost(exit_worker)  # this rank's main thread may be stuck in a collective with the lost rank
+    heartbeat.start()
+    steps = run_worker(model, channel, ctx.device, backend)
+    heartbeat.stop()  # rank 0 stopped every heartbeat before its STOP: this returns within a round
+    return steps
 
 
 def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, TokenSplit | None]:
     """Rank 0's side of the start-up: the channel, its model, the handshake, and the driver the engine is given in place
     of the model. Raises this rank's own error, else the first worker's that failed to build its model."""
     channel = StepChannel(ctx)
+    heartbeat = RankHeartbeat(ctx.rank, spec.heartbeat_timeout_s)
     try:
         model, backend = build_rank_model(spec, ctx)
     except Exception as e:
@@ -134,4 +154,4 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
         raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
     if not isinstance(backend, TokenSplit | None):
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
-    return EPDriver(model, channel, backend.inner if backend is not None else None), backend
+    return EPDriver(model, channel, backend.inner if backend is not None else None, heartbeat.start()), backend

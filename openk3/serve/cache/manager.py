@@ -146,6 +146,14 @@ class CacheManager:
         self.block_pool.free(pages[::-1])
         self.state_pool.free(self._slots.pop(req_id))
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Release req_id's pages past its first num_tokens tokens (the pages of rejected speculative positions)."""
+        pages = self._pages[req_id]
+        keep = self.pages_for(num_tokens)
+        if len(pages) > keep:
+            self.block_pool.free(pages[keep:][::-1])
+            del pages[keep:]
+
     @property
     def num_request_holders(self) -> int:
         return len(self._slots)

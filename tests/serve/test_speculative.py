@@ -118,3 +118,32 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
             second[out[1]] += 1
     assert torch.allclose(first / trials, p[0], atol=0.012)
     assert torch.allclose(second / second.sum(), p[1], atol=0.02)
+
+
+def cache_of(engine: LLMEngine, rid: str, n: int) -> list[torch.Tensor]:
+    """Request rid's KDA states and conv windows, and its MLA latents of positions 0..n-1."""
+    t, cache = engine.cache.tensors, engine.cache
+    slot, pages = cache.slot(rid), cache.page_ids(rid)
+    rows = [(pages[q // cache.page_size], q % cache.page_size) for q in range(n)]
+    latents = [torch.stack([layer[p, o] for p, o in rows]) for layer in t.mla_latent]
+    return [pool[slot].clone() for pool in (*t.kda_state, *t.conv_state)] + latents
+
+
+def test_a_rollback_leaves_the_cache_of_the_kept_tokens(target) -> None:
+    engine = LLMEngine(target, ByteTokenizer(256), EngineConfig(**BASE), draft_model=model(11), speculative=SpeculativeConfig(4))
+    engine.add_request("0", PROMPTS[0], GREEDY)
+    stats = engine.spec_stats
+    assert stats is not None
+    while stats.num_accepted_tokens == stats.num_draft_tokens or stats.num_drafts < 2:
+        engine.step()
+    req = engine.scheduler.requests["0"]
+    c = req.num_computed_tokens
+    assert c == req.num_tokens - 1
+    got = cache_of(engine, "0", c)
+    plain = LLMEngine(target, ByteTokenizer(256), EngineConfig(**BASE))
+    plain.add_request("p", req.token_ids[:c], GREEDY.replace(max_tokens=2))
+    while plain.scheduler.requests["p"].num_computed_tokens < c:
+        plain.step()
+    want = cache_of(plain, "p", c)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -3,6 +3,8 @@ output equals non-speculative decoding token for token (several prompts, batch >
 draft that agrees and one that mostly does not, so rollbacks happen), stop tokens and max_tokens inside an accepted run end
 it there, and the rejection rule leaves the target distribution unchanged (a seeded statistical test)."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from openk3.serve.sampling import SamplingParams
 from openk3.serve.speculative import SpeculativeConfig, verify
 from openk3.serve.tokenizer import ByteTokenizer
 
-BASE = dict(page_size=4, num_pages=200, max_num_seqs=4, max_model_len=256, long_prefill_token_threshold=16)
+BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=4, max_model_len=256, long_prefill_token_threshold=16)
 PROMPTS = [list(range(40, 70)), list(range(40, 70)) + [9, 8, 7], [5, 6, 7, 8] * 5, [100, 3, 77]]
 
 

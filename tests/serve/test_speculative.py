@@ -149,3 +149,27 @@ def test_a_rollback_leaves_the_cache_of_the_kept_tokens(target) -> None:
     want = cache_of(plain, "p", c)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def run_text(target, params: SamplingParams, draft=None) -> tuple[list[int], str, str | None]:
+    engine = LLMEngine(target, ByteTokenizer(256), EngineConfig(**BASE), draft_model=draft, speculative=SpeculativeConfig(4) if draft else None)
+    engine.add_request("0", PROMPTS[0], params)
+    tokens: list[int] = []
+    text, reason = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.extend(o.new_token_ids)
+            text = text[: len(text) - o.text_dropped] + o.new_text
+            reason = o.finish_reason
+        engine.check_integrity()
+    return tokens, text, reason
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_it_there(target) -> None:
+    tokens, text, _ = run_text(target, GREEDY)
+    stop = ByteTokenizer(256).decode(tokens[5:7])
+    assert stop and stop in text
+    params = GREEDY.replace(stop=[stop])
+    want = run_text(target, params)
+    got = run_text(target, params, draft=model(5))
+    assert got == want and want[2] == "stop" and len(want[0]) < len(tokens)

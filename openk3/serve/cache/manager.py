@@ -3,7 +3,8 @@ and the preallocated `CacheTensors` the model reads and writes through them.
 
 Contract: `allocate(req_id, num_tokens)` makes request req_id hold a state slot and enough pages for its first num_tokens tokens,
 all or nothing; `free(req_id)` returns both. Only the scheduler calls them (single thread). The page list of a request only
-grows while it runs, so the runner can keep its copy in sync from the new page ids alone.
+grows while it runs, so the runner can keep its copy in sync from the new page ids alone -- except `trim`, which speculative
+decoding uses to release the pages of rejected draft positions (and which is why speculation refuses CUDA graphs for now).
 With prefix caching (`prefix` given) the state tensors hold `num_slots` request slots followed by the snapshot slots, pages are
 held by requests and by the prefix index (ref counts), and an allocation that finds too few free pages first evicts cached
 prefixes (prefix.py states the rule). A new request starts through `match_prefix` -> `fetch` -> `allocate_prefixed`.

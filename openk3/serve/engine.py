@@ -25,6 +25,7 @@ from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
+from openk3.serve.draft import DraftProposer
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
@@ -34,7 +35,8 @@ from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler
-from openk3.serve.stopping import RequestText, token_stop
+from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, can_speculate
+from openk3.serve.stopping import NewText, RequestText, token_stop
 from openk3.serve.tokenizer import Tokenizer
 
 
@@ -112,7 +114,17 @@ def _param(model: CausalLM) -> torch.Tensor | None:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, checkpoint_eos: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        checkpoint_eos: Sequence[int] = (),
+        draft_model: CausalLM | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
+        """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
+        tokenizer), `speculative` drafts per step."""
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -147,12 +159,21 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         sampler = Sampler(cfg.seed, self.device)
-        self.runner = ModelRunner(model, self.cache, sampler, self.device)
+        self.runner = ModelRunner(model, self.cache, sampler, self.device, self.max_model_len)
         if isinstance(model, torch.nn.Module) and moe_layers(model):
             self.runner.routing = RoutingRecorder(model)  # records only the steps of requests that ask (return_routing)
         self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
         self._cache_dtype = cache_dtype
         self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
+        self.proposer: DraftProposer | None = None
+        if draft_model is not None:
+            if cfg.cuda_graphs:
+                raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
+            if draft_model.config.vocab_size != self.model_config.vocab_size:
+                v, t = draft_model.config.vocab_size, self.model_config.vocab_size
+                raise ValueError(f"draft model vocab_size={v} differs from the target's {t}: a draft must share the tokenizer")
+            k = (speculative or SpeculativeConfig()).num_speculative_tokens
+            self.proposer = DraftProposer(draft_model, k, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
@@ -272,8 +293,51 @@ class LLMEngine:
             prefix_cache=prefix_cache_stats(self.cache),
         )
 
+    def _propose(self, proposer: DraftProposer) -> None:
+        """Drafts for every running request in decode that can speculate, as many as its length limits leave room for."""
+        proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
+        wanted = []
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
+                continue
+            p = req.sampling_params
+            room = self.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            k = min(proposer.k, room)
+            if k > 0:
+                wanted.append((req, k))
+        proposer.propose(wanted)
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's acceptance counters (None without a draft model)."""
+        return None if self.proposer is None else self.runner.spec_stats
+
+    def _stops(self, req: Request, new_tokens: list[int]) -> tuple[RequestStatus | None, list[int], NewText]:
+        """Every stop rule over the tokens just appended, in order (a speculative run was already cut at the first token the
+        length or stop-token rules end it on, so only the last is checked for those): the status, the tokens kept (a stop
+        string inside a run drops the tokens after it from the request) and their text."""
+        texts = self._texts[req.request_id]
+        new_text, dropped = "", 0
+        status: RequestStatus | None = None
+        for i, token in enumerate(new_tokens):
+            after = len(new_tokens) - 1 - i  # tokens of the run after this one
+            status = token_stop(req, token, self.max_model_len, self._eos) if after == 0 else None
+            text = texts.add(token, status, req.num_output_tokens - after)
+            cut = min(text.dropped, len(new_text))  # a cut into this step's own text is made here, the rest reported
+            new_text, dropped = new_text[: len(new_text) - cut] + text.text, dropped + text.dropped - cut
+            if text.stop is not None:  # a stop string wins over the length
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, text.stop
+                if after:
+                    del req.token_ids[-after:]  # its state then covers more than its tokens: finish snapshots nothing
+                return status, new_tokens[: i + 1], NewText(new_text, dropped, text.stop)
+        return status, new_tokens, NewText(new_text, dropped)
+
     def step(self) -> list[EngineCoreOutput]:
         """One scheduling step; returns an output for each request that received a token (with only that token)."""
+        if self.proposer is not None:
+            self._propose(self.proposer)
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError(
@@ -287,9 +351,10 @@ class LLMEngine:
             self._routing.setdefault(request_id, RoutingParts()).add(start, rows)
         outputs = []
         now = time.monotonic()
-        for req in self.scheduler.update_from_output(out, result.token_ids):
-            self._generation_tokens_total += 1
-            token = req.token_ids[-1]
+        for req in self.scheduler.update_from_output(out, result.token_ids, result.runs):
+            run = result.runs.get(req.request_id)
+            new_tokens = run if run is not None else [req.token_ids[-1]]
+            self._generation_tokens_total += len(new_tokens)
             if req.timings.first_token is None:
                 req.timings.first_token = now
             req.timings.last_token = now
@@ -298,10 +363,7 @@ class LLMEngine:
             prompt_logprobs = None
             if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_scores.take(req.request_id) or ()  # () for a one-token prompt: nothing to score
-            status = token_stop(req, token, self.max_model_len, self._eos)
-            text = self._texts[req.request_id].add(token, status, req.num_output_tokens)
-            if text.stop is not None:  # a stop string wins over the length
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, text.stop
+            status, new_tokens, text = self._stops(req, new_tokens)
             metrics, routing = None, None
             if status is not None:
                 routing = self._take_routing(req)
@@ -312,7 +374,7 @@ class LLMEngine:
             outputs.append(
                 EngineCoreOutput(
                     req.request_id,
-                    (token,),
+                    tuple(new_tokens),
                     logprobs,
                     req.num_cached_tokens,
                     req.status.finish_reason,

@@ -104,6 +104,10 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS, length, abort)
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        # speculative decoding (serve/speculative.py): the draft tokens proposed for the coming step, after token_ids, and
+        # the draft's distributions they were drawn from ([K, V]; None when greedy); never part of token_ids
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.snapshot_points: tuple[int, ...] = ()  # prompt positions where the prefix cache wants a state (detected branch points)
         self.timings = RequestTimings(arrival=time.monotonic() if arrival_time is None else arrival_time)
         # per-request RNG when seeded (on the engine's device); survives preemption: draws never repeat

@@ -22,11 +22,14 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
+from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.prompt_logprobs import rows_to_score, score
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.routing import RoutingRecorder
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.scheduler import SchedulerOutput
+from openk3.serve.speculative import SpecDecodeStats, verify
+from openk3.serve.stopping import tokens_kept
 
 
 class CausalLM(Protocol):
@@ -49,6 +52,8 @@ class StepSamples:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # request id -> (first position, [n, L, k] expert ids) of the rows it ran, for requests that asked (serve/routing.py)
     routing: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # request id -> the tokens a speculating request keeps this step (accepted drafts, then the target's token)
+    runs: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class ModelRunner:
         cache: CacheManager,
         sampler: Sampler,
         device: torch.device | str = "cpu",
+        max_model_len: int = 1 << 62,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -73,18 +79,34 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
         self.routing: RoutingRecorder | None = None  # set by the engine where the model has MoE layers to record
+        self.max_model_len = max_model_len  # where the length rule ends a speculative run (serve/stopping.py)
+        self.spec_stats = SpecDecodeStats()
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[PromptRows]]:
-        """The packed step, the requests that sample (in logits-row order), then the prompt rows scored (after them)."""
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[Request], list[PromptRows]]:
+        """The packed step, the requests that sample (in logits-row order), the requests that verify drafts (k + 1 rows
+        each, after them), then the prompt rows scored (after those)."""
         ids: list[int] = []
         positions: list[int] = []
         cu = [0]
         context_lens, slots, page_rows, logits_rows = [], [], [], []
         scored_rows: list[int] = []
+        verify_rows: list[int] = []
         sampling: list[Request] = []
+        verifying: list[Request] = []
         scored: list[PromptRows] = []
         for req, n in zip(out.requests, out.num_tokens, strict=True):
             c = req.num_computed_tokens
+            k = len(req.draft_token_ids)
+            if k and c + n == req.num_tokens + k:  # the scheduler gave it its drafts: verify them (serve/speculative.py)
+                ids.extend((req.token_ids + req.draft_token_ids)[c:])
+                positions.extend(range(c, c + n))
+                cu.append(cu[-1] + n)
+                context_lens.append(c)
+                slots.append(self.cache.slot(req.request_id))
+                page_rows.append(self.cache.page_ids(req.request_id))
+                verifying.append(req)
+                verify_rows.extend(range(cu[-1] - k - 1, cu[-1]))
+                continue
             if c + n > req.num_tokens:
                 raise AssertionError(f"{req.request_id}: scheduled {n} tokens from {c} but only {req.num_tokens} are known")
             pages = self.cache.page_ids(req.request_id)
@@ -115,23 +137,25 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
             state_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             page_table=table.to(dev),
-            logits_indices=torch.tensor(logits_rows + scored_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_rows + verify_rows + scored_rows, dtype=torch.int64, device=dev),
             is_decode=all(n == 1 for n in lens),
             host_facts=HostFacts.of(context_lens, slots),
         )
-        return batch, sampling, scored
+        return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:
-        """Run one planned step: forward the packed batch and sample the rows whose requests caught up. Requests are read,
-        never changed (the scheduler's update_from_output advances them)."""
+        """Run one planned step: forward the packed batch and sample the rows whose requests caught up, verify the drafts
+        of the requests that have them (rolling their KDA slots back to the kept tokens). Requests are read, never changed
+        (the scheduler's update_from_output advances them)."""
         if out.is_empty:
             return StepSamples({}, {})
-        batch, sampling, scored = self.build_batch(out)
+        batch, sampling, verifying, scored = self.build_batch(out)
         recorded = [i for i, r in enumerate(out.requests) if r.sampling_params.return_routing]
         with torch.inference_mode():
-            # a graph returns the logits of every row in batch order, not sampling rows then scored ones; and it runs no
-            # Python, so a step that records its routing runs eagerly
-            eager = scored or recorded
+            saved = {r.request_id: save_slot(self.cache, self.cache.slot(r.request_id)) for r in verifying}
+            # a graph returns the logits of every row in batch order, not sampling rows then scored or verified ones; and it
+            # runs no Python, so a step that records its routing runs eagerly
+            eager = scored or verifying or recorded
             bucket = self.graphs.bucket_for(batch) if self.graphs is not None and not eager else None
             if bucket is not None:
                 assert self.graphs is not None
@@ -145,7 +169,20 @@ class ModelRunner:
                 logits = self.model(batch, self.cache.tensors)
             rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
             result = self.sampler(logits[: len(sampling)], rows)
-            prompt_logprobs = self._score_prompts(logits[len(sampling) :], scored)
+            at = len(sampling)
+            runs: dict[str, list[int]] = {}
+            redo: list[PackedRow] = []
+            for req in verifying:
+                k = len(req.draft_token_ids)
+                runs[req.request_id] = run = self._verify(req, logits[at : at + k + 1])
+                at += k + 1
+                if len(run) < k + 1:  # put the slot back and recompute the kept prefix: pending token + accepted drafts
+                    c, slot = req.num_computed_tokens, self.cache.slot(req.request_id)
+                    restore_slot(self.cache, slot, saved[req.request_id])
+                    redo.append(PackedRow(slot, self.cache.page_ids(req.request_id), c, (req.token_ids + run)[c : req.num_tokens + len(run) - 1]))
+            if redo:
+                self.model(pack(redo, self.device), self.cache.tensors)  # one forward for every rollback of the step
+            prompt_logprobs = self._score_prompts(logits[at:], scored)
         logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
         routing = {}
         if recorded:
@@ -154,7 +191,17 @@ class ModelRunner:
             for i in recorded:
                 req = out.requests[i]
                 routing[req.request_id] = (req.num_computed_tokens, experts_TLk[cu[i] : cu[i + 1]])
-        return StepSamples({r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}, logprobs, prompt_logprobs, routing)
+        tokens = {r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}
+        return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs)
+
+    def _verify(self, req: Request, logits_KV: torch.Tensor) -> list[int]:
+        """The tokens a request keeps from its drafts (serve/speculative.py), cut at the first a stop rule ends it on."""
+        drafts = req.draft_token_ids
+        generator = req.generator if req.generator is not None else self.sampler.generator
+        run, accepted = verify(logits_KV, drafts, req.draft_probs, req.sampling_params, generator)
+        run = run[: tokens_kept(req, run, self.max_model_len)]
+        self.spec_stats.record(len(drafts), min(accepted, len(run) - 1))
+        return run
 
     @staticmethod
     def _score_prompts(logits_RV: torch.Tensor, scored: list[PromptRows]) -> dict[str, tuple[int, list[TokenLogprobs]]]:

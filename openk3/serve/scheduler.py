@@ -150,6 +150,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
 
         self.cache.free(req.request_id)
+        req.draft_token_ids, req.draft_probs = [], None
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -167,6 +168,11 @@ class Scheduler:
             req = self.running[i]
             n = self._chunk(req, budget)
             assert n > 0, f"running request {req.request_id} has nothing to compute"
+            k = len(req.draft_token_ids)
+            if k and n == req.num_tokens - req.num_computed_tokens and n + k <= budget:
+                n += k  # its drafts are verified in this step (serve/speculative.py)
+            else:
+                req.draft_token_ids, req.draft_probs = [], None
             new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
             while new_pages is None:
                 victim = self.running.pop()
@@ -201,13 +207,23 @@ class Scheduler:
 
         return SchedulerOutput(tuple(scheduled), tuple(counts))
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int], runs: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts and append the sampled tokens (request id -> token, only for the requests whose
-        computed tokens caught up this step); returns the requests that received a token, in batch order."""
+        computed tokens caught up this step) and the runs of speculating requests (request id -> the tokens kept: the
+        runner left its state covering all but the last, and the pages of the rest are released); returns the requests
+        that received tokens, in batch order."""
         got_token = []
         for req, n in zip(out.requests, out.num_tokens, strict=True):
+            req.draft_token_ids, req.draft_probs = [], None
             if req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
+            run = None if runs is None else runs.get(req.request_id)
+            if run is not None:
+                req.token_ids.extend(run)
+                req.num_computed_tokens = req.num_tokens - 1
+                self.cache.trim(req.request_id, req.num_tokens)
+                got_token.append(req)
+                continue
             req.num_computed_tokens += n
             if self._snapshot_due(req):
                 self.cache.snapshot(req.request_id, req.token_ids[: req.num_computed_tokens])
@@ -228,7 +244,8 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            if self.cache.prefix is not None and req.num_computed_tokens > 0:
+            # a stop string inside a speculative run leaves the state past its tokens (engine.py): nothing to snapshot then
+            if self.cache.prefix is not None and 0 < req.num_computed_tokens < req.num_tokens:
                 self.cache.snapshot(req_id, req.token_ids[: req.num_computed_tokens])  # the next turn of a conversation
         else:
             self.waiting.remove(req)

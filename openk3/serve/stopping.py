@@ -34,6 +34,19 @@ def token_stop(req: Request, token: int, max_model_len: int, eos_token_id: int |
     return None
 
 
+def tokens_kept(req: Request, tokens: list[int], max_model_len: int) -> int:
+    """How many of `tokens`, appended in order after req's tokens (a speculative run), to keep: through the first one the
+    length or stop-token rules of token_stop would end the request on, else all."""
+    p = req.sampling_params
+    for i, token in enumerate(tokens):
+        num_tokens, num_out = req.num_tokens + i + 1, req.num_output_tokens + i + 1
+        if num_tokens >= max_model_len or (p.max_tokens is not None and num_out >= p.max_tokens):
+            return i + 1
+        if num_out >= p.min_tokens and token in req.stop_token_ids:
+            return i + 1
+    return len(tokens)
+
+
 @dataclass(frozen=True)
 class NewText:
     """What one token did to a request's text: `text` appended after dropping the last `dropped` characters reported."""

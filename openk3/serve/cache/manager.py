@@ -3,7 +3,8 @@ and the preallocated `CacheTensors` the model reads and writes through them.
 
 Contract: `allocate(req_id, num_tokens)` makes request req_id hold a state slot and enough pages for its first num_tokens tokens,
 all or nothing; `free(req_id)` returns both. Only the scheduler calls them (single thread). The page list of a request only
-grows while it runs, so the runner can keep its copy in sync from the new page ids alone.
+grows while it runs, so the runner can keep its copy in sync from the new page ids alone -- except `trim`, which speculative
+decoding uses to release the pages of rejected draft positions (and which is why speculation refuses CUDA graphs for now).
 With prefix caching (`prefix` given) the state tensors hold `num_slots` request slots followed by the snapshot slots, pages are
 held by requests and by the prefix index (ref counts), and an allocation that finds too few free pages first evicts cached
 prefixes (prefix.py states the rule). A new request starts through `match_prefix` -> `fetch` -> `allocate_prefixed`.
@@ -145,6 +146,14 @@ class CacheManager:
         pages = self._pages.pop(req_id)
         self.block_pool.free(pages[::-1])
         self.state_pool.free(self._slots.pop(req_id))
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Release req_id's pages past its first num_tokens tokens (the pages of rejected speculative positions)."""
+        pages = self._pages[req_id]
+        keep = self.pages_for(num_tokens)
+        if len(pages) > keep:
+            self.block_pool.free(pages[keep:][::-1])
+            del pages[keep:]
 
     @property
     def num_request_holders(self) -> int:

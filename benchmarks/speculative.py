@@ -1,0 +1,105 @@
+"""Speculative decoding on the embedded demo model (issue 39): decode tok/s and acceptance with and without a draft model,
+greedy, at batch 1, 4 and 16, the baseline measured in the same run.
+
+Drafts: `self` is the demo model itself (every draft accepted: the acceptance upper bound and the pure overhead of drafting
+and verifying); `half` is the demo model's first 4 layers (three KDA layers and one MLA layer, with its embedding, final
+norm and head), a layer-skip draft at about half the target's cost. Correctness gate: every speculative run's greedy
+tokens must equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
+
+  python benchmarks/speculative.py                       # batch 1, 4, 16; k = 3; 64 new tokens
+  python benchmarks/speculative.py --batch 1 --k 2 4 --new 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import platform
+import subprocess
+import time
+
+import torch
+
+from openk3.model import K3ForCausalLM
+from openk3.parallel.layout import ServingPlan, apply_serving_layout
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.loading import build_model
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
+
+
+def truncated_draft(target: K3ForCausalLM, n: int) -> K3ForCausalLM:
+    """The target's first n layers as a model of its own (a copy: its layers keep their cache indices, which the first
+    layers' KDA and MLA layers number from 0 as in a model built with n layers)."""
+    cfg = target.config
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:n]
+    draft.config = dataclasses.replace(cfg, num_hidden_layers=n, mla_layers=tuple(i for i in cfg.mla_layers if i < n))
+    for m in draft.modules():
+        if m is not draft and getattr(m, "config", None) is cfg:
+            setattr(m, "config", draft.config)  # noqa: B010  # the submodules that keep the config read the truncated one
+    return draft.eval()
+
+
+def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
+    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
+    engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=SpeculativeConfig(k) if draft is not None else None)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        out[str(i)] = []
+    decode = 0.0
+    while engine.has_unfinished():
+        prefill = any(len(v) == 0 for v in out.values())
+        start = time.perf_counter()
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        if not prefill:
+            decode += time.perf_counter() - start
+    tokens = [out[str(i)] for i in range(len(prompts))]
+    decoded = sum(len(t) - 1 for t in tokens)  # the first token of each comes with its prefill
+    return decoded / decode, tokens, engine.spec_stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--k", type=int, nargs="+", default=[3])
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = build_model("tiny", torch.float32, "cpu", 0)
+    assert isinstance(target, K3ForCausalLM)
+    # a truncated draft keeps whole Attention Residuals blocks (a shorter one breaks the block readers of model.py)
+    drafts = {"self": target, "half": truncated_draft(target, target.config.attn_res_block_size or target.config.num_hidden_layers // 2)}
+    for m in drafts.values():  # the serving layout build_engine applies (fused projections, the CPU ops)
+        apply_serving_layout(m, ServingPlan(torch.device("cpu")))
+    texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# benchmarks/speculative.py --batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}")
+    print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {platform.processor() or platform.machine()}, commit {commit}")
+    print("| batch | draft | k | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in args.batch:
+        prompts = [tokenizer.encode(texts[i % len(texts)]) for i in range(b)]
+        generate(target, tokenizer, prompts[:1], 4)  # warm-up
+        for name, draft in drafts.items():
+            for k in args.k:
+                # baseline and speculative runs alternate, best of --repeat each: a shared machine's slow spells hit both
+                base_tps, spec_tps, base_tokens, tokens, stats = 0.0, 0.0, None, None, None
+                for _ in range(args.repeat):
+                    b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new)
+                    s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, draft, k)
+                    base_tps, spec_tps = max(base_tps, b_tps), max(spec_tps, s_tps)
+                tps = spec_tps
+                assert stats is not None
+                ratio = f"{tps / base_tps:.2f}x" if tokens == base_tokens else "FAIL (output differs)"
+                print(f"| {b} | {name} | {k} | {tps:.1f} | {base_tps:.1f} | {ratio} | {stats.acceptance_rate:.2f} | {stats.mean_acceptance_length:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

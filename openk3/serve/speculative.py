@@ -1,0 +1,121 @@
+"""Speculative decoding: which requests speculate, the acceptance rule, and the metrics (the draft model is serve/draft.py).
+
+A decoding request gets k draft tokens (serve/draft.py) before the step is planned; the scheduler gives it its pending token
+plus the k drafts (or drops the drafts when the budget cannot take them all); the runner verifies the k + 1 positions in
+the one target forward of the step and keeps the accepted run, cut at the first token a stop rule ends the request on.
+Rollback on the hybrid cache (runner.py): MLA pages of rejected positions are simply overwritten later (and the pages past
+the kept tokens released by the scheduler); the KDA recurrent state and short-conv windows are updated in place, so the
+runner copies the request's state slot before the forward and, when fewer than k + 1 tokens are kept, restores it and
+recomputes the accepted prefix (pending token + accepted drafts) in a second forward of the step. That costs one slot copy
+per speculating request and step, and on rejection one more forward of j + 1 tokens; a step where everything is accepted
+pays nothing more.
+
+Acceptance: greedy rows keep drafts while they equal the target's argmax, then take the argmax (so the output is the
+non-speculative greedy output); sampled rows use the standard rejection rule (Leviathan et al. 2023): keep draft x with
+probability min(1, p(x) / q(x)), else draw from max(p - q, 0) normalised, and draw a bonus token from p when all k are
+kept, which leaves the output distribution exactly p.
+Legend: K draft tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.checks import check_int
+from openk3.serve.request import Request
+from openk3.serve.sampler import apply_top_k_top_p_min_p
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.token_rules import has_token_rules
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A separate draft model sharing the target's tokenizer (vLLM's `method="draft_model"`), k tokens per step."""
+
+    num_speculative_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        check_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens, low=1)
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: drafts proposed, drafts accepted, and accepted per draft position."""
+
+    num_drafts: int = 0  # verification runs (one per speculating request and step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def can_speculate(req: Request) -> bool:
+    """Requests whose next-token distribution depends on nothing but the logits and the plain sampling parameters: no
+    token rules, grammar, penalties, logprobs, or stop tokens still masked by min_tokens; the rest decode one token a step.
+    A request that records its routing (return_routing) does not either: a rolled-back run's experts would have to be
+    recorded per kept position."""
+    p = req.sampling_params
+    plain = not has_token_rules(p) and p.structured_outputs is None and not p.has_penalties and p.logprobs is None
+    return plain and not p.return_routing and req.num_output_tokens >= p.min_tokens
+
+
+def target_probs(logits_KV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from for a plain (can_speculate) request: temperature, min_p, top_k, top_p."""
+    k = len(logits_KV)
+    vocab = logits_KV.shape[1]
+    dev = logits_KV.device
+    top_k = torch.full((k,), params.top_k or vocab, device=dev)
+    top_p = torch.full((k,), params.top_p, dtype=torch.float32, device=dev)
+    min_p = torch.full((k,), params.min_p, dtype=torch.float32, device=dev)
+    return apply_top_k_top_p_min_p(logits_KV.float() / params.temperature, top_k, top_p, min_p).softmax(-1)
+
+
+def verify(
+    logits_KV: torch.Tensor,
+    drafts: list[int],
+    draft_probs_KV: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """The tokens a verification keeps (accepted drafts, then the target's own token) and how many drafts were accepted.
+    `logits_KV`: the target's logits at the K + 1 verified positions; `draft_probs_KV`: the draft's distributions of the K
+    drafts (None for a greedy request)."""
+    k = len(drafts)
+    if params.greedy:
+        best = logits_KV.argmax(-1).tolist()
+        j = 0
+        while j < k and drafts[j] == best[j]:
+            j += 1
+        return drafts[:j] + [best[j]], j
+    assert draft_probs_KV is not None
+    p = target_probs(logits_KV, params)
+    q = draft_probs_KV.to(p.device)
+    u = torch.rand(k, device=p.device, generator=generator).tolist()
+    for i, x in enumerate(drafts):
+        px, qx = float(p[i, x]), float(q[i, x])
+        if qx > 0 and u[i] * qx < px:  # u < p / q without dividing
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: the draw from p itself
+            residual = p[i]
+        return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))], i
+    return drafts + [int(torch.multinomial(p[k], 1, generator=generator))], k

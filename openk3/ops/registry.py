@@ -20,7 +20,8 @@ which form it got.
 
 Per-call size policies that are part of an implementation (moe "sized": single-token / batched / grouped by the step's
 pairs; linear: C rows kernel / weight-first / oneDNN by rows and weight size; AttnRes "sized": one-shot below 64 tokens;
-KDA "mixed": one-token sequences to the decode recurrence) keep their switches in ops/thresholds.py with the measurements.
+KDA "mixed": one-token sequences to the decode recurrence; MLA prefill "sized": expanded K/V up to a byte bound) keep their
+switches in ops/thresholds.py with the measurements.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def kda_decode_rule(target: OpTarget, use: OpUse) -> str:
 
 def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
     """The latent CPU flash form where the target offers it (CPU fp32 inference: faster than expanded SDPA at every size
-    measured, 1.5-9x from 1 to 2048 x 65536 tokens, benchmarks/results/long_context.md, and its memory is the cached
+    measured, 1.8-6.7x the expanded SDPA from 1 x 1 to 2048 x 32768, benchmarks/results/long_context.md; its memory is the cached
     latents); for inference elsewhere SDPA over expanded K/V until its bytes reach a bound, key blocks past it ("sized");
     for training SDPA over expanded K/V (differentiable)."""
     if target.training:

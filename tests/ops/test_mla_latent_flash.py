@@ -92,3 +92,35 @@ def test_engine_chunked_prefill_and_prefix_hits_equal_the_reference_layer() -> N
     assert [g[0] for g in got] == [w[0] for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g[1]), torch.tensor(w[1]), atol=1e-4, rtol=0)
+
+
+def _peak_growth_bytes(fn) -> int:
+    """Peak RSS over the RSS before `fn` (the kernel's high-water mark reset through /proc/self/clear_refs)."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def test_a_chunks_working_memory_does_not_grow_with_the_context() -> None:
+    """A 256-token chunk at 4k and at 64k context, demo-model sizes (H 4, Lr 64, Dr 32): the growth past the inputs is the
+    rows [s, R] (one layer's latents, 24 MiB at 64k) plus a context-free part; expanded K/V alone would be 128 MiB at 64k."""
+    try:
+        open("/proc/self/clear_refs", "w").close()
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    h, dn, dr, dv, lr, t = 4, 32, 32, 64, 64, 256
+    growth = {}
+    for s in (4096, 65536):
+        q_nope, q_pe, c, k_pe = torch.randn(t, h, dn), torch.randn(t, h, dr), torch.randn(s, lr), torch.randn(s, dr)
+        w_uk, w_uv = torch.randn(h, dn, lr) * 0.1, torch.randn(h, dv, lr) * 0.1
+        with torch.no_grad():
+            growth[s] = _peak_growth_bytes(lambda: mla_latent_flash(q_nope, q_pe, c, k_pe, w_uk, w_uv, 0.1, s - t))  # noqa: B023
+    rows = (65536 - 4096) * (lr + dr) * 4
+    assert growth[65536] - growth[4096] < rows + 16 * 2**20, growth

@@ -24,6 +24,20 @@ from openk3.ops.cpu import require_inference
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def latent_rows(c_kv_sL: torch.Tensor, k_pe_sR: torch.Tensor) -> torch.Tensor:
+    """[c | k_pe] as rows [s, R]: the buffer itself where the two are the column halves of one row-major [s, R] tensor (the
+    model splits the latents it read back from the pages that way), else a copy. At 1M tokens a copy is 384 MB per layer
+    call on the demo model."""
+    s, lr = c_kv_sL.shape
+    width = lr + k_pe_sR.shape[1]
+    one_buffer = (
+        c_kv_sL.dtype == k_pe_sR.dtype
+        and c_kv_sL.stride() == k_pe_sR.stride() == (width, 1)
+        and k_pe_sR.data_ptr() == c_kv_sL.data_ptr() + lr * c_kv_sL.element_size()
+    )
+    return c_kv_sL.as_strided((s, width), (width, 1)) if one_buffer and s > 0 else torch.cat((c_kv_sL, k_pe_sR), dim=-1)
+
+
 def mla_latent_flash(
     q_nope_tHD: torch.Tensor,
     q_pe_tHR: torch.Tensor,
@@ -44,7 +58,7 @@ def mla_latent_flash(
     dtype = q_nope_tHD.dtype
     q_lat_HtL = torch.matmul(q_nope_tHD.transpose(0, 1), w_uk_HDL.to(dtype))
     q_HtR = torch.cat((q_lat_HtL, q_pe_tHR.transpose(0, 1).to(dtype)), dim=-1)
-    rows_sR = torch.cat((c_kv_sL, k_pe_sR), dim=-1).to(dtype)
+    rows_sR = latent_rows(c_kv_sL, k_pe_sR).to(dtype)
     own_HtR = rows_sR[q_offset:].expand(h, t, -1)  # the chunk's rows for every head: a view
     u_HtR, lse_Ht = _flash_cpu(q_HtR[None], own_HtR[None], own_HtR[None], is_causal=True, scale=scale)
     u_HtR, lse_Ht = u_HtR[0], lse_Ht[0]

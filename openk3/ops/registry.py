@@ -158,7 +158,7 @@ def kda_decode_rule(target: OpTarget, use: OpUse) -> str:
 
 def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
     """The latent CPU flash form where the target offers it (CPU fp32 inference: faster than expanded SDPA at every size
-    measured, 1.8-6.7x the expanded SDPA from 1 x 1 to 2048 x 32768, benchmarks/results/long_context.md; its memory is the cached
+    measured, 1.6-6.9x the expanded SDPA from 1 x 1 to 2048 x 32768, benchmarks/results/long_context.md; its memory is the cached
     latents); for inference elsewhere SDPA over expanded K/V until its bytes reach a bound, key blocks past it ("sized");
     for training SDPA over expanded K/V (differentiable)."""
     if target.training:

@@ -20,7 +20,8 @@ which form it got.
 
 Per-call size policies that are part of an implementation (moe "sized": single-token / batched / grouped by the step's
 pairs; linear: C rows kernel / weight-first / oneDNN by rows and weight size; AttnRes "sized": one-shot below 64 tokens;
-KDA "mixed": one-token sequences to the decode recurrence) keep their switches in ops/thresholds.py with the measurements.
+KDA "mixed": one-token sequences to the decode recurrence; MLA prefill "sized": expanded K/V up to a byte bound) keep their
+switches in ops/thresholds.py with the measurements.
 """
 
 from __future__ import annotations
@@ -155,6 +156,16 @@ def kda_decode_rule(target: OpTarget, use: OpUse) -> str:
     return "in_pool"
 
 
+def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
+    """The latent CPU flash form where the target offers it (CPU fp32 inference: faster than expanded SDPA at every size
+    measured, 1.6-6.9x the expanded SDPA from 1 x 1 to 2048 x 32768, benchmarks/results/long_context.md; its memory is the cached
+    latents); for inference elsewhere SDPA over expanded K/V until its bytes reach a bound, key blocks past it ("sized");
+    for training SDPA over expanded K/V (differentiable)."""
+    if target.training:
+        return "fast"
+    return "latent" if "cpu" in target.backends() else "sized"
+
+
 @functools.cache
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
@@ -167,8 +178,9 @@ def registry() -> OpRegistry:
     from openk3.ops.kda.naive import kda_recurrent
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
-    from openk3.ops.mla.blockwise import mla_blockwise
+    from openk3.ops.mla.blockwise import mla_blockwise, mla_expanded_or_blockwise
     from openk3.ops.mla.decode_cpu import latent_attention_c
+    from openk3.ops.mla.latent_flash import mla_latent_flash
     from openk3.ops.mla.naive import mla_expanded
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
     from openk3.ops.moe import moe_experts_sized
@@ -216,7 +228,9 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
     # by name only, like the other Triton entries below ("auto" stays on the torch forms until a hardware run)
     r.register("mla_prefill", "triton", mla_prefill_triton, "the chunk's latent attention as a causal Triton kernel, no K/V", backend="cuda", requires=TRITON)
-    r.register_auto("mla_prefill", lambda t, _: "fast")
+    r.register("mla_prefill", "latent", mla_latent_flash, "latent space, torch's CPU flash kernel: no K/V, no chunk x context scores", backend="cpu")
+    r.register("mla_prefill", "sized", mla_expanded_or_blockwise, "SDPA over expanded K/V up to a byte bound, key blocks above (ops/thresholds.py)")
+    r.register_auto("mla_prefill", mla_prefill_rule)
 
     r.register("mla_decode", "naive", mla_decode_paged, "absorbed query over the gathered pages, torch ops", differentiable=True)
     r.register("mla_decode", "fast", partial(mla_decode_paged, latent_attention=latent_attention_c), "the latent attention in one C call", backend="c")

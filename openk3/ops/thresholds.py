@@ -27,3 +27,8 @@ C_LOOP_MAX_PAIRS_PER_EXPERT = 64
 # than a one-shot mix, so decode-sized steps are op-count bound and the two-phase path is 0-4% slower there; it is level
 # at 64 tokens and cheaper from 256 up, where reading and normalising the stored blocks dominates.
 TWO_PHASE_MIN_TOKENS = 64
+
+# ops/mla/blockwise.py mla_expanded_or_blockwise ("mla_prefill" "sized", what "auto" picks where the CPU flash latent form of
+# ops/mla/latent_flash.py is not offered: GPUs, non-fp32 CPU). A memory bound, not a speed switch: past it the expanded
+# K/V [s, H, Dn + Dr + Dv] and the [t, s] mask of one chunk would grow with the context, so key blocks take over.
+MLA_EXPANDED_MAX_BYTES = 256 * 2**20

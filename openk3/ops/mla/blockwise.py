@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops import thresholds
 from openk3.ops.mla.naive import causal_mask
+from openk3.ops.mla.sdpa import mla_expanded_sdpa
 
 BLOCK_KEYS = 1024
 
@@ -56,3 +58,23 @@ def mla_blockwise(
         acc_HtD = acc_HtD * alpha.unsqueeze(-1) + torch.matmul(p_Htb, v_HbD)
         m_Ht = m_new
     return (acc_HtD / l_Ht.unsqueeze(-1)).transpose(0, 1).to(q_nope_tHD.dtype)
+
+
+def mla_expanded_or_blockwise(
+    q_nope_tHD: torch.Tensor,
+    q_pe_tHR: torch.Tensor,
+    c_kv_sL: torch.Tensor,
+    k_pe_sR: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+    q_offset: int,
+) -> torch.Tensor:
+    """The registry's "sized" "mla_prefill": torch's SDPA over expanded K/V (sdpa.py) while the expanded K/V and the
+    chunk x context mask stay under thresholds.MLA_EXPANDED_MAX_BYTES, key blocks above (a memory bound, not a speed switch)."""
+    t, s = q_nope_tHD.shape[0], c_kv_sL.shape[0]
+    h, dn = q_nope_tHD.shape[1], q_nope_tHD.shape[2]
+    width = h * (dn + q_pe_tHR.shape[2] + w_uv_HDL.shape[1])
+    if s * width * q_nope_tHD.element_size() + t * s <= thresholds.MLA_EXPANDED_MAX_BYTES:
+        return mla_expanded_sdpa(q_nope_tHD, q_pe_tHR, c_kv_sL, k_pe_sR, w_uk_HDL, w_uv_HDL, scale, q_offset)
+    return mla_blockwise(q_nope_tHD, q_pe_tHR, c_kv_sL, k_pe_sR, w_uk_HDL, w_uv_HDL, scale, q_offset).to(q_nope_tHD.dtype)

@@ -1,0 +1,140 @@
+"""Long prompts on the demo model: prefill time and peak RSS with the MLA prefill "auto" picks now against the form it
+picked before (expanded K/V + SDPA, "fast"), same run, same machine.
+
+Each (length, form) runs in a child process of its own, so that its peak RSS (ru_maxrss) is that prefill's alone: it
+builds the embedded tiny model, takes the RSS, then generates one greedy token (with its logprob) for a random prompt of
+`length` tokens in chunks of `--chunk` tokens (the engine's default step budget). Reported per row: the time to the
+first token (the prefill), the peak RSS and its growth over the RSS of the loaded engine, and the MLA cache bytes of the
+prompt. A row's speed-up is refused (reported as "mismatch") unless its token equals the baseline's and the logprobs
+agree to 1e-3.
+
+Before the engine rows, one table of the op alone at the demo model's MLA sizes: a chunk of t queries against s keys,
+the old form against the new, interleaved (median of 3 rounds), with the largest error against the fp32 reference where
+s <= 8192 (the reference's own memory grows with s).
+
+    python benchmarks/long_context.py                                  # 2k and 8k: a few minutes on 2 cores
+    python benchmarks/long_context.py --lengths 8192,32768,65536      # the issue's sizes (the 64k baseline: minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+
+BASELINE, NEW = "fast", "auto"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def child(length: int, form: str, chunk: int) -> dict:
+    import torch
+
+    from openk3.llm import LLM
+    from openk3.serve.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    llm = LLM("tiny", ops=f"mla={form}", max_model_len=length + 8, max_num_batched_tokens=chunk, max_num_seqs=1)
+    prompt = [random.Random(length).randrange(1000) for _ in range(length)]
+    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=1))  # warm-up: kernels built, pools touched
+    loaded = _rss_mb()
+    start = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0))[0]
+    seconds = time.perf_counter() - start
+    logprobs = out.outputs[0].logprobs
+    assert logprobs is not None
+    cfg = llm.engine.model.config
+    cache_mb = length * len(cfg.mla_layers) * cfg.mla.latent_dim * 4 / 2**20
+    llm.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": seconds, "peak": peak, "loaded": loaded, "cache": cache_mb, "token": out.token_ids[0], "logprob": logprobs[0].logprob}
+
+
+def measure(length: int, form: str, chunk: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def op_table(sizes: list[tuple[int, int]]) -> None:
+    import torch
+
+    from openk3.config import tiny
+    from openk3.ops.mla import mla_expanded
+    from openk3.ops.registry import registry
+
+    m = tiny().mla
+    old, new = registry().get("mla_prefill", BASELINE), registry().get("mla_prefill", NEW)
+    print("| t queries | s keys | old ms | new ms | speed-up | max error vs reference |")
+    print("|---|---|---|---|---|---|")
+    for t, s in sizes:
+        torch.manual_seed(t + s)
+        r = torch.randn
+        a = (r(t, m.num_heads, m.qk_nope_head_dim), r(t, m.num_heads, m.qk_rope_head_dim), r(s, m.kv_lora_rank), r(s, m.qk_rope_head_dim))
+        w = (r(m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank) * 0.1, r(m.num_heads, m.v_head_dim, m.kv_lora_rank) * 0.1)
+        args = (*a, *w, m.qk_head_dim**-0.5, s - t)
+        err = f"{(new(*args) - mla_expanded(*args)).abs().max().item():.1e}" if s <= 8192 else "-"
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        reps = max(1, min(20, int(2e6 // (t * s))))
+        for _ in range(3):
+            for name, fn in (("old", old), ("new", new)):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    fn(*args)
+                times[name].append((time.perf_counter() - start) / reps * 1e3)
+        o, n = sorted(times["old"])[1], sorted(times["new"])[1]
+        print(f"| {t} | {s} | {o:.2f} | {n:.2f} | {o / n:.2f}x | {err} |", flush=True)
+    print()
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median prefill time, with the largest peak of all (the peaks differ by allocator noise only)."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "peak": max(r["peak"] for r in runs)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="2048,8192", help="comma-separated prompt lengths")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
+    p.add_argument("--op-sizes", default="1x1,16x16,128x128,512x512,2048x2048,256x4096,2048x8192,2048x32768", help="op table: TxS,...")
+    p.add_argument("--repeats", type=int, default=1, help="runs per (length, form), interleaved; the median time is reported")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        length, form, chunk = args.child.split(",")
+        print(json.dumps(child(int(length), form, int(chunk))))
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    where = platform.processor() or platform.machine()
+    flags = f"--lengths {args.lengths} --chunk {args.chunk} --repeats {args.repeats} --op-sizes {args.op_sizes}"
+    print(f"command: python benchmarks/long_context.py {flags}; commit {commit}; {where}, {os.cpu_count()} CPUs")
+    op_table([(int(t), int(s)) for t, s in (x.split("x") for x in args.op_sizes.split(",") if x)])
+    print(f"baseline: --ops mla={BASELINE} (the old auto: K/V expanded for the whole context + SDPA); new: mla={NEW} (the registry's rule)\n")
+    print("| prompt tokens | MLA cache MB | form | prefill s | peak RSS MB | peak - loaded MB | speed-up vs baseline | peak ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for length in (int(x) for x in args.lengths.split(",")):
+        runs: dict[str, list[dict]] = {BASELINE: [], NEW: []}
+        for _ in range(args.repeats):  # interleaved: a shared machine's load moves within minutes
+            for form in (BASELINE, NEW):
+                runs[form].append(measure(length, form, args.chunk))
+        base, new = (median_run(runs[form]) for form in (BASELINE, NEW))
+        same = base["token"] == new["token"] and abs(base["logprob"] - new["logprob"]) <= 1e-3
+        for name, r in ((BASELINE, base), (NEW, new)):
+            ratio = (f"{base['seconds'] / r['seconds']:.2f}x" if same else "mismatch") if r is new else "1.00x"
+            peak = f"{r['peak'] / base['peak']:.2f}" if r is new else "1.00"
+            grown = r["peak"] - r["loaded"]
+            print(f"| {length} | {r['cache']:.1f} | {name} | {r['seconds']:.1f} | {r['peak']:.0f} | {grown:.0f} | {ratio} | {peak} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,7 +57,40 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-class ChatTemplate:
+class PromptRenderer:
+    """What both chat renderers share (this module's Jinja ChatTemplate, chat_k3.py's K3Template): the stops at the end of
+    a turn and the prompt as plain text; each defines `end_of_turn_markers` and `render_prompt`."""
+
+    end_of_turn_markers: tuple[str, ...]
+
+    def render_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        special_tokens: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        markers: Iterable[str] = (),
+        options: ChatOptions | None = None,
+    ) -> PromptText:
+        raise NotImplementedError  # each renderer's own
+
+    def stops(self, tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        return turn_stops(self.end_of_turn_markers, tokenizer)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        special_tokens: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions | None = None,
+    ) -> str:
+        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools, (), options).text
+
+
+class ChatTemplate(PromptRenderer):
     """A compiled chat template; `render` raises ValueError (an HTTP 400) for messages it cannot render."""
 
     def __init__(self, source: str, origin: str) -> None:
@@ -99,20 +132,6 @@ class ChatTemplate:
     @staticmethod
     def default() -> ChatTemplate:
         return ChatTemplate(DEFAULT_CHATML, "the built-in ChatML default")
-
-    def stops(self, tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        return turn_stops(self.end_of_turn_markers, tokenizer)
-
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        add_generation_prompt: bool = True,
-        special_tokens: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        options: ChatOptions | None = None,
-    ) -> str:
-        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools, (), options).text
 
     def render_prompt(
         self,

@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from openk3.api.chat import ChatOptions, message_dicts, turn_stops
+from openk3.api.chat import ChatOptions, PromptRenderer, message_dicts
 from openk3.api.chat_format import ChatFormat
 from openk3.api.k3_encoding import END_OF_MSG, k3_options, k3_segments
 from openk3.api.protocol import ChatMessage
 from openk3.api.user_text import PromptText
-from openk3.serve.tokenizer import Tokenizer
 
 
-class K3Template:
+class K3Template(PromptRenderer):
     """Kimi K3's encoding (api/k3_encoding.py) behind the same face as a ChatTemplate: it renders tools, writes the K3
     format, ends a turn with `<|end_of_msg|>` and reads the chat_template_kwargs k3_encoding.KWARGS names."""
 
@@ -31,20 +30,6 @@ class K3Template:
 
     def check_effort(self, effort: str, kwargs: dict[str, Any] | None) -> None:
         k3_options(dict(kwargs or {}), effort, None, None)
-
-    def stops(self, tokenizer: Tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        return turn_stops(self.end_of_turn_markers, tokenizer)
-
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        add_generation_prompt: bool = True,
-        special_tokens: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        options: ChatOptions | None = None,
-    ) -> str:
-        return self.render_prompt(messages, add_generation_prompt, special_tokens, extra, tools, (), options).text
 
     def render_prompt(
         self,

@@ -11,16 +11,14 @@ later call answers 409 Conflict.
 
 from __future__ import annotations
 
-import errno
 import os
-import select
 import threading
 import time
 
 from openk3.sandbox.linux import signals
+from openk3.sandbox.linux.nonblocking import write_within
 from openk3.sandbox.protocol import Conflict
 
-WRITE_CHUNK = 1 << 16
 START_WAIT_S = 10.0  # how long a signal waits for a command that is still entering its sandbox
 
 
@@ -62,21 +60,9 @@ class ProcessInput:
         """Write `data` to the command's stdin; returns how much went in before `timeout_s`."""
         fd = self._writer_copy(process_id)
         try:
-            view = memoryview(data)
-            deadline = time.monotonic() + timeout_s
-            while view:
-                try:
-                    view = view[os.write(fd, view[:WRITE_CHUNK]) :]
-                except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    select.select([], [fd], [], min(left, 0.05))
-                except OSError as e:
-                    if e.errno == errno.EPIPE:
-                        raise Conflict(f"process_id={process_id!r}: nothing reads its stdin any more (the command closed it or exited)") from e
-                    raise
-            return len(data) - len(view)
+            return write_within(fd, data, timeout_s)
+        except BrokenPipeError as e:
+            raise Conflict(f"process_id={process_id!r}: nothing reads its stdin any more (the command closed it or exited)") from e
         finally:
             os.close(fd)
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 from openk3.sandbox.linux.helper import HOST_ENV
+from openk3.sandbox.linux.nonblocking import write_within
 from openk3.sandbox.linux.proc import exit_status
 from openk3.sandbox.linux.syscalls import LIBC, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 from openk3.sandbox.namespace.instance import Instance
@@ -137,21 +138,11 @@ class Terminal:
                 raise Conflict("the terminal has ended")
             fd = os.dup(self.master)  # our own reference: `run` may close the master meanwhile
         try:
-            view = memoryview(data)
-            deadline = time.monotonic() + timeout_s
-            while view:
-                try:
-                    view = view[os.write(fd, view[:READ_CHUNK]) :]
-                except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    select.select([], [fd], [], min(left, 0.05))
-                except OSError as e:
-                    if e.errno == errno.EIO:
-                        raise Conflict("the terminal has ended (its command and every holder of it exited)") from e
-                    raise
-            return len(data) - len(view)
+            return write_within(fd, data, timeout_s)
+        except OSError as e:
+            if e.errno == errno.EIO:
+                raise Conflict("the terminal has ended (its command and every holder of it exited)") from e
+            raise
         finally:
             os.close(fd)
 

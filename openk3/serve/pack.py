@@ -1,5 +1,5 @@
-"""Packing rows into a ForwardBatch outside the runner's step plan, and copying one KDA state slot out and back: what the
-draft model's forwards and a speculative rollback (serve/speculative.py) are made of.
+"""Packing rows into a ForwardBatch, for every forward the engine runs (the runner's step, the draft model's forwards, a
+speculative rollback's recompute), and copying one KDA state slot out and back (serve/speculative.py).
 """
 
 from __future__ import annotations
@@ -24,18 +24,22 @@ class PackedRow:
     wants_logits: bool = True
 
 
-def pack(rows: list[PackedRow], device: torch.device) -> ForwardBatch:
-    """A variable-length ForwardBatch of `rows` (the layout ModelRunner.build_batch makes); logits of the last token of
-    each row that wants them, in row order."""
+def pack(rows: list[PackedRow], device: torch.device, logits_rows: list[int] | None = None) -> ForwardBatch:
+    """A variable-length ForwardBatch of `rows`, sequences end to end with no padding (every forward the engine runs is
+    packed here: the runner's step, the draft's, a rollback's); the logits of `logits_rows` (rows of the packed tokens), or
+    by default of the last token of each row that wants them, in row order."""
     ids: list[int] = []
     positions: list[int] = []
-    cu, logits_rows = [0], []
+    cu, last_rows = [0], []
     for r in rows:
         ids.extend(r.token_ids)
         positions.extend(range(r.start, r.start + len(r.token_ids)))
         cu.append(cu[-1] + len(r.token_ids))
         if r.wants_logits:
-            logits_rows.append(cu[-1] - 1)
+            last_rows.append(cu[-1] - 1)
+    if logits_rows is None:
+        logits_rows = last_rows
+    # Entries past a request's own pages are never read (the model only touches pages covering its positions).
     width = max(len(r.pages) for r in rows)
     table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in rows], dtype=torch.int64)
     starts, slots = [r.start for r in rows], [r.slot for r in rows]

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
+from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
@@ -85,10 +85,9 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[Request], list[PromptRows]]:
         """The packed step, the requests that sample (in logits-row order), the requests that verify drafts (k + 1 rows
         each, after them), then the prompt rows scored (after those)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        cu = [0]
-        context_lens, slots, page_rows, logits_rows = [], [], [], []
+        rows: list[PackedRow] = []
+        at = 0  # packed rows so far
+        logits_rows: list[int] = []
         scored_rows: list[int] = []
         verify_rows: list[int] = []
         sampling: list[Request] = []
@@ -97,50 +96,27 @@ class ModelRunner:
         for req, n in zip(out.requests, out.num_tokens, strict=True):
             c = req.num_computed_tokens
             k = len(req.draft_token_ids)
+            slot, pages = self.cache.slot(req.request_id), self.cache.page_ids(req.request_id)
             if k and c + n == req.num_tokens + k:  # the scheduler gave it its drafts: verify them (serve/speculative.py)
-                ids.extend((req.token_ids + req.draft_token_ids)[c:])
-                positions.extend(range(c, c + n))
-                cu.append(cu[-1] + n)
-                context_lens.append(c)
-                slots.append(self.cache.slot(req.request_id))
-                page_rows.append(self.cache.page_ids(req.request_id))
+                rows.append(PackedRow(slot, pages, c, (req.token_ids + req.draft_token_ids)[c:], wants_logits=False))
+                at += n
                 verifying.append(req)
-                verify_rows.extend(range(cu[-1] - k - 1, cu[-1]))
+                verify_rows.extend(range(at - k - 1, at))
                 continue
             if c + n > req.num_tokens:
                 raise AssertionError(f"{req.request_id}: scheduled {n} tokens from {c} but only {req.num_tokens} are known")
-            pages = self.cache.page_ids(req.request_id)
             if self.cache.pages_for(c + n) > len(pages):
                 raise AssertionError(f"{req.request_id}: {c + n} tokens need {self.cache.pages_for(c + n)} pages, holds {len(pages)}")
-            ids.extend(req.token_ids[c : c + n])
-            positions.extend(range(c, c + n))
-            cu.append(cu[-1] + n)
-            context_lens.append(c)
-            slots.append(self.cache.slot(req.request_id))
-            page_rows.append(pages)
+            rows.append(PackedRow(slot, pages, c, req.token_ids[c : c + n], wants_logits=False))
+            at += n
             if c + n == req.num_tokens:
                 sampling.append(req)
-                logits_rows.append(cu[-1] - 1)
+                logits_rows.append(at - 1)
             prompt_positions = rows_to_score(req, c, n)
             if prompt_positions:
                 scored.append(PromptRows(req, prompt_positions))
-                scored_rows.extend(range(cu[-2] + prompt_positions.start - c, cu[-2] + prompt_positions.stop - c))
-        # Entries past a request's own pages are never read (the model only touches pages covering its positions).
-        width = max(len(p) for p in page_rows)
-        table = torch.tensor([p + [0] * (width - len(p)) for p in page_rows], dtype=torch.int64)
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
-            state_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            page_table=table.to(dev),
-            logits_indices=torch.tensor(logits_rows + verify_rows + scored_rows, dtype=torch.int64, device=dev),
-            is_decode=all(n == 1 for n in lens),
-            host_facts=HostFacts.of(context_lens, slots),
-        )
+                scored_rows.extend(range(at - n + prompt_positions.start - c, at - n + prompt_positions.stop - c))
+        batch = pack(rows, self.device, logits_rows + verify_rows + scored_rows)
         return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:

@@ -60,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--eff-attention", type=float, default=None, help="attention kernel efficiency (default 0.3)")
     p.add_argument("--comm-overlap", type=float, default=None, help="fraction of communication hidden (default 0.7)")
     p.add_argument("--ideal", action="store_true", help="pure roofline: every efficiency 1, communication hidden")
+    p.add_argument(
+        "--kernels",
+        default="flat",
+        choices=["flat", "measured"],
+        help="flat efficiency factors (default) or measured per-operator curves + CUDA-graph padding + host gap (NVIDIA Hopper/Blackwell)",
+    )
     p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
     p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
     p.add_argument(
@@ -74,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _efficiency(args: argparse.Namespace) -> Efficiency:
-    base = Efficiency.ideal() if args.ideal else Efficiency()
+    if args.ideal and args.kernels == "measured":
+        raise ValueError("--ideal and --kernels measured contradict each other: the roofline has no measured curves")
+    base = Efficiency.ideal() if args.ideal else (Efficiency.measured() if args.kernels == "measured" else Efficiency())
     changes = {
         k: v
         for k, v in (("hbm", args.eff_hbm), ("gemm", args.eff_gemm), ("attention", args.eff_attention), ("comm_overlap", args.comm_overlap))

@@ -38,22 +38,33 @@ from openk3.planner.memory import (
     weight_bytes,
     working_set,
 )
+from openk3.planner.op_efficiency import OpCurves, curves_for
+from openk3.planner.overheads import Overheads
 
 KDA_FLOPS_PER_STATE_ELEMENT = 6  # decay, k^T v outer product, q S readout: ~3 multiply-adds per state element per token
 KDA_CHUNK = 64
+KERNEL_MODES = ("measured", "flat")
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of peak the kernels reach. Defaults describe a 2025 open-source stack (SGLang + DeepEP + DeepGEMM +
-    FlashMLA class kernels): HBM streaming ~80%, grouped/dense GEMMs ~50%, MLA decode attention ~30%, 70% of the
-    communication hidden by two-batch overlap. Chosen as round numbers between the two published decode anchors
-    (docs/planner.md reports their errors). `calibrate` fits them to a measurement."""
+    """How far from the roofline the kernels and the scheduler run.
+
+    `kernels="flat"` (default): every component takes the flat factors (HBM streaming 80%, GEMMs 50%, attention 30%:
+    round numbers between two decode anchors). `kernels="measured"` (`Efficiency.measured()`, `--kernels measured`):
+    GEMM, grouped GEMM, MLA attention prefill/decode and TP all-reduce take the measured per-operator curves of the
+    accelerator's family (`op_efficiency.py`), by shape; the flat factors then price only what has no curve (KDA,
+    AttnRes, GQA attention, an accelerator without curves). 70% of the expert communication hides under compute
+    (two-batch overlap); `overheads` adds CUDA-graph padding and the host gap per step (none by default, the measured
+    model's fitted ones with `measured()`). docs/planner.md compares both against the validation set: neither is the
+    better one everywhere, which is why the default stays. `calibrate` fits the flat factors to a measurement."""
 
     hbm: float = 0.8
     gemm: float = 0.5
     attention: float = 0.3
     comm_overlap: float = 0.7
+    kernels: str = "flat"
+    overheads: Overheads = field(default_factory=Overheads.none)
 
     def __post_init__(self) -> None:
         for name in ("hbm", "gemm", "attention"):
@@ -61,11 +72,21 @@ class Efficiency:
                 fail("Efficiency", name, getattr(self, name), "a fraction in (0, 1]")
         if not 0 <= self.comm_overlap <= 1:
             fail("Efficiency", "comm_overlap", self.comm_overlap, "a fraction in [0, 1]")
+        if self.kernels not in KERNEL_MODES:
+            fail("Efficiency", "kernels", self.kernels, f"one of {KERNEL_MODES}")
 
     @classmethod
     def ideal(cls) -> Efficiency:
-        """Pure roofline: peaks reached, communication fully hidden."""
-        return cls(hbm=1.0, gemm=1.0, attention=1.0, comm_overlap=1.0)
+        """Pure roofline: peaks reached, communication fully hidden, no scheduler overhead."""
+        return cls(hbm=1.0, gemm=1.0, attention=1.0, comm_overlap=1.0, kernels="flat", overheads=Overheads.none())
+
+    @classmethod
+    def measured(cls) -> Efficiency:
+        """Measured per-operator curves plus CUDA-graph padding and the fitted host gap (`overheads.py`)."""
+        return cls(kernels="measured", overheads=Overheads())
+
+    def curves(self, accelerator: str) -> OpCurves | None:
+        return curves_for(accelerator) if self.kernels == "measured" else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class StepTime:
     exposed_comm_s: float
     imbalance: float
     tokens_per_group: float
+    overhead_s: float = 0.0  # host gap the engine does not hide
 
     @property
     def local_s(self) -> float:
@@ -108,7 +130,7 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.local_s + self.exposed_comm_s
+        return self.local_s + self.exposed_comm_s + self.overhead_s
 
     @property
     def bytes(self) -> float:
@@ -131,7 +153,12 @@ class StepTime:
         return out
 
 
-def _component(name: str, nbytes: float, flops: float, peak: float, eff: float, sc: Scenario) -> Component:
+def _component(name: str, nbytes: float, flops: float, peak: float, eff: float, sc: Scenario, measured: float | None = None) -> Component:
+    """max(bytes / (BW x eff_hbm), FLOPs / (peak x eff)) with flat factors; with a measured curve's value at this shape,
+    the roofline max(bytes / BW, FLOPs / peak) divided by it (the curve already holds whichever bound the kernel hit)."""
+    if measured is not None:
+        t_mem, t_flop = nbytes / sc.system.accelerator.hbm_bw, flops / peak
+        return Component(name, nbytes, flops, max(t_mem, t_flop) / measured, "hbm" if t_mem >= t_flop else "compute")
     t_mem = nbytes / (sc.system.accelerator.hbm_bw * sc.efficiency.hbm)
     t_flop = flops / (peak * eff) if flops else 0.0
     return Component(name, nbytes, flops, max(t_mem, t_flop), "hbm" if t_mem >= t_flop else "compute")
@@ -147,7 +174,15 @@ def _layer_counts(config: ModelConfig) -> tuple[int, int]:
     return kinds.count(LayerKind.MLA), kinds.count(LayerKind.KDA)
 
 
-def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float) -> float:
+def _allreduce(sc: Scenario, nbytes: float, curves: OpCurves | None) -> float:
+    tp = sc.layout.tp
+    if curves is None or tp <= 1 or tp > sc.system.scale_up_domain:
+        return allreduce_time(nbytes, tp, sc.system, sc.comm)
+    ring = 2 * (tp - 1) / tp * nbytes / sc.system.accelerator.scale_up_bw
+    return ring / curves.allreduce(tp, nbytes)
+
+
+def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float, curves: OpCurves | None) -> float:
     config, layout = sc.config, sc.layout
     tokens_per_rank = tokens_per_group / layout.tp  # each TP rank dispatches its slice of the group's tokens
     a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
@@ -155,16 +190,21 @@ def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: 
     if layout.balance == Balance.MOONEP:
         n = moonep_prefetch_experts(config, layout, assignments_per_rank, sc.balance)
         fetch = prefetch_time(n, expert_bytes(config, sc.quant), layout.ep_size, sc.system, sc.comm)
-    ar = allreduce_time(tokens_per_group * config.hidden_size * 2, layout.tp, sc.system, sc.comm)
+    ar = _allreduce(sc, tokens_per_group * config.hidden_size * 2, curves)
     return num_moe_layers(config) * (a2a + fetch) + 2 * config.num_hidden_layers * ar
 
 
 def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, prompts: int = 1, mean_keys: float | None = None) -> StepTime:
     """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each.
     Prefill: the tokens belong to `prompts` sequences, and each query attends to `mean_keys` keys on average (default:
-    kv_len plus the causal half of its own prompt's chunk)."""
+    kv_len plus the causal half of its own prompt's chunk). A decode step's kernels run at the CUDA-graph batch that
+    holds its sequences (the padding is work; the throughput counts only the real sequences)."""
     config, quant, layout, acc = sc.config, sc.quant, sc.layout, sc.system.accelerator
     tp, eff = layout.tp, sc.efficiency
+    curves = eff.curves(acc.name)
+    real_seqs = tokens_per_group if decode else float(prompts)
+    if decode:
+        tokens_per_group = eff.overheads.padded_batch(tokens_per_group)
     spec = cache_spec(config, quant)
     n_mla, n_kda = _layer_counts(config)
     moe_layers = num_moe_layers(config)
@@ -173,7 +213,8 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
 
     w = weight_bytes(config, quant)
     trunk_read = trunk_bytes_per_rank(config, quant, tp) - w.embedding_params * quant.trunk_bits / 8 / tp  # embedding rows are gathered, not streamed
-    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc)
+    trunk_eff = curves.gemm(quant.trunk_compute, tokens_per_group) if curves else None
+    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc, trunk_eff)
 
     total_tokens = tokens_per_group * layout.dp
     replicas = layout.num_accelerators // layout.ep_size
@@ -182,21 +223,26 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     tokens_per_replica = total_tokens / replicas
     p_hit = 1 - (1 - k / config.moe.num_experts) ** tokens_per_replica
     slots = experts_per_rank(config, layout)
-    expert_read = moe_layers * slots * min(1.0, p_hit * imbalance) * expert_bytes(config, quant)
+    experts_hit = slots * min(1.0, p_hit * imbalance)
+    expert_read = moe_layers * experts_hit * expert_bytes(config, quant)
     expert_flops = moe_layers * 2 * config.routed_expert_params() * assignments_per_rank * imbalance
-    experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc)
+    moe_eff = curves.moe(quant.expert_compute, assignments_per_rank * imbalance / max(experts_hit, 1e-9)) if curves else None
+    experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc, moe_eff)
 
     attn = attention_shape(config)
+    attn_curves = curves if attn.kind == "mla" else None  # the shipped attention curves are MLA kernels; GQA stays flat
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
+        attn_eff = attn_curves.attention_decode(seqs * kv_len) if attn_curves else None
     else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
-    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
+        attn_eff = attn_curves.attention_prefill(kv_len + tokens_per_group / prompts) if attn_curves else None
+    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc, attn_eff)
 
     kda_state = seqs * 2 * spec.kda.bytes_per_sequence / tp  # read and written back every step
     hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim
@@ -209,12 +255,12 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     attn_res_bytes = tokens_per_group / tp * 2 * config.num_hidden_layers * attn_res_slots(config) * config.hidden_size * 2
     attn_res = _component("attn_res", attn_res_bytes, 0.0, acc.flops("bf16"), eff.gemm, sc)
 
-    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance)
+    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance, curves)
     components = tuple(c for c in (trunk, experts, mla, kda, attn_res) if c.bytes or c.flops)
     local = sum(c.time_s for c in components)
     overlap = eff.comm_overlap if tokens_per_group >= 2 else 0.0  # two-batch overlap needs two micro-batches
     exposed = comm - overlap * min(comm, local)
-    return StepTime(components, comm, exposed, imbalance, tokens_per_group)
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.overheads.host_gap(real_seqs))
 
 
 def decode_step(sc: Scenario) -> StepTime:

@@ -81,7 +81,13 @@ def _header(plan: Plan) -> list[str]:
         f", KDA state + conv {_size(plan.kda_bytes_per_sequence)}",
         f"minimum accelerators (TP dividing the heads): weights only {mw.num_accelerators if mw else 'n/a'} (fill {req.fill:.0%}); "
         f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}",
-        f"inputs: efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
+        f"inputs: kernels {e.kernels}"
+        + (
+            f" ({e.overheads.host_gap_s * 1e3:g} ms + {e.overheads.host_gap_per_seq_s * 1e6:g} us/sequence host gap per step)"
+            if e.kernels == "measured"
+            else ""
+        )
+        + f", efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
         f"{describe_quant(q)}; power x TDP compute {req.power.compute:g} / HBM {req.power.hbm:g} / idle {req.power.idle:g} [estimates]",
     ]
 

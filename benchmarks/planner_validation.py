@@ -16,7 +16,7 @@ import sys
 
 from openk3.planner.perf import Efficiency
 from openk3.planner.validation import CASES, Case, Phase, Split
-from openk3.planner.validation_agg import AGGREGATED_CASES
+from openk3.planner.validation_agg import AGGREGATED_CASES, BLOG_CASES
 
 GOAL = {Phase.DECODE: 0.15, Phase.PREFILL: 0.25, Phase.COMM: 0.25, Phase.AGGREGATED: 0.15}
 MEASURED = Efficiency.measured()
@@ -41,7 +41,7 @@ def main() -> int:
     print("| case | split | source | metric | published | predicted | error | within goal | measured-kernel model | its error | assumed | why |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors: dict[tuple[str, str, str], list[float]] = {}
-    cases: tuple[Case, ...] = CASES + AGGREGATED_CASES
+    cases: tuple[Case, ...] = CASES + AGGREGATED_CASES + BLOG_CASES
     for split in (Split.TUNED, Split.HELD_OUT):
         for c in (c for c in cases if c.split == split):
             try:

@@ -15,6 +15,7 @@ from openk3.planner.plan import PlanRequest, make_plan
 from openk3.planner.pp_cp import KDASplit
 from openk3.planner.report import PlotUnavailable, render_json, render_text, write_plot
 from openk3.planner.search import SLO, SearchSpace
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.workload import RequestMix
 
 
@@ -66,6 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=["flat", "measured"],
         help="flat efficiency factors (default) or measured per-operator curves + CUDA-graph padding + host gap (NVIDIA Hopper/Blackwell)",
     )
+    p.add_argument("--spec-tokens", type=int, default=None, help="speculative decoding: draft tokens per step (MTP / a draft model); default none")
+    p.add_argument(
+        "--spec-acceptance",
+        default=None,
+        help="with --spec-tokens k: a per-draft acceptance rate (0.8) or k+1 probabilities of 0..k accepted drafts (0.1,0.2,0.3,0.4)",
+    )
+    p.add_argument("--spec-draft-layers", type=float, default=1.0, help="cost of one draft token in target layers (MTP: 1, the default)")
     p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
     p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
     p.add_argument(
@@ -105,6 +113,16 @@ def _requests(args: argparse.Namespace) -> RequestMix | None:
     return None
 
 
+def _spec(args: argparse.Namespace) -> SpecDecoding | None:
+    if args.spec_tokens is None:
+        if args.spec_acceptance is not None:
+            raise ValueError("--spec-acceptance needs --spec-tokens (the draft tokens per step)")
+        return None
+    if args.spec_acceptance is None:
+        raise ValueError("--spec-tokens needs --spec-acceptance: a per-draft acceptance rate or the acceptance-length distribution")
+    return SpecDecoding.parse(args.spec_tokens, args.spec_acceptance, args.spec_draft_layers)
+
+
 def build_request(args: argparse.Namespace) -> PlanRequest:
     system = load_catalogue(args.catalogue).system(args.hardware)
     if args.price is not None:
@@ -133,6 +151,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         redundant_experts=args.redundant_experts,
         slo=SLO(min_user_tok_s=args.min_user_tok_s, max_ttft_s=args.max_ttft),
         efficiency=_efficiency(args),
+        spec=_spec(args),
         fill=args.fill,
         disaggregate=args.disagg,
         space=SearchSpace(max_accelerators=args.max_accelerators, max_pp=args.max_pp, max_cp=args.max_cp, kda_cp=KDASplit(args.kda_cp)),

@@ -91,7 +91,7 @@ def make_plan(req: PlanRequest) -> Plan:
     def run(space: SearchSpace, concurrency: int | None) -> SearchResult:
         return search(
             req.config, req.quant, req.system, req.context, req.slo, req.prompt, space,
-            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power, mix=req.requests,
+            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power, mix=req.requests, spec=req.spec,
         )  # fmt: skip
 
     full = run(replace(req.space, sizes=sizes), None)
@@ -128,7 +128,7 @@ def make_plan(req: PlanRequest) -> Plan:
     sized: Demand | None = None
     traffic: Traffic | None = None
     if choice is not None and layout is not None:
-        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
         sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None
@@ -146,7 +146,7 @@ def make_plan(req: PlanRequest) -> Plan:
         layout=layout,
         memory=memory,
         workload=workload,
-        max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill) if layout else 0,
+        max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill, 2 if req.spec else 1) if layout else 0,
         tiers=tiers,
         break_even=break_even,
         demand=sized,

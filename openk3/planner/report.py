@@ -189,6 +189,12 @@ def render_text(plan: Plan) -> str:
         f"decode step {m.decode.total_s * 1e3:.2f} ms (rank imbalance x{m.decode.imbalance:.2f}); {_user_speed(plan.choice, plan)}; "
         f"{m.throughput_tok_s:,.0f} tok/s per instance while decoding ({m.per_accelerator_tok_s:,.0f} per accelerator)"
     )
+    if m.spec is not None and plan.request.spec is not None:
+        out.append(
+            f"  {plan.request.spec.describe()}: iteration {m.spec.total_s * 1e3:.2f} ms = verify {m.spec.verify_s * 1e3:.2f} ms "
+            f"+ drafts {m.spec.draft_s * 1e3:.2f} ms, {m.spec.per_token_s * 1e3:.2f} ms per token; KDA snapshot "
+            f"{_size(m.spec.snapshot_bytes)} per rank for verification (in the memory table's KDA state)"
+        )
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")
     lp = plan.choice.long_prefill if plan.choice else None
     if lp is not None:

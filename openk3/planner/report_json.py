@@ -55,7 +55,7 @@ def _traffic(c: Candidate, plan: Plan) -> dict[str, float]:
     """The candidate's decode-step bytes by flow on its busiest rank (the same counts as the headline's `traffic`)."""
     req = plan.request
     workload = Workload(context=req.context, concurrency=c.concurrency, prompt=req.prompt)
-    sc = Scenario(req.config, req.quant, c.layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+    sc = Scenario(req.config, req.quant, c.layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
     t = step_traffic(sc, c.metrics.decode)
     return {"weights": t.weights, "kv_state": t.kv_state, "a2a_scale_up": t.a2a_scale_up, "a2a_scale_out": t.a2a_scale_out}
 
@@ -100,6 +100,7 @@ def _inputs(plan: Plan) -> dict[str, Any]:
         },
         "quantisation": dataclasses.asdict(req.quant),
         "efficiency": dataclasses.asdict(req.efficiency),
+        "speculative": None if req.spec is None else dataclasses.asdict(req.spec) | {"tokens_per_iteration": req.spec.tokens_per_iteration},
         "comm": dataclasses.asdict(req.comm),
         "balance_params": dataclasses.asdict(req.balance_params),
         "power": dataclasses.asdict(req.power) | {"note": "fractions of TDP by step phase; estimates"},

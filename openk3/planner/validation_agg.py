@@ -24,6 +24,7 @@ from openk3.planner.inputs import Layout, Quantisation, Workload
 from openk3.planner.memory import max_concurrency
 from openk3.planner.models import deepseek_v3, qwen3_235b
 from openk3.planner.perf import Efficiency, Scenario, evaluate
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.validation import Case, Phase, Split
 from openk3.planner.workload import RequestMix, seconds_per_request
 
@@ -37,16 +38,26 @@ TUNED_LENGTHS = ((1000, 1000), (1024, 1024))
 
 
 def aggregated_tok_s_per_gpu(
-    config: ModelConfig, quant: Quantisation, gpus: int, system: str, isl: int, osl: int, efficiency: Efficiency | None = None
+    config: ModelConfig,
+    quant: Quantisation,
+    gpus: int,
+    system: str,
+    isl: int,
+    osl: int,
+    efficiency: Efficiency | None = None,
+    seqs_per_gpu: int | None = None,
+    chunk: int = 8192,
 ) -> float:
-    """Output tokens/s per GPU of one DEP`gpus` instance serving only `isl`/`osl` requests at full load."""
+    """Output tokens/s per GPU of one DEP`gpus` instance serving only `isl`/`osl` requests at full load: the KV-cache
+    limit for whole requests, or `seqs_per_gpu` where the run fixed its batch (which must fit)."""
     sys = load_catalogue().system(system)
     layout = Layout(gpus, tp=1)
     mix = RequestMix(((isl, osl),))
-    seqs = max_concurrency(config, quant, layout, isl + osl, sys)
-    if seqs < gpus:
-        raise ValueError(f"{layout.describe()} holds {seqs} sequences of {isl + osl:,} tokens: fewer than one per GPU")
-    workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl)
+    limit = max_concurrency(config, quant, layout, isl + osl, sys)
+    seqs = limit if seqs_per_gpu is None else seqs_per_gpu * gpus
+    if seqs < gpus or seqs > limit:
+        raise ValueError(f"{layout.describe()} holds {limit} sequences of {isl + osl:,} tokens; asked for {seqs}")
+    workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl, prefill_chunk=chunk)
     m = evaluate(Scenario(config, quant, layout, workload, sys, efficiency or Efficiency()))
     return osl / seconds_per_request(m, mix) / gpus
 
@@ -87,3 +98,36 @@ AGGREGATED_CASES: tuple[Case, ...] = tuple(
     for model, config, quant, column, gpus, system, rows in _TABLE
     for (isl, osl), published in rows.items()
 )
+
+
+TRTLLM_R1 = "TensorRT-LLM, docs/source/blogs/Best_perf_practice_on_DeepSeek-R1_in_TensorRT-LLM.md (trtllm-bench, expected results)"
+R1_FP4_BF16KV = with_dtypes(FP8, expert="nvfp4")  # nvidia/DeepSeek-R1-FP4 with its default 16-bit KV cache
+
+
+def _fixed_batch(quant: Quantisation, system: str, seqs_per_gpu: int, chunk: int) -> Callable[[Efficiency], float]:
+    return lambda eff: aggregated_tok_s_per_gpu(deepseek_v3(), quant, 8, system, 1024, 2048, eff, seqs_per_gpu, chunk)
+
+
+def _min_latency(quant: Quantisation, system: str, spec: SpecDecoding | None) -> Callable[[Efficiency], float]:
+    def run(eff: Efficiency) -> float:
+        sc = Scenario(deepseek_v3(), quant, Layout(8, tp=8), Workload(context=2048, concurrency=1, prompt=1024), load_catalogue().system(system), eff)
+        return evaluate(sc.with_(spec=spec)).per_user_tok_s
+
+    return run
+
+
+MTP3 = SpecDecoding.geometric(3, 0.85)  # DeepSeek-V3 report: the next-token MTP draft is accepted 85-90% of the time
+MTP_ASSUMED = "3 MTP drafts, each accepted with probability 0.85 given the ones before (DeepSeek-V3 report: 85-90% for the first)"
+# Explicit set-ups published after the host gap was chosen; held out.
+BLOG_CASES: tuple[Case, ...] = (
+    Case("DeepSeek-R1-0528 FP4, B200 DEP8, 896 seq/GPU, FP8 KV, 1K/2K", TRTLLM_R1, "output tok/s/GPU", 5393.3, Split.HELD_OUT,
+         Phase.AGGREGATED, "max_batch_size 896, max_num_tokens 2048 (the prefill chunk)", _fixed_batch(R1_FP4, "hgx-b200", 896, 2048)),
+    Case("DeepSeek-R1 FP4, B200 DEP8, 384 seq/GPU, 16-bit KV, 1K/2K", TRTLLM_R1, "output tok/s/GPU", 4548.0, Split.HELD_OUT,
+         Phase.AGGREGATED, "max_batch_size 384, max_num_tokens 1536", _fixed_batch(R1_FP4_BF16KV, "hgx-b200", 384, 1536)),
+    Case("DeepSeek-R1 FP8, H200 DEP8, 128 seq/GPU, 1K/2K", TRTLLM_R1, "output tok/s/GPU", 1436.2, Split.HELD_OUT,
+         Phase.AGGREGATED, "max_batch_size 128, max_num_tokens 1151; 16-bit KV", _fixed_batch(FP8, "hgx-h200", 128, 1151)),
+    Case("DeepSeek-R1 FP4, 8 B200, batch 1, MTP3", TRTLLM_R1, "tok/s/user", 274.7, Split.HELD_OUT, Phase.DECODE,
+         f"TP8 with EP8 (published: MoE TP4 x EP2); {MTP_ASSUMED}; 16-bit KV", _min_latency(R1_FP4_BF16KV, "hgx-b200", MTP3)),
+    Case("DeepSeek-R1 FP8, 8 H200, batch 1, MTP3", TRTLLM_R1, "tok/s/user", 158.1, Split.HELD_OUT, Phase.DECODE,
+         f"TP8 with EP8 (published: EP4); {MTP_ASSUMED}", _min_latency(FP8, "hgx-h200", MTP3)),
+)  # fmt: skip

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from openk3.planner.agent import AgentTask, ToolWait
 from openk3.planner.dtypes import CACHE_BYTES, STATE_BYTES, WEIGHT_FORMATS, with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Quantisation, parse_tokens
@@ -74,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="with --spec-tokens k: a per-draft acceptance rate (0.8) or k+1 probabilities of 0..k accepted drafts (0.1,0.2,0.3,0.4)",
     )
     p.add_argument("--spec-draft-layers", type=float, default=1.0, help="cost of one draft token in target layers (MTP: 1, the default)")
+    p.add_argument(
+        "--agent-turns", type=int, default=None, help="cost per completed agent task of this many turns (--input: first prompt, --output: tokens per turn)"
+    )
+    p.add_argument("--tool-latency", type=float, default=None, help="with --agent-turns: seconds each tool call takes")
+    p.add_argument("--turn-input", default="1k", help="with --agent-turns: tool-result tokens added before each later turn (default 1k)")
+    p.add_argument("--prefix-hit", type=float, default=1.0, help="with --agent-turns: fraction of the earlier context the prefix cache still holds (default 1)")
+    p.add_argument("--tool-wait", default="hold", choices=[w.value for w in ToolWait], help="with --agent-turns: the cache during tool waits (default hold)")
     p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
     p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
     p.add_argument(
@@ -123,6 +131,19 @@ def _spec(args: argparse.Namespace) -> SpecDecoding | None:
     return SpecDecoding.parse(args.spec_tokens, args.spec_acceptance, args.spec_draft_layers)
 
 
+def _agent(args: argparse.Namespace, mix: RequestMix | None) -> AgentTask | None:
+    if args.agent_turns is None:
+        if args.tool_latency is not None:
+            raise ValueError("--tool-latency needs --agent-turns")
+        return None
+    if args.tool_latency is None:
+        raise ValueError("--agent-turns needs --tool-latency (seconds per tool call)")
+    if mix is None or args.input is None:
+        raise ValueError("--agent-turns needs --input (the task's first prompt) and --output (tokens per turn)")
+    inp, out = mix.pairs[0]
+    return AgentTask(args.agent_turns, inp, parse_tokens(args.turn_input), out, args.tool_latency, args.prefix_hit, ToolWait(args.tool_wait))
+
+
 def build_request(args: argparse.Namespace) -> PlanRequest:
     system = load_catalogue(args.catalogue).system(args.hardware)
     if args.price is not None:
@@ -152,6 +173,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         slo=SLO(min_user_tok_s=args.min_user_tok_s, max_ttft_s=args.max_ttft),
         efficiency=_efficiency(args),
         spec=_spec(args),
+        agent=_agent(args, mix),
         fill=args.fill,
         disaggregate=args.disagg,
         space=SearchSpace(max_accelerators=args.max_accelerators, max_pp=args.max_pp, max_cp=args.max_cp, kda_cp=KDASplit(args.kda_cp)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from openk3.planner.agent import TaskCost, task_cost
 from openk3.planner.disagg import Comparison, compare
 from openk3.planner.inputs import Balance, Layout, Workload
 from openk3.planner.memory import MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
@@ -47,6 +48,7 @@ class Plan:
     traffic: Traffic | None = None  # the headline's decode-step bytes by flow (weights, KV/state, all-to-all up/out)
     front: tuple[FrontRow, ...] = ()  # every candidate of the whole search, flagged feasible / on the Pareto front
     disagg: Comparison | None = None  # with `disaggregate`: best xPyD vs best aggregated under the same SLO and rate
+    agent: TaskCost | None = None  # with an agent task: its $ and accelerator-seconds on the headline's replica
 
     @property
     def metrics(self) -> Metrics | None:
@@ -127,12 +129,14 @@ def make_plan(req: PlanRequest) -> Plan:
     break_even: dict[str, int | None] = {}
     sized: Demand | None = None
     traffic: Traffic | None = None
+    agent: TaskCost | None = None
     if choice is not None and layout is not None:
         sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
         sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None
         traffic = step_traffic(sc, choice.metrics.decode)
+        agent = task_cost(sc, req.agent) if req.agent is not None else None
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
@@ -151,6 +155,7 @@ def make_plan(req: PlanRequest) -> Plan:
         break_even=break_even,
         demand=sized,
         traffic=traffic,
+        agent=agent,
         front=pareto_rows(full.candidates),
         disagg=compare(req) if req.disaggregate else None,
     )

@@ -8,6 +8,7 @@ and holds every candidate of the search; it contains only finite numbers (a non-
 
 from __future__ import annotations
 
+from openk3.planner.agent import describe_cost
 from openk3.planner.attention import attention_shape
 from openk3.planner.dtypes import describe as describe_quant
 from openk3.planner.pareto import front
@@ -213,6 +214,8 @@ def render_text(plan: Plan) -> str:
     )
     if plan.demand is not None:
         out.extend(describe_demand(plan.demand, _price_note(plan)))
+    if plan.agent is not None and plan.layout is not None:
+        out.extend(describe_cost(plan.agent, plan.layout.num_accelerators, _price_note(plan)))
     if plan.disagg is not None:
         out.append("")
         out.extend(comparison_lines(plan.disagg, _price_note(plan)))

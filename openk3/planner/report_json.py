@@ -209,6 +209,13 @@ def render_json(plan: Plan) -> dict[str, Any]:
         }
     if req.requests is not None:
         doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
+    if plan.agent is not None:
+        a = plan.agent
+        doc["agent_task"] = dataclasses.asdict(a.task) | {
+            "usd": a.usd, "accelerator_seconds": a.gpu_s, "wall_s": a.wall_s,
+            "shares": {p: a.share(p) for p in ("prefill", "decode", "hold")},
+            "per_turn": [dataclasses.asdict(t) for t in a.turns],
+        }  # fmt: skip
     if plan.disagg is not None:
         doc["disaggregation"] = comparison_json(plan.disagg)
     return _finite(doc)  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openk3.config import ModelConfig
+from openk3.planner.agent import AgentTask
 from openk3.planner.balance import BalanceParams
 from openk3.planner.comm import CommParams
 from openk3.planner.energy import PowerParams
@@ -41,6 +42,7 @@ class PlanRequest:
     space: SearchSpace = field(default_factory=SearchSpace)
     requests: RequestMix | None = None  # a workload: rank by $ per request and size the fleet (context/prompt derived from it)
     spec: SpecDecoding | None = None  # speculative decoding of every decode step (speculative.py)
+    agent: AgentTask | None = None  # cost per completed agent task on the headline (agent.py)
     disaggregate: bool = False  # with a workload: also the best xPyD plan beside the best aggregated one (disagg.py)
 
     def __post_init__(self) -> None:

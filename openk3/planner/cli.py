@@ -14,6 +14,7 @@ from openk3.planner.models import MODELS, resolve_model
 from openk3.planner.perf import Efficiency
 from openk3.planner.plan import PlanRequest, make_plan
 from openk3.planner.pp_cp import KDASplit
+from openk3.planner.queueing import Arrivals, QueueOptions
 from openk3.planner.report import PlotUnavailable, render_json, render_text, write_plot
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.speculative import SpecDecoding
@@ -82,6 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--turn-input", default="1k", help="with --agent-turns: tool-result tokens added before each later turn (default 1k)")
     p.add_argument("--prefix-hit", type=float, default=1.0, help="with --agent-turns: fraction of the earlier context the prefix cache still holds (default 1)")
     p.add_argument("--tool-wait", default="hold", choices=[w.value for w in ToolWait], help="with --agent-turns: the cache during tool waits (default hold)")
+    p.add_argument("--arrivals", default="poisson", choices=[a.value for a in Arrivals], help="with --rate: arrival process of the queueing simulation")
+    p.add_argument("--burstiness", type=float, default=4.0, help="with --arrivals bursty: squared coefficient of variation of the gaps (default 4)")
+    p.add_argument("--sim-requests", type=int, default=2000, help="with --rate: requests the queueing simulation runs (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="with --rate: seed of the queueing simulation (default 0)")
     p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
     p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
     p.add_argument(
@@ -174,6 +179,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         efficiency=_efficiency(args),
         spec=_spec(args),
         agent=_agent(args, mix),
+        queue=QueueOptions(Arrivals(args.arrivals), args.burstiness, args.sim_requests, args.seed),
         fill=args.fill,
         disaggregate=args.disagg,
         space=SearchSpace(max_accelerators=args.max_accelerators, max_pp=args.max_pp, max_cp=args.max_cp, kda_cp=KDASplit(args.kda_cp)),

@@ -19,6 +19,7 @@ from openk3.planner.inputs import Balance, Layout, Workload
 from openk3.planner.memory import MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
 from openk3.planner.pareto import FrontRow, pareto_rows
 from openk3.planner.perf import Metrics, Scenario
+from openk3.planner.queueing import QueueStats, SLOPercentile, replica_queue
 from openk3.planner.request import PlanRequest
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
@@ -49,6 +50,7 @@ class Plan:
     front: tuple[FrontRow, ...] = ()  # every candidate of the whole search, flagged feasible / on the Pareto front
     disagg: Comparison | None = None  # with `disaggregate`: best xPyD vs best aggregated under the same SLO and rate
     agent: TaskCost | None = None  # with an agent task: its $ and accelerator-seconds on the headline's replica
+    queue: tuple[QueueStats, SLOPercentile] | None = None  # with --rate: simulated TTFT/TPOT percentiles and the one the SLO meets
 
     @property
     def metrics(self) -> Metrics | None:
@@ -130,6 +132,7 @@ def make_plan(req: PlanRequest) -> Plan:
     sized: Demand | None = None
     traffic: Traffic | None = None
     agent: TaskCost | None = None
+    queue: tuple[QueueStats, SLOPercentile] | None = None
     if choice is not None and layout is not None:
         sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
         tiers = tier_table(sc, req.context)
@@ -137,6 +140,9 @@ def make_plan(req: PlanRequest) -> Plan:
         sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None
         traffic = step_traffic(sc, choice.metrics.decode)
         agent = task_cost(sc, req.agent) if req.agent is not None else None
+        if sized is not None and sized.replicas is not None and req.requests is not None and req.requests.rate is not None:
+            stats = replica_queue(sc, req.requests.pairs, req.queue.at(req.requests.rate / sized.replicas))
+            queue = (stats, SLOPercentile.of(stats, req.slo.max_ttft_s, req.slo.min_user_tok_s))
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
@@ -156,6 +162,7 @@ def make_plan(req: PlanRequest) -> Plan:
         demand=sized,
         traffic=traffic,
         agent=agent,
+        queue=queue,
         front=pareto_rows(full.candidates),
         disagg=compare(req) if req.disaggregate else None,
     )

@@ -14,6 +14,7 @@ from openk3.planner.dtypes import describe as describe_quant
 from openk3.planner.pareto import front
 from openk3.planner.plan import Plan
 from openk3.planner.plot import PlotUnavailable, write_plot
+from openk3.planner.queueing import describe_queue
 from openk3.planner.report_disagg import comparison_lines
 from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
@@ -177,6 +178,10 @@ def render_text(plan: Plan) -> str:
         f"plan: {plan.layout.describe()}; {plan.workload.concurrency:,} sequences "
         f"({m.memory.seqs_per_group} per DP group); max concurrency at this context {plan.max_concurrency:,}"
     )
+    if plan.queue is not None:
+        stats, met = plan.queue
+        where = f"at {met.percentile} of requests" if met.percentile else "not even at the median"
+        out.append(f"SLO under queueing ({stats.spec.arrivals.value} arrivals at the planned rate, simulated): met {where}")
     if plan.support is not None:
         out.append(f"who can run it: {plan.support.describe()}")
     out.append(_memory_table(plan))
@@ -214,6 +219,8 @@ def render_text(plan: Plan) -> str:
     )
     if plan.demand is not None:
         out.extend(describe_demand(plan.demand, _price_note(plan)))
+    if plan.queue is not None and plan.demand is not None and plan.demand.replicas is not None:
+        out.extend(describe_queue(*plan.queue, plan.demand.replicas))
     if plan.agent is not None and plan.layout is not None:
         out.extend(describe_cost(plan.agent, plan.layout.num_accelerators, _price_note(plan)))
     if plan.disagg is not None:

@@ -209,6 +209,14 @@ def render_json(plan: Plan) -> dict[str, Any]:
         }
     if req.requests is not None:
         doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
+    if plan.queue is not None:
+        stats, met = plan.queue
+        doc["queueing"] = {
+            "arrivals": stats.spec.arrivals.value, "cv2": stats.spec.cv2, "rate_per_replica": stats.spec.rate,
+            "requests": stats.spec.requests, "seed": stats.spec.seed, "busy": stats.utilisation, "max_queue": stats.max_queue,
+            "ttft_s": dataclasses.asdict(stats.ttft), "tpot_s": None if stats.tpot is None else dataclasses.asdict(stats.tpot),
+            "slo_met_at": met.percentile,
+        }  # fmt: skip
     if plan.agent is not None:
         a = plan.agent
         doc["agent_task"] = dataclasses.asdict(a.task) | {

@@ -16,6 +16,7 @@ from openk3.planner.inputs import Balance, Quantisation
 from openk3.planner.memory import DEFAULT_FILL, tp_problem
 from openk3.planner.perf import Efficiency
 from openk3.planner.placement import tp_placement_problem
+from openk3.planner.queueing import QueueOptions
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.speculative import SpecDecoding
 from openk3.planner.workload import RequestMix
@@ -43,6 +44,7 @@ class PlanRequest:
     requests: RequestMix | None = None  # a workload: rank by $ per request and size the fleet (context/prompt derived from it)
     spec: SpecDecoding | None = None  # speculative decoding of every decode step (speculative.py)
     agent: AgentTask | None = None  # cost per completed agent task on the headline (agent.py)
+    queue: QueueOptions = field(default_factory=QueueOptions)  # with --rate: the queueing simulation (queueing.py)
     disaggregate: bool = False  # with a workload: also the best xPyD plan beside the best aggregated one (disagg.py)
 
     def __post_init__(self) -> None:

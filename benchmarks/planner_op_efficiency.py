@@ -17,6 +17,8 @@ table sweeps:
   DeepSeek-V3 shape (7168 / 2048, 256 experts, top-8), balanced routing; per dtype.
 - attention prefill (`context_mla_perf`, bf16): by prompt length; causal, qk 192 + v 128 per head (DeepSeek MLA, expanded).
 - attention decode (`generation_mla_perf`, bf16): by cached tokens read per call (batch x cached tokens), absorbed MLA.
+- GQA attention prefill / decode (`context_attention_perf` / `generation_attention_perf`, bf16, at least 4 query heads
+  per KV head): by prompt length / by cached tokens read per call, as for MLA.
 - all-reduce (`custom_allreduce_perf`, SGLang custom all-reduce under CUDA graphs): by message bytes, per group size;
   efficiency = ring time 2 (g - 1) / g x bytes / NVLink bandwidth per direction / measured latency.
 
@@ -129,6 +131,34 @@ def attention_decode(root: Path, gpu: str) -> list[list[float]]:
     return _pow2(_curve(rows, lambda r: r["batch_size"] * (r["step"] + 1), roof))
 
 
+def _gqa(r: dict) -> bool:
+    """Grouped-query shapes (at least 4 query heads per KV head, as Qwen3 / Llama-class models run them)."""
+    return r["num_heads"] >= 4 * r["num_key_value_heads"] and r["kv_cache_dtype"] == "bfloat16" and r["attn_dtype"] == "bfloat16"
+
+
+def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
+    g = GPUS[gpu]
+
+    def roof(r: dict) -> float:
+        b, h, kv, d, s = r["batch_size"], r["num_heads"], r["num_key_value_heads"], r["head_dim"], r["isl"]
+        flops = b * h * s * (s + 1) / 2 * 2 * 2 * d
+        return max(flops / g["bf16"], b * s * (h + 2 * kv) * d * 2 / g["bw"])
+
+    rows = (r for r in _rows(root, gpu, f"attention/{VERSION}/context_attention_perf.parquet") if _gqa(r))
+    return _pow2(_curve(rows, lambda r: r["isl"], roof))
+
+
+def gqa_decode(root: Path, gpu: str) -> list[list[float]]:
+    g = GPUS[gpu]
+
+    def roof(r: dict) -> float:
+        b, h, kv, d, s = r["batch_size"], r["num_heads"], r["num_key_value_heads"], r["head_dim"], r["step"] + 1
+        return max(b * h * s * 2 * 2 * d / g["bf16"], b * s * 2 * kv * d * 2 / g["bw"])
+
+    rows = (r for r in _rows(root, gpu, f"attention/{VERSION}/generation_attention_perf.parquet") if _gqa(r))
+    return _pow2(_curve(rows, lambda r: r["batch_size"] * (r["step"] + 1), roof))
+
+
 def allreduce(root: Path, gpu: str) -> dict[str, list[list[float]]]:
     g = GPUS[gpu]
     rows = [r for r in _rows(root, gpu, f"comm/{VERSION}/custom_allreduce_perf.parquet") if r["backend"] == "sglang_graph"]
@@ -143,7 +173,19 @@ def allreduce(root: Path, gpu: str) -> dict[str, list[list[float]]]:
     return out
 
 
+def _physical(curve: list[list[float]], name: str) -> list[list[float]] | None:
+    """A curve that claims to beat the roofline somewhere measures something else than the roofline prices; left out."""
+    if any(e > 1 for _, e in curve):
+        print(f"left out {name}: efficiency {max(e for _, e in curve):.2f} > 1 at some shape (not the operator the roofline prices)")
+        return None
+    return curve
+
+
 def family(root: Path, gpu: str) -> dict:
+    optional = {
+        "gqa_attention_prefill": _physical(gqa_prefill(root, gpu), f"{gpu} gqa_attention_prefill"),
+        "gqa_attention_decode": _physical(gqa_decode(root, gpu), f"{gpu} gqa_attention_decode"),
+    }
     return {
         "measured_on": GPUS[gpu]["dir"],
         "used_for": USED_FOR[gpu],
@@ -152,7 +194,7 @@ def family(root: Path, gpu: str) -> dict:
         "attention_prefill": attention_prefill(root, gpu),
         "attention_decode": attention_decode(root, gpu),
         "allreduce": allreduce(root, gpu),
-    }
+    } | {k: v for k, v in optional.items() if v is not None}
 
 
 def _commit(root: Path) -> str:
@@ -184,8 +226,9 @@ def main() -> int:
         for op in ("gemm", "moe", "allreduce"):
             for k, curve in fam[op].items():
                 print(f"  {op} {k}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in curve))
-        for op in ("attention_prefill", "attention_decode"):
-            print(f"  {op}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in fam[op]))
+        for op in ("attention_prefill", "attention_decode", "gqa_attention_prefill", "gqa_attention_decode"):
+            if op in fam:
+                print(f"  {op}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in fam[op]))
     if args.write:
         args.write.write_text(json.dumps(table, indent=1) + "\n")
         print(f"\nwrote {args.write}")

@@ -2,8 +2,8 @@
 
 `op_efficiency.json` beside this file is a small table derived by `benchmarks/planner_op_efficiency.py` from
 AIConfigurator's public per-kernel measurements (Apache-2.0; the file names its commit and tables): GEMM by tokens and
-dtype, grouped GEMM (MoE) by routed tokens per expert and dtype, attention prefill by prompt length, attention decode by
-cached tokens read per call, all-reduce by message bytes and group size. Hopper curves were measured on H200 and serve
+dtype, grouped GEMM (MoE) by routed tokens per expert and dtype, MLA and GQA attention prefill by prompt length and
+decode by cached tokens read per call, all-reduce by message bytes and group size. Hopper curves were measured on H200 and serve
 H100/H800/H200; Blackwell curves on B200 and serve B200/GB200/B300/GB300. An accelerator with no curves (AMD, a user
 row) gets None and the planner falls back to the flat `Efficiency` factors.
 
@@ -73,6 +73,8 @@ class OpCurves:
     prefill_attention: Curve
     decode_attention: Curve
     allreduce_curves: Mapping[int, Curve]
+    gqa_prefill_attention: Curve | None = None  # None: not measured (or not physical) for this family; flat factors
+    gqa_decode_attention: Curve | None = None
 
     def gemm(self, dtype: str, tokens: float) -> float:
         return _by_dtype(self.gemm_curves, dtype, "gemm").at(max(tokens, 1.0))
@@ -80,11 +82,14 @@ class OpCurves:
     def moe(self, dtype: str, tokens_per_expert: float) -> float:
         return _by_dtype(self.moe_curves, dtype, "moe").at(max(tokens_per_expert, 1e-3))
 
-    def attention_prefill(self, prompt_tokens: float) -> float:
-        return self.prefill_attention.at(max(prompt_tokens, 1.0))
+    def attention_prefill(self, prompt_tokens: float, mla: bool = True) -> float | None:
+        """None: no curve for this attention kind (the flat factor prices it)."""
+        curve = self.prefill_attention if mla else self.gqa_prefill_attention
+        return None if curve is None else curve.at(max(prompt_tokens, 1.0))
 
-    def attention_decode(self, tokens_read: float) -> float:
-        return self.decode_attention.at(max(tokens_read, 1.0))
+    def attention_decode(self, tokens_read: float, mla: bool = True) -> float | None:
+        curve = self.decode_attention if mla else self.gqa_decode_attention
+        return None if curve is None else curve.at(max(tokens_read, 1.0))
 
     def allreduce(self, group: int, nbytes: float) -> float:
         """The measured group size nearest below `group` (the largest measured one past it)."""
@@ -105,6 +110,8 @@ def _family(name: str, raw: Mapping) -> OpCurves:
         prefill_attention=Curve.of(raw["attention_prefill"], f"{name}.attention_prefill"),
         decode_attention=Curve.of(raw["attention_decode"], f"{name}.attention_decode"),
         allreduce_curves={int(g): Curve.of(p, f"{name}.allreduce.{g}") for g, p in raw["allreduce"].items()},
+        gqa_prefill_attention=Curve.of(raw["gqa_attention_prefill"], f"{name}.gqa_attention_prefill") if "gqa_attention_prefill" in raw else None,
+        gqa_decode_attention=Curve.of(raw["gqa_attention_decode"], f"{name}.gqa_attention_decode") if "gqa_attention_decode" in raw else None,
     )
 
 

@@ -151,18 +151,18 @@ def _step(
     experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc, moe_eff)
 
     attn = attention_shape(config)
-    attn_curves = curves if attn.kind == "mla" else None  # the shipped attention curves are MLA kernels; GQA stays flat
+    is_mla = attn.kind == "mla"
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
-        attn_eff = attn_curves.attention_decode(tokens_per_group * kv_len) if attn_curves else None
+        attn_eff = curves.attention_decode(tokens_per_group * kv_len, is_mla) if curves else None
     else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
-        attn_eff = attn_curves.attention_prefill(kv_len + tokens_per_group / prompts) if attn_curves else None
+        attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
     mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc, attn_eff)
 
     state_passes = 2 + (verify.state_passes if verify else 0)  # read and written back every step (+ snapshot, restore)

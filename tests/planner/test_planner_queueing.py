@@ -76,3 +76,19 @@ def test_plan_with_rate_reports_queueing() -> None:
     assert stats.spec.arrivals == Arrivals.BURSTY and stats.spec.requests == 300
     doc = json.loads(json.dumps(render_json(plan), allow_nan=False))
     assert doc["queueing"]["slo_met_at"] == met.percentile and doc["queueing"]["ttft_s"]["p99"] == stats.ttft.p99
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--seed", "3"], "--seed needs --rate"),
+        (["--input", "8k", "--output", "1k", "--rate", "2", "--burstiness", "3"], "--burstiness needs --arrivals bursty"),
+        (["--spec-draft-layers", "2"], "--spec-draft-layers needs --spec-tokens"),
+        (["--tool-wait", "drop", "--prefix-hit", "0.5"], "--prefix-hit, --tool-wait need --agent-turns"),
+    ],
+)
+def test_flags_without_their_feature_are_errors(extra: list[str], message: str) -> None:
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    with pytest.raises(ValueError, match=message):
+        build_request(p.parse_args(["plan", "--model", "k3", "--hardware", "gb300-nvl72", *extra]))

@@ -107,7 +107,7 @@ def _install_cors(app: FastAPI, connection: ConnectionConfig) -> None:
     app.add_middleware(
         CORSMiddleware,
         allow_origins=list(origins),
-        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
         allow_headers=["Authorization", "Content-Type"],
         allow_credentials=False,  # the API key travels in a header the page sets, never in cookies
         max_age=600,

@@ -136,6 +136,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_store_size=args.responses_store_size,
+        metrics_prefix=args.metrics_prefix,
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

@@ -56,5 +56,4 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("openk3.api").info("listening on http://%s:%d", args.host, args.port)
     return export_expert_load(app, serve_until_stopped(app, args, sock))

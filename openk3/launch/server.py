@@ -42,6 +42,7 @@ def build_server(args: argparse.Namespace, group: ParallelContext | None = None)
     try:
         app = _app(args, built.core, built.ep_totals)
         _record_expert_load(app, built.counted_model, parallel)
+        _log_startup(app, args, built.core, parallel)
     except BaseException:
         if built.group is not None:
             built.group.close()
@@ -99,10 +100,17 @@ def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, An
     assert built.local_ranks is not None
     try:
         app = _app(args, built.core)
+        _log_startup(app, args, built.core, parallel)
     except BaseException:
         built.local_ranks.close()
         raise
     return app, built.local_ranks
+
+
+def _log_startup(app: FastAPI, args: argparse.Namespace, engine: ServedEngine, parallel: ParallelConfig) -> None:
+    from openk3.launch.startup_log import log_startup
+
+    log_startup(engine, app.state.served.model.name, str(args.model), parallel, args.host, args.port)
 
 
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:

@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from openk3.api.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from openk3.api.metrics import ServerMetrics, check_prefix
+from openk3.cli import build_parser
+from openk3.launch import cli
 from tests.api.conftest import LiveServer, start_server, stop_server
 
 # what the vLLM example dashboard and vLLM v1's PrometheusStatLogger export, as the dashboard queries them
@@ -70,6 +72,8 @@ def test_the_vllm_prefix_gives_a_stock_dashboards_names(vllm_named: LiveServer) 
             r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
             assert r.status_code == 200
         assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+        # an answer can leave before the engine thread records its step's metrics; a command runs after that, between steps
+        vllm_named.in_loop(vllm_named.frontend.call(lambda engine: None))
         text = http.get("/metrics").text
     for name in DASHBOARD:
         assert re.search(rf"^{re.escape(name)}\{{[^}}]*model_name=\"debug\"", text, re.M), name
@@ -87,11 +91,14 @@ def test_the_vllm_prefix_gives_a_stock_dashboards_names(vllm_named: LiveServer) 
     assert sample(text, "http_request_duration_seconds_count", handler="/v1/completions", method="POST") == 2
 
 
-def test_a_bad_prefix_is_refused_naming_the_flag() -> None:
+def test_a_bad_prefix_is_refused_naming_the_flag(capsys) -> None:
     assert check_prefix("vllm:") == "vllm:" and check_prefix("") == ""
     for bad in ("9x", "vllm-", "a b"):
         with pytest.raises(ValueError, match="--metrics-prefix"):
             ServerMetrics("m", bad)
+    # `openk3 serve` refuses it with one line and exit 2, before the port is claimed or any weights load
+    assert cli.run(build_parser().parse_args(["serve", "--model", "no-such-model", "--metrics-prefix", "vllm-"])) == 2
+    assert "--metrics-prefix 'vllm-'" in capsys.readouterr().err
 
 
 class FakeClock:

@@ -194,7 +194,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
         else:
             work = make_requests(cfg, None if cfg.name == "multiturn" else await _token_pool(client, base, model, headers, cfg.seed))
         if chat_backend:  # a chat message is text: token-id prompts are spelled out by the server's /detokenize
-            work = [await _as_text(client, base, model, headers, w) for w in work]
+            work = list(await asyncio.gather(*(_as_text(client, base, model, headers, w) for w in work)))
         total = sum(len(w.turns) for w in work) if cfg.name == "multiturn" else len(work)
         bar = tqdm(total=total, disable=args.disable_tqdm, desc="bench serve", file=sys.stderr)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None

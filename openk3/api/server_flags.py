@@ -31,7 +31,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--responses-store-size",
         type=int,
         default=1024,
-        help="how many /v1/responses responses are kept in memory for previous_response_id, least recently used evicted first (default 1024)",
+        help="how many /v1/responses responses are kept in memory (previous_response_id, GET and DELETE /v1/responses/{id}), "
+        "least recently used evicted first (default 1024)",
+    )
+    p.add_argument(
+        "--metrics-prefix",
+        default="openk3:",
+        help="prefix of the engine's metric names on /metrics (default openk3:); vllm: gives vLLM's own names, so stock vLLM "
+        "dashboards and alerts work unchanged",
     )
 
 

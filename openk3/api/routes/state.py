@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import RESTART_RETRY_AFTER_S, RETRY_AFTER_S, APIError, read_json
 from openk3.api.limits import RequestLimits
+from openk3.api.metrics import PREFIX as METRICS_PREFIX
 from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
 from openk3.api.served_model import ModelIdentity, ServedModel
@@ -35,6 +36,7 @@ class ServerConfig:
     response_store_size: int = DEFAULT_CAPACITY  # responses kept for previous_response_id (api/responses_store.py)
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
+    metrics_prefix: str = METRICS_PREFIX  # --metrics-prefix: the engine's metric names on /metrics (api/metrics.py)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.generation_config import read_generation_config
     from openk3.serve.loading import ASSETS
+    from openk3.serve.vision_processor import read_media_config
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
@@ -136,6 +137,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_store_size=args.responses_store_size,
+        media=read_media_config(folder),
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
+from openk3.config.vision import VisionConfig
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
@@ -103,6 +104,11 @@ class ServedEngine(EngineCore, Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        """The vision tower's config when add_request takes images, else None."""
+        ...
 
     @property
     def model_config(self) -> ModelConfig: ...
@@ -225,6 +231,10 @@ class LLMEngine:
         self._texts[request_id] = RequestText(self.tokenizer, ids, params)
         self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        return self.model.vision if isinstance(self.model, K3ForCausalLM) and self.encoder_cache is not None else None
 
     def _take_routing(self, req: Request) -> RoutingTrace | None:
         parts = self._routing.pop(req.request_id, None)

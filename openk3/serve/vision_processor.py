@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -85,6 +87,17 @@ class MediaConfig:
             if name in kwargs:
                 kwargs[name] = tuple(kwargs[name])
         return MediaConfig(**kwargs)
+
+
+def read_media_config(folder: Path | None) -> MediaConfig | None:
+    """The checkpoint folder's preprocessor_config.json, or None when there is none (image input then uses K3's values)."""
+    file = None if folder is None else folder / "preprocessor_config.json"
+    if file is None or not file.is_file():
+        return None
+    try:
+        return MediaConfig.from_json(json.loads(file.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 class ResizePlan(NamedTuple):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from openk3.config import debug
-from openk3.config.vision import VisionConfig, VisionNorm
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import ForwardBatch
 from openk3.serve.engine import EngineConfig, LLMEngine
@@ -16,9 +15,9 @@ from openk3.serve.media_prompt import ImageSpan, expand_media
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from openk3.serve.vision_processor import ImageInput
+from tests.serve.vision_fakes import PATCH, tiny_vision_model
 
 PAD = 250  # the media placeholder id of this test (any id of the debug vocabulary)
-PATCH = 3
 GREEDY = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
 
 
@@ -32,16 +31,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model() -> K3ForCausalLM:
-    text = debug()
-    vision = VisionConfig(24, 2, 2, 40, text.hidden_size, patch_size=PATCH, pos_emb_height=4, pos_emb_width=6, norm=VisionNorm.RMSNORM)
-    m = K3ForCausalLM(text, vision=vision)
-    m.init_weights(seed=5)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # a tower whose output is not tiny, so that a misplaced row changes the text's logprobs
-        for name, p in m.named_parameters():
-            if name.startswith(("vision_tower.", "mm_projector.")) and "norm" not in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return m.eval()
+    return tiny_vision_model()
 
 
 def image(seed: int, h: int, w: int) -> ImageInput:

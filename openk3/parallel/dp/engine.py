@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from openk3.config import ModelConfig
+from openk3.config.vision import VisionConfig
 from openk3.parallel.dp.channel import AddRequest, DPChannel, FinishRequest, Inbox, Outbox
 from openk3.parallel.dp.lockstep import LockstepModel
 from openk3.parallel.dp.rank_stats import LeaderEPStats, add_ep_step, merge_engine_stats
@@ -110,6 +111,10 @@ class DataParallelEngine:
     @property
     def max_model_len(self) -> int:
         return self.local.max_model_len
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        return None  # add_request refuses images with dp > 1
 
     @property
     def model(self) -> LockstepModel:

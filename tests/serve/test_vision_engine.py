@@ -135,3 +135,15 @@ def test_bad_spans_are_refused(model) -> None:
         engine(model).add_request("x", ids[:4], GREEDY, images=spans)
     with pytest.raises(ValueError, match="2 media placeholders for 1 images"):
         expand_media([PAD, PAD], PAD, [image(1, 4, 6)])
+
+
+def test_a_chunk_with_an_image_to_encode_spends_its_tokens_of_the_budget(model) -> None:
+    e = engine(model, max_num_batched_tokens=40)
+    ids, spans = prompt([image(1, 4, 6)], [10, 11, 12, PAD] + list(range(30, 55)))  # 29 + 5 = 34 tokens, an image of 6
+    e.add_request("img", ids, GREEDY, images=spans)
+    e.add_request("text", list(range(60, 80)), GREEDY)
+    first = e.scheduler.schedule()
+    # 34 tokens + 6 for the encoder leave nothing for "text" (without the charge it would get 6 tokens)
+    assert [r.request_id for r in first.requests] == ["img"] and first.num_tokens == (34,)
+    e.runner.execute(first)
+    assert e.encoder_cache is not None and e.encoder_cache.cost(e.scheduler.running[0], 1) == 0  # ... and now it is cached

@@ -64,6 +64,10 @@ class EncoderCache:
             self.encoded_images += len(images)
         return found
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.rows = 0
+
     def _put(self, digest: bytes, emb: torch.Tensor) -> None:
         self.entries[digest] = emb
         self.rows += emb.shape[0]

@@ -10,12 +10,16 @@ device needed. The goal (issue 20): decode within +-15% and prefill within +-25%
 from __future__ import annotations
 
 import platform
+import statistics
 import subprocess
 import sys
 
-from openk3.planner.validation import CASES, Phase, Split
+from openk3.planner.perf import Efficiency
+from openk3.planner.validation import CASES, Case, Phase, Split
+from openk3.planner.validation_agg import AGGREGATED_CASES, BLOG_CASES
 
-GOAL = {Phase.DECODE: 0.15, Phase.PREFILL: 0.25, Phase.COMM: 0.25}
+GOAL = {Phase.DECODE: 0.15, Phase.PREFILL: 0.25, Phase.COMM: 0.25, Phase.AGGREGATED: 0.15}
+MEASURED = Efficiency.measured()
 
 
 def _commit() -> str:
@@ -34,19 +38,34 @@ def _num(x: float | None) -> str:
 def main() -> int:
     print(f"command: {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}; machine: {platform.machine()} {platform.system()}; commit {_commit()}")
     print()
-    print("| case | split | source | metric | published | predicted | error | within goal | assumed | why |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | split | source | metric | published | predicted | error | within goal | measured-kernel model | its error | assumed | why |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    errors: dict[tuple[str, str, str], list[float]] = {}
+    cases: tuple[Case, ...] = CASES + AGGREGATED_CASES + BLOG_CASES
     for split in (Split.TUNED, Split.HELD_OUT):
-        for c in (c for c in CASES if c.split == split):
+        for c in (c for c in cases if c.split == split):
             try:
                 predicted, error = c.predict(), c.error()
+                measured, m_error = c.predict(MEASURED), c.error(MEASURED)
                 why = c.note
             except ValueError as exc:  # a set-up that does not fit is reported, not priced
-                predicted, error, why = None, None, f"{exc}; {c.note}"
+                predicted, error, measured, m_error, why = None, None, None, None, f"{exc}; {c.note}"
             published = "not found in the offline corpus" if c.published is None else _num(c.published)
             ok = "-" if error is None else ("yes" if abs(error) <= GOAL[c.phase] else "no")
             err = "-" if error is None else f"{error:+.0%}"
-            print(f"| {c.name} | {split.value} | {c.source} | {c.metric} | {published} | {_num(predicted)} | {err} | {ok} | {c.assumed} | {why} |")
+            m_err = "-" if m_error is None else f"{m_error:+.0%}"
+            cells = [c.name, split.value, c.source, c.metric, published, _num(predicted), err, ok, _num(measured), m_err, c.assumed, why]
+            print("| " + " | ".join(cells) + " |")
+            group = "aggregated" if c.phase == Phase.AGGREGATED else ("pools" if c.phase != Phase.COMM else "communication")
+            for model, e in (("flat (default)", error), ("measured kernels", m_error)):
+                if e is not None:
+                    errors.setdefault((group, split.value, model), []).append(e)
+    print()
+    print("| cases | split | model | n | median abs error | worst |")
+    print("|---|---|---|---|---|---|")
+    for (group, split_name, model), es in errors.items():
+        worst = max(es, key=abs)
+        print(f"| {group} | {split_name} | {model} | {len(es)} | {statistics.median(abs(e) for e in es):.0%} | {worst:+.0%} |")
     return 0
 
 

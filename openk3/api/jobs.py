@@ -177,7 +177,7 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
             forced = required_call_prefix(plan.fmt, end)
         elif grammar is not None:
             forced = structured_reply_prefix(plan.fmt, end)
-        call = plan.call_grammar(calls_before)
+        call = plan.call_grammar(calls_before, s.call_spelling)
         if call is not None:
             grammar = await s.encoder.run(lambda: compile_structured(s.call_grammars, StructuredRequest("tools", call)))
     cuts = prompt.cuts + (len(prompt.text),) if prompt.cuts and forced else prompt.cuts  # the forced prefix: one piece more

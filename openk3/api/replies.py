@@ -217,7 +217,7 @@ async def open_chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: Cha
 
 def _chat_deltas(parser: ChoiceParser | None, text: str, finished: bool, stop_reason: int | str | None) -> list[DeltaMessage]:
     """One step's text as the deltas to send: reasoning, then content, then the tool-call pieces (a call's opening piece,
-    then its argument fragments), one per chunk as OpenAI sends them."""
+    then its argument fragments), one per chunk as OpenAI sends them; none while the parser holds markup back."""
     if parser is None:
         return [DeltaMessage(content=text)]
     piece = parser.feed(text, final=finished, stop_reason=stop_reason)
@@ -227,7 +227,7 @@ def _chat_deltas(parser: ChoiceParser | None, text: str, finished: bool, stop_re
     if piece.content:
         out.append(DeltaMessage(content=piece.content))
     out += [DeltaMessage(tool_calls=[call]) for call in piece.tool_calls]
-    return out or [DeltaMessage(content="")]
+    return out
 
 
 async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob, request_id: str, updates: Updates) -> AsyncGenerator[bytes, None]:
@@ -261,6 +261,10 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                 parser = parsers[d.index]
                 deltas = _chat_deltas(parser, d.text, d.finish_reason is not None, d.stop_reason)
                 finish = d.finish_reason if parser is None else parser.finish_reason(d.finish_reason)
+                if not deltas:  # markup the parser holds back: a chunk only to carry logprobs or the finish reason (vLLM sends none)
+                    if finish is None and logprobs is None:
+                        continue
+                    deltas = [DeltaMessage(content="")]
                 for k, delta in enumerate(deltas):  # logprobs ride on the first piece, the finish reason on the last
                     last = k == len(deltas) - 1
                     choice = ChatChunkChoice(

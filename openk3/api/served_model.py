@@ -16,6 +16,7 @@ from openk3.api.prompt_text import PromptEncoder
 from openk3.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from openk3.api.structured_request import compile_structured, structured_request
 from openk3.api.token_texts import TokenTexts
+from openk3.api.tool_choice import Spelling
 from openk3.api.user_text import PromptText
 from openk3.serve.async_engine import AsyncEngine
 from openk3.serve.structured.compiler import GrammarCompiler
@@ -64,8 +65,20 @@ class ServedModel:
     def call_grammars(self) -> GrammarCompiler:
         """Tool-call grammars: as `grammars`, except that the Kimi formats' marker special tokens may be written as the one
         token each is (chat_format.CALL_MARKUP), so a forced call costs the tokens the model would spend on it."""
-        markup = frozenset().union(*CALL_MARKUP.values()) & self.tokenizer.special_token_strings
-        return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size, markup=markup)
+        return GrammarCompiler(self.tokenizer, self.frontend.engine.model_config.vocab_size, markup=self.call_markup)
+
+    @functools.cached_property
+    def call_markup(self) -> frozenset[str]:
+        """The Kimi formats' call markers this tokenizer has as special tokens."""
+        return frozenset().union(*CALL_MARKUP.values()) & self.tokenizer.special_token_strings
+
+    @functools.cached_property
+    def call_spelling(self) -> Spelling:
+        """How an enforced call writes the format's text with this tokenizer (tool_choice.Spelling): markers as their one
+        token, the text between them as the prompt encoder's ids for it."""
+        tok = self.tokenizer
+        markers = {m: ids[0] for m in self.call_markup if len(ids := tok.encode_with_plain(m, ())) == 1}
+        return Spelling(markers, lambda text: tok.encode_with_plain(text, ((0, len(text)),)))
 
     async def grammar(self, req: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
         asked = structured_request(req)

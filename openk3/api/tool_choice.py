@@ -24,11 +24,13 @@ and the one it must call, and builds the structural tag (serve/structured) of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from openk3.api import chat_format as f
-from openk3.api.chat_format import ChatFormat, PromptEnd
+from openk3.api.chat_format import CALL_MARKUP, ChatFormat, PromptEnd
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from openk3.api.tool_schemas import check_tool_schemas
@@ -44,6 +46,47 @@ class Unexpressible(ValueError):
 
 def _const(value: str) -> dict[str, Any]:
     return {"type": "const_string", "value": value}
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How an enforced call writes the format's own text (never a caller's value): each marker the tokenizer has as a
+    special token (`markers`, name -> id) as that one token, and, with `encode`, the text between markers as the token ids
+    the prompt encoder gives it, each piece on its own, as K3's encoding encodes its segments. A forced call then costs
+    the tokens the model was trained to write, and the grammar cannot spell a marker out byte by byte. `Spelling()` writes
+    the format as text, in any tokenization (a tokenizer without the markers)."""
+
+    markers: Mapping[str, int] = field(default_factory=dict)
+    encode: Callable[[str], list[int]] | None = None
+
+    def pieces(self, *parts: str | Marker) -> list[dict[str, Any]]:
+        """Formats for `parts` in order: a Marker is a format marker, a str is text (which may hold a caller's key or name,
+        never read as a marker)."""
+        out: list[dict[str, Any]] = []
+        for part in parts:
+            if isinstance(part, Marker) and part.text in self.markers:
+                out.append({"type": "token", "token": self.markers[part.text]})
+            elif self.encode is not None:
+                out.extend({"type": "token", "token": i} for i in self.encode(str(part)))
+            elif str(part):
+                out.append(_const(str(part)))
+        return out
+
+    def constant(self, value: str) -> list[dict[str, Any]]:
+        """A constant of the format (chat_format's, no caller text in it), its markers found by name."""
+        names = sorted(set(self.markers) | MARKERS, key=len, reverse=True)
+        split = re.split("(" + "|".join(re.escape(m) for m in names) + ")", value)
+        return self.pieces(*(Marker(p) if p in names else p for p in split if p))
+
+
+class Marker(NamedTuple):
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+MARKERS = frozenset().union(*CALL_MARKUP.values())
 
 
 def _json(schema: Any) -> dict[str, Any]:
@@ -73,7 +116,7 @@ def _k3_value(key: str, schema: Any) -> tuple[str, dict[str, Any]]:
     return K3_TYPES[kind], _json(schema)
 
 
-def _k3_arguments(parameters: dict[str, Any] | None) -> list[dict[str, Any]]:
+def _k3_arguments(parameters: dict[str, Any] | None, spell: Spelling) -> list[dict[str, Any]]:
     """K3 argument blocks for a parameters schema: its properties in order, the required ones always, the others optional."""
     props = (parameters or {}).get("properties") or {}
     required = set((parameters or {}).get("required") or ())
@@ -82,28 +125,28 @@ def _k3_arguments(parameters: dict[str, Any] | None) -> list[dict[str, Any]]:
     out = []
     for key, schema in props.items():
         attr, value = _k3_value(key, schema)
-        block = {"type": "sequence", "elements": [_const(f'{f.K3_ARG_OPEN} key="{key}" type="{attr}"{f.SEP}'), value, _const(f.K3_ARG_CLOSE)]}
+        head = spell.pieces(Marker(f.OPEN), f'argument key="{key}" type="{attr}"', Marker(f.SEP))  # the key is the caller's
+        block = {"type": "sequence", "elements": [*head, value, *spell.constant(f.K3_ARG_CLOSE)]}
         out.append(block if key in required else {"type": "optional", "content": block})
     return out
 
 
-def _arguments(fmt: ChatFormat, tool: Tool) -> list[dict[str, Any]]:
+def _arguments(fmt: ChatFormat, tool: Tool, spell: Spelling) -> list[dict[str, Any]]:
     params = tool.function.parameters
     if fmt is ChatFormat.KIMI_K2:
         return [_json(params if params is not None else {"type": "object", "properties": {}})]
-    return _k3_arguments(params)
+    return _k3_arguments(params, spell)
 
 
-def _header(fmt: ChatFormat, name: str, index: int) -> str:
+def _header(fmt: ChatFormat, name: str, index: int, spell: Spelling) -> list[dict[str, Any]]:
     if fmt is ChatFormat.KIMI_K2:
-        return f"{f.CALL_BEGIN}functions.{name}:{index}{f.ARGS_BEGIN}"
-    return f'{f.K3_CALL_OPEN} tool="{name}" index="1"{f.SEP}'
+        return spell.pieces(Marker(f.CALL_BEGIN), f"functions.{name}:{index}", Marker(f.ARGS_BEGIN))
+    return spell.pieces(Marker(f.OPEN), f'call tool="{name}" index="1"', Marker(f.SEP))
 
 
-def _section_end(fmt: ChatFormat) -> list[dict[str, Any]]:
-    if fmt is ChatFormat.KIMI_K2:
-        return [_const(f.CALL_END), _const(f.SECTION_END)]
-    return [_const(f.K3_CALL_CLOSE), _const(f.K3_TOOLS_CLOSE), _const(f.K3_MESSAGE_CLOSE)]
+def _section_end(fmt: ChatFormat, spell: Spelling) -> list[dict[str, Any]]:
+    ends = (f.CALL_END, f.SECTION_END) if fmt is ChatFormat.KIMI_K2 else (f.K3_CALL_CLOSE, f.K3_TOOLS_CLOSE, f.K3_MESSAGE_CLOSE)
+    return [x for end in ends for x in spell.constant(end)]
 
 
 @dataclass(frozen=True)
@@ -125,20 +168,22 @@ class ToolPlan:
             return None
         return f.CALL_END if self.fmt is ChatFormat.KIMI_K2 else f.K3_CALL_CLOSE
 
-    def call_grammar(self, index: int) -> StructuredOutputs | None:
+    def call_grammar(self, index: int, spell: Spelling | None = None) -> StructuredOutputs | None:
         """The structural tag of the enforced call (`index`: K2's conversation-wide call index), or None when the call is not
         enforced or, for a non-strict named tool, its schema cannot be expressed (its arguments are then the model's own).
-        With "auto" and a strict tool: free text or a section of schema-valid calls (`_auto_grammar`)."""
+        With "auto" and a strict tool: free text or a section of schema-valid calls (`_auto_grammar`). `spell`: how the
+        format's own text is written (Spelling; text in any tokenization when None)."""
+        spell = spell or Spelling()
         if self.fmt is None or (self.forced is None and not self.required):
-            return self._auto_grammar() if self.fmt is not None and self.strict_auto else None
+            return self._auto_grammar(spell) if self.fmt is not None and self.strict_auto else None
         fmt = self.fmt
         tools = [t for t in self.tools if self.forced is None or t.function.name == self.forced]
         try:
             if self.forced is not None:
-                elements = _arguments(fmt, tools[0]) + _section_end(fmt)
+                elements = _arguments(fmt, tools[0], spell) + _section_end(fmt, spell)
             else:
-                calls = [{"type": "sequence", "elements": [_const(_header(fmt, t.function.name, index)), *_arguments(fmt, t)]} for t in tools]
-                elements = [{"type": "or", "elements": calls}, *_section_end(fmt)]
+                calls = [{"type": "sequence", "elements": [*_header(fmt, t.function.name, index, spell), *_arguments(fmt, t, spell)]} for t in tools]
+                elements = [{"type": "or", "elements": calls}, *_section_end(fmt, spell)]
         except Unexpressible as e:
             if self.forced is not None and not tools[0].function.strict:
                 return None
@@ -146,14 +191,14 @@ class ToolPlan:
             raise _unexpressible(i, e) from e
         return StructuredOutputs(structural_tag=dump_json({"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}))
 
-    def _auto_grammar(self) -> StructuredOutputs:
+    def _auto_grammar(self, spell: Spelling) -> StructuredOutputs:
         assert self.fmt is not None
         k2 = self.fmt is ChatFormat.KIMI_K2
         tags = []
         for i, t in enumerate(self.tools):
             strict = bool(t.function.strict)
             try:
-                args = _arguments(self.fmt, t) if strict or not k2 else [_json({"type": "object"})]
+                args = _arguments(self.fmt, t, spell) if strict or not k2 else [_json({"type": "object"})]
             except Unexpressible as e:
                 if strict:
                     raise _unexpressible(i, e) from e

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -31,7 +32,10 @@ from openk3.serve.folder_files import log_folder_files
 from openk3.serve.generation_config import GenerationConfig, read_generation_config
 from openk3.serve.loading import build_model, model_tokenizer, resolve_model
 from openk3.serve.runner import CausalLM
+from openk3.serve.speculative import SpeculativeConfig
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
+
+log = logging.getLogger("openk3.serve")
 
 
 @dataclass
@@ -92,8 +96,22 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
     device = param.device if param is not None else torch.device("cpu")  # where the engine runs it
     apply_serving_layout(cast(torch.nn.Module, net), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))
     generation = generation_config(spec)
-    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids)
+    draft = _draft_model(spec, tokenizer, device)
+    speculative = None if draft is None else SpeculativeConfig(config.num_speculative_tokens)
+    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft_model=draft, speculative=speculative)
     return Engine(engine, engine, net, generation=generation)
+
+
+def _draft_model(spec: EngineSpec, tokenizer: Tokenizer, device: torch.device) -> CausalLM | None:
+    """The draft model EngineConfig.speculative_model names, loaded like the target (same dtype, device and named ops) and
+    read with the target's tokenizer (the engine refuses a draft of another vocabulary), or None."""
+    config = spec.engine
+    if config.speculative_model is None:
+        return None
+    draft, _ = build_model(config.speculative_model, config.torch_dtype, device, config.seed, tokenizer=tokenizer)
+    apply_serving_layout(cast(torch.nn.Module, draft), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))
+    log.info("speculative decoding: draft model %s, %d tokens per step", config.speculative_model, config.num_speculative_tokens)
+    return draft
 
 
 def _unpacked(spec: EngineSpec) -> EngineConfig:

@@ -40,6 +40,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="chat_template_kwargs every chat request gets unless it sets the key itself, as JSON (e.g. '{\"thinking\": false}')",
     )
     p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='vLLM\'s speculative decoding flag, as JSON: {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} '
+        "(the same as --speculative-model PATH --num-speculative-tokens K; draft_model is the method openk3 has)",
+    )
+    p.add_argument(
         "--tokenizer",
         choices=("auto", "byte"),
         default="auto",

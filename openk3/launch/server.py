@@ -6,6 +6,7 @@ every way of running the server: one process, torchrun's rank 0 (launch/topology
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -108,8 +109,41 @@ def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, An
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
     """The engine and parallel settings of parsed `serve` flags. The server owns its model, so on CPU its projections are
     packed unless --no-cpu-weight-packing."""
-    engine, parallel = engine_configs(args)
+    engine, parallel = engine_configs(args, **speculative_settings(args))
     return engine.with_packing_default(owns_model=True), parallel
+
+
+SPECULATIVE_KEYS = {"model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens"}
+
+
+def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--speculative-config (vLLM's JSON) as the EngineConfig fields it stands for. openk3 has one method, a separate
+    draft model (vLLM's `draft_model`); another method, an unknown key, or a key also given by its own flag is an error
+    naming it, not a setting quietly dropped."""
+    config = getattr(args, "speculative_config", None)
+    if config is None:
+        return {}
+    method = config.get("method", "draft_model")
+    if method != "draft_model":
+        raise ValueError(f"--speculative-config method={method!r} is not supported: openk3 has 'draft_model' (a separate draft model) only")
+    unknown = sorted(set(config) - set(SPECULATIVE_KEYS) - {"method"})
+    if unknown:
+        raise ValueError(f"--speculative-config key {unknown[0]!r} is not read; it reads: method, {', '.join(SPECULATIVE_KEYS)}")
+    if "model" not in config:
+        raise ValueError("--speculative-config needs 'model': the draft model (a preset or checkpoint folder)")
+    out = {}
+    for key, field_name in SPECULATIVE_KEYS.items():
+        if key in config:
+            if getattr(args, field_name) != _flag_default(field_name):
+                raise ValueError(f"--speculative-config {key} and --{field_name.replace('_', '-')} both given: give one")
+            out[field_name] = config[key]
+    return out
+
+
+def _flag_default(field_name: str) -> Any:
+    from openk3.serve.config import EngineConfig
+
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == field_name)
 
 
 def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | None = None) -> FastAPI:

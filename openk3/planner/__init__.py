@@ -11,10 +11,13 @@ cost), `search` (layouts x batch sizes under SLOs), `tier_table` (offload), `cal
 (what does not fit, by how much), `support` (who can run a layout: openk3 today, and which engines), `resolve_model` /
 `load_hf_model` (presets or HF config.json files), `with_dtypes` (mixed quantisation), `RequestMix` / `demand` (workloads),
 `pareto_rows` (the SLO-constrained front), `step_traffic` (decode-step bytes by flow), `compare` (xPyD disaggregation
-vs aggregated), `long_prefill` / `KDASplit` (PP and CP for long prompts).
+vs aggregated), `long_prefill` / `KDASplit` (PP and CP for long prompts), `Efficiency.measured` / `curves_for`
+(measured per-operator curves), `SpecDecoding` (speculative decoding), `AgentTask` / `task_cost` (cost per agent task),
+`simulate` / `replica_queue` (queueing percentiles).
 """
 
 from openk3.config import k3
+from openk3.planner.agent import AgentTask, TaskCost, ToolWait, task_cost
 from openk3.planner.attention import GQAConfig, GQAModelConfig, attention_shape
 from openk3.planner.balance import BalanceParams, rank_imbalance
 from openk3.planner.calibrate import Fit, Measurement, calibrate
@@ -26,19 +29,38 @@ from openk3.planner.hardware import Accelerator, Catalogue, System, load_catalog
 from openk3.planner.hf_load import HFModel, load_hf_model
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload, parse_tokens
 from openk3.planner.memory import MemoryBreakdown, max_concurrency, min_accelerators, weight_bytes, working_set
-from openk3.planner.models import ModelSource, deepseek_v3, k3_all_mla, kimi_k2, model_by_name, resolve_model
+from openk3.planner.models import ModelSource, deepseek_v3, k3_all_mla, kimi_k2, model_by_name, qwen3_235b, resolve_model
+from openk3.planner.op_efficiency import OpCurves, curves_for
+from openk3.planner.overheads import Overheads
 from openk3.planner.pareto import FrontRow, pareto_rows
 from openk3.planner.perf import Efficiency, Metrics, Scenario, decode_step, evaluate, prefill_batch_step, prefill_step
 from openk3.planner.plan import Plan, PlanRequest, make_plan
 from openk3.planner.pp_cp import KDASplit, LongPrefill, long_prefill
+from openk3.planner.queueing import Arrivals, QueueOptions, QueueSpec, QueueStats, replica_queue, simulate
 from openk3.planner.report import render_json, render_text, write_plot
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, Misfit, SearchSpace, search, why_not
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.tiers import break_even_tokens, tier_table
 from openk3.planner.traffic import Traffic, step_traffic
 from openk3.planner.workload import Demand, RequestMix, demand
 
 __all__ = [
+    "AgentTask",
+    "Arrivals",
+    "OpCurves",
+    "Overheads",
+    "QueueOptions",
+    "QueueSpec",
+    "QueueStats",
+    "SpecDecoding",
+    "TaskCost",
+    "ToolWait",
+    "curves_for",
+    "qwen3_235b",
+    "replica_queue",
+    "simulate",
+    "task_cost",
     "Comparison",
     "FrontRow",
     "KDASplit",

@@ -76,7 +76,7 @@ def calibrate(measurements: Sequence[Measurement], factors: Sequence[str] = ("ge
     for _ in range(rounds):
         for name in factors:
             lo, hi = _BOUNDS[name]
-            best = _golden(lambda x, n=name, e=eff: loss(measurements, replace(e, **{n: x})), lo, hi)
-            eff = replace(eff, **{name: best})
+            best = _golden(lambda x, n=name, e=eff: loss(measurements, replace(e, **{n: x})), lo, hi)  # type: ignore[arg-type]
+            eff = replace(eff, **{name: best})  # type: ignore[arg-type]
     errors = tuple(predict(m, eff) / m.step_s - 1 for m in measurements)
     return Fit(efficiency=eff, loss=loss(measurements, eff), errors=errors)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from openk3.planner.agent import AgentTask, ToolWait
 from openk3.planner.dtypes import CACHE_BYTES, STATE_BYTES, WEIGHT_FORMATS, with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Quantisation, parse_tokens
@@ -13,8 +14,10 @@ from openk3.planner.models import MODELS, resolve_model
 from openk3.planner.perf import Efficiency
 from openk3.planner.plan import PlanRequest, make_plan
 from openk3.planner.pp_cp import KDASplit
+from openk3.planner.queueing import Arrivals, QueueOptions
 from openk3.planner.report import PlotUnavailable, render_json, render_text, write_plot
 from openk3.planner.search import SLO, SearchSpace
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.workload import RequestMix
 
 
@@ -60,6 +63,34 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--eff-attention", type=float, default=None, help="attention kernel efficiency (default 0.3)")
     p.add_argument("--comm-overlap", type=float, default=None, help="fraction of communication hidden (default 0.7)")
     p.add_argument("--ideal", action="store_true", help="pure roofline: every efficiency 1, communication hidden")
+    p.add_argument(
+        "--kernels",
+        default="flat",
+        choices=["flat", "measured"],
+        help="flat efficiency factors (default) or measured per-operator curves + CUDA-graph padding + host gap (NVIDIA Hopper/Blackwell)",
+    )
+    p.add_argument("--spec-tokens", type=int, default=None, help="speculative decoding: draft tokens per step (MTP / a draft model); default none")
+    p.add_argument(
+        "--spec-acceptance",
+        default=None,
+        help="with --spec-tokens k: a per-draft acceptance rate (0.8) or k+1 probabilities of 0..k accepted drafts (0.1,0.2,0.3,0.4)",
+    )
+    p.add_argument("--spec-draft-layers", type=float, default=None, help="with --spec-tokens: cost of one draft token in target layers (MTP: 1, the default)")
+    p.add_argument(
+        "--agent-turns", type=int, default=None, help="cost per completed agent task of this many turns (--input: first prompt, --output: tokens per turn)"
+    )
+    p.add_argument("--tool-latency", type=float, default=None, help="with --agent-turns: seconds each tool call takes")
+    p.add_argument("--turn-input", default=None, help="with --agent-turns: tool-result tokens added before each later turn (default 1k)")
+    p.add_argument(
+        "--prefix-hit", type=float, default=None, help="with --agent-turns: fraction of the earlier context the prefix cache still holds (default 1)"
+    )
+    p.add_argument("--tool-wait", default=None, choices=[w.value for w in ToolWait], help="with --agent-turns: the cache during tool waits (default hold)")
+    p.add_argument(
+        "--arrivals", default=None, choices=[a.value for a in Arrivals], help="with --rate: arrival process of the queueing simulation (default poisson)"
+    )
+    p.add_argument("--burstiness", type=float, default=None, help="with --arrivals bursty: squared coefficient of variation of the gaps (default 4)")
+    p.add_argument("--sim-requests", type=int, default=None, help="with --rate: requests the queueing simulation runs (default 2000)")
+    p.add_argument("--seed", type=int, default=None, help="with --rate: seed of the queueing simulation (default 0)")
     p.add_argument("--max-pp", type=int, default=1, help="pipeline stages the search may use for a prompt missing the TTFT SLO (default 1: none)")
     p.add_argument("--max-cp", type=int, default=1, help="context-parallel ranks per prompt the search may use, likewise (default 1: none)")
     p.add_argument(
@@ -74,7 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _efficiency(args: argparse.Namespace) -> Efficiency:
-    base = Efficiency.ideal() if args.ideal else Efficiency()
+    if args.ideal and args.kernels == "measured":
+        raise ValueError("--ideal and --kernels measured contradict each other: the roofline has no measured curves")
+    base = Efficiency.ideal() if args.ideal else (Efficiency.measured() if args.kernels == "measured" else Efficiency())
     changes = {
         k: v
         for k, v in (("hbm", args.eff_hbm), ("gemm", args.eff_gemm), ("attention", args.eff_attention), ("comm_overlap", args.comm_overlap))
@@ -95,6 +128,50 @@ def _requests(args: argparse.Namespace) -> RequestMix | None:
     if args.rate is not None:
         raise ValueError("--rate needs a workload: --input and --output, or --requests")
     return None
+
+
+def _spec(args: argparse.Namespace) -> SpecDecoding | None:
+    if args.spec_tokens is None:
+        _unused({"--spec-acceptance": args.spec_acceptance, "--spec-draft-layers": args.spec_draft_layers}, "--spec-tokens (the draft tokens per step)")
+        return None
+    if args.spec_acceptance is None:
+        raise ValueError("--spec-tokens needs --spec-acceptance: a per-draft acceptance rate or the acceptance-length distribution")
+    return SpecDecoding.parse(args.spec_tokens, args.spec_acceptance, 1.0 if args.spec_draft_layers is None else args.spec_draft_layers)
+
+
+def _unused(flags: dict[str, object], needs: str) -> None:
+    """Flags that only mean something beside another one are an error without it, never silently dropped."""
+    given = [name for name, value in flags.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} {needs}")
+
+
+def _agent(args: argparse.Namespace, mix: RequestMix | None) -> AgentTask | None:
+    if args.agent_turns is None:
+        _unused(
+            {"--tool-latency": args.tool_latency, "--turn-input": args.turn_input, "--prefix-hit": args.prefix_hit, "--tool-wait": args.tool_wait},
+            "--agent-turns",
+        )
+        return None
+    if args.tool_latency is None:
+        raise ValueError("--agent-turns needs --tool-latency (seconds per tool call)")
+    if mix is None or args.input is None:
+        raise ValueError("--agent-turns needs --input (the task's first prompt) and --output (tokens per turn)")
+    inp, out = mix.pairs[0]
+    turn_input = parse_tokens(args.turn_input or "1k")
+    hit = 1.0 if args.prefix_hit is None else args.prefix_hit
+    return AgentTask(args.agent_turns, inp, turn_input, out, args.tool_latency, hit, ToolWait(args.tool_wait or "hold"))
+
+
+def _queue(args: argparse.Namespace, mix: RequestMix | None) -> QueueOptions:
+    flags = {"--arrivals": args.arrivals, "--burstiness": args.burstiness, "--sim-requests": args.sim_requests, "--seed": args.seed}
+    if mix is None or mix.rate is None:
+        _unused(flags, "--rate (the queueing simulation runs at the planned rate)")
+        return QueueOptions()
+    arrivals = Arrivals(args.arrivals or "poisson")
+    if args.burstiness is not None and arrivals != Arrivals.BURSTY:
+        raise ValueError("--burstiness needs --arrivals bursty")
+    return QueueOptions(arrivals, 4.0 if args.burstiness is None else args.burstiness, 2000 if args.sim_requests is None else args.sim_requests, args.seed or 0)
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
@@ -125,6 +202,9 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         redundant_experts=args.redundant_experts,
         slo=SLO(min_user_tok_s=args.min_user_tok_s, max_ttft_s=args.max_ttft),
         efficiency=_efficiency(args),
+        spec=_spec(args),
+        agent=_agent(args, mix),
+        queue=_queue(args, mix),
         fill=args.fill,
         disaggregate=args.disagg,
         space=SearchSpace(max_accelerators=args.max_accelerators, max_pp=args.max_pp, max_cp=args.max_cp, kda_cp=KDASplit(args.kda_cp)),

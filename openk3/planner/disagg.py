@@ -140,7 +140,19 @@ def _decode_pools(req: PlanRequest, mix: RequestMix) -> list[Candidate]:
     slo = SLO(min_user_tok_s=req.slo.min_user_tok_s)
     space = replace(req.space, max_pp=1, max_cp=1)
     result = search(
-        req.config, req.quant, req.system, mix.decode_context, slo, None, space, req.efficiency, req.comm, req.balance_params, req.fill, power=req.power
+        req.config,
+        req.quant,
+        req.system,
+        mix.decode_context,
+        slo,
+        None,
+        space,
+        req.efficiency,
+        req.comm,
+        req.balance_params,
+        req.fill,
+        power=req.power,
+        spec=req.spec,
     )
     best: dict[Layout, Candidate] = {}
     for c in result.feasible:
@@ -251,7 +263,7 @@ def compare(req: PlanRequest) -> Comparison:
     if mix is None:
         raise ValueError("disaggregation needs a workload: --input/--output or --requests (and optionally --rate)")
     sc0 = Scenario(req.config, req.quant, Layout(1), Workload(context=mix.decode_context, concurrency=1), req.system, req.efficiency, req.comm,
-                   req.balance_params, req.fill, req.power)  # fmt: skip
+                   req.balance_params, req.fill, req.power, req.spec)  # fmt: skip
     dis = best_disaggregated(req, mix, sc0)
     rate = mix.rate if mix.rate is not None else (dis.rate if dis is not None else None)
     agg = best_aggregated(req, replace(mix, rate=rate), sc0) if rate is not None or dis is None else None

@@ -36,7 +36,7 @@ COMMON_IGNORED: dict[str, str] = {
     "aux_loss_alpha": "training loss",
     "router_aux_loss_coef": "training loss",
     "output_router_logits": "training output",
-    "num_nextn_predict_layers": "MTP layers: speculative decoding is not modelled and their weights are not counted",
+    "num_nextn_predict_layers": "MTP layers: their weights are not counted (speculative decoding is priced by --spec-tokens)",
     "max_position_embeddings": "read: --context may not exceed it",
     "tie_word_embeddings": "read: a tied head stores no second vocab x hidden matrix",
     "quantization_config": "read: the default weight formats",

@@ -116,7 +116,7 @@ def _dense_prefix(tc: dict[str, Any], n: int) -> int:
     return len(dense)
 
 
-def _gqa_moe(tc: dict[str, Any]) -> ModelConfig:
+def gqa_moe(tc: dict[str, Any]) -> ModelConfig:
     _expect(tc, "hidden_act", "silu", "silu")
     _expect(tc, "attention_bias", False, False)
     _expect(tc, "use_sliding_window", False, False)
@@ -203,7 +203,7 @@ def load_hf_model(source: str | Path) -> HFModel:
         config = _mla_moe(raw)
     else:
         ignored = check_keys(raw, family, GQA_MOE_READ, GQA_MOE_IGNORED)
-        config = _gqa_moe(raw)
+        config = gqa_moe(raw)
     qc = tc.get("quantization_config") or raw.get("quantization_config")
     not_read = tuple(k for k in ignored if not COMMON_IGNORED.get(k, "").startswith("read:"))
     return HFModel(config, family, checkpoint_quant(qc), int(tc.get("num_nextn_predict_layers") or 0), not_read)

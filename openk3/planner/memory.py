@@ -151,11 +151,12 @@ def _fixed_bytes(config: ModelConfig, quant: Quantisation, layout: Layout) -> tu
     return routed, trunk, prefetch
 
 
-def _per_sequence_bytes(config: ModelConfig, quant: Quantisation, layout: Layout, context: int) -> tuple[float, float, float, float]:
-    """(mla, kda, workspace, comm) bytes one more sequence in a DP group adds to each of the group's ranks."""
+def _per_sequence_bytes(config: ModelConfig, quant: Quantisation, layout: Layout, context: int, state_copies: int = 1) -> tuple[float, float, float, float]:
+    """(mla, kda, workspace, comm) bytes one more sequence in a DP group adds to each of the group's ranks; `state_copies`
+    KDA states per sequence (2 under speculative decoding: the snapshot verification restores on a rejection)."""
     spec = cache_spec(config, quant)
     mla = context * spec.mla.bytes_per_token / attention_shape(config).kv_split(layout.tp)  # an MLA latent is replicated on each TP rank
-    kda = spec.kda.bytes_per_sequence / layout.tp  # the state splits by head
+    kda = state_copies * spec.kda.bytes_per_sequence / layout.tp  # the state splits by head
     ws = workspace_bytes_per_token(config, layout)
     per_token_a2a = config.moe.num_experts_per_token * (a2a_width(config) * (quant.dispatch_bits + quant.combine_bits) / 8)
     comm = 2 * per_token_a2a / layout.tp  # send + receive staging; each TP rank dispatches 1/tp of its group's tokens
@@ -167,12 +168,14 @@ def a2a_width(config: ModelConfig) -> int:
     return config.moe.latent_size or config.hidden_size
 
 
-def working_set(config: ModelConfig, quant: Quantisation, layout: Layout, workload: Workload, system: System, fill: float = DEFAULT_FILL) -> MemoryBreakdown:
+def working_set(
+    config: ModelConfig, quant: Quantisation, layout: Layout, workload: Workload, system: System, fill: float = DEFAULT_FILL, state_copies: int = 1
+) -> MemoryBreakdown:
     if not 0 < fill <= 1:
         raise ValueError(f"fill={fill!r} is invalid: expected a fraction of HBM in (0, 1]")
     routed, trunk, prefetch = _fixed_bytes(config, quant, layout)
     seqs = math.ceil(workload.concurrency / layout.dp)
-    mla, kda, ws, comm = _per_sequence_bytes(config, quant, layout, workload.context)
+    mla, kda, ws, comm = _per_sequence_bytes(config, quant, layout, workload.context, state_copies)
     return MemoryBreakdown(
         routed_experts=routed,
         trunk=trunk,
@@ -186,13 +189,15 @@ def working_set(config: ModelConfig, quant: Quantisation, layout: Layout, worklo
     )
 
 
-def max_concurrency(config: ModelConfig, quant: Quantisation, layout: Layout, context: int, system: System, fill: float = DEFAULT_FILL) -> int:
+def max_concurrency(
+    config: ModelConfig, quant: Quantisation, layout: Layout, context: int, system: System, fill: float = DEFAULT_FILL, state_copies: int = 1
+) -> int:
     """Most sequences of `context` tokens the instance holds in HBM at once (0 when the weights alone do not fit)."""
     routed, trunk, prefetch = _fixed_bytes(config, quant, layout)
     free = system.accelerator.usable_hbm * fill - routed - trunk - prefetch
     if free <= 0:
         return 0
-    per_seq = sum(_per_sequence_bytes(config, quant, layout, context))
+    per_seq = sum(_per_sequence_bytes(config, quant, layout, context, state_copies))
     return int(free // per_seq) * layout.dp
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openk3.config import PRESETS, MLAConfig, ModelConfig, MoEConfig, k3
-from openk3.planner.hf_load import HFModel, load_hf_model
+from openk3.planner.hf_load import HFModel, gqa_moe, load_hf_model
 
 
 def kimi_k2() -> ModelConfig:
@@ -46,13 +46,41 @@ def deepseek_v3() -> ModelConfig:
     )
 
 
+def qwen3_235b() -> ModelConfig:
+    """Qwen3-235B-A22B (HF Qwen/Qwen3-235B-A22B config.json): 94 layers, GQA 64 heads / 4 KV heads of 128, 128 experts
+    top-8 of width 1536, no shared expert, ~235B / 22B."""
+    return gqa_moe(
+        {
+            "model_type": "qwen3_moe",
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 1536,
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "_name_or_path": "qwen3_235b",
+        }
+    )
+
+
 def k3_all_mla() -> ModelConfig:
     """K3 with every layer gated MLA (same widths): the baseline for 'what does KDA save'."""
     base = k3()
     return base.replace(name="k3_all_mla", mla_layers=tuple(range(base.num_hidden_layers)))
 
 
-MODELS: dict[str, Callable[[], ModelConfig]] = {**PRESETS, "kimi_k2": kimi_k2, "deepseek_v3": deepseek_v3, "k3_all_mla": k3_all_mla}
+MODELS: dict[str, Callable[[], ModelConfig]] = {**PRESETS, "kimi_k2": kimi_k2, "deepseek_v3": deepseek_v3, "k3_all_mla": k3_all_mla, "qwen3_235b": qwen3_235b}
 
 
 def model_by_name(name: str) -> ModelConfig:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from openk3.checks import fail
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.attention import attention_shape
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
 from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
+from openk3.planner.efficiency import Efficiency
 from openk3.planner.energy import PowerParams, step_power_w
 from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
@@ -38,34 +38,12 @@ from openk3.planner.memory import (
     weight_bytes,
     working_set,
 )
+from openk3.planner.op_efficiency import OpCurves
+from openk3.planner.speculative import SpecDecoding, SpecStep
+from openk3.planner.steps import Component, StepTime, VerifyShape
 
 KDA_FLOPS_PER_STATE_ELEMENT = 6  # decay, k^T v outer product, q S readout: ~3 multiply-adds per state element per token
 KDA_CHUNK = 64
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fractions of peak the kernels reach. Defaults describe a 2025 open-source stack (SGLang + DeepEP + DeepGEMM +
-    FlashMLA class kernels): HBM streaming ~80%, grouped/dense GEMMs ~50%, MLA decode attention ~30%, 70% of the
-    communication hidden by two-batch overlap. Chosen as round numbers between the two published decode anchors
-    (docs/planner.md reports their errors). `calibrate` fits them to a measurement."""
-
-    hbm: float = 0.8
-    gemm: float = 0.5
-    attention: float = 0.3
-    comm_overlap: float = 0.7
-
-    def __post_init__(self) -> None:
-        for name in ("hbm", "gemm", "attention"):
-            if not 0 < getattr(self, name) <= 1:
-                fail("Efficiency", name, getattr(self, name), "a fraction in (0, 1]")
-        if not 0 <= self.comm_overlap <= 1:
-            fail("Efficiency", "comm_overlap", self.comm_overlap, "a fraction in [0, 1]")
-
-    @classmethod
-    def ideal(cls) -> Efficiency:
-        """Pure roofline: peaks reached, communication fully hidden."""
-        return cls(hbm=1.0, gemm=1.0, attention=1.0, comm_overlap=1.0)
 
 
 @dataclass(frozen=True)
@@ -80,58 +58,18 @@ class Scenario:
     balance: BalanceParams = field(default_factory=BalanceParams)
     fill: float = DEFAULT_FILL
     power: PowerParams = field(default_factory=PowerParams)
+    spec: SpecDecoding | None = None  # speculative decoding (speculative.py); None: one token per decode step
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class Component:
-    name: str
-    bytes: float
-    flops: float
-    time_s: float
-    bound: str  # "hbm" or "compute"
-
-
-@dataclass(frozen=True)
-class StepTime:
-    components: tuple[Component, ...]
-    comm_s: float  # all communication on the busiest rank before overlap
-    exposed_comm_s: float
-    imbalance: float
-    tokens_per_group: float
-
-    @property
-    def local_s(self) -> float:
-        return sum(c.time_s for c in self.components)
-
-    @property
-    def total_s(self) -> float:
-        return self.local_s + self.exposed_comm_s
-
-    @property
-    def bytes(self) -> float:
-        return sum(c.bytes for c in self.components)
-
-    @property
-    def flops(self) -> float:
-        return sum(c.flops for c in self.components)
-
-    @property
-    def dominant(self) -> str:
-        """The largest time term of the step, whatever limits the batch."""
-        by = self.time_by_bound()
-        return {"hbm": "HBM bandwidth", "compute": "compute", "interconnect": "interconnect"}[max(by, key=lambda k: by[k])]
-
-    def time_by_bound(self) -> dict[str, float]:
-        out = {"hbm": 0.0, "compute": 0.0, "interconnect": self.exposed_comm_s}
-        for c in self.components:
-            out[c.bound] += c.time_s
-        return out
-
-
-def _component(name: str, nbytes: float, flops: float, peak: float, eff: float, sc: Scenario) -> Component:
+def _component(name: str, nbytes: float, flops: float, peak: float, eff: float, sc: Scenario, measured: float | None = None) -> Component:
+    """max(bytes / (BW x eff_hbm), FLOPs / (peak x eff)) with flat factors; with a measured curve's value at this shape,
+    the roofline max(bytes / BW, FLOPs / peak) divided by it (the curve already holds whichever bound the kernel hit)."""
+    if measured is not None:
+        t_mem, t_flop = nbytes / sc.system.accelerator.hbm_bw, flops / peak
+        return Component(name, nbytes, flops, max(t_mem, t_flop) / measured, "hbm" if t_mem >= t_flop else "compute")
     t_mem = nbytes / (sc.system.accelerator.hbm_bw * sc.efficiency.hbm)
     t_flop = flops / (peak * eff) if flops else 0.0
     return Component(name, nbytes, flops, max(t_mem, t_flop), "hbm" if t_mem >= t_flop else "compute")
@@ -147,7 +85,15 @@ def _layer_counts(config: ModelConfig) -> tuple[int, int]:
     return kinds.count(LayerKind.MLA), kinds.count(LayerKind.KDA)
 
 
-def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float) -> float:
+def _allreduce(sc: Scenario, nbytes: float, curves: OpCurves | None) -> float:
+    tp = sc.layout.tp
+    if curves is None or tp <= 1 or tp > sc.system.scale_up_domain:
+        return allreduce_time(nbytes, tp, sc.system, sc.comm)
+    ring = 2 * (tp - 1) / tp * nbytes / sc.system.accelerator.scale_up_bw
+    return ring / curves.allreduce(tp, nbytes)
+
+
+def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float, curves: OpCurves | None) -> float:
     config, layout = sc.config, sc.layout
     tokens_per_rank = tokens_per_group / layout.tp  # each TP rank dispatches its slice of the group's tokens
     a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
@@ -155,25 +101,41 @@ def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: 
     if layout.balance == Balance.MOONEP:
         n = moonep_prefetch_experts(config, layout, assignments_per_rank, sc.balance)
         fetch = prefetch_time(n, expert_bytes(config, sc.quant), layout.ep_size, sc.system, sc.comm)
-    ar = allreduce_time(tokens_per_group * config.hidden_size * 2, layout.tp, sc.system, sc.comm)
+    ar = _allreduce(sc, tokens_per_group * config.hidden_size * 2, curves)
     return num_moe_layers(config) * (a2a + fetch) + 2 * config.num_hidden_layers * ar
 
 
-def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, prompts: int = 1, mean_keys: float | None = None) -> StepTime:
+def _step(
+    sc: Scenario,
+    tokens_per_group: float,
+    kv_len: float,
+    decode: bool,
+    prompts: int = 1,
+    mean_keys: float | None = None,
+    verify: VerifyShape | None = None,
+) -> StepTime:
     """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each.
     Prefill: the tokens belong to `prompts` sequences, and each query attends to `mean_keys` keys on average (default:
-    kv_len plus the causal half of its own prompt's chunk)."""
+    kv_len plus the causal half of its own prompt's chunk). Decode: `tokens_per_group` sequences, one query each, or
+    `verify.queries` each for a speculative verify step (which also snapshots and may restore the KDA state). A decode
+    step's kernels run at the CUDA-graph batch that holds its sequences (the padding is work; the throughput counts only
+    the real sequences)."""
     config, quant, layout, acc = sc.config, sc.quant, sc.layout, sc.system.accelerator
     tp, eff = layout.tp, sc.efficiency
+    curves = eff.curves(acc.name)
+    real_seqs = tokens_per_group if decode else float(prompts)
+    seqs = eff.overheads.padded_batch(tokens_per_group) if decode else float(prompts)
+    if decode:
+        tokens_per_group = seqs * (verify.queries if verify else 1)
     spec = cache_spec(config, quant)
     n_mla, n_kda = _layer_counts(config)
     moe_layers = num_moe_layers(config)
     k = config.moe.num_experts_per_token
-    seqs = tokens_per_group if decode else float(prompts)
 
     w = weight_bytes(config, quant)
     trunk_read = trunk_bytes_per_rank(config, quant, tp) - w.embedding_params * quant.trunk_bits / 8 / tp  # embedding rows are gathered, not streamed
-    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc)
+    trunk_eff = curves.gemm(quant.trunk_compute, tokens_per_group) if curves else None
+    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc, trunk_eff)
 
     total_tokens = tokens_per_group * layout.dp
     replicas = layout.num_accelerators // layout.ep_size
@@ -182,25 +144,31 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     tokens_per_replica = total_tokens / replicas
     p_hit = 1 - (1 - k / config.moe.num_experts) ** tokens_per_replica
     slots = experts_per_rank(config, layout)
-    expert_read = moe_layers * slots * min(1.0, p_hit * imbalance) * expert_bytes(config, quant)
+    experts_hit = slots * min(1.0, p_hit * imbalance)
+    expert_read = moe_layers * experts_hit * expert_bytes(config, quant)
     expert_flops = moe_layers * 2 * config.routed_expert_params() * assignments_per_rank * imbalance
-    experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc)
+    moe_eff = curves.moe(quant.expert_compute, assignments_per_rank * imbalance / max(experts_hit, 1e-9)) if curves else None
+    experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc, moe_eff)
 
     attn = attention_shape(config)
+    is_mla = attn.kind == "mla"
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
+        attn_eff = curves.attention_decode(tokens_per_group * kv_len, is_mla) if curves else None
     else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
-    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc)
+        attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
+    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc, attn_eff)
 
-    kda_state = seqs * 2 * spec.kda.bytes_per_sequence / tp  # read and written back every step
+    state_passes = 2 + (verify.state_passes if verify else 0)  # read and written back every step (+ snapshot, restore)
+    kda_state = seqs * state_passes * spec.kda.bytes_per_sequence / tp
     hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim
-    kda_flops = n_kda * tokens_per_group * KDA_FLOPS_PER_STATE_ELEMENT * hkv
+    kda_flops = n_kda * (tokens_per_group + (seqs * verify.recompute_tokens if verify else 0.0)) * KDA_FLOPS_PER_STATE_ELEMENT * hkv
     if not decode:
         kda_flops += n_kda * tokens_per_group * 2 * KDA_CHUNK * config.kda.num_heads / tp * 2 * config.kda.head_dim
     kda = _component("kda", kda_state, kda_flops, acc.flops("bf16"), eff.attention, sc)
@@ -209,17 +177,35 @@ def _step(sc: Scenario, tokens_per_group: float, kv_len: float, decode: bool, pr
     attn_res_bytes = tokens_per_group / tp * 2 * config.num_hidden_layers * attn_res_slots(config) * config.hidden_size * 2
     attn_res = _component("attn_res", attn_res_bytes, 0.0, acc.flops("bf16"), eff.gemm, sc)
 
-    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance)
+    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance, curves)
     components = tuple(c for c in (trunk, experts, mla, kda, attn_res) if c.bytes or c.flops)
     local = sum(c.time_s for c in components)
-    overlap = eff.comm_overlap if tokens_per_group >= 2 else 0.0  # two-batch overlap needs two micro-batches
+    overlap = (
+        eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 else 0.0
+    )  # two-batch overlap needs two micro-batches (of sequences, when decoding)
     exposed = comm - overlap * min(comm, local)
-    return StepTime(components, comm, exposed, imbalance, tokens_per_group)
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.overheads.host_gap(real_seqs))
 
 
 def decode_step(sc: Scenario) -> StepTime:
     seqs_per_group = sc.workload.concurrency / sc.layout.dp
     return _step(sc, seqs_per_group, float(sc.workload.context), decode=True)
+
+
+def speculative_step(sc: Scenario) -> SpecStep | None:
+    """One speculative iteration (speculative.py) at the workload's batch: k draft forwards, each the draft's share of a
+    decode step (`draft_layers` / layers of its kernels and communication), then the verify step over k + 1 positions."""
+    spec = sc.spec
+    if spec is None:
+        return None
+    seqs = sc.workload.concurrency / sc.layout.dp
+    recompute = sum(p * (j + 1) for j, p in enumerate(spec.acceptance[:-1]))  # kept tokens rerun after a rejection
+    shape = VerifyShape(queries=spec.tokens + 1, state_passes=2 + 2 * spec.p_reject, recompute_tokens=recompute)
+    verify = _step(sc, seqs, float(sc.workload.context), decode=True, verify=shape)
+    plain = _step(sc, seqs, float(sc.workload.context), decode=True)
+    draft = spec.tokens * spec.draft_layers / sc.config.num_hidden_layers * (plain.local_s + plain.exposed_comm_s)
+    snapshot = seqs * cache_spec(sc.config, sc.quant).kda.bytes_per_sequence / sc.layout.tp
+    return SpecStep(verify_s=verify.total_s, draft_s=draft, tokens_per_iteration=spec.tokens_per_iteration, snapshot_bytes=snapshot)
 
 
 def prefill_step(sc: Scenario, kv_len: float | None = None, mean_keys: float | None = None) -> StepTime:
@@ -264,6 +250,7 @@ class Metrics:
     usd_per_m_input: float
     binding: str
     num_accelerators: int
+    spec: SpecStep | None = None  # the speculative iteration, when the scenario decodes speculatively
 
     @property
     def per_accelerator_tok_s(self) -> float:
@@ -272,13 +259,15 @@ class Metrics:
 
 def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
     n = sc.layout.num_accelerators
-    memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill)
+    memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill, state_copies=2 if sc.spec else 1)
     dec = decode_step(sc)
+    spec = speculative_step(sc)
     pre = prefill_step(sc)
     batch = prefill_batch_step(sc)
     chunk = min(sc.workload.prefill_chunk, sc.workload.prompt_tokens)
     chunks = -(-sc.workload.prompt_tokens // chunk)
-    throughput = sc.workload.concurrency / dec.total_s if sc.workload.concurrency else 0.0
+    token_s = spec.per_token_s if spec else dec.total_s  # wall time per output token of one sequence
+    throughput = sc.workload.concurrency / token_s if sc.workload.concurrency else 0.0
     prefill_tok_s = batch.tokens_per_group * sc.layout.dp / batch.total_s
     usd_per_s = sc.system.price_per_hour * n / 3600
     tdp, wall = sc.system.accelerator.tdp_w, sc.system.power_w
@@ -288,7 +277,7 @@ def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
         decode=dec,
         prefill=pre,
         throughput_tok_s=throughput,
-        per_user_tok_s=1 / dec.total_s,
+        per_user_tok_s=1 / token_s,
         ttft_s=chunks * pre.total_s,
         prefill_tok_s=prefill_tok_s,
         tokens_per_joule=throughput / (n * decode_w),
@@ -299,4 +288,5 @@ def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
         usd_per_m_input=usd_per_s / prefill_tok_s * 1e6,
         binding=binding(dec, memory, memory_limited),
         num_accelerators=n,
+        spec=spec,
     )

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from openk3.planner.agent import TaskCost, task_cost
 from openk3.planner.disagg import Comparison, compare
 from openk3.planner.inputs import Balance, Layout, Workload
 from openk3.planner.memory import MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
 from openk3.planner.pareto import FrontRow, pareto_rows
 from openk3.planner.perf import Metrics, Scenario
+from openk3.planner.queueing import QueueStats, SLOPercentile, replica_queue
 from openk3.planner.request import PlanRequest
 from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
@@ -47,6 +49,8 @@ class Plan:
     traffic: Traffic | None = None  # the headline's decode-step bytes by flow (weights, KV/state, all-to-all up/out)
     front: tuple[FrontRow, ...] = ()  # every candidate of the whole search, flagged feasible / on the Pareto front
     disagg: Comparison | None = None  # with `disaggregate`: best xPyD vs best aggregated under the same SLO and rate
+    agent: TaskCost | None = None  # with an agent task: its $ and accelerator-seconds on the headline's replica
+    queue: tuple[QueueStats, SLOPercentile] | None = None  # with --rate: simulated TTFT/TPOT percentiles and the one the SLO meets
 
     @property
     def metrics(self) -> Metrics | None:
@@ -91,7 +95,7 @@ def make_plan(req: PlanRequest) -> Plan:
     def run(space: SearchSpace, concurrency: int | None) -> SearchResult:
         return search(
             req.config, req.quant, req.system, req.context, req.slo, req.prompt, space,
-            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power, mix=req.requests,
+            req.efficiency, req.comm, req.balance_params, req.fill, concurrency=concurrency, power=req.power, mix=req.requests, spec=req.spec,
         )  # fmt: skip
 
     full = run(replace(req.space, sizes=sizes), None)
@@ -127,12 +131,18 @@ def make_plan(req: PlanRequest) -> Plan:
     break_even: dict[str, int | None] = {}
     sized: Demand | None = None
     traffic: Traffic | None = None
+    agent: TaskCost | None = None
+    queue: tuple[QueueStats, SLOPercentile] | None = None
     if choice is not None and layout is not None:
-        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
         sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None
         traffic = step_traffic(sc, choice.metrics.decode)
+        agent = task_cost(sc, req.agent) if req.agent is not None else None
+        if sized is not None and sized.replicas is not None and req.requests is not None and req.requests.rate is not None:
+            stats = replica_queue(sc, req.requests.pairs, req.queue.at(req.requests.rate / sized.replicas))
+            queue = (stats, SLOPercentile.of(stats, req.slo.max_ttft_s, req.slo.min_user_tok_s))
     return Plan(
         request=req,
         weights=weight_bytes(req.config, req.quant),
@@ -146,11 +156,13 @@ def make_plan(req: PlanRequest) -> Plan:
         layout=layout,
         memory=memory,
         workload=workload,
-        max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill) if layout else 0,
+        max_concurrency=max_concurrency(req.config, req.quant, layout, req.context, req.system, req.fill, 2 if req.spec else 1) if layout else 0,
         tiers=tiers,
         break_even=break_even,
         demand=sized,
         traffic=traffic,
+        agent=agent,
+        queue=queue,
         front=pareto_rows(full.candidates),
         disagg=compare(req) if req.disaggregate else None,
     )

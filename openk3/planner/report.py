@@ -8,11 +8,13 @@ and holds every candidate of the search; it contains only finite numbers (a non-
 
 from __future__ import annotations
 
+from openk3.planner.agent import describe_cost
 from openk3.planner.attention import attention_shape
 from openk3.planner.dtypes import describe as describe_quant
 from openk3.planner.pareto import front
 from openk3.planner.plan import Plan
 from openk3.planner.plot import PlotUnavailable, write_plot
+from openk3.planner.queueing import describe_queue
 from openk3.planner.report_disagg import comparison_lines
 from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
@@ -81,7 +83,13 @@ def _header(plan: Plan) -> list[str]:
         f", KDA state + conv {_size(plan.kda_bytes_per_sequence)}",
         f"minimum accelerators (TP dividing the heads): weights only {mw.num_accelerators if mw else 'n/a'} (fill {req.fill:.0%}); "
         f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}",
-        f"inputs: efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
+        f"inputs: kernels {e.kernels}"
+        + (
+            f" ({e.overheads.host_gap_s * 1e3:g} ms + {e.overheads.host_gap_per_seq_s * 1e6:g} us/sequence host gap per step)"
+            if e.kernels == "measured"
+            else ""
+        )
+        + f", efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
         f"{describe_quant(q)}; power x TDP compute {req.power.compute:g} / HBM {req.power.hbm:g} / idle {req.power.idle:g} [estimates]",
     ]
 
@@ -170,6 +178,10 @@ def render_text(plan: Plan) -> str:
         f"plan: {plan.layout.describe()}; {plan.workload.concurrency:,} sequences "
         f"({m.memory.seqs_per_group} per DP group); max concurrency at this context {plan.max_concurrency:,}"
     )
+    if plan.queue is not None:
+        stats, met = plan.queue
+        where = f"at {met.percentile} of requests" if met.percentile else "not even at the median"
+        out.append(f"SLO under queueing ({stats.spec.arrivals.value} arrivals at the planned rate, simulated): met {where}")
     if plan.support is not None:
         out.append(f"who can run it: {plan.support.describe()}")
     out.append(_memory_table(plan))
@@ -183,6 +195,12 @@ def render_text(plan: Plan) -> str:
         f"decode step {m.decode.total_s * 1e3:.2f} ms (rank imbalance x{m.decode.imbalance:.2f}); {_user_speed(plan.choice, plan)}; "
         f"{m.throughput_tok_s:,.0f} tok/s per instance while decoding ({m.per_accelerator_tok_s:,.0f} per accelerator)"
     )
+    if m.spec is not None and plan.request.spec is not None:
+        out.append(
+            f"  {plan.request.spec.describe()}: iteration {m.spec.total_s * 1e3:.2f} ms = verify {m.spec.verify_s * 1e3:.2f} ms "
+            f"+ drafts {m.spec.draft_s * 1e3:.2f} ms, {m.spec.per_token_s * 1e3:.2f} ms per token; KDA snapshot "
+            f"{_size(m.spec.snapshot_bytes)} per rank for verification (in the memory table's KDA state)"
+        )
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")
     lp = plan.choice.long_prefill if plan.choice else None
     if lp is not None:
@@ -201,6 +219,10 @@ def render_text(plan: Plan) -> str:
     )
     if plan.demand is not None:
         out.extend(describe_demand(plan.demand, _price_note(plan)))
+    if plan.queue is not None and plan.demand is not None and plan.demand.replicas is not None:
+        out.extend(describe_queue(*plan.queue, plan.demand.replicas))
+    if plan.agent is not None and plan.layout is not None:
+        out.extend(describe_cost(plan.agent, plan.layout.num_accelerators, _price_note(plan)))
     if plan.disagg is not None:
         out.append("")
         out.extend(comparison_lines(plan.disagg, _price_note(plan)))

@@ -55,7 +55,7 @@ def _traffic(c: Candidate, plan: Plan) -> dict[str, float]:
     """The candidate's decode-step bytes by flow on its busiest rank (the same counts as the headline's `traffic`)."""
     req = plan.request
     workload = Workload(context=req.context, concurrency=c.concurrency, prompt=req.prompt)
-    sc = Scenario(req.config, req.quant, c.layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power)
+    sc = Scenario(req.config, req.quant, c.layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
     t = step_traffic(sc, c.metrics.decode)
     return {"weights": t.weights, "kv_state": t.kv_state, "a2a_scale_up": t.a2a_scale_up, "a2a_scale_out": t.a2a_scale_out}
 
@@ -100,6 +100,7 @@ def _inputs(plan: Plan) -> dict[str, Any]:
         },
         "quantisation": dataclasses.asdict(req.quant),
         "efficiency": dataclasses.asdict(req.efficiency),
+        "speculative": None if req.spec is None else dataclasses.asdict(req.spec) | {"tokens_per_iteration": req.spec.tokens_per_iteration},
         "comm": dataclasses.asdict(req.comm),
         "balance_params": dataclasses.asdict(req.balance_params),
         "power": dataclasses.asdict(req.power) | {"note": "fractions of TDP by step phase; estimates"},
@@ -208,6 +209,21 @@ def render_json(plan: Plan) -> dict[str, Any]:
         }
     if req.requests is not None:
         doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
+    if plan.queue is not None:
+        stats, met = plan.queue
+        doc["queueing"] = {
+            "arrivals": stats.spec.arrivals.value, "cv2": stats.spec.cv2, "rate_per_replica": stats.spec.rate,
+            "requests": stats.spec.requests, "seed": stats.spec.seed, "busy": stats.utilisation, "max_queue": stats.max_queue,
+            "ttft_s": dataclasses.asdict(stats.ttft), "tpot_s": None if stats.tpot is None else dataclasses.asdict(stats.tpot),
+            "slo_met_at": met.percentile,
+        }  # fmt: skip
+    if plan.agent is not None:
+        a = plan.agent
+        doc["agent_task"] = dataclasses.asdict(a.task) | {
+            "usd": a.usd, "accelerator_seconds": a.gpu_s, "wall_s": a.wall_s,
+            "shares": {p: a.share(p) for p in ("prefill", "decode", "hold")},
+            "per_turn": [dataclasses.asdict(t) for t in a.turns],
+        }  # fmt: skip
     if plan.disagg is not None:
         doc["disaggregation"] = comparison_json(plan.disagg)
     return _finite(doc)  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openk3.config import ModelConfig
+from openk3.planner.agent import AgentTask
 from openk3.planner.balance import BalanceParams
 from openk3.planner.comm import CommParams
 from openk3.planner.energy import PowerParams
@@ -15,7 +16,9 @@ from openk3.planner.inputs import Balance, Quantisation
 from openk3.planner.memory import DEFAULT_FILL, tp_problem
 from openk3.planner.perf import Efficiency
 from openk3.planner.placement import tp_placement_problem
+from openk3.planner.queueing import QueueOptions
 from openk3.planner.search import SLO, SearchSpace
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.workload import RequestMix
 
 
@@ -39,6 +42,9 @@ class PlanRequest:
     fill: float = DEFAULT_FILL
     space: SearchSpace = field(default_factory=SearchSpace)
     requests: RequestMix | None = None  # a workload: rank by $ per request and size the fleet (context/prompt derived from it)
+    spec: SpecDecoding | None = None  # speculative decoding of every decode step (speculative.py)
+    agent: AgentTask | None = None  # cost per completed agent task on the headline (agent.py)
+    queue: QueueOptions = field(default_factory=QueueOptions)  # with --rate: the queueing simulation (queueing.py)
     disaggregate: bool = False  # with a workload: also the best xPyD plan beside the best aggregated one (disagg.py)
 
     def __post_init__(self) -> None:

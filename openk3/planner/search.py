@@ -27,6 +27,7 @@ from openk3.planner.memory import DEFAULT_FILL, MemoryBreakdown, candidate_tps, 
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
 from openk3.planner.placement import tp_placement_problem
 from openk3.planner.pp_cp import KDASplit, LongPrefill, fix_ttft, with_long_prefill
+from openk3.planner.speculative import SpecDecoding
 from openk3.planner.workload import RequestMix, decode_stretch, mean_prefill_busy
 
 
@@ -179,6 +180,7 @@ def search(
     concurrency: int | None = None,
     power: PowerParams | None = None,
     mix: RequestMix | None = None,
+    spec: SpecDecoding | None = None,
 ) -> SearchResult:
     """Every layout of `space` that holds the weights and its batch; `concurrency` fixes the instance's batch instead of
     searching it. With a workload `mix`, every candidate's per-user speed is what its users see with the mix's prefill
@@ -187,11 +189,11 @@ def search(
     efficiency, comm, balance, power = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams(), power or PowerParams()
     out: list[Candidate] = []
     for layout in candidate_layouts(config, system, space):
-        limit = max_concurrency(config, quant, layout, context, system, fill) // layout.dp
+        limit = max_concurrency(config, quant, layout, context, system, fill, state_copies=2 if spec else 1) // layout.dp
         prefill_busy = None
         if mix is not None and limit >= 1:  # replica-seconds of prefill per request: the layout's, whatever the batch
             probe = Scenario(
-                config, quant, layout, Workload(context=context, concurrency=layout.dp, prompt=prompt), system, efficiency, comm, balance, fill, power
+                config, quant, layout, Workload(context=context, concurrency=layout.dp, prompt=prompt), system, efficiency, comm, balance, fill, power, spec
             )
             prefill_busy = mean_prefill_busy(probe, mix)
 
@@ -201,7 +203,7 @@ def search(
             cap = "fixed" if total is not None else ("memory" if capped else "")
             total = b * layout.dp if total is None else total
             workload = Workload(context=context, concurrency=total, prompt=prompt)
-            sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill, power)
+            sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill, power, spec)
             m = evaluate(sc, memory_limited=capped)
             lp = None
             if m.ttft_s > slo.max_ttft_s and (space.max_pp > 1 or space.max_cp > 1):

@@ -20,7 +20,7 @@ from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import max_concurrency
 from openk3.planner.models import deepseek_v3, kimi_k2
-from openk3.planner.perf import Metrics, Scenario, evaluate
+from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
 
 DEEPEP_LL = CommParams(dedup=False)  # DeepEP low-latency kernels: one copy per expert, not per rank
 FP8 = Quantisation.named("fp8")
@@ -38,6 +38,7 @@ class Phase(str, enum.Enum):
     DECODE = "decode"
     PREFILL = "prefill"
     COMM = "communication"
+    AGGREGATED = "aggregated"
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,15 @@ class Case:
     split: Split
     phase: Phase
     assumed: str  # set-up the source does not state
-    predictor: Callable[[], float] | None  # None: the set-up could not be reconstructed (see `note`)
+    predictor: Callable[[Efficiency], float] | None  # None: the set-up could not be reconstructed (see `note`)
     note: str = ""  # why the error is what it is, or why there is no prediction
 
-    def predict(self) -> float | None:
-        return None if self.predictor is None else self.predictor()
+    def predict(self, efficiency: Efficiency | None = None) -> float | None:
+        """The planner's figure with `efficiency` (default: the shipped `Efficiency()`)."""
+        return None if self.predictor is None else self.predictor(efficiency or Efficiency())
 
-    def error(self) -> float | None:
-        p = self.predict()
+    def error(self, efficiency: Efficiency | None = None) -> float | None:
+        p = self.predict(efficiency)
         return None if p is None or self.published is None else p / self.published - 1
 
 
@@ -64,57 +66,59 @@ def _sys(name: str) -> object:
     return load_catalogue().system(name)
 
 
-def _eval(config: object, quant: Quantisation, layout: Layout, workload: Workload, system: str, comm: CommParams | None = None) -> Metrics:
-    sc = Scenario(config, quant, layout, workload, load_catalogue().system(system), comm=comm or CommParams())  # type: ignore[arg-type]
+def _eval(eff: Efficiency, config: object, quant: Quantisation, layout: Layout, workload: Workload, system: str, comm: CommParams | None = None) -> Metrics:
+    sc = Scenario(config, quant, layout, workload, load_catalogue().system(system), eff, comm=comm or CommParams())  # type: ignore[arg-type]
     m = evaluate(sc)
     if not m.memory.fits:
         raise ValueError(f"{layout.describe()} with {workload.concurrency:,} sequences of {workload.context:,} tokens does not fit")
     return m
 
 
-def _k2_h200() -> float:
+def _k2_h200(eff: Efficiency) -> float:
     lay = Layout(96, tp=1, redundant_experts=96, balance=Balance.EPLB)
-    return _eval(kimi_k2(), FP8, lay, Workload(context=2050, concurrency=256 * 96, prompt=2000), "hgx-h200", DEEPEP_LL).per_accelerator_tok_s
+    return _eval(eff, kimi_k2(), FP8, lay, Workload(context=2050, concurrency=256 * 96, prompt=2000), "hgx-h200", DEEPEP_LL).per_accelerator_tok_s
 
 
-def _ds_gb200_decode(quant: Quantisation) -> Callable[[], float]:
-    def run() -> float:
+def _ds_gb200_decode(quant: Quantisation) -> Callable[[Efficiency], float]:
+    def run(eff: Efficiency) -> float:
         lay = Layout(48, tp=1, redundant_experts=32, balance=Balance.EPLB)
-        return _eval(deepseek_v3(), quant, lay, Workload(context=2100, concurrency=768 * 48, prompt=2000), "gb200-nvl72", DEEPEP_LL).per_accelerator_tok_s
+        return _eval(eff, deepseek_v3(), quant, lay, Workload(context=2100, concurrency=768 * 48, prompt=2000), "gb200-nvl72", DEEPEP_LL).per_accelerator_tok_s
 
     return run
 
 
-def _ds_gb200_prefill(quant: Quantisation) -> Callable[[], float]:
-    def run() -> float:
+def _ds_gb200_prefill(quant: Quantisation) -> Callable[[Efficiency], float]:
+    def run(eff: Efficiency) -> float:
         lay = Layout(8, tp=1, redundant_experts=0, balance=Balance.EPLB)
-        return _eval(deepseek_v3(), quant, lay, Workload(context=2000, concurrency=8, prompt=2000), "gb200-nvl72").prefill_tok_s / 8
+        return _eval(eff, deepseek_v3(), quant, lay, Workload(context=2000, concurrency=8, prompt=2000), "gb200-nvl72").prefill_tok_s / 8
 
     return run
 
 
-def _ds_h100_decode() -> float:
+def _ds_h100_decode(eff: Efficiency) -> float:
     lay = Layout(72, tp=1, redundant_experts=32, balance=Balance.EPLB)
     limit = max_concurrency(deepseek_v3(), FP8, lay, 2100, load_catalogue().system("hgx-h100"))
-    return _eval(deepseek_v3(), FP8, lay, Workload(context=2100, concurrency=limit, prompt=2000), "hgx-h100", DEEPEP_LL).per_accelerator_tok_s
+    return _eval(eff, deepseek_v3(), FP8, lay, Workload(context=2100, concurrency=limit, prompt=2000), "hgx-h100", DEEPEP_LL).per_accelerator_tok_s
 
 
-def _ds_h100_prefill() -> float:
+def _ds_h100_prefill(eff: Efficiency) -> float:
     lay = Layout(32, tp=1, redundant_experts=32, balance=Balance.EPLB)
-    return _eval(deepseek_v3(), FP8, lay, Workload(context=2000, concurrency=32, prompt=2000), "hgx-h100").prefill_tok_s / 32
+    return _eval(eff, deepseek_v3(), FP8, lay, Workload(context=2000, concurrency=32, prompt=2000), "hgx-h100").prefill_tok_s / 32
 
 
-def _r1_gb300_long_decode() -> float:
+def _r1_gb300_long_decode(eff: Efficiency) -> float:
     quant = with_dtypes(R1_NVFP4, kv="fp8")
-    return _eval(deepseek_v3(), quant, Layout(8, tp=1), Workload(context=131072 + 4096, concurrency=288, prompt=131072), "gb300-nvl72").per_accelerator_tok_s
+    return _eval(
+        eff, deepseek_v3(), quant, Layout(8, tp=1), Workload(context=131072 + 4096, concurrency=288, prompt=131072), "gb300-nvl72"
+    ).per_accelerator_tok_s
 
 
-def _r1_gb300_ep2_prefill() -> float:
-    return _eval(deepseek_v3(), R1_NVFP4, Layout(2, tp=1), Workload(context=2048, concurrency=2, prompt=2048), "gb300-nvl72").prefill_tok_s / 2
+def _r1_gb300_ep2_prefill(eff: Efficiency) -> float:
+    return _eval(eff, deepseek_v3(), R1_NVFP4, Layout(2, tp=1), Workload(context=2048, concurrency=2, prompt=2048), "gb300-nvl72").prefill_tok_s / 2
 
 
-def _deepep(ep: int, which: str) -> Callable[[], float]:
-    def run() -> float:
+def _deepep(ep: int, which: str) -> Callable[[Efficiency], float]:
+    def run(eff: Efficiency) -> float:  # communication only: no kernel efficiency enters
         t = a2a_layer_time(deepseek_v3(), FP8, ep, load_catalogue().system("hgx-h800"), DEEPEP_LL, tokens_per_rank=128)
         return (t.dispatch_s if which == "dispatch" else t.combine_s) * 1e6
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openk3.config.vision import VisionConfig
+from openk3.planner.efficiency import Efficiency
 from openk3.planner.hardware import Accelerator
-from openk3.planner.perf import Efficiency
 
 BF16 = 2
 

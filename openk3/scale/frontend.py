@@ -88,7 +88,8 @@ class Frontend:
         model_dir = Path(serve_args.model) if Path(serve_args.model).is_dir() else ASSETS / str(serve_args.model)
         template = load_chat_template(model_dir if model_dir.is_dir() else None, serve_args.chat_template)
         tokenizer = model_tokenizer(serve_args.model, serve_args.seed, serve_args.tokenizer == "byte")
-        self.keys = PromptKeys(tokenizer, template, serve_args.served_model_name or str(serve_args.model), match_unit)
+        name = serve_args.served_model_name or str(serve_args.model)
+        self.keys = PromptKeys(tokenizer, template, name, match_unit, serve_args.default_chat_template_kwargs)
         self.replicas = replicas
         self.app_name = app_name
         self.deployment = deployment

@@ -1,7 +1,8 @@
 """An OpenAI request body -> its prompt's token ids -> the chained 64-token keys the router matches on.
 
 The ids are made as the replica's own server makes them (the same tokenizer and chat template, BOS for completion text,
-the template's rendering for chat), and the keys with the engine's own chain (serve/cache/hashing.py), in units of the
+the template's rendering for chat with the request's tools, reasoning effort and template kwargs over the server's
+defaults), and the keys with the engine's own chain (serve/cache/hashing.py), in units of the
 engine's prefix match unit: a router match is a boundary where the engine can hit. A body the front end cannot read gets
 no keys and is routed by load: its replica answers it with the proper 4xx, so the front end need not duplicate the checks.
 """
@@ -14,7 +15,11 @@ import logging
 from pydantic import ValidationError
 
 from openk3.api.chat_loading import ChatRenderer
+from openk3.api.errors import APIError
+from openk3.api.jobs import chat_options
 from openk3.api.protocol import ChatCompletionRequest
+from openk3.api.structured_request import structured_request
+from openk3.api.tool_choice import plan_tools
 from openk3.api.user_text import encode_prompt_text
 from openk3.serve.cache.hashing import chain_keys
 from openk3.serve.tokenizer import Tokenizer
@@ -25,8 +30,9 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class PromptKeys:
-    def __init__(self, tokenizer: Tokenizer, template: ChatRenderer, model_name: str, match_unit: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: ChatRenderer, model_name: str, match_unit: int = 64, default_chat_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
+        self.default_chat_kwargs = dict(default_chat_kwargs or {})  # the replicas' --default-chat-template-kwargs
         self.template = template
         self.match_unit = match_unit
         # any fixed salt will do: keys are compared only with keys this router made, never with a replica's own index
@@ -39,26 +45,32 @@ class PromptKeys:
         return () if ids is None else tuple(chain_keys(self.salt, ids, self.match_unit))
 
     def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
-        """The ids to route by: the first prompt of a completion, a chat's messages without its tools."""
+        """The ids to route by: the first prompt of a completion, a chat's prompt as the replica renders it."""
         data = self._request(path, body)
         if data is None:
             return None
         try:
             return self._chat_ids(data) if path == "/v1/chat/completions" else self._completion_ids(data)
-        except (ValueError, ValidationError, TypeError) as e:
+        except (ValueError, ValidationError, TypeError, APIError) as e:
             log.debug("no routing keys for %s: %s", path, e)
             return None
 
     def handoff_ids(self, path: str, body: bytes, routed: list[int] | None) -> list[int] | None:
         """The prompt a prefill replica may compute for the request: `routed` (prompt_ids' answer) when it is the request's
-        whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat with tools
-        (they render into the prompt, which the routing ids leave out). A wrong guess costs only the hand-off: the
-        decode replica's lookup misses and it computes the prompt itself."""
+        whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat whose reply the
+        server starts inside the prompt (a named or required tool call, or structured output: api/tool_choice.py writes
+        the call's or the reply's opening after the rendered prompt). A wrong guess costs only the hand-off: the decode
+        replica's lookup misses and it computes the prompt itself."""
         data = self._request(path, body) if routed is not None else None
         if data is None:
             return None
         if path == "/v1/chat/completions":
-            return None if data.get("tools") else routed
+            try:
+                req = ChatCompletionRequest.model_validate(data)
+                forced = req.tools and req.tool_choice not in (None, "auto", "none")
+                return None if forced or structured_request(req) is not None else routed
+            except (ValidationError, APIError):
+                return None
         prompt = data.get("prompt")
         several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1
         return None if several else routed
@@ -91,6 +103,7 @@ class PromptKeys:
         special = {}
         for name, token_id in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_id)):
             special[name] = "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
-        # tools are left out: they render near the top of the prompt, and a conversation keeps the same tools anyway
-        prompt = self.template.render_prompt(req.messages, req.add_generation_prompt, special, req.chat_template_kwargs, None, tok.special_token_strings)
+        tools = plan_tools(req, self.template.format, self.template.uses_tools).template_tools()
+        kwargs = {**self.default_chat_kwargs, **(req.chat_template_kwargs or {})}
+        prompt = self.template.render_prompt(req.messages, req.add_generation_prompt, special, kwargs, tools, tok.special_token_strings, chat_options(req))
         return encode_prompt_text(tok, prompt)

@@ -56,6 +56,11 @@ class EngineConfig:
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
+    # speculative decoding with a separate draft model that shares the target's tokenizer (serve/speculative.py, draft.py)
+    speculative_model: str | None = setting(
+        None, "draft model for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (vLLM's method draft_model)"
+    )
+    num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with speculative_model)", low=1, high=16)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
     # implementations of the model's ops by name, set on its OpChoice before "auto" is resolved (serve/op_names.py); held
     # as the canonical "field=impl,..." (a dict is accepted too)

@@ -45,7 +45,13 @@ def folder_files(folder: Path) -> list[tuple[str, str]]:
         else:
             out.append((file.name, "skipped: not a file openk3 reads"))
     if shards:
-        out.insert(0, (f"{len(shards)} safetensors shard(s)", "read: the weights (model/weights.py; vision and MTP tensors are skipped, see model/release.py)"))
+        out.insert(
+            0,
+            (
+                f"{len(shards)} safetensors shard(s)",
+                "read: the weights (model/weights.py; the vision tower with them; MTP tensors are skipped, see model/release.py)",
+            ),
+        )
     return out
 
 

@@ -65,7 +65,7 @@ def release_tensors(model: K3ForCausalLM) -> dict[str, torch.Tensor]:
     return out | mtp_tensors(model.config.hidden_size) | vision_tensors()
 
 
-def write_release(path: Path, model: K3ForCausalLM, tensors: dict[str, torch.Tensor], shards: int = 3) -> Path:
+def write_release(path: Path, model: K3ForCausalLM, tensors: dict[str, torch.Tensor], shards: int = 3, specials: dict[int, str] | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     text = config_to_hf(model.config.replace(expert_quantization="mxfp4"))
     quant = text.pop("quantization_config")
@@ -80,7 +80,7 @@ def write_release(path: Path, model: K3ForCausalLM, tensors: dict[str, torch.Ten
         save_file(part, str(path / file))
         weight_map.update(dict.fromkeys(part, file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    write_kimi_tokenizer(path)
+    write_kimi_tokenizer(path, specials=specials)
     return path
 
 

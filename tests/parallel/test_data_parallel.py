@@ -153,3 +153,30 @@ def test_dp_layouts_are_checked() -> None:
         ParallelConfig(ep=2).check_engine(EngineConfig(pack_cpu_weights=True))  # the ranks prepare their shards unpacked
     with pytest.raises(ValueError, match=r"cuda_graphs=True with tp=2, ep=1: decode graphs capture a single-process step only"):
         ParallelConfig(tp=2).check_engine(EngineConfig(cuda_graphs=True))
+
+
+@pytest.mark.distributed
+def test_every_rank_stops_on_the_checkpoints_generation_config_eos(tmp_path) -> None:
+    """generation_config.json's eos ends a request on whichever rank runs it, as in one process (each leader reads it)."""
+    import json
+    import shutil
+
+    from openk3.serve.loading import ASSETS
+
+    torch.set_num_threads(1)
+    shutil.copytree(ASSETS / "tiny", tmp_path / "tiny")
+    folder = tmp_path / "tiny"
+    prompts, greedy = ["In the beginning", "And God said"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=False)
+    with LLM(folder) as llm:
+        free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    eos = free[1][2]  # the second prompt (rank 1's, by the least-loaded rule) meets it as its third token
+    assert eos not in free[0][:2] and eos not in free[1][:2]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    outputs = {}
+    for dp in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(folder, dp=dp, ep=dp) as llm:
+                outputs[dp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, greedy)]
+    assert outputs[2] == outputs[1]
+    assert outputs[2][1] == (free[1][:3], "stop")

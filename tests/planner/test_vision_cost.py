@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from openk3.config.vision import Projector, VisionConfig, VisionNorm
+from openk3.planner.efficiency import Efficiency
 from openk3.planner.hardware import load_catalogue
-from openk3.planner.perf import Efficiency
 from openk3.planner.vision import vision_cost
 
 K3 = VisionConfig(1024, 27, 12, 4096, 7168, qkv_hidden_size=1536, norm=VisionNorm.RMSNORM, projector=Projector.PATCHMERGER_V2)

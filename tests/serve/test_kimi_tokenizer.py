@@ -38,6 +38,25 @@ RELEASED_SPECIALS = {
     254: "[UNK]",
     255: "[PAD]",
 }
+# Kimi K3's own specials (the release's tokenizer_config.json numbers them 163584 + offset: [BOS] 163584, <|end_of_msg|>
+# 163586, <|open|> 163587, <|close|> 163588, <|sep|> 163589, the media tokens 163602-163605, [UNK] 163838, [PAD] 163839, as
+# published with the checkpoint and mirrored by vLLM's and Dynamo's K3 tests); XTML's three structure tokens are flagged
+# "special": false there, so a decode that skips specials keeps them as text
+K3_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    3: "<|open|>",
+    4: "<|close|>",
+    5: "<|sep|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+K3_PLAIN_SPECIALS = frozenset({"<|open|>", "<|close|>", "<|sep|>"})
 
 
 def train_ranks(texts: list[str], merges: int) -> dict[bytes, int]:
@@ -64,17 +83,19 @@ def train_ranks(texts: list[str], merges: int) -> dict[bytes, int]:
     return ranks
 
 
-def write_kimi_tokenizer(path: Path, merges: int = 200, eos: str = "[EOS]") -> int:
-    """tiktoken.model + tokenizer_config.json in the released layout; returns the vocabulary size (ranks + 256 specials)."""
+def write_kimi_tokenizer(path: Path, merges: int = 200, eos: str = "[EOS]", specials: dict[int, str] | None = None, corpus: tuple[str, ...] = ()) -> int:
+    """tiktoken.model + tokenizer_config.json in the released layout (K2's specials unless `specials` names others, e.g.
+    K3_SPECIALS), its merges learnt from CORPUS and `corpus`; returns the vocabulary size (ranks + 256 specials)."""
     path.mkdir(parents=True, exist_ok=True)
-    ranks = train_ranks(CORPUS * 3, merges)
+    ranks = train_ranks((CORPUS + list(corpus)) * 3, merges)
     lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
     (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     n = len(ranks)
-    entry = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+    entry = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)
+    named = RELEASED_SPECIALS if specials is None else specials
     config = {
-        "added_tokens_decoder": {str(n + i): {"content": s, **entry} for i, s in RELEASED_SPECIALS.items()},
-        "additional_special_tokens": ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"],
+        "added_tokens_decoder": {str(n + i): {"content": s, **entry, "special": s not in K3_PLAIN_SPECIALS} for i, s in named.items()},
+        "additional_special_tokens": [s for s in named.values() if s.startswith("<|")],
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": "[BOS]",
         "eos_token": eos,

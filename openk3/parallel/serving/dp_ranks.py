@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -27,8 +28,16 @@ from openk3.parallel.serving.rank_groups import RankGroups, rank_groups
 from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
-from openk3.serve.loading import model_tokenizer
+from openk3.serve.generation_config import read_generation_config
+from openk3.serve.loading import model_tokenizer, resolve_model
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
+
+
+def checkpoint_eos(source: object) -> tuple[int, ...]:
+    """The end tokens of the checkpoint's generation_config.json, which each leader's engine stops on as one process does
+    (every leader reads the folder it loads its weights from); none for a module or a preset."""
+    folder = resolve_model(source) if isinstance(source, (str, Path)) else None
+    return read_generation_config(folder).eos_token_ids
 
 
 def _failure(rank: int, error: BaseException) -> str:
@@ -66,7 +75,7 @@ class _Leader:
                 tokenizer = ByteTokenizer(max(256, model.config.vocab_size)) if isinstance(source, torch.nn.Module) else model_tokenizer(source, config.seed)
             # distinct streams for unseeded sampling; the named ops are the spec's, selected as the rank built its shard
             rank_config = dataclasses.replace(config, seed=config.seed + groups.dp_rank)
-            self.engine = LLMEngine(self.lockstep, tokenizer, rank_config)
+            self.engine = LLMEngine(self.lockstep, tokenizer, rank_config, checkpoint_eos(spec.source))
         except Exception as e:  # reported in the leaders' handshake (every rank then leaves), not left for them to wait on
             self.error = _failure(groups.world.rank, e)
 

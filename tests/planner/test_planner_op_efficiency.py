@@ -1,0 +1,88 @@
+"""Measured per-operator curves (issue 37 item 1): interpolation, the shipped table, the step model using them, overheads."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from openk3.planner.hardware import load_catalogue
+from openk3.planner.inputs import Layout, Quantisation, Workload
+from openk3.planner.models import deepseek_v3
+from openk3.planner.op_efficiency import Curve, curves_for, origin
+from openk3.planner.overheads import Overheads
+from openk3.planner.perf import Efficiency, Scenario, decode_step
+from openk3.planner.validation import Split
+from openk3.planner.validation_agg import AGGREGATED_CASES
+
+
+def test_curve_interpolates_in_log_shape_and_holds_the_ends() -> None:
+    c = Curve.of([[1, 0.2], [100, 0.6]], "t")
+    assert c.at(1) == 0.2 and c.at(100) == 0.6
+    assert c.at(10) == pytest.approx(0.4)  # halfway in log10
+    assert c.at(0.5) == 0.2 and c.at(1e6) == 0.6
+    with pytest.raises(ValueError, match="efficiencies in"):
+        Curve.of([[1, 0.0]], "bad")
+
+
+def test_shipped_table_covers_nvidia_families_only_and_names_its_origin() -> None:
+    hopper, blackwell = curves_for("h200-sxm"), curves_for("gb200")
+    assert hopper is not None and hopper.measured_on == "h200_sxm" and curves_for("h100-sxm") is hopper
+    assert blackwell is not None and blackwell.measured_on == "b200_sxm"
+    assert curves_for("mi355x") is None
+    assert "Apache-2.0" in origin() and "aiconfigurator" in origin()
+    # fp4 GEMMs on Hopper fall back to the fp8 curve, as the hardware runs them
+    assert hopper.gemm("fp4", 64) == hopper.gemm("fp8", 64)
+    # decode attention is overhead-bound on a tiny call and near the roofline on a large one
+    small, large = hopper.attention_decode(256), hopper.attention_decode(1 << 20)
+    assert small is not None and large is not None and small < 0.01 < 0.5 < large
+
+
+def test_measured_decode_attention_is_the_roofline_over_the_curve() -> None:
+    sys = load_catalogue().system("hgx-h200")
+    sc = Scenario(deepseek_v3(), Quantisation.named("fp8"), Layout(8, tp=1), Workload(context=2000, concurrency=8 * 128), sys, Efficiency.measured())
+    step = decode_step(sc)
+    attn = next(c for c in step.components if c.name == "mla_attention")
+    acc = sys.accelerator
+    roof = max(attn.bytes / acc.hbm_bw, attn.flops / acc.flops("bf16"))
+    curves = curves_for("h200-sxm")
+    assert curves is not None
+    measured = curves.attention_decode(128 * 2000)
+    assert measured is not None and attn.time_s == pytest.approx(roof / measured)
+    assert step.overhead_s == pytest.approx(2e-3 + 40e-6 * 128)
+    flat = decode_step(sc.with_(efficiency=Efficiency()))
+    assert flat.overhead_s == 0.0
+
+
+def test_cuda_graph_padding_and_host_gap() -> None:
+    o = Overheads()
+    assert o.padded_batch(393) == 512 and o.padded_batch(384) == 384 and o.padded_batch(9000) == 9000
+    assert Overheads.none().padded_batch(393) == 393
+    assert o.host_gap(100) == pytest.approx(2e-3 + 4e-3)
+    with pytest.raises(ValueError, match="graph_sizes"):
+        Overheads(graph_sizes=(4, 2))
+
+
+def test_aggregated_validation_reports_what_docs_say() -> None:
+    """docs/planner.md: measured kernels fit the tuned TensorRT-LLM rows (median 6%) but miss the held-out ones (29%);
+    the flat default is the reverse (55% / 10%). Pinned so a change to either model updates the docs."""
+
+    def median(split: Split, eff: Efficiency) -> float:
+        errs = [c.error(eff) for c in AGGREGATED_CASES if c.split == split]
+        return statistics.median(abs(e) for e in errs if e is not None)
+
+    m = Efficiency.measured()
+    assert math.isclose(median(Split.TUNED, m), 0.06, abs_tol=0.02)
+    assert math.isclose(median(Split.HELD_OUT, m), 0.29, abs_tol=0.02)
+    assert math.isclose(median(Split.TUNED, Efficiency()), 0.55, abs_tol=0.02)
+    assert math.isclose(median(Split.HELD_OUT, Efficiency()), 0.10, abs_tol=0.02)
+
+
+def test_gqa_attention_has_its_own_curves_where_they_are_physical() -> None:
+    hopper, blackwell = curves_for("h200-sxm"), curves_for("b200")
+    assert hopper is not None and blackwell is not None
+    assert hopper.attention_decode(1 << 18, mla=False) != hopper.attention_decode(1 << 18)
+    assert hopper.attention_prefill(4096, mla=False) is not None
+    # B200's GQA prefill table claims more than the roofline at long prompts: left out, so the flat factor prices it
+    assert blackwell.attention_prefill(4096, mla=False) is None and blackwell.attention_decode(1 << 18, mla=False) is not None

@@ -117,12 +117,16 @@ def place(ids: list[int], images: Sequence[ImageInput], media: MediaSupport) -> 
 
 def media_support(vision: VisionConfig | None, tokenizer: Tokenizer, renderer: ChatRenderer, config: MediaConfig | None) -> MediaSupport | None:
     """What the server needs to take images, or None when it cannot: the engine's model has no vision tower, the prompt is
-    not K3's encoding (the one format here that places images), or the tokenizer lacks the media tokens. A processor
-    whose patches or merge kernel differ from the tower's is a ValueError at start-up."""
+    not K3's encoding (the one format here that places images), or the tokenizer lacks the media tokens. Without a
+    preprocessor_config.json the processor takes K3's limits and the tower's patch size and kernel; a file whose patches or
+    merge kernel differ from the tower's is a ValueError at start-up."""
     pad_id = media_pad_id(tokenizer)
     if vision is None or not isinstance(renderer, K3Template) or pad_id is None:
         return None
-    media = config or MediaConfig()
+    kh, kw = vision.merge_kernel_size
+    if config is None and kh != kw:
+        raise ValueError(f"the vision tower's merge kernel {[kh, kw]} is not square: the release's processor needs a preprocessor_config.json for it")
+    media = config or MediaConfig(patch_size=vision.patch_size, merge_kernel_size=kh)  # no file: K3's limits, the tower's patches
     k = media.merge_kernel_size
     if media.patch_size != vision.patch_size or (k, k) != tuple(vision.merge_kernel_size):
         got = f"patch_size={media.patch_size}, merge_kernel_size={k}"

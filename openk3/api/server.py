@@ -32,6 +32,7 @@ from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, ClientGone, frontend_error
 from openk3.api.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from openk3.api.idle import IdleCallback
+from openk3.api.images import media_support
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.request_id import RequestIdHeader, request_id_of
@@ -69,6 +70,7 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
         default_chat_kwargs=dict(config.default_chat_template_kwargs),
+        media=media_support(engine.vision, tokenizer, chat_template, config.media),
     )
 
     trimmer = HeapTrimmer(config.heap_trim_slack_bytes) if config.heap_trim_slack_bytes is not None else None

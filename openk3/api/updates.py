@@ -55,7 +55,7 @@ async def open_updates(frontend: AsyncEngine, request_id: str, jobs: list[Engine
     try:
         for i, job in enumerate(jobs):
             engine_id = request_id if len(jobs) == 1 else sample_id(request_id, i)
-            streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind))
+            streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind, job.images))
     except BaseException:
         for stream in streams:
             await stream.aclose()

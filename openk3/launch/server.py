@@ -161,6 +161,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.generation_config import read_generation_config
     from openk3.serve.loading import ASSETS
+    from openk3.serve.vision_processor import read_media_config
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
@@ -179,6 +180,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_store_size=args.responses_store_size,
         metrics_prefix=args.metrics_prefix,
+        media=read_media_config(folder),
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

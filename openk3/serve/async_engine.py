@@ -33,6 +33,7 @@ from openk3.serve.admission import Admission
 from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import ServedEngine
 from openk3.serve.engine_failure import EngineDeadError, EngineStalledError, FailureLatch
+from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
 
@@ -197,7 +198,9 @@ class AsyncEngine(Generic[E]):
         self._submit(command)
         return await self.failure.answer(fut)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+    async def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA, images: tuple[ImageSpan, ...] = ()
+    ) -> RequestStream:
         """Add a request and return its output stream (DELTA: one output per step that changed it; FINAL_ONLY: one at the
         end). Raises ValueError on bad input, QueueFullError, EngineDeadError or FrontendClosedError before anything is
         added; a caller cancelled meanwhile leaves nothing behind."""
@@ -217,7 +220,7 @@ class AsyncEngine(Generic[E]):
             try:
                 if self.error is not None:  # queued behind the step that failed: nothing may enter a dead engine
                     raise self.failure.dead_error()
-                self._admit(request_id, prompt_token_ids, params, kind)
+                self._admit(request_id, prompt_token_ids, params, kind, images)
             except BaseException as e:
                 added.set_exception(e)
                 return
@@ -285,9 +288,9 @@ class AsyncEngine(Generic[E]):
         if item is not None and queue is not None:
             self._deliver([(queue, item)])
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind) -> None:
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind, images: tuple[ImageSpan, ...] = ()) -> None:
         self.admission.check_room()
-        self.admission.arrived(request_id, self.processor.add_request(request_id, prompt_token_ids, params, kind))
+        self.admission.arrived(request_id, self.processor.add_request(request_id, prompt_token_ids, params, kind, images=images))
 
     def _observe(self, stats: IterationStats) -> None:
         if self.observer is None:

@@ -14,7 +14,8 @@ Prefix caching adds one thing to admission: a new request starts at the deepest 
 hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and its prefill chunks are cut where a
 state snapshot is wanted -- at detected branch points and fixed intervals always, and at a multiple of the match unit
 whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States are snapshotted at those cuts,
-at the prompt end and when a request finishes.
+at the prompt end and when a request finishes. Images: a chunk whose images are not encoded yet also spends their token
+count of the budget (the encoder runs in that step, serve/encoder_cache.py); the prefix cache keys image tokens by image.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from openk3.checks import check_int
@@ -72,6 +73,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # set by the engine when its model encodes images: the extra budget a chunk costs (its images not yet encoded)
+        self.encoder_cost: Callable[[Request, int], int] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -122,7 +125,7 @@ class Scheduler:
         if self.cache.prefix is None:
             n = self._chunk(req, budget)
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
-        tokens = req.token_ids
+        tokens = req.cache_key_ids()  # image tokens keyed by their image (serve/media_prompt.py)
         # a cached prefix has no logits to score and no routing to record, so a request that wants either computes it all
         wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
         match = PrefixMatch.miss() if wants_scores or req.sampling_params.return_routing else self.cache.fetch(self.cache.match_prefix(tokens))
@@ -185,7 +188,7 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next request (or the loop ends)
             scheduled.append(req)
             counts.append(n)
-            budget -= n
+            budget -= n + (self.encoder_cost(req, n) if self.encoder_cost is not None else 0)
             i += 1
 
         now = time.monotonic()
@@ -203,7 +206,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(req)
             counts.append(admitted)
-            budget -= admitted
+            budget -= admitted + (self.encoder_cost(req, admitted) if self.encoder_cost is not None else 0)
 
         return SchedulerOutput(tuple(scheduled), tuple(counts))
 
@@ -226,7 +229,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             if self._snapshot_due(req):
-                self.cache.snapshot(req.request_id, req.token_ids[: req.num_computed_tokens])
+                self.cache.snapshot(req.request_id, req.cache_key_ids(req.num_computed_tokens))
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -246,7 +249,7 @@ class Scheduler:
             self.running.remove(req)
             # a stop string inside a speculative run leaves the state past its tokens (engine.py): nothing to snapshot then
             if self.cache.prefix is not None and 0 < req.num_computed_tokens < req.num_tokens:
-                self.cache.snapshot(req_id, req.token_ids[: req.num_computed_tokens])  # the next turn of a conversation
+                self.cache.snapshot(req_id, req.cache_key_ids(req.num_computed_tokens))  # the next turn of a conversation
         else:
             self.waiting.remove(req)
         if self.cache.holds(req_id):

@@ -155,7 +155,7 @@ def test_json_schema_goes_through_the_structured_output_path(client) -> None:
         ({"stream_options": {"include_obfuscation": False}}, "stream_options", "only allowed when stream is true"),
         ({"frobnicate": 1}, "frobnicate", "Extra inputs are not permitted"),
         ({"tools": [{"type": "web_search"}]}, "tools", "function"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input", "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input", "does not take images"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "allowed_tools"),
         ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input", "'call_9' answers no function_call"),

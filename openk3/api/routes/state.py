@@ -18,6 +18,7 @@ from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
 from openk3.api.served_model import ModelIdentity, ServedModel
 from openk3.serve.config import FrontendConfig
+from openk3.serve.vision_processor import MediaConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,6 +38,7 @@ class ServerConfig:
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
     metrics_prefix: str = METRICS_PREFIX  # --metrics-prefix: the engine's metric names on /metrics (api/metrics.py)
+    media: MediaConfig | None = None  # preprocessor_config.json's media_proc_cfg (None: K3's release values), for image input
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openk3.api.server_flags import connection_settings, server_settings
+from openk3.api.server_flags import connection_settings, server_settings, weight_update_settings
 from openk3.launch.flags import engine_configs
 
 if TYPE_CHECKING:  # torch and the server load lazily, so `openk3 plan` and `--help` stay fast
@@ -136,6 +136,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_store_size=args.responses_store_size,
+        weight_updates=weight_update_settings(args),
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

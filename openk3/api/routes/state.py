@@ -16,9 +16,22 @@ from openk3.api.limits import RequestLimits
 from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
 from openk3.api.served_model import ModelIdentity, ServedModel
+from openk3.options import check_settings, setting
 from openk3.serve.config import FrontendConfig
 
 M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class WeightUpdateConfig:
+    """What the operator allows of the weight routes (routes/weights.py); off by default, as an update replaces the model
+    every answer comes from."""
+
+    weight_update_root: str | None = setting(None, "allow POST /update_weights_from_disk for safetensors folders under this directory (default: off)")
+    weight_update_group: bool = setting(False, "allow POST /init_weights_update_group: a trainer's gloo group sends weights (default: off)")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,7 @@ class ServerConfig:
     response_store_size: int = DEFAULT_CAPACITY  # responses kept for previous_response_id (api/responses_store.py)
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
+    weight_updates: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)  # the weight routes the operator allows
 
 
 @dataclass(frozen=True)

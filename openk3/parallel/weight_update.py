@@ -3,9 +3,10 @@ and the server's weight routes (api/routes/weights.py: from a folder, over a tra
 
 1. The tensors are named as the served model names its parameters and buffers, after `served_tensors` maps the other
    accepted spellings: the official checkpoint names (model/weights.py canonical_name, routed experts one tensor per
-   expert, stacked here), and full-precision experts (stacked `experts.w1` or per expert `experts.{e}.w1.weight`) for a
-   model that serves packed MXFP4 experts, which are quantised on the way in exactly as `K3ForCausalLM.quantize_experts`
-   quantises offline (ops/mxfp4.py, FLOOR scales, one expert at a time).
+   expert, stacked here; A_log as transformers or the release shape it; a folder is read without the release's extras),
+   and full-precision experts (stacked `experts.w1` or per expert `experts.{e}.w1.weight`) for a model that serves packed
+   MXFP4 experts, which are quantised on the way in exactly as `K3ForCausalLM.quantize_experts` quantises offline
+   (ops/mxfp4.py, FLOOR scales, one expert at a time).
 2. Every name and shape is checked before anything is written (a partial update of the tensors a trainer changed is fine).
 3. Each tensor is copied in place (`copy_`), so the fused blocks the parameters are views of see the new values; oneDNN's
    packed CPU copies are dropped and the serving layout applied again (parallel/layout.py), as at build time.
@@ -20,11 +21,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
+from openk3.config.hf import mtp_layer_count
 from openk3.model.model import K3ForCausalLM
-from openk3.model.weights import EXPERT_RE, STACKED_SUFFIX, canonical_name
+from openk3.model.release import fit_a_log, release_extras
+from openk3.model.weights import EXPERT_RE, STACKED_SUFFIX, canonical_name, checkpoint_names, iter_checkpoint
 from openk3.ops.mxfp4 import quantize
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
 from openk3.serve.engine import LLMEngine, ServedEngine
@@ -91,12 +95,26 @@ def served_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) 
     for key, rows in per_expert.items():
         out[key] = _stacked(key, rows)
     for name in list(out):
+        target = targets.get(name)
+        if name.endswith("self_attn.A_log") and target is not None and tuple(out[name].shape) != tuple(target.shape):
+            fitted, problem = fit_a_log(name, out[name], target)  # transformers' [1, 1, H, 1] or the release's zero padding
+            if problem is None:
+                out[name] = fitted
         dense = STACKED_DENSE.match(name)
         if dense and name not in targets and f"{name}_weight_packed" in targets:
             out.update(_quantized(dense.group(1), dense.group(2), out.pop(name)))
         elif out[name].dtype in (torch.int8, torch.float8_e8m0fnu) and name.endswith(("_weight_packed", "_weight_scale")):
             out[name] = out[name].view(torch.uint8)  # packed codes and E8M0 scales are raw bytes whatever the sender calls them
     return out
+
+
+def folder_tensors(folder: Path, model: object) -> dict[str, torch.Tensor]:
+    """A checkpoint folder's tensors for an update of `model`, without the release's extras that are no part of the
+    model (model/release.py: multi-token-prediction layers), as load_model skips them."""
+    extras: set[str] = set()
+    if isinstance(model, K3ForCausalLM) and (folder / "config.json").exists():
+        extras = set(release_extras(checkpoint_names(folder), model.config, mtp_layer_count(folder)))
+    return dict(iter_checkpoint(folder, keep=lambda name: name not in extras))
 
 
 def check_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:

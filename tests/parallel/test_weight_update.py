@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from openk3.config import debug
+from openk3.config import debug, save_config
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
 from openk3.model.weights import export_state_dict
-from openk3.parallel.weight_update import WeightUpdateError, check_updatable, served_tensors, update_engine_weights
+from openk3.parallel.weight_update import WeightUpdateError, check_updatable, folder_tensors, served_tensors, update_engine_weights
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 
@@ -77,3 +78,18 @@ def test_refusals_name_what_is_missing() -> None:
         update_engine_weights(llm.engine, {"no.such": torch.zeros(1), "lm_head.weight": torch.zeros(3, 3)})
     assert llm.engine.weight_version == 0
     llm.close()
+
+
+def test_a_folder_with_release_extras_and_transformers_a_log(tmp_path) -> None:
+    new = model(6)
+    tensors = export_state_dict(new)
+    a_log = next(k for k in tensors if k.endswith("self_attn.A_log"))
+    tensors[a_log] = tensors[a_log].reshape(1, 1, -1, 1)  # as transformers' Kimi-Linear writes it
+    tensors["model.mtp.0.eh_proj.weight"] = torch.zeros(2, 2)  # the release's multi-token prediction: no part of the model
+    save_config(new.config, tmp_path / "config.json")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    served = model(5)
+    named = served_tensors(served, folder_tensors(tmp_path, served))
+    want = new.state_dict()
+    assert named.keys() <= want.keys() and a_log in named
+    assert all(torch.equal(named[k], want[k]) for k in named)

@@ -20,9 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from openk3.api.errors import APIError
 from openk3.api.routes.state import State, WeightUpdateConfig, authorize, check_open, read_request
-from openk3.model.weights import iter_checkpoint
 from openk3.parallel.weight_group import TensorSpec, WeightGroup
-from openk3.parallel.weight_update import check_updatable, update_engine_weights
+from openk3.parallel.weight_update import check_updatable, folder_tensors, update_engine_weights
 
 router = APIRouter(dependencies=[Depends(authorize)])
 
@@ -90,8 +89,8 @@ async def from_disk(request: Request, state: State) -> dict:
     body = await read_request(request, state, FromDisk)
     check_open(state.served)
     folder = _allowed_folder(_config(state).weight_update_root, body.model_path)
-    check_updatable(state.served.frontend.engine)
-    tensors = await asyncio.to_thread(lambda: dict(iter_checkpoint(folder)))
+    engine = check_updatable(state.served.frontend.engine)
+    tensors = await asyncio.to_thread(folder_tensors, folder, engine.model)
     return await _apply(state, tensors, body.abort_running)
 
 

@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET
 /v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{id} (these need `Authorization: Bearer <key>` when the
 server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text: the engine's families,
 api/metrics.py, and HTTP requests by route and status, api/http_metrics.py), GET /tokenizer_info, GET /version, POST
-/tokenize, POST /detokenize, and for sglang-router (routes/router_info.py, routes/health_generate.py): GET /server_info,
+/tokenize, POST /detokenize, the RL weight routes (routes/weights.py: /update_weights_from_disk, the weight group's
+three, /get_weight_version), and for sglang-router (routes/router_info.py, routes/health_generate.py): GET /server_info,
 GET /model_info (also as /get_server_info, /get_model_info) and GET /health_generate (a 1-token generation); POST bodies
 must be `application/json` (415), CORS only for --allowed-origins.
 Every error is an OpenAI error body; a handler never lets a client's mistake become a 5xx.
@@ -37,7 +38,7 @@ from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.request_id import RequestIdHeader, request_id_of
 from openk3.api.responses_store import ResponseStore
-from openk3.api.routes import completions, health, health_generate, models, responses_api, router_info, tokens
+from openk3.api.routes import completions, health, health_generate, models, responses_api, router_info, tokens, weights
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.served_model import ServedModel
 from openk3.api.token_texts import TokenTexts
@@ -94,7 +95,8 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
     app.state.response_store = ResponseStore(config.response_store_size)  # previous_response_id (routes/responses_api.py)
     _install_error_handlers(app)
     _install_cors(app, config.connection)
-    for module in (health, health_generate, router_info, models, completions, responses_api, tokens):
+    app.state.weight_groups = {}  # the trainers' weight groups this server has joined, by name (routes/weights.py)
+    for module in (health, health_generate, router_info, models, completions, responses_api, tokens, weights):
         app.include_router(module.router)
     if trimmer is not None:
         app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)

@@ -118,6 +118,11 @@ class ServedEngine(EngineCore, Protocol):
         """Engines behind this one (data-parallel ranks; 1 for LLMEngine), each with `config`'s sequences and `cache`'s pages."""
         ...
 
+    @property
+    def weight_version(self) -> int:
+        """How many times the weights were replaced in place (0: as built); what every response reports."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def was_scheduled(self, request_id: str) -> bool | None: ...
@@ -185,7 +190,7 @@ class LLMEngine:
             self.runner.encoder_cache = self.encoder_cache
             self.scheduler.encoder_cost = self.encoder_cache.cost
         self._cache_dtype = cache_dtype
-        self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
+        self.weight_version = 0  # weights_changed() counts the in-place updates (parallel/weight_update.py)
         self.proposer: DraftProposer | None = None
         if draft_model is not None:
             if cfg.cuda_graphs:

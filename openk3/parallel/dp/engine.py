@@ -130,6 +130,10 @@ class DataParallelEngine:
         return self.num_ranks
 
     @property
+    def weight_version(self) -> int:
+        return self.local.weight_version  # never counts up: weight updates refuse data-parallel engines (parallel/weight_update.py)
+
+    @property
     def cache(self) -> CacheManager:
         return self.local.cache  # rank 0's, for the layout every rank's pools share; stats() has every rank's use
 

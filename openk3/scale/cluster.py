@@ -70,8 +70,8 @@ class LocalCluster:
     @classmethod
     def start(cls, num_cpus: int | None = None, bound_s: float = 60.0) -> LocalCluster:
         """`ray start --head --block` on a free port; returns once `ray start` has written that the head runs (it then
-        blocks), or raises RayStartError with its last output after `bound_s` or when it exits. Its output goes to a file
-        (`log`), which nothing needs to drain."""
+        blocks), or raises RayStartError with its last output after `bound_s` or when it exits. Its output goes to
+        `log`, in the cluster's temp dir."""
         port = _free_port()
         # a temp dir of its own: `ray start` records its address in the temp dir, where any later `ray.init()` on this
         # machine would find it and join this cluster instead of starting its own
@@ -92,10 +92,10 @@ class LocalCluster:
         # Ray's token authentication, as a local ray.init() has it: on unless RAY_AUTH_MODE says otherwise, for this
         # driver (which would otherwise join without its token) and, through the environment, for the cluster
         enable_token_auth_by_default()
-        log_file = tempfile.NamedTemporaryFile(prefix="openk3-ray-start-", suffix=".log", delete=False)  # noqa: SIM115  # ray start writes it for its whole life
-        with log_file:
-            process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_own_session_dying_with_parent)
-        cluster, deadline = cls(process, f"127.0.0.1:{port}", Path(log_file.name)), time.monotonic() + bound_s
+        log = Path(temp_dir) / "ray-start.log"  # beside Ray's own session logs, kept as Ray keeps those
+        with log.open("wb") as out:  # `ray start` writes it for its whole life; nothing here has to drain it
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_session_dying_with_parent)
+        cluster, deadline = cls(process, f"127.0.0.1:{port}", log), time.monotonic() + bound_s
         while True:
             text = cluster.log.read_text(errors="replace")
             if "block forever" in text:  # `ray start --block` printed its last start-up line: the head runs

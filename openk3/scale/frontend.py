@@ -34,7 +34,7 @@ from typing import TypeVar
 import ray
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from openk3.api.errors import APIError
@@ -68,6 +68,14 @@ def replica_ids(app_name: str, deployment: str) -> list[str]:
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
     names = ray.util.list_named_actors(all_namespaces=True)
     return sorted(n["name"][len(prefix) :] for n in names if isinstance(n, dict) and n["name"].startswith(prefix))
+
+
+def actor_id(app_name: str, deployment: str, replica: str) -> str | None:
+    """The Ray actor id (hex) of a replica, as Ray's errors name it; None when it is gone already."""
+    try:
+        return str(ray.get_actor(f"SERVE_REPLICA::{app_name}#{deployment}#{replica}", namespace="serve")._actor_id.hex())
+    except ValueError:  # no actor of that name (any more)
+        return None
 
 
 @dataclass
@@ -109,6 +117,7 @@ class Frontend:
         sizes = dict(zip([name for _, name in self._pools()], pool_sizes, strict=False))
         self.board = HealthBoard(sizes, self._list_ids, self._probe_health, self.probe)
         self._probing: asyncio.Task[None] | None = None
+        self._actors: dict[str, tuple[str, str]] = {}  # Ray actor id (hex) -> (pool, replica id), learnt by the probes
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="openk3 scale-out front end", docs_url=None, redoc_url=None, openapi_url=None)
@@ -130,6 +139,9 @@ class Frontend:
             async for item in gen:
                 yield item
             done = True
+        except LOST as e:
+            self._saw_lost(e)
+            raise
         finally:
             if not done:
                 gen.cancel()  # the client left (or the replica failed): the replica's app sees a disconnect and aborts
@@ -140,7 +152,21 @@ class Frontend:
             self._probing = asyncio.get_running_loop().create_task(self.board.run())
 
     async def _list_ids(self, pool: str) -> list[str]:
-        return await asyncio.to_thread(replica_ids, self.app_name, pool)
+        ids = await asyncio.to_thread(replica_ids, self.app_name, pool)
+        known = {replica for p, replica in self._actors.values() if p == pool}
+        for replica in set(ids) - known:
+            actor = await asyncio.to_thread(actor_id, self.app_name, pool, replica)
+            if actor is not None:
+                self._actors[actor] = (pool, replica)
+        return ids
+
+    def _saw_lost(self, e: BaseException) -> None:
+        """A replica call raised Ray's "actor lost": a dead replica is marked on the board now; any loss wakes the probes."""
+        where = self._actors.get(getattr(e, "actor_id", None) or "")
+        if isinstance(e, ActorDiedError) and where is not None:
+            self.board.mark_lost(*where, type(e).__name__)
+        else:
+            self.board.wake()
 
     async def _probe_health(self, pool: str, replica: str) -> int:
         handle = dict((name, h) for h, name in self._pools())[pool]
@@ -179,6 +205,8 @@ class Frontend:
             response = own_request_id(lambda: prefill.prefill.remote(call))
             record: bytes | None = await until_down(self.board, pool, response, response.cancel)
         except Exception as e:  # the request is still served, by a decode replica alone
+            if isinstance(e, LOST):
+                self._saw_lost(e)
             self.handoff.prefill_failures += 1
             log.warning("request %s: prefill failed (%s: %s), its decode replica computes the prompt", call.request_id, type(e).__name__, e)
             return None

@@ -2,8 +2,9 @@
 
 A probe asks each pool for its replica ids and each replica for its /health, every `period_s`, each answer bounded by
 `timeout_s`: a replica that dies, or stalls, is unhealthy within period_s + timeout_s, and `/health` reads the last
-probe's state at once instead of waiting on a replica that cannot answer. A failure seen on the request path (a call
-that raised "replica lost") marks that replica unhealthy at once, before the next probe.
+probe's state at once instead of waiting on a replica that cannot answer. A replica the request path found dead (a
+call that raised Ray's ActorDiedError) is marked lost at once, and stays unhealthy whatever a probe that was already
+in flight reports (a dead actor never comes back: Ray replaces it with a new id); any loss also wakes the probe loop.
 
 A pool with no healthy replica is `down`: `wait_down(pool)` returns when it is, so a call waiting on that pool (a
 prefill whose only replica was lost, which Ray would hold until it starts a replacement) can give up and fall back.
@@ -59,6 +60,8 @@ class HealthBoard:
         self.probed_at: float | None = None  # clock() when the last probe finished; None before the first
         self._down = {p: asyncio.Event() for p in self.pools}
         self._probed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._lost: dict[tuple[str, str], str] = {}  # (pool, replica) found dead -> why; dropped once no longer listed
 
     def healthy(self, pool: str) -> int:
         return sum(s.healthy for s in self.states[pool].values())
@@ -78,10 +81,16 @@ class HealthBoard:
         await self._probed.wait()
 
     def mark_lost(self, pool: str, replica: str, why: str) -> None:
-        """A call on the request path found `replica` gone: unhealthy now (the next probe says whether it is still listed)."""
+        """A call on the request path found `replica` dead: unhealthy now and for good, and the next probe comes at once."""
+        self._lost[(pool, replica)] = why
         if replica in self.states[pool]:
             self.states[pool][replica] = ReplicaState(False, f"lost: {why}")
         self._update(pool)
+        self.wake()
+
+    def wake(self) -> None:
+        """Probe now rather than after the period (the request path saw a replica fail)."""
+        self._wake.set()
 
     async def probe_once(self) -> None:
         """Probe every pool's replicas, concurrently, each bounded by timeout_s, and replace the board's state."""
@@ -107,7 +116,9 @@ class HealthBoard:
         results = await asyncio.gather(*(one(p, r) for p, r in found))
         fresh: dict[str, dict[str, ReplicaState]] = {p: {} for p, ids in zip(self.pools, listed, strict=True) if ids is not None}
         for (p, r), state in zip(found, results, strict=True):
-            fresh[p][r] = state
+            why = self._lost.get((p, r))
+            fresh[p][r] = state if why is None else ReplicaState(False, f"lost: {why}")
+        self._lost = {(p, r): why for (p, r), why in self._lost.items() if p not in fresh or r in fresh[p]}
         for p, states in fresh.items():
             for r, state in states.items():
                 before = self.states[p].get(r)
@@ -119,10 +130,14 @@ class HealthBoard:
         self._probed.set()
 
     async def run(self) -> None:
-        """Probe forever, period_s apart (the caller's task; cancel it to stop)."""
+        """Probe forever, period_s apart or at once when woken (the caller's task; cancel it to stop)."""
         while True:
+            self._wake.clear()
             await self.probe_once()
-            await asyncio.sleep(self.config.period_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.period_s)
+            except TimeoutError:
+                pass
 
     def _update(self, pool: str) -> None:
         if self.healthy(pool) == 0:

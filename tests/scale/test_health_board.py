@@ -1,10 +1,13 @@
 """The front end's health board with fake replicas and injected faults (no Ray, a fake clock): a replica that dies or
 stalls is unhealthy after one bounded probe, /health's summary is read without waiting, a pool left without a healthy
-replica is down, and a call waiting on a down pool is given up (the prefill fallback) while one on a live pool is not."""
+replica is down, and a call waiting on a down pool is given up (the prefill fallback) while one on a live pool is not;
+and the front end's own prefill call, held as Ray holds it, falls back and is counted when the pool goes down."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -80,13 +83,34 @@ def test_a_replica_gone_from_the_listing_leaves_the_board_and_its_replacement_jo
     asyncio.run(go())
 
 
-def test_mark_lost_makes_a_replica_unhealthy_before_the_next_probe() -> None:
+def test_a_replica_found_dead_stays_unhealthy_whatever_a_probe_already_in_flight_says() -> None:
     async def go() -> None:
         fleet, clock = FakeFleet({"prefill": ["p1"]}), [0.0]
         board = board_of(fleet, clock)
+        board.config = ProbeConfig(period_s=0.5, timeout_s=60.0)  # the gate below, not the timeout, ends the probe
         await board.probe_once()
-        board.mark_lost("prefill", "p1", "ActorDiedError")
+        gate, asked = asyncio.Event(), asyncio.Event()
+        answered_before_the_death = fleet.probe
+
+        async def slow(pool: str, replica: str) -> int:
+            status = await answered_before_the_death(pool, replica)  # 200: asked while it was alive
+            asked.set()
+            await gate.wait()
+            return status
+
+        board._probe = slow
+        probing = asyncio.ensure_future(board.probe_once())
+        await asked.wait()
+        board.mark_lost("prefill", "p1", "ActorDiedError")  # the request path found it dead meanwhile
         assert board.is_down("prefill") and board.summary()["replicas"] == {"p1": "lost: ActorDiedError"}
+        gate.set()
+        await probing
+        assert board.is_down("prefill") and board.summary()["replicas"] == {"p1": "lost: ActorDiedError"}
+        fleet.pools["prefill"] = ["p2"]  # Ray dropped its name and started a replacement
+        fleet.status["p2"] = 200
+        board._probe = fleet.probe
+        await board.probe_once()
+        assert not board.is_down("prefill") and board.summary()["replicas"] == {"p2": "health 200"}
 
     asyncio.run(go())
 
@@ -128,3 +152,56 @@ def test_a_call_waiting_on_a_pool_that_goes_down_is_given_up_and_one_on_a_live_p
 def test_probe_config_names_a_bad_field() -> None:
     with pytest.raises(ValueError, match=r"ProbeConfig.timeout_s=0 is invalid"):
         ProbeConfig(timeout_s=0)
+
+
+class HeldResponse:
+    """A Ray DeploymentResponse that never resolves (Ray waiting for a replacement replica), and records its cancel()."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self) -> Generator[Any, None, bytes]:
+        return self._never().__await__()
+
+    async def _never(self) -> bytes:
+        await asyncio.Event().wait()
+        return b"record"
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class HeldPrefillPool:
+    def __init__(self) -> None:
+        self.prefill = self  # handle.prefill.remote(call)
+        self.responses: list[HeldResponse] = []
+
+    def remote(self, call: object) -> HeldResponse:
+        self.responses.append(HeldResponse())
+        return self.responses[-1]
+
+
+def test_the_front_ends_prefill_falls_back_once_the_pool_is_down_and_skips_it_while_it_stays_down() -> None:
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (the `ray` extra)")
+    from openk3.scale.calls import ReplicaCall
+    from openk3.scale.frontend import Frontend, HandoffStats
+
+    async def go() -> None:
+        fleet, clock = FakeFleet({"PrefillReplica": ["p1"]}), [0.0]
+        front = Frontend.__new__(Frontend)  # only what _prefill reads: no tokenizer, no Ray handles
+        pool = HeldPrefillPool()
+        front.prefill, front.prefill_deployment, front.handoff = pool, "PrefillReplica", HandoffStats()  # type: ignore[assignment]
+        front.board = board_of(fleet, clock)
+        await front.board.probe_once()
+        call = ReplicaCall("POST", "/v1/completions", prompt_ids=(1, 2, 3))
+        waiting = asyncio.ensure_future(front._prefill(call))
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(pool.responses) == 1
+        fleet.dead.add("p1")  # the prefill replica is killed: Ray would hold the call until a replacement starts
+        await front.board.probe_once()
+        assert await waiting is None  # given up: the decode replica computes the whole prompt
+        assert pool.responses[0].cancelled and front.handoff.prefill_failures == 1
+        assert await front._prefill(call) is None  # still down: skipped without a call
+        assert len(pool.responses) == 1 and front.handoff.prefill_failures == 2
+
+    asyncio.run(go())

@@ -31,17 +31,20 @@ from openk3.parallel.group import ParallelContext
 class RebalanceConfig:
     interval_steps: int  # calls of a layer between re-placements, and the window of calls the load is summed over
     num_redundant: int  # physical experts beyond E (fixed: every placement has R * P = E + num_redundant slots)
+    min_gain: float = 0.02  # a new placement must lower the window's rank max/mean by this fraction to be worth its weight traffic
 
     def __post_init__(self) -> None:
         if self.interval_steps < 1:
             raise ValueError(f"RebalanceConfig.interval_steps={self.interval_steps} is invalid: expected an int >= 1")
         if self.num_redundant < 0:
             raise ValueError(f"RebalanceConfig.num_redundant={self.num_redundant} is invalid: expected an int >= 0")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"RebalanceConfig.min_gain={self.min_gain} is invalid: expected a fraction in [0, 1)")
 
 
 class Replaced(NamedTuple):
     """One re-placement of one layer: the window's rank load max/mean under the old placement and under the one kept
-    (the new one when it is lower, else the old one, kept with nothing moved)."""
+    (the new one when it is at least min_gain lower, else the old one, kept with nothing moved)."""
 
     layer_index: int
     call: int  # the layer's call that triggered it (0-based)
@@ -135,12 +138,13 @@ class LiveRebalance:
         if new.slots_per_rank != old.slots_per_rank:
             raise ValueError(f"EPLB re-placement: layer {index} would get {new.slots_per_rank} slots per rank, it has {old.slots_per_rank}")
         before, after = max_over_mean(rank_load(old, load)), max_over_mean(rank_load(new, load))
-        moved = 0
-        if after < before:  # a placement no better for this window is not worth its weight traffic
+        moved, kept = 0, before
+        if after < before * (1 - self.config.min_gain):  # a placement barely better is not worth its weight traffic
             backend.shards[index], moved = move_experts(ctx, backend.shards[index], old, new)
             backend.placements[index] = new
             backend.forget_device_copies(index)
-        self.history.append(Replaced(index, call, before, min(before, after), moved))
+            kept = after
+        self.history.append(Replaced(index, call, before, kept, moved))
 
     def observe(self, index: int, topk_idx: torch.Tensor) -> None:
         self.collector.observe(index, topk_idx)

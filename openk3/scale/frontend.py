@@ -15,8 +15,9 @@ now. While the pool is down, requests skip the prefill at once.
 in time), so it answers at once however many replicas are dead: 200 while at least one decode replica is healthy
 ("status": "ok", or "degraded" when some replica of either pool is not), else 503, with the healthy and unhealthy counts
 per pool and each replica's line. /metrics asks every replica (both pools) through the router, by id, for its report,
-each bounded by the probe timeout. The replica ids come from Ray's registry of named actors, where Serve registers each
-replica as `SERVE_REPLICA::<app>#<deployment>#<id>`.
+each bounded by METRICS_TIMEOUT_S (a scrape, not a liveness check: rendering a busy replica's metrics takes time). The
+replica ids come from Ray's registry of named actors, where Serve registers each replica as
+`SERVE_REPLICA::<app>#<deployment>#<id>`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from openk3.scale.prompt_keys import PromptKeys
 LOST = (RayActorError,)  # a replica's process died or cannot be reached (ActorDiedError, ActorUnavailableError)
 HOP_HEADERS = {b"host", b"content-length", b"connection", b"transfer-encoding"}
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_TIMEOUT_S = 10.0  # /metrics: a replica that cannot answer its report in this long is left out (and counted unhealthy)
 T = TypeVar("T")
 log = logging.getLogger("openk3.scale")
 
@@ -224,12 +226,12 @@ class Frontend:
         return pools
 
     async def _reports(self) -> dict[str, ReplicaReport | str]:
-        """Every replica's report (its /health status and /metrics text), each bounded by the probe timeout."""
+        """Every replica's report (its /health status and /metrics text), each bounded by METRICS_TIMEOUT_S."""
 
         async def one(handle: DeploymentHandle, replica: str) -> ReplicaReport | str:
             try:
                 call = ReplicaCall("GET", "/report", target=replica)
-                return await asyncio.wait_for(own_request_id(lambda: handle.report.remote(call)), self.probe.timeout_s)
+                return await asyncio.wait_for(own_request_id(lambda: handle.report.remote(call)), METRICS_TIMEOUT_S)
             except Exception as e:  # one replica's failure is its line in the report, never the front end's error
                 return f"{type(e).__name__}: {e}".splitlines()[0]
 

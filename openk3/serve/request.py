@@ -103,6 +103,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose cache is written: only the scheduler changes it
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS, length, abort)
         self.num_preemptions = 0
+        self.arrival_seq = 0  # the scheduler's count of arrivals when this one came: ties of priority go by it (serve/policy.py)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         # speculative decoding (serve/speculative.py): the draft tokens proposed for the coming step, after token_ids, and
         # the draft's distributions they were drawn from ([K, V]; None when greedy); never part of token_ids
@@ -132,6 +133,19 @@ class Request:
     def group(self) -> str:
         """What the scheduler shares slots between: the caller's request (all its samples), or this request alone."""
         return self.group_id if self.group_id is not None else self.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def client(self) -> str:
+        """Who sent it, for the fair policy ("" for requests that name no client: they are one client together)."""
+        return self.sampling_params.client or ""
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def prompt_token_ids(self) -> list[int]:

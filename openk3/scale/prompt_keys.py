@@ -4,6 +4,9 @@ The ids are made as the replica's own server makes them (the same tokenizer and 
 the template's rendering for chat), and the keys with the engine's own chain (serve/cache/hashing.py), in units of the
 engine's prefix match unit: a router match is a boundary where the engine can hit. A body the front end cannot read gets
 no keys and is routed by load: its replica answers it with the proper 4xx, so the front end need not duplicate the checks.
+A request's `cache_salt` is mixed into its keys as the engine mixes it into its own (hashing.request_salt): requests of
+one salt are routed together, toward the replica that holds their prefixes, and never by another salt's (or no salt's)
+cached prompts, which their replica could not hit anyway.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pydantic import ValidationError
 from openk3.api.chat_loading import ChatRenderer
 from openk3.api.protocol import ChatCompletionRequest
 from openk3.api.user_text import encode_prompt_text
-from openk3.serve.cache.hashing import chain_keys
+from openk3.serve.cache.hashing import chain_keys, request_salt
 from openk3.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("openk3.scale")
@@ -33,10 +36,16 @@ class PromptKeys:
         self.salt = f"openk3-router:{model_name}".encode()
 
     def keys(self, path: str, body: bytes) -> tuple[bytes, ...]:
-        return self.keys_of(self.prompt_ids(path, body))
+        return self.keys_of(self.prompt_ids(path, body), self.cache_salt(path, body))
 
-    def keys_of(self, ids: list[int] | None) -> tuple[bytes, ...]:
-        return () if ids is None else tuple(chain_keys(self.salt, ids, self.match_unit))
+    def keys_of(self, ids: list[int] | None, cache_salt: str | None = None) -> tuple[bytes, ...]:
+        return () if ids is None else tuple(chain_keys(request_salt(self.salt, cache_salt), ids, self.match_unit))
+
+    def cache_salt(self, path: str, body: bytes) -> str | None:
+        """The body's cache_salt (None without one, or for a body that is not a routed request)."""
+        data = self._request(path, body)
+        salt = None if data is None else data.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None
 
     def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
         """The ids to route by: the first prompt of a completion, a chat's messages without its tools."""
@@ -55,8 +64,8 @@ class PromptKeys:
         (they render into the prompt, which the routing ids leave out). A wrong guess costs only the hand-off: the
         decode replica's lookup misses and it computes the prompt itself."""
         data = self._request(path, body) if routed is not None else None
-        if data is None:
-            return None
+        if data is None or data.get("cache_salt") is not None:
+            return None  # a salted request looks only under its salt, and a prefill replica's record is keyed by none
         if path == "/v1/chat/completions":
             return None if data.get("tools") else routed
         prompt = data.get("prompt")

@@ -27,6 +27,7 @@ from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
+from openk3.serve.policy import check_priority
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
@@ -194,6 +195,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         self.check_prompt(ids)
+        check_priority(self.scheduler.config.policy, params.priority, request_id)  # before anything of it is kept
         # a seeded request draws from its own generator, made where the sampler draws (the model's device)
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator, also_eos=self._also_eos)

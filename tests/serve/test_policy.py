@@ -1,6 +1,7 @@
 """The scheduling policies (serve/policy.py) with exact steps: a fake runner at the scheduler, the cache-using fake model at the
 engine. Steps are the clock: nothing here reads the time."""
 
+import random
 from typing import Any
 
 import pytest
@@ -137,3 +138,42 @@ def test_fair_admits_another_clients_probe_in_one_step_and_the_flood_keeps_its_t
     assert fcfs_wait > 30
     want = {f"a{i}": reference_greedy(p, 40) for i, p in enumerate(FLOOD)} | {"probe": reference_greedy(PROBE, 2)}
     assert fair_tokens == want and fcfs_tokens == want  # preempted requests recompute to the same tokens
+
+
+def test_engine_refuses_a_priority_under_fcfs_keeping_nothing() -> None:
+    eng = flood_engine("fcfs")
+    with pytest.raises(ValueError, match="priority=2 needs priority scheduling"):
+        eng.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2, priority=2))
+    assert not eng.has_unfinished() and eng.was_scheduled("p") is None
+    eng.add_request("p", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))  # the id was not taken either
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_under_tight_pages_keep_the_state_rules_and_tokens(policy, seed) -> None:
+    """Random priorities, clients and arrival steps on a cache short of pages: every step keeps check_integrity, everything
+    finishes, and every request's tokens are the reference's however often it was preempted."""
+    rng = random.Random(seed)
+    cfg = EngineConfig(num_pages=14, page_size=4, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=40, scheduling_policy=policy)
+    eng = LLMEngine(FakeModel(), ByteTokenizer(256), cfg)
+    arrivals = sorted((rng.randrange(30), i) for i in range(12))
+    prompts = {f"r{i}": [rng.randrange(256) for _ in range(rng.randrange(1, 16))] for _, i in arrivals}
+    lengths = {rid: rng.randrange(1, 16) for rid in prompts}
+    got: dict[str, list[int]] = {}
+    step = 0
+    while arrivals or eng.has_unfinished():
+        while arrivals and arrivals[0][0] <= step:
+            rid = f"r{arrivals.pop(0)[1]}"
+            params = SamplingParams(temperature=0, max_tokens=lengths[rid], priority=rng.randrange(3), client=rng.choice(["x", "y", None]))
+            eng.add_request(rid, prompts[rid], params)
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.scheduler.check_integrity()
+        step += 1
+        assert step < 2000, "the schedule did not finish"
+    eng.check_integrity()
+    assert eng.scheduler.num_preemptions_total > 0
+    assert got == {rid: reference_greedy(p, lengths[rid]) for rid, p in prompts.items()}

@@ -9,15 +9,15 @@ pages, budget and `max_num_seqs` allow, in FIFO order with one exception that ke
 the n samples of one caller's request (its `group`) take turns with other requests -- the next admitted is the waiting
 request whose group has the fewest running samples (preempted ones first, then arrival order). With n = 1 everywhere
 that is plain FIFO. That is the fcfs policy; the priority and fair policies (serve/policy.py) order the waiting queue by
-(priority, [client's running requests,] arrival) instead, choose the preemption victim by the same order, let an
-outranking waiting request preempt for its admission and keep its first chunk out of the budget of those it outranks.
-What goes to the runner is the plan of the step: the scheduled requests themselves, in batch order,
-with the tokens each computes; the runner reads their tokens from the Request and their slot and pages from the cache.
-Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
-hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and its prefill chunks are cut where a
-state snapshot is wanted -- at detected branch points and fixed intervals always, and at a multiple of the match unit
-whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States are snapshotted at those cuts,
-at the prompt end and when a request finishes.
+(priority, [client's running requests,] arrival) instead, choose the preemption victim by the same order, admit after a
+preemption only a request that outranks a running one, let it preempt for its own admission, and keep its first chunk out
+of the budget of the requests it outranks. What goes to the runner is the plan of the step: the scheduled requests
+themselves, in batch order, with the tokens each computes; the runner reads their tokens from the Request and their slot
+and pages from the cache. Prefix caching adds one thing to admission: a new request starts at the deepest boundary cached
+under its cache_salt (`num_computed_tokens` = the hit; none for a request that wants its prompt scored,
+serve/prompt_logprobs.py), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points
+and fixed intervals always, and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state
+exists only at a step's end. States are snapshotted at those cuts, at the prompt end and when a request finishes.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 

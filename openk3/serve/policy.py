@@ -6,8 +6,9 @@
   When it cannot be admitted (no free sequence slot or pages), a running request with a strictly larger priority value is
   preempted for it, and out of the step's token budget its first chunk is kept back from such requests, so a more urgent
   request is admitted in the first step after it arrives unless the whole batch is as urgent as it.
-- fair: `priority` first, then the client (SamplingParams.client: the API's `user`, docs/serving.md) with the fewest running
-  requests, then arrival: clients take turns for free slots, so one client's flood waits behind everyone else's requests.
+- fair: `priority` first, then the client (SamplingParams.client: the API's `user`, docs/serving.md; a request that names
+  none counts as a client of its own, its n samples together) with the fewest running requests, then arrival: clients
+  take turns for free slots, so one client's flood waits behind everyone else's requests.
   A running request also gives way (preempted, recomputed later) to a waiting request of the same priority whose client
   runs at least two fewer requests than its own -- after the swap its client still runs at least as many as the other,
   so the two never trade places back and forth. Hence a request from a client with nothing running, arriving while one
@@ -52,7 +53,7 @@ class Ranking:
         if policy is SchedulingPolicy.FCFS:
             raise ValueError("Ranking: fcfs keeps the scheduler's own arrival order (scheduler.py)")
         self.policy = policy
-        self.running: Counter[str] = Counter(r.client for r in running)
+        self.running: Counter[tuple[str, str]] = Counter(r.client for r in running)
 
     def key(self, req: Request) -> tuple[int, int, int]:
         """Smaller is served first."""

@@ -139,9 +139,11 @@ class Request:
         return self.sampling_params.priority
 
     @property
-    def client(self) -> str:
-        """Who sent it, for the fair policy ("" for requests that name no client: they are one client together)."""
-        return self.sampling_params.client or ""
+    def client(self) -> tuple[str, str]:
+        """Whose share it counts in under the fair policy: the client it names, or else its own caller's request (its n
+        samples together), so that unnamed requests take turns as fcfs makes the samples of n > 1 requests take turns."""
+        named = self.sampling_params.client
+        return ("client", named) if named is not None else ("request", self.group)
 
     @property
     def cache_salt(self) -> str | None:

@@ -96,6 +96,14 @@ def test_fair_turns_between_clients_for_free_slots() -> None:
     assert [r.request_id for r in out.requests] == ["a0", "b0", "a1"]
 
 
+def test_fair_unnamed_requests_are_clients_of_their_own() -> None:
+    s = make(64, 3, "fair", max_num_seqs=3, max_num_batched_tokens=64)
+    for i in range(3):  # the n = 3 samples of one caller's request, then a request of one sample
+        s.add_request(Request(f"g{i}", [1, 2], SamplingParams(temperature=0, max_tokens=4), group_id="g"))
+    s.add_request(Request("single", [1, 2], SamplingParams(temperature=0, max_tokens=4)))
+    assert [r.request_id for r in s.schedule().requests] == ["g0", "single", "g1"]
+
+
 def flood_engine(policy: str) -> LLMEngine:
     cfg = EngineConfig(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, scheduling_policy=policy)
     return LLMEngine(FakeModel(), ByteTokenizer(256), cfg)

@@ -12,7 +12,8 @@
   A running request also gives way (preempted, recomputed later) to a waiting request of the same priority whose client
   runs at least two fewer requests than its own -- after the swap its client still runs at least as many as the other,
   so the two never trade places back and forth. Hence a request from a client with nothing running, arriving while one
-  client fills every slot, is admitted in the first step that follows (the bound tests/serve/test_policy.py checks).
+  client fills every slot with two or more requests, is admitted in the first step that follows, given that its first
+  chunk fits the step budget and the pages of those requests (the bound tests/serve/test_policy.py checks).
 
 Preemption keeps scheduler.py's rule (cache freed, recomputed from token 0); only the choice of the victim differs: the
 newest running request under fcfs, the one ranked last (largest priority value, then most-served client, then newest)

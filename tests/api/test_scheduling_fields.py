@@ -76,7 +76,7 @@ class ProbeLog:
 
     def __call__(self):
         self.steps += 1
-        probe = next((r for r in self.engine.scheduler.requests.values() if r.client == "probe"), None)
+        probe = next((r for r in self.engine.scheduler.requests.values() if r.sampling_params.client == "probe"), None)
         if probe is not None and self.present is None:
             self.present = self.steps
         out = self.step()

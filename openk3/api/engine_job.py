@@ -97,6 +97,9 @@ def sampling_params(
             repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=grammar,
+            priority=req.priority,
+            client=req.user or req.safety_identifier or None,  # the fair policy's client (docs/serving.md)
+            cache_salt=req.cache_salt,
             **(token_rules or {}),
         )
     except ValueError as e:

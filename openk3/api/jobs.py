@@ -51,13 +51,18 @@ def default_max_tokens(s: ServedModel, ids: list[int]) -> int | None:
     return None if default is None else max(1, min(int(default), s.max_model_len - len(ids)))
 
 
-def check_cache_salt(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
-    """vLLM's cache_salt keeps a request's cached prefix from other requests. Without prefix caching nothing is shared, so
-    it holds as it is; with it, openk3's prefix index has one salt (the model's), so a salted request is refused rather than
-    shared with everyone."""
-    if req.cache_salt is not None and s.frontend.engine.config.enable_prefix_caching:
-        why = "the prefix cache is shared by every request on this server (one salt); start it without --enable-prefix-caching to isolate requests"
-        raise APIError(400, f"cache_salt is not supported: {why}", param="cache_salt", code="unsupported")
+def check_priority(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's priority needs a policy that orders by it; under fcfs (the default) anything but 0 is refused, as vLLM does,
+    rather than served out of the order it asked for. (cache_salt needs no check: the prefix cache keys by it.)"""
+    policy = s.frontend.engine.config.scheduling_policy
+    if req.priority != 0 and policy == "fcfs":
+        raise APIError(
+            400,
+            f"priority={req.priority} needs priority scheduling: this server runs --scheduling-policy fcfs; start it with "
+            "--scheduling-policy priority (or fair) to serve requests by priority",
+            param="priority",
+            code="unsupported",
+        )
 
 
 def verbosity_kwargs(req: ChatCompletionRequest, template: Any) -> dict[str, Any] | None:
@@ -101,7 +106,7 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
         scored = max(req.logprobs, scored or 0)
     # max_tokens=0 (echo only) generates one token, which the reply leaves out: the prompt's last row is computed anyway
     asked = 1 if req.max_tokens == 0 else req.max_tokens
-    check_cache_salt(s, req)
+    check_priority(s, req)
     rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     jobs, texts = [], []
     for prompt in prompts:
@@ -158,7 +163,7 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     s.limits.check(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
-    check_cache_salt(s, req)
+    check_priority(s, req)
     template = s.chat_template
     plan = plan_tools(req, template.format, template.uses_tools)
     tools = plan.template_tools()

@@ -187,4 +187,6 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         response_format=_response_format(req),
         reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         verbosity=req.text.verbosity if req.text is not None else None,
+        user=req.user,  # the client under --scheduling-policy fair, as on chat
+        safety_identifier=req.safety_identifier,
     )

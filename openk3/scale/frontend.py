@@ -180,8 +180,8 @@ class Frontend:
         self._ensure_probing()
         body = await request.body()
         path = request.url.path
-        ids, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
-        keys, request_id = self.keys.keys_of(ids), uuid.uuid4().hex
+        keys, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
+        request_id = uuid.uuid4().hex
         record = None
         if handoff is not None:
             record = await self._prefill(ReplicaCall("POST", path, keys=keys, request_id=request_id, prompt_ids=tuple(handoff)))
@@ -192,11 +192,12 @@ class Frontend:
         response.raw_headers = [(k.lower(), v) for k, v in started.head.headers if k.lower() not in HOP_HEADERS]
         return response
 
-    def _prompt(self, method: str, path: str, body: bytes) -> tuple[list[int] | None, list[int] | None]:
-        """The prompt's routing ids, and with a prefill pool the ids a prefill replica computes (None: no hand-off)."""
+    def _prompt(self, method: str, path: str, body: bytes) -> tuple[tuple[bytes, ...], list[int] | None]:
+        """The prompt's routing keys (under its cache_salt), and with a prefill pool the ids a prefill replica computes
+        (None: no hand-off)."""
         ids = self.keys.prompt_ids(path, body)
         handoff = self.keys.handoff_ids(path, body, ids) if self.prefill is not None and method == "POST" else None
-        return ids, handoff
+        return self.keys.keys_of(ids, self.keys.cache_salt(path, body)), handoff
 
     async def _prefill(self, call: ReplicaCall) -> bytes | None:
         prefill, pool = self.prefill, self.prefill_deployment

@@ -16,7 +16,8 @@ Failure (serve/engine_failure.py): once the engine has failed -- its step raised
 rank heartbeat does while the engine thread is still stuck in a collective -- every open stream, every add still queued
 and every later add get EngineDeadError at once; while a step runs past `step_timeout_s` new adds get EngineStalledError.
 Admission (serve/admission.py, on the engine thread): an add is refused while `max_waiting_requests` requests wait
-unscheduled (QueueFullError), and after each step those that have waited longer than `queue_timeout_s` are aborted
+unscheduled (QueueFullError; under the fair policy it may instead take a flooding client's newest waiting request's place,
+which ends with that error), and after each step those that have waited longer than `queue_timeout_s` are aborted
 (QueueTimeoutError, delivered to their streams).
 Pause (`call_idle`, for weight updates): new adds wait at a gate on the event loop; the requests in flight either run to
 their end on the engine as it is (drain) or are aborted (their streams end with finish_reason "abort"); once the engine
@@ -326,8 +327,11 @@ class AsyncEngine(Generic[E]):
             self._deliver([(queue, item)])
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind, images: tuple[ImageSpan, ...] = ()) -> None:
-        self.admission.check_room()
-        self.admission.arrived(request_id, self.processor.add_request(request_id, prompt_token_ids, params, kind, images=images))
+        shed = self.admission.check_room(request_id, params.client)
+        added = self.processor.add_request(request_id, prompt_token_ids, params, kind, images=images)
+        self.admission.arrived(request_id, added, params.client)
+        for victim, error in shed:  # only once the new request is in: a refused add sheds nothing
+            self._abort(victim, notify=False, error=error)
 
     def _observe(self, stats: IterationStats) -> None:
         if self.observer is None:

@@ -31,6 +31,7 @@ from openk3.serve.draft import DraftProposer
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.policy import check_priority
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
@@ -230,6 +231,7 @@ class LLMEngine:
             raise ValueError("this model has no vision tower: image input is not supported")
         ids = list(prompt_token_ids)
         self.check_prompt(ids)
+        check_priority(self.scheduler.config.policy, params.priority, request_id)  # before anything of it is kept
         # a seeded request draws from its own generator, made where the sampler draws (the model's device)
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator, also_eos=self._also_eos, images=images)

@@ -107,6 +107,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose cache is written: only the scheduler changes it
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS, length, abort)
         self.num_preemptions = 0
+        self.arrival_seq = 0  # the scheduler's count of arrivals when this one came: ties of priority go by it (serve/policy.py)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         # speculative decoding (serve/speculative.py): the draft tokens proposed for the coming step, after token_ids, and
         # the draft's distributions they were drawn from ([K, V]; None when greedy); never part of token_ids
@@ -140,6 +141,21 @@ class Request:
     def cache_key_ids(self, n: int | None = None) -> list[int]:
         """The first `n` tokens (default all) as the prefix cache keys them: image tokens by their image's digest."""
         return cache_key_ids(self.token_ids, self.images, n)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def client(self) -> tuple[str, str]:
+        """Whose share it counts in under the fair policy: the client it names, or else its own caller's request (its n
+        samples together), so that unnamed requests take turns as fcfs makes the samples of n > 1 requests take turns."""
+        named = self.sampling_params.client
+        return ("client", named) if named is not None else ("request", self.group)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def prompt_token_ids(self) -> list[int]:

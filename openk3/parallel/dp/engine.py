@@ -41,6 +41,7 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import EngineStats, LLMEngine
 from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.policy import check_priority
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import Tokenizer
@@ -164,6 +165,7 @@ class DataParallelEngine:
         if self.router.rank_of(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.local.check_prompt(ids)  # every rank's engine has the same limits: refuse here, before it is placed
+        check_priority(self.local.scheduler.config.policy, params.priority, request_id)
         rank = self.router.place(request_id, ids, params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
         if rank == 0:
             try:

@@ -60,6 +60,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
+    spec_decode: SpecDecodeStats | None = None  # running totals of speculative decoding; None without a draft model
 
 
 class EngineCore(Protocol):
@@ -343,6 +344,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache=prefix_cache_stats(self.cache),
+            spec_decode=self.spec_stats,
         )
 
     def _propose(self, proposer: DraftProposer) -> None:

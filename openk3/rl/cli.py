@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sandbox-url", default=None, help="an openk3 sandbox server (else a sandbox service runs in this process)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (each request seeds its own generator: a group's samples come out the same)")
     p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable (default: </bash>, kept in the reply)")
     add_engine_arguments(p, exclude=ENGINE_FLAGS_NOT_TAKEN)
     p.set_defaults(func=run)

@@ -23,7 +23,10 @@ from openk3.serve.sampling import SamplingParams
 from openk3.serve.structured.compiler import GrammarCompiler
 from openk3.serve.structured.spec import StructuredOutputs
 from openk3.serve.tokenizer import ByteTokenizer
+from tests.api.conftest import torch_one_thread
 from tests.rl.fake_sandboxes import FakeSandboxes
+
+__all__ = ["torch_one_thread"]  # the engine's small matmuls run fastest single-threaded on shared cores
 
 
 def one_trunk_file_and_one_own(sandboxes: Sandboxes, sandbox_id: str) -> float:
@@ -71,7 +74,7 @@ BASE: dict[str, Any] = dict(page_size=4, num_pages=300, max_num_seqs=4, max_mode
 
 
 @pytest.mark.parametrize("return_routing", [False, True])
-def test_branches_hit_the_trunk_in_the_prefix_cache(return_routing) -> None:
+def test_branches_hit_the_trunk_in_the_prefix_cache(return_routing, torch_one_thread) -> None:
     model = K3ForCausalLM(debug())
     model.init_weights(seed=5)
     model.eval()

@@ -13,14 +13,17 @@ import pytest
 
 from openk3.cli import build_parser, main
 from openk3.rl.cli import rollout
-from tests.api.conftest import LiveServer, start_server, stop_server
+from tests.api.conftest import LiveServer, start_server, stop_server, torch_one_thread
 from tests.rl.fake_sandboxes import FakeSandboxes
 
 TASK = {"task_id": "answer", "prompt": "Write 42 to answer.\n", "setup": "write answer 42", "verify": "read answer"}
 
 
+__all__ = ["torch_one_thread"]  # the engine's small matmuls run fastest single-threaded on shared cores
+
+
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveServer]:
+def live(torch_one_thread) -> Iterator[LiveServer]:
     server = start_server()
     yield server
     stop_server(server)
@@ -68,6 +71,11 @@ def test_in_process_and_served_give_the_same_trajectories(tmp_path, live) -> Non
         assert max(abs(x - y) for x, y in zip(a["logprobs"][-8:], b["logprobs"][-8:], strict=True)) < 1e-4
     _, plain = run(tmp_path, "plain", "--url", live.base_url)
     check(plain, routing=False)
+
+
+def test_a_trunk_that_ends_before_the_branch_point_is_written_alone(tmp_path, torch_one_thread) -> None:
+    summary, records = run(tmp_path, "branched", "--branch-at", "1", "--max-model-len", "256")  # no tool call: the trunk ends at once
+    assert summary["trajectories"] == 3 and [(r["group"], r["index"]) for r in records] == [(0, 0), (1, 0), (2, 0)]
 
 
 def test_a_bad_task_file_is_refused(tmp_path, capsys) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,15 @@ class HostFacts:
         return HostFacts(any(c == 0 for c in context_lens), (first, first + len(state_slots)) if consecutive else None)
 
 
+class StateCut(NamedTuple):
+    """A state to copy out of a step: sequence `seq`'s KDA state after the first `offset` of its new tokens (0 < offset <
+    its tokens in the step), written to state slot `slot`."""
+
+    seq: int
+    offset: int
+    slot: int
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -51,6 +61,13 @@ class ForwardBatch:
     capturable: bool = False
     # given by the runner (and the step channel), which built the tensors from host lists; None: read from the tensors
     host_facts: HostFacts | None = None
+    # KDA states wanted inside the step (prefix-cache snapshots, serve/scheduler.py): each KDA layer also writes the state
+    # (and conv window) a sequence has after `offset` of its new tokens into `slot`; none in a decode or capturable batch
+    state_cuts: tuple[StateCut, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.state_cuts and (self.is_decode or self.capturable or self.state_slots is None):
+            raise ValueError("ForwardBatch.state_cuts: only a prefill batch with a cache can take states inside its sequences")
 
     # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
     # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
@@ -91,6 +108,11 @@ class ForwardBatch:
         first, n = int(self.state_slots[0]), self.state_slots.numel()
         expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)
         return (first, first + n) if torch.equal(self.state_slots, expected) else None
+
+    @functools.cached_property
+    def host_cu_seqlens(self) -> list[int]:
+        """cu_seqlens read to the host once per batch (the KDA layers split sequences at `state_cuts` by it)."""
+        return [int(x) for x in self.cu_seqlens.tolist()]
 
     @staticmethod
     def from_tokens(input_ids: torch.Tensor) -> ForwardBatch:

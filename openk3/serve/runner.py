@@ -13,13 +13,13 @@ scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, StateCut
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
@@ -117,6 +117,9 @@ class ModelRunner:
                 scored.append(PromptRows(req, prompt_positions))
                 scored_rows.extend(range(at - n + prompt_positions.start - c, at - n + prompt_positions.stop - c))
         batch = pack(rows, self.device, logits_rows + verify_rows + scored_rows)
+        if out.cuts:
+            starts = [r.num_computed_tokens for r in out.requests]
+            batch = replace(batch, state_cuts=tuple(StateCut(c.row, c.num_tokens - starts[c.row], c.slot) for c in out.cuts))
         return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:

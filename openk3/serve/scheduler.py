@@ -13,8 +13,10 @@ with the tokens each computes; the runner reads their tokens from the Request an
 Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
 hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and its prefill chunks are cut where a
 state snapshot is wanted -- at detected branch points and fixed intervals always, and at a multiple of the match unit
-whenever a chunk is cut anyway -- because a KDA state exists only at a step's end. States are snapshotted at those cuts,
-at the prompt end and when a request finishes.
+whenever a chunk is cut anyway -- and states are snapshotted at those cuts, at the prompt end and when a request finishes.
+Inside a step the model hands out states too (ForwardBatch.state_cuts), so a prefill chunk also takes them, without being cut,
+at the multiples of the match unit it spans among the deepest `prompt_snapshots` below its prompt's end: a repeated or
+extended prompt then hits on its second send. Their snapshot slots are reserved when the step is planned and adopted after it.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
@@ -24,6 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
@@ -43,12 +46,23 @@ class SchedulerConfig:
         check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, low=1, optional=True)
 
 
+class SnapshotCut(NamedTuple):
+    """A prefix-cache snapshot taken inside a step: request `row` (in batch order) writes its state after its first
+    `num_tokens` tokens into the reserved snapshot slot `slot`."""
+
+    row: int
+    num_tokens: int
+    slot: int
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan: the scheduled requests in batch order and how many tokens each computes."""
+    """One step's plan: the scheduled requests in batch order, how many tokens each computes, and the states to take
+    inside the step."""
 
     requests: tuple[Request, ...]
     num_tokens: tuple[int, ...]
+    cuts: tuple[SnapshotCut, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -205,13 +219,42 @@ class Scheduler:
             counts.append(admitted)
             budget -= admitted
 
-        return SchedulerOutput(tuple(scheduled), tuple(counts))
+        return SchedulerOutput(tuple(scheduled), tuple(counts), self._reserve_cuts(scheduled, counts))
+
+    def _cut_points(self, req: Request, n: int) -> range:
+        """Where a prefill chunk of n tokens from req's computed count takes states inside the step: the multiples of the
+        match unit strictly inside the chunk, among the deepest `prompt_snapshots` below the prompt's end (module docstring)."""
+        pc, c, end = self.cache.prefix_config, req.num_computed_tokens, req.num_prompt_tokens
+        if pc is None or pc.prompt_snapshots == 0 or c >= end:
+            return range(0)
+        u = pc.match_unit
+        lowest = max(u, (end - 1) // u * u - (pc.prompt_snapshots - 1) * u)
+        return range(max(lowest, (c // u + 1) * u), min(c + n, end), u)
+
+    def _reserve_cuts(self, scheduled: list[Request], counts: list[int]) -> tuple[SnapshotCut, ...]:
+        """A snapshot slot for each cut point of the step, a request's deepest first (the last full unit is the one a repeat
+        hits) until none is left; the cuts in batch order, ascending (adopted in that order, so the deepest is the most
+        recently used)."""
+        cuts: list[SnapshotCut] = []
+        for i, (req, n) in enumerate(zip(scheduled, counts, strict=True)):
+            for q in reversed(self._cut_points(req, n)):
+                slot = self.cache.reserve_snapshot_slot()
+                if slot is None:
+                    return tuple(sorted(cuts))
+                cuts.append(SnapshotCut(i, q, slot))
+        return tuple(sorted(cuts))
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int], runs: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts and append the sampled tokens (request id -> token, only for the requests whose
         computed tokens caught up this step) and the runs of speculating requests (request id -> the tokens kept: the
         runner left its state covering all but the last, and the pages of the rest are released); returns the requests
         that received tokens, in batch order."""
+        for cut in out.cuts:
+            req = out.requests[cut.row]
+            if req.status == RequestStatus.RUNNING:
+                self.cache.adopt_snapshot(req.request_id, req.token_ids[: cut.num_tokens], cut.slot)
+            else:
+                self.cache.release_snapshot_slot(cut.slot)  # it ended while the step ran: its pages may be gone
         got_token = []
         for req, n in zip(out.requests, out.num_tokens, strict=True):
             req.draft_token_ids, req.draft_probs = [], None

@@ -231,6 +231,20 @@ class CacheManager:
         assert self.prefix is not None
         return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id])
 
+    def reserve_snapshot_slot(self) -> int | None:
+        """A snapshot slot for the next step to write a state into (PrefixCache.reserve_slot), or None."""
+        assert self.prefix is not None
+        return self.prefix.reserve_slot()
+
+    def adopt_snapshot(self, req_id: str, tokens: list[int], slot: int) -> bool:
+        """Index reserved `slot`, which req_id's step filled with its state after exactly `tokens`, with req_id's pages."""
+        assert self.prefix is not None
+        return self.prefix.adopt(tokens, self._pages[req_id], slot)
+
+    def release_snapshot_slot(self, slot: int) -> None:
+        assert self.prefix is not None
+        self.prefix.release(slot)
+
     def close(self) -> None:
         """Stop the disk tier's writer and remove its files."""
         if self.prefix is not None and self.prefix.tiers is not None:

@@ -6,7 +6,8 @@ NP pages in the pool, PS tokens per page, R = kv_lora_rank + qk_rope_head_dim (t
 
 Contract: the model reads the cache state of sequence i from `state_slots[i]` and pages `page_table[i]`, writes the
 state after the step back into the same slot and the new tokens' latents into the pages covering positions
-`[context_lens[i], context_lens[i] + new_tokens_i)`. It never allocates or frees slots and pages: the cache manager does,
+`[context_lens[i], context_lens[i] + new_tokens_i)`, and for each of `state_cuts` the KDA state (and conv window) a sequence
+has inside the step into that cut's slot (prefix-cache snapshots). It never allocates or frees slots and pages: the cache manager does,
 and it must have zeroed nothing in particular -- a sequence with `context_lens[i] == 0` starts from a zero state whatever the
 slot holds.
 """

@@ -46,7 +46,9 @@ def worker(variant: str, seed: int, threads: int) -> dict:
 
     def send(llm: LLM, prompt: list[int]) -> tuple[int, float, list[int]]:
         out = llm.generate([prompt], params)[0]
-        return out.num_cached_tokens, out.outputs[0].metrics.time_to_first_token or 0.0, list(out.token_ids)
+        metrics = out.outputs[0].metrics
+        assert metrics is not None and metrics.time_to_first_token is not None
+        return out.num_cached_tokens, metrics.time_to_first_token, list(out.token_ids)
 
     cfg: dict = dict(max_num_seqs=4, page_size=16, max_model_len=2048)
     if variant != "uncached":
@@ -70,8 +72,8 @@ def worker(variant: str, seed: int, threads: int) -> dict:
 
 
 def run_round(variant: str, seed: int, threads: int, main_src: str | None) -> dict:
-    src = main_src if variant == "main" else ROOT
-    env = dict(os.environ, PYTHONPATH=src)
+    src = main_src if variant == "main" and main_src is not None else ROOT
+    env = {**os.environ, "PYTHONPATH": src}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--seed", str(seed), "--threads", str(threads)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     if done.returncode != 0:

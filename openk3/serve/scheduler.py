@@ -11,12 +11,12 @@ request whose group has the fewest running samples (preempted ones first, then a
 that is plain FIFO. What goes to the runner is the plan of the step: the scheduled requests themselves, in batch order,
 with the tokens each computes; the runner reads their tokens from the Request and their slot and pages from the cache.
 Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
-hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and its prefill chunks are cut where a
-state snapshot is wanted -- at detected branch points and fixed intervals always, and at a multiple of the match unit
-whenever a chunk is cut anyway -- and states are snapshotted at those cuts, at the prompt end and when a request finishes.
-Inside a step the model hands out states too (ForwardBatch.state_cuts), so a prefill chunk also takes them, without being cut,
-at the multiples of the match unit it spans among the deepest `prompt_snapshots` below its prompt's end: a repeated or
-extended prompt then hits on its second send. Their snapshot slots are reserved when the step is planned and adopted after it.
+hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and states are snapshotted where the
+prefix cache wants them: at the end of a chunk (cut at fixed intervals when asked, and moved down to a multiple of the match
+unit whenever it is cut anyway), at the prompt end, when a request finishes, and inside a step without cutting it
+(ForwardBatch.state_cuts) at detected branch points and at the deepest `prompt_snapshots` multiples of the match unit below the
+prompt's end -- so a repeated or extended prompt hits on its second send. The slots of in-step states are reserved when the
+step is planned and adopted after it.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
@@ -115,11 +115,8 @@ class Scheduler:
         if pc is None or c >= req.num_prompt_tokens:
             return n
         end = c + n
-        forced = [q for q in req.snapshot_points if c < q < end]
         if pc.snapshot_interval is not None and (c // pc.snapshot_interval + 1) * pc.snapshot_interval < end:
-            forced.append((c // pc.snapshot_interval + 1) * pc.snapshot_interval)
-        if forced:
-            return min(forced) - c
+            return (c // pc.snapshot_interval + 1) * pc.snapshot_interval - c
         aligned = end // pc.match_unit * pc.match_unit
         return aligned - c if n < remaining and aligned > c else n
 
@@ -141,7 +138,7 @@ class Scheduler:
         wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
         match = PrefixMatch.miss() if wants_scores or req.sampling_params.return_routing else self.cache.fetch(self.cache.match_prefix(tokens))
         start = match.num_tokens
-        # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
+        # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so take a state exactly
         # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).
         branch = min(match.matched_tokens, req.num_prompt_tokens - 1)
         if branch > start:
@@ -221,23 +218,27 @@ class Scheduler:
 
         return SchedulerOutput(tuple(scheduled), tuple(counts), self._reserve_cuts(scheduled, counts))
 
-    def _cut_points(self, req: Request, n: int) -> range:
-        """Where a prefill chunk of n tokens from req's computed count takes states inside the step: the multiples of the
-        match unit strictly inside the chunk, among the deepest `prompt_snapshots` below the prompt's end (module docstring)."""
+    def _cut_points(self, req: Request, n: int) -> list[int]:
+        """Where a prefill chunk of n tokens from req's computed count takes states inside the step, strictly inside the
+        chunk and the prompt, most wanted first: its branch points, then the multiples of the match unit among the deepest
+        `prompt_snapshots` below the prompt's end, deepest first (module docstring)."""
         pc, c, end = self.cache.prefix_config, req.num_computed_tokens, req.num_prompt_tokens
-        if pc is None or pc.prompt_snapshots == 0 or c >= end:
-            return range(0)
-        u = pc.match_unit
-        lowest = max(u, (end - 1) // u * u - (pc.prompt_snapshots - 1) * u)
-        return range(max(lowest, (c // u + 1) * u), min(c + n, end), u)
+        if pc is None or c >= end:
+            return []
+        stop = min(c + n, end)
+        points = [q for q in req.snapshot_points if c < q < stop]
+        if pc.prompt_snapshots:
+            u = pc.match_unit
+            lowest = max(u, (end - 1) // u * u - (pc.prompt_snapshots - 1) * u)
+            points += [q for q in reversed(range(max(lowest, (c // u + 1) * u), stop, u)) if q not in points]
+        return points
 
     def _reserve_cuts(self, scheduled: list[Request], counts: list[int]) -> tuple[SnapshotCut, ...]:
-        """A snapshot slot for each cut point of the step, a request's deepest first (the last full unit is the one a repeat
-        hits) until none is left; the cuts in batch order, ascending (adopted in that order, so the deepest is the most
-        recently used)."""
+        """A snapshot slot for each cut point of the step, a request's most wanted first, until none is left; the cuts in
+        batch order, ascending (adopted in that order, so the deepest is the most recently used)."""
         cuts: list[SnapshotCut] = []
         for i, (req, n) in enumerate(zip(scheduled, counts, strict=True)):
-            for q in reversed(self._cut_points(req, n)):
+            for q in self._cut_points(req, n):
                 slot = self.cache.reserve_snapshot_slot()
                 if slot is None:
                     return tuple(sorted(cuts))

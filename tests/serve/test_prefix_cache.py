@@ -166,8 +166,9 @@ def test_scheduler_cuts_chunks_at_match_units_and_snapshots_there() -> None:
     # chunks of 6 are cut down to multiples of 4; then 2 decode steps; states at every cut, the prompt end and the finish
     assert run_one(eng, "a", prompt) == [4, 4, 4, 4, 4, 1, 1]
     assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 12, 16, 20, 22]
-    # hit at 12 (the deepest state), and a's run goes on to 14 where b diverges: cut there for a branch-point state
-    assert run_one(eng, "b", prompt[:14] + [99]) == [2, 1, 1, 1]
+    # hit at 12 (the deepest state), and a's run goes on to 14 where b diverges: a branch-point state there, inside the step
+    assert run_one(eng, "b", prompt[:14] + [99]) == [3, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 2, 8),)  # slots 2..7 hold a's chunk-end states
     assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 16, 20, 22, 12, 14, 15, 17]  # 12 touched by the hit
 
 
@@ -175,11 +176,12 @@ def test_scheduler_cuts_at_a_detected_branch_point() -> None:
     eng = fake_engine(prefix_match_unit=64)
     shared = list(range(1, 11))
     assert run_one(eng, "a", shared + [50, 51, 52]) == [13, 1, 1]
-    assert run_one(eng, "b", shared + [60, 61]) == [10, 2, 1, 1]  # a miss that stops at the branch point 10 to snapshot
+    assert run_one(eng, "b", shared + [60, 61]) == [12, 1, 1]  # a miss that takes a state at the branch point 10 inside its step
+    assert eng.model.calls[-3].state_cuts[0].offset == 10
     assert run_one(eng, "c", shared + [70, 71, 72]) == [3, 1, 1]  # hits 10
     assert eng.stats().prefix_cache.hit_tokens == 10
-    # a's prompt again: states at 10 and at 13 (its end); a hit must leave one token, so it starts at 10 and cuts at 12
-    assert run_one(eng, "a2", shared + [50, 51, 52]) == [2, 1, 1, 1]
+    # a's prompt again: states at 10 and at 13 (its end); a hit must leave one token, so it starts at 10 and takes one at 12
+    assert run_one(eng, "a2", shared + [50, 51, 52]) == [3, 1, 1]
     assert run_one(eng, "a3", shared + [50, 51, 52]) == [1, 1, 1]  # hits 12
     assert eng.stats().prefix_cache.hit_tokens == 10 + 10 + 12
 
@@ -219,12 +221,13 @@ def test_a_prompt_takes_states_inside_its_prefill_and_its_repeat_hits_on_the_sec
     assert run_one(eng, "a", prompt) == [20, 1, 1]  # one step: the states at 12 and 16 come out of it, uncut
     assert eng.model.calls[0].state_cuts == (StateCut(0, 12, 3), StateCut(0, 16, 2))  # the deepest two units below 20, slots deepest first
     assert eng.cache.prefix.snapshot_boundaries() == [12, 16, 20, 22]  # + the prompt end and the finish
-    # the repeat hits 16 (the last full unit below its end); it cuts at 19 for a branch-point state, so the 3rd would hit 19
-    assert run_one(eng, "b", prompt) == [3, 1, 1, 1]
+    # the repeat hits 16 (the last full unit below its end) and takes a branch-point state at 19 in its step: the 3rd hits 19
+    assert run_one(eng, "b", prompt) == [4, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 3, 6),)  # slots 2..5: a's 16, 12, prompt end, finish
     assert eng.stats().prefix_cache.hit_tokens == 16
-    # an extension diverging at 18: hit 16, cut at the branch point 18, and a state at the unit 20 inside the next chunk
-    assert run_one(eng, "c", prompt[:18] + [7, 7, 7]) == [2, 3, 1, 1]
-    assert eng.model.calls[-3].state_cuts == (StateCut(0, 2, 8),)  # offset 2 of the chunk 18..21
+    # an extension diverging at 18: hit 16, one step with states at the branch point 18 and at the unit 20
+    assert run_one(eng, "c", prompt[:18] + [7, 7, 7]) == [5, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 2, 7), StateCut(0, 4, 8))
     assert eng.cache.prefix.snapshot_boundaries()[-5:] == [16, 18, 20, 21, 23]
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import datetime
 import json
 import random
 import sys
@@ -23,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
+from openk3.api.bench_args import CHAT_BACKENDS, add_arguments, base_url, endpoint, metadata
 from openk3.api.bench_data import (
-    DATASETS,
     BenchRequest,
     DatasetConfig,
     arrival_intervals,
@@ -34,6 +36,9 @@ from openk3.api.bench_data import (
     word_corpus,
 )
 from openk3.api.bench_metrics import RequestResult, format_table, parse_goodput, parse_metric_percentiles, parse_percentile_metrics, summarize
+from openk3.api.bench_result import result_json, save
+
+__all__ = ["BenchError", "add_arguments", "benchmark", "run_cli", "send"]
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[Any]]
@@ -41,41 +46,6 @@ Sleep = Callable[[float], Awaitable[Any]]
 
 class BenchError(Exception):
     """The server cannot be used at all (unreachable, no model to name, no /tokenize for a ShareGPT file)."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (the /v1 paths are appended)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
-    # the second names are `vllm bench serve`'s, so its command lines run unchanged
-    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
-    p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: output length of every request (default: the reply's)")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests in all (multiturn: turns in all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="arrivals per second (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps between arrivals (1: Poisson; < 1 burstier)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
-    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
-    p.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0)
-    p.add_argument("--prefix-len", type=int, default=256)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=4)
-    p.add_argument("--num-turns", type=int, default=4)
-    p.add_argument("--turn-len", type=int, default=32)
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send ignore_eos, so each request makes exactly its output length (default: on; --no-ignore-eos lets EOS end it)",
-    )
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="metrics the table shows, of ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="99", help="percentiles of each metric, e.g. 50,90,99")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2el)")
-    p.add_argument("--save-result", default=None, help="write the results (with per-request arrays) as JSON to this file")
-    p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
 async def send(client, url: str, payload: dict, headers: dict, clock: Clock = time.perf_counter, prompt_len: int = 0) -> RequestResult:
@@ -87,6 +57,7 @@ async def send(client, url: str, payload: dict, headers: dict, clock: Clock = ti
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                res.end = clock()
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -97,6 +68,7 @@ async def send(client, url: str, payload: dict, headers: dict, clock: Clock = ti
                 obj = json.loads(data)
                 if "error" in obj:
                     res.error = str(obj["error"].get("message"))
+                    res.end = clock()
                     return res
                 if obj.get("usage"):
                     res.prompt_tokens = obj["usage"]["prompt_tokens"]
@@ -120,6 +92,7 @@ async def send(client, url: str, payload: dict, headers: dict, clock: Clock = ti
             res.error = "the stream carried no tokens"
     except Exception as e:  # a failed request is a result, not the end of the benchmark
         res.error = f"{type(e).__name__}: {e}"
+    res.end = clock()  # a failed request held its place in flight too (peak concurrency)
     return res
 
 
@@ -172,6 +145,15 @@ def _token_counter(client, base: str, model: str, headers: dict) -> Callable[[li
     return count
 
 
+async def _as_text(client, base: str, model: str, headers: dict, w: BenchRequest) -> BenchRequest:
+    if not isinstance(w.prompt, list):
+        return w
+    r = await client.post(f"{base}/detokenize", json={"model": model, "tokens": w.prompt}, headers=headers)
+    if r.status_code != 200:
+        raise BenchError(f"--backend openai-chat spells token prompts out with the server's /detokenize, which answered HTTP {r.status_code}: {r.text[:200]!r}")
+    return dataclasses.replace(w, prompt=str(r.json()["prompt"]), prompt_len=len(w.prompt))
+
+
 def dataset_config(args: argparse.Namespace) -> DatasetConfig:
     return DatasetConfig(
         name=args.dataset,
@@ -199,7 +181,9 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
     metrics, percentiles = parse_percentile_metrics(args.percentile_metrics), parse_metric_percentiles(args.metric_percentiles)
     cfg = dataset_config(args)
     arrival_intervals(1, args.request_rate, args.burstiness, args.seed)  # bad values stop here, before the server is asked
-    base = args.base_url.rstrip("/")
+    route, chat_backend = endpoint(args), args.backend in CHAT_BACKENDS
+    metadata(args)
+    base = base_url(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # an injected transport is the whole network: proxy variables from the environment must not route around it
@@ -209,6 +193,8 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
             work = await sharegpt_requests(cfg, _token_counter(client, base, model, headers))
         else:
             work = make_requests(cfg, None if cfg.name == "multiturn" else await _token_pool(client, base, model, headers, cfg.seed))
+        if chat_backend:  # a chat message is text: token-id prompts are spelled out by the server's /detokenize
+            work = list(await asyncio.gather(*(_as_text(client, base, model, headers, w) for w in work)))
         total = sum(len(w.turns) for w in work) if cfg.name == "multiturn" else len(work)
         bar = tqdm(total=total, disable=args.disable_tqdm, desc="bench serve", file=sys.stderr)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -229,9 +215,13 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
         common = {"model": model, "temperature": 0.0, "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
 
         async def run_one(w: BenchRequest) -> None:
+            if not w.turns and chat_backend:
+                message = {"role": "user", "content": w.prompt}
+                await one({**common, "messages": [message], "max_completion_tokens": w.output_len}, route, 0)
+                return
             if not w.turns:
                 known = w.input_len if isinstance(w.prompt, list) or w.prompt_len is not None else 0
-                await one({**common, "prompt": w.prompt, "max_tokens": w.output_len}, "/v1/completions", known)
+                await one({**common, "prompt": w.prompt, "max_tokens": w.output_len}, route, known)
                 return
             messages: list[dict] = []
             for turn in w.turns:
@@ -257,6 +247,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
         dataset_config=asdict(cfg),
         model=model,
         base_url=base,
+        endpoint=route,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
@@ -266,7 +257,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None, clock: Cloc
     )
     if cfg.name == "prefix_repetition":
         out["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(cfg)
-    return out
+    return result_json(args, model, out, datetime.datetime.now())
 
 
 def run_cli(args: argparse.Namespace, transport: Any = None) -> int:
@@ -281,9 +272,13 @@ def run_cli(args: argparse.Namespace, transport: Any = None) -> int:
     print(format_table(result, result["percentile_metrics"]))
     for error in result["error_kinds"]:
         print(f"error: {error}", file=sys.stderr)
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=2)
+    try:
+        path = save(args, result)
+    except OSError as e:
+        print(f"openk3 bench serve: cannot write the result file: {e}", file=sys.stderr)
+        return 1
+    if path is not None:
+        print(f"results saved to {path}", file=sys.stderr)
     if result["completed"] == 0:
         print(f"openk3 bench serve: all {result['failed']} requests failed; nothing was measured", file=sys.stderr)
         return 1

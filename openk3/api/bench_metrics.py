@@ -3,6 +3,7 @@
 A statistic over no values is None (printed N/A), never 0: a run where every request failed must not read as a fast one.
 Peak output throughput is vLLM's: the run is cut into 1-second windows from the first send, each chunk's tokens are counted in
 the window it arrived in, and the fullest window wins; a chunk carries output_tokens / chunks tokens (1 with one token a chunk).
+Peak concurrent requests is exact (peak_concurrency), so it never reads above --max-concurrency.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class RequestResult:
     error: str = ""
     reply: str = ""
     start: float = 0.0  # the client's clock at send
+    end: float | None = None  # the client's clock when the request was done with, failed or not (None: never sent)
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -94,21 +96,34 @@ def token_times(r: RequestResult) -> list[float]:
     return times
 
 
+def peak_concurrency(results: list[RequestResult]) -> int | None:
+    """The most requests in flight at one instant: a sweep over each request's [send, done) interval, a request that ends
+    at the instant another starts not overlapping it. Exact, so never above --max-concurrency (vLLM counts the requests
+    that touch each 1-second window, which can exceed the cap whenever one request ends and the next starts within a
+    second). Failed requests count too: they held their place while they were in flight."""
+    events = sorted((t, step) for r in results if r.end is not None for t, step in ((r.start, 1), (r.end, -1)))  # -1 sorts first at a tie
+    if not events:
+        return None
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 def peaks(results: list[RequestResult]) -> tuple[float | None, int | None]:
-    """(most output tokens in one 1-second window, most requests in flight in one window), over the successful requests."""
+    """(most output tokens in one 1-second window, over the successful requests; most requests in flight at once)."""
     ok = [r for r in results if r.success]
     if not ok:
-        return None, None
+        return None, peak_concurrency(results)
     t0 = min(r.start for r in ok)
     windows = math.ceil(max(r.start + r.latency for r in ok) - t0) + 1
-    tokens, active = [0.0] * windows, [0] * windows
+    tokens = [0.0] * windows
     for r in ok:
         times = token_times(r)
         for t in times:
             tokens[min(int(t - t0), windows - 1)] += r.output_tokens / len(times)
-        for w in range(int(r.start - t0), min(int(r.start + r.latency - t0), windows - 1) + 1):
-            active[w] += 1
-    return max(tokens), max(active)
+    return max(tokens), peak_concurrency(results)
 
 
 def per_request(results: list[RequestResult]) -> dict[str, list]:

@@ -46,6 +46,7 @@ class ChatOptions:
     reasoning_effort: str | None = None
     tool_choice: str | None = None  # "auto" / "none" / "required"; a named choice is None here
     response_format: dict[str, Any] | None = None
+    image_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) of each image part in order: K3's encoding writes them
 
 
 def _raise_exception(message: str) -> None:

@@ -3,14 +3,27 @@ checked messages (chat.message_dicts), so the server, /tokenize and the demo mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from openk3.api.chat import ChatOptions, PromptRenderer, message_dicts
 from openk3.api.chat_format import ChatFormat
-from openk3.api.k3_encoding import END_OF_MSG, k3_options, k3_segments
+from openk3.api.k3_encoding import END_OF_MSG, MediaPart, k3_options, k3_segments
 from openk3.api.protocol import ChatMessage
 from openk3.api.user_text import PromptText
+
+
+def _without_images(m: ChatMessage) -> ChatMessage:
+    if not isinstance(m.content, list):
+        return m
+    return m.model_copy(update={"content": [p for p in m.content if p.type != "image_url"]})
+
+
+def _image(sizes: Iterator[tuple[int, int]]) -> MediaPart:
+    size = next(sizes, None)
+    if size is None:
+        raise ValueError("an image part has no processed image (ChatOptions.image_sizes names one per image part)")
+    return MediaPart(*size)
 
 
 class K3Template(PromptRenderer):
@@ -45,10 +58,11 @@ class K3Template(PromptRenderer):
         `special_tokens` and `markers` are not needed: only the encoding's own control segments become special tokens."""
         o = options or ChatOptions()
         k3 = k3_options(dict(extra or {}), o.reasoning_effort, o.tool_choice, o.response_format)
-        dicts = message_dicts(messages)
+        dicts = message_dicts([_without_images(m) for m in messages])
+        sizes = iter(o.image_sizes)
         for d, m in zip(dicts, messages, strict=True):
-            if isinstance(m.content, list):  # each text part is its own segment, as the release encodes them
-                d["content"] = [part.text or "" for part in m.content]
+            if isinstance(m.content, list):  # each text part is its own segment, as the release encodes them; an image its marker
+                d["content"] = [_image(sizes) if part.type == "image_url" else part.text or "" for part in m.content]
             if d["role"] == "developer":  # K3 has no developer role (the published encoding drops it): it is the system's
                 d["role"] = "system"
         text, plain, cuts, size = [], [], [], 0

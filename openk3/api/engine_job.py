@@ -13,6 +13,7 @@ from typing import Any
 
 from openk3.api.errors import APIError, from_value_error
 from openk3.api.protocol import _SamplingFields
+from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.prompt_check import PromptError
 from openk3.serve.prompt_check import check_prompt as serve_check_prompt
 from openk3.serve.sampling import SamplingParams
@@ -23,6 +24,7 @@ from openk3.serve.structured.spec import Grammar
 class EngineJob:
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images and their media tokens' positions (api/images.py)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
@@ -95,6 +97,9 @@ def sampling_params(
             repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=grammar,
+            priority=req.priority,
+            client=req.user or req.safety_identifier or None,  # the fair policy's client (docs/serving.md)
+            cache_salt=req.cache_salt,
             **(token_rules or {}),
         )
     except ValueError as e:

@@ -9,6 +9,7 @@ JSON responses and SSE streams, is api/replies.py.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,15 @@ from openk3.api.chat import ChatOptions
 from openk3.api.chat_format import K3_MARKERS, ChatFormat, PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
+from openk3.api.images import chat_image_refs, load_images, no_images, place
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
 from openk3.api.served_model import ServedModel
 from openk3.api.structured_request import StructuredRequest, compile_structured
 from openk3.api.token_fields import token_rules, truncate_prompt
 from openk3.api.tool_choice import ToolPlan, plan_tools, required_call_prefix, structured_reply_prefix
 from openk3.api.user_text import PromptText
+from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.vision_processor import ImageInput
 
 MAX_CHOICES = 256  # prompts x n in one request
 
@@ -47,13 +51,18 @@ def default_max_tokens(s: ServedModel, ids: list[int]) -> int | None:
     return None if default is None else max(1, min(int(default), s.max_model_len - len(ids)))
 
 
-def check_cache_salt(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
-    """vLLM's cache_salt keeps a request's cached prefix from other requests. Without prefix caching nothing is shared, so
-    it holds as it is; with it, openk3's prefix index has one salt (the model's), so a salted request is refused rather than
-    shared with everyone."""
-    if req.cache_salt is not None and s.frontend.engine.config.enable_prefix_caching:
-        why = "the prefix cache is shared by every request on this server (one salt); start it without --enable-prefix-caching to isolate requests"
-        raise APIError(400, f"cache_salt is not supported: {why}", param="cache_salt", code="unsupported")
+def check_priority(s: ServedModel, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's priority needs a policy that orders by it; under fcfs (the default) anything but 0 is refused, as vLLM does,
+    rather than served out of the order it asked for. (cache_salt needs no check: the prefix cache keys by it.)"""
+    policy = s.frontend.engine.config.scheduling_policy
+    if req.priority != 0 and policy == "fcfs":
+        raise APIError(
+            400,
+            f"priority={req.priority} needs priority scheduling: this server runs --scheduling-policy fcfs; start it with "
+            "--scheduling-policy priority (or fair) to serve requests by priority",
+            param="priority",
+            code="unsupported",
+        )
 
 
 def verbosity_kwargs(req: ChatCompletionRequest, template: Any) -> dict[str, Any] | None:
@@ -97,7 +106,7 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
         scored = max(req.logprobs, scored or 0)
     # max_tokens=0 (echo only) generates one token, which the reply leaves out: the prompt's last row is computed anyway
     asked = 1 if req.max_tokens == 0 else req.max_tokens
-    check_cache_salt(s, req)
+    check_priority(s, req)
     rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     jobs, texts = [], []
     for prompt in prompts:
@@ -125,23 +134,41 @@ async def completion_jobs(s: ServedModel, req: CompletionRequest) -> tuple[list[
     return jobs, texts
 
 
-def chat_options(req: ChatCompletionRequest) -> ChatOptions:
+def chat_options(req: ChatCompletionRequest, images: Sequence[ImageInput] = ()) -> ChatOptions:
     """The request fields the prompt depends on: K3's encoding writes a tool-choice message for `required` / `none` (when
-    tools were sent) and a response-format message for JSON mode; the grammar enforces both all the same."""
+    tools were sent) and a response-format message for JSON mode; the grammar enforces both all the same. And the size of
+    each image, which K3's image marker states."""
     choice = req.tool_choice if isinstance(req.tool_choice, str) and req.tools else None
     response_format = None if req.response_format is None else req.response_format.model_dump(by_alias=True, exclude_none=True)
-    return ChatOptions(req.reasoning_effort, choice, response_format)
+    return ChatOptions(req.reasoning_effort, choice, response_format, tuple((im.width, im.height) for im in images))
+
+
+async def chat_images(s: ServedModel, req: ChatCompletionRequest) -> list[ImageInput]:
+    """The request's images, decoded and processed on the tokenizer threads (api/images.py); a 400 for any image part when
+    the server takes none."""
+    media = s.media
+    if media is None:
+        no_images(req.messages)
+        return []
+    refs = chat_image_refs(req.messages)
+    if not refs:
+        return []
+    if req.truncate_prompt_tokens is not None:
+        why = "truncate_prompt_tokens with images is not supported: a cut could split an image's tokens"
+        raise APIError(400, why, param="truncate_prompt_tokens", code="unsupported")
+    return await s.encoder.run(lambda: load_images(refs, media, s.limits))
 
 
 async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     s.limits.check(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
-    check_cache_salt(s, req)
+    check_priority(s, req)
     template = s.chat_template
     plan = plan_tools(req, template.format, template.uses_tools)
     tools = plan.template_tools()
-    options = chat_options(req)
+    images = await chat_images(s, req)
+    options = chat_options(req, images)
     kwargs = verbosity_kwargs(req, s.chat_template)
     prompt = await s.encoder.run(lambda: s.render_chat(req.messages, req.add_generation_prompt, kwargs, tools, options))
     end = None if plan.fmt is None else prompt_end(plan.fmt, prompt.text)
@@ -160,6 +187,10 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
             grammar = await s.encoder.run(lambda: compile_structured(s.call_grammars, StructuredRequest("tools", call)))
     cuts = prompt.cuts + (len(prompt.text),) if prompt.cuts and forced else prompt.cuts  # the forced prefix: one piece more
     ids = truncate_prompt(await s.encoder.encode_prompt(PromptText(prompt.text + forced, prompt.plain, cuts), "messages"), req)
+    spans: tuple[ImageSpan, ...] = ()
+    if images:
+        assert s.media is not None
+        ids, spans = place(ids, images, s.media)
     rules = await s.encoder.run(lambda: token_rules(req, s.tokenizer, s.vocab_size))
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     asked = asked if asked is not None else default_max_tokens(s, ids)
@@ -184,4 +215,4 @@ async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:
     )
     # K3 replies are decoded with special tokens kept for the parsers: every one but the format's markers is dropped
     hidden = s.tokenizer.special_token_strings - K3_MARKERS if plan.fmt is ChatFormat.KIMI_K3 else frozenset()
-    return ChatJob(EngineJob(ids, params), plan, end, forced, hidden)
+    return ChatJob(EngineJob(ids, params, spans), plan, end, forced, hidden)

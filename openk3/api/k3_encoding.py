@@ -14,6 +14,8 @@ a `thinking-effort` system message when thinking (effort `max` unless asked othe
 not a JSON object; a tool result is `role="tool" tool="NAME" index="i"`, results put in call order); then a `tool-choice`
 system message for `required` / `none` and a `response-format` one for JSON mode; then the generation prompt, which opens
 the assistant message and its `think` (thinking) or `response` block. Attribute values escape `&` and `"`.
+An image part is `<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`, as the release's kimi_k3
+processor writes it into the prompt (W x H the size sent).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from openk3.serve.media_prompt import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORTS = ("low", "high", "max")  # what the published encoding accepts; its own text also names `medium`, which it refuses
@@ -103,9 +107,21 @@ def sort_keys_deep(value: Any) -> Any:
     return value
 
 
-def _content(content: str | list[str]) -> list[Segment]:
-    """A message's content: a string, or the texts of its parts, each part its own segment."""
-    return [s for part in ([content] if isinstance(content, str) else content) for s in _text(part)]
+class MediaPart(NamedTuple):
+    """An image among a message's parts, by the size it was sent at (the release's processor writes it into the marker)."""
+
+    width: int
+    height: int
+
+
+def _media(part: MediaPart) -> list[Segment]:
+    """K3's image marker: one `<|media_pad|>`, which the processor repeats to the image's token count (serve/media_prompt.py)."""
+    return _control(MEDIA_BEGIN) + _text(f"image {part.width}x{part.height}") + _control(MEDIA_CONTENT) + _control(MEDIA_PAD) + _control(MEDIA_END)
+
+
+def _content(content: str | list[str | MediaPart]) -> list[Segment]:
+    """A message's content: a string, or its parts, each text part its own segment, each image its marker."""
+    return [s for part in ([content] if isinstance(content, str) else content) for s in (_media(part) if isinstance(part, MediaPart) else _text(part))]
 
 
 def _type_name(value: Any) -> str:

@@ -2,7 +2,8 @@
 do unbounded work. Each limit is a server setting (`openk3 serve --max-n ...`), and a request past one gets a 400 that states
 the limit and the flag. Why these: `n` samples each take a running slot (one request with n = 128 would hold every slot of the
 default 64); every stop string widens the per-step stop search and a stream's hold-back by its length; stop token ids are
-checked on every sampled token.
+checked on every sampled token; images are decoded, resized and run through the vision tower (api/images.py applies the
+image limits).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class RequestLimits:
     max_stop_strings: int = setting(16, "most stop strings one request may give", low=0)
     max_stop_string_length: int = setting(256, "longest stop string, in characters", low=1)
     max_stop_token_ids: int = setting(64, "most stop_token_ids one request may give", low=0)
+    max_images_per_request: int = setting(8, "most images one request may send", low=0)
+    max_image_bytes: int = setting(20 * 2**20, "largest image one request may send, decoded", low=1, unit="MiB", flag="--max-image-mb")
+    max_image_pixels: int = setting(50_000_000, "most pixels (width x height) of one image, read from its header before decoding", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)

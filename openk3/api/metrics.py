@@ -1,4 +1,9 @@
-"""Prometheus metrics with vLLM's names under an `openk3:` prefix, one CollectorRegistry per server (no module-level state).
+"""Prometheus metrics with vLLM's names under a prefix (`openk3:` by default; `serve --metrics-prefix vllm:` gives vLLM's
+own names, so stock vLLM dashboards and alerts read openk3 unchanged), one CollectorRegistry per server (no module-level
+state), with vLLM's `model_name` label. vLLM's older names that its example Grafana dashboard still reads are kept beside
+the newer ones: `gpu_cache_usage_perc` (= kv_cache_usage_perc), `cpu_cache_usage_perc` (the host tier's bytes in use) and
+`time_per_output_token_seconds` (= inter_token_latency_seconds, one sample per token gap); the per-request TPOT is
+`request_time_per_output_token_seconds`, as in vLLM v1. HTTP request metrics (api/http_metrics.py) share the registry.
 
 Written from the engine thread (prometheus_client's metrics are thread-safe), read by `GET /metrics`. Gauges mirror the last
 engine snapshot; counters and histograms are fed per step and per finished request by the front end.
@@ -9,6 +14,7 @@ Expert-parallel serving (rank 0 of `serve --ep N` or `serve --dp D`) adds `openk
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector, generate_latest
@@ -44,19 +50,30 @@ TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)) + (
 ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0)
 
 
+PREFIX_PATTERN = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)?$")
+
+
+def check_prefix(prefix: str) -> str:
+    """A metric-name prefix Prometheus accepts (letters, digits, `_` and `:`; not starting with a digit), or a ValueError."""
+    if not PREFIX_PATTERN.match(prefix):
+        raise ValueError(f"--metrics-prefix {prefix!r}: a Prometheus name prefix is letters, digits, '_' and ':' (not starting with a digit), e.g. vllm:")
+    return prefix
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.prefix = prefix = check_prefix(prefix)
         r, label = self.registry, {"model_name": model_name}
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(PREFIX + name, doc, ("model_name", *labels), registry=r)
+            return Gauge(prefix + name, doc, ("model_name", *labels), registry=r)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, ("model_name", *labels), registry=r)
+            return Counter(prefix + name, doc, ("model_name", *labels), registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ("model_name",), buckets=buckets, registry=r)
+            return Histogram(prefix + name, doc, ("model_name",), buckets=buckets, registry=r)
 
         # the process's own (process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, python_info), as
         # the default registry has them; ProcessCollector reads /proc and exports nothing where there is none. No
@@ -67,6 +84,8 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch").labels(**label)
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled").labels(**label)
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of MLA cache pages in use (1 = full)").labels(**label)
+        self.gpu_cache_usage_perc = gauge("gpu_cache_usage_perc", "vLLM's older name of kv_cache_usage_perc").labels(**label)
+        self.cpu_cache_usage_perc = gauge("cpu_cache_usage_perc", "Fraction of the host (CPU) cache tier's bytes in use (0 without one)").labels(**label)
         self.kda_state_usage_perc = gauge("kda_state_usage_perc", "Fraction of KDA state slots in use (1 = full)").labels(**label)
         self.num_free_pages = gauge("cache_free_pages", "MLA cache pages free").labels(**label)
         self.num_free_slots = gauge("state_free_slots", "KDA state slots free").labels(**label)
@@ -99,9 +118,10 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS).labels(**label)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS).labels(**label)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS).labels(**label)
-        self.time_per_output_token = histogram("time_per_output_token_seconds", "Per request: decode time / (generated tokens - 1)", ITL_BUCKETS).labels(
-            **label
-        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per request: decode time / (generated tokens - 1)", ITL_BUCKETS
+        ).labels(**label)
+        self.token_gaps = histogram("time_per_output_token_seconds", "vLLM's older name of inter_token_latency_seconds", ITL_BUCKETS).labels(**label)
         self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token", E2E_BUCKETS).labels(**label)
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token", E2E_BUCKETS).labels(**label)
         self.request_inference_time = histogram("request_inference_time_seconds", "First scheduled to last token", E2E_BUCKETS).labels(**label)
@@ -110,7 +130,7 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Per engine step that sampled tokens: tokens sampled + prompt tokens of prefills it ended", ITERATION_BUCKETS
         ).labels(**label)
-        self.cache_config_info = Gauge(PREFIX + "cache_config_info", "The cache's configuration (labels; value 1)", ("model_name", *CACHE_INFO), registry=r)
+        self.cache_config_info = Gauge(prefix + "cache_config_info", "The cache's configuration (labels; value 1)", ("model_name", *CACHE_INFO), registry=r)
         self._prefix_caching = False  # learnt from the engine's first snapshot, before any prompt is observed
         self._described = False
         self._iteration_prompt_tokens = 0
@@ -119,13 +139,13 @@ class ServerMetrics:
 
     def attach_ep(self, totals: EPTotals) -> None:
         """Also export expert-parallel stats (rank 0 of `serve --ep N` or `--dp D`), read from `totals` at each engine snapshot."""
-        r, name = self.registry, self.model_name
+        r, name, prefix = self.registry, self.model_name, self.prefix
 
         def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + metric, doc, ("model_name", "layer"), registry=r)
+            return Gauge(prefix + metric, doc, ("model_name", "layer"), registry=r)
 
         def counter(metric: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + metric, doc, ("model_name", *labels), registry=r)
+            return Counter(prefix + metric, doc, ("model_name", *labels), registry=r)
 
         self.ep_recv_max = gauge("ep_recv_tokens_max", "Last step: most routed entries one rank computed, per MoE layer")
         self.ep_recv_mean = gauge("ep_recv_tokens_mean", "Last step: mean routed entries per rank, per MoE layer")
@@ -178,6 +198,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_requests_running)
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.gpu_cache_usage_perc.set(stats.kv_cache_usage_perc)
         self.kda_state_usage_perc.set(used_slots / slots if slots else 0.0)
         self.num_free_pages.set(stats.num_free_pages)
         self.num_free_slots.set(slots - used_slots)
@@ -198,6 +219,8 @@ class ServerMetrics:
                 self.tier_used[name].set(t.used_bytes)
                 self.tier_capacity[name].set(t.capacity_bytes)
                 self.tier_entries[name].set(t.entries)
+                if t.tier is TierKind.HOST:
+                    self.cpu_cache_usage_perc.set(t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0)
                 for kind, total in (("in", t.bytes_in), ("out", t.bytes_out), ("hits", t.hits)):
                     totals.append((self.tier_counters[(name, kind)], f"{name}_{kind}", total))
                 if t.checksum_failures:
@@ -214,6 +237,7 @@ class ServerMetrics:
     def observe_tokens(self, inter_token_latencies: list[float]) -> None:
         for itl in inter_token_latencies:
             self.inter_token_latency.observe(itl)
+            self.token_gaps.observe(itl)
 
     def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """A prompt whose prefill has ended (its first token is out)."""

@@ -48,15 +48,6 @@ def _only(accepted: bool, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _only_value(accepted: int, why: str) -> AfterValidator:
-    def check(value: int) -> int:
-        if value != accepted:
-            raise ValueError(f"only {accepted} is supported: {why}")
-        return value
-
-    return AfterValidator(check)
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -125,9 +116,9 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
-    # only vLLM's default: a different priority needs priority scheduling, which openk3 does not have (vLLM's fcfs refuses it too)
-    priority: Annotated[Int, _only_value(0, "priority scheduling is not enabled on this server")] = 0
-    cache_salt: str | None = Field(default=None, min_length=1)  # honoured in api/jobs.py (see there)
+    # vLLM's: lower is served first under --scheduling-policy priority or fair; other than 0 a 400 under fcfs (api/jobs.py)
+    priority: Int = Field(default=0, ge=-(2**63), le=INT64_MAX)
+    cache_salt: str | None = Field(default=None, min_length=1)  # only requests with the same salt share cached prefixes
     modalities: list[Literal["text"]] | None = None  # OpenAI's: text is the only output openk3 has
     top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0, le=1)

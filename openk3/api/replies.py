@@ -127,6 +127,7 @@ async def completion_response(s: ServedModel, req: CompletionRequest, jobs: list
                 prompt_token_ids=list(result.prompt_token_ids) if req.return_token_ids else None,
                 token_ids=([] if req.max_tokens == 0 else list(c.token_ids)) if req.return_token_ids else None,  # as usage counts
                 routed_experts=_routed_experts(c) if req.return_routed_experts else None,
+                weight_version=result.weight_version,
             )
             out.append(choice)
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
@@ -206,7 +207,9 @@ async def chat_response(s: ServedModel, req: ChatCompletionRequest, chat: ChatJo
     completion_tokens = sum(len(c.token_ids) for c in result.outputs)
     u = usage(len(job.prompt_token_ids), completion_tokens, result.num_cached_tokens)
     prompt_logprobs = s.texts.prompt_logprobs(result.prompt_logprobs or ()) if req.prompt_logprobs is not None else None
-    return ChatCompletionResponse(id=request_id, model=s.model.name, choices=out, usage=u, prompt_logprobs=prompt_logprobs)
+    return ChatCompletionResponse(
+        id=request_id, model=s.model.name, choices=out, usage=u, prompt_logprobs=prompt_logprobs, weight_version=result.weight_version
+    )
 
 
 async def open_chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob) -> tuple[AsyncGenerator[bytes, None], Updates]:

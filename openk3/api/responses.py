@@ -69,6 +69,7 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     token_ids: list[int] | None = None  # with return_token_ids
     routed_experts: RoutedExperts | None = None  # with return_routed_experts
+    weight_version: int | None = None  # the engine's weight version this choice was sampled with (routes/weights.py)
 
 
 class CompletionResponse(BaseModel):
@@ -117,6 +118,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    weight_version: int | None = None  # the engine's weight version the choices were sampled with (routes/weights.py)
 
 
 class DeltaFunctionCall(BaseModel):

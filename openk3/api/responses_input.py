@@ -18,6 +18,7 @@ from openk3.api.errors import APIError
 from openk3.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDefinition,
     JsonSchemaFormat,
@@ -51,15 +52,35 @@ _CHAT_NAMES = re.compile(r"\b(" + "|".join(CHAT_TO_RESPONSES) + r")\b")
 
 def rename_error(e: APIError) -> APIError:
     """The chat path's error with the Responses request's field names, in its param and its message."""
-    param = None if e.param is None else CHAT_TO_RESPONSES.get(e.param, e.param)
+    param = None if e.param is None else CHAT_TO_RESPONSES.get(e.param.split("[")[0], e.param)
     message = _CHAT_NAMES.sub(lambda m: CHAT_TO_RESPONSES[m.group(1)], e.message)
     return APIError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
 
 
-def _text(item: MessageItem) -> str:
+def _text(item: MessageItem, i: int) -> str:
     if isinstance(item.content, str):
         return item.content
-    return "".join(p.refusal if p.type == "refusal" else p.text for p in item.content)
+    texts = []
+    for j, p in enumerate(item.content):
+        if p.type == "input_image":
+            raise APIError(400, f"input[{i}].content[{j}]: images are accepted in user messages only", param="input", code="invalid_value")
+        texts.append(p.refusal if p.type == "refusal" else p.text)
+    return "".join(texts)
+
+
+def _user_content(item: MessageItem, i: int) -> str | list[ContentPart]:
+    """A user message's content as chat parts: its texts, and its images as `image_url` parts (api/images.py reads them)."""
+    if isinstance(item.content, str) or all(p.type != "input_image" for p in item.content):
+        return _text(item, i)
+    parts = []
+    for j, p in enumerate(item.content):
+        if p.type == "input_image":
+            if p.image_url is None:
+                raise APIError(400, f"input[{i}].content[{j}].image_url is missing: send the image as a data: URL", param="input", code="invalid_value")
+            parts.append(ContentPart.model_validate({"type": "image_url", "image_url": {"url": p.image_url, "detail": p.detail}}))
+        else:
+            parts.append(ContentPart(type="text", text=p.refusal if p.type == "refusal" else p.text))
+    return parts
 
 
 def _reasoning(item: ReasoningItem) -> str:
@@ -87,10 +108,11 @@ class _Conversation:
             if message.content or message.tool_calls:  # a second text after the first, or after calls: a new turn
                 self.open = None
                 message = self.assistant()
-            message.content = _text(item)
+            message.content = _text(item, i)
         elif isinstance(item, MessageItem):
             self.open = None
-            self.messages.append(ChatMessage(role=item.role, content=_text(item)))
+            content = _user_content(item, i) if item.role == "user" else _text(item, i)
+            self.messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, ReasoningItem):
             if self.open is not None and (self.open.content or self.open.tool_calls):
                 self.open = None
@@ -165,4 +187,6 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         response_format=_response_format(req),
         reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         verbosity=req.text.verbosity if req.text is not None else None,
+        user=req.user,  # the client under --scheduling-policy fair, as on chat
+        safety_identifier=req.safety_identifier,
     )

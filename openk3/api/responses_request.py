@@ -46,6 +46,15 @@ class InputText(_Strict):
     text: str
 
 
+class InputImage(_Strict):
+    """An image in a user message: a base64 `data:` URL (api/images.py); a stored file is refused (this server stores none)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
+    file_id: Annotated[str | None, _refused("this server stores no files: send the image as a data: URL in image_url")] = None
+
+
 class OutputText(_Strict):
     """An earlier assistant message's text, as a client sends it back (its annotations and logprobs are not prompt)."""
 
@@ -61,12 +70,12 @@ class Refusal(_Strict):
 
 
 class MessageItem(_Strict):
-    """A message: `{"role", "content"}` (OpenAI's EasyInputMessage has no type) or `{"type": "message", ...}`. Parts other
-    than text (images, files, audio) are refused: the model reads text only."""
+    """A message: `{"role", "content"}` (OpenAI's EasyInputMessage has no type) or `{"type": "message", ...}`. Text parts,
+    and images in user messages (for a model with a vision tower); files and audio are refused."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]]
+    content: str | list[Annotated[InputText | InputImage | OutputText | Refusal, Field(discriminator="type")]]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 

@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -36,7 +37,7 @@ from openk3.api.responses_output import (
     new_id,
 )
 from openk3.api.responses_request import ResponsesRequest
-from openk3.api.responses_store import ResponseStore
+from openk3.api.responses_store import ResponseStore, StoredResponse
 from openk3.api.served_model import ServedModel
 from openk3.api.updates import Updates, final_outputs, open_updates
 from openk3.serve.output import OutputKind
@@ -57,7 +58,7 @@ class ResponseJob:
 async def response_job(s: ServedModel, req: ResponsesRequest, store: ResponseStore) -> ResponseJob:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
-    before = store.get(req.previous_response_id) if req.previous_response_id is not None else ()
+    before = store.conversation(req.previous_response_id) if req.previous_response_id is not None else ()
     messages = conversation(req, before)
     try:
         chat = await chat_job(s, chat_request(req, messages))
@@ -121,15 +122,31 @@ async def _usage(s: ServedModel, job: ResponseJob, items: OutputItems, output_to
     )
 
 
-def _keep(job: ResponseJob, store: ResponseStore, items: OutputItems) -> None:
-    """The conversation with this response's output as one assistant turn, for a later previous_response_id."""
+def input_items(req: ResponsesRequest) -> tuple[dict[str, Any], ...]:
+    """The request's input as OpenAI lists a response's input items: text is one user message; every item has an id."""
+    if isinstance(req.input, str):
+        items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}]}]
+    else:
+        items = [item.model_dump(exclude_none=True) for item in req.input]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    for item in items:
+        if isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text" if item.get("role") != "assistant" else "output_text", "text": item["content"]}]
+        item.setdefault("id", new_id(prefixes[item["type"]]))
+        item.setdefault("status", "completed")
+    return tuple(items)
+
+
+def _keep(job: ResponseJob, store: ResponseStore, items: OutputItems, final: ResponseObject) -> None:
+    """The response as answered, its input items, and the conversation with its output as one assistant turn (for a later
+    previous_response_id)."""
     if not job.req.store:
         return
     reasoning = "".join(p.text for i in items.items if isinstance(i, ReasoningOutput) for p in i.content)
     content = "".join(p.text for i in items.items if isinstance(i, MessageOutput) for p in i.content)
     calls = [ToolCall(id=i.call_id, function=FunctionCall(name=i.name, arguments=i.arguments)) for i in items.items if isinstance(i, FunctionCallOutput)]
     reply = ChatMessage(role="assistant", content=content, reasoning_content=reasoning or None, tool_calls=calls or None)
-    store.put(job.response_id, (*job.messages, reply))
+    store.put(job.response_id, StoredResponse(final.model_dump(), (*job.messages, reply), input_items(job.req)))
 
 
 def _status(finish_reason: str | None) -> Status:
@@ -143,9 +160,10 @@ async def whole_response(s: ServedModel, job: ResponseJob, store: ResponseStore)
     _feed(items, job.chat.parser(), c.text, True, c.stop_reason)
     status = _status(c.finish_reason)
     items.finish(status)
-    _keep(job, store, items)
     usage = await _usage(s, job, items, len(c.token_ids), result.num_cached_tokens)
-    return _response(job, s, items, status, usage)
+    final = _response(job, s, items, status, usage)
+    _keep(job, store, items, final)
+    return final
 
 
 async def open_response_stream(s: ServedModel, job: ResponseJob, store: ResponseStore) -> tuple[AsyncGenerator[bytes, None], Updates]:
@@ -185,8 +203,8 @@ async def response_stream(s: ServedModel, job: ResponseJob, store: ResponseStore
         status = _status(finish)
         for event in items.finish(status):
             yield _sse(event, sequence)
-        _keep(job, store, items)
         final = _response(job, s, items, status, await _usage(s, job, items, output_tokens, cached))
+        _keep(job, store, items, final)
         # response.completed also when max_output_tokens cut the reply (its status says "incomplete"), as vLLM does: the
         # openai client's stream helper and the Agents SDK wait for response.completed and fail on response.incomplete
         yield _sse({"type": "response.completed", "response": final.model_dump()}, sequence)

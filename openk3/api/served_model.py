@@ -10,6 +10,7 @@ from openk3.api.chat import ChatOptions
 from openk3.api.chat_format import CALL_MARKUP
 from openk3.api.chat_loading import ChatRenderer
 from openk3.api.errors import APIError
+from openk3.api.images import MediaSupport
 from openk3.api.limits import RequestLimits
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -52,6 +53,7 @@ class ServedModel:
     chat_stop: tuple[str, ...] = ()  # the chat template's end of turn, when it is text
     chat_stop_token_ids: tuple[int, ...] = ()  # ... or when it is one special token
     default_chat_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: a request's own keys win
+    media: MediaSupport | None = None  # image input (api/images.py); None: image parts are a 400
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over the AsyncEngine front end, built from the routers in api/routes/.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /v1/models/{id} (these need `Authorization:
-Bearer <key>` when the server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text),
-GET /version, POST /tokenize, POST /detokenize, and for sglang-router (routes/router_info.py, routes/health_generate.py):
-GET /server_info, GET /model_info (also as /get_server_info, /get_model_info) and GET /health_generate (a 1-token
-generation); POST bodies must be `application/json` (415), CORS only for --allowed-origins.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{id} (these need `Authorization: Bearer <key>` when the
+server has an API key, as vLLM checks /v1 only), GET /health, GET /metrics (Prometheus text: the engine's families,
+api/metrics.py, and HTTP requests by route and status, api/http_metrics.py), GET /tokenizer_info, GET /version, POST
+/tokenize, POST /detokenize, the RL weight routes (routes/weights.py: /update_weights_from_disk, the weight group's
+three, /get_weight_version), and for sglang-router (routes/router_info.py, routes/health_generate.py): GET /server_info,
+GET /model_info (also as /get_server_info, /get_model_info) and GET /health_generate (a 1-token generation); POST bodies
+must be `application/json` (415), CORS only for --allowed-origins.
 Every error is an OpenAI error body; a handler never lets a client's mistake become a 5xx.
 A client that disconnects aborts its request: streaming responses race the stream against ASGI `http.disconnect`, and
 non-streaming handlers race the generation against it, so the engine frees the request's pages and state slot at once.
@@ -28,12 +31,14 @@ from starlette.requests import ClientDisconnect
 from openk3.api.chat_loading import ChatRenderer
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import APIError, ClientGone, frontend_error
+from openk3.api.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from openk3.api.idle import IdleCallback
+from openk3.api.images import media_support
 from openk3.api.metrics import ServerMetrics
 from openk3.api.prompt_text import PromptEncoder
 from openk3.api.request_id import RequestIdHeader, request_id_of
 from openk3.api.responses_store import ResponseStore
-from openk3.api.routes import completions, health, health_generate, models, responses_api, router_info, tokens
+from openk3.api.routes import completions, health, health_generate, models, responses_api, router_info, tokens, weights
 from openk3.api.routes.state import ServerConfig, ServerState
 from openk3.api.served_model import ServedModel
 from openk3.api.token_texts import TokenTexts
@@ -49,7 +54,7 @@ log = logging.getLogger("openk3.api")
 
 
 def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRenderer, config: ServerConfig) -> FastAPI:
-    metrics = ServerMetrics(config.model.name)
+    metrics = ServerMetrics(config.model.name, config.metrics_prefix)
     frontend = AsyncEngine(engine, observer=metrics, config=config.frontend)
     chat_stop, chat_stop_token_ids = chat_template.stops(tokenizer)
     chat_template.check_kwargs(config.default_chat_template_kwargs)  # a default the renderer does not read fails at start-up
@@ -66,6 +71,7 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
         default_chat_kwargs=dict(config.default_chat_template_kwargs),
+        media=media_support(engine.vision, tokenizer, chat_template, config.media),
     )
 
     trimmer = HeapTrimmer(config.heap_trim_slack_bytes) if config.heap_trim_slack_bytes is not None else None
@@ -89,11 +95,13 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
     app.state.response_store = ResponseStore(config.response_store_size)  # previous_response_id (routes/responses_api.py)
     _install_error_handlers(app)
     _install_cors(app, config.connection)
-    for module in (health, health_generate, router_info, models, completions, responses_api, tokens):
+    app.state.weight_groups = {}  # the trainers' weight groups this server has joined, by name (routes/weights.py)
+    for module in (health, health_generate, router_info, models, completions, responses_api, tokens, weights):
         app.include_router(module.router)
     if trimmer is not None:
         app.add_middleware(IdleCallback, on_idle=trimmer.on_idle)
         app.state.heap_trimmer = trimmer
+    app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(metrics.registry))
     app.add_middleware(RequestIdHeader)  # outermost: every answer carries it, errors and CORS preflights included
     return app
 
@@ -107,7 +115,7 @@ def _install_cors(app: FastAPI, connection: ConnectionConfig) -> None:
     app.add_middleware(
         CORSMiddleware,
         allow_origins=list(origins),
-        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
         allow_headers=["Authorization", "Content-Type"],
         allow_credentials=False,  # the API key travels in a header the page sets, never in cookies
         max_age=600,

@@ -1,5 +1,5 @@
 """`openk3 serve`'s HTTP server flags: admission (the front end's queue, what one request may ask for), what one
-connection may cost, and when an idle server trims its C heap. The engine's own flags are the launch layer's
+connection may cost, when an idle server trims its C heap, and which RL weight routes it allows. The engine's own flags are the launch layer's
 (launch/flags.py)."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     (RequestLimits); and when an idle server trims its C heap (serve/heap_trim.py)."""
     from openk3.api.connection import ConnectionConfig
     from openk3.api.limits import RequestLimits
+    from openk3.api.routes.state import WeightUpdateConfig
     from openk3.serve.config import FrontendConfig
 
     add_arguments(p, FrontendConfig)
+    add_arguments(p, WeightUpdateConfig)  # the RL weight routes the operator allows (routes/weights.py)
     add_arguments(p, RequestLimits)
     add_arguments(p, ConnectionConfig)  # what one connection may cost: uvicorn's bounds, the body deadline, CORS
     p.add_argument(
@@ -31,7 +33,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--responses-store-size",
         type=int,
         default=1024,
-        help="how many /v1/responses responses are kept in memory for previous_response_id, least recently used evicted first (default 1024)",
+        help="how many /v1/responses responses are kept in memory (previous_response_id, GET and DELETE /v1/responses/{id}), "
+        "least recently used evicted first (default 1024)",
+    )
+    p.add_argument(
+        "--metrics-prefix",
+        default="openk3:",
+        help="prefix of the engine's metric names on /metrics (default openk3:); vllm: gives vLLM's own names, so stock vLLM "
+        "dashboards and alerts work unchanged",
     )
 
 
@@ -41,6 +50,13 @@ def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
     from openk3.serve.config import FrontendConfig
 
     return from_args(FrontendConfig, args), from_args(RequestLimits, args)
+
+
+def weight_update_settings(args: argparse.Namespace) -> Any:
+    """The WeightUpdateConfig from flags added by add_server_arguments."""
+    from openk3.api.routes.state import WeightUpdateConfig
+
+    return from_args(WeightUpdateConfig, args)
 
 
 def connection_settings(args: argparse.Namespace) -> Any:

@@ -4,6 +4,7 @@ output) as they come, or run to their end."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from openk3.api.engine_job import EngineJob
 from openk3.serve.async_engine import AsyncEngine, RequestStream
@@ -23,6 +24,8 @@ class Updates:
     async def _pump(self, i: int, stream: RequestStream) -> None:
         try:
             async for update in stream:
+                if update.finished:  # a request runs on one weight version (AsyncEngine.call_idle): its final output says which
+                    update = dataclasses.replace(update, weight_version=stream.weight_version)
                 self._queue.put_nowait((i, update))
         except Exception as e:  # handed to the consumer, which raises it
             self._queue.put_nowait((i, e))
@@ -55,7 +58,7 @@ async def open_updates(frontend: AsyncEngine, request_id: str, jobs: list[Engine
     try:
         for i, job in enumerate(jobs):
             engine_id = request_id if len(jobs) == 1 else sample_id(request_id, i)
-            streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind))
+            streams.append(await frontend.add(engine_id, job.prompt_token_ids, job.params, kind, job.images))
     except BaseException:
         for stream in streams:
             await stream.aclose()

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from openk3.api.metrics import check_prefix
 from openk3.launch.serve_flags import add_serve_arguments
 from openk3.launch.server import build_server, claim_port, export_expert_load, serve_until_stopped, server_configs
 from openk3.scale import cli as scale_cli
@@ -31,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, parallel = server_configs(args)  # refused on every rank alike, before any rank joins a group
         config.check_ops_on_device()  # and before the weights load
+        check_prefix(args.metrics_prefix)
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
@@ -56,5 +58,4 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("openk3.api").info("listening on http://%s:%d", args.host, args.port)
     return export_expert_load(app, serve_until_stopped(app, args, sock))

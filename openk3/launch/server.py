@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openk3.api.server_flags import connection_settings, server_settings
+from openk3.api.server_flags import connection_settings, server_settings, weight_update_settings
 from openk3.launch.flags import engine_configs
 
 if TYPE_CHECKING:  # torch and the server load lazily, so `openk3 plan` and `--help` stay fast
@@ -43,6 +43,7 @@ def build_server(args: argparse.Namespace, group: ParallelContext | None = None)
     try:
         app = _app(args, built.core, built.ep_totals)
         _record_expert_load(app, built.counted_model, parallel)
+        _log_startup(app, args, built.core, parallel)
     except BaseException:
         if built.group is not None:
             built.group.close()
@@ -100,10 +101,17 @@ def build_server_with_local_ranks(args: argparse.Namespace) -> tuple[FastAPI, An
     assert built.local_ranks is not None
     try:
         app = _app(args, built.core)
+        _log_startup(app, args, built.core, parallel)
     except BaseException:
         built.local_ranks.close()
         raise
     return app, built.local_ranks
+
+
+def _log_startup(app: FastAPI, args: argparse.Namespace, engine: ServedEngine, parallel: ParallelConfig) -> None:
+    from openk3.launch.startup_log import log_startup
+
+    log_startup(engine, app.state.served.model.name, str(args.model), parallel, args.host, args.port)
 
 
 def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConfig]:
@@ -153,6 +161,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
     from openk3.api.server import ServerConfig, create_app
     from openk3.serve.generation_config import read_generation_config
     from openk3.serve.loading import ASSETS
+    from openk3.serve.vision_processor import read_media_config
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ASSETS / str(args.model)
     folder = model_dir if model_dir.is_dir() else None
@@ -170,6 +179,9 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         heap_trim_slack_bytes=int(args.heap_trim_slack_mb * 2**20) if args.heap_trim_slack_mb >= 0 else None,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_store_size=args.responses_store_size,
+        metrics_prefix=args.metrics_prefix,
+        media=read_media_config(folder),
+        weight_updates=weight_update_settings(args),
     )
     app = create_app(engine, engine.tokenizer, template, config)
     if ep_totals is not None:

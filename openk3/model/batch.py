@@ -1,7 +1,7 @@
 """The only types that cross the serve <-> model seam: one step's packed batch and the cache tensors it reads and writes.
 
 Legend: T tokens in the step (all sequences laid end to end), N sequences, P pages per sequence (max), S state slots,
-L_kda / L_mla layers of each kind, H heads, K = V = KDA head dim, C = 3 * H * K conv channels, W conv kernel,
+L_kda / L_mla layers of each kind, E image-embedding rows in the step, H heads, K = V = KDA head dim, C = 3 * H * K conv channels, W conv kernel,
 NP pages in the pool, PS tokens per page, R = kv_lora_rank + qk_rope_head_dim (the MLA latent width).
 
 Contract: the model reads the cache state of sequence i from `state_slots[i]` and pages `page_table[i]`, writes the
@@ -62,6 +62,10 @@ class ForwardBatch:
     capturable: bool = False
     # given by the runner (and the step channel), which built the tensors from host lists; None: read from the tensors
     host_facts: HostFacts | None = None
+    # image inputs: the projected patch embeddings [E, D] that replace the token embeddings of packed rows `mm_rows` [E]
+    # (media placeholder tokens); both None, or both set with E rows each
+    mm_embeds: torch.Tensor | None = None
+    mm_rows: torch.Tensor | None = None
     # KDA states wanted inside the step (prefix-cache snapshots, serve/scheduler.py): each KDA layer also writes the state
     # (and conv window) a sequence has after `offset` of its new tokens into `slot`; none in a decode or capturable batch
     state_cuts: tuple[StateCut, ...] = ()

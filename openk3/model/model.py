@@ -132,7 +132,7 @@ class K3Model(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         """The spec's layer loop over the residual stream (ops/attn_res/stream.py says what each call does): a sublayer
         reads its input from the stream and adds its output to it; an AttnRes block starts by storing the partial sum."""
-        stream = self.depth_stream(self.embed_tokens(batch.input_ids))
+        stream = self.depth_stream(self.embed(batch))
         block_size = self.config.attn_res_block_size
         mixers = [layer.mixers() for layer in self.layers]
         output_mixer = self.output_mixer()
@@ -142,6 +142,18 @@ class K3Model(nn.Module):
             stream.add(layer.attention(stream.read(attn_mixer), batch, cache, self.cache_index[layer.index]))
             stream.add(layer.feed_forward(layer.post_attention_layernorm(stream.read(mlp_mixer))))
         return self.norm(stream.read(output_mixer))
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The token embeddings [T, D], with the rows of media placeholders replaced by their image embeddings (the
+        projected patches, K3ForCausalLM.encode_images) where the batch carries them."""
+        x_TD = self.embed_tokens(batch.input_ids)
+        if batch.mm_embeds is None or batch.mm_rows is None:
+            return x_TD
+        if batch.mm_embeds.shape != (batch.mm_rows.numel(), x_TD.shape[1]):
+            raise ValueError(
+                f"mm_embeds has shape {tuple(batch.mm_embeds.shape)}, expected ({batch.mm_rows.numel()}, {x_TD.shape[1]}): one row per mm_rows entry"
+            )
+        return x_TD.index_copy(0, batch.mm_rows, batch.mm_embeds.to(x_TD.dtype))
 
     def output_mixer(self) -> MixQuery | None:
         if self.config.attn_res_block_size is None:
@@ -160,7 +172,7 @@ class K3Model(nn.Module):
 
 class K3ForCausalLM(nn.Module):
     """The text model, and with `vision` the release's MoonViT tower (`vision_tower.*`) and projector (`mm_projector.*`)
-    beside it (encode_images; the text forward does not read them yet)."""
+    beside it: encode_images gives the embeddings that a ForwardBatch's `mm_embeds` puts at the media placeholders."""
 
     def __init__(self, config: ModelConfig, ops: OpChoice | None = None, vision: VisionConfig | None = None) -> None:
         super().__init__()

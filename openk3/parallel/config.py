@@ -19,7 +19,8 @@ class EPMethod(str, enum.Enum):
 EP_METHODS = tuple(m.value for m in EPMethod)
 STATS_NEEDED = (
     "expert parallel: method 'eplb' places replicas from measured expert load and needs a stats file (--eplb-stats FILE); "
-    "export one from a run of the same model with --export-eplb-stats FILE, or use --ep-method ep or moonep"
+    "export one from a run of the same model with --export-eplb-stats FILE, place from the live load with "
+    "--eplb-interval-steps N, or use --ep-method ep or moonep"
 )
 
 
@@ -38,6 +39,12 @@ class ParallelConfig:
         None,
         "when the engine stops, write the expert load it routed (entries per expert and MoE layer, summed over every step) to "
         "this file, for --eplb-stats (one process, --ep N or --tp N; not with --dp)",
+    )
+    eplb_interval_steps: int | None = setting(
+        None,
+        "--ep-method eplb: place the experts again every N steps from the load of the last N steps, moving weights between "
+        "ranks while serving (without --eplb-stats the engine starts from an even placement; docs/parallel.md)",
+        low=1,
     )
     ep_threads: int = setting(1, "torch threads of each worker rank LLM spawns", low=1, cli=False)
     ep_timeout_s: float = setting(
@@ -63,8 +70,13 @@ class ParallelConfig:
 
     def _check_load_files(self) -> None:
         eplb = self.ep > 1 and self.ep_method == EPMethod.EPLB.value
-        if eplb and self.eplb_stats is None:
+        if eplb and self.eplb_stats is None and self.eplb_interval_steps is None:
             raise ValueError(f"ParallelConfig: ep={self.ep}, ep_method='eplb' without eplb_stats: {STATS_NEEDED}")
+        if self.eplb_interval_steps is not None and not eplb:
+            raise ValueError(
+                f"ParallelConfig: eplb_interval_steps={self.eplb_interval_steps} with ep={self.ep}, ep_method={self.ep_method!r}: "
+                "re-placing experts while serving is EPLB's (ep > 1 and ep_method='eplb'); moonep balances every step by itself"
+            )
         if self.eplb_stats is not None and not eplb:
             raise ValueError(
                 f"ParallelConfig: eplb_stats={self.eplb_stats!r} with ep={self.ep}, ep_method={self.ep_method!r}: the load file places "

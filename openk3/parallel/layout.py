@@ -21,6 +21,7 @@ from openk3.model.model import K3ForCausalLM
 from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.ep.placement import Placement
+from openk3.parallel.ep.rebalance import RebalanceConfig
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.rank_model import attach_rank_experts
 from openk3.parallel.tp.shard import TensorSplits, parallelize_tensor
@@ -51,6 +52,7 @@ class ExpertLayout:
     collect_stats: bool
     drop_full_banks: bool = True  # False: the full banks stay (a caller's module keeps its experts; the shards are copies)
     loaded_per_rank: bool = False  # the banks already hold exactly this rank's experts (loaded so)
+    rebalance: RebalanceConfig | None = None  # eplb: re-place the experts every N steps while serving (ep/rebalance.py)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ def apply_serving_layout(model: torch.nn.Module, plan: ServingPlan) -> TokenSpli
             collect_stats=e.collect_stats,
             replicated_tokens=e.replicated_tokens,
             split_ctx=e.split_ctx,
+            rebalance=e.rebalance,
         )
     prepare_for_serving(model, plan.device, plan.pack_cpu_weights, plan.ops)
     return backend

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from openk3.rl.policy import Context, Policy, Reply
-from openk3.rl.tools import Sandboxes, observation_text, parse_call, run_call
+from openk3.rl.tools import MALFORMED_RESULT, Sandboxes, ToolCall, observation_text, parse_call, run_call
 from openk3.rl.trajectory import ToolStatus, Trajectory, Turn, stitch_routing
 from openk3.serve.routing import RoutingTrace
+from openk3.serve.tokenizer import Tokenizer
 
 Verifier = Callable[[Sandboxes, str], float]  # (sandboxes, the branch's sandbox id) -> reward, from what the sandbox holds
 
@@ -27,7 +28,7 @@ class Task:
 
 
 @dataclass
-class _Branch:
+class Branch:
     index: int
     sandbox_id: str
     token_ids: list[int]
@@ -35,6 +36,7 @@ class _Branch:
     logprobs: list[float | None]
     turns: list[Turn] = field(default_factory=list)
     routing: list[tuple[int, RoutingTrace]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # each reply's text
     done: bool = False
 
     def add(self, ids: tuple[int, ...], logprobs: tuple[float, ...] | None) -> None:
@@ -43,22 +45,44 @@ class _Branch:
         self.logprobs.extend(logprobs if logprobs is not None else [None] * len(ids))
 
 
+@dataclass
+class TaskSandboxes:
+    """What a group made in the sandbox service, so that all of it is removed again (`remove`)."""
+
+    base: str | None = None
+    snapshot_id: str | None = None
+    forks: list[str] = field(default_factory=list)
+
+    def open(self, task: Task, sandboxes: Sandboxes, n: int, timeout_s: float) -> list[str]:
+        """The task's sandbox, set up and snapshotted, forked into `n` branches (their ids)."""
+        self.base = sandboxes.create()
+        if task.setup is not None:
+            result = sandboxes.exec(self.base, task.setup, timeout_s=timeout_s)
+            if result.exit_code != 0 or result.timed_out:
+                raise RuntimeError(f"task {task.task_id}: setup exited {result.exit_code}: {result.stderr.decode(errors='replace')[-500:]}")
+        self.snapshot_id = sandboxes.snapshot(self.base).snapshot_id
+        self.forks = sandboxes.fork(self.snapshot_id, n)
+        return self.forks
+
+    def remove(self, sandboxes: Sandboxes) -> None:
+        for sid in [*self.forks, *([self.base] if self.base is not None else [])]:
+            sandboxes.destroy(sid)
+        if self.snapshot_id is not None:
+            sandboxes.delete_snapshot(self.snapshot_id)
+
+
+def branches_of(task: Task, tokenizer: Tokenizer, forks: list[str]) -> list[Branch]:
+    prompt = tokenizer.encode(task.prompt, add_special_tokens=True)
+    return [Branch(i, sid, list(prompt), [False] * len(prompt), [None] * len(prompt)) for i, sid in enumerate(forks)]
+
+
 def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turns: int, tool_timeout_s: float = 30.0) -> list[Trajectory]:
     """`n` trajectories of `task` from one snapshot of its sandbox (module docstring)."""
     if n < 1 or max_turns < 1:
         raise ValueError(f"run_group: n={n} and max_turns={max_turns}, expected both >= 1")
-    base = sandboxes.create()
-    snapshot_id: str | None = None
-    forks: list[str] = []
+    made = TaskSandboxes()
     try:
-        if task.setup is not None:
-            result = sandboxes.exec(base, task.setup, timeout_s=tool_timeout_s)
-            if result.exit_code != 0 or result.timed_out:
-                raise RuntimeError(f"task {task.task_id}: setup exited {result.exit_code}: {result.stderr.decode(errors='replace')[-500:]}")
-        snapshot_id = sandboxes.snapshot(base).snapshot_id
-        forks = sandboxes.fork(snapshot_id, n)
-        prompt = policy.tokenizer.encode(task.prompt, add_special_tokens=True)
-        branches = [_Branch(i, sid, list(prompt), [False] * len(prompt), [None] * len(prompt)) for i, sid in enumerate(forks)]
+        branches = branches_of(task, policy.tokenizer, made.open(task, sandboxes, n, tool_timeout_s))
         version = policy.weight_version
         for turn in range(max_turns):
             live = [b for b in branches if not b.done]
@@ -69,37 +93,44 @@ def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turn
                 _take_turn(b, reply, policy, sandboxes, tool_timeout_s, last=turn == max_turns - 1)
         if policy.weight_version != version:
             raise RuntimeError("the policy's weights changed during a group's episodes")
-        return [_finish(task, b, sandboxes, version) for b in branches]
+        return [finish(task, b, sandboxes, version) for b in branches]
     finally:
-        for sid in [*forks, base]:
-            sandboxes.destroy(sid)
-        if snapshot_id is not None:
-            sandboxes.delete_snapshot(snapshot_id)
+        made.remove(sandboxes)
 
 
-def _take_turn(b: _Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, timeout_s: float, last: bool) -> None:
+def _take_turn(b: Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, timeout_s: float, last: bool) -> None:
+    call = take_reply(b, reply, policy.tokenizer)
+    if call is not None:
+        result = run_call(sandboxes, b.sandbox_id, call.command, timeout_s) if call.command is not None else MALFORMED_RESULT
+        take_observation(b, call, result, policy.tokenizer, last)
+
+
+def take_reply(b: Branch, reply: Reply, tokenizer: Tokenizer) -> ToolCall | None:
+    """Append a reply to the branch; its tool call, or None when it calls none (the branch is done)."""
     start = len(b.token_ids)
     b.add(reply.token_ids, reply.logprobs)
     if reply.routing is not None:
         b.routing.append((start, reply.routing))
-    text = policy.tokenizer.decode(list(reply.token_ids))
+    text = tokenizer.decode(list(reply.token_ids))
+    b.texts.append(text)
     call = parse_call(text)
     if call is None:
         b.turns.append(Turn(text, None, None))
         b.done = True
-        return
-    if call.command is None:
-        status, code, body = ToolStatus.MALFORMED, None, "error: a tool call must be <bash>command</bash>"
-    else:
-        status, code, body = run_call(sandboxes, b.sandbox_id, call.command, timeout_s)
+    return call
+
+
+def take_observation(b: Branch, call: ToolCall, result: tuple[ToolStatus, int | None, str], tokenizer: Tokenizer, last: bool) -> None:
+    """Record the call's result (status, exit code, body) and append its observation unless this was the last turn."""
+    status, code, body = result
     observation = observation_text(body)
-    b.turns.append(Turn(text, call.command, status, code, observation))
+    b.turns.append(Turn(b.texts[-1], call.command, status, code, observation))
     if not last:  # the last turn's observation would be read by no one: the trajectory ends at the reply
-        b.add(tuple(policy.tokenizer.encode(observation)), None)
+        b.add(tuple(tokenizer.encode(observation)), None)
     b.done = last
 
 
-def _finish(task: Task, b: _Branch, sandboxes: Sandboxes, version: int) -> Trajectory:
+def finish(task: Task, b: Branch, sandboxes: Sandboxes, version: int) -> Trajectory:
     routing = stitch_routing(b.routing) if b.routing else None
     reward = task.verify(sandboxes, b.sandbox_id)
     return Trajectory(task.task_id, b.index, tuple(b.token_ids), tuple(b.loss_mask), tuple(b.logprobs), tuple(b.turns), reward, version, routing)

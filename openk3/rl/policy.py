@@ -24,6 +24,7 @@ class Reply:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # the sampling logprob of each token
     routing: RoutingTrace | None = None  # the call's routing: the whole context but the reply's last token
+    weight_version: int | None = None  # the engine's weights it was sampled with, where the policy knows (AsyncEnginePolicy)
 
 
 class Policy(Protocol):

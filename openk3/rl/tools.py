@@ -14,6 +14,7 @@ from openk3.sandbox.protocol import ExecResult, SandboxError, SnapshotInfo
 OPEN, CLOSE = "<bash>", "</bash>"
 CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 MAX_OBSERVATION_CHARS = 2000  # the tail of long output: what the policy reads must fit its context
+MALFORMED_RESULT = (ToolStatus.MALFORMED, None, f"error: a tool call must be {OPEN}command{CLOSE}")  # run_call's form
 
 
 class Sandboxes(Protocol):

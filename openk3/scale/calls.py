@@ -38,7 +38,7 @@ class ResponseHead:
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """One replica's own /health status and /metrics text, for the front end's aggregate."""
+    """One replica's own /health status and /metrics text (empty for a probe: a call to /health), for the front end."""
 
     replica: str
     health_status: int

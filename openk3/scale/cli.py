@@ -2,7 +2,9 @@
 here, with the flags read into a ReplicaLaunch by launch/replicas.py).
 
 The other `openk3 serve` flags configure every replica's engine and server, as for one `openk3 serve`. A local Ray cluster
-is started unless --ray-address names one. Imports of Ray wait until the command runs, so `openk3 --help` stays fast.
+is started unless --ray-address names one, in a process group of its own (cluster.py LocalCluster): SIGTERM or SIGINT to
+the server, or to its whole process group, drains the replicas, stops that cluster and exits 0. Imports of Ray wait until
+the command runs, so `openk3 --help` stays fast.
 """
 
 from __future__ import annotations
@@ -60,23 +62,37 @@ def run(args: argparse.Namespace, launch: ReplicaLaunch) -> int:
     except ValueError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
         return 2
+    import ray
     from ray import serve
 
-    from openk3.scale.cluster import RayStartError, connect
+    from openk3.scale.cluster import LocalCluster, RayStartError, connect
 
+    cluster = None
     try:
-        connect(args.ray_address)
+        if args.ray_address is None:
+            cluster = LocalCluster.start()  # in its own process group: a signal to ours reaches only this process
+        connect(args.ray_address if cluster is None else cluster.address)
     except RayStartError as e:
         print(f"openk3 serve: {e}", file=sys.stderr)
+        if cluster is not None:
+            cluster.close()
         return 1
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app, name=config.app_name, route_prefix="/")
-    pools = f"{config.prefill_replicas} prefill + {config.replicas} decode replicas" if config.prefill_replicas else f"{config.replicas} replicas"
-    print(f"openk3 serve: {pools} ({config.router} routing) on http://{args.host}:{args.port}", file=sys.stderr)
+    # after ray.init, which installs a handler of its own that ends the process on SIGTERM; from here a signal, also one
+    # that comes while the replicas start, lets serve.run finish and then stops everything in order
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _num, _frame: stop.set())
-    stop.wait()
-    serve.delete(config.app_name)
-    serve.shutdown()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=config.app_name, route_prefix="/")
+        pools = f"{config.prefill_replicas} prefill + {config.replicas} decode replicas" if config.prefill_replicas else f"{config.replicas} replicas"
+        print(f"openk3 serve: {pools} ({config.router} routing) on http://{args.host}:{args.port}", file=sys.stderr)
+        stop.wait()
+        print("openk3 serve: stopping: draining the replicas", file=sys.stderr)
+        serve.delete(config.app_name)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.close()
     return 0

@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 
 from openk3.checks import check_choice, check_int, check_number
 from openk3.scale.frontend import Frontend
+from openk3.scale.health_board import ProbeConfig
 from openk3.scale.replica import EngineReplica
 from openk3.scale.replica_launch import ReplicaLaunch
 from openk3.scale.router import PrefixAffinityRouter, TargetedPowerOfTwoRouter
@@ -41,6 +42,8 @@ class ScaleConfig:
     replica_cpus: float = 1.0  # Ray CPUs reserved per rank of a replica (its engine thread and torch's)
     max_ongoing_requests: int = 512  # per replica; past it Ray queues at the front end, the engine's own admission is the limit
     max_imbalance: int = 4  # prefix router: in-flight requests a match may cost over the least loaded replica
+    health_period_s: float = 0.5  # the front end probes every replica's /health this often (health_board.py)
+    health_timeout_s: float = 2.0  # a replica that does not answer its probe in this long is unhealthy
     app_name: str = "openk3"
 
     def __post_init__(self) -> None:
@@ -50,6 +53,7 @@ class ScaleConfig:
         check_number("ScaleConfig", "replica_cpus", self.replica_cpus, low=0)
         check_int("ScaleConfig", "max_ongoing_requests", self.max_ongoing_requests, low=1)
         check_int("ScaleConfig", "max_imbalance", self.max_imbalance, low=1)
+        ProbeConfig(self.health_period_s, self.health_timeout_s)  # its checks, under its own names
 
 
 def check_combination(launch: ReplicaLaunch, config: ScaleConfig) -> int:
@@ -105,7 +109,9 @@ def application(launch: ReplicaLaunch, config: ScaleConfig) -> Application:
     ingress: Any = serve.ingress()(Frontend)  # the deferred-app form: Frontend.__serve_build_asgi_app__ builds it
     front: Any = serve.deployment(ingress, name="Frontend", num_replicas=1, ray_actor_options={"num_cpus": 0})
     decode = pool(REPLICA_DEPLOYMENT, config.replicas)
+    probe = ProbeConfig(config.health_period_s, config.health_timeout_s)
     if not config.prefill_replicas:
-        return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit)
+        return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, probe=probe, pool_sizes=(config.replicas, 0))
     prefill = pool(PREFILL_DEPLOYMENT, config.prefill_replicas)
-    return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT)
+    sizes = (config.replicas, config.prefill_replicas)
+    return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT, probe=probe, pool_sizes=sizes)

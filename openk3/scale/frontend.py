@@ -7,9 +7,17 @@ record of that boundary; the request then goes to a decode replica with the reco
 request from it (replica.py). A prefill that fails (its replica lost, busy, or the prompt refused) is counted and the
 request goes to a decode replica without a record, which computes the whole prompt: slower, never a different answer.
 
-/health and /metrics are the replicas' own (both pools'), aggregated: each replica is asked through the router, by id,
-for its report. /health is 200 while at least one replica is healthy (its body lists each one), else 503. The replica
-ids come from Ray's registry of named actors, where Serve registers each replica as `SERVE_REPLICA::<app>#<deployment>#<id>`.
+A prefill call also ends, without its answer, when the prefill pool has no healthy replica left (health_board.py):
+Ray would hold it until a replacement replica has started (seconds to minutes), the decode replica computes the prompt
+now. While the pool is down, requests skip the prefill at once.
+
+/health is the health board's last probe (health_board.py: every replica probed in the background, each answer bounded
+in time), so it answers at once however many replicas are dead: 200 while at least one decode replica is healthy
+("status": "ok", or "degraded" when some replica of either pool is not), else 503, with the healthy and unhealthy counts
+per pool and each replica's line. /metrics asks every replica (both pools) through the router, by id, for its report,
+each bounded by METRICS_TIMEOUT_S (a scrape, not a liveness check: rendering a busy replica's metrics takes time). The
+replica ids come from Ray's registry of named actors, where Serve registers each replica as
+`SERVE_REPLICA::<app>#<deployment>#<id>`.
 """
 
 from __future__ import annotations
@@ -27,19 +35,20 @@ from typing import TypeVar
 import ray
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from openk3.api.errors import APIError
 from openk3.scale.calls import ReplicaCall, ReplicaReport, ResponseHead
 from openk3.scale.forward import ForwardStats, rest_of_body, start
+from openk3.scale.health_board import HealthBoard, ProbeConfig, until_down
 from openk3.scale.metrics_merge import counter, gauge, merged_families, render
 from openk3.scale.prompt_keys import PromptKeys
 
 LOST = (RayActorError,)  # a replica's process died or cannot be reached (ActorDiedError, ActorUnavailableError)
-REPORT_TIMEOUT_S = 10.0  # a replica that cannot answer its report in this long counts as unhealthy
 HOP_HEADERS = {b"host", b"content-length", b"connection", b"transfer-encoding"}
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_TIMEOUT_S = 10.0  # /metrics: a replica that cannot answer its report in this long is left out (and counted unhealthy)
 T = TypeVar("T")
 log = logging.getLogger("openk3.scale")
 
@@ -63,11 +72,19 @@ def replica_ids(app_name: str, deployment: str) -> list[str]:
     return sorted(n["name"][len(prefix) :] for n in names if isinstance(n, dict) and n["name"].startswith(prefix))
 
 
+def actor_id(app_name: str, deployment: str, replica: str) -> str | None:
+    """The Ray actor id (hex) of a replica, as Ray's errors name it; None when it is gone already."""
+    try:
+        return str(ray.get_actor(f"SERVE_REPLICA::{app_name}#{deployment}#{replica}", namespace="serve")._actor_id.hex())
+    except ValueError:  # no actor of that name (any more)
+        return None
+
+
 @dataclass
 class HandoffStats:
     handoffs: int = 0  # requests sent to a decode replica with a prefill replica's record
     record_bytes: int = 0
-    prefill_failures: int = 0  # prefill calls that raised: those requests were computed whole on a decode replica
+    prefill_failures: int = 0  # prefill calls that raised, or were given up (pool down): computed whole on a decode replica
     no_record: int = 0  # prefill calls answered without a record (a one-token prompt, or one the engine refused)
 
 
@@ -81,7 +98,10 @@ class Frontend:
         match_unit: int,
         prefill: DeploymentHandle | None = None,
         prefill_deployment: str | None = None,
+        probe: ProbeConfig | None = None,
+        pool_sizes: tuple[int, int] = (1, 0),
     ) -> None:
+        """pool_sizes: the decode (or only) pool's replicas and the prefill pool's, as deployed (what /health counts)."""
         from openk3.api.chat_loading import load_chat_template
         from openk3.serve.loading import ASSETS, model_tokenizer
 
@@ -96,6 +116,11 @@ class Frontend:
         self.prefill, self.prefill_deployment = prefill, prefill_deployment
         self.stats = ForwardStats()
         self.handoff = HandoffStats()
+        self.probe = probe or ProbeConfig()
+        sizes = dict(zip([name for _, name in self._pools()], pool_sizes, strict=False))
+        self.board = HealthBoard(sizes, self._list_ids, self._probe_health, self.probe)
+        self._probing: asyncio.Task[None] | None = None
+        self._actors: dict[str, tuple[str, str]] = {}  # Ray actor id (hex) -> (pool, replica id), learnt by the probes
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="openk3 scale-out front end", docs_url=None, redoc_url=None, openapi_url=None)
@@ -117,15 +142,46 @@ class Frontend:
             async for item in gen:
                 yield item
             done = True
+        except LOST as e:
+            self._saw_lost(e)
+            raise
         finally:
             if not done:
                 gen.cancel()  # the client left (or the replica failed): the replica's app sees a disconnect and aborts
 
+    def _ensure_probing(self) -> None:
+        """The board's probe loop, started on the serving event loop by the first request (the constructor has none)."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.get_running_loop().create_task(self.board.run())
+
+    async def _list_ids(self, pool: str) -> list[str]:
+        ids = await asyncio.to_thread(replica_ids, self.app_name, pool)
+        known = {replica for p, replica in self._actors.values() if p == pool}
+        for replica in set(ids) - known:
+            actor = await asyncio.to_thread(actor_id, self.app_name, pool, replica)
+            if actor is not None:
+                self._actors[actor] = (pool, replica)
+        return ids
+
+    def _saw_lost(self, e: BaseException) -> None:
+        """A replica call raised Ray's "actor lost": a dead replica is marked on the board now; any loss wakes the probes."""
+        where = self._actors.get(getattr(e, "actor_id", None) or "")
+        if isinstance(e, ActorDiedError) and where is not None:
+            self.board.mark_lost(*where, type(e).__name__)
+        else:
+            self.board.wake()
+
+    async def _probe_health(self, pool: str, replica: str) -> int:
+        handle = dict((name, h) for h, name in self._pools())[pool]
+        report: ReplicaReport = await own_request_id(lambda: handle.report.remote(ReplicaCall("GET", "/health", target=replica)))
+        return report.health_status
+
     async def proxy(self, request: Request) -> Response:
+        self._ensure_probing()
         body = await request.body()
         path = request.url.path
-        ids, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
-        keys, request_id = self.keys.keys_of(ids), uuid.uuid4().hex
+        keys, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
+        request_id = uuid.uuid4().hex
         record = None
         if handoff is not None:
             record = await self._prefill(ReplicaCall("POST", path, keys=keys, request_id=request_id, prompt_ids=tuple(handoff)))
@@ -136,17 +192,25 @@ class Frontend:
         response.raw_headers = [(k.lower(), v) for k, v in started.head.headers if k.lower() not in HOP_HEADERS]
         return response
 
-    def _prompt(self, method: str, path: str, body: bytes) -> tuple[list[int] | None, list[int] | None]:
-        """The prompt's routing ids, and with a prefill pool the ids a prefill replica computes (None: no hand-off)."""
+    def _prompt(self, method: str, path: str, body: bytes) -> tuple[tuple[bytes, ...], list[int] | None]:
+        """The prompt's routing keys (under its cache_salt), and with a prefill pool the ids a prefill replica computes
+        (None: no hand-off)."""
         ids = self.keys.prompt_ids(path, body)
         handoff = self.keys.handoff_ids(path, body, ids) if self.prefill is not None and method == "POST" else None
-        return ids, handoff
+        return self.keys.keys_of(ids, self.keys.cache_salt(path, body)), handoff
 
     async def _prefill(self, call: ReplicaCall) -> bytes | None:
-        assert self.prefill is not None
+        prefill, pool = self.prefill, self.prefill_deployment
+        assert prefill is not None and pool is not None
+        if self.board.is_down(pool):
+            self.handoff.prefill_failures += 1
+            return None
         try:
-            record: bytes | None = await own_request_id(lambda: self.prefill.prefill.remote(call))  # type: ignore[union-attr]
+            response = own_request_id(lambda: prefill.prefill.remote(call))
+            record: bytes | None = await until_down(self.board, pool, response, response.cancel)
         except Exception as e:  # the request is still served, by a decode replica alone
+            if isinstance(e, LOST):
+                self._saw_lost(e)
             self.handoff.prefill_failures += 1
             log.warning("request %s: prefill failed (%s: %s), its decode replica computes the prompt", call.request_id, type(e).__name__, e)
             return None
@@ -164,10 +228,12 @@ class Frontend:
         return pools
 
     async def _reports(self) -> dict[str, ReplicaReport | str]:
+        """Every replica's report (its /health status and /metrics text), each bounded by METRICS_TIMEOUT_S."""
+
         async def one(handle: DeploymentHandle, replica: str) -> ReplicaReport | str:
             try:
                 call = ReplicaCall("GET", "/report", target=replica)
-                return await asyncio.wait_for(own_request_id(lambda: handle.report.remote(call)), REPORT_TIMEOUT_S)
+                return await asyncio.wait_for(own_request_id(lambda: handle.report.remote(call)), METRICS_TIMEOUT_S)
             except Exception as e:  # one replica's failure is its line in the report, never the front end's error
                 return f"{type(e).__name__}: {e}".splitlines()[0]
 
@@ -176,11 +242,13 @@ class Frontend:
         return dict(zip((r for _, r in found), results, strict=True))
 
     async def health(self) -> JSONResponse:
-        reports = await self._reports()
-        lines = {r: (f"health {v.health_status}" if isinstance(v, ReplicaReport) else v) for r, v in reports.items()}
-        healthy = num_healthy(reports)
-        body = {"healthy": healthy, "replicas": lines}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        self._ensure_probing()
+        if self.board.probed_at is None:  # the first probe, itself bounded: its listing and each answer by the timeout
+            await self.board.wait_probed()
+        body = self.board.summary()
+        serving = self.board.healthy(self.deployment) > 0
+        body["status"] = ("ok" if body["unhealthy"] == 0 else "degraded") if serving else "unavailable"
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     async def metrics(self) -> Response:
         reports = await self._reports()

@@ -5,6 +5,9 @@ the template's rendering for chat with the request's tools, reasoning effort and
 defaults), and the keys with the engine's own chain (serve/cache/hashing.py), in units of the
 engine's prefix match unit: a router match is a boundary where the engine can hit. A body the front end cannot read gets
 no keys and is routed by load: its replica answers it with the proper 4xx, so the front end need not duplicate the checks.
+A request's `cache_salt` is mixed into its keys as the engine mixes it into its own (hashing.request_salt): requests of
+one salt are routed together, toward the replica that holds their prefixes, and never by another salt's (or no salt's)
+cached prompts, which their replica could not hit anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from openk3.api.protocol import ChatCompletionRequest
 from openk3.api.structured_request import structured_request
 from openk3.api.tool_choice import plan_tools
 from openk3.api.user_text import encode_prompt_text
-from openk3.serve.cache.hashing import chain_keys
+from openk3.serve.cache.hashing import chain_keys, request_salt
 from openk3.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("openk3.scale")
@@ -39,10 +42,16 @@ class PromptKeys:
         self.salt = f"openk3-router:{model_name}".encode()
 
     def keys(self, path: str, body: bytes) -> tuple[bytes, ...]:
-        return self.keys_of(self.prompt_ids(path, body))
+        return self.keys_of(self.prompt_ids(path, body), self.cache_salt(path, body))
 
-    def keys_of(self, ids: list[int] | None) -> tuple[bytes, ...]:
-        return () if ids is None else tuple(chain_keys(self.salt, ids, self.match_unit))
+    def keys_of(self, ids: list[int] | None, cache_salt: str | None = None) -> tuple[bytes, ...]:
+        return () if ids is None else tuple(chain_keys(request_salt(self.salt, cache_salt), ids, self.match_unit))
+
+    def cache_salt(self, path: str, body: bytes) -> str | None:
+        """The body's cache_salt (None without one, or for a body that is not a routed request)."""
+        data = self._request(path, body)
+        salt = None if data is None else data.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None
 
     def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
         """The ids to route by: the first prompt of a completion, a chat's prompt as the replica renders it."""
@@ -57,18 +66,19 @@ class PromptKeys:
 
     def handoff_ids(self, path: str, body: bytes, routed: list[int] | None) -> list[int] | None:
         """The prompt a prefill replica may compute for the request: `routed` (prompt_ids' answer) when it is the request's
-        whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat whose reply the
-        server starts inside the prompt (a named or required tool call, or structured output: api/tool_choice.py writes
-        the call's or the reply's opening after the rendered prompt). A wrong guess costs only the hand-off: the decode
-        replica's lookup misses and it computes the prompt itself."""
+                whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat whose reply the
+                server starts inside the prompt (a named or required tool call, or structured output: api/tool_choice.py writes
+                the call's or the reply's opening after the rendered prompt), or one with images (their tokens are keyed by the image,
+        which the hand-off record is not). A wrong guess costs only the hand-off: the decode
+                replica's lookup misses and it computes the prompt itself."""
         data = self._request(path, body) if routed is not None else None
-        if data is None:
-            return None
+        if data is None or data.get("cache_salt") is not None:
+            return None  # a salted request looks only under its salt, and a prefill replica's record is keyed by none
         if path == "/v1/chat/completions":
             try:
                 req = ChatCompletionRequest.model_validate(data)
                 forced = req.tools and req.tool_choice not in (None, "auto", "none")
-                return None if forced or structured_request(req) is not None else routed
+                return None if forced or structured_request(req) is not None or _has_images(data) else routed
             except (ValidationError, APIError):
                 return None
         prompt = data.get("prompt")
@@ -107,3 +117,9 @@ class PromptKeys:
         kwargs = {**self.default_chat_kwargs, **(req.chat_template_kwargs or {})}
         prompt = self.template.render_prompt(req.messages, req.add_generation_prompt, special, kwargs, tools, tok.special_token_strings, chat_options(req))
         return encode_prompt_text(tok, prompt)
+
+
+def _has_images(data: dict) -> bool:
+    messages = data.get("messages")
+    parts = [p for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"]] if isinstance(messages, list) else []
+    return any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image") for p in parts)

@@ -94,9 +94,11 @@ class EngineReplica:
             log.warning("replica %s: hand-off record refused (%s), the prompt is recomputed: %s", self.replica_id, type(e).__name__, e)
 
     async def report(self, call: ReplicaCall) -> ReplicaReport:
+        """This replica's /health status and, unless the call's path is /health (the front end's probe), its /metrics text."""
         if call.target != self.replica_id:
             raise WrongReplicaError(f"a report for replica {call.target} reached replica {self.replica_id}")
-        return ReplicaReport(self.replica_id, await self._status("/health"), (await self._body("/metrics")).decode())
+        metrics = "" if call.path == "/health" else (await self._body("/metrics")).decode()
+        return ReplicaReport(self.replica_id, await self._status("/health"), metrics)
 
     async def check_health(self) -> None:
         status = await self._status("/health")

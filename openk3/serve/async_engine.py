@@ -16,8 +16,13 @@ Failure (serve/engine_failure.py): once the engine has failed -- its step raised
 rank heartbeat does while the engine thread is still stuck in a collective -- every open stream, every add still queued
 and every later add get EngineDeadError at once; while a step runs past `step_timeout_s` new adds get EngineStalledError.
 Admission (serve/admission.py, on the engine thread): an add is refused while `max_waiting_requests` requests wait
-unscheduled (QueueFullError), and after each step those that have waited longer than `queue_timeout_s` are aborted
+unscheduled (QueueFullError; under the fair policy it may instead take a flooding client's newest waiting request's place,
+which ends with that error), and after each step those that have waited longer than `queue_timeout_s` are aborted
 (QueueTimeoutError, delivered to their streams).
+Pause (`call_idle`, for weight updates): new adds wait at a gate on the event loop; the requests in flight either run to
+their end on the engine as it is (drain) or are aborted (their streams end with finish_reason "abort"); once the engine
+has no request, fn(engine) runs on the engine thread, then the gate opens again. A request therefore runs on one weight
+version from its first step to its last; its stream says which (`RequestStream.weight_version`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from openk3.serve.admission import Admission
 from openk3.serve.config import FrontendConfig
 from openk3.serve.engine import ServedEngine
 from openk3.serve.engine_failure import EngineDeadError, EngineStalledError, FailureLatch
+from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.sampling import SamplingParams
 
@@ -66,8 +72,9 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The outputs of one added request, until every sample has finished; `aclose` before that aborts it. Event loop only."""
 
-    def __init__(self, frontend: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, frontend: AsyncEngine, request_id: str, queue: asyncio.Queue, weight_version: int = 0) -> None:
         self.request_id = request_id
+        self.weight_version = weight_version  # the engine's weights this request runs on, from its first step to its last
         self._frontend = frontend
         self._queue = queue
         self._open = True
@@ -114,6 +121,10 @@ class AsyncEngine(Generic[E]):
         self.on_failure: Callable[[BaseException], None] | None = None
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
+        self._idle_commands: list[Callable[[], None]] = []  # run once the engine has no request (call_idle)
+        self._open = asyncio.Event()  # cleared while call_idle holds new adds back
+        self._open.set()
+        self._pausing = asyncio.Lock()  # one call_idle at a time
         self._stop = False
         self._closed = False
         self._queues: dict[str, asyncio.Queue] = {}  # engine thread only: the requests in flight
@@ -197,10 +208,13 @@ class AsyncEngine(Generic[E]):
         self._submit(command)
         return await self.failure.answer(fut)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+    async def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA, images: tuple[ImageSpan, ...] = ()
+    ) -> RequestStream:
         """Add a request and return its output stream (DELTA: one output per step that changed it; FINAL_ONLY: one at the
         end). Raises ValueError on bad input, QueueFullError, EngineDeadError or FrontendClosedError before anything is
-        added; a caller cancelled meanwhile leaves nothing behind."""
+        added; a caller cancelled meanwhile leaves nothing behind. While `call_idle` runs, waits for it first."""
+        await self._open.wait()
         if self.error is not None:
             raise self.failure.dead_error()
         if not self._accepting or self._thread is None:
@@ -209,7 +223,7 @@ class AsyncEngine(Generic[E]):
         if stalled is not None:
             raise EngineStalledError(f"the engine's current step has run for {stalled:.0f} s, longer than step_timeout_s {self.config.step_timeout_s:g}")
         queue: asyncio.Queue = asyncio.Queue()
-        added: concurrent.futures.Future = concurrent.futures.Future()
+        added: concurrent.futures.Future[int] = concurrent.futures.Future()
 
         def add() -> None:
             if not added.set_running_or_notify_cancel():
@@ -217,17 +231,17 @@ class AsyncEngine(Generic[E]):
             try:
                 if self.error is not None:  # queued behind the step that failed: nothing may enter a dead engine
                     raise self.failure.dead_error()
-                self._admit(request_id, prompt_token_ids, params, kind)
+                self._admit(request_id, prompt_token_ids, params, kind, images)
             except BaseException as e:
                 added.set_exception(e)
                 return
             self._queues[request_id] = queue
-            added.set_result(None)
+            added.set_result(self.engine.weight_version)
 
         self._active += 1
         try:
             self._submit(add)
-            await self.failure.answer(added)
+            weight_version = await self.failure.answer(added)
         except (asyncio.CancelledError, EngineDeadError):
             self._active -= 1
             refused = added.done() and not added.cancelled() and added.exception() is not None
@@ -238,7 +252,34 @@ class AsyncEngine(Generic[E]):
             self._active -= 1
             raise
         self.failure.watch(queue)
-        return RequestStream(self, request_id, queue)
+        return RequestStream(self, request_id, queue, weight_version)
+
+    async def call_idle(self, fn: Callable[[E], T], abort_running: bool = False) -> T:
+        """Pause, then run fn(engine) on the engine thread once no request runs, and resume (module docstring): the requests
+        in flight finish first, or with `abort_running` are aborted now; adds made meanwhile wait and run after fn."""
+        async with self._pausing:
+            self._open.clear()
+            try:
+                fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+                def command() -> None:
+                    if not fut.set_running_or_notify_cancel():
+                        return
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except BaseException as e:  # handed to the caller, not swallowed
+                        fut.set_exception(e)
+
+                def pause() -> None:
+                    if abort_running:
+                        for request_id in list(self._queues):
+                            self._abort(request_id, notify=True)
+                    self._idle_commands.append(command)
+
+                self._submit(pause)
+                return await self.failure.answer(fut)
+            finally:
+                self._open.set()
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind = OutputKind.DELTA
@@ -285,9 +326,12 @@ class AsyncEngine(Generic[E]):
         if item is not None and queue is not None:
             self._deliver([(queue, item)])
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind) -> None:
-        self.admission.check_room()
-        self.admission.arrived(request_id, self.processor.add_request(request_id, prompt_token_ids, params, kind))
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind, images: tuple[ImageSpan, ...] = ()) -> None:
+        shed = self.admission.check_room(request_id, params.client)
+        added = self.processor.add_request(request_id, prompt_token_ids, params, kind, images=images)
+        self.admission.arrived(request_id, added, params.client)
+        for victim, error in shed:  # only once the new request is in: a refused add sheds nothing
+            self._abort(victim, notify=False, error=error)
 
     def _observe(self, stats: IterationStats) -> None:
         if self.observer is None:
@@ -304,7 +348,7 @@ class AsyncEngine(Generic[E]):
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._commands and not self._stop and (self.error is not None or not self.engine.has_unfinished()):
+                while not self._commands and not self._stop and not self._idle_due() and (self.error is not None or not self.engine.has_unfinished()):
                     self._cv.wait()
                 commands, self._commands = self._commands, []
                 stop = self._stop
@@ -315,6 +359,10 @@ class AsyncEngine(Generic[E]):
                 if stop:
                     self._close()
                     return
+                if self._idle_due():
+                    idle, self._idle_commands = self._idle_commands, []
+                    for command in idle:
+                        command()
                 if self.error is None and self.engine.has_unfinished():
                     stats = IterationStats()
                     self._step_started = self._clock()
@@ -334,9 +382,15 @@ class AsyncEngine(Generic[E]):
                 if stop:
                     return
 
+    def _idle_due(self) -> bool:
+        return bool(self._idle_commands) and self.error is None and not self.engine.has_unfinished()
+
     def _close(self) -> None:
         for request_id in list(self._queues):
             self._abort(request_id, notify=True)
+        idle, self._idle_commands = self._idle_commands, []
+        for command in idle:  # the engine is idle now: a pending call_idle is answered, not left waiting
+            command()
         if self.error is None:
             self.engine.check_integrity()
         self._publish_stats()

@@ -33,6 +33,13 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "most requests in the running batch (= KDA state slots)", low=1)
     max_num_batched_tokens: int = setting(2048, "token budget of one engine step", low=1)
     long_prefill_token_threshold: int | None = setting(None, "prefill chunk size per request and step (default: the step budget)", low=1)
+    encoder_cache_tokens: int = setting(16384, "image embeddings (in tokens) the vision encoder cache keeps", low=1)
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: arrival order (priority must be 0); priority: lowest priority value first, preempting larger values; "
+        "fair: priority, then the client (the request's user) running fewest requests (docs/serving.md)",
+        choices=("fcfs", "priority", "fair"),
+    )
     page_size: int = setting(16, "tokens per MLA cache page", low=1)
     num_pages: int | None = setting(None, "MLA cache pages (default: as many as fit in the cache memory)", low=1)
     cache_memory_bytes: int = setting(256 * 2**20, "memory for MLA pages and KDA state slots", low=1, unit="MiB", flag="--cache-memory-mb")
@@ -148,9 +155,11 @@ class EngineConfig:
 
     @property
     def scheduler(self) -> SchedulerConfig:
+        from openk3.serve.policy import SchedulingPolicy
         from openk3.serve.scheduler import SchedulerConfig
 
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+        policy = SchedulingPolicy(self.scheduling_policy)
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold, policy)
 
 
 def _names(dtype: Any, device: Any) -> tuple[Any, Any]:

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
+from openk3.config.vision import VisionConfig
+from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
@@ -26,7 +28,10 @@ from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer
+from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
+from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.policy import check_priority
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
@@ -67,7 +72,14 @@ class EngineCore(Protocol):
     @property
     def model(self) -> CausalLM: ...
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        group_id: str | None = None,
+        images: tuple[ImageSpan, ...] = (),
+    ) -> None: ...
 
     def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None: ...
 
@@ -95,11 +107,21 @@ class ServedEngine(EngineCore, Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def vision(self) -> VisionConfig | None:
+        """The vision tower's config when add_request takes images, else None."""
+        ...
+
+    @property
     def model_config(self) -> ModelConfig: ...
 
     @property
     def num_engines(self) -> int:
         """Engines behind this one (data-parallel ranks; 1 for LLMEngine), each with `config`'s sequences and `cache`'s pages."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """How many times the weights were replaced in place (0: as built); what every response reports."""
         ...
 
     def stats(self) -> EngineStats: ...
@@ -164,8 +186,13 @@ class LLMEngine:
         if isinstance(model, torch.nn.Module) and moe_layers(model):
             self.runner.routing = RoutingRecorder(model)  # records only the steps of requests that ask (return_routing)
         self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
+        self.encoder_cache: EncoderCache | None = None  # image inputs: a model with a vision tower (serve/encoder_cache.py)
+        if isinstance(model, K3ForCausalLM) and model.vision is not None:
+            self.encoder_cache = EncoderCache(model.encode_images, cfg.encoder_cache_tokens, self.device)
+            self.runner.encoder_cache = self.encoder_cache
+            self.scheduler.encoder_cost = self.encoder_cache.cost
         self._cache_dtype = cache_dtype
-        self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
+        self.weight_version = 0  # weights_changed() counts the in-place updates (parallel/weight_update.py)
         self.proposer: DraftProposer | None = None
         if draft_model is not None:
             if cfg.cuda_graphs:
@@ -187,20 +214,35 @@ class LLMEngine:
         # the checkpoint's end tokens (generation_config.json) end a reply whatever tokenizer serves it (masked by min_tokens)
         self._also_eos = frozenset(checkpoint_eos) - {self._eos}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        group_id: str | None = None,
+        images: tuple[ImageSpan, ...] = (),
+    ) -> None:
         """Queue one sample of a prompt given as token ids (OutputProcessor.add_request takes text and n > 1); `group_id`:
-        the caller's request this sample belongs to, so that its samples share slots fairly with other requests."""
+        the caller's request this sample belongs to, so that its samples share slots fairly with other requests; `images`:
+        the prompt's images and where their media tokens are (serve/media_prompt.py expand_media)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if images and self.encoder_cache is None:
+            raise ValueError("this model has no vision tower: image input is not supported")
         ids = list(prompt_token_ids)
         self.check_prompt(ids)
+        check_priority(self.scheduler.config.policy, params.priority, request_id)  # before anything of it is kept
         # a seeded request draws from its own generator, made where the sampler draws (the model's device)
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator, also_eos=self._also_eos)
+        req = Request(request_id, ids, params, eos_token_id=self._eos, group_id=group_id, generator=generator, also_eos=self._also_eos, images=images)
         self._texts[request_id] = RequestText(self.tokenizer, ids, params)
         self.scheduler.add_request(req)
         self._prompt_tokens_total += len(ids)
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        return self.model.vision if isinstance(self.model, K3ForCausalLM) and self.encoder_cache is not None else None
 
     def _take_routing(self, req: Request) -> RoutingTrace | None:
         parts = self._routing.pop(req.request_id, None)
@@ -260,6 +302,8 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.runner.graphs is not None:
             self.runner.graphs.check_integrity()
+        if self.encoder_cache is not None:
+            self.encoder_cache.check_integrity()
         if not self.has_unfinished():
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:

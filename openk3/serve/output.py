@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from openk3.serve.engine import EngineCore
+from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.output_types import (
     CompletionOutput,
     FinishedRequest,
@@ -122,9 +123,11 @@ class OutputProcessor(Generic[EngineT]):
         params: SamplingParams | None = None,
         kind: OutputKind = OutputKind.FINAL_ONLY,
         add_special_tokens: bool = True,
+        images: tuple[ImageSpan, ...] = (),
     ) -> list[str]:
         """Queue a prompt (text, tokenised with the tokenizer's special tokens by default as vLLM does for completions, or
-        token ids); returns the ids of its core requests. On any error nothing stays queued."""
+        token ids, with `images` placed in them: serve/media_prompt.py); returns the ids of its core requests. On any error
+        nothing stays queued."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -136,7 +139,7 @@ class OutputProcessor(Generic[EngineT]):
                 child = params if params.n == 1 else params.for_child(i)
                 if i and child.prompt_logprobs is not None:
                     child = child.replace(prompt_logprobs=None)
-                self.engine.add_request(core_id, ids, child, group_id=request_id if params.n > 1 else None)
+                self.engine.add_request(core_id, ids, child, group_id=request_id if params.n > 1 else None, images=images)
                 logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
                 samples.append(_Sample(i, core_id, child, hold_back(params), kind == OutputKind.DELTA, logprobs=logprobs))
         except BaseException:

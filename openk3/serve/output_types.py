@@ -41,6 +41,7 @@ class RequestOutput:
     prompt: str | None = None
     # prompt tokens 1.. scored (serve/prompt_logprobs.py) when asked for: DELTA in the first output after they are known, once
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    weight_version: int = 0  # the weights it ran on, in a final output of the server's front end (api/updates.py)
 
     @property
     def text(self) -> str:

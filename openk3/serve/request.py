@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.serve.media_prompt import ImageSpan, cache_key_ids, check_spans
 from openk3.serve.routing import RoutingTrace
 from openk3.serve.sampling import SamplingParams
 
@@ -87,6 +88,7 @@ class Request:
         also_eos: frozenset[int] = frozenset(),
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         if sampling_params.n != 1:
             n = sampling_params.n
@@ -99,10 +101,13 @@ class Request:
         # prompt then outputs; the runner packs slices of it and the sampler reads it whole (penalties, grammars)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        check_spans(images, self.num_prompt_tokens)
+        self.images = images  # the prompt's images and the positions of their media tokens (serve/media_prompt.py)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose cache is written: only the scheduler changes it
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS, length, abort)
         self.num_preemptions = 0
+        self.arrival_seq = 0  # the scheduler's count of arrivals when this one came: ties of priority go by it (serve/policy.py)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         # speculative decoding (serve/speculative.py): the draft tokens proposed for the coming step, after token_ids, and
         # the draft's distributions they were drawn from ([K, V]; None when greedy); never part of token_ids
@@ -132,6 +137,25 @@ class Request:
     def group(self) -> str:
         """What the scheduler shares slots between: the caller's request (all its samples), or this request alone."""
         return self.group_id if self.group_id is not None else self.request_id
+
+    def cache_key_ids(self, n: int | None = None) -> list[int]:
+        """The first `n` tokens (default all) as the prefix cache keys them: image tokens by their image's digest."""
+        return cache_key_ids(self.token_ids, self.images, n)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def client(self) -> tuple[str, str]:
+        """Whose share it counts in under the fair policy: the client it names, or else its own caller's request (its n
+        samples together), so that unnamed requests take turns as fcfs makes the samples of n > 1 requests take turns."""
+        named = self.sampling_params.client
+        return ("client", named) if named is not None else ("request", self.group)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def prompt_token_ids(self) -> list[int]:

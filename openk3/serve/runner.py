@@ -7,13 +7,15 @@ The runner runs the model as it is given: whoever builds the engine has applied 
 The runner keeps no request state: it reads each scheduled Request (its tokens and computed count) and the cache (its slot
 and pages), and changes none of them; the scheduler applies what was sampled. A request samples when its computed tokens
 catch up with its tokens this step; only those rows get logits, and the prefill rows of a request that wants its prompt
-scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`.
+scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`. Rows of image tokens get their images'
+embeddings (`mm_embeds`, from the encoder cache, which runs the vision encoder for images it does not hold).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors, ForwardBatch, StateCut
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import DecodeGraphs
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.prompt_logprobs import rows_to_score, score
@@ -81,6 +84,7 @@ class ModelRunner:
         self.routing: RoutingRecorder | None = None  # set by the engine where the model has MoE layers to record
         self.max_model_len = max_model_len  # where the length rule ends a speculative run (serve/stopping.py)
         self.spec_stats = SpecDecodeStats()
+        self.encoder_cache: EncoderCache | None = None  # set by the engine where the model has a vision tower
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[Request], list[PromptRows]]:
         """The packed step, the requests that sample (in logits-row order), the requests that verify drafts (k + 1 rows
@@ -117,9 +121,12 @@ class ModelRunner:
                 scored.append(PromptRows(req, prompt_positions))
                 scored_rows.extend(range(at - n + prompt_positions.start - c, at - n + prompt_positions.stop - c))
         batch = pack(rows, self.device, logits_rows + verify_rows + scored_rows)
+        mm = self.encoder_cache.step_rows(out.requests, out.num_tokens) if self.encoder_cache is not None else None
+        if mm is not None:  # the placeholder rows of images take the images' embeddings (serve/encoder_cache.py)
+            batch = dataclasses.replace(batch, mm_embeds=mm[0], mm_rows=mm[1])
         if out.cuts:
             starts = [r.num_computed_tokens for r in out.requests]
-            batch = replace(batch, state_cuts=tuple(StateCut(c.row, c.num_tokens - starts[c.row], c.slot) for c in out.cuts))
+            batch = dataclasses.replace(batch, state_cuts=tuple(StateCut(c.row, c.num_tokens - starts[c.row], c.slot) for c in out.cuts))
         return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:

@@ -49,6 +49,11 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # the top-k experts of every MoE layer for every token run, returned with the completion (serve/routing.py)
     return_routing: bool = False
+    # how the engine schedules and caches the request, not how it samples: they ride here because SamplingParams is what
+    # reaches every engine and rank unchanged (as return_routing does)
+    priority: int = 0  # lower is served first under the priority and fair policies (serve/policy.py); fcfs needs 0
+    client: str | None = None  # who sent it, shared fairly with other clients under the fair policy (None: the anonymous one)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes (serve/cache/hashing.py)
 
     def __post_init__(self) -> None:
         # Accept the list/str spellings callers use and store immutable tuples.
@@ -86,6 +91,11 @@ class SamplingParams:
                 fail("SamplingParams", name, value, "a float in [-2, 2]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             fail("SamplingParams", "repetition_penalty", self.repetition_penalty, "a float > 0 (1 disables it)")
+        check_int("SamplingParams", "priority", self.priority, low=-(2**63), high=2**63 - 1)
+        for name in ("client", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail("SamplingParams", name, value, "None or a non-empty string")
         self._check_token_rules()
         if self.structured_outputs is not None:
             self._check_structured()

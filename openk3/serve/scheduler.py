@@ -8,29 +8,36 @@ queue, recomputed from token 0 later). Then, if nothing was preempted, waiting r
 pages, budget and `max_num_seqs` allow, in FIFO order with one exception that keeps one caller from starving the rest:
 the n samples of one caller's request (its `group`) take turns with other requests -- the next admitted is the waiting
 request whose group has the fewest running samples (preempted ones first, then arrival order). With n = 1 everywhere
-that is plain FIFO. What goes to the runner is the plan of the step: the scheduled requests themselves, in batch order,
-with the tokens each computes; the runner reads their tokens from the Request and their slot and pages from the cache.
-Prefix caching adds one thing to admission: a new request starts at the deepest cached boundary (`num_computed_tokens` = the
-hit; none for a request that wants its prompt scored, serve/prompt_logprobs.py), and states are snapshotted where the
-prefix cache wants them: at the end of a chunk (cut at fixed intervals when asked, and moved down to a multiple of the match
-unit whenever it is cut anyway), at the prompt end, when a request finishes, and inside a step without cutting it
-(ForwardBatch.state_cuts) at detected branch points and at the deepest `prompt_snapshots` multiples of the match unit below the
-prompt's end -- so a repeated or extended prompt hits on its second send. The slots of in-step states are reserved when the
-step is planned and adopted after it.
+that is plain FIFO. That is the fcfs policy; the priority and fair policies (serve/policy.py) order the waiting queue by
+(priority, [client's running requests,] arrival) instead, choose the preemption victim by the same order, admit after a
+preemption only a request that outranks a running one, let it preempt for its own admission, and keep its first chunk out
+of the budget of the requests it outranks. What goes to the runner is the plan of the step: the scheduled requests
+themselves, in batch order, with the tokens each computes; the runner reads their tokens from the Request and their slot
+and pages from the cache. Prefix caching adds one thing to admission: a new request starts at the deepest boundary cached
+under its cache_salt (`num_computed_tokens` = the hit; none for a request that wants its prompt scored,
+serve/prompt_logprobs.py), and states are snapshotted where the prefix cache wants them: at the end of a chunk (cut at
+fixed intervals when asked, and moved down to a multiple of the match unit whenever it is cut anyway), at the prompt end,
+when a request finishes, and inside a step without cutting it (ForwardBatch.state_cuts) at detected branch points and at
+the deepest `prompt_snapshots` multiples of the match unit below the prompt's end -- so a repeated or extended prompt hits
+on its second send. The slots of in-step states are reserved when the step is planned and adopted after it.
+Images: a chunk whose images are not encoded yet also spends their token count of the budget (the encoder runs in that
+step, serve/encoder_cache.py); the prefix cache keys image tokens by image.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.prefix_types import PrefixMatch
+from openk3.serve.policy import POLICIES, Ranking, SchedulingPolicy, check_priority
 from openk3.serve.request import Request, RequestStatus
 
 
@@ -39,8 +46,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int | None = None  # most tokens one request gets per step (the prefill chunk size)
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy={self.policy!r}: expected one of {', '.join(POLICIES)}")
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             check_int("SchedulerConfig", name, getattr(self, name), low=1)
         check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, low=1, optional=True)
@@ -86,6 +97,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # set by the engine when its model encodes images: the extra budget a chunk costs (its images not yet encoded)
+        self.encoder_cost: Callable[[Request, int], int] | None = None
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
@@ -101,7 +115,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        check_priority(self.config.policy, req.priority, req.request_id)
         self.requests[req.request_id] = req
+        req.arrival_seq = next(self._arrivals)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -133,10 +149,11 @@ class Scheduler:
         if self.cache.prefix is None:
             n = self._chunk(req, budget)
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
-        tokens = req.token_ids
+        tokens = req.cache_key_ids()  # image tokens keyed by their image (serve/media_prompt.py)
         # a cached prefix has no logits to score and no routing to record, so a request that wants either computes it all
         wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
-        match = PrefixMatch.miss() if wants_scores or req.sampling_params.return_routing else self.cache.fetch(self.cache.match_prefix(tokens))
+        skip = wants_scores or req.sampling_params.return_routing
+        match = PrefixMatch.miss() if skip else self.cache.fetch(self.cache.match_prefix(tokens, req.cache_salt))
         start = match.num_tokens
         # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so take a state exactly
         # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).
@@ -144,7 +161,7 @@ class Scheduler:
         if branch > start:
             req.snapshot_points = tuple(sorted({*req.snapshot_points, branch}))
         n = self._chunk(req, budget, start)
-        if not self.cache.allocate_prefixed(req.request_id, tokens, match, start + n):
+        if not self.cache.allocate_prefixed(req.request_id, tokens, match, start + n, req.cache_salt):
             return None
         req.num_computed_tokens = start
         if req.num_preemptions == 0:
@@ -159,7 +176,6 @@ class Scheduler:
         return min(self.waiting, key=lambda r: (r.status != RequestStatus.PREEMPTED, running_per_group[r.group]))  # min is stable: arrival order
 
     def _preempt(self, req: Request) -> None:
-
         self.cache.free(req.request_id)
         req.draft_token_ids, req.draft_probs = [], None
         req.status = RequestStatus.PREEMPTED
@@ -168,27 +184,57 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
 
+    def _victim(self, i: int, ranking: Ranking | None) -> Request:
+        """The running request that gives way when running[i] needs pages: one not yet scheduled this step (running[i:])."""
+        return self.running[-1] if ranking is None else ranking.last(self.running[i:])
+
+    def _displace(self, head: Request, ranking: Ranking, scheduled: list[Request], counts: list[int], preempted: list[Request]) -> bool:
+        """Preempt, for the waiting `head`, the running request ranked last among those it outranks (taking it out of this
+        step's plan); False when it outranks none."""
+        outranked = [r for r in self.running if ranking.outranks(head, r)]
+        if not outranked:
+            return False
+        victim = ranking.last(outranked)
+        if victim in scheduled:
+            j = scheduled.index(victim)
+            del scheduled[j], counts[j]
+        self.running.remove(victim)
+        ranking.removed(victim)
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
-        preempted = False
+        preempted: list[Request] = []
+        ranking = None if self.config.policy is SchedulingPolicy.FCFS else Ranking(self.config.policy, self.running)
+        head = None if ranking is None else ranking.contender(self.waiting, self.running)
+        reserve = 0 if head is None else self._chunk(head, budget)  # kept from the requests head outranks
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            room = budget - reserve if head is not None and ranking is not None and ranking.outranks(head, req) else budget
+            if room <= 0:
+                i += 1
+                continue
+            n = self._chunk(req, room)
             assert n > 0, f"running request {req.request_id} has nothing to compute"
             k = len(req.draft_token_ids)
-            if k and n == req.num_tokens - req.num_computed_tokens and n + k <= budget:
+            if k and n == req.num_tokens - req.num_computed_tokens and n + k <= room:
                 n += k  # its drafts are verified in this step (serve/speculative.py)
             else:
                 req.draft_token_ids, req.draft_probs = [], None
             new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
             while new_pages is None:
-                victim = self.running.pop()
+                victim = self._victim(i, ranking)
+                self.running.remove(victim)
+                if ranking is not None:
+                    ranking.removed(victim)
                 self._preempt(victim)
-                preempted = True
+                preempted.append(victim)
                 if victim is req:
                     break
                 new_pages = self.cache.allocate(req.request_id, req.num_computed_tokens + n)
@@ -196,25 +242,38 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next request (or the loop ends)
             scheduled.append(req)
             counts.append(n)
-            budget -= n
+            budget -= n + (self.encoder_cost(req, n) if self.encoder_cost is not None else 0)
             i += 1
 
         now = time.monotonic()
         running_per_group = Counter(r.group for r in self.running)
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting(running_per_group)
-            admitted = self._admit(req, budget)
+        while self.waiting and budget > 0:
+            if ranking is None:
+                if preempted or len(self.running) >= self.config.max_num_seqs:
+                    break  # pages ran short this step: admitting more would only preempt more
+                req = self._next_waiting(running_per_group)
+            else:
+                req = ranking.first(self.waiting)
+                # after a preemption only a request that outranks a running one is worth the pages, and never the one preempted
+                if req in preempted or (preempted and not any(ranking.outranks(req, r) for r in self.running)):
+                    break
+            admitted = self._admit(req, budget) if len(self.running) < self.config.max_num_seqs else None
+            while admitted is None and ranking is not None and self._displace(req, ranking, scheduled, counts, preempted):
+                budget = self.config.max_num_batched_tokens - sum(counts)
+                admitted = self._admit(req, budget) if len(self.running) < self.config.max_num_seqs else None
             if admitted is None:
                 break  # later requests wait behind the one whose turn it is rather than overtaking it
             self.waiting.remove(req)
             running_per_group[req.group] += 1
+            if ranking is not None:
+                ranking.admitted(req)
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
             self.running.append(req)
             scheduled.append(req)
             counts.append(admitted)
-            budget -= admitted
+            budget -= admitted + (self.encoder_cost(req, admitted) if self.encoder_cost is not None else 0)
 
         return SchedulerOutput(tuple(scheduled), tuple(counts), self._reserve_cuts(scheduled, counts))
 
@@ -253,7 +312,7 @@ class Scheduler:
         for cut in out.cuts:
             req = out.requests[cut.row]
             if req.status == RequestStatus.RUNNING:
-                self.cache.adopt_snapshot(req.request_id, req.token_ids[: cut.num_tokens], cut.slot)
+                self.cache.adopt_snapshot(req.request_id, req.cache_key_ids(cut.num_tokens), cut.slot, req.cache_salt)
             else:
                 self.cache.release_snapshot_slot(cut.slot)  # it ended while the step ran: its pages may be gone
         got_token = []
@@ -270,7 +329,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             if self._snapshot_due(req):
-                self.cache.snapshot(req.request_id, req.token_ids[: req.num_computed_tokens])
+                self.cache.snapshot(req.request_id, req.cache_key_ids(req.num_computed_tokens), req.cache_salt)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -290,7 +349,7 @@ class Scheduler:
             self.running.remove(req)
             # a stop string inside a speculative run leaves the state past its tokens (engine.py): nothing to snapshot then
             if self.cache.prefix is not None and 0 < req.num_computed_tokens < req.num_tokens:
-                self.cache.snapshot(req_id, req.token_ids[: req.num_computed_tokens])  # the next turn of a conversation
+                self.cache.snapshot(req_id, req.cache_key_ids(req.num_computed_tokens), req.cache_salt)  # the next turn of a conversation
         else:
             self.waiting.remove(req)
         if self.cache.holds(req_id):

@@ -23,6 +23,45 @@ PROMPT = list(b"Once upon a time")
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
+WAITING = [("b", "flood"), ("c", "flood"), ("d", "flood"), ("p", "probe")]
+
+
+def test_fair_full_queue_sheds_the_flooding_clients_newest_request(torch_one_thread) -> None:
+    """Under the fair policy a full queue still takes another client's request: the flooding client's newest waiting request
+    ends with QueueFullError in its place; the flooding client's own next request is refused as under fcfs."""
+
+    def params(client: str, n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True, client=client)
+
+    async def check() -> None:
+        engine = debug_engine(max_num_seqs=1, scheduling_policy="fair")  # "a" runs, the rest wait
+        gate = GatedStep(engine)
+        frontend = AsyncEngine(engine, config=FrontendConfig(max_waiting_requests=2))
+        frontend.start()
+        try:
+            a = await frontend.add("a", PROMPT, params("flood", 8))
+            await asyncio.to_thread(gate.entered.wait)
+            adds = [asyncio.ensure_future(frontend.add(name, PROMPT, params(client, 2))) for name, client in WAITING]
+            while frontend.num_active < 1 + len(adds):  # every add submitted, in this order, behind the held step
+                await asyncio.sleep(0)
+            gate.release.set()
+            b, c = await adds[0], await adds[1]
+            with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+                await adds[2]  # the flood's own next request: refused
+            p = await adds[3]  # another client's: c makes room for it
+            with pytest.raises(QueueFullError, match="made room for another client's"):
+                [u async for u in c]
+            for stream in (a, b, p):
+                assert [u async for u in stream][-1].finished
+            assert frontend.num_active == 0 and frontend.is_healthy
+        finally:
+            gate.release.set()
+            await frontend.shutdown(timeout=5)
+        engine.check_integrity()
+
+    asyncio.run(asyncio.wait_for(check(), 120))  # a bound on a hang, not a race
+
+
 def test_full_queue_refuses_the_next_request(torch_one_thread) -> None:
     async def check() -> None:
         engine = debug_engine(max_num_seqs=1)  # "a" runs, "b" waits

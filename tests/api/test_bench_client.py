@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import socket
 import statistics
 from itertools import accumulate
@@ -14,8 +15,9 @@ import httpx
 import pytest
 
 from openk3.api.bench import add_arguments, benchmark, run_cli
+from openk3.api.bench_args import base_url
 from openk3.api.bench_data import arrival_intervals
-from openk3.api.bench_metrics import RequestResult, peaks, summarize
+from openk3.api.bench_metrics import RequestResult, format_table, peaks, summarize
 
 
 class FakeClock:
@@ -35,10 +37,13 @@ class FakeClock:
 class FakeServer:
     """Streams max_tokens chunks of one token: the first `ttft` after the send, then one every `gap` (fake seconds)."""
 
-    def __init__(self, clock: FakeClock, status: int = 200, ttft: float = 0.5, gap: float = 0.25, tokenize: bool = True) -> None:
+    def __init__(self, clock: FakeClock, status: int = 200, ttft: float = 0.5, gap: float = 0.25, tokenize: bool = True, interleave: bool = False) -> None:
         self.clock, self.status, self.ttft, self.gap, self.tokenize = clock, status, ttft, gap, tokenize
+        self.interleave = interleave  # let other streams run between chunks (else each stream runs to its end at once)
         self.payloads: list[dict] = []
         self.tokenized: list[dict] = []
+        self.paths: list[str] = []
+        self.in_flight = self.most_in_flight = 0
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -54,17 +59,32 @@ class FakeServer:
             self.tokenized.append(body)
             ids = [len(w) for w in body["prompt"].split()]  # one token a word
             return httpx.Response(200, json={"tokens": ids, "count": len(ids)})
+        if path == "/detokenize":
+            return httpx.Response(200, json={"prompt": " ".join("w" * n for n in body["tokens"])})
         self.payloads.append(body)
+        self.paths.append(path)
         if self.status != 200:
             return httpx.Response(self.status, text="boom")
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.stream(body))
 
     async def stream(self, body: dict):
-        prompt = body["prompt"]
-        for i in range(body["max_tokens"]):
-            self.clock.now += self.ttft if i == 0 else self.gap
-            yield b"data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode() + b"\n\n"
-        usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list) else len(prompt.split()), "completion_tokens": body["max_tokens"]}
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            chat = "messages" in body
+            prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+            n = body["max_completion_tokens" if chat else "max_tokens"]
+            if chat:
+                yield b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}).encode() + b"\n\n"
+            for i in range(n):
+                self.clock.now += self.ttft if i == 0 else self.gap
+                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                yield b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+                if self.interleave:
+                    await asyncio.sleep(0)
+            usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list) else len(prompt.split()), "completion_tokens": n}
+        finally:
+            self.in_flight -= 1  # here, not after [DONE]: the client stops reading there, and this generator is never resumed
         yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -118,7 +138,7 @@ def test_timings_percentiles_peak_and_arrays_in_fake_time(tmp_path, capsys) -> N
     assert r["mean_tpot_ms"] == 250.0 and r["p50_ttft_ms"] == 500.0 and r["p90_itl_ms"] == 250.0 and r["p99.9_e2el_ms"] == 1500.0
     assert "p99_ttft_ms" not in r
     # tokens land at 100.5, 100.75, 101, 101.25, 101.5 | 102 ... 103 | 103.5 ... 104.5: the window [102, 103) holds four
-    assert r["max_output_tokens_per_s"] == 4.0 and r["max_concurrent_requests"] == 2
+    assert r["max_output_tokens_per_s"] == 4.0 and r["max_concurrent_requests"] == 1  # one after another: never two at once
     assert r["output_throughput"] == pytest.approx(15 / 4.5)
     for p in server.payloads:  # greedy, streamed, ignore_eos on by default
         assert (p["temperature"], p["stream"], p["ignore_eos"], p["max_tokens"], p["model"]) == (0.0, True, True, 5, "fake-model")
@@ -164,15 +184,16 @@ def test_the_benchmark_sleeps_the_seeded_gaps_between_sends() -> None:
 
 def test_peaks_count_tokens_per_one_second_window() -> None:
     results = [
-        RequestResult(True, 4, 4, ttft=0.1, latency=0.8, itl=[0.2] * 3, start=10.0),  # tokens at 10.1 .. 10.7: window 0
-        RequestResult(True, 4, 6, ttft=0.6, latency=0.9, itl=[0.1, 0.1], start=10.5),  # 3 chunks of 2 tokens at 11.1 .. 11.3: window 1
-        RequestResult(False, 4, error="HTTP 500", start=9.0),  # failed: neither the windows' origin nor their counts
+        RequestResult(True, 4, 4, ttft=0.1, latency=0.8, itl=[0.2] * 3, start=10.0, end=10.8),  # tokens at 10.1 .. 10.7: window 0
+        RequestResult(True, 4, 6, ttft=0.6, latency=0.9, itl=[0.1, 0.1], start=10.5, end=11.4),  # 3 chunks of 2 tokens at 11.1 .. 11.3: window 1
+        RequestResult(False, 4, error="HTTP 500", start=9.0, end=9.1),  # failed: neither the windows' origin nor their counts
     ]
-    assert peaks(results) == (6.0, 2)  # both requests are in flight during window 0
+    assert peaks(results) == (6.0, 2)  # both requests are in flight from 10.5 to 10.8
     s = summarize(results, duration=2.0, slos={})
     assert s["max_output_tokens_per_s"] == 6.0 and s["max_concurrent_requests"] == 2 and s["output_throughput"] == 5.0
     assert s["start_times"] == [1.0, 1.5, 0.0] and s["output_lens"] == [4, 6, 0] and s["errors"] == ["", "", "HTTP 500"]
-    assert peaks([RequestResult(False, error="x")]) == (None, None)
+    assert peaks([RequestResult(False, error="x")]) == (None, None)  # never sent
+    assert peaks([RequestResult(False, error="x", start=1.0, end=2.0)]) == (None, 1)  # failed, but it was in flight
 
 
 @pytest.mark.parametrize(
@@ -199,3 +220,84 @@ def test_vllm_bench_serve_flag_names_are_accepted() -> None:
     vllm = parser.parse_args(["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "7", "--random-range-ratio", "0.5"])
     ours = parser.parse_args(["--dataset", "random", "--input-len", "32", "--output-len", "7", "--range-ratio", "0.5"])
     assert vars(vllm) == vars(ours)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_peak_concurrent_requests_never_exceeds_max_concurrency(cap: int) -> None:
+    """Requests end and the next start within the same fake second: vLLM's per-second windows would count both; the exact
+    peak is the cap, and the fake server saw no more in flight."""
+    clock = FakeClock()
+    server = FakeServer(clock, ttft=0.3, gap=0.1, interleave=True)
+    r = run_fake(server, clock, "--num-prompts", "9", "--max-concurrency", str(cap))
+    assert r["completed"] == 9 and server.most_in_flight == cap
+    assert r["max_concurrent_requests"] == cap
+    table = format_table(r, ["ttft"])
+    assert f"{'Peak concurrent requests:':<40} {cap}" in table.splitlines()
+
+
+def test_the_chat_backend_benchmarks_the_chat_route() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock)
+    r = run_fake(server, clock, "--backend", "openai-chat", "--max-concurrency", "1")
+    assert server.paths == ["/v1/chat/completions"] * 3 and r["endpoint"] == "/v1/chat/completions" and r["backend"] == "openai-chat"
+    for p in server.payloads:  # one user message: the random prompt's token ids spelled out by /detokenize
+        (message,) = p["messages"]
+        assert message["role"] == "user" and len(message["content"].split()) == 8 and p["max_completion_tokens"] == 5
+    # the role chunk is not a token: TTFT is the first content chunk's, and every request made its 5 tokens
+    assert r["ttfts"] == [0.5] * 3 and r["output_lens"] == [5] * 3 and r["generated_texts"] == ["xxxxx"] * 3
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "must end with chat/completions"),
+        (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "not chat/completions"),
+        (["--metadata", "novalue"], "KEY=VALUE"),
+    ],
+)
+def test_an_endpoint_that_does_not_match_the_backend_exits_2(argv, says, capsys) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"the server was asked {request.url}")
+
+    assert run_cli(bench_args(*argv), httpx.MockTransport(refuse)) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_vllm_bench_serve_command_line_runs_unchanged_and_saves_vllms_result_file(tmp_path, monkeypatch, capsys) -> None:
+    """The flags of a `vllm bench serve` command line, as its docs show them; the file lands where vLLM would put it, under
+    vLLM's name, with vLLM's fields."""
+    monkeypatch.chdir(tmp_path)
+    argv = "--backend openai --host fake --port 8000 --endpoint /v1/completions --model fake-model --tokenizer org/tok"
+    argv += " --dataset-name random --random-input-len 8 --random-output-len 5 --num-prompts 4 --max-concurrency 2"
+    argv += " --request-rate inf --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --save-detailed"
+    argv += " --result-dir out --metadata run=nightly --disable-tqdm --seed 1"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv.split())
+    clock = FakeClock()
+    server = FakeServer(clock)
+    assert base_url(args) == "http://fake:8000"
+    assert run_cli(args, server.transport()) == 0
+    (saved,) = (tmp_path / "out").iterdir()
+    result = json.loads(saved.read_text())
+    assert re.fullmatch(r"openai-infqps-concurrency2-fake-model-\d{8}-\d{6}\.json", saved.name), saved.name
+    assert saved.name.endswith(result["date"] + ".json") and result["run"] == "nightly"
+    head = {k: result[k] for k in ("backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "max_concurrency", "burstiness")}
+    assert head == {
+        "backend": "openai",
+        "model_id": "fake-model",
+        "tokenizer_id": "org/tok",
+        "num_prompts": 4,
+        "request_rate": "inf",
+        "max_concurrency": 2,
+        "burstiness": 1.0,
+    }
+    for key in ("duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert isinstance(result[key], (int, float)), key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert isinstance(result[f"{stat}_{metric}_ms"], float), (stat, metric)
+    for key in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"):
+        assert len(result[key]) == 4, key
+    assert result["completed"] == 4 and 1 <= result["max_concurrent_requests"] <= 2
+    assert "results saved to out/" in capsys.readouterr().err

@@ -48,6 +48,21 @@ ASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+# the release's media_proc_cfg keys, at this small tower's patch size (3 pixels) and with a small patch budget
+MEDIA_PROC_CFG = {
+    "patch_size": 3,
+    "merge_kernel_size": 2,
+    "in_patch_limit": 64,
+    "patch_limit_on_one_side": 16,
+    "fixed_output_tokens": None,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "in_patch_limit_each_frame": 64,
+    "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff",
+}
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("k3_release")
@@ -59,8 +74,9 @@ def folder(tmp_path_factory) -> Path:
         shutil.copy(root / "tok" / name, path / name)
     end_of_msg = vocab - 256 + 2
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_msg, "temperature": 1.0}))
-    for name in ("encoding_k3.py", "tokenization_kimi.py"):
+    for name in ("encoding_k3.py", "tokenization_kimi.py", "kimi_k3_processor.py"):
         (path / name).write_text(NEVER_RUN)
+    (path / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
     return path
 
 
@@ -220,3 +236,22 @@ def test_langchain_binds_a_tool_and_asks_for_structured_output(live: LiveServer,
     assert call["name"] == "get_weather" and call["args"]["city"] in CITY["enum"]
     answer = llm.with_structured_output(Answer, method="json_schema").invoke("is it sunny?")
     assert isinstance(answer, Answer)
+
+
+def test_an_image_through_the_release_folder(client, tok) -> None:
+    """The folder's vision tower, preprocessor_config.json and media tokens take an image: 30 x 20 pixels in 3-pixel
+    patches is 10 x 7, padded to 10 x 8, merged 2 x 2 into 20 tokens, plus the marker (begin, "image 30x20", content, end)."""
+    pytest.importorskip("PIL.Image", reason="Pillow (the vision extra) decodes images")
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (30, 20), (10, 200, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    text = {"type": "text", "text": "What colour?"}
+    ask = dict(model=model_id(client), max_tokens=2, temperature=0, extra_body={"chat_template_kwargs": {"thinking": False}})
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": [text]}], **ask).usage.prompt_tokens
+    got = client.chat.completions.create(messages=[{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": url}}]}], **ask)
+    assert got.usage.prompt_tokens == plain + 3 + len(tok.encode("image 30x20")) + 20

@@ -100,7 +100,7 @@ def test_datasets_are_seeded_and_exact() -> None:
         DatasetConfig("sharegpt", 1)
 
 
-@pytest.mark.parametrize("dataset", ["random", "multiturn", "sharegpt"])
+@pytest.mark.parametrize("dataset", ["random", "multiturn", "sharegpt", "random-chat"])
 def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -111,7 +111,9 @@ def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
             "--base-url",
             live.base_url,
             "--dataset",
-            dataset,
+            dataset.removesuffix("-chat"),
+            "--backend",
+            "openai-chat" if dataset.endswith("-chat") else "openai",
             "--num-prompts",
             "4",
             "--max-concurrency",
@@ -134,6 +136,8 @@ def test_bench_against_the_live_server(live, tmp_path, dataset) -> None:
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     if dataset == "random":
         assert result["total_input_tokens"] == 4 * 16
+    if dataset == "random-chat":  # the prompts, spelled out by /detokenize, went as one user message each
+        assert result["endpoint"] == "/v1/chat/completions" and result["total_input_tokens"] > 4 * 16
     if dataset == "sharegpt":  # the debug tokenizer is bytes: all four human turns fit (8, 35, 54 and 63 bytes)
         assert sorted(result["input_lens"]) == [8, 35, 54, 63]
     assert result["max_output_tokens_per_s"] > 0 and len(result["ttfts"]) == 4 and result["errors"] == [""] * 4

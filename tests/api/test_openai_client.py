@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.api.conftest import MAX_MODEL_LEN
+
 openai = pytest.importorskip("openai", reason="the openai client is the peer oracle for the wire format")
 
 PROMPT = "The quick brown fox"
@@ -135,6 +137,15 @@ def test_tokenize_detokenize_version_health(http) -> None:
     assert bytes(chat["tokens"]).decode() == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert "version" in http.get("/version").json()
     assert http.get("/health").status_code == 200
+
+
+def test_tokenizer_info_is_what_lm_eval_reads_to_tokenize_remotely(http) -> None:
+    """lm-evaluation-harness's local-completions tokenizes through the server when GET /tokenizer_info names an eos_token
+    and /tokenize answers {"prompt", "add_special_tokens"} without a model (its check_remote_tokenizer_support)."""
+    info = http.get("/tokenizer_info").json()
+    assert "eos_token" in info and info["model_max_length"] == MAX_MODEL_LEN  # the debug byte tokenizer's vocabulary has no specials
+    assert info["tokenizer_class"] == "ByteTokenizer" and "<|im_start|>" in info["chat_template"]
+    assert http.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"] == list(b"test")
 
 
 def test_vllm_extensions_through_extra_body_and_max_completion_tokens(client) -> None:

@@ -82,7 +82,7 @@ def test_ttft_is_recorded_at_the_first_token_and_kept_for_an_aborted_request(tor
     assert metric(text, "time_to_first_token_seconds_count") == 1  # and only once
     assert 'finished_reason="abort"' in text
     assert count_sum(text, "request_generation_tokens") == (1, 2)  # aborted after its second step: two tokens
-    for name in ("time_per_output_token_seconds", "request_decode_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
+    for name in ("request_time_per_output_token_seconds", "request_decode_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
         assert metric(text, f"{name}_count") == 1, name
 
 
@@ -106,7 +106,7 @@ def test_every_sample_counts_once_whether_it_ends_in_its_first_step_or_later(tor
     assert metric(text, "time_to_first_token_seconds_count") == samples
     assert count_sum(text, "request_generation_tokens") == (samples, tokens)
     assert metric(text, "generation_tokens_total") == tokens
-    assert metric(text, "time_per_output_token_seconds_count") == 3  # the samples with two tokens or more
+    assert metric(text, "request_time_per_output_token_seconds_count") == 3  # the samples with two tokens or more
     assert metric(text, "request_prefill_time_seconds_count") == samples and metric(text, "request_decode_time_seconds_count") == samples
     assert count_sum(text, "request_prompt_tokens") == (len(params), len(params) * len(PROMPT))  # per prompt (n shares one)
     # every token sampled, plus each prompt in the step that ended its prefill
@@ -142,6 +142,6 @@ def test_cache_config_info_and_process_collectors(torch_one_thread) -> None:
 def test_the_live_server_serves_the_new_families(http) -> None:
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}).status_code == 200
     text = http.get("/metrics").text
-    for name in ("time_per_output_token_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens"):
+    for name in ("request_time_per_output_token_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens"):
         assert f"openk3:{name}_bucket" in text, name
     assert metric(text, "iteration_tokens_total_count") >= 1 and "openk3:cache_config_info{" in text

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from openk3.api.responses_store import ResponseStore
@@ -154,7 +155,7 @@ def test_json_schema_goes_through_the_structured_output_path(client) -> None:
         ({"stream_options": {"include_obfuscation": False}}, "stream_options", "only allowed when stream is true"),
         ({"frobnicate": 1}, "frobnicate", "Extra inputs are not permitted"),
         ({"tools": [{"type": "web_search"}]}, "tools", "function"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input", "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input", "does not take images"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "allowed_tools"),
         ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input", "'call_9' answers no function_call"),
@@ -167,3 +168,55 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(client, fields: dict[str, An
     fields = dict(fields)
     e = _refusal(client, extra_body=fields) if fields.keys() & {"frobnicate", "conversation"} else _refusal(client, **fields)
     assert e["status"] == 400 and e["param"] == param and says in e["message"], e
+
+
+def test_retrieve_delete_and_input_items_over_the_store(client) -> None:
+    items = [{"role": "developer", "content": "be terse"}, {"role": "user", "content": [{"type": "input_text", "text": ASK}]}]
+    made = client.responses.create(model="debug", input=items, max_output_tokens=6, temperature=0, metadata={"k": "v"})
+    got = client.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()  # the Response as it was answered, usage and output items included
+    listed = client.responses.input_items.list(made.id, order="asc")
+    assert [(i.type, i.role) for i in listed.data] == [("message", "developer"), ("message", "user")]
+    assert listed.data[1].content[0].text == ASK and all(i.id for i in listed.data) and listed.has_more is False
+    newest = client.responses.input_items.list(made.id, limit=1)  # newest first by default, as OpenAI lists them
+    assert [i.role for i in newest.data] == ["user"] and newest.has_more is True
+    rest = client.responses.input_items.list(made.id, after=newest.data[0].id)
+    assert [i.role for i in rest.data] == ["developer"]
+    with client.responses.stream(model="debug", input="Hi", max_output_tokens=4, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    (text_item,) = client.responses.input_items.list(streamed.id).data
+    assert text_item.role == "user" and text_item.content[0].text == "Hi"
+    assert client.responses.delete(made.id) is None  # the client's delete returns nothing on success
+    for call in (lambda: client.responses.retrieve(made.id), lambda: client.responses.delete(made.id)):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        error = caught.value.body
+        assert error["code"] == "response_not_found" and repr(made.id) in error["message"] and "deleted" in error["message"]
+    e = _refusal(client, previous_response_id=made.id)
+    assert e["status"] == 404 and e["code"] == "previous_response_not_found"
+
+
+def test_unknown_unstored_and_evicted_ids_are_404s_on_retrieve(client, live: LiveServer) -> None:
+    unstored = client.responses.create(model="debug", input=ASK, max_output_tokens=2, store=False)
+    for response_id, says in (("resp_nope", "no such response"), (unstored.id, "store: false")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.retrieve(response_id)
+        assert says in caught.value.body["message"] and caught.value.body["type"] == "not_found_error"
+    app: Any = live.app
+    kept = app.state.response_store
+    app.state.response_store = ResponseStore(capacity=1)
+    try:
+        first, _ = (client.responses.create(model="debug", input=f"turn {i}", max_output_tokens=2).id for i in range(2))
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.retrieve(first)
+        assert "evicted" in caught.value.body["message"]
+    finally:
+        app.state.response_store = kept
+
+
+def test_bad_input_items_queries_are_400s(client, live: LiveServer) -> None:
+    made = client.responses.create(model="debug", input=ASK, max_output_tokens=2)
+    for query, param in (({"limit": 0}, "limit"), ({"after": "msg_x"}, "after"), ({"order": "up"}, "order"), ({"include": ["x"]}, "include")):
+        r = httpx.get(f"{live.base_url}/v1/responses/{made.id}/input_items", params=query)
+        assert r.status_code == 400 and param in r.json()["error"]["message"], (query, r.text)

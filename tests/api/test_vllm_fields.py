@@ -1,7 +1,7 @@
 """vLLM's and OpenAI's fields that clients send as a matter of course: honoured (logit_bias, allowed_token_ids, bad_words,
-truncate_prompt_tokens, reasoning_effort / verbosity where the template reads them), accepted where they cannot change the
-answer (annotations, audio and refusal as null in messages, modalities ["text"], priority 0, cache_salt without prefix
-caching), and a 400 naming them otherwise."""
+truncate_prompt_tokens, reasoning_effort / verbosity where the template reads them, cache_salt; priority and user under the
+priority and fair policies: tests/api/test_scheduling_fields.py), accepted where they cannot change the answer (annotations,
+audio and refusal as null in messages, modalities ["text"], priority 0 under fcfs), and a 400 naming them otherwise."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ ACCEPTED = [
     {**OK_CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "annotations": [{"type": "url_citation"}]}]},
     {**OK_CHAT, "modalities": ["text"]},
     {**OK_CHAT, "priority": 0, "user": "u"},
-    {**OK_CHAT, "cache_salt": "tenant-1"},  # the test server has no prefix caching: nothing is shared anyway
+    {**OK_CHAT, "cache_salt": "tenant-1"},
 ]
 
 
@@ -41,7 +41,7 @@ REFUSED = [
     ({**OK_CHAT, "reasoning_effort": "low"}, "reasoning_effort"),  # ChatML reads no reasoning_effort
     ({**OK_CHAT, "verbosity": "low"}, "verbosity"),
     ({**OK_CHAT, "modalities": ["text", "audio"]}, "modalities"),
-    ({**OK_CHAT, "priority": 1}, "priority"),
+    ({**OK_CHAT, "priority": 1}, "priority"),  # the test server runs fcfs
     ({**OK_CHAT, "messages": [{"role": "assistant", "content": "a", "audio": {"id": "x"}}]}, "messages"),
     ({**OK_CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({**OK_CHAT, "logit_bias": {"65": 101}}, "logit_bias"),

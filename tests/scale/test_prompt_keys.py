@@ -61,6 +61,9 @@ def test_only_a_prompt_the_server_keeps_as_it_is_is_handed_off(keys: PromptKeys)
     assert not handoff(tools=TOOLS, tool_choice="required")
     assert not handoff(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert not handoff(response_format={"type": "json_object"})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}]}).encode()
+    assert keys.handoff_ids(CHAT, body, [1, 2, 3]) is None
 
 
 def test_the_replicas_default_template_kwargs_are_rendered_under_the_requests(keys: PromptKeys) -> None:

@@ -1,4 +1,4 @@
-"""Unauthenticated probes: GET /health (200, or 503 once the engine is down), GET /version, GET /metrics (Prometheus text)."""
+"""Unauthenticated probes: GET /health (200 with the engine's weight version, or 503 once the engine is down), GET /version, GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def package_version() -> str:
 
 
 @router.get("/health")
-async def health(state: State) -> Response:
+async def health(state: State) -> dict:
     check_open(state.served)
-    return Response(status_code=200)
+    return {"status": "ok", "weight_version": state.served.frontend.engine.weight_version}
 
 
 @router.get("/version")

@@ -13,12 +13,27 @@ from pydantic import BaseModel
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import RESTART_RETRY_AFTER_S, RETRY_AFTER_S, APIError, read_json
 from openk3.api.limits import RequestLimits
+from openk3.api.metrics import PREFIX as METRICS_PREFIX
 from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
 from openk3.api.served_model import ModelIdentity, ServedModel
+from openk3.options import check_settings, setting
 from openk3.serve.config import FrontendConfig
+from openk3.serve.vision_processor import MediaConfig
 
 M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class WeightUpdateConfig:
+    """What the operator allows of the weight routes (routes/weights.py); off by default, as an update replaces the model
+    every answer comes from."""
+
+    weight_update_root: str | None = setting(None, "allow POST /update_weights_from_disk for safetensors folders under this directory (default: off)")
+    weight_update_group: bool = setting(False, "allow POST /init_weights_update_group: a trainer's gloo group sends weights (default: off)")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,9 @@ class ServerConfig:
     response_store_size: int = DEFAULT_CAPACITY  # responses kept for previous_response_id (api/responses_store.py)
     heap_trim_slack_bytes: int | None = None  # trim the C heap when idle this far above the start-up RSS (serve/heap_trim.py)
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
+    metrics_prefix: str = METRICS_PREFIX  # --metrics-prefix: the engine's metric names on /metrics (api/metrics.py)
+    media: MediaConfig | None = None  # preprocessor_config.json's media_proc_cfg (None: K3's release values), for image input
+    weight_updates: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)  # the weight routes the operator allows
 
 
 @dataclass(frozen=True)

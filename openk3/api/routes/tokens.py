@@ -1,4 +1,4 @@
-"""POST /tokenize and POST /detokenize (vLLM's extensions, outside /v1 and so without the API key)."""
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's extensions, outside /v1 and so without the API key)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
-from openk3.api.chat import ChatOptions
+from openk3.api.chat import ChatOptions, ChatTemplate
 from openk3.api.errors import APIError
 from openk3.api.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from openk3.api.routes.schema import json_body
 from openk3.api.routes.state import State, check_model, read_request
 from openk3.api.tool_schemas import check_tool_schemas
 from openk3.api.user_text import PromptText, encode_prompt_text
+from openk3.serve.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -71,3 +72,26 @@ async def detokenize(request: Request, state: State) -> dict:
         raise APIError(400, f"tokens has id {bad}: expected ids in 0..{tokenizer.vocab_size - 1}", param="tokens", code="invalid_value")
     # special tokens spelled out (vLLM's /detokenize does the same): a prompt from /tokenize reads back as it was rendered
     return {"prompt": await state.served.encoder.run(lambda: tokenizer.decode(req.tokens, skip_special_tokens=False))}
+
+
+def _token_string(tokenizer: Tokenizer, token_id: int | None) -> str | None:
+    return None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: State) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's special tokens, context length and chat template, what a client that
+    tokenizes through this server needs (lm-evaluation-harness's `tokenizer_backend=remote`, chosen by its `local-
+    completions` when this answers, so that scoring needs no tokenizer download)."""
+    served = state.served
+    tokenizer = served.tokenizer
+    template = served.chat_template
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": _token_string(tokenizer, tokenizer.eos_token_id),
+        "bos_token": _token_string(tokenizer, tokenizer.bos_token_id),
+        "pad_token": None,
+        "model_max_length": served.max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+        "chat_template": template.source if isinstance(template, ChatTemplate) else None,
+    }

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from openk3.config import ModelConfig
+from openk3.config.vision import VisionConfig
 from openk3.parallel.dp.channel import AddRequest, DPChannel, FinishRequest, Inbox, Outbox
 from openk3.parallel.dp.lockstep import LockstepModel
 from openk3.parallel.dp.rank_stats import LeaderEPStats, add_ep_step, merge_engine_stats
@@ -39,6 +40,8 @@ from openk3.parallel.serving.heartbeat import RankHeartbeat
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import EngineStats, LLMEngine
+from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.policy import check_priority
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import Tokenizer
@@ -111,6 +114,10 @@ class DataParallelEngine:
         return self.local.max_model_len
 
     @property
+    def vision(self) -> VisionConfig | None:
+        return None  # add_request refuses images with dp > 1
+
+    @property
     def model(self) -> LockstepModel:
         return self.lockstep
 
@@ -122,6 +129,10 @@ class DataParallelEngine:
     @property
     def num_engines(self) -> int:
         return self.num_ranks
+
+    @property
+    def weight_version(self) -> int:
+        return self.local.weight_version  # never counts up: weight updates refuse data-parallel engines (parallel/weight_update.py)
 
     @property
     def cache(self) -> CacheManager:
@@ -139,12 +150,22 @@ class DataParallelEngine:
         """Rank 0's engine's (the other ranks' engines are not reachable between steps)."""
         self.local.check_integrity()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, group_id: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        group_id: str | None = None,
+        images: tuple[ImageSpan, ...] = (),
+    ) -> None:
+        if images:
+            raise ValueError("image input is not supported with data parallelism (dp > 1) yet: serve a vision model on one engine")
         params = params or SamplingParams()
         ids = list(prompt_token_ids)
         if self.router.rank_of(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.local.check_prompt(ids)  # every rank's engine has the same limits: refuse here, before it is placed
+        check_priority(self.local.scheduler.config.policy, params.priority, request_id)
         rank = self.router.place(request_id, ids, params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
         if rank == 0:
             try:

@@ -68,14 +68,18 @@ class ExpertShard:
         return cls(PackedMXFP4ExpertBank.from_checkpoint(local, ids.shape[0], prefix), ids)
 
     @property
+    def device(self) -> torch.device:
+        return _parts(self.bank)[0].device
+
+    @property
     def expert_nbytes(self) -> int:
         """Bytes one expert takes on the wire (its resident bytes)."""
         return sum(p[0].numel() * p.element_size() for p in _parts(self.bank)) if self.bank.num_experts else 0
 
     def to_bytes(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """uint8 [n, X]: the listed experts' tensors, raw bytes, concatenated per expert."""
+        """uint8 [n, X]: the listed experts' tensors, raw bytes, concatenated per expert (n may be 0)."""
         ids = local_ids.long()
-        cols = [p.index_select(0, ids.to(p.device)).reshape(ids.shape[0], -1).contiguous().view(torch.uint8) for p in _parts(self.bank)]
+        cols = [p.index_select(0, ids.to(p.device)).reshape(ids.shape[0], p[0].numel()).contiguous().view(torch.uint8) for p in _parts(self.bank)]
         return torch.cat(cols, dim=1)
 
     def from_bytes(self, data_nX: torch.Tensor) -> ShardBank:

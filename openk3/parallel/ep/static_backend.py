@@ -24,6 +24,7 @@ from openk3.parallel.ep.comm import Tally
 from openk3.parallel.ep.exchange import Traffic, dispatch_combine, grouped_by_group
 from openk3.parallel.ep.padded import Capacity, dispatch_combine_padded, grouped_fixed
 from openk3.parallel.ep.placement import LoadCollector, Placement, contiguous_placement, counts_per_id, eplb_placement
+from openk3.parallel.ep.rebalance import LiveRebalance
 from openk3.parallel.ep.shard import ExpertShard
 from openk3.parallel.ep.stats import EPStats, max_over_mean, maxvio
 from openk3.parallel.group import ParallelContext
@@ -88,6 +89,7 @@ class ExpertParallelBackend:
         collect_stats: bool = True,
         collector: LoadCollector | None = None,
         capacity: Capacity | None = None,
+        rebalance: LiveRebalance | None = None,
     ) -> None:
         for layer, placement in placements.items():
             if placement.num_ranks != ctx.world_size:
@@ -97,6 +99,7 @@ class ExpertParallelBackend:
         self.ctx, self.shards, self.placements = ctx, dict(shards), dict(placements)
         self.method = "ep" if all(p.slots_per_rank * p.num_ranks == p.num_experts for p in placements.values()) else "eplb"
         self.collect_stats, self.collector, self.capacity = collect_stats, collector, capacity
+        self.rebalance = rebalance  # EPLB while serving: re-places a layer every N calls (rebalance.py)
         self._stats: list[EPStats] = []
         self._on_device: dict[tuple[int, torch.device], Placement] = {}
 
@@ -136,10 +139,18 @@ class ExpertParallelBackend:
             self._on_device[key] = self.placements[index].to(device)
         return self._on_device[key]
 
+    def forget_device_copies(self, index: int) -> None:
+        """Drop the layer's placement tables copied to devices (its placement changed)."""
+        for key in [k for k in self._on_device if k[0] == index]:
+            del self._on_device[key]
+
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         index = layer.layer_index
         if index not in self.placements:
             raise KeyError(f"EP backend: no expert shard for MoE layer {index} (have {sorted(self.placements)})")
+        if self.rebalance is not None:
+            self.rebalance.before_call(self, index)  # may move this layer's experts first (all ranks, same call)
+            self.rebalance.observe(index, routing.topk_idx)
         shard, tally = self.shards[index], Tally(self.ctx)
         placement = self.placement_on(index, routing.topk_idx.device)
         if self.collector is not None:

@@ -6,7 +6,9 @@ Which experts rank r holds, per MoE layer:
 - ep, moonep: its home range r*epn .. r*epn+epn-1 (MoonEP fetches the remote experts a step needs into prefetch slots);
 - eplb: placement.phys_to_log[r], built at start with 10% redundant replicas from a measured load file (`--eplb-stats
   FILE`, written by a run with `--export-eplb-stats FILE`; `engine_placements` -> load_stats.eplb_engine_placements): every
-  rank reads the same file, so places the same replicas. Re-placing from loads collected while serving is not built.
+  rank reads the same file, so places the same replicas. With --eplb-interval-steps N the placement follows the load
+  while serving (ep/rebalance.py: every N steps, from the last N steps' counts, weights moved between ranks), starting
+  from the file's placement or, without one, an even one (eplb_placement of a uniform load).
 
 Where they come from:
 - a checkpoint folder (ranks.py, with `rank_expert_ids`): load_model(experts=...) reads only those experts' tensors, so
@@ -31,7 +33,8 @@ from openk3.parallel.config import EPMethod
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.ep.load_stats import eplb_engine_placements
 from openk3.parallel.ep.moonep_backend import MoonEPBackend
-from openk3.parallel.ep.placement import Placement, contiguous_placement
+from openk3.parallel.ep.placement import Placement, contiguous_placement, eplb_placement, redundant_for
+from openk3.parallel.ep.rebalance import LiveRebalance, RebalanceConfig
 from openk3.parallel.ep.shard import ExpertShard
 from openk3.parallel.ep.static_backend import ExpertParallelBackend
 from openk3.parallel.group import ParallelContext
@@ -40,12 +43,16 @@ EPLB_REDUNDANT_FRACTION = 0.1
 
 
 def engine_placements(
-    model_layers: list[int], num_experts: int, world_size: int, method: EPMethod | str, eplb_stats: str | Path | None
+    model_layers: list[int], num_experts: int, world_size: int, method: EPMethod | str, eplb_stats: str | Path | None, live: bool = False
 ) -> dict[int, Placement]:
     """The placement of every MoE layer an engine starts with: contiguous homes (ep, moonep), or for eplb the replicas of
-    each layer's measured heaviest experts (`eplb_stats`, a load file: without one a ValueError, load_stats.STATS_NEEDED;
-    a file that does not fit the model a LoadStatsError naming it). A file with another method is refused, not ignored."""
+    each layer's measured heaviest experts (`eplb_stats`, a load file: without one a ValueError, load_stats.STATS_NEEDED,
+    unless `live`: re-placed while serving, it starts even; a file that does not fit the model a LoadStatsError naming
+    it). A file with another method is refused, not ignored."""
     chosen = EPMethod(method)
+    if chosen is EPMethod.EPLB and eplb_stats is None and live:
+        even = eplb_placement(torch.ones(num_experts), world_size, redundant_for(num_experts, world_size, EPLB_REDUNDANT_FRACTION))
+        return dict.fromkeys(model_layers, even)
     if chosen is EPMethod.EPLB:
         return eplb_engine_placements(model_layers, num_experts, world_size, eplb_stats, EPLB_REDUNDANT_FRACTION)
     if eplb_stats is not None:
@@ -79,14 +86,17 @@ def attach_rank_experts(
     collect_stats: bool = True,
     replicated_tokens: bool = True,
     split_ctx: ParallelContext | None = None,
+    rebalance: RebalanceConfig | None = None,
 ) -> TokenSplit | EPBackend:
     """Attach the expert-parallel backend (experts sharded; tokens replicated, so wrapped in TokenSplit, or each rank's own
     with data-parallel attention) and return it.
 
     loaded_per_rank: the model's banks already hold exactly this rank's experts in placement order (loaded with rank_expert_ids);
     otherwise they are full banks, cut here (and replaced when drop_full_banks, else copied so the caller's module keeps
-    its own experts)."""
+    its own experts). rebalance: eplb re-placed every N steps while serving (ep/rebalance.py)."""
     chosen = EPMethod(method)
+    if rebalance is not None and chosen is not EPMethod.EPLB:
+        raise ValueError(f"expert parallel: re-placing experts while serving needs method 'eplb', got {chosen.value!r}")
     shards = {}
     for moe in model.moe_layers():
         ids = placements[moe.layer_index].phys_to_log[ctx.rank]
@@ -102,7 +112,8 @@ def attach_rank_experts(
     if chosen is EPMethod.MOONEP:
         inner: ExpertParallelBackend | MoonEPBackend = MoonEPBackend(ctx, shards, collect_stats=collect_stats)
     else:
-        inner = ExpertParallelBackend(ctx, shards, placements, collect_stats)
+        live = LiveRebalance(rebalance, model.config.moe.num_experts) if rebalance is not None else None
+        inner = ExpertParallelBackend(ctx, shards, placements, collect_stats, rebalance=live)
     # the ranks that hold the same tokens split them (split_ctx: the TP group, default every rank), the experts span ctx
     backend: TokenSplit | EPBackend = TokenSplit(split_ctx or ctx, inner) if replicated_tokens else inner
     model.set_expert_backend(backend)

@@ -22,11 +22,13 @@ from openk3.model.model import K3ForCausalLM
 from openk3.model.weights import load_model
 from openk3.parallel.config import ParallelConfig
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
+from openk3.parallel.ep.placement import redundant_for
+from openk3.parallel.ep.rebalance import RebalanceConfig
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.layout import ExpertLayout, ServingPlan, TensorParallelCut, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.heartbeat import RankHeartbeat, exit_worker
-from openk3.parallel.serving.rank_model import engine_placements, rank_expert_ids
+from openk3.parallel.serving.rank_model import EPLB_REDUNDANT_FRACTION, engine_placements, rank_expert_ids
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.serve.loading import resolve_model
 from openk3.serve.op_names import parse_op_names
@@ -49,6 +51,7 @@ class RankModelSpec:
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
     ops: str | None = None  # EngineConfig.ops: the implementations every rank selects for its shard (serve/op_names.py)
     heartbeat_timeout_s: float = 5.0  # ParallelConfig.heartbeat_timeout_s: a rank silent this long is lost (heartbeat.py)
+    eplb_interval_steps: int | None = None  # method eplb: re-place the experts every N steps from the live load (ep/rebalance.py)
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
@@ -66,6 +69,7 @@ class RankModelSpec:
             dp=parallel.dp,
             ops=ops,
             heartbeat_timeout_s=parallel.heartbeat_timeout_s,
+            eplb_interval_steps=parallel.eplb_interval_steps,
         )
 
 
@@ -107,10 +111,14 @@ def _serving_plan(spec: RankModelSpec, config: ModelConfig, ctx: ParallelContext
     experts = None
     if spec.ep:
         layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-        placements = engine_placements(layers, config.moe.num_experts, ctx.world_size, spec.method, spec.eplb_stats)
+        num_experts = config.moe.num_experts
+        placements = engine_placements(layers, num_experts, ctx.world_size, spec.method, spec.eplb_stats, spec.eplb_interval_steps is not None)
         # the ranks of tp_ctx run the same tokens (TokenSplit hands each its share to dispatch); alone, a rank dispatches its own
         replicated = tp_ctx.world_size > 1
-        experts = ExpertLayout(ctx, spec.method, placements, tp_ctx, replicated, spec.collect_stats, drop_full_banks=drop_full_banks)
+        rebalance = None
+        if spec.eplb_interval_steps is not None:
+            rebalance = RebalanceConfig(spec.eplb_interval_steps, redundant_for(num_experts, ctx.world_size, EPLB_REDUNDANT_FRACTION))
+        experts = ExpertLayout(ctx, spec.method, placements, tp_ctx, replicated, spec.collect_stats, drop_full_banks=drop_full_banks, rebalance=rebalance)
     return ServingPlan(ctx.device, cut, experts, ops=parse_op_names(spec.ops))
 
 

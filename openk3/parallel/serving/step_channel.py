@@ -43,7 +43,7 @@ HEADER = 9
 # The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
 CARRIED_FIELDS = (
     "input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode", "capturable", "host_facts",
-    "state_cuts",
+    "mm_embeds", "mm_rows", "state_cuts",
 )  # fmt: skip
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
@@ -120,6 +120,8 @@ class StepChannel:
         """The header and payload of a step; raises before anything is sent for a batch the wire format cannot carry."""
         if batch.capturable:
             raise ValueError("StepChannel: a capturable batch is a decode graph's, and graphs capture a single-process step only")
+        if batch.mm_embeds is not None or batch.mm_rows is not None:
+            raise ValueError("StepChannel: image inputs (mm_embeds, mm_rows) are not carried to the other ranks: a multi-rank engine serves text only")
         parts = [batch.input_ids, batch.positions, batch.cu_seqlens, batch.context_lens]
         width = -1
         if (batch.state_slots is None) != (batch.page_table is None):

@@ -3,7 +3,9 @@
 A page key is blake2b(previous key || the page's token ids), starting from the salt, so equal keys mean equal token
 prefixes (up to a 128-bit collision) under the same model. A snapshot at a boundary p that is not a page end is keyed by
 its anchor (the key of the last full page before p) and the tail tokens after it. Keys are stable across processes (no
-Python `hash`), so disk-tier files written under one salt are never read under another model or weights.
+Python `hash`), so disk-tier files written under one salt are never read under another model or weights. A request's
+`cache_salt` (vLLM's) is mixed into the salt its chain starts from (`request_salt`), so requests with different salts never
+share a cached prefix, in any tier, and requests with the same salt do.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def model_salt(config: ModelConfig, model: torch.nn.Module | None, cache_dtype: 
                 head = flat[:8].float().cpu().tolist()
                 h.update(f"{name}:{tuple(p.shape)}:{float(flat.float().sum()):.9e}:{head}".encode())
     return h.digest()
+
+
+def request_salt(model_salt: bytes, cache_salt: str | None) -> bytes:
+    """The salt a request's keys chain from: the model's, or for a request with a `cache_salt` the model's mixed with it."""
+    if cache_salt is None:
+        return model_salt
+    return hashlib.blake2b(model_salt + b"cache_salt\x00" + cache_salt.encode(), digest_size=DIGEST).digest()
 
 
 def page_key(parent: bytes, page_tokens: Sequence[int]) -> bytes:

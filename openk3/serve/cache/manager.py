@@ -23,6 +23,7 @@ from openk3.config import ModelConfig
 from openk3.model.batch import CacheTensors
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.disk_tier import DiskTier
+from openk3.serve.cache.hashing import request_salt
 from openk3.serve.cache.inbox import TransferInbox
 from openk3.serve.cache.prefix import PrefixCache
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
@@ -159,13 +160,15 @@ class CacheManager:
     def num_request_holders(self) -> int:
         return len(self._slots)
 
-    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+    def match_prefix(self, tokens: list[int], cache_salt: str | None = None) -> PrefixMatch:
         """The deepest cached boundary of `tokens` (at most len - 1: the last token is computed for its logits), on the
-        device or, when deeper, in a lower tier or the transfer inbox."""
+        device or, when deeper, in a lower tier or the transfer inbox; only among prefixes cached under the same
+        `cache_salt` (a request's, vLLM's field; None: the unsalted ones)."""
         assert self.prefix is not None
         limit = len(tokens) - 1
-        match, keys = self.prefix.match(tokens, limit)
-        salt, tiers, found = self.prefix.salt, self.prefix.tiers, []
+        salt = request_salt(self.prefix.salt, cache_salt)
+        match, keys = self.prefix.match(tokens, limit, salt)
+        tiers, found = self.prefix.tiers, []
         if tiers is not None:
             found.append(tiers.deepest(salt, keys, tokens, self.page_size, limit))
         if self.inbox is not None:
@@ -189,7 +192,7 @@ class CacheManager:
         buf = self.prefix.tiers.load(match.tier, match.key)
         return match.fallback if buf is None else replace(match, buffer=buf)
 
-    def allocate_prefixed(self, req_id: str, tokens: list[int], match: PrefixMatch, num_tokens: int) -> bool:
+    def allocate_prefixed(self, req_id: str, tokens: list[int], match: PrefixMatch, num_tokens: int, cache_salt: str | None = None) -> bool:
         """Admit a new request that starts at match.num_tokens (a fetched match; 0 for a miss) and cover num_tokens tokens,
         all or nothing. Full cached pages are shared, the snapshot and a partial tail page are copied (copy-on-write); a host/disk
         hit is written into fresh pages and snapshotted on the device again."""
@@ -220,26 +223,27 @@ class CacheManager:
             unpack(match.buffer, self.tensors, slot, pages, p)
         self._slots[req_id], self._pages[req_id] = slot, pages
         if match.tier not in (None, TierKind.DEVICE):
-            prefix.insert(tokens[:p], pages, slot)
+            prefix.insert(tokens[:p], pages, slot, request_salt(prefix.salt, cache_salt))
         if self.inbox is not None and match.key is not None:
             self.inbox.discard(match.key, hit=match.tier == TierKind.INBOX)  # a hand-off is used once (inbox.py)
         prefix.count_query(len(tokens), p)
         return True
 
-    def snapshot(self, req_id: str, tokens: list[int]) -> bool:
-        """Cache the state of req_id, which has computed exactly `tokens`, with its pages."""
+    def snapshot(self, req_id: str, tokens: list[int], cache_salt: str | None = None) -> bool:
+        """Cache the state of req_id, which has computed exactly `tokens`, with its pages, under its `cache_salt`."""
         assert self.prefix is not None
-        return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id])
+        return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id], request_salt(self.prefix.salt, cache_salt))
 
     def reserve_snapshot_slot(self) -> int | None:
         """A snapshot slot for the next step to write a state into (PrefixCache.reserve_slot), or None."""
         assert self.prefix is not None
         return self.prefix.reserve_slot()
 
-    def adopt_snapshot(self, req_id: str, tokens: list[int], slot: int) -> bool:
-        """Index reserved `slot`, which req_id's step filled with its state after exactly `tokens`, with req_id's pages."""
+    def adopt_snapshot(self, req_id: str, tokens: list[int], slot: int, cache_salt: str | None = None) -> bool:
+        """Index reserved `slot`, which req_id's step filled with its state after exactly `tokens`, with req_id's pages,
+        under its `cache_salt`."""
         assert self.prefix is not None
-        return self.prefix.adopt(tokens, self._pages[req_id], slot)
+        return self.prefix.adopt(tokens, self._pages[req_id], slot, request_salt(self.prefix.salt, cache_salt))
 
     def release_snapshot_slot(self, slot: int) -> None:
         assert self.prefix is not None

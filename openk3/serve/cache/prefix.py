@@ -4,6 +4,10 @@ A node is one full page (its key chains the salt and every token before its end)
 at a boundary p, hung on the node of the last full page before p, with the tail tokens after it and, when the tail is not empty,
 a reference to the page holding those tail tokens. The index holds one block-pool reference per node page and tail page.
 
+A request with a `cache_salt` keys its pages from its own salt (hashing.request_salt), so its prefixes hang under their own root:
+one tree per salt in use, the model's own always there, a salted one dropped when its last snapshot goes. Nothing is shared across
+roots, neither pages nor a snapshot shorter than a page.
+
 Hit rule: a request may start at the deepest boundary p <= len(tokens) - 1 where a snapshot exists; pages matched deeper without
 a state are a miss there (restoring pages without their state produces wrong text). Reuse is copy-on-write: full pages are
 shared (ref count + 1), the snapshot is copied into the request's own slot, and a tail page is copied into a fresh page, because
@@ -79,6 +83,7 @@ class PrefixCache:
         self._free_slots = list(self.all_slots)
         self._reserved: list[int] = []  # slots a step is writing states into, not yet adopted (reserve_slot)
         self.root = _Node(salt, None, None, (), 0)
+        self._salted: dict[bytes, _Node] = {}  # request salt -> the root of its prefixes (requests with a cache_salt)
         self._lru: OrderedDict[bytes, _Snapshot] = OrderedDict()
         self._clock = itertools.count()
         self.counters = PrefixCounters()
@@ -93,11 +98,24 @@ class PrefixCache:
 
     # lookup ---------------------------------------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[PrefixMatch, list[bytes]]:
-        """Deepest usable boundary <= limit on the device, and the page keys of `tokens` (for the tier lookup)."""
+    def _root(self, salt: bytes | None, create: bool = False) -> _Node | None:
+        """The root the keys under `salt` chain from (None: the model's own salt); None for a salt with nothing cached."""
+        if salt is None or salt == self.salt:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None and create:
+            root = self._salted[salt] = _Node(salt, None, None, (), 0)
+        return root
+
+    def match(self, tokens: Sequence[int], limit: int, salt: bytes | None = None) -> tuple[PrefixMatch, list[bytes]]:
+        """Deepest usable boundary <= limit on the device, and the page keys of `tokens` (for the tier lookup), both under
+        `salt` (a request's, hashing.request_salt; None: the model's)."""
         ps = self.page_size
-        keys = chain_keys(self.salt, tokens[: (limit // ps) * ps], ps)
-        node, j, best = self.root, 0, None
+        keys = chain_keys(self.salt if salt is None else salt, tokens[: (limit // ps) * ps], ps)
+        root = self._root(salt)
+        if root is None:
+            return PrefixMatch.miss(), keys
+        node, j, best = root, 0, None
         while True:
             for tail, snap in node.snapshots.items():
                 start = j * ps
@@ -135,10 +153,10 @@ class PrefixCache:
             node = node.parent
         return pages[::-1]
 
-    def entry(self, tokens: Sequence[int]) -> TierEntry | None:
+    def entry(self, tokens: Sequence[int], salt: bytes | None = None) -> TierEntry | None:
         """The snapshot exactly at boundary len(tokens), packed as a tier entry (a copy: the index is unchanged), or None."""
         k = len(tokens) // self.page_size
-        node = self._walk(chain_keys(self.salt, tokens[: k * self.page_size], self.page_size))
+        node = self._walk(chain_keys(self.salt if salt is None else salt, tokens[: k * self.page_size], self.page_size), salt)
         snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
         return None if snap is None else self._pack(snap)
 
@@ -155,16 +173,16 @@ class PrefixCache:
 
     # insertion ------------------------------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int) -> bool:
-        """Snapshot the state in `slot` (after exactly `tokens`) with the pages holding them; False when already cached or
-        when there is no snapshot slot to take."""
-        if not tokens or self._touch(tokens):
+    def insert(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int, salt: bytes | None = None) -> bool:
+        """Snapshot the state in `slot` (after exactly `tokens`, keyed under `salt`) with the pages holding them; False when
+        already cached or when there is no snapshot slot to take."""
+        if not tokens or self._touch(tokens, salt):
             return False
         snap_slot = self._take_slot()  # before building the path: making room may prune nodes of this very path
         if snap_slot is None:
             return False
         self.counters.device_bytes_copied += copy_slot(self.tensors, slot, snap_slot)
-        self._hang(tokens, page_ids, snap_slot)
+        self._hang(tokens, page_ids, snap_slot, salt)
         return True
 
     def reserve_slot(self) -> int | None:
@@ -175,14 +193,14 @@ class PrefixCache:
             self._reserved.append(slot)
         return slot
 
-    def adopt(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int) -> bool:
-        """Make reserved `slot`, which now holds the state after exactly `tokens`, a snapshot with the pages holding them;
-        False (and the slot freed) when that boundary is cached already."""
-        if not tokens or self._touch(tokens):
+    def adopt(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int, salt: bytes | None = None) -> bool:
+        """Make reserved `slot`, which now holds the state after exactly `tokens`, a snapshot (keyed under `salt`) with the
+        pages holding them; False (and the slot freed) when that boundary is cached already."""
+        if not tokens or self._touch(tokens, salt):
             self.release(slot)
             return False
         self._reserved.remove(slot)
-        self._hang(tokens, page_ids, slot)
+        self._hang(tokens, page_ids, slot, salt)
         return True
 
     def release(self, slot: int) -> None:
@@ -190,22 +208,24 @@ class PrefixCache:
         self._reserved.remove(slot)
         self._free_slots.append(slot)
 
-    def _touch(self, tokens: Sequence[int]) -> bool:
-        """True (and the snapshot marked most recently used) when boundary len(tokens) is cached."""
+    def _touch(self, tokens: Sequence[int], salt: bytes | None) -> bool:
+        """True (and the snapshot marked most recently used) when boundary len(tokens) is cached under `salt`."""
         k = len(tokens) // self.page_size
-        node = self._walk(chain_keys(self.salt, tokens[: k * self.page_size], self.page_size))
+        node = self._walk(chain_keys(self.salt if salt is None else salt, tokens[: k * self.page_size], self.page_size), salt)
         snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
         if snap is not None:
             self._lru.move_to_end(snap.key)
         return snap is not None
 
-    def _hang(self, tokens: Sequence[int], page_ids: Sequence[int], snap_slot: int) -> None:
-        """Index the snapshot in `snap_slot` at boundary len(tokens): the path of its full pages, then the snapshot."""
+    def _hang(self, tokens: Sequence[int], page_ids: Sequence[int], snap_slot: int, salt: bytes | None) -> None:
+        """Index the snapshot in `snap_slot` at boundary len(tokens) under `salt`: the path of its full pages, then the
+        snapshot."""
         p, ps = len(tokens), self.page_size
         k = p // ps
-        keys = chain_keys(self.salt, tokens[: k * ps], ps)
+        keys = chain_keys(self.salt if salt is None else salt, tokens[: k * ps], ps)
         tail = tuple(tokens[k * ps : p])
-        node = self.root
+        node = self._root(salt, create=True)
+        assert node is not None
         for j, key in enumerate(keys):
             child = node.children.get(key)
             if child is None:
@@ -221,9 +241,11 @@ class PrefixCache:
         self._lru[snap.key] = snap
         self.counters.snapshots_taken += 1
 
-    def _walk(self, keys: Sequence[bytes]) -> _Node | None:
-        node = self.root
+    def _walk(self, keys: Sequence[bytes], salt: bytes | None = None) -> _Node | None:
+        node = self._root(salt)
         for key in keys:
+            if node is None:
+                return None
             child = node.children.get(key)
             if child is None:
                 return None
@@ -269,6 +291,8 @@ class PrefixCache:
             assert node.page is not None
             self.pool.free([node.page])
             node = node.parent
+        if node.parent is None and node is not self.root and not node.children and not node.snapshots:
+            del self._salted[node.key]
 
     def clear(self) -> None:
         while self._lru:
@@ -280,7 +304,7 @@ class PrefixCache:
         no request holding pages (the engine is idle)."""
         while self._lru:
             self._evict(next(iter(self._lru.values())), offload=False)
-        if self.root.children:
+        if self.root.children or self._salted:
             raise AssertionError("prefix cache: pages left in the index after every snapshot was dropped")
         self.salt = salt
         self.root = _Node(salt, None, None, (), 0)
@@ -290,7 +314,7 @@ class PrefixCache:
     def page_refs(self) -> dict[int, int]:
         """Block-pool references the index holds, per page."""
         refs: dict[int, int] = {}
-        stack = [self.root]
+        stack = [self.root, *self._salted.values()]
         while stack:
             node = stack.pop()
             if node.page is not None:
@@ -325,6 +349,9 @@ class PrefixCache:
             return has
 
         visit(self.root)
+        for salt, root in self._salted.items():
+            if root.key != salt or root.parent is not None or not visit(root):
+                raise AssertionError("PrefixCache: a salted root is linked wrongly or holds no snapshot (it should have been dropped)")
         if seen.keys() != self._lru.keys():
             raise AssertionError("PrefixCache: the LRU list and the tree hold different snapshots")
         used = [s.slot for s in self._lru.values()]

@@ -71,10 +71,39 @@ def worker(variant: str, seed: int, threads: int) -> dict:
     return result
 
 
-def run_round(variant: str, seed: int, threads: int, main_src: str | None) -> dict:
+def first_send_cost(seed: int, threads: int, pairs: int) -> dict:
+    """First-send TTFT with the in-step states (default) and without (prefix_prompt_snapshots=0), in one process: fresh
+    prompts, the two engines alternating prompt by prompt; {length: [(with, without)] seconds}."""
+    import torch
+
+    from openk3.llm import LLM
+    from openk3.serve.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", message=".*random weights.*")
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cfg: dict = dict(max_num_seqs=4, page_size=16, max_model_len=2048, enable_prefix_caching=True, prefix_match_unit=64)
+    engines = [LLM("tiny", **cfg), LLM("tiny", **cfg, prefix_prompt_snapshots=0)]
+    out: dict = {}
+    for n in (*LENGTHS, PREFIX + SUFFIX):
+        rows = []
+        for i in range(pairs):
+            prompt = [rng.randrange(3, 4000) for _ in range(n)]
+            times = [0.0, 0.0]
+            for j in (0, 1) if i % 2 == 0 else (1, 0):
+                metrics = engines[j].generate([prompt], params)[0].outputs[0].metrics
+                assert metrics is not None and metrics.time_to_first_token is not None
+                times[j] = metrics.time_to_first_token
+            rows.append(times)
+        out[str(n)] = rows[1:]  # the first pair warms both engines up
+    return out
+
+
+def run_round(variant: str, seed: int, threads: int, main_src: str | None, extra: list[str] | None = None) -> dict:
     src = main_src if variant == "main" and main_src is not None else ROOT
     env = {**os.environ, "PYTHONPATH": src}
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--seed", str(seed), "--threads", str(threads)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--seed", str(seed), "--threads", str(threads), *(extra or [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} round failed:\n{done.stderr[-3000:]}")
@@ -92,7 +121,11 @@ def main() -> None:
     parser.add_argument("--main-src", default=None, help="a checkout of main to run the 'before' variant from")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=int, default=9, help="prompts per length in the first-send cost table")
     args = parser.parse_args()
+    if args.worker == "first-send":
+        print(json.dumps(first_send_cost(args.seed, args.threads, args.pairs)))
+        return
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.seed, args.threads)))
         return
@@ -103,6 +136,7 @@ def main() -> None:
         for v in variants if r % 2 == 0 else variants[::-1]:
             runs[v].append(run_round(v, seed=r, threads=args.threads, main_src=args.main_src))
     ref = runs["uncached"]
+    cost = run_round("first-send", seed=100, threads=args.threads, main_src=None, extra=["--pairs", str(args.pairs)])
 
     def same(v: str) -> bool:
         tok = [[s[2] for n in LENGTHS for s in rd["repeat"][str(n)]] + [p["cached"][2] for p in rd["prefix"]] for rd in runs[v]]
@@ -111,7 +145,7 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     shown = "--main-src <checkout of main>" if args.main_src else ""
-    print(f"command: python benchmarks/prefix_second_send.py --rounds {args.rounds} --threads {args.threads} {shown}".rstrip())
+    print(f"command: python benchmarks/prefix_second_send.py --rounds {args.rounds} --threads {args.threads} --pairs {args.pairs} {shown}".rstrip())
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, {args.threads} thread(s); commit {commit}")
     print(f"model: LLM('tiny'), fp32, page 16, match unit 64, one prefill step per prompt; medians of {args.rounds} alternating rounds")
     print()
@@ -138,6 +172,14 @@ def main() -> None:
         cached = statistics.median([p["cached"][0] for p in pairs])
         t, a = med([p["cached"][1] for p in pairs]), med(alone)
         print(f"| {v} | {cached} | {t:.1f} | {a:.1f} | {t / a:.2f}x |")
+    print()
+    print(f"First-send cost of the in-step states: one process, two engines alternating on fresh prompts ({args.pairs - 1} pairs per length)")
+    print()
+    print("| prompt | TTFT with states inside the step (ms) | without (prefix_prompt_snapshots=0) (ms) | median of per-pair ratios |")
+    print("|---|---|---|---|")
+    for n, rows in cost.items():
+        on, off = med([r[0] for r in rows]), med([r[1] for r in rows])
+        print(f"| {n} | {on:.1f} | {off:.1f} | {statistics.median(r[0] / r[1] for r in rows):.3f}x |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from openk3.config import LayerKind, ModelConfig
+from openk3.config.cache_format import fp8_latent_width
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,11 @@ class ForwardBatch:
         )
 
 
+def _latent_row(latent_dim: int, dtype: torch.dtype, fp8: bool) -> tuple[int, torch.dtype]:
+    """(width, dtype) of one token's row in an MLA page: R values of the cache dtype, or the FP8 packed bytes."""
+    return (fp8_latent_width(latent_dim), torch.uint8) if fp8 else (latent_dim, dtype)
+
+
 @dataclass
 class CacheTensors:
     """Preallocated pools. The model mutates their contents in place; their shapes never change."""
@@ -175,14 +181,18 @@ class CacheTensors:
         page_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fp8_latent: bool = False,
     ) -> CacheTensors:
+        """`fp8_latent`: the MLA pages hold each token's latent as packed e4m3 values and scales (ops/mla/fp8_latent.py),
+        uint8 rows; the conv windows keep `dtype` and the KDA states fp32 either way."""
         kda = config.kda
         n_kda = sum(1 for k in config.layer_kinds if k == LayerKind.KDA)
         n_mla = config.num_hidden_layers - n_kda
+        width, row_dtype = _latent_row(config.mla.latent_dim, dtype, fp8_latent)
         return CacheTensors(
             kda_state=[torch.zeros(num_slots, kda.num_heads, kda.head_dim, kda.head_dim, dtype=torch.float32, device=device) for _ in range(n_kda)],
             conv_state=[torch.zeros(num_slots, 3 * kda.proj_dim, kda.conv_kernel - 1, dtype=dtype, device=device) for _ in range(n_kda)],
-            mla_latent=[torch.zeros(num_pages, page_size, config.mla.latent_dim, dtype=dtype, device=device) for _ in range(n_mla)],
+            mla_latent=[torch.zeros(num_pages, page_size, width, dtype=row_dtype, device=device) for _ in range(n_mla)],
             page_size=page_size,
         )
 

@@ -17,6 +17,7 @@ from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm
 from openk3.ops.mla import split_kv_b
+from openk3.ops.mla.fp8_latent import pack_fp8_latent, unpack_fp8_latent
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
@@ -29,7 +30,19 @@ def write_latents(pool_PSR: torch.Tensor, page_table: torch.Tensor, batch: Forwa
     # a decode step has one token per sequence, in sequence order
     seq_of_token = seqs if batch.is_decode else torch.repeat_interleave(seqs, batch.seq_lens, output_size=latent_TR.shape[0])
     pages = page_table[seq_of_token, batch.positions // page_size]
-    pool_PSR[pages, batch.positions % page_size] = latent_TR.to(pool_PSR.dtype)
+    rows = pack_fp8_latent(latent_TR) if pool_PSR.dtype == torch.uint8 else latent_TR.to(pool_PSR.dtype)
+    pool_PSR[pages, batch.positions % page_size] = rows
+
+
+def readable_pages(pool: torch.Tensor, page_table: torch.Tensor, latent_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool, page table) the attention ops read. A plain pool as it is; an FP8 pool (uint8 packed rows,
+    ops/mla/fp8_latent.py) as the step's pages only, dequantised to `dtype` into a pool of their own, and the table
+    renumbered to it: the ops never see the packed format, and only the pages this step reads are expanded."""
+    if pool.dtype != torch.uint8:
+        return pool, page_table
+    b, p = page_table.shape
+    pages = unpack_fp8_latent(pool[page_table.reshape(-1)], latent_dim, dtype)
+    return pages, torch.arange(b * p, device=page_table.device).view(b, p)
 
 
 def read_latents(pool_PSR: torch.Tensor, pages_P: torch.Tensor, length: int) -> torch.Tensor:
@@ -88,20 +101,22 @@ class GatedMLA(nn.Module):
         latent_TR = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, h, self.nope, self.v_dim)
 
+        page_table = batch.page_table
         if latent_pool is not None:
-            assert batch.page_table is not None
-            write_latents(latent_pool, batch.page_table, batch, latent_TR)
+            assert page_table is not None
+            write_latents(latent_pool, page_table, batch, latent_TR)
+            latent_pool, page_table = readable_pages(latent_pool, page_table, latent_TR.shape[-1], latent_TR.dtype)
         if batch.is_decode and latent_pool is not None:
-            assert batch.page_table is not None
-            out_THV = self.decode(q_nope, q_pe, latent_pool, batch.page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
+            assert page_table is not None
+            out_THV = self.decode(q_nope, q_pe, latent_pool, page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
         else:
-            out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, w_uk, w_uv)
+            out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, page_table, w_uk, w_uv)
 
         if gate_logits is not None:
             out_THV = out_THV * torch.sigmoid(gate_logits.float()).view(t, h, self.v_dim).to(out_THV.dtype)
         return self.o_proj(out_THV.reshape(t, h * self.v_dim).to(x_TD.dtype))
 
-    def _prefill(self, q_nope, q_pe, latent_TR, batch: ForwardBatch, latent_pool, w_uk, w_uv) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, latent_TR, batch: ForwardBatch, latent_pool, page_table, w_uk, w_uv) -> torch.Tensor:
         """Per sequence: its queries against its whole context (cached latents read back from the pages, or this step's)."""
         outs = []
         cu = batch.cu_seqlens.tolist()
@@ -109,8 +124,7 @@ class GatedMLA(nn.Module):
         for i in range(batch.num_seqs):
             lo, hi = cu[i], cu[i + 1]
             if latent_pool is not None:
-                assert batch.page_table is not None
-                lat = read_latents(latent_pool, batch.page_table[i], ctx[i] + hi - lo)
+                lat = read_latents(latent_pool, page_table[i], ctx[i] + hi - lo)
             else:
                 lat = latent_TR[lo:hi]
             c, kpe = lat.split([self.lora, self.rope], dim=-1)

@@ -44,6 +44,12 @@ class EngineConfig:
     num_pages: int | None = setting(None, "MLA cache pages (default: as many as fit in the cache memory)", low=1)
     cache_memory_bytes: int = setting(256 * 2**20, "memory for MLA pages and KDA state slots", low=1, unit="MiB", flag="--cache-memory-mb")
     cache_dtype: torch.dtype | None = field(default=None)  # None: the model's parameter dtype
+    kv_cache_dtype: str = setting(
+        "auto",
+        "MLA latent cache: auto (the cache dtype) or fp8 / fp8_e4m3 (e4m3 values with a scale per 64 channels, about half the bytes "
+        "of bf16; the KDA state stays fp32 and the conv windows keep the cache dtype)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     # prefix caching and its tiers (docs/serving.md)
     enable_prefix_caching: bool = setting(False, "reuse cached prefixes (MLA pages + KDA state snapshots)")
     prefix_match_unit: int = setting(64, "tokens; prefill chunks are cut and states snapshotted at its multiples", low=1)
@@ -104,6 +110,10 @@ class EngineConfig:
     @property
     def _cpu_fp32(self) -> bool:
         return str(self.device).split(":")[0] == "cpu" and self.dtype == "float32"
+
+    @property
+    def fp8_latent(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def with_packing_default(self, owns_model: bool) -> EngineConfig:
         """pack_cpu_weights resolved when unset: on for a model the entry point owns (nothing else writes to it), where it

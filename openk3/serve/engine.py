@@ -60,6 +60,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
+    spec_decode: SpecDecodeStats | None = None  # running totals of speculative decoding; None without a draft model
 
 
 class EngineCore(Protocol):
@@ -155,9 +156,9 @@ class LLMEngine:
         self.device = p.device if p is not None else torch.device("cpu")
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
-        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype).kda.bytes_per_sequence)
+        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype, cfg.fp8_latent
         )
         prefix = None
         if cfg.enable_prefix_caching:
@@ -166,13 +167,21 @@ class LLMEngine:
                 snapshot_interval=cfg.prefix_snapshot_interval,
                 prompt_snapshots=cfg.prefix_prompt_snapshots,
                 num_snapshot_slots=snapshot_slots,
-                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype),
+                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype, cfg.fp8_latent),
                 host_bytes=cfg.cpu_offload_bytes,
                 disk_dir=cfg.disk_offload_dir,
                 disk_bytes=cfg.disk_offload_bytes,
             )
         self.cache = CacheManager(
-            self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix, scratch=cfg.cuda_graphs
+            self.model_config,
+            num_pages,
+            cfg.page_size,
+            cfg.max_num_seqs,
+            dtype=cache_dtype,
+            device=self.device,
+            prefix=prefix,
+            scratch=cfg.cuda_graphs,
+            fp8_latent=cfg.fp8_latent,
         )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
@@ -258,7 +267,7 @@ class LLMEngine:
             raise RuntimeError("weights changed while requests are running: update the weights between rollouts, with the engine idle")
         if self.cache.prefix is not None:
             model = self.model if isinstance(self.model, torch.nn.Module) else None
-            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype))
+            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype, self.config.fp8_latent))
         self.weight_version += 1
         return self.weight_version
 
@@ -336,6 +345,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache=prefix_cache_stats(self.cache),
+            spec_decode=self.spec_stats,
         )
 
     def _propose(self, proposer: DraftProposer) -> None:

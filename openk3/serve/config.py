@@ -54,6 +54,9 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(False, "reuse cached prefixes (MLA pages + KDA state snapshots)")
     prefix_match_unit: int = setting(64, "tokens; prefill chunks are cut and states snapshotted at its multiples", low=1)
     prefix_snapshot_interval: int | None = setting(None, "also snapshot every this many prompt tokens (dense, costs slots)", low=1)
+    prefix_prompt_snapshots: int = setting(
+        4, "states also taken inside a prompt's prefill at the deepest this many match-unit multiples (a repeat hits on its second send)", low=0
+    )
     num_snapshot_slots: int | None = setting(None, "state slots kept for prefix snapshots (default: a quarter of the cache memory)", low=0)
     cpu_offload_bytes: int = setting(0, "host-DRAM tier for evicted prefixes (0: none)", low=0, unit="GiB", flag="--cpu-offload-gb")
     disk_offload_dir: str | None = setting(None, "directory of the disk tier (a private subfolder is made and removed)")

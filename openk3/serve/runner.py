@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, StateCut
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import DecodeGraphs
@@ -124,6 +124,9 @@ class ModelRunner:
         mm = self.encoder_cache.step_rows(out.requests, out.num_tokens) if self.encoder_cache is not None else None
         if mm is not None:  # the placeholder rows of images take the images' embeddings (serve/encoder_cache.py)
             batch = dataclasses.replace(batch, mm_embeds=mm[0], mm_rows=mm[1])
+        if out.cuts:
+            starts = [r.num_computed_tokens for r in out.requests]
+            batch = dataclasses.replace(batch, state_cuts=tuple(StateCut(c.row, c.num_tokens - starts[c.row], c.slot) for c in out.cuts))
         return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:

@@ -238,6 +238,21 @@ class CacheManager:
         assert self.prefix is not None
         return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id], request_salt(self.prefix.salt, cache_salt))
 
+    def reserve_snapshot_slot(self) -> int | None:
+        """A snapshot slot for the next step to write a state into (PrefixCache.reserve_slot), or None."""
+        assert self.prefix is not None
+        return self.prefix.reserve_slot()
+
+    def adopt_snapshot(self, req_id: str, tokens: list[int], slot: int, cache_salt: str | None = None) -> bool:
+        """Index reserved `slot`, which req_id's step filled with its state after exactly `tokens`, with req_id's pages,
+        under its `cache_salt`."""
+        assert self.prefix is not None
+        return self.prefix.adopt(tokens, self._pages[req_id], slot, request_salt(self.prefix.salt, cache_salt))
+
+    def release_snapshot_slot(self, slot: int) -> None:
+        assert self.prefix is not None
+        self.prefix.release(slot)
+
     def close(self) -> None:
         """Stop the disk tier's writer and remove its files."""
         if self.prefix is not None and self.prefix.tiers is not None:

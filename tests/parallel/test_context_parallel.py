@@ -20,6 +20,8 @@ from tests.model.conftest import build
 from tests.parallel.cp_cases import SLOT, all_cases, cp_case, new_cache, prompt
 
 LENGTHS = (5, 37, 150)
+CONTEXT = 21  # tokens prefilled in one process before CP runs the rest (cases "<length>+ctx")
+CASES = [str(n) for n in LENGTHS] + [f"{n}+ctx" for n in LENGTHS if n > CONTEXT + max(2, 3)]
 WORLDS = (2, 3)
 
 
@@ -45,16 +47,16 @@ def test_too_few_pages_is_refused_by_name() -> None:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[int, list[dict[int, dict[str, float]]]]:
-    return {world: run_ranks(all_cases, world, LENGTHS) for world in WORLDS}
+def results() -> dict[int, list[dict[str, dict[str, float]]]]:
+    return {world: run_ranks(all_cases, world, LENGTHS, CONTEXT) for world in WORLDS}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_prefill_and_greedy_decode_equal_one_process(results, world: int, length: int) -> None:
-    for rank, by_length in enumerate(results[world]):
-        e = by_length[length]
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_and_greedy_decode_equal_one_process(results, world: int, case: str) -> None:
+    for rank, by_case in enumerate(results[world]):
+        e = by_case[case]
         for key in ("logits", "prompt_logprobs", "kda_state", "conv_state", "mla_latent"):
             assert e[key] <= 1e-5, f"rank {rank}: {key} differs by {e[key]}"
         assert e["whole_logits"] <= e["whole_chunked_logits"] + 1e-6, f"rank {rank}"
@@ -70,6 +72,12 @@ def test_each_rank_receives_the_other_ranks_latents_and_its_predecessors_state(r
     n_mla, n_kda = len(cfg.mla_layers), cfg.num_hidden_layers - len(cfg.mla_layers)
     kda_hop = 4 * (cfg.kda.num_heads * cfg.kda.head_dim**2 + 3 * cfg.kda.proj_dim * (cfg.kda.conv_kernel - 1))
     for rank, (lo, hi) in enumerate(shard_bounds(length, world)):
-        e = results[world][rank][length]
+        e = results[world][rank][str(length)]
         assert e["mla_bytes"] == n_mla * (length - (hi - lo)) * cfg.mla.latent_dim * 4
         assert e["kda_bytes"] == (n_kda * kda_hop if rank > 0 else 0)
+
+
+def test_one_rank_after_a_context_is_the_chunked_prefill() -> None:
+    errors = cp_case(ParallelContext.single(), 37, seed=2, context=10)
+    assert errors["logits"] <= 1e-5 and errors["kda_state"] <= 1e-5 and errors["conv_state"] <= 1e-5 and errors["mla_latent"] <= 1e-5
+    assert errors["mismatched_tokens"] == 0 and errors["mismatched_whole_tokens"] == 0

@@ -49,6 +49,7 @@ class CPExchange:
 
     ctx: ParallelContext
     shards: Sequence[tuple[int, int]]
+    context_len: int = 0  # tokens of the sequence already in the cache before the first shard
     received: list[Received] = field(default_factory=list)
     padding_bytes: int = 0
     wait_s: float = 0.0  # time spent blocked in recv, waiting for the previous rank's state

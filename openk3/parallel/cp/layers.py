@@ -65,12 +65,14 @@ class ContextParallelKDA(nn.Module):
         gate_TP = gate_in if a.full_rank_output_gate else a.g_b_proj(gate_in)
         w = a.layer_weights()
         conv_like = cache.conv_SCW[slot]
-        init_conv = ex.from_previous(conv_like, self.layer, "kda_conv", tag)
+        starts_fresh = ex.context_len == 0  # rank 0 of a fresh sequence starts from zeros, after a context from its slot
+        init_conv = ex.from_previous(conv_like, self.layer, "kda_conv", tag) if ex.rank > 0 else (None if starts_fresh else conv_like)
         y, conv_state = a.conv_prefill(qkv_TC[None], w.conv_weight_CW, init_conv, batch.cu_seqlens, activation="silu")
         conv_state = conv_state.to(conv_like.dtype)
         ex.to_next(conv_state, tag)
         q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, w, a.num_heads)
-        init_state = ex.from_previous(cache.state_SHKV[slot], self.layer, "kda_state", tag + 1)
+        state_like = cache.state_SHKV[slot]
+        init_state = ex.from_previous(state_like, self.layer, "kda_state", tag + 1) if ex.rank > 0 else (None if starts_fresh else state_like)
         o, new_state = a.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
         ex.to_next(new_state, tag + 1)
         cache.conv_SCW.index_copy_(0, slot, conv_state)

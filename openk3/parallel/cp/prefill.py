@@ -68,15 +68,26 @@ def _share_final_state(model: K3ForCausalLM, exchange: CPExchange, cache: CacheT
 
 @torch.no_grad()
 def context_parallel_prefill(
-    model: K3ForCausalLM, ctx: ParallelContext, token_ids: Sequence[int], cache: CacheTensors, slot: int, pages: torch.Tensor
+    model: K3ForCausalLM,
+    ctx: ParallelContext,
+    token_ids: Sequence[int],
+    cache: CacheTensors,
+    slot: int,
+    pages: torch.Tensor,
+    context_len: int = 0,
 ) -> CPPrefill:
-    """Prefill `token_ids` (a fresh sequence: no cached context) into state slot `slot` and pages `pages` [P] of `cache`
-    over the ranks of `ctx`; every rank calls it with the same arguments and returns the same logits."""
+    """Prefill `token_ids` into state slot `slot` and pages `pages` [P] of `cache` over the ranks of `ctx`, after
+    `context_len` tokens already in that slot and those pages on every rank (0: a fresh sequence; else the next chunk of
+    a chunked prefill, or the rest of a prompt after a prefix hit). Every rank calls it with the same arguments and
+    returns the same logits; the shards count positions from `context_len`."""
     t = len(token_ids)
     shards = shard_bounds(t, ctx.world_size)
-    if pages.dim() != 1 or pages.numel() * cache.page_size < t:
+    if context_len < 0:
+        raise ValueError(f"context parallel: context_len={context_len}, expected >= 0")
+    end = context_len + t
+    if pages.dim() != 1 or pages.numel() * cache.page_size < end:
         raise ValueError(
-            f"context parallel: pages must be one row of at least {-(-t // cache.page_size)} page ids for {t} tokens, got shape {tuple(pages.shape)}"
+            f"context parallel: pages must be one row of at least {-(-end // cache.page_size)} page ids for {end} tokens, got shape {tuple(pages.shape)}"
         )
     if not 0 <= slot < cache.num_slots:
         raise ValueError(f"context parallel: slot={slot}, expected 0 <= slot < {cache.num_slots}")
@@ -86,19 +97,19 @@ def context_parallel_prefill(
     page_table = pages[None]
     batch = ForwardBatch(
         input_ids=ids[lo:hi],
-        positions=torch.arange(lo, hi, device=device),
+        positions=torch.arange(context_len + lo, context_len + hi, device=device),
         cu_seqlens=torch.tensor([0, hi - lo], device=device),
-        context_lens=torch.tensor([lo], device=device),
+        context_lens=torch.tensor([context_len + lo], device=device),
         state_slots=torch.tensor([slot], device=device),
         page_table=page_table,
     )
     whole = ForwardBatch(
         input_ids=ids,
-        positions=torch.arange(t, device=device),
+        positions=torch.arange(context_len, end, device=device),
         cu_seqlens=torch.tensor([0, t], device=device),
-        context_lens=torch.zeros(1, dtype=torch.int64, device=device),
+        context_lens=torch.tensor([context_len], device=device),
     )
-    exchange = CPExchange(ctx, shards)
+    exchange = CPExchange(ctx, shards, context_len)
     try:
         with context_parallel_layers(model, exchange, whole):
             local_logits = model(batch, cache)

@@ -58,8 +58,9 @@ def _context_parallel(ctx, model, ids: list[int]):  # type: ignore[no-untyped-de
     dist.barrier()
     start = time.perf_counter()
     out = context_parallel_prefill(model, ctx, ids, cache, 0, pages)
+    local = time.perf_counter() - start  # this rank's own part, before waiting for the slowest
     dist.barrier()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, local, out
 
 
 def rank_main(ctx, lengths: list[int], repeats: int) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -72,13 +73,14 @@ def rank_main(ctx, lengths: list[int], repeats: int) -> list[dict]:  # type: ign
     rows = []
     for length in [64, *lengths]:  # the first, short one is the warm-up and is not reported
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        times: dict[str, list[float]] = {"one": [], "cp": []}
+        times: dict[str, list[float]] = {"one": [], "cp": [], "local": []}
         ref, out = None, None
         for _ in range(repeats):
             s, ref = _one_rank(ctx, model, ids)
             times["one"].append(s)
-            s, out = _context_parallel(ctx, model, ids)
+            s, local, out = _context_parallel(ctx, model, ids)
             times["cp"].append(s)
+            times["local"].append(local)
         assert out is not None
         row: dict = {"length": length, **{k: statistics.median(v) for k, v in times.items()}, "wait": out.wait_s, "padding": out.padding_bytes}
         mla = _by_layer(out.received, "mla_latent")
@@ -122,21 +124,25 @@ def main() -> None:
     config = config_from_hf(path)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"command: python benchmarks/context_parallel.py --lengths {a.lengths} --cp {a.cp} --repeats {a.repeats}; commit {commit}; ")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared); demo model, fp32; medians of {a.repeats}\n")
-    columns = ["prompt", "one rank s", f"cp={a.cp} s", "one / cp", "max logit diff", "rank: KDA wait s"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load average after the run {load}); demo model, fp32; medians of {a.repeats}\n"
+    )
+    columns = ["prompt", "one rank s", f"cp={a.cp} s", "one / cp", "max logit diff", "rank: own part s", "rank: KDA wait s"]
     columns += ["rank: MLA B/layer (planner)", "rank: KDA B/layer (planner)", "final state B"]
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(columns))
     for i, length in enumerate(lengths):
         r0 = results[0][i]
         ok = r0["error"] <= 1e-3 and r0["same_token"]
         sent = cp_bytes(config, Quantisation(cache_dtype_bytes=4), tp=1, prompt=length, cp=a.cp)
         ratio = f"{r0['one'] / r0['cp']:.2f}x" if ok else "mismatch"
+        own = ", ".join(f"{r}: {res[i]['local']:.2f}" for r, res in enumerate(results))
         waits = ", ".join(f"{r}: {res[i]['wait']:.2f}" for r, res in enumerate(results))
         mla = ", ".join(f"{r}: {res[i]['mla']:.0f}" for r, res in enumerate(results)) + f" ({sent.mla_per_layer:.0f})"
         kda = ", ".join(f"{r}: {res[i]['kda']:.0f}" for r, res in enumerate(results)) + f" ({sent.kda_hop:.0f} x {sent.kda_hops_per_layer} hops)"
         final = ", ".join(f"{r}: {res[i]['final']}" for r, res in enumerate(results))
-        print(f"| {length} | {r0['one']:.2f} | {r0['cp']:.2f} | {ratio} | {r0['error']:.1e} | {waits} | {mla} | {kda} | {final} |")
+        print(f"| {length} | {r0['one']:.2f} | {r0['cp']:.2f} | {ratio} | {r0['error']:.1e} | {own} | {waits} | {mla} | {kda} | {final} |")
 
 
 if __name__ == "__main__":

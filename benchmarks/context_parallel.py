@@ -125,9 +125,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"command: python benchmarks/context_parallel.py --lengths {a.lengths} --cp {a.cp} --repeats {a.repeats}; commit {commit}; ")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load average after the run {load}); demo model, fp32; medians of {a.repeats}\n"
-    )
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load avg. after: {load}); demo model, fp32, medians of {a.repeats}\n")
     columns = ["prompt", "one rank s", f"cp={a.cp} s", "one / cp", "max logit diff", "rank: own part s", "rank: KDA wait s"]
     columns += ["rank: MLA B/layer (planner)", "rank: KDA B/layer (planner)", "final state B"]
     print("| " + " | ".join(columns) + " |")

@@ -94,3 +94,14 @@ def all_cases(ctx: ParallelContext, lengths: tuple[int, ...], context: int) -> d
     torch.manual_seed(0)
     out = {str(length): cp_case(ctx, length, seed=length) for length in lengths}
     return out | {f"{length}+ctx": cp_case(ctx, length, seed=length, context=context) for length in lengths if length > context + ctx.world_size}
+
+
+def generate_case(ctx: ParallelContext, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The embedded demo model's greedy tokens with the prompt prefilled over the ranks (cp_generate)."""
+    from openk3.model import load_model
+    from openk3.parallel.cp.generate import cp_generate
+    from openk3.serve.loading import resolve_model
+
+    path = resolve_model("tiny")
+    assert path is not None
+    return cp_generate(load_model(path).eval(), ctx, prompt_ids, max_tokens)

@@ -8,6 +8,8 @@ reassociation (matmuls over other row counts, up to ~1e-4 on these random-weight
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from openk3.parallel.cp.prefill import context_parallel_prefill
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from tests.model.conftest import build
-from tests.parallel.cp_cases import SLOT, all_cases, cp_case, new_cache, prompt
+from tests.parallel.cp_cases import SLOT, all_cases, cp_case, generate_case, new_cache, prompt
 
 LENGTHS = (5, 37, 150)
 CONTEXT = 21  # tokens prefilled in one process before CP runs the rest (cases "<length>+ctx")
@@ -81,3 +83,19 @@ def test_one_rank_after_a_context_is_the_chunked_prefill() -> None:
     errors = cp_case(ParallelContext.single(), 37, seed=2, context=10)
     assert errors["logits"] <= 1e-5 and errors["kda_state"] <= 1e-5 and errors["conv_state"] <= 1e-5 and errors["mla_latent"] <= 1e-5
     assert errors["mismatched_tokens"] == 0 and errors["mismatched_whole_tokens"] == 0
+
+
+@pytest.mark.distributed
+def test_cp_generate_gives_the_engines_greedy_tokens() -> None:
+    # the one-process oracle is the whole engine (LLM: scheduler, chunked prefill, sampler) on the demo model
+    from openk3.llm import LLM
+    from openk3.serve.sampling import SamplingParams
+
+    ids = [random.Random(0).randrange(1000) for _ in range(97)]
+    llm = LLM("tiny", max_num_seqs=1)
+    try:
+        want = list(llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids)
+    finally:
+        llm.close()
+    for rank, got in enumerate(run_ranks(generate_case, 2, ids, 8)):
+        assert got == want, f"rank {rank}"

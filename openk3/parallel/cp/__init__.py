@@ -1,4 +1,4 @@
-"""Context parallelism: one prompt's prefill split over ranks by position (docs/parallel.md, "Context parallelism").
+"""Context parallelism: one prompt's prefill split over ranks by position (docs/parallel.md, "Context-parallel prefill").
 
 - `exchange.py`: the shards and the messages (all-gather of rows, rank-to-rank hand-offs), logged per layer;
 - `layers.py`: the CP forms of MLA (latents all-gathered) and KDA (conv window and state handed on in rank order);

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from openk3.config import ModelConfig
+from openk3.model.mtp import MTPLayer
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
@@ -27,6 +28,7 @@ from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
+from openk3.serve.mtp_draft import MTPProposer
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
 from openk3.serve.request import EngineCoreOutput, Request, RequestMetrics, RequestStatus
@@ -122,9 +124,11 @@ class LLMEngine:
         checkpoint_eos: Sequence[int] = (),
         draft_model: CausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
+        mtp_layer: MTPLayer | None = None,
     ) -> None:
         """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
-        tokenizer), `speculative` drafts per step."""
+        tokenizer); `mtp_layer`: with the checkpoint's multi-token-prediction layer as the draft (serve/mtp_draft.py; it
+        reads the target's hidden states); `speculative` drafts per step."""
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -165,10 +169,16 @@ class LLMEngine:
         self._routing: dict[str, RoutingParts] = {}  # what each request that asked has run so far
         self._cache_dtype = cache_dtype
         self.weight_version = 0  # weights_changed() counts the in-place updates (openk3.rl.weight_sync)
-        self.proposer: DraftProposer | None = None
+        self.proposer: DraftProposer | MTPProposer | None = None
+        if draft_model is not None and mtp_layer is not None:
+            raise ValueError("a draft model and an MTP layer were both given: speculative decoding takes one draft")
+        if (draft_model is not None or mtp_layer is not None) and cfg.cuda_graphs:
+            raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
+        if mtp_layer is not None:
+            k = (speculative or SpeculativeConfig()).num_speculative_tokens
+            self.proposer = MTPProposer(mtp_layer, k, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
+            self.runner.keep_hidden = True
         if draft_model is not None:
-            if cfg.cuda_graphs:
-                raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
             if draft_model.config.vocab_size != self.model_config.vocab_size:
                 v, t = draft_model.config.vocab_size, self.model_config.vocab_size
                 raise ValueError(f"draft model vocab_size={v} differs from the target's {t}: a draft must share the tokenizer")
@@ -293,7 +303,7 @@ class LLMEngine:
             prefix_cache=prefix_cache_stats(self.cache),
         )
 
-    def _propose(self, proposer: DraftProposer) -> None:
+    def _propose(self, proposer: DraftProposer | MTPProposer) -> None:
         """Drafts for every running request in decode that can speculate, as many as its length limits leave room for."""
         proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
         wanted = []
@@ -311,7 +321,7 @@ class LLMEngine:
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
-        """Speculative decoding's acceptance counters (None without a draft model)."""
+        """Speculative decoding's acceptance counters (None without a draft)."""
         return None if self.proposer is None else self.runner.spec_stats
 
     def _stops(self, req: Request, new_tokens: list[int]) -> tuple[RequestStatus | None, list[int], NewText]:
@@ -386,6 +396,8 @@ class LLMEngine:
                     routing,
                 )
             )
+        if isinstance(self.proposer, MTPProposer):
+            self.proposer.observe(result.hidden, self.scheduler.running)
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs

@@ -58,7 +58,7 @@ class MTPLayer(DecoderLayer):
         self,
         config: ModelConfig,
         embed: nn.Embedding,
-        lm_head: nn.Module,
+        lm_head: nn.Linear,
         ops: OpChoice | None = None,
         own_embedding: bool = False,
         own_head: bool = False,
@@ -73,7 +73,7 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * d, d, bias=False)
         self.shared_head = SharedHead(d, config.vocab_size, eps, own_head)
         self.embed_tokens = nn.Embedding(config.vocab_size, d) if own_embedding else None
-        self.target_parts = (embed, lm_head)  # a tuple, so nn.Module does not register the target's modules here
+        self.target_parts: tuple[nn.Embedding, nn.Linear] = (embed, lm_head)  # a tuple, so nn.Module does not register the target's modules here
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self.target_parts[0])(input_ids)

@@ -240,6 +240,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(request_id, status)
+        if self.proposer is not None:
+            self.proposer.release({r.request_id for r in self.scheduler.running})
         self._texts.pop(request_id, None)
         self._prompt_scores.drop(request_id)
         self._routing.pop(request_id, None)
@@ -269,6 +271,8 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.runner.graphs is not None:
             self.runner.graphs.check_integrity()
+        if isinstance(self.proposer, MTPProposer):
+            self.proposer.check_integrity({r.request_id for r in self.scheduler.running})
         if not self.has_unfinished():
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:

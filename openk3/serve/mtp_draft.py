@@ -53,6 +53,12 @@ class MTPProposer:
         for rid in [r for r in self._seen if r not in live]:
             self._drop(rid)
 
+    def check_integrity(self, live: set[str]) -> None:
+        """The layer's cache holds exactly the requests it has seen, all of them among `live` (the running requests)."""
+        self.cache.check_integrity()
+        if self.cache.num_request_holders != len(self._seen) or any(rid not in live for rid in self._seen):
+            raise AssertionError(f"MTPProposer holds {sorted(self._seen)} ({self.cache.num_request_holders} in its cache), running {sorted(live)}")
+
     def _drop(self, rid: str) -> None:
         self.cache.free(rid)
         del self._seen[rid]

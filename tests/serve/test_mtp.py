@@ -212,3 +212,18 @@ def test_llm_and_speculative_config_build_it(folder) -> None:
     assert stats is not None and stats.num_draft_tokens > 0
     with pytest.raises(ValueError, match="speculative method 'mtp' reads the multi-token-prediction layer of the model's checkpoint folder"):
         LLM("debug", speculative_method="mtp")
+
+
+def test_an_aborted_request_leaves_nothing_in_the_layers_cache(folder) -> None:
+    _, path, _ = folder
+    target = load_model(path, mtp=True)
+    engine = LLMEngine(target, ByteTokenizer(target.config.vocab_size), EngineConfig(**BASE), speculative=SpeculativeConfig(2), mtp_layer=load_mtp(path, target))
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[3], GREEDY)
+    for _ in range(3):
+        engine.step()
+    proposer = engine.proposer
+    assert isinstance(proposer, MTPProposer) and proposer.cache.num_request_holders == 2
+    engine.abort("a")
+    engine.abort("b")  # idle now: check_integrity_when_idle runs, and the layer's cache must be empty
+    assert proposer.cache.num_request_holders == 0

@@ -217,7 +217,8 @@ def test_llm_and_speculative_config_build_it(folder) -> None:
 def test_an_aborted_request_leaves_nothing_in_the_layers_cache(folder) -> None:
     _, path, _ = folder
     target = load_model(path, mtp=True)
-    engine = LLMEngine(target, ByteTokenizer(target.config.vocab_size), EngineConfig(**BASE), speculative=SpeculativeConfig(2), mtp_layer=load_mtp(path, target))
+    layer = load_mtp(path, target)
+    engine = LLMEngine(target, ByteTokenizer(target.config.vocab_size), EngineConfig(**BASE), speculative=SpeculativeConfig(2), mtp_layer=layer)
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.add_request("b", PROMPTS[3], GREEDY)
     for _ in range(3):

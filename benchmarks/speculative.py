@@ -54,7 +54,8 @@ TRAIN_STARTS = ["Tom and", "The cat", "One day a", "There was a little", "Lily w
 def mtp_draft(target: K3ForCausalLM, tokenizer, steps: int, length: int = 64) -> tuple[MTPLayer, float, float]:
     """An MTP layer trained on the demo model's sampled continuations of TRAIN_STARTS (4 seeds each), its first and last
     losses (averaged over 10 steps)."""
-    engine = LLMEngine(target, tokenizer, EngineConfig(max_num_seqs=16, max_model_len=256, num_pages=16 * 8, page_size=16))
+    n = 4 * len(TRAIN_STARTS)
+    engine = LLMEngine(target, tokenizer, EngineConfig(max_num_seqs=n, max_model_len=256, num_pages=n * 8, page_size=16))
     for i, text in enumerate(TRAIN_STARTS * 4):
         engine.add_request(str(i), tokenizer.encode(text), SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=i))
     seqs: dict[str, list[int]] = {}
@@ -107,7 +108,7 @@ def main() -> None:
     # a truncated draft keeps whole Attention Residuals blocks (a shorter one breaks the block readers of model.py)
     drafts: dict[str, Any] = {"self": target, "half": truncated_draft(target, target.config.attn_res_block_size or target.config.num_hidden_layers // 2)}
     drafts = {name: d for name, d in drafts.items() if name in args.drafts}
-    for m in drafts.values():  # the serving layout build_engine applies (fused projections, the CPU ops)
+    for m in [target, *drafts.values()]:  # the serving layout build_engine applies (fused projections, the CPU ops)
         apply_serving_layout(m, ServingPlan(torch.device("cpu")))
     mtp_note = ""
     if "mtp" in args.drafts:

@@ -28,8 +28,10 @@ import torch
 from openk3.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
+from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import build_model
+from openk3.serve.pack import PackedRow, pack
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
 from openk3.train.mtp_head import new_mtp_layer, train_mtp
@@ -68,6 +70,37 @@ def mtp_draft(target: K3ForCausalLM, tokenizer, steps: int, length: int = 64) ->
     losses = train_mtp(target, layer, data, steps)
     apply_serving_layout(layer, ServingPlan(torch.device("cpu")))
     return layer, sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+
+
+def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
+    """CPU time on one thread (this process's own, so other jobs' load does not count; with more threads it would count
+    their spin-waiting) of one target forward of 1 decode row, of k + 1 verification rows, and of one MTP draft step (1
+    row and the head), each after 100 cached tokens."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache, mcache = CacheManager(target.config, 64, 16, 1), CacheManager(layer.config, 64, 16, 1)
+    cache.allocate("a", 200)
+    mcache.allocate("a", 200)
+    cpu, h = torch.device("cpu"), torch.randn(1, target.config.hidden_size)
+
+    def row(c: CacheManager, start: int, ids: list[int]) -> tuple[Any, Any]:
+        return pack([PackedRow(c.slot("a"), c.page_ids("a"), start, ids)], cpu), c.tensors
+
+    def ms(fn, n: int = 15) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        start = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - start) / n * 1000
+
+    with torch.inference_mode():
+        target(*row(cache, 0, list(range(10, 110))))
+        dec = ms(lambda: target(*row(cache, 100, [5])))
+        ver = ms(lambda: target(*row(cache, 100, [5] * (k + 1))))
+        mtp = ms(lambda: layer.compute_logits(layer(*row(mcache, 100, [5]), h)))
+    torch.set_num_threads(threads)
+    verify = f"target {k + 1} verification rows {ver:.1f} ({ver / dec:.2f}x)"
+    return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, {verify}, MTP step {mtp:.1f} ({mtp / dec:.2f}x)"
 
 
 def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
@@ -115,6 +148,7 @@ def main() -> None:
         start = time.perf_counter()
         drafts["mtp"], first, last = mtp_draft(target, tokenizer, args.mtp_steps)
         mtp_note = f"; mtp: trained {args.mtp_steps} steps in {time.perf_counter() - start:.0f} s, loss {first:.2f} -> {last:.2f}"
+        mtp_note += "\n# " + "\n# ".join(forward_costs(target, drafts["mtp"], k) for k in args.k)
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     flags = f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --drafts {' '.join(args.drafts)}"

@@ -71,11 +71,18 @@ class EngineConfig:
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
-    # speculative decoding with a separate draft model that shares the target's tokenizer (serve/speculative.py, draft.py)
+    # speculative decoding (serve/speculative.py): a separate draft model that shares the target's tokenizer (draft.py), or
+    # the checkpoint's own multi-token-prediction layer (mtp_draft.py)
+    speculative_method: str | None = setting(
+        None,
+        "speculative decoding: draft_model (a separate draft model, speculative_model) or mtp (the checkpoint's multi-token-prediction layer); "
+        "default draft_model when speculative_model is set, else none",
+        choices=("draft_model", "mtp"),
+    )
     speculative_model: str | None = setting(
         None, "draft model for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (vLLM's method draft_model)"
     )
-    num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with speculative_model)", low=1, high=16)
+    num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with a speculative method)", low=1, high=16)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
     # implementations of the model's ops by name, set on its OpChoice before "auto" is resolved (serve/op_names.py); held
     # as the canonical "field=impl,..." (a dict is accepted too)
@@ -106,6 +113,18 @@ class EngineConfig:
             )
         if self.pack_cpu_weights and not self._cpu_fp32:
             raise ValueError(f"EngineConfig.pack_cpu_weights=True: oneDNN's packed weights are for CPU fp32 inference, not {self.device} {self.dtype}")
+        if self.speculative_method == "mtp" and self.speculative_model is not None:
+            raise ValueError(
+                f"EngineConfig.speculative_model={self.speculative_model!r} with speculative_method='mtp': the MTP layer is read from the target's "
+                "own checkpoint; leave speculative_model unset"
+            )
+        if self.speculative_method == "draft_model" and self.speculative_model is None:
+            raise ValueError("EngineConfig.speculative_method='draft_model' needs speculative_model: the draft model (a preset or checkpoint folder)")
+
+    @property
+    def speculative(self) -> str | None:
+        """The speculative method in effect: speculative_method, or draft_model when only speculative_model is set."""
+        return self.speculative_method or ("draft_model" if self.speculative_model is not None else None)
 
     @property
     def _cpu_fp32(self) -> bool:

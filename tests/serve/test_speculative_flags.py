@@ -66,7 +66,7 @@ def test_a_key_given_twice_is_refused() -> None:
 
 
 def test_a_multi_rank_layout_refuses_a_draft() -> None:
-    with pytest.raises(ValueError, match="speculative_model with ep=2"):
+    with pytest.raises(ValueError, match="speculative_method=.draft_model. with ep=2"):
         ParallelConfig(ep=2).check_engine(EngineConfig(speculative_model="tiny"))
 
 

@@ -1,7 +1,8 @@
 """Image parts of a request: OpenAI's chat `image_url` parts and the Responses API's `input_image` items -> processed images
 (serve/vision_processor.py) placed in the prompt's token ids (serve/media_prompt.py).
 
-Only `data:` URLs with base64 data are read; an http(s) URL is a 400 naming the field (openk3 fetches nothing). `detail`
+`data:` URLs with base64 data are read in place; an http(s) URL is fetched only from hosts the operator allows
+(`--allowed-media-domains`, api/media_fetch.py), else it is a 400 naming the field. `detail`
 is `auto` / `high` (the release's limits) or `low` (at most vision_processor.LOW_DETAIL_PATCHES patches). The server's
 limits -- images per request, bytes per image (decoded), pixels per image (from the header, before decoding) -- are
 RequestLimits settings, each a 400 naming the part and the flag. A model without a vision tower, or served without K3's
@@ -13,13 +14,14 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from openk3.api.chat_k3 import K3Template
 from openk3.api.chat_loading import ChatRenderer
 from openk3.api.errors import APIError
 from openk3.api.limits import RequestLimits
+from openk3.api.media_fetch import MediaFetchConfig
 from openk3.api.protocol import ChatMessage
 from openk3.config.vision import VisionConfig
 from openk3.serve.media_prompt import ImageSpan, expand_media, media_pad_id
@@ -41,21 +43,36 @@ class ImageRef:
 
 @dataclass(frozen=True)
 class MediaSupport:
-    """What a server that takes images needs: the processor's settings and the `<|media_pad|>` id."""
+    """What a server that takes images needs: the processor's settings, the `<|media_pad|>` id, and which hosts image URLs
+    may be fetched from."""
 
     config: MediaConfig
     pad_id: int
+    fetch: MediaFetchConfig = MediaFetchConfig()
 
 
 def refuse(ref: ImageRef, message: str, code: str = "invalid_value", param_suffix: str = "") -> APIError:
     return APIError(400, f"{ref.param}{param_suffix}: {message}", param=ref.param + param_suffix, code=code)
 
 
+def is_remote(ref: ImageRef) -> bool:
+    return re.match(r"https?://", ref.url.strip(), re.I) is not None
+
+
+def remote_refs(refs: Sequence[ImageRef], fetch: MediaFetchConfig) -> dict[int, ImageRef]:
+    """The parts whose image is at an http(s) URL, by position; a 400 for the first one when this server fetches nothing."""
+    remote = {i: ref for i, ref in enumerate(refs) if is_remote(ref)}
+    if remote and not fetch.enabled:
+        why = "only data: URLs (base64 images in the request) are accepted: this server fetches no URLs (openk3 serve --allowed-media-domains)"
+        raise refuse(next(iter(remote.values())), why, "unsupported", ".url")
+    return remote
+
+
 def image_bytes(ref: ImageRef, max_bytes: int) -> bytes:
     """The bytes of a base64 `data:` URL, within `max_bytes` (checked on the encoded length first: no decoding of a body
     that cannot fit)."""
     url = ref.url.strip()
-    if re.match(r"https?://", url, re.I):
+    if is_remote(ref):
         raise refuse(ref, "only data: URLs (base64 images in the request) are accepted: this server fetches no URLs", "unsupported", ".url")
     match = _DATA_URL.fullmatch(url)
     if match is None or "base64" not in [p.strip().lower() for p in match["params"].split(";")]:
@@ -75,19 +92,25 @@ def image_bytes(ref: ImageRef, max_bytes: int) -> bytes:
     return raw
 
 
-def load_images(refs: Sequence[ImageRef], media: MediaSupport, limits: RequestLimits) -> list[ImageInput]:
-    """Each image decoded and processed, in order; a 400 naming the first part that is refused (module docstring)."""
+def check_count(refs: Sequence[ImageRef], limits: RequestLimits) -> None:
     if len(refs) > limits.max_images_per_request:
         first = refs[limits.max_images_per_request]
         message = (
             f"the request has {len(refs)} images, more than this server's limit of {limits.max_images_per_request} (openk3 serve --max-images-per-request)"
         )
         raise refuse(first, message, "limit_exceeded")
-    out = []
     for ref in refs:
         if ref.detail not in DETAILS:
             raise refuse(ref, f"detail {ref.detail!r} is not one of {list(DETAILS)}", param_suffix=".detail")
-        data = image_bytes(ref, limits.max_image_bytes)
+
+
+def load_images(refs: Sequence[ImageRef], media: MediaSupport, limits: RequestLimits, fetched: Mapping[int, bytes] | None = None) -> list[ImageInput]:
+    """Each image decoded and processed, in order; a 400 naming the first part that is refused (module docstring).
+    `fetched`: the bodies of the http(s) parts, by position, already fetched (api/media_fetch.py)."""
+    check_count(refs, limits)
+    out = []
+    for i, ref in enumerate(refs):
+        data = fetched[i] if fetched is not None and i in fetched else image_bytes(ref, limits.max_image_bytes)
         cap = LOW_DETAIL_PATCHES if ref.detail == "low" else None
         try:
             out.append(process_image(data, media.config, cap, limits.max_image_pixels))
@@ -115,7 +138,9 @@ def place(ids: list[int], images: Sequence[ImageInput], media: MediaSupport) -> 
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
-def media_support(vision: VisionConfig | None, tokenizer: Tokenizer, renderer: ChatRenderer, config: MediaConfig | None) -> MediaSupport | None:
+def media_support(
+    vision: VisionConfig | None, tokenizer: Tokenizer, renderer: ChatRenderer, config: MediaConfig | None, fetch: MediaFetchConfig | None = None
+) -> MediaSupport | None:
     """What the server needs to take images, or None when it cannot: the engine's model has no vision tower, the prompt is
     not K3's encoding (the one format here that places images), or the tokenizer lacks the media tokens. Without a
     preprocessor_config.json the processor takes K3's limits and the tower's patch size and kernel; a file whose patches or
@@ -131,7 +156,7 @@ def media_support(vision: VisionConfig | None, tokenizer: Tokenizer, renderer: C
     if media.patch_size != vision.patch_size or (k, k) != tuple(vision.merge_kernel_size):
         got = f"patch_size={media.patch_size}, merge_kernel_size={k}"
         raise ValueError(f"preprocessor_config.json {got} differs from the vision tower's {vision.patch_size} and {list(vision.merge_kernel_size)}")
-    return MediaSupport(media, pad_id)
+    return MediaSupport(media, pad_id, fetch or MediaFetchConfig())
 
 
 def chat_image_refs(messages: Sequence[ChatMessage]) -> list[ImageRef]:

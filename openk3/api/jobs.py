@@ -18,7 +18,8 @@ from openk3.api.chat import ChatOptions
 from openk3.api.chat_format import K3_MARKERS, ChatFormat, PromptEnd, forced_call_prefix, prompt_end
 from openk3.api.engine_job import EngineJob, check_prompt, sampling_params
 from openk3.api.errors import APIError
-from openk3.api.images import chat_image_refs, load_images, no_images, place
+from openk3.api.images import chat_image_refs, check_count, load_images, no_images, place, remote_refs
+from openk3.api.media_fetch import fetch_all
 from openk3.api.protocol import ChatCompletionRequest, CompletionRequest
 from openk3.api.served_model import ServedModel
 from openk3.api.structured_request import StructuredRequest, compile_structured
@@ -156,7 +157,11 @@ async def chat_images(s: ServedModel, req: ChatCompletionRequest) -> list[ImageI
     if req.truncate_prompt_tokens is not None:
         why = "truncate_prompt_tokens with images is not supported: a cut could split an image's tokens"
         raise APIError(400, why, param="truncate_prompt_tokens", code="unsupported")
-    return await s.encoder.run(lambda: load_images(refs, media, s.limits))
+    check_count(refs, s.limits)  # before fetching anything
+    remote = remote_refs(refs, media.fetch)
+    bodies = await fetch_all([(r.url, r.param + ".url") for r in remote.values()], media.fetch, s.limits.max_image_bytes)
+    fetched = dict(zip(remote, bodies, strict=True))
+    return await s.encoder.run(lambda: load_images(refs, media, s.limits, fetched))
 
 
 async def chat_job(s: ServedModel, req: ChatCompletionRequest) -> ChatJob:

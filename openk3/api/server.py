@@ -71,7 +71,7 @@ def create_app(engine: ServedEngine, tokenizer: Tokenizer, chat_template: ChatRe
         chat_stop=chat_stop,
         chat_stop_token_ids=chat_stop_token_ids,
         default_chat_kwargs=dict(config.default_chat_template_kwargs),
-        media=media_support(engine.vision, tokenizer, chat_template, config.media),
+        media=media_support(engine.vision, tokenizer, chat_template, config.media, config.media_fetch),
     )
 
     trimmer = HeapTrimmer(config.heap_trim_slack_bytes) if config.heap_trim_slack_bytes is not None else None

@@ -37,6 +37,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "least recently used evicted first (default 1024)",
     )
     p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="host names image URLs may be fetched from (exact names, as vLLM's flag; api/media_fetch.py); default: none, "
+        "only data: URLs are accepted",
+    )
+    p.add_argument(
+        "--media-fetch-timeout-s", type=float, default=10.0, help="deadline for fetching one image URL, redirects included (default 10)"
+    )
+    p.add_argument(
         "--metrics-prefix",
         default="openk3:",
         help="prefix of the engine's metric names on /metrics (default openk3:); vllm: gives vLLM's own names, so stock vLLM "
@@ -64,3 +75,10 @@ def connection_settings(args: argparse.Namespace) -> Any:
     from openk3.api.connection import ConnectionConfig
 
     return from_args(ConnectionConfig, args)
+
+
+def media_fetch_settings(args: argparse.Namespace) -> Any:
+    """The MediaFetchConfig from --allowed-media-domains and --media-fetch-timeout-s."""
+    from openk3.api.media_fetch import MediaFetchConfig
+
+    return MediaFetchConfig(tuple(args.allowed_media_domains or ()), args.media_fetch_timeout_s)

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openk3.api.server_flags import connection_settings, server_settings, weight_update_settings
+from openk3.api.server_flags import connection_settings, media_fetch_settings, server_settings, weight_update_settings
 from openk3.launch.flags import engine_configs
 
 if TYPE_CHECKING:  # torch and the server load lazily, so `openk3 plan` and `--help` stay fast
@@ -184,6 +184,7 @@ def _app(args: argparse.Namespace, engine: ServedEngine, ep_totals: EPTotals | N
         response_store_size=args.responses_store_size,
         metrics_prefix=args.metrics_prefix,
         media=read_media_config(folder),
+        media_fetch=media_fetch_settings(args),
         weight_updates=weight_update_settings(args),
     )
     app = create_app(engine, engine.tokenizer, template, config)

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from openk3.api.connection import ConnectionConfig
 from openk3.api.errors import RESTART_RETRY_AFTER_S, RETRY_AFTER_S, APIError, read_json
 from openk3.api.limits import RequestLimits
+from openk3.api.media_fetch import MediaFetchConfig
 from openk3.api.metrics import PREFIX as METRICS_PREFIX
 from openk3.api.metrics import ServerMetrics
 from openk3.api.responses_store import DEFAULT_CAPACITY
@@ -52,6 +53,7 @@ class ServerConfig:
     default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs: under each request's own
     metrics_prefix: str = METRICS_PREFIX  # --metrics-prefix: the engine's metric names on /metrics (api/metrics.py)
     media: MediaConfig | None = None  # preprocessor_config.json's media_proc_cfg (None: K3's release values), for image input
+    media_fetch: MediaFetchConfig = field(default_factory=MediaFetchConfig)  # hosts image URLs may be fetched from (default none)
     weight_updates: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)  # the weight routes the operator allows
 
 

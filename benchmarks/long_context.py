@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -31,9 +30,19 @@ import time
 BASELINE, NEW = "fast", "auto"
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
+
+
+def _peak_mb() -> float:
+    """This process's own RSS high-water mark. Not ru_maxrss: Linux carries the parent's high-water mark into a child that
+    was spawned (vfork + exec) into its ru_maxrss, so every child reported the op table's ~3 GB peak as its own."""
+    return _status_mb("VmHWM")
 
 
 def child(length: int, form: str, chunk: int) -> dict:
@@ -54,8 +63,8 @@ def child(length: int, form: str, chunk: int) -> dict:
     assert logprobs is not None
     cfg = llm.engine.model.config
     cache_mb = length * len(cfg.mla_layers) * cfg.mla.latent_dim * 4 / 2**20
+    peak = _peak_mb()
     llm.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": seconds, "peak": peak, "loaded": loaded, "cache": cache_mb, "token": out.token_ids[0], "logprob": logprobs[0].logprob}
 
 

@@ -103,7 +103,9 @@ def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
     return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, {verify}, MTP step {mtp:.1f} ({mtp / dec:.2f}x)"
 
 
-def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
+def generate(
+    target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None, clock=time.perf_counter
+) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
     spec = SpeculativeConfig(k) if draft is not None or mtp is not None else None
     engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp)
@@ -115,11 +117,11 @@ def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, 
     decode = 0.0
     while engine.has_unfinished():
         prefill = any(len(v) == 0 for v in out.values())
-        start = time.perf_counter()
+        start = clock()
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
         if not prefill:
-            decode += time.perf_counter() - start
+            decode += clock() - start
     tokens = [out[str(i)] for i in range(len(prompts))]
     decoded = sum(len(t) - 1 for t in tokens)  # the first token of each comes with its prefill
     return decoded / decode, tokens, engine.spec_stats

@@ -6,7 +6,8 @@ and verifying); `half` is the demo model's first 4 layers (three KDA layers and 
 norm and head), a layer-skip draft at about half the target's cost; `mtp` is an MTP layer (model/mtp.py: one gated-MLA
 MoE layer reading the target's hidden states, method "mtp") that this script first trains by self-distillation
 (openk3/train/mtp_head.py) on the demo model's own sampled continuations of other prompts than the ones measured, for
---mtp-steps steps (the demo checkpoint ships no MTP layer), or loads one (--mtp-layer). Correctness gate: every
+--mtp-steps steps, or loads one (--mtp-layer: a saved state dict, or `shipped` for the layer the demo assets ship,
+trained on KJV text by `openk3 train-mtp`). Correctness gate: every
 speculative run's greedy tokens must equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
 --forms stepwise chunked adds, in the same run, rows whose verification runs in the chunked prefill form with the
 snapshot-and-recompute rollback (the engine's form before per-position KDA states, serve/spec_states.py). --clock cpu
@@ -33,15 +34,17 @@ import torch
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import StateCut
 from openk3.model.mtp import MTPLayer
+from openk3.model.mtp_load import load_mtp
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
 from openk3.serve import runner as runner_module
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import EngineConfig, LLMEngine
-from openk3.serve.loading import build_model
+from openk3.serve.loading import build_model, resolve_model
 from openk3.serve.pack import PackedRow, pack
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.spec_states import stepwise_verification
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
+from openk3.train.data import kjv_chapters, split_documents
 from openk3.train.mtp_head import new_mtp_layer, train_mtp
 
 
@@ -154,7 +157,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--drafts", nargs="+", default=["self", "half", "mtp"], choices=["self", "half", "mtp"])
     ap.add_argument("--mtp-steps", type=int, default=150, help="training steps of the MTP layer (batches of 8 x 64 tokens)")
-    ap.add_argument("--mtp-layer", help="a state dict of a trained MTP layer (torch.save of its state_dict) instead of training one")
+    ap.add_argument("--mtp-layer", help="instead of training one: a saved MTP layer's state dict, or 'shipped' (the demo assets' layer)")
+    ap.add_argument("--prompts", default="stories", choices=["stories", "kjv"], help="kjv: openings of held-out KJV chapters")
     ap.add_argument("--forms", nargs="+", default=["stepwise"], choices=["stepwise", "chunked"], help="verification forms, each a row")
     ap.add_argument(
         "--clock", default="wall", choices=["wall", "cpu"], help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to other jobs)"
@@ -170,7 +174,14 @@ def main() -> None:
     for m in [target, *drafts.values()]:  # the serving layout build_engine applies (fused projections, the CPU ops)
         apply_serving_layout(m, ServingPlan(torch.device("cpu")))
     mtp_note = ""
-    if "mtp" in args.drafts and args.mtp_layer:
+    if "mtp" in args.drafts and args.mtp_layer == "shipped":
+        folder = resolve_model("tiny")
+        if folder is None:
+            raise SystemExit("--mtp-layer shipped: the demo model's assets are not installed")
+        drafts["mtp"] = load_mtp(folder, target)
+        apply_serving_layout(drafts["mtp"], ServingPlan(torch.device("cpu")))
+        mtp_note = "; mtp: the layer shipped in openk3/assets/tiny"
+    elif "mtp" in args.drafts and args.mtp_layer:
         drafts["mtp"] = new_mtp_layer(target)
         drafts["mtp"].load_state_dict(torch.load(args.mtp_layer))
         apply_serving_layout(drafts["mtp"].eval(), ServingPlan(torch.device("cpu")))
@@ -182,16 +193,19 @@ def main() -> None:
     if "mtp" in args.drafts:
         mtp_note += "\n# " + "\n# ".join(forward_costs(target, drafts["mtp"], k) for k in args.k)
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
+    openings = [tokenizer.encode(t) for t in texts]
+    if args.prompts == "kjv":  # the first 32 tokens of each held-out chapter (every 50th), as the model card measures
+        openings = [tokenizer.encode(doc)[:32] for doc in split_documents(kjv_chapters())[1]]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     flags = f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --drafts {' '.join(args.drafts)}"
-    flags += f" --forms {' '.join(args.forms)} --clock {args.clock} --threads {args.threads}"
+    flags += f" --forms {' '.join(args.forms)} --clock {args.clock} --threads {args.threads} --prompts {args.prompts}"
     print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps}")
     machine = platform.processor() or platform.machine()
     print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {args.clock} clock, {machine}, commit {commit}{mtp_note}")
     print("| batch | draft | k | verification | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|---|")
     for b in args.batch:
-        prompts = [tokenizer.encode(texts[i % len(texts)]) for i in range(b)]
+        prompts = [openings[i % len(openings)] for i in range(b)]
         generate(target, tokenizer, prompts[:1], 4)  # warm-up
         for name, draft in drafts.items():
             for k in args.k:

@@ -6,11 +6,17 @@ and verifying); `half` is the demo model's first 4 layers (three KDA layers and 
 norm and head), a layer-skip draft at about half the target's cost; `mtp` is an MTP layer (model/mtp.py: one gated-MLA
 MoE layer reading the target's hidden states, method "mtp") that this script first trains by self-distillation
 (openk3/train/mtp_head.py) on the demo model's own sampled continuations of other prompts than the ones measured, for
---mtp-steps steps (the demo checkpoint ships no MTP layer). Correctness gate: every speculative run's greedy tokens must
-equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
+--mtp-steps steps, or loads one (--mtp-layer: a saved state dict, or `shipped` for the layer the demo assets ship,
+trained on KJV text by `openk3 train-mtp`). Correctness gate: every
+speculative run's greedy tokens must equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
+--forms stepwise chunked adds, in the same run, rows whose verification runs in the chunked prefill form with the
+snapshot-and-recompute rollback (the engine's form before per-position KDA states, serve/spec_states.py). --clock cpu
+times this process's CPU time instead of elapsed time: with --threads 1 that is the work of one core, which other jobs on
+a shared machine do not inflate.
 
   python benchmarks/speculative.py                       # batch 1, 4, 16; k = 3; 64 new tokens; drafts self, half, mtp
   python benchmarks/speculative.py --batch 1 --k 2 4 --new 32 --drafts mtp
+  python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts mtp --forms stepwise chunked --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -26,14 +32,19 @@ from typing import Any
 import torch
 
 from openk3.model import K3ForCausalLM
+from openk3.model.batch import StateCut
 from openk3.model.mtp import MTPLayer
+from openk3.model.mtp_load import load_mtp
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
+from openk3.serve import runner as runner_module
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import EngineConfig, LLMEngine
-from openk3.serve.loading import build_model
+from openk3.serve.loading import build_model, resolve_model
 from openk3.serve.pack import PackedRow, pack
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.spec_states import stepwise_verification
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
+from openk3.train.data import kjv_chapters, split_documents
 from openk3.train.mtp_head import new_mtp_layer, train_mtp
 
 
@@ -74,11 +85,12 @@ def mtp_draft(target: K3ForCausalLM, tokenizer, steps: int, length: int = 64) ->
 
 def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
     """CPU time on one thread (this process's own, so other jobs' load does not count; with more threads it would count
-    their spin-waiting) of one target forward of 1 decode row, of k + 1 verification rows, and of one MTP draft step (1
-    row and the head), each after 100 cached tokens."""
+    their spin-waiting) of one target forward of 1 decode row, of k + 1 verification rows (stepwise, with the per-position
+    state cuts the engine takes, and in the chunked prefill form), and of one MTP draft step (1 row and the head), each
+    after 100 cached tokens."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cache, mcache = CacheManager(target.config, 64, 16, 1), CacheManager(layer.config, 64, 16, 1)
+    cache, mcache = CacheManager(target.config, 64, 16, 1, verify_slots=k), CacheManager(layer.config, 64, 16, 1)
     cache.allocate("a", 200)
     mcache.allocate("a", 200)
     cpu, h = torch.device("cpu"), torch.randn(1, target.config.hidden_size)
@@ -97,13 +109,17 @@ def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
         target(*row(cache, 0, list(range(10, 110))))
         dec = ms(lambda: target(*row(cache, 100, [5])))
         ver = ms(lambda: target(*row(cache, 100, [5] * (k + 1))))
+        cuts = tuple(StateCut(0, offset, slot) for offset, slot in enumerate(cache.verify_slots, start=1))
+        step = ms(lambda: target(dataclasses.replace(row(cache, 100, [5] * (k + 1))[0], stepwise=True, state_cuts=cuts), cache.tensors))
         mtp = ms(lambda: layer.compute_logits(layer(*row(mcache, 100, [5]), h)))
     torch.set_num_threads(threads)
-    verify = f"target {k + 1} verification rows {ver:.1f} ({ver / dec:.2f}x)"
+    verify = f"target {k + 1} verification rows: stepwise {step:.1f} ({step / dec:.2f}x), chunked {ver:.1f} ({ver / dec:.2f}x)"
     return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, {verify}, MTP step {mtp:.1f} ({mtp / dec:.2f}x)"
 
 
-def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
+def generate(
+    target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None, clock=time.perf_counter
+) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
     spec = SpeculativeConfig(k) if draft is not None or mtp is not None else None
     engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp)
@@ -115,14 +131,21 @@ def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, 
     decode = 0.0
     while engine.has_unfinished():
         prefill = any(len(v) == 0 for v in out.values())
-        start = time.perf_counter()
+        start = clock()
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
         if not prefill:
-            decode += time.perf_counter() - start
+            decode += clock() - start
     tokens = [out[str(i)] for i in range(len(prompts))]
     decoded = sum(len(t) - 1 for t in tokens)  # the first token of each comes with its prefill
     return decoded / decode, tokens, engine.spec_stats
+
+
+def verification_form(form: str) -> None:
+    """Make the engine's runner verify in `form`: "stepwise" (its own choice: per-position KDA states where the step allows,
+    serve/spec_states.py) or "chunked" (every verification in the chunked prefill form with the snapshot and recompute, what
+    the engine did before; for the same-run comparison only)."""
+    runner_module.stepwise_verification = stepwise_verification if form == "stepwise" else (lambda *args: None)  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -134,7 +157,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--drafts", nargs="+", default=["self", "half", "mtp"], choices=["self", "half", "mtp"])
     ap.add_argument("--mtp-steps", type=int, default=150, help="training steps of the MTP layer (batches of 8 x 64 tokens)")
+    ap.add_argument("--mtp-layer", help="instead of training one: a saved MTP layer's state dict, or 'shipped' (the demo assets' layer)")
+    ap.add_argument("--prompts", default="stories", choices=["stories", "kjv"], help="kjv: openings of held-out KJV chapters")
+    ap.add_argument("--forms", nargs="+", default=["stepwise"], choices=["stepwise", "chunked"], help="verification forms, each a row")
+    ap.add_argument(
+        "--clock", default="wall", choices=["wall", "cpu"], help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to other jobs)"
+    )
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.set_num_threads(args.threads)
     target, tokenizer = build_model("tiny", torch.float32, "cpu", 0)
     assert isinstance(target, K3ForCausalLM)
@@ -144,36 +174,58 @@ def main() -> None:
     for m in [target, *drafts.values()]:  # the serving layout build_engine applies (fused projections, the CPU ops)
         apply_serving_layout(m, ServingPlan(torch.device("cpu")))
     mtp_note = ""
-    if "mtp" in args.drafts:
+    if "mtp" in args.drafts and args.mtp_layer == "shipped":
+        folder = resolve_model("tiny")
+        if folder is None:
+            raise SystemExit("--mtp-layer shipped: the demo model's assets are not installed")
+        drafts["mtp"] = load_mtp(folder, target)
+        apply_serving_layout(drafts["mtp"], ServingPlan(torch.device("cpu")))
+        mtp_note = "; mtp: the layer shipped in openk3/assets/tiny"
+    elif "mtp" in args.drafts and args.mtp_layer:
+        drafts["mtp"] = new_mtp_layer(target)
+        drafts["mtp"].load_state_dict(torch.load(args.mtp_layer))
+        apply_serving_layout(drafts["mtp"].eval(), ServingPlan(torch.device("cpu")))
+        mtp_note = f"; mtp: loaded from {args.mtp_layer}"
+    elif "mtp" in args.drafts:
         start = time.perf_counter()
         drafts["mtp"], first, last = mtp_draft(target, tokenizer, args.mtp_steps)
         mtp_note = f"; mtp: trained {args.mtp_steps} steps in {time.perf_counter() - start:.0f} s, loss {first:.2f} -> {last:.2f}"
+    if "mtp" in args.drafts:
         mtp_note += "\n# " + "\n# ".join(forward_costs(target, drafts["mtp"], k) for k in args.k)
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
+    openings = [tokenizer.encode(t) for t in texts]
+    if args.prompts == "kjv":  # the first 32 tokens of each held-out chapter (every 50th), as the model card measures
+        openings = [tokenizer.encode(doc)[:32] for doc in split_documents(kjv_chapters())[1]]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     flags = f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --drafts {' '.join(args.drafts)}"
+    flags += f" --forms {' '.join(args.forms)} --clock {args.clock} --threads {args.threads} --prompts {args.prompts}"
     print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps}")
-    print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {platform.processor() or platform.machine()}, commit {commit}{mtp_note}")
-    print("| batch | draft | k | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
-    print("|---|---|---|---|---|---|---|---|")
+    machine = platform.processor() or platform.machine()
+    print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {args.clock} clock, {machine}, commit {commit}{mtp_note}")
+    print("| batch | draft | k | verification | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b in args.batch:
-        prompts = [tokenizer.encode(texts[i % len(texts)]) for i in range(b)]
+        prompts = [openings[i % len(openings)] for i in range(b)]
         generate(target, tokenizer, prompts[:1], 4)  # warm-up
         for name, draft in drafts.items():
             for k in args.k:
-                # baseline and speculative runs alternate, best of --repeat each: a shared machine's slow spells hit both
-                base_tps, spec_tps, base_tokens, tokens, stats = 0.0, 0.0, None, None, None
+                # the baseline and each form's speculative run alternate, best of --repeat each: a slow spell hits them all
+                base_tps, base_tokens = 0.0, None
+                spec: dict[str, tuple[float, Any, Any]] = {f: (0.0, None, None) for f in args.forms}
                 for _ in range(args.repeat):
-                    b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new)
-                    if name == "mtp":
-                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, k=k, mtp=draft)
-                    else:
-                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, draft, k)
-                    base_tps, spec_tps = max(base_tps, b_tps), max(spec_tps, s_tps)
-                tps = spec_tps
-                assert stats is not None
-                ratio = f"{tps / base_tps:.2f}x" if tokens == base_tokens else "FAIL (output differs)"
-                print(f"| {b} | {name} | {k} | {tps:.1f} | {base_tps:.1f} | {ratio} | {stats.acceptance_rate:.2f} | {stats.mean_acceptance_length:.2f} |")
+                    b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new, clock=clock)
+                    base_tps = max(base_tps, b_tps)
+                    for form in args.forms:
+                        verification_form(form)
+                        mtp, other = (draft, None) if name == "mtp" else (None, draft)
+                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, other, k, mtp, clock)
+                        spec[form] = (max(spec[form][0], s_tps), tokens, stats)
+                for form, (tps, tokens, stats) in spec.items():
+                    assert stats is not None
+                    ratio = f"{tps / base_tps:.2f}x" if tokens == base_tokens else "FAIL (output differs)"
+                    acceptance = f"{stats.acceptance_rate:.2f} | {stats.mean_acceptance_length:.2f}"
+                    print(f"| {b} | {name} | {k} | {form} | {tps:.1f} | {base_tps:.1f} | {ratio} | {acceptance} |", flush=True)
+                verification_form("stepwise")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 from openk3.config import LayerKind, ModelConfig
 from openk3.config.cache_format import fp8_latent_width
+from openk3.model.stepwise import StepwisePlan
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,16 @@ class ForwardBatch:
     # KDA states wanted inside the step (prefix-cache snapshots, serve/scheduler.py): each KDA layer also writes the state
     # (and conv window) a sequence has after `offset` of its new tokens into `slot`; none in a decode or capturable batch
     state_cuts: tuple[StateCut, ...] = ()
+    # every sequence's new tokens run one position after another through the decode forms (KDA's recurrent step, MLA's
+    # absorbed attention over the pages): a speculative verification's few tokens per sequence (model/stepwise.py); its
+    # state_cuts then take the KDA state after any of a sequence's positions, the per-position states of the verification
+    stepwise: bool = False
 
     def __post_init__(self) -> None:
         if self.state_cuts and (self.is_decode or self.capturable or self.state_slots is None):
             raise ValueError("ForwardBatch.state_cuts: only a prefill batch with a cache can take states inside its sequences")
+        if self.stepwise and (self.is_decode or self.capturable or self.state_slots is None):
+            raise ValueError("ForwardBatch.stepwise: only a batch with a cache and a sequence of several tokens runs position by position")
 
     # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
     # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
@@ -114,6 +121,13 @@ class ForwardBatch:
         first, n = int(self.state_slots[0]), self.state_slots.numel()
         expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)
         return (first, first + n) if torch.equal(self.state_slots, expected) else None
+
+    @functools.cached_property
+    def stepwise_plan(self) -> StepwisePlan:
+        """The rows, slots and state cuts of each position of a stepwise batch, built once per batch (every layer asks)."""
+        if self.state_slots is None:
+            raise ValueError("ForwardBatch.stepwise: the batch has no cache (state_slots is None)")
+        return StepwisePlan.of(self.host_cu_seqlens, self.state_slots, self.fresh_seqs, self.state_cuts)
 
     @functools.cached_property
     def host_cu_seqlens(self) -> list[int]:

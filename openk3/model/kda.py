@@ -5,7 +5,9 @@ S state slots. Parameter names are the checkpoint's (`q_proj`, `q_conv1d`, `f_a_
 `g_proj` or `g_a_proj`/`g_b_proj`, `o_norm`, `o_proj`).
 
 Cache contract (see model/batch.py): the layer reads the conv windows and the recurrent state of each sequence from its
-slot (zeros when the sequence has no context yet) and writes the state after the step back into the same slot.
+slot (zeros when the sequence has no context yet) and writes the state after the step back into the same slot. A stepwise
+batch (a speculative verification) runs the decode step once per position and keeps the states its cuts ask for
+(model/stepwise.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.kda_cuts import KDAPrefill, check_cuts, conv_windows_at_cuts, prefill_with_cuts
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
+from openk3.model.stepwise import kda_stepwise
 from openk3.ops.kda.decode_step import KDADecodeStep, KDALayerWeights, KDASlots, delta_rule_inputs, gated_output, gather_slots
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, OpUse, op, registry
 
@@ -106,6 +109,8 @@ class KimiDeltaAttention(nn.Module):
             assert batch.state_slots is not None
             slots = KDASlots(cache.state_SHKV, cache.conv_SCW, batch.state_slots, batch.fresh_seqs, batch.slot_range)
             o_TP = self.kda_decode(qkv_TC, f_TP, b_logit, gate_TP, self.layer_weights(), slots)
+        elif batch.stepwise and cache is not None:
+            o_TP = kda_stepwise(self.kda_decode, qkv_TC, f_TP, b_logit, gate_TP, self.layer_weights(), cache.state_SHKV, cache.conv_SCW, batch.stepwise_plan)
         else:
             o_TP = self._prefill(qkv_TC, f_TP, b_logit, gate_TP, batch, cache)
         return self.o_proj(o_TP.to(x_TD.dtype))

@@ -4,8 +4,8 @@ Legend: T packed tokens, N sequences, D hidden, H heads, Dn/Dr/Dv qk_nope/qk_rop
 R = Lr + Dr latent width, NP pages, PS page size. Parameter names are the checkpoint's.
 
 Only the latent [c_kv (post-norm) | k_pe] is cached: R values per token per layer. Prefill expands K/V per sequence;
-decode attends in latent space over the pages (absorbed form). The K3 output gate sigmoid(W_g x) multiplies the per-head
-attention output before o_proj; Kimi Linear has no gate.
+decode, and each row of a stepwise batch (model/stepwise.py), attends in latent space over the pages (absorbed form).
+The K3 output gate sigmoid(W_g x) multiplies the per-head attention output before o_proj; Kimi Linear has no gate.
 """
 
 from __future__ import annotations
@@ -122,6 +122,12 @@ class GatedMLA(nn.Module):
             assert page_table is not None
             w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
             out_THV = self.decode(inp.q_nope, inp.q_pe, latent_pool, page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
+        elif batch.stepwise and latent_pool is not None:
+            # one decode query per row, over its sequence's pages up to its own position (model/stepwise.py)
+            assert page_table is not None
+            w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
+            rows_table = page_table.index_select(0, batch.stepwise_plan.seq_of_row)
+            out_THV = self.decode(inp.q_nope, inp.q_pe, latent_pool, rows_table, batch.positions + 1, w_uk, w_uv, self.scale)
         else:
             out_THV = self.attend_prefill(inp, batch, latent_pool, page_table)
         return self.output(out_THV, inp.gate_logits, x_TD.dtype)

@@ -188,6 +188,7 @@ def registry() -> OpRegistry:
     from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
+    from openk3.ops.moe.packed_c import moe_experts_packed_c
     from openk3.ops.moe.router import sigmoid_topk_route, sigmoid_topk_route_c
     from openk3.ops.moe.static import moe_experts_static
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
@@ -258,7 +259,8 @@ def registry() -> OpRegistry:
     for backend, linear in ((ANY, linear_torch), ("cpu", linear_cpu), ("c", linear_c)):
         grad = backend == ANY
         r.register("moe_experts", "fast", partial(moe_experts_grouped, linear=linear), "tokens grouped per expert", backend, grad)
-        sized = partial(moe_experts_sized, linear=linear, batched_c=moe_experts_batched_c if backend == "c" else None)
+        c = backend == "c"
+        sized = partial(moe_experts_sized, linear=linear, batched_c=moe_experts_batched_c if c else None, packed_c=moe_experts_packed_c if c else None)
         r.register("moe_experts", "sized", sized, "single-token / batched / grouped by the step's pairs (ops/thresholds.py)", backend, grad)
     r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
     r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts, Triton grouped GEMM decoding in registers", backend="cuda", requires=TRITON)

@@ -20,6 +20,8 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 # With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 7-9x the
 # grouped loop up to 16 tokens, ~3.5x the single-token path at one token, 1.4-3.4x from 4 to 64 pairs per expert, and 0.7x
 # at 128-256 pairs per expert, where the loop's large per-expert GEMMs win.
+# The same bound sends packed MXFP4 banks to their C loop (ops/moe/packed_c.py: each active expert decoded into scratch, then
+# these products): 3-4x the grouped torch form at 1-3 tokens on the demo model (16 experts, 128 x 128), not measured past.
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
 
 # ops/attn_res/sized.py ("auto") -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the

@@ -157,7 +157,7 @@ def _fixed_bytes(config: ModelConfig, quant: Quantisation, layout: Layout) -> tu
 
 def _per_sequence_bytes(config: ModelConfig, quant: Quantisation, layout: Layout, context: int, state_copies: int = 1) -> tuple[float, float, float, float]:
     """(mla, kda, workspace, comm) bytes one more sequence in a DP group adds to each of the group's ranks; `state_copies`
-    KDA states per sequence (2 under speculative decoding: the snapshot verification restores on a rejection)."""
+    KDA states per sequence (k + 1 under speculative decoding: the verification's per-position states)."""
     spec = cache_spec(config, quant)
     mla = context * spec.mla.bytes_per_token / attention_shape(config).kv_split(layout.tp)  # an MLA latent is replicated on each TP rank
     kda = state_copies * spec.kda.bytes_per_sequence / layout.tp  # the state splits by head

@@ -165,7 +165,7 @@ def _step(
         attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
     mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc, attn_eff)
 
-    state_passes = 2 + (verify.state_passes if verify else 0)  # read and written back every step (+ snapshot, restore)
+    state_passes = 2 + (verify.state_passes if verify else 0)  # read and written back every step (+ per-position states, copy)
     kda_state = seqs * state_passes * spec.kda.bytes_per_sequence / tp
     hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim
     kda_flops = n_kda * (tokens_per_group + (seqs * verify.recompute_tokens if verify else 0.0)) * KDA_FLOPS_PER_STATE_ELEMENT * hkv
@@ -199,12 +199,12 @@ def speculative_step(sc: Scenario) -> SpecStep | None:
     if spec is None:
         return None
     seqs = sc.workload.concurrency / sc.layout.dp
-    recompute = sum(p * (j + 1) for j, p in enumerate(spec.acceptance[:-1]))  # kept tokens rerun after a rejection
-    shape = VerifyShape(queries=spec.tokens + 1, state_passes=2 + 2 * spec.p_reject, recompute_tokens=recompute)
+    # the per-position states written (k), and the kept one copied into the slot after a rejection (speculative.py)
+    shape = VerifyShape(queries=spec.tokens + 1, state_passes=spec.tokens + 2 * spec.p_reject, recompute_tokens=0.0)
     verify = _step(sc, seqs, float(sc.workload.context), decode=True, verify=shape)
     plain = _step(sc, seqs, float(sc.workload.context), decode=True)
     draft = spec.tokens * spec.draft_layers / sc.config.num_hidden_layers * (plain.local_s + plain.exposed_comm_s)
-    snapshot = seqs * cache_spec(sc.config, sc.quant).kda.bytes_per_sequence / sc.layout.tp
+    snapshot = seqs * spec.tokens * cache_spec(sc.config, sc.quant).kda.bytes_per_sequence / sc.layout.tp
     return SpecStep(verify_s=verify.total_s, draft_s=draft, tokens_per_iteration=spec.tokens_per_iteration, snapshot_bytes=snapshot)
 
 
@@ -259,7 +259,7 @@ class Metrics:
 
 def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:
     n = sc.layout.num_accelerators
-    memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill, state_copies=2 if sc.spec else 1)
+    memory = working_set(sc.config, sc.quant, sc.layout, sc.workload, sc.system, sc.fill, state_copies=sc.spec.state_copies if sc.spec else 1)
     dec = decode_step(sc)
     spec = speculative_step(sc)
     pre = prefill_step(sc)

@@ -198,7 +198,7 @@ def render_text(plan: Plan) -> str:
     if m.spec is not None and plan.request.spec is not None:
         out.append(
             f"  {plan.request.spec.describe()}: iteration {m.spec.total_s * 1e3:.2f} ms = verify {m.spec.verify_s * 1e3:.2f} ms "
-            f"+ drafts {m.spec.draft_s * 1e3:.2f} ms, {m.spec.per_token_s * 1e3:.2f} ms per token; KDA snapshot "
+            f"+ drafts {m.spec.draft_s * 1e3:.2f} ms, {m.spec.per_token_s * 1e3:.2f} ms per token; KDA per-position states "
             f"{_size(m.spec.snapshot_bytes)} per rank for verification (in the memory table's KDA state)"
         )
     out.append(f"TTFT {m.ttft_s:.2f} s for a {plan.workload.prompt_tokens:,}-token prompt; prefill {m.prefill_tok_s:,.0f} tok/s")

@@ -189,7 +189,7 @@ def search(
     efficiency, comm, balance, power = efficiency or Efficiency(), comm or CommParams(), balance or BalanceParams(), power or PowerParams()
     out: list[Candidate] = []
     for layout in candidate_layouts(config, system, space):
-        limit = max_concurrency(config, quant, layout, context, system, fill, state_copies=2 if spec else 1) // layout.dp
+        limit = max_concurrency(config, quant, layout, context, system, fill, state_copies=spec.state_copies if spec else 1) // layout.dp
         prefill_busy = None
         if mix is not None and limit >= 1:  # replica-seconds of prefill per request: the layout's, whatever the batch
             probe = Scenario(

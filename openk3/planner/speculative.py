@@ -7,11 +7,12 @@ equivalents), then the target verifies all k + 1 positions in one step. That ver
 batch through every GEMM, expert and attention FLOP, but reads each sequence's cache once. It emits 1 + (accepted
 drafts) tokens; `acceptance[j]` is the probability that exactly j drafts are accepted (j = 0..k).
 
-KDA: a recurrent state cannot be trimmed like MLA pages, so verification keeps a copy (openk3's serve/speculative.py
-saves the slot before verifying and, on a rejection, restores it and recomputes the kept prefix): per iteration one
-extra state read + write for the snapshot, and with probability P(some draft rejected) a restore (read + write) plus the
-kept tokens' KDA work again. The snapshot is one more state per sequence in HBM (`snapshot_bytes`), which the memory model
-counts (`state_copies=2`) when it sizes the batch.
+KDA: a recurrent state cannot be trimmed like MLA pages, so verification keeps the state after each verified position
+(openk3's serve/spec_states.py: the verify step runs the recurrence position by position and writes the state after each
+of the first k positions to a verify slot; a rejection copies the kept position's state into the sequence's slot): per
+iteration k extra state writes, and with probability P(some draft rejected) one state copy (read + write); no token is
+recomputed. The k per-position states are k more states per sequence in HBM (`snapshot_bytes`), which the memory model
+counts (`state_copies` = k + 1) when it sizes the batch.
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ class SpecDecoding:
 
     @property
     def p_reject(self) -> float:
-        """Probability that at least one draft is rejected (the KDA state is restored and the kept prefix recomputed)."""
+        """Probability that at least one draft is rejected (the kept position's KDA state is copied into the sequence's slot)."""
         return 1 - self.acceptance[-1]
+
+    @property
+    def state_copies(self) -> int:
+        """KDA states per sequence: its own and the k per-position states of the verification."""
+        return 1 + self.tokens
 
     def describe(self) -> str:
         dist = ", ".join(f"{p:.2f}" for p in self.acceptance)
@@ -82,10 +88,10 @@ class SpecDecoding:
 class SpecStep:
     """One speculative iteration of the busiest rank."""
 
-    verify_s: float  # the target's step over k + 1 positions per sequence (with the KDA snapshot and restore)
+    verify_s: float  # the target's step over k + 1 positions per sequence (with the per-position KDA states and the copy)
     draft_s: float  # k draft forwards
     tokens_per_iteration: float
-    snapshot_bytes: float  # HBM for one KDA state copy per sequence on a rank
+    snapshot_bytes: float  # HBM for the k per-position KDA states per sequence on a rank
 
     @property
     def total_s(self) -> float:

@@ -17,7 +17,8 @@ class Component:
 @dataclass(frozen=True)
 class VerifyShape:
     """A speculative verify step per sequence: `queries` positions (k + 1), `state_passes` extra KDA state reads/writes
-    (snapshot 2, plus 2 x P(reject) to restore), `recompute_tokens` KDA tokens rerun after a rejection (expected)."""
+    (k per-position states written, plus 2 x P(reject) to copy the kept one), `recompute_tokens` KDA tokens rerun after a
+    rejection (expected; 0 with per-position states)."""
 
     queries: int
     state_passes: float

@@ -161,8 +161,11 @@ class LLMEngine:
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
         snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
+        # a speculating engine keeps the KDA state after each of k verified positions per sequence (serve/spec_states.py)
+        spec_k = (speculative or SpeculativeConfig()).num_speculative_tokens if draft_model is not None or mtp_layer is not None else 0
+        verify_slots = cfg.max_num_seqs * spec_k
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype, cfg.fp8_latent
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots + verify_slots, cache_dtype, cfg.fp8_latent
         )
         prefix = None
         if cfg.enable_prefix_caching:
@@ -186,6 +189,7 @@ class LLMEngine:
             prefix=prefix,
             scratch=cfg.cuda_graphs,
             fp8_latent=cfg.fp8_latent,
+            verify_slots=verify_slots,
         )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)

@@ -33,6 +33,7 @@ from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.routing import RoutingRecorder
 from openk3.serve.sampler import Sampler, SamplingRow
 from openk3.serve.scheduler import SchedulerOutput
+from openk3.serve.spec_states import keep_verified_state, stepwise_verification
 from openk3.serve.speculative import SpecDecodeStats, verify
 from openk3.serve.stopping import tokens_kept
 
@@ -152,8 +153,12 @@ class ModelRunner:
             return StepSamples({}, {})
         batch, sampling, verifying, scored = self.build_batch(out)
         recorded = [i for i, r in enumerate(out.requests) if r.sampling_params.return_routing]
+        stepwise = None if scored else stepwise_verification(out, batch, verifying, self.cache)
+        kept_slots: dict[str, list[int]] = {}
+        if stepwise is not None:  # per-position KDA states: a rejection is one slot copy (serve/spec_states.py)
+            batch, kept_slots = stepwise
         with torch.inference_mode():
-            saved = {r.request_id: save_slot(self.cache, self.cache.slot(r.request_id)) for r in verifying}
+            saved = {r.request_id: save_slot(self.cache, self.cache.slot(r.request_id)) for r in verifying if stepwise is None}
             # a graph returns the logits of every row in batch order, not sampling rows then scored or verified ones; and it
             # runs no Python, so a step that records its routing runs eagerly
             eager = scored or verifying or recorded or self.keep_hidden
@@ -177,7 +182,9 @@ class ModelRunner:
                 k = len(req.draft_token_ids)
                 runs[req.request_id] = run = self._verify(req, logits[at : at + k + 1])
                 at += k + 1
-                if len(run) < k + 1:  # put the slot back and recompute the kept prefix: pending token + accepted drafts
+                if stepwise is not None:
+                    keep_verified_state(self.cache, req, kept_slots[req.request_id], len(run))
+                elif len(run) < k + 1:  # put the slot back and recompute the kept prefix: pending token + accepted drafts
                     c, slot = req.num_computed_tokens, self.cache.slot(req.request_id)
                     restore_slot(self.cache, slot, saved[req.request_id])
                     redo.append(PackedRow(slot, self.cache.page_ids(req.request_id), c, (req.token_ids + run)[c : req.num_tokens + len(run) - 1]))

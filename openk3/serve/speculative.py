@@ -3,12 +3,13 @@
 A decoding request gets k draft tokens (serve/draft.py) before the step is planned; the scheduler gives it its pending token
 plus the k drafts (or drops the drafts when the budget cannot take them all); the runner verifies the k + 1 positions in
 the one target forward of the step and keeps the accepted run, cut at the first token a stop rule ends the request on.
-Rollback on the hybrid cache (runner.py): MLA pages of rejected positions are simply overwritten later (and the pages past
-the kept tokens released by the scheduler); the KDA recurrent state and short-conv windows are updated in place, so the
-runner copies the request's state slot before the forward and, when fewer than k + 1 tokens are kept, restores it and
-recomputes the accepted prefix (pending token + accepted drafts) in a second forward of the step. That costs one slot copy
-per speculating request and step, and on rejection one more forward of j + 1 tokens; a step where everything is accepted
-pays nothing more.
+Rollback on the hybrid cache: MLA pages of rejected positions are simply overwritten later (and the pages past the kept
+tokens released by the scheduler); the KDA recurrent state and short-conv windows are updated in place, so a step whose
+requests all decode or verify runs stepwise (serve/spec_states.py, model/stepwise.py): the decode forms one position after
+another, keeping the state after each verified position in a verify slot, and a rejection copies the kept position's
+state into the request's slot -- no second forward. A step that also prefills verifies in the chunked form: the runner
+copies the request's slot before the forward and, when fewer than k + 1 tokens are kept, restores it and recomputes the
+accepted prefix (pending token + accepted drafts) in a second forward of the step.
 
 Acceptance: greedy rows keep drafts while they equal the target's argmax, then take the argmax (so the output is the
 non-speculative greedy output); sampled rows use the standard rejection rule (Leviathan et al. 2023): keep draft x with

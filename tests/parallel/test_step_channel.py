@@ -26,7 +26,8 @@ def batches() -> list[ForwardBatch]:
     decode = ForwardBatch.for_step([[1], [2]], [5, 6], [0, 1], table[:, :1])
     fresh = ForwardBatch.for_step([[5, 6], [7]], [0, 3], [4, 5], table[:, :2])  # a new sequence, consecutive slots
     cuts = dataclasses.replace(cached, state_cuts=(StateCut(0, 2, 1), StateCut(0, 1, 0)))  # prefix-cache snapshots inside a step
-    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3)), fresh, cuts]  # the third: no cache, every row's logits
+    stepwise = dataclasses.replace(cached, stepwise=True, state_cuts=(StateCut(0, 1, 0),))  # a speculative verification
+    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3)), fresh, cuts, stepwise]  # the third: no cache, every row's logits
 
 
 def fields(b: ForwardBatch) -> dict:
@@ -69,7 +70,8 @@ def exchange(ctx: ParallelContext) -> list:
 @pytest.mark.distributed
 def test_step_channel_round_trip() -> None:
     sent, received = run_ranks(exchange, 2)
-    assert received == sent and len(sent) == 8
+    assert received == sent and len(sent) == 9
+    assert sent[7]["stepwise"] and not sent[7]["is_decode"] and not sent[6]["stepwise"]
     assert sent[6]["state_cuts"] == (StateCut(0, 2, 1), StateCut(0, 1, 0)) and sent[2]["state_cuts"] == ()
     assert sent[3]["is_decode"] and not sent[2]["is_decode"] and sent[4]["page_table"] is None
     # the host facts travel in the header: none given, slots not consecutive, consecutive, and a fresh sequence

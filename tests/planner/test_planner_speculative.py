@@ -52,11 +52,13 @@ def test_kda_verification_snapshot_costs_bytes_and_memory() -> None:
     sc = Scenario(k3(), q, lay, Workload(32768, 72 * 16), sys, spec=spec)
     step = speculative_step(sc)
     assert step is not None
-    assert step.snapshot_bytes == pytest.approx(16 * cache_spec(k3(), q).kda.bytes_per_sequence)
-    assert max_concurrency(k3(), q, lay, 32768, sys, state_copies=2) < max_concurrency(k3(), q, lay, 32768, sys)
+    # k = 2 per-position states per sequence, 16 sequences per rank
+    assert step.snapshot_bytes == pytest.approx(2 * 16 * cache_spec(k3(), q).kda.bytes_per_sequence)
+    assert spec.state_copies == 3
+    assert max_concurrency(k3(), q, lay, 32768, sys, state_copies=3) < max_concurrency(k3(), q, lay, 32768, sys)
     m = evaluate(sc)
     plain = evaluate(sc.with_(spec=None))
-    assert m.memory.kda_state == pytest.approx(2 * plain.memory.kda_state)
+    assert m.memory.kda_state == pytest.approx(3 * plain.memory.kda_state)
 
 
 def test_cli_needs_both_spec_flags() -> None:

@@ -3,6 +3,7 @@ output equals non-speculative decoding token for token (several prompts, batch >
 draft that agrees and one that mostly does not, so rollbacks happen), stop tokens and max_tokens inside an accepted run end
 it there, and the rejection rule leaves the target distribution unchanged (a seeded statistical test)."""
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from openk3.config import debug
 from openk3.model import K3ForCausalLM
+from openk3.serve import runner as runner_module
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.spec_states import stepwise_verification
 from openk3.serve.speculative import SpeculativeConfig, verify
 from openk3.serve.tokenizer import ByteTokenizer
 
@@ -55,20 +58,54 @@ def run(target, params: list[SamplingParams], draft=None, k: int = 3, prompts=PR
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
 
+@pytest.fixture
+def forms(monkeypatch) -> Counter[str]:
+    """How many steps verified drafts in the stepwise form (per-position KDA states) and in the chunked form (the fallback
+    of a step that also prefills: snapshot and recompute)."""
+    seen: Counter[str] = Counter()
+
+    def counted(out, batch, verifying, cache):  # type: ignore[no-untyped-def]
+        got = stepwise_verification(out, batch, verifying, cache)
+        if verifying:
+            seen["stepwise" if got is not None else "chunked"] += 1
+        return got
+
+    monkeypatch.setattr(runner_module, "stepwise_verification", counted)
+    return seen
+
+
 @pytest.mark.parametrize("draft_seed", [5, 11])
 @pytest.mark.parametrize("prefix", [False, True])
-def test_greedy_equals_plain_decoding(target, draft_seed, prefix) -> None:
+def test_greedy_equals_plain_decoding(target, draft_seed, prefix, forms) -> None:
     cfg = dict(enable_prefix_caching=True, prefix_match_unit=8) if prefix else {}
     params = [GREEDY] * len(PROMPTS)
     plain, _ = run(target, params, **cfg)
     spec, engine = run(target, params, draft=model(draft_seed), **cfg)
     assert spec == plain
+    assert forms["stepwise"] > 0 and forms["chunked"] > 0  # prompts still prefilling beside verifications take the fallback
     stats = engine.spec_stats
     assert stats is not None and stats.num_draft_tokens > 0
     if draft_seed == 5:  # the draft is the target: every draft is accepted
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     else:
         assert stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks happened
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_greedy_equals_plain_decoding_across_batch_mixes(target, prefix, forms) -> None:
+    """Twelve prompts through 4 slots (admissions beside verifications), every third asking for logprobs (it decodes one
+    token a step beside the speculating ones in a stepwise step), repeated prefixes for the prefix cache, k = 2 and 4."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 255, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (12,), generator=g)]
+    prompts[5], prompts[9] = prompts[1] + [4, 4], list(prompts[1])
+    params = [GREEDY.replace(max_tokens=6 + i % 9, logprobs=1 if i % 3 == 2 else None) for i in range(12)]
+    cfg = dict(enable_prefix_caching=True, prefix_match_unit=8) if prefix else {}
+    plain, _ = run(target, params, prompts=prompts, **cfg)
+    for k in (2, 4):
+        spec, engine = run(target, params, draft=model(11), k=k, prompts=prompts, **cfg)
+        assert spec == plain
+        assert engine.spec_stats is not None and 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
+    assert forms["stepwise"] > 0 and forms["chunked"] > 0
 
 
 def test_greedy_equals_plain_decoding_with_preemption_and_a_tight_budget(target) -> None:

@@ -13,6 +13,7 @@ from openk3.ops.moe.batched import moe_experts_batched
 from openk3.ops.moe.cpu_pairs import c_loop_fits
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
+from openk3.ops.moe.packed_c import packed_c_fits
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 from openk3.ops.moe.single import moe_experts_single_token
 from openk3.ops.moe.static import moe_experts_static
@@ -30,12 +31,16 @@ def moe_experts_sized(
     *,
     linear: LinearFn = linear_torch,
     batched_c: MoEExpertsFn | None = None,
+    packed_c: MoEExpertsFn | None = None,
 ) -> torch.Tensor:
     """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
     backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
     Otherwise one token: its experts in turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4
-    banks): grouped. `linear`: the products of the per-expert forms."""
+    banks): grouped. `linear`: the products of the per-expert forms. With `packed_c` (the "c" backend: ops/moe/packed_c.py)
+    packed MXFP4 banks it takes run in C at any size up to C_LOOP_MAX_PAIRS_PER_EXPERT per expert."""
     pairs = topk_idx.numel()
+    if packed_c is not None and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and packed_c_fits(x_TD, bank, act):
+        return packed_c(x_TD, topk_idx, topk_weight, bank, act)
     if (
         batched_c is not None
         and isinstance(bank, DenseExpertBank)

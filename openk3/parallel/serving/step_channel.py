@@ -7,7 +7,8 @@ layer is a collective (their experts, their share of the tokens). A message is a
 int64 payload holding the batch's tensors end to end, so a step costs two broadcasts whatever its size:
 
   header   [kind, a, b, c, d, e, f, g, h]
-    STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode, and the batch's host facts (model/batch.py):
+    STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=the step's form (0 prefill, 1 decode, 2 stepwise), and the
+           batch's host facts (model/batch.py):
            f=any_fresh (-1: none given), g=first slot of a consecutive range (-1: not consecutive, -2: none given),
            h=the number of state cuts (prefix-cache snapshots inside the step)
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
@@ -43,7 +44,7 @@ HEADER = 9
 # The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
 CARRIED_FIELDS = (
     "input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode", "capturable", "host_facts",
-    "mm_embeds", "mm_rows", "state_cuts",
+    "mm_embeds", "mm_rows", "state_cuts", "stepwise",
 )  # fmt: skip
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
@@ -141,7 +142,8 @@ class StepChannel:
         facts = batch.host_facts
         fresh = -1 if facts is None else int(facts.any_fresh)
         first = -2 if facts is None else -1 if facts.slot_range is None else facts.slot_range[0]
-        header = [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode), fresh, first, len(batch.state_cuts)]
+        form = 2 if batch.stepwise else int(batch.is_decode)
+        header = [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, form, fresh, first, len(batch.state_cuts)]
         return header, payload
 
     def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
@@ -194,7 +196,9 @@ class StepChannel:
         slots, table = (parts[4], parts[5].reshape(seqs, width)) if width >= 0 else (None, None)
         logits = parts[-2] if rows >= 0 else None
         cuts = tuple(StateCut(*(int(x) for x in row)) for row in parts[-1].reshape(h, 3).tolist())
+        if e not in (0, 1, 2):
+            raise RuntimeError(f"StepChannel: step form e={e} in a step header (driver and worker run different openk3 versions?)")
         if f not in (-1, 0, 1) or g < -2 or (f == -1) != (g == -2):
             raise RuntimeError(f"StepChannel: host facts f={f}, g={g} in a step header (driver and worker run different openk3 versions?)")
         facts = None if f == -1 else HostFacts(bool(f), None if g == -1 else (g, g + seqs))
-        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e), host_facts=facts, state_cuts=cuts)
+        return ForwardBatch(ids, positions, cu, context, slots, table, logits, e == 1, host_facts=facts, state_cuts=cuts, stepwise=e == 2)

@@ -50,6 +50,7 @@ class CacheManager:
         prefix: PrefixCacheConfig | None = None,
         scratch: bool = False,
         fp8_latent: bool = False,
+        verify_slots: int = 0,
     ) -> None:
         if page_size < 1:
             fail("CacheManager", "page_size", page_size, ">= 1")
@@ -64,10 +65,16 @@ class CacheManager:
         # scratch: one more slot and page than the pools hand out, for the padding rows of captured graphs (serve/graphs.py):
         # they write somewhere, and nothing any request holds may be that place
         extra = 1 if scratch else 0
+        if verify_slots < 0:
+            fail("CacheManager", "verify_slots", verify_slots, ">= 0")
+        first_verify = num_slots + num_snapshots + extra
         self.tensors = CacheTensors.allocate(
-            config, num_slots + num_snapshots + extra, num_pages + extra, page_size, dtype=dtype, device=device, fp8_latent=fp8_latent
+            config, first_verify + verify_slots, num_pages + extra, page_size, dtype=dtype, device=device, fp8_latent=fp8_latent
         )
         self.scratch_slot: int | None = num_slots + num_snapshots if scratch else None
+        # after every other slot: where a speculative verification keeps its per-position KDA states (serve/spec_states.py);
+        # the runner's for the length of one step, held by no request
+        self.verify_slots = range(first_verify, first_verify + verify_slots)
         self.scratch_page: int | None = num_pages if scratch else None
         self._pages: dict[str, list[int]] = {}
         self._slots: dict[str, int] = {}

@@ -12,8 +12,12 @@ the cross-entropy of the reply's tokens. Two stages, because backpropagating thr
 The held-out table greedy-decodes fresh pictures through the engine from the exported folder (bf16, MXFP4 experts: what
 `openk3 serve` loads); `--kjv` adds the text card's KJV held-out loss before and after.
 
-    python benchmarks/train_vision_demo.py --out runs/vision_demo --code-minutes 11 --tower-minutes 3 --head-rows --kjv
-    cp runs/vision_demo/model/* openk3/assets/tiny/
+    mkdir -p runs/tiny_text && git archive ce8345b openk3/assets/tiny | tar -x -C runs/tiny_text --strip-components 3
+    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vision_demo --head-rows --kjv --kjv-weight 0 \
+        --code-minutes 11 --tower-minutes 3                      # the first run (no KJV term)
+    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vision_demo2 --init runs/vision_demo/model \
+        --head-rows --kjv --kjv-weight 1 --code-minutes 5 --tower-minutes 2.5   # continued with the KJV term: shipped
+    cp runs/vision_demo2/model/* openk3/assets/tiny/
     python benchmarks/train_vision_demo.py --eval-only openk3/assets/tiny           # the held-out table of a folder
 """
 
@@ -43,7 +47,6 @@ from openk3.model.batch import ForwardBatch
 from openk3.model.moe import DenseExperts, PackedExperts
 from openk3.ops.mxfp4 import dequantize
 from openk3.ops.registry import OpTarget
-from openk3.serve.loading import ASSETS
 from openk3.serve.media_prompt import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ImageSpan, expand_media
 from openk3.serve.tokenizer import HFTokenizer, Tokenizer
 from openk3.serve.vision_processor import MediaConfig, process_image
@@ -247,10 +250,26 @@ class Codes(torch.nn.Module):
         return F.rms_norm(torch.cat(rows), self.weight.shape, self.weight, EPS)
 
 
+@torch.no_grad()
+def kjv_states(model: K3ForCausalLM, tok: Tokenizer, windows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text model's final hidden states on the first `windows` 256-token windows of its KJV *training* chapters, and the
+    next tokens: they do not depend on anything stage 1 trains but the lm_head, so the text loss as a function of the
+    lm_head costs one matmul a step."""
+    from openk3.train.data import encode_documents, eval_windows, kjv_chapters, split_documents
+
+    assert isinstance(tok, HFTokenizer) and tok.eos_token_id is not None
+    train_docs, _ = split_documents(kjv_chapters())
+    w = eval_windows(encode_documents(tok._tok, train_docs, tok.eos_token_id), 256, windows)
+    h = model.model(ForwardBatch.from_tokens(w[:, :-1]), None)
+    return h.detach(), w[:, 1:].reshape(-1)
+
+
 def learn_codes(model: K3ForCausalLM, tok: Tokenizer, args: argparse.Namespace, log) -> Codes:
     """Stage 1: the codes and the media markers' embeddings, through the frozen text model, until `--code-minutes`."""
     template, pad = K3Template("demo"), tok.encode(MEDIA_PAD)[0]
     codes = Codes(16, model.config.hidden_size)
+    if args.init is not None:  # continue from a run's codes.pt (its folder's weights were loaded by train())
+        codes.load_state_dict(torch.load(args.init.parent / "codes.pt"))
     emb = model.model.embed_tokens.weight
     emb.requires_grad_(True)
     keep = torch.zeros(emb.shape[0], 1)
@@ -267,6 +286,7 @@ def learn_codes(model: K3ForCausalLM, tok: Tokenizer, args: argparse.Namespace, 
         head.register_hook(lambda g: g * head_keep)
         groups.append({"params": [head], "lr": args.lr * 0.1})
         print(f"lm_head rows trained: {sorted(words)}", flush=True)
+        kjv_h, kjv_y = kjv_states(model, tok)
     opt = torch.optim.Adam(groups)
     pics, qs = pictures(args.seed, 100_000 // 64), list(QUESTIONS)
     spent, step = 0.0, 0
@@ -275,14 +295,18 @@ def learn_codes(model: K3ForCausalLM, tok: Tokenizer, args: argparse.Namespace, 
         batch = [pics[(step * args.batch_size + j) % len(pics)] for j in range(args.batch_size)]
         rows = [example(tok, template, pic, qs[(step + j) % len(qs)], args.reply, True) for j, pic in enumerate(batch)]
         loss, acc = batch_loss(model, rows, pad, codes(batch))
+        total = loss
+        if args.head_rows:  # the text model's own loss on KJV text, kept: its lm_head rows may move only where it costs nothing
+            kjv = F.cross_entropy(model.lm_head(kjv_h), kjv_y)
+            total = loss + args.kjv_weight * kjv
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         opt.step()
         spent += time.perf_counter() - t0
         step += 1
         log.write(json.dumps({"stage": 1, "step": step, "loss": round(loss.item(), 4), "reply_token_acc": round(acc, 4), "seconds": round(spent, 1)}) + "\n")
         log.flush()
-        print(f"codes step {step} loss {loss.item():.4f} reply-token acc {acc:.3f} ({spent:.0f} s)", flush=True)
+        print(f"codes step {step} loss {loss.item():.4f} reply-token acc {acc:.3f} total {total.item():.4f} ({spent:.0f} s)", flush=True)
     emb.requires_grad_(False)
     return codes
 
@@ -321,8 +345,18 @@ def train(args: argparse.Namespace) -> K3ForCausalLM:
     tok_dir = args.out / "tokenizer"
     with_media_tokens(source, tok_dir)
     tok = HFTokenizer(tok_dir)
-    text_hidden = json.loads((source / "config.json").read_text())["hidden_size"]
+    raw = json.loads((source / "config.json").read_text())
+    if "vision_config" in raw:
+        raise SystemExit(f"--source {source} already has a vision tower: pass the text-only folder (the module docstring says how)")
+    text_hidden = raw["hidden_size"]
     model = dense_text_model(source, tok.vocab_size, tower_config(args.width, args.layers, text_hidden))
+    if args.init is not None:  # a previous run's trained rows, tower and projector (its export), to continue from
+        from safetensors.torch import load_file
+
+        done = load_file(str(args.init / "model.safetensors"))
+        state = model.state_dict()
+        for name in ("model.embed_tokens.weight", "lm_head.weight", *[k for k in state if k.startswith(("vision_tower.", "mm_projector."))]):
+            state[name].copy_(done[name].float())
     model.select_ops(target=OpTarget(training=True))
     for p in model.parameters():
         p.requires_grad_(False)
@@ -335,13 +369,15 @@ def train(args: argparse.Namespace) -> K3ForCausalLM:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", default=str(ASSETS / "tiny"), help="the text model's folder (its weights stay frozen)")
+    ap.add_argument("--source", required=True, help="the text-only demo folder (before the tower: git archive ce8345b openk3/assets/tiny)")
     ap.add_argument("--out", type=Path, default=Path("runs/vision_demo"))
     ap.add_argument("--code-minutes", type=float, default=13.0, help="stage 1's step time (through the frozen text model)")
     ap.add_argument("--tower-minutes", type=float, default=4.0, help="stage 2's step time (the tower alone)")
     ap.add_argument("--batch-size", type=int, default=2, help="stage 1's rows per step")
-    ap.add_argument("--lr", type=float, default=2e-2, help="stage 1's Adam lr")
+    ap.add_argument("--lr", type=float, default=0.1, help="stage 1 Adam lr of the soft prompt (a tenth for the rows and the norm weight)")
     ap.add_argument("--tower-lr", type=float, default=3e-3)
+    ap.add_argument("--init", type=Path, default=None, help="continue from a run's exported folder (and the codes.pt beside it)")
+    ap.add_argument("--kjv-weight", type=float, default=1.0, help="weight of the KJV loss that keeps the trained lm_head rows honest")
     ap.add_argument("--head-rows", action="store_true", help="also train the lm_head rows of the reply's tokens (changes the text model)")
     ap.add_argument("--reply", choices=sorted(REPLIES), default="caption", help="the prompt and reply format trained (REPLIES)")
     ap.add_argument("--width", type=int, default=64, help="the tower's width")

@@ -32,9 +32,9 @@ def test_loads_with_mxfp4_experts_and_predicts_the_corpus():
     assert all(isinstance(m.experts, PackedExperts) for m in model.moe_layers())
     assert model.config.expert_quantization == "mxfp4"
     tok = load_tokenizer(TINY, model.config.vocab_size)
-    assert isinstance(tok, HFTokenizer) and tok.vocab_size == model.config.vocab_size == 4096
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == model.config.vocab_size == 4100  # 4096 + the four media tokens
     ids = torch.tensor([tok.encode(TEXT)])
     with torch.no_grad():
         logits = model.forward_tokens(ids[:, :-1])
     loss = F.cross_entropy(logits[0].float(), ids[0, 1:])
-    assert loss < 4.0, f"shipped weights look untrained: loss {loss:.2f} (uniform would be {torch.log(torch.tensor(4096.0)):.2f})"
+    assert loss < 4.0, f"shipped weights look untrained: loss {loss:.2f} (uniform would be {torch.log(torch.tensor(4100.0)):.2f})"

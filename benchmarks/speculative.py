@@ -3,11 +3,14 @@ greedy, at batch 1, 4 and 16, the baseline measured in the same run.
 
 Drafts: `self` is the demo model itself (every draft accepted: the acceptance upper bound and the pure overhead of drafting
 and verifying); `half` is the demo model's first 4 layers (three KDA layers and one MLA layer, with its embedding, final
-norm and head), a layer-skip draft at about half the target's cost. Correctness gate: every speculative run's greedy
-tokens must equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
+norm and head), a layer-skip draft at about half the target's cost; `mtp` is an MTP layer (model/mtp.py: one gated-MLA
+MoE layer reading the target's hidden states, method "mtp") that this script first trains by self-distillation
+(openk3/train/mtp_head.py) on the demo model's own sampled continuations of other prompts than the ones measured, for
+--mtp-steps steps (the demo checkpoint ships no MTP layer). Correctness gate: every speculative run's greedy tokens must
+equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
 
-  python benchmarks/speculative.py                       # batch 1, 4, 16; k = 3; 64 new tokens
-  python benchmarks/speculative.py --batch 1 --k 2 4 --new 32
+  python benchmarks/speculative.py                       # batch 1, 4, 16; k = 3; 64 new tokens; drafts self, half, mtp
+  python benchmarks/speculative.py --batch 1 --k 2 4 --new 32 --drafts mtp
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ import dataclasses
 import platform
 import subprocess
 import time
+from typing import Any
 
 import torch
 
 from openk3.model import K3ForCausalLM
+from openk3.model.mtp import MTPLayer
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
+from openk3.serve.cache.manager import CacheManager
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.loading import build_model
+from openk3.serve.pack import PackedRow, pack
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
+from openk3.train.mtp_head import new_mtp_layer, train_mtp
 
 
 def truncated_draft(target: K3ForCausalLM, n: int) -> K3ForCausalLM:
@@ -42,9 +50,63 @@ def truncated_draft(target: K3ForCausalLM, n: int) -> K3ForCausalLM:
     return draft.eval()
 
 
-def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
+TRAIN_STARTS = ["Tom and", "The cat", "One day a", "There was a little", "Lily wanted to", "The big dog", "Mom said", "A bird", "Ben had a"]
+
+
+def mtp_draft(target: K3ForCausalLM, tokenizer, steps: int, length: int = 64) -> tuple[MTPLayer, float, float]:
+    """An MTP layer trained on the demo model's sampled continuations of TRAIN_STARTS (4 seeds each), its first and last
+    losses (averaged over 10 steps)."""
+    n = 4 * len(TRAIN_STARTS)
+    engine = LLMEngine(target, tokenizer, EngineConfig(max_num_seqs=n, max_model_len=256, num_pages=n * 8, page_size=16))
+    for i, text in enumerate(TRAIN_STARTS * 4):
+        engine.add_request(str(i), tokenizer.encode(text), SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=i))
+    seqs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        engine.step()
+        for req in engine.scheduler.running:
+            seqs[req.request_id] = req.token_ids
+    data = torch.tensor([t[:length] for t in seqs.values() if len(t) >= length])
+    layer = new_mtp_layer(target)
+    losses = train_mtp(target, layer, data, steps)
+    apply_serving_layout(layer, ServingPlan(torch.device("cpu")))
+    return layer, sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+
+
+def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
+    """CPU time on one thread (this process's own, so other jobs' load does not count; with more threads it would count
+    their spin-waiting) of one target forward of 1 decode row, of k + 1 verification rows, and of one MTP draft step (1
+    row and the head), each after 100 cached tokens."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache, mcache = CacheManager(target.config, 64, 16, 1), CacheManager(layer.config, 64, 16, 1)
+    cache.allocate("a", 200)
+    mcache.allocate("a", 200)
+    cpu, h = torch.device("cpu"), torch.randn(1, target.config.hidden_size)
+
+    def row(c: CacheManager, start: int, ids: list[int]) -> tuple[Any, Any]:
+        return pack([PackedRow(c.slot("a"), c.page_ids("a"), start, ids)], cpu), c.tensors
+
+    def ms(fn, n: int = 15) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        start = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - start) / n * 1000
+
+    with torch.inference_mode():
+        target(*row(cache, 0, list(range(10, 110))))
+        dec = ms(lambda: target(*row(cache, 100, [5])))
+        ver = ms(lambda: target(*row(cache, 100, [5] * (k + 1))))
+        mtp = ms(lambda: layer.compute_logits(layer(*row(mcache, 100, [5]), h)))
+    torch.set_num_threads(threads)
+    verify = f"target {k + 1} verification rows {ver:.1f} ({ver / dec:.2f}x)"
+    return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, {verify}, MTP step {mtp:.1f} ({mtp / dec:.2f}x)"
+
+
+def generate(target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
-    engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=SpeculativeConfig(k) if draft is not None else None)
+    spec = SpeculativeConfig(k) if draft is not None or mtp is not None else None
+    engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -70,18 +132,28 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--drafts", nargs="+", default=["self", "half", "mtp"], choices=["self", "half", "mtp"])
+    ap.add_argument("--mtp-steps", type=int, default=150, help="training steps of the MTP layer (batches of 8 x 64 tokens)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = build_model("tiny", torch.float32, "cpu", 0)
     assert isinstance(target, K3ForCausalLM)
     # a truncated draft keeps whole Attention Residuals blocks (a shorter one breaks the block readers of model.py)
-    drafts = {"self": target, "half": truncated_draft(target, target.config.attn_res_block_size or target.config.num_hidden_layers // 2)}
-    for m in drafts.values():  # the serving layout build_engine applies (fused projections, the CPU ops)
+    drafts: dict[str, Any] = {"self": target, "half": truncated_draft(target, target.config.attn_res_block_size or target.config.num_hidden_layers // 2)}
+    drafts = {name: d for name, d in drafts.items() if name in args.drafts}
+    for m in [target, *drafts.values()]:  # the serving layout build_engine applies (fused projections, the CPU ops)
         apply_serving_layout(m, ServingPlan(torch.device("cpu")))
+    mtp_note = ""
+    if "mtp" in args.drafts:
+        start = time.perf_counter()
+        drafts["mtp"], first, last = mtp_draft(target, tokenizer, args.mtp_steps)
+        mtp_note = f"; mtp: trained {args.mtp_steps} steps in {time.perf_counter() - start:.0f} s, loss {first:.2f} -> {last:.2f}"
+        mtp_note += "\n# " + "\n# ".join(forward_costs(target, drafts["mtp"], k) for k in args.k)
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# benchmarks/speculative.py --batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}")
-    print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {platform.processor() or platform.machine()}, commit {commit}")
+    flags = f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --drafts {' '.join(args.drafts)}"
+    print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps}")
+    print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {platform.processor() or platform.machine()}, commit {commit}{mtp_note}")
     print("| batch | draft | k | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|")
     for b in args.batch:
@@ -93,7 +165,10 @@ def main() -> None:
                 base_tps, spec_tps, base_tokens, tokens, stats = 0.0, 0.0, None, None, None
                 for _ in range(args.repeat):
                     b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new)
-                    s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, draft, k)
+                    if name == "mtp":
+                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, k=k, mtp=draft)
+                    else:
+                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, draft, k)
                     base_tps, spec_tps = max(base_tps, b_tps), max(spec_tps, s_tps)
                 tps = spec_tps
                 assert stats is not None

@@ -1,4 +1,4 @@
-"""`openk3 serve | generate | plan | bench | train | sandbox | quantize`: one entry point, each sub-command owned by its package.
+"""`openk3 serve | generate | plan | bench | train | distill | sandbox | quantize | rollout`: one entry point, each sub-command owned by its package.
 
 A package contributes a sub-command through `register(subparsers)` in its own `cli.py`; importing it here (lazily, inside
 `build_parser`) keeps `openk3 plan` and `openk3 sandbox` free of torch imports.
@@ -17,8 +17,10 @@ COMMAND_MODULES = (
     "openk3.api.cli",
     "openk3.planner.cli",
     "openk3.train.cli",
+    "openk3.train.distill_cli",
     "openk3.sandbox.cli",
     "openk3.model.cli",
+    "openk3.rl.cli",
 )
 
 

@@ -1,7 +1,8 @@
 """Dependencies point one way, and no module imports itself through others.
 
 Layers, lowest first: config -> ops -> model -> serve -> parallel -> api (HTTP) -> scale (Ray Serve replicas) -> launch
-(build_engine, the `openk3 serve` processes) -> llm (the offline entry) and its `openk3 generate`; train builds on model;
+(build_engine, the `openk3 serve` processes) -> llm (the offline entry) and its `openk3 generate`; train builds on model
+(distillation drives engines through llm and rl);
 planner and sandbox are leaves that never touch CUDA (the sandbox not even torch). Each package (or top-level module)
 lists what it may import; anything else is a wrong arrow. The walk uses `ast`, so it also sees imports inside functions
 and under TYPE_CHECKING, and `importlib.import_module("openk3...")` with a literal name: a lazy import, or one by name,
@@ -25,7 +26,8 @@ ALLOWED = {
     "model": {"config", "ops", "checks"},
     "serve": {"config", "ops", "model", "checks", "options"},
     "parallel": {"config", "ops", "model", "serve", "checks", "options"},
-    "train": {"config", "ops", "model", "checks"},
+    # distillation drives engines: teachers score and the student samples through LLM, weight sync comes from rl
+    "train": {"config", "ops", "model", "checks", "serve", "llm", "rl"},
     "api": {"config", "ops", "model", "serve", "parallel", "checks", "options"},  # HTTP only
     "scale": {"config", "serve", "parallel", "api", "checks", "options"},  # replicas on Ray Serve, built as launch says
     # build_engine (one way to build an engine) and the processes that serve it: above the server and its replicas

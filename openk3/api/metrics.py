@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from openk3.api.spec_metrics import SpecDecodeMetrics
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.tier_types import TierKind
 from openk3.serve.engine import ServedEngine
@@ -136,6 +137,7 @@ class ServerMetrics:
         self._iteration_prompt_tokens = 0
         self._last_totals: dict[str, int] = {"preemptions": 0, "prompt": 0, "generation": 0}
         self._ep: EPTotals | None = None
+        self._spec: SpecDecodeMetrics | None = None  # made on the first snapshot with speculative decoding (api/spec_metrics.py)
 
     def attach_ep(self, totals: EPTotals) -> None:
         """Also export expert-parallel stats (rank 0 of `serve --ep N` or `--dp D`), read from `totals` at each engine snapshot."""
@@ -231,6 +233,10 @@ class ServerMetrics:
             if total > self._last_totals.get(name, 0):
                 counter.inc(total - self._last_totals.get(name, 0))
                 self._last_totals[name] = total
+        if stats.spec_decode is not None:
+            if self._spec is None:
+                self._spec = SpecDecodeMetrics(self.registry, self.prefix, self.model_name)
+            self._spec.observe(stats.spec_decode)
         if self._ep is not None:
             self._observe_ep(self._ep)
 

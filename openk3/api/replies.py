@@ -4,7 +4,8 @@ jobs are built in api/jobs.py).
 Streams follow OpenAI: `data: <json>\\n\\n` events ending with `data: [DONE]\\n\\n`; chat streams open each choice with a
 `delta.role` chunk; `stream_options.include_usage` adds a final chunk with empty choices and the usage (with vLLM's
 `continuous_usage_stats` every chunk also carries its choice's usage so far, as vLLM counts it); an error after the
-stream has started is sent as `data: {"error": ...}` before `[DONE]`. Choice indices are prompt_index * n + sample_index.
+stream has started is sent as `data: {"error": ...}` before `[DONE]`. The weight version a request ran on rides on the
+chunk that ends each choice (and a chat stream's usage chunk), as it rides on a whole response. Choice indices are prompt_index * n + sample_index.
 Chat replies in a Kimi format go through one `ChoiceParser` per choice (api/agent_output.py): `reasoning_content`, content
 and `tool_calls`, whole or as `delta.reasoning_content` / `delta.content` / `delta.tool_calls` pieces (a call's arguments
 in fragments, as they are written).
@@ -172,7 +173,10 @@ async def completion_stream(
                     text, logprobs = d.text, None
                     if req.logprobs is not None:
                         logprobs, offsets[index] = s.texts.completion_logprobs(d.logprobs or (), offsets[index])
-                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                version = updates.weight_versions[i] if d.finish_reason is not None else None  # on the choice's last chunk
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason, weight_version=version
+                )
                 so_far = usage(len(jobs[i].prompt_token_ids), per_choice[index], cached[i]) if every_chunk else None
                 yield sse(CompletionResponse(id=request_id, created=created, model=s.model.name, choices=[choice], usage=so_far))
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -237,8 +241,10 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
     created = int(time.time())
     job = chat.job
 
-    def chunk(choices: list[ChatChunkChoice], u=None) -> bytes:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model.name, choices=choices, usage=u))
+    (version,) = updates.weight_versions
+
+    def chunk(choices: list[ChatChunkChoice], u=None, ends: bool = False) -> bytes:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=s.model.name, choices=choices, usage=u, weight_version=version if ends else None))
 
     every_chunk = continuous_usage(req)
     per_choice: dict[int, int] = {}  # completion tokens so far, for continuous usage
@@ -277,9 +283,9 @@ async def chat_stream(s: ServedModel, req: ChatCompletionRequest, chat: ChatJob,
                         finish_reason=finish if last else None,
                         stop_reason=d.stop_reason if last else None,
                     )
-                    yield chunk([choice], so_far(d.index))
+                    yield chunk([choice], so_far(d.index), ends=choice.finish_reason is not None)
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached))
+            yield chunk([], usage(len(job.prompt_token_ids), completion_tokens, cached), ends=True)
     except Exception as e:
         yield _stream_error(e)
     finally:

@@ -166,6 +166,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    weight_version: int | None = None  # on the chunk that ends a choice and on the usage chunk, as in a whole response
 
 
 class ModelCard(BaseModel):

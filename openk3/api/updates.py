@@ -17,6 +17,8 @@ class Updates:
 
     def __init__(self, streams: list[RequestStream]) -> None:
         self._streams = streams
+        # each prompt's weight version, fixed when it was added (a request runs on one version: AsyncEngine.call_idle)
+        self.weight_versions = [stream.weight_version for stream in streams]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._remaining = len(streams)
         self._tasks = [asyncio.ensure_future(self._pump(i, stream)) for i, stream in enumerate(streams)]

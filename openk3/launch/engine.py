@@ -21,6 +21,9 @@ from typing import cast
 import torch
 
 from openk3.launch.spec import EngineSpec
+from openk3.model import K3ForCausalLM
+from openk3.model.mtp import MTPLayer
+from openk3.model.mtp_load import load_mtp
 from openk3.parallel.dp.engine import DataParallelEngine
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
@@ -91,15 +94,32 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
         net = cast(CausalLM, spec.model)  # any module obeying the contract (tests pass fakes)
         tokenizer = _tokenizer(spec)
     else:
-        net, tokenizer = build_model(spec.model, config.torch_dtype, config.device, config.seed, spec.byte_tokenizer, spec.tokenizer)
+        mtp = config.speculative == "mtp"
+        net, tokenizer = build_model(spec.model, config.torch_dtype, config.device, config.seed, spec.byte_tokenizer, spec.tokenizer, mtp=mtp)
     param = next(iter(net.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")  # where the engine runs it
     apply_serving_layout(cast(torch.nn.Module, net), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))
     generation = generation_config(spec)
     draft = _draft_model(spec, tokenizer, device)
-    speculative = None if draft is None else SpeculativeConfig(config.num_speculative_tokens)
-    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft_model=draft, speculative=speculative)
+    mtp_layer = _mtp_layer(spec, net, device)
+    speculative = None if config.speculative is None else SpeculativeConfig(config.num_speculative_tokens)
+    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft_model=draft, speculative=speculative, mtp_layer=mtp_layer)
     return Engine(engine, engine, net, generation=generation)
+
+
+def _mtp_layer(spec: EngineSpec, net: CausalLM, device: torch.device) -> MTPLayer | None:
+    """The checkpoint's multi-token-prediction layer when EngineConfig.speculative_method is "mtp" (model/mtp_load.py:
+    with the target's op choice, as the target was prepared), in the same serving layout, or None."""
+    config = spec.engine
+    if config.speculative != "mtp":
+        return None
+    folder = None if isinstance(spec.model, torch.nn.Module) else resolve_model(spec.model)
+    if folder is None or not isinstance(net, K3ForCausalLM):
+        raise ValueError(f"speculative method 'mtp' reads the multi-token-prediction layer of the model's checkpoint folder; model={spec.model!r} is not one")
+    layer = load_mtp(folder, net)
+    apply_serving_layout(layer, ServingPlan(device, pack_cpu_weights=config.pack_cpu_weights is True))
+    log.info("speculative decoding: the checkpoint's MTP layer, %d tokens per step", config.num_speculative_tokens)
+    return layer
 
 
 def _draft_model(spec: EngineSpec, tokenizer: Tokenizer, device: torch.device) -> CausalLM | None:

@@ -44,7 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=_json_object,
         default=None,
         help='vLLM\'s speculative decoding flag, as JSON: {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} '
-        "(the same as --speculative-model PATH --num-speculative-tokens K; draft_model is the method openk3 has)",
+        '(the same as --speculative-model PATH --num-speculative-tokens K) or {"method": "mtp", "num_speculative_tokens": K} '
+        "(the served checkpoint's own multi-token-prediction layer; the same as --speculative-method mtp)",
     )
     p.add_argument(
         "--tokenizer",

@@ -121,30 +121,33 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
     return engine.with_packing_default(owns_model=True), parallel
 
 
-SPECULATIVE_KEYS = {"model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens"}
+SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens"}
+SPECULATIVE_METHODS = ("draft_model", "mtp")
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """--speculative-config (vLLM's JSON) as the EngineConfig fields it stands for. openk3 has one method, a separate
-    draft model (vLLM's `draft_model`); another method, an unknown key, or a key also given by its own flag is an error
-    naming it, not a setting quietly dropped."""
+    """--speculative-config (vLLM's JSON) as the EngineConfig fields it stands for: method "draft_model" (a separate
+    draft model, `model`) or "mtp" (the checkpoint's own multi-token-prediction layer; no `model`). Another method, an
+    unknown key, or a key also given by its own flag is an error naming it, not a setting quietly dropped."""
     config = getattr(args, "speculative_config", None)
     if config is None:
         return {}
     method = config.get("method", "draft_model")
-    if method != "draft_model":
-        raise ValueError(f"--speculative-config method={method!r} is not supported: openk3 has 'draft_model' (a separate draft model) only")
-    unknown = sorted(set(config) - set(SPECULATIVE_KEYS) - {"method"})
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config method={method!r} is not supported: openk3 has {', '.join(map(repr, SPECULATIVE_METHODS))}")
+    unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
     if unknown:
-        raise ValueError(f"--speculative-config key {unknown[0]!r} is not read; it reads: method, {', '.join(SPECULATIVE_KEYS)}")
-    if "model" not in config:
+        raise ValueError(f"--speculative-config key {unknown[0]!r} is not read; it reads: {', '.join(SPECULATIVE_KEYS)}")
+    if method == "draft_model" and "model" not in config:
         raise ValueError("--speculative-config needs 'model': the draft model (a preset or checkpoint folder)")
+    if method == "mtp" and "model" in config:
+        raise ValueError("--speculative-config method 'mtp' reads the served checkpoint's own MTP layer: leave out 'model'")
     out = {}
     for key, field_name in SPECULATIVE_KEYS.items():
-        if key in config:
-            if getattr(args, field_name) != _flag_default(field_name):
+        if key in config or key == "method":
+            if getattr(args, field_name, None) != _flag_default(field_name):
                 raise ValueError(f"--speculative-config {key} and --{field_name.replace('_', '-')} both given: give one")
-            out[field_name] = config[key]
+            out[field_name] = config.get(key, method)
     return out
 
 

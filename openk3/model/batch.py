@@ -6,7 +6,8 @@ NP pages in the pool, PS tokens per page, R = kv_lora_rank + qk_rope_head_dim (t
 
 Contract: the model reads the cache state of sequence i from `state_slots[i]` and pages `page_table[i]`, writes the
 state after the step back into the same slot and the new tokens' latents into the pages covering positions
-`[context_lens[i], context_lens[i] + new_tokens_i)`. It never allocates or frees slots and pages: the cache manager does,
+`[context_lens[i], context_lens[i] + new_tokens_i)`, and for each of `state_cuts` the KDA state (and conv window) a sequence
+has inside the step into that cut's slot (prefix-cache snapshots). It never allocates or frees slots and pages: the cache manager does,
 and it must have zeroed nothing in particular -- a sequence with `context_lens[i] == 0` starts from a zero state whatever the
 slot holds.
 """
@@ -16,10 +17,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from openk3.config import LayerKind, ModelConfig
+from openk3.config.cache_format import fp8_latent_width
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,15 @@ class HostFacts:
         first = state_slots[0] if state_slots else 0
         consecutive = bool(state_slots) and all(s == first + i for i, s in enumerate(state_slots))
         return HostFacts(any(c == 0 for c in context_lens), (first, first + len(state_slots)) if consecutive else None)
+
+
+class StateCut(NamedTuple):
+    """A state to copy out of a step: sequence `seq`'s KDA state after the first `offset` of its new tokens (0 < offset <
+    its tokens in the step), written to state slot `slot`."""
+
+    seq: int
+    offset: int
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,13 @@ class ForwardBatch:
     # (media placeholder tokens); both None, or both set with E rows each
     mm_embeds: torch.Tensor | None = None
     mm_rows: torch.Tensor | None = None
+    # KDA states wanted inside the step (prefix-cache snapshots, serve/scheduler.py): each KDA layer also writes the state
+    # (and conv window) a sequence has after `offset` of its new tokens into `slot`; none in a decode or capturable batch
+    state_cuts: tuple[StateCut, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.state_cuts and (self.is_decode or self.capturable or self.state_slots is None):
+            raise ValueError("ForwardBatch.state_cuts: only a prefill batch with a cache can take states inside its sequences")
 
     # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
     # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
@@ -96,6 +115,11 @@ class ForwardBatch:
         expected = torch.arange(first, first + n, device=self.state_slots.device, dtype=self.state_slots.dtype)
         return (first, first + n) if torch.equal(self.state_slots, expected) else None
 
+    @functools.cached_property
+    def host_cu_seqlens(self) -> list[int]:
+        """cu_seqlens read to the host once per batch (the KDA layers split sequences at `state_cuts` by it)."""
+        return [int(x) for x in self.cu_seqlens.tolist()]
+
     @staticmethod
     def from_tokens(input_ids: torch.Tensor) -> ForwardBatch:
         """A cache-free batch of equal-length sequences [B, L] (training and reference forwards)."""
@@ -132,6 +156,11 @@ class ForwardBatch:
         )
 
 
+def _latent_row(latent_dim: int, dtype: torch.dtype, fp8: bool) -> tuple[int, torch.dtype]:
+    """(width, dtype) of one token's row in an MLA page: R values of the cache dtype, or the FP8 packed bytes."""
+    return (fp8_latent_width(latent_dim), torch.uint8) if fp8 else (latent_dim, dtype)
+
+
 @dataclass
 class CacheTensors:
     """Preallocated pools. The model mutates their contents in place; their shapes never change."""
@@ -152,14 +181,18 @@ class CacheTensors:
         page_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fp8_latent: bool = False,
     ) -> CacheTensors:
+        """`fp8_latent`: the MLA pages hold each token's latent as packed e4m3 values and scales (ops/mla/fp8_latent.py),
+        uint8 rows; the conv windows keep `dtype` and the KDA states fp32 either way."""
         kda = config.kda
         n_kda = sum(1 for k in config.layer_kinds if k == LayerKind.KDA)
         n_mla = config.num_hidden_layers - n_kda
+        width, row_dtype = _latent_row(config.mla.latent_dim, dtype, fp8_latent)
         return CacheTensors(
             kda_state=[torch.zeros(num_slots, kda.num_heads, kda.head_dim, kda.head_dim, dtype=torch.float32, device=device) for _ in range(n_kda)],
             conv_state=[torch.zeros(num_slots, 3 * kda.proj_dim, kda.conv_kernel - 1, dtype=dtype, device=device) for _ in range(n_kda)],
-            mla_latent=[torch.zeros(num_pages, page_size, config.mla.latent_dim, dtype=dtype, device=device) for _ in range(n_mla)],
+            mla_latent=[torch.zeros(num_pages, page_size, width, dtype=row_dtype, device=device) for _ in range(n_mla)],
             page_size=page_size,
         )
 

@@ -11,7 +11,6 @@ slot (zeros when the sequence has no context yet) and writes the state after the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,11 +18,10 @@ from torch import nn
 
 from openk3.config import KDAGate, ModelConfig
 from openk3.model.batch import ForwardBatch
+from openk3.model.kda_cuts import KDAPrefill, check_cuts, conv_windows_at_cuts, prefill_with_cuts
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm, StackedWeights
 from openk3.ops.kda.decode_step import KDADecodeStep, KDALayerWeights, KDASlots, delta_rule_inputs, gated_output, gather_slots
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, OpUse, op, registry
-
-KDAPrefill = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # ops/kda/naive.py's kda_recurrent signature
 
 
 @dataclass(frozen=True)
@@ -124,9 +122,32 @@ class KimiDeltaAttention(nn.Module):
             init_state = gather_slots(cache.state_SHKV, batch.state_slots, batch.fresh_seqs)
         y, conv_state = self.conv_prefill(qkv_TC[None], weights.conv_weight_CW, init_conv, batch.cu_seqlens, activation="silu")
         q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, weights, self.num_heads)
-        o, new_state = self.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
+        if cache is not None and batch.state_cuts:
+            o, new_state = self._prefill_with_cuts((q[None], k[None], v[None], g[None], beta[None]), qkv_TC, init_state, init_conv, batch, cache)
+        else:
+            o, new_state = self.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
         if cache is not None:
             assert batch.state_slots is not None
             cache.conv_SCW.index_copy_(0, batch.state_slots, conv_state.to(cache.conv_SCW.dtype))
             cache.state_SHKV.index_copy_(0, batch.state_slots, new_state)
         return gated_output(o[0], gate_TP, self.o_norm)
+
+    def _prefill_with_cuts(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        qkv_TC: torch.Tensor,
+        init_state: torch.Tensor | None,
+        init_conv: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: KDALayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The delta rule piece by piece (model/kda_cuts.py), writing the state and conv window at each of the batch's
+        state_cuts into the cut's slot; (o, final states) as the op returns them."""
+        cu = batch.host_cu_seqlens
+        per_seq = check_cuts(batch.state_cuts, cu)
+        o, new_state, taken = prefill_with_cuts(self.kda_prefill, inputs, init_state, cu, per_seq)
+        windows = dict(zip(batch.state_cuts, conv_windows_at_cuts(qkv_TC, init_conv, cu, batch.state_cuts, self.conv_kernel - 1), strict=True))
+        for cut, state in taken:
+            cache.state_SHKV[cut.slot].copy_(state)
+            cache.conv_SCW[cut.slot].copy_(windows[cut])
+        return o, new_state

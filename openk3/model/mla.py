@@ -10,6 +10,8 @@ attention output before o_proj; Kimi Linear has no gate.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from openk3.config import ModelConfig
 from openk3.model.batch import ForwardBatch
 from openk3.model.layers import Linear, ProjectionGroup, RMSNorm
 from openk3.ops.mla import split_kv_b
+from openk3.ops.mla.fp8_latent import pack_fp8_latent, unpack_fp8_latent
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every reference, not rms_norm_eps
@@ -29,7 +32,19 @@ def write_latents(pool_PSR: torch.Tensor, page_table: torch.Tensor, batch: Forwa
     # a decode step has one token per sequence, in sequence order
     seq_of_token = seqs if batch.is_decode else torch.repeat_interleave(seqs, batch.seq_lens, output_size=latent_TR.shape[0])
     pages = page_table[seq_of_token, batch.positions // page_size]
-    pool_PSR[pages, batch.positions % page_size] = latent_TR.to(pool_PSR.dtype)
+    rows = pack_fp8_latent(latent_TR) if pool_PSR.dtype == torch.uint8 else latent_TR.to(pool_PSR.dtype)
+    pool_PSR[pages, batch.positions % page_size] = rows
+
+
+def readable_pages(pool: torch.Tensor, page_table: torch.Tensor, latent_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool, page table) the attention ops read. A plain pool as it is; an FP8 pool (uint8 packed rows,
+    ops/mla/fp8_latent.py) as the step's pages only, dequantised to `dtype` into a pool of their own, and the table
+    renumbered to it: the ops never see the packed format, and only the pages this step reads are expanded."""
+    if pool.dtype != torch.uint8:
+        return pool, page_table
+    b, p = page_table.shape
+    pages = unpack_fp8_latent(pool[page_table.reshape(-1)], latent_dim, dtype)
+    return pages, torch.arange(b * p, device=page_table.device).view(b, p)
 
 
 def read_latents(pool_PSR: torch.Tensor, pages_P: torch.Tensor, length: int) -> torch.Tensor:
@@ -37,6 +52,13 @@ def read_latents(pool_PSR: torch.Tensor, pages_P: torch.Tensor, length: int) -> 
     page_size = pool_PSR.shape[1]
     n_pages = (length + page_size - 1) // page_size
     return pool_PSR[pages_P[:n_pages]].reshape(n_pages * page_size, -1)[:length]
+
+
+class MLAInputs(NamedTuple):
+    q_nope: torch.Tensor  # [T, H, Dn]
+    q_pe: torch.Tensor  # [T, H, Dr]
+    latent_TR: torch.Tensor  # [T, R]: [c_kv (post-norm) | k_pe], what the pages store
+    gate_logits: torch.Tensor | None  # [T, H * Dv], None without the output gate
 
 
 class GatedMLA(nn.Module):
@@ -79,38 +101,55 @@ class GatedMLA(nn.Module):
         outs = self.in_proj(x_TD)
         return outs[0], outs[1], outs[2] if self.output_gate else None
 
-    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
-        t, h = x_TD.shape[0], self.num_heads
+    def project(self, x_TD: torch.Tensor) -> MLAInputs:
+        """Everything the attention needs from x: the split queries, the new latents and the gate logits."""
+        t = x_TD.shape[0]
         q_in, kv_a, gate_logits = self.input_projections(x_TD)
         q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
-        q_nope, q_pe = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = kv_a.split([self.lora, self.rope], dim=-1)
         latent_TR = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
-        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, h, self.nope, self.v_dim)
+        return MLAInputs(q_nope, q_pe, latent_TR, gate_logits)
 
+    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
+        inp = self.project(x_TD)
+        page_table = batch.page_table
         if latent_pool is not None:
-            assert batch.page_table is not None
-            write_latents(latent_pool, batch.page_table, batch, latent_TR)
+            assert page_table is not None
+            write_latents(latent_pool, page_table, batch, inp.latent_TR)
+            latent_pool, page_table = readable_pages(latent_pool, page_table, inp.latent_TR.shape[-1], inp.latent_TR.dtype)
         if batch.is_decode and latent_pool is not None:
-            assert batch.page_table is not None
-            out_THV = self.decode(q_nope, q_pe, latent_pool, batch.page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
+            assert page_table is not None
+            w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
+            out_THV = self.decode(inp.q_nope, inp.q_pe, latent_pool, page_table, batch.context_lens + 1, w_uk, w_uv, self.scale)
         else:
-            out_THV = self._prefill(q_nope, q_pe, latent_TR, batch, latent_pool, w_uk, w_uv)
+            out_THV = self.attend_prefill(inp, batch, latent_pool, page_table)
+        return self.output(out_THV, inp.gate_logits, x_TD.dtype)
 
+    def output(self, out_THV: torch.Tensor, gate_logits: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The K3 output gate on each head's attention output, then o_proj: [T, D]."""
+        t = out_THV.shape[0]
         if gate_logits is not None:
-            out_THV = out_THV * torch.sigmoid(gate_logits.float()).view(t, h, self.v_dim).to(out_THV.dtype)
-        return self.o_proj(out_THV.reshape(t, h * self.v_dim).to(x_TD.dtype))
+            out_THV = out_THV * torch.sigmoid(gate_logits.float()).view(t, self.num_heads, self.v_dim).to(out_THV.dtype)
+        return self.o_proj(out_THV.reshape(t, self.num_heads * self.v_dim).to(dtype))
 
-    def _prefill(self, q_nope, q_pe, latent_TR, batch: ForwardBatch, latent_pool, w_uk, w_uv) -> torch.Tensor:
-        """Per sequence: its queries against its whole context (cached latents read back from the pages, or this step's)."""
+    def attend_prefill(self, inp: MLAInputs, batch: ForwardBatch, latent_pool: torch.Tensor | None, page_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Per sequence: its queries against its whole context (cached latents read back from the pages, which must
+        already hold this step's, or this step's latents when there is no cache): [T, H, Dv]. `page_table`: the table
+        of a pool already made readable (`readable_pages`); None: the batch's, over `latent_pool` as stored."""
+        if latent_pool is not None and page_table is None:
+            assert batch.page_table is not None
+            latent_pool, page_table = readable_pages(latent_pool, batch.page_table, inp.latent_TR.shape[-1], inp.latent_TR.dtype)
+        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
+        q_nope, q_pe, latent_TR = inp.q_nope, inp.q_pe, inp.latent_TR
         outs = []
         cu = batch.cu_seqlens.tolist()
         ctx = batch.context_lens.tolist()
         for i in range(batch.num_seqs):
             lo, hi = cu[i], cu[i + 1]
             if latent_pool is not None:
-                assert batch.page_table is not None
-                lat = read_latents(latent_pool, batch.page_table[i], ctx[i] + hi - lo)
+                assert page_table is not None
+                lat = read_latents(latent_pool, page_table[i], ctx[i] + hi - lo)
             else:
                 lat = latent_TR[lo:hi]
             c, kpe = lat.split([self.lora, self.rope], dim=-1)

@@ -170,6 +170,30 @@ class K3Model(nn.Module):
         return [m for m in readers if m is not None]
 
 
+def select_block_ops(root: nn.Module, ops: OpChoice, target: OpTarget, previous_moe: str) -> None:
+    """Choose the implementations of every building block and decoder layer under `root` by name (K3ForCausalLM.select_ops,
+    and a draft layer of the same blocks: model/mtp.py). `previous_moe`: the MoE name the experts followed until now (a
+    name set on an expert backend itself is kept)."""
+    for module in root.modules():
+        if isinstance(module, Linear):
+            module.select(target, ops.linear)
+        elif isinstance(module, RMSNorm):
+            module.select(target, ops.norm)
+        elif isinstance(module, Router):
+            module.select(target, ops.route)
+        elif isinstance(module, DecoderLayer):
+            attn = module.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
+            elif isinstance(attn, GatedMLA):
+                attn.select(ops.mla, target, ops.mla_decode)
+            backend = module.block_sparse_moe.backend if module.is_moe else None
+            if isinstance(backend, LocalExperts):
+                module.block_sparse_moe.backend = LocalExperts(ops.moe if backend.impl == previous_moe else backend.impl, target)
+            elif isinstance(backend, SelectsExpertOps):
+                backend.select(ops.moe, target)
+
+
 class K3ForCausalLM(nn.Module):
     """The text model, and with `vision` the release's MoonViT tower (`vision_tower.*`) and projector (`mm_projector.*`)
     beside it: encode_images gives the embeddings that a ForwardBatch's `mm_embeds` puts at the media placeholders."""
@@ -199,10 +223,19 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor:
         """Logits [M, V] for the rows in `batch.logits_indices` (all T rows when None)."""
-        h = self.model(batch, cache)
+        h = self.hidden_states(batch, cache)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        return self.lm_head(h)
+        return self.compute_logits(h)
+
+    def hidden_states(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor:
+        """The last hidden state [T, D] of every row (after the final norm): what the head reads, and what a draft layer
+        that reads the target's hidden states takes (model/mtp.py)."""
+        return self.model(batch, cache)
+
+    def compute_logits(self, h_MD: torch.Tensor) -> torch.Tensor:
+        """Logits [M, V] of hidden rows from hidden_states."""
+        return self.lm_head(h_MD)
 
     def forward_tokens(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
         """Cache-free forward of equal-length sequences: logits [B, L, V] (reference checks; training selects the
@@ -215,28 +248,10 @@ class K3ForCausalLM(nn.Module):
         whether it trains); the parameters are untouched. Training calls it with OpTarget(training=True), the serving
         runner with the device it serves on."""
         previous, self.ops = self.ops, ops or self.ops
-        ops = self.ops
-        for module in self.modules():  # the building blocks
-            if isinstance(module, Linear):
-                module.select(target, ops.linear)
-            elif isinstance(module, RMSNorm):
-                module.select(target, ops.norm)
-            elif isinstance(module, Router):
-                module.select(target, ops.route)
-        self.model.select_depth_stream(ops.attn_res, target)
+        select_block_ops(self, self.ops, target, previous.moe)
+        self.model.select_depth_stream(self.ops.attn_res, target)
         if self.vision is not None:
-            self.vision_tower.select(ops.vision_attn, target)
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            if isinstance(attn, KimiDeltaAttention):
-                attn.select(ops.kda, ops.conv, target, ops.kda_chunk_size)
-            elif isinstance(attn, GatedMLA):
-                attn.select(ops.mla, target, ops.mla_decode)
-            backend = layer.block_sparse_moe.backend if layer.is_moe else None
-            if isinstance(backend, LocalExperts):  # a name set on the backend itself is kept; the model's own follows ops
-                layer.block_sparse_moe.backend = LocalExperts(ops.moe if backend.impl == previous.moe else backend.impl, target)
-            elif isinstance(backend, SelectsExpertOps):
-                backend.select(ops.moe, target)
+            self.vision_tower.select(self.ops.vision_attn, target)
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Attach expert parallelism (or any other expert execution) from outside: the MoE layers' only seam."""

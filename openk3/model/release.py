@@ -5,7 +5,8 @@
 - The multimodal checkpoint prefixes the text model `language_model.` (weights.canonical_name strips it) and ships a vision
   tower (`vision_tower.*`) and projector (`mm_projector.*`): loaded into the model's own (model/vision.py), not skipped.
 - Multi-token-prediction (MTP) layers (`mtp.*`, or decoder layers past num_hidden_layers as DeepSeek-V3-style checkpoints
-  number them): skipped until the speculative-decoding issue.
+  number them): not part of the text model; read only for speculative decoding with method "mtp" (model/mtp_load.py),
+  skipped otherwise.
 Skipped tensors are never read, and each kind gets one log line saying how many and why.
 """
 
@@ -25,8 +26,8 @@ log = logging.getLogger("openk3.model")
 
 
 def release_extras(names: Sequence[str], config: ModelConfig, declared_mtp: int = 0) -> dict[str, str]:
-    """The checkpoint's tensors that are not part of this model, each with its kind: "mtp" (multi-token prediction, until
-    the speculative-decoding issue: `mtp.*` / `model.mtp.*`, or a decoder layer past num_hidden_layers that config.json
+    """The checkpoint's tensors that are not part of this model, each with its kind: "mtp" (multi-token prediction, read
+    by model/mtp_load.py when speculative decoding uses it: `mtp.*` / `model.mtp.*`, or a decoder layer past num_hidden_layers that config.json
     declares as MTP or that holds MTP's own tensors). Every other name is left to load_state_dict_into, which refuses the
     ones it does not know."""
     n = config.num_hidden_layers
@@ -45,7 +46,7 @@ def log_extras(extras: Mapping[str, str], config: ModelConfig) -> None:
     layers = sorted({int(m.group(1)) for n in mtp if (m := LAYER_RE.match(n.removeprefix("language_model.")))})
     where = f" (layers {', '.join(map(str, layers))}, past num_hidden_layers={config.num_hidden_layers})" if layers else ""
     if mtp:
-        log.info("skipping %d multi-token-prediction tensors%s: openk3 has no speculative decoding yet", len(mtp), where)
+        log.info("skipping %d multi-token-prediction tensors%s: read only for speculative decoding with method 'mtp'", len(mtp), where)
 
 
 def fit_a_log(raw_name: str, tensor: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, str | None]:

@@ -297,6 +297,7 @@ def load_model(
     ops: OpChoice | None = None,
     experts: ExpertIds | None = None,
     layout: Callable[[K3ForCausalLM], TensorSlices] | None = None,
+    mtp: bool = False,
 ) -> K3ForCausalLM:
     """Build the model described by `path/config.json` and load its safetensors weights (the public entry point).
 
@@ -304,7 +305,8 @@ def load_model(
     are allocated with just these experts and the rest are never read. Such a model is only correct with an expert
     backend that knows the ids (openk3.parallel.serving.rank_model).
     `layout` (tensor parallelism): called on the model while it is still on the meta device, it cuts the model to one
-    rank's part and returns what it split (openk3.parallel.tp.shard); only those blocks are read."""
+    rank's part and returns what it split (openk3.parallel.tp.shard); only those blocks are read.
+    `mtp`: the caller reads the multi-token-prediction layer itself (model/mtp_load.py), so it is not logged as skipped."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json")
@@ -312,7 +314,8 @@ def load_model(
     vision = vision_config_from_hf(path)
     all_names = checkpoint_names(path)
     extras = release_extras(all_names, config, mtp_layer_count(path))
-    log_extras(extras, config)
+    if not mtp:
+        log_extras(extras, config)
     names = [n for n in all_names if n not in extras]
     ops = dataclasses.replace(ops or OpChoice(), packed_experts=has_packed_experts(names))
     with torch.device("meta"):

@@ -108,9 +108,15 @@ class ParallelConfig:
         if self.world_size > 1 and engine.pack_cpu_weights:
             # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights
             raise ValueError(f"pack_cpu_weights=True (--cpu-weight-packing) with {ranks}: oneDNN's packed weights apply to a single-process engine only")
-        if self.world_size > 1 and engine.speculative_model is not None:
-            # the draft model and its cache live beside a single-process engine (serve/draft.py); ranks have no draft side
-            raise ValueError(f"speculative_model with {ranks}: speculative decoding runs in a single-process engine only (docs/serving.md)")
+        if self.world_size > 1 and engine.speculative is not None:
+            # the draft and its cache live beside a single-process engine (serve/draft.py, mtp_draft.py); ranks have no draft side
+            method = engine.speculative
+            raise ValueError(f"speculative_method={method!r} with {ranks}: speculative decoding runs in a single-process engine only (docs/serving.md)")
+        if self.world_size > 1 and engine.fp8_latent:
+            # the worker ranks allocate their pools from the step channel's description (step_channel.py), which has no format
+            raise ValueError(
+                f"kv_cache_dtype={engine.kv_cache_dtype!r} with {ranks}: the FP8 latent cache runs in a single-process engine only (docs/serving.md)"
+            )
         if self.world_size > 1 and engine.cuda_graphs:
             # a multi-rank step is the driver's broadcast plus collectives whose split sizes are read on the host
             raise ValueError(f"cuda_graphs=True with {ranks}: decode graphs capture a single-process step only (docs/gpu.md)")

@@ -81,8 +81,12 @@ def experts_per_rank(config: ModelConfig, layout: Layout) -> int:
 @functools.lru_cache(maxsize=64)
 def cache_spec(config: ModelConfig, quant: Quantisation) -> CacheSpec:
     """The engine's spec, with the KDA state in `quant.state_dtype_bytes`; for a GQA model the per-token page entry is
-    K and V of every KV head (the engine's spec names it MLA: one entry per full-attention layer per token)."""
-    spec = CacheSpec.from_config(config, page_size=PAGE_SIZE, cache_dtype_bytes=quant.cache_dtype_bytes)
+    K and V of every KV head (the engine's spec names it MLA: one entry per full-attention layer per token). An fp8 cache
+    of an MLA model is the engine's FP8 latent cache: e4m3 values with their scales (config/cache_format.py), the conv
+    windows kept in bf16."""
+    fp8_latent = quant.cache_dtype_bytes == 1 and gqa_of(config) is None
+    dtype_bytes = 2 if fp8_latent else quant.cache_dtype_bytes
+    spec = CacheSpec.from_config(config, page_size=PAGE_SIZE, cache_dtype_bytes=dtype_bytes, fp8_latent=fp8_latent)
     kda = replace(spec.kda, state_dtype_bytes=quant.state_dtype_bytes)
     if gqa_of(config) is None:
         return replace(spec, kda=kda)

@@ -24,7 +24,8 @@ chunk, so a 1M-token prompt's attention and trunk work sits on that group alone.
   outputs with the incoming state; that is `SCAN_WORK` x the rank's KDA work, divided by cp.
 
 The base layout must fit as it is; PP and CP only lower what a rank holds (1 / pp of the trunk, 1 / cp of a prompt's
-cache while it is prefilled), which the planner does not credit. openk3's own runtime runs neither (`runtime.py`).
+cache while it is prefilled), which the planner does not credit. openk3's engine runs neither (`runtime.py`); its model-level
+CP prefill (openk3/parallel/cp) is what `cp_bytes` is checked against (benchmarks/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
+from openk3.config import ModelConfig
 from openk3.planner.attention import attention_shape
+from openk3.planner.inputs import Quantisation
 from openk3.planner.memory import attn_res_slots, cache_spec
 from openk3.planner.perf import Metrics, Scenario, prefill_step
 
@@ -91,6 +94,26 @@ def hop_bytes(sc: Scenario, tokens: float) -> float:
     return tokens * sc.config.hidden_size * 2 * (1 + attn_res_slots(sc.config))
 
 
+@dataclass(frozen=True)
+class CPBytes:
+    """What one CP rank receives while one prompt is prefilled, per layer, as long_prefill prices it (one TP rank's
+    share); benchmarks/context_parallel.py checks these against the bytes openk3's CP prefill logs."""
+
+    mla_per_layer: float  # the other ranks' latents of one MLA layer: (cp - 1) / cp of the prompt
+    kda_hop: float  # one KDA layer's recurrent state and conv windows, handed on once
+    kda_hops_per_layer: int  # hand-offs per KDA layer over the whole group: cp - 1 (sequential), ceil(log2 cp) (scan)
+    gather: float  # the other ranks' shards of the prompt's whole cache, gathered into the decoding group
+
+
+def cp_bytes(config: ModelConfig, quant: Quantisation, tp: int, prompt: float, cp: int, kda: KDASplit = KDASplit.SEQUENTIAL) -> CPBytes:
+    spec = cache_spec(config, quant)
+    n_kda = spec.kda.num_layers if config.kda_layers else 0
+    per_token = spec.mla.bytes_per_token_per_layer / attention_shape(config).kv_split(tp)
+    hops = 0 if cp == 1 or n_kda == 0 else (cp - 1 if kda == KDASplit.SEQUENTIAL else math.ceil(math.log2(cp)))
+    mla = (cp - 1) / cp * prompt * per_token
+    return CPBytes(mla, spec.kda.bytes_per_sequence / max(n_kda, 1) / tp, hops, mla * spec.mla.num_layers)
+
+
 def long_prefill(sc: Scenario, pp: int = 1, cp: int = 1, kda: KDASplit = KDASplit.SEQUENTIAL) -> LongPrefill:
     problem = layout_problem(sc, pp, cp)
     if problem:
@@ -109,13 +132,10 @@ def long_prefill(sc: Scenario, pp: int = 1, cp: int = 1, kda: KDASplit = KDASpli
     kda_t = by["kda"].time_s if "kda" in by else 0.0
     spec = cache_spec(config, sc.quant)
     n_kda = spec.kda.num_layers if config.kda_layers else 0
-    state_hop = HOP_FLOOR_S + spec.kda.bytes_per_sequence / max(n_kda, 1) / layout.tp / _link_bw(sc, cp * layout.tp <= sc.system.scale_up_domain)
-    if cp == 1 or n_kda == 0:
-        factor, hops = 1.0, 0
-    elif kda == KDASplit.SEQUENTIAL:
-        factor, hops = float(cp), n_kda * (cp - 1)
-    else:
-        factor, hops = SCAN_WORK, n_kda * math.ceil(math.log2(cp))
+    sent = cp_bytes(config, sc.quant, layout.tp, prompt, cp, kda)
+    state_hop = HOP_FLOOR_S + sent.kda_hop / _link_bw(sc, cp * layout.tp <= sc.system.scale_up_domain)
+    hops = n_kda * sent.kda_hops_per_layer
+    factor = 1.0 if hops == 0 else (float(cp) if kda == KDASplit.SEQUENTIAL else SCAN_WORK)
     chunk_s = step.total_s + (factor - 1) * kda_t
     kda_extra = chunks_rank * (factor - 1) * kda_t + hops * state_hop
     inside = layout.num_accelerators <= sc.system.scale_up_domain
@@ -123,8 +143,7 @@ def long_prefill(sc: Scenario, pp: int = 1, cp: int = 1, kda: KDASplit = KDASpli
     stage = chunk_s / pp
     pipeline = (chunks_rank + pp - 1) * (stage + hop)
     cp_inside = cp * layout.tp <= sc.system.scale_up_domain
-    per_token = spec.mla.bytes_per_token / attention_shape(config).kv_split(layout.tp)  # what one TP rank holds of a token
-    ring = (cp - 1) / cp * prompt * per_token / _link_bw(sc, cp_inside) if cp > 1 else 0.0
+    ring = sent.gather / _link_bw(sc, cp_inside)  # every MLA layer's share of the other ranks' latents
     attention = chunks_rank * sum(c.time_s for c in step.components if c.name in ("mla_attention", "attention"))
     ring_exposed = max(0.0, ring - attention)
     gather = ring if cp > 1 else 0.0  # the other ranks' shards, (cp - 1) / cp of the prompt, into one group

@@ -19,7 +19,8 @@ only. An accelerator whose row names no vendor is matched to no engine. Whether 
 (MoonshotAI/MoonEP) that none of the three documents as integrated, so a MoonEP layout names no engine but openk3.
 Pipeline parallelism for prefill is documented by all three (`--pp-size`, `--pipeline-parallel-size`, `pp_size`);
 context parallelism over a KDA recurrence (state handed between ranks, or a chunk-parallel scan) is documented by none
-of them, so a CP plan names no engine. openk3 runs neither PP nor CP.
+of them, so a CP plan names no engine. openk3 runs no PP; its CP prefill (openk3/parallel/cp: latents all-gathered, the
+KDA state handed rank to rank in order) runs one prompt over gloo/NCCL ranks at the model level, not yet in its engine.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def support(layout: Layout, comm_overlap: float, quant: Quantisation, vendor: Ve
     if pp > 1:
         missing.append(f"PP{pp} (openk3 has no pipeline parallelism)")
     if cp > 1:
-        missing.append(f"CP{cp} (openk3 has no context parallelism: no ring attention, no KDA state hand-off between ranks)")
+        missing.append(f"CP{cp} (openk3 has no context parallelism in its engine: only a model-level CP prefill, no --cp serving)")
     n = layout.num_accelerators
     if n > 1:
         if layout.ep_size != n:

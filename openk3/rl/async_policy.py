@@ -45,7 +45,7 @@ class AsyncEnginePolicy:
                     logprobs = tuple(lp.logprob for lp in sample.logprobs or ())
                     if len(logprobs) != len(sample.token_ids):
                         raise AssertionError(f"engine returned {len(logprobs)} logprobs for {len(sample.token_ids)} tokens")
-                    return Reply(sample.token_ids, logprobs, sample.routing, stream.weight_version)
+                    return Reply(sample.token_ids, logprobs, sample.routing, stream.weight_version, out.num_cached_tokens)
         finally:
             await stream.aclose()
         raise RuntimeError(f"request {request_id}: the stream ended without a final output")

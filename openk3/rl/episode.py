@@ -37,6 +37,7 @@ class Branch:
     turns: list[Turn] = field(default_factory=list)
     routing: list[tuple[int, RoutingTrace]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # each reply's text
+    cached: list[int] = field(default_factory=list)  # each reply's prompt tokens the engine took from its prefix cache
     done: bool = False
 
     def add(self, ids: tuple[int, ...], logprobs: tuple[float, ...] | None) -> None:
@@ -50,7 +51,7 @@ class TaskSandboxes:
     """What a group made in the sandbox service, so that all of it is removed again (`remove`)."""
 
     base: str | None = None
-    snapshot_id: str | None = None
+    snapshots: list[str] = field(default_factory=list)
     forks: list[str] = field(default_factory=list)
 
     def open(self, task: Task, sandboxes: Sandboxes, n: int, timeout_s: float) -> list[str]:
@@ -60,15 +61,21 @@ class TaskSandboxes:
             result = sandboxes.exec(self.base, task.setup, timeout_s=timeout_s)
             if result.exit_code != 0 or result.timed_out:
                 raise RuntimeError(f"task {task.task_id}: setup exited {result.exit_code}: {result.stderr.decode(errors='replace')[-500:]}")
-        self.snapshot_id = sandboxes.snapshot(self.base).snapshot_id
-        self.forks = sandboxes.fork(self.snapshot_id, n)
-        return self.forks
+        return self.fork(sandboxes, self.base, n)
+
+    def fork(self, sandboxes: Sandboxes, source_id: str, n: int) -> list[str]:
+        """`n` sandboxes forked from a snapshot of `source_id` as it is now (their ids)."""
+        snapshot_id = sandboxes.snapshot(source_id).snapshot_id
+        self.snapshots.append(snapshot_id)
+        forks = sandboxes.fork(snapshot_id, n)
+        self.forks.extend(forks)
+        return forks
 
     def remove(self, sandboxes: Sandboxes) -> None:
         for sid in [*self.forks, *([self.base] if self.base is not None else [])]:
             sandboxes.destroy(sid)
-        if self.snapshot_id is not None:
-            sandboxes.delete_snapshot(self.snapshot_id)
+        for snapshot_id in self.snapshots:
+            sandboxes.delete_snapshot(snapshot_id)
 
 
 def branches_of(task: Task, tokenizer: Tokenizer, forks: list[str]) -> list[Branch]:
@@ -90,7 +97,7 @@ def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turn
                 break
             replies = policy.reply([Context(b.index, b.token_ids) for b in live], turn)
             for b, reply in zip(live, replies, strict=True):
-                _take_turn(b, reply, policy, sandboxes, tool_timeout_s, last=turn == max_turns - 1)
+                take_turn(b, reply, policy, sandboxes, tool_timeout_s, last=turn == max_turns - 1)
         if policy.weight_version != version:
             raise RuntimeError("the policy's weights changed during a group's episodes")
         return [finish(task, b, sandboxes, version) for b in branches]
@@ -98,7 +105,7 @@ def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turn
         made.remove(sandboxes)
 
 
-def _take_turn(b: Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, timeout_s: float, last: bool) -> None:
+def take_turn(b: Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, timeout_s: float, last: bool) -> None:
     call = take_reply(b, reply, policy.tokenizer)
     if call is not None:
         result = run_call(sandboxes, b.sandbox_id, call.command, timeout_s) if call.command is not None else MALFORMED_RESULT
@@ -113,9 +120,10 @@ def take_reply(b: Branch, reply: Reply, tokenizer: Tokenizer) -> ToolCall | None
         b.routing.append((start, reply.routing))
     text = tokenizer.decode(list(reply.token_ids))
     b.texts.append(text)
+    b.cached.append(reply.cached_tokens)
     call = parse_call(text)
     if call is None:
-        b.turns.append(Turn(text, None, None))
+        b.turns.append(Turn(text, None, None, cached_tokens=reply.cached_tokens))
         b.done = True
     return call
 
@@ -124,13 +132,14 @@ def take_observation(b: Branch, call: ToolCall, result: tuple[ToolStatus, int | 
     """Record the call's result (status, exit code, body) and append its observation unless this was the last turn."""
     status, code, body = result
     observation = observation_text(body)
-    b.turns.append(Turn(b.texts[-1], call.command, status, code, observation))
+    b.turns.append(Turn(b.texts[-1], call.command, status, code, observation, b.cached[-1]))
     if not last:  # the last turn's observation would be read by no one: the trajectory ends at the reply
         b.add(tuple(tokenizer.encode(observation)), None)
     b.done = last
 
 
-def finish(task: Task, b: Branch, sandboxes: Sandboxes, version: int) -> Trajectory:
+def finish(task: Task, b: Branch, sandboxes: Sandboxes, version: int, shared_prefix: int = 0) -> Trajectory:
     routing = stitch_routing(b.routing) if b.routing else None
     reward = task.verify(sandboxes, b.sandbox_id)
-    return Trajectory(task.task_id, b.index, tuple(b.token_ids), tuple(b.loss_mask), tuple(b.logprobs), tuple(b.turns), reward, version, routing)
+    ids, mask, logprobs = tuple(b.token_ids), tuple(b.loss_mask), tuple(b.logprobs)
+    return Trajectory(task.task_id, b.index, ids, mask, logprobs, tuple(b.turns), reward, version, routing, shared_prefix)

@@ -25,6 +25,7 @@ class Reply:
     logprobs: tuple[float, ...]  # the sampling logprob of each token
     routing: RoutingTrace | None = None  # the call's routing: the whole context but the reply's last token
     weight_version: int | None = None  # the engine's weights it was sampled with, where the policy knows (AsyncEnginePolicy)
+    cached_tokens: int = 0  # of the context, the tokens the engine took from its prefix cache instead of computing them
 
 
 class Policy(Protocol):
@@ -58,7 +59,7 @@ class LLMPolicy:
             logprobs = tuple(lp.logprob for lp in sample.logprobs or ())
             if len(logprobs) != len(sample.token_ids):
                 raise AssertionError(f"engine returned {len(logprobs)} logprobs for {len(sample.token_ids)} tokens")
-            replies.append(Reply(sample.token_ids, logprobs, sample.routing))
+            replies.append(Reply(sample.token_ids, logprobs, sample.routing, self.llm.engine.weight_version, out.num_cached_tokens))
         return replies
 
 

@@ -29,6 +29,7 @@ class Turn:
     status: ToolStatus | None  # None: no tool was called (the episode's last turn)
     exit_code: int | None = None
     observation: str = ""  # the text fed back to the policy
+    cached_tokens: int = 0  # of the reply's context, the tokens the engine took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Trajectory:
     reward: float
     weight_version: int  # the engine's weight version every reply was sampled with
     routing: RoutingTrace | None = None  # positions 0 .. end of the last reply - 2 (stitch_routing)
+    # tokens 0 .. shared_prefix - 1 are the trunk this branch forked from (rl/branching.py), the same in every sibling:
+    # a trainer that counts them once masks them in all branches but one
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -44,10 +44,19 @@ class EngineConfig:
     num_pages: int | None = setting(None, "MLA cache pages (default: as many as fit in the cache memory)", low=1)
     cache_memory_bytes: int = setting(256 * 2**20, "memory for MLA pages and KDA state slots", low=1, unit="MiB", flag="--cache-memory-mb")
     cache_dtype: torch.dtype | None = field(default=None)  # None: the model's parameter dtype
+    kv_cache_dtype: str = setting(
+        "auto",
+        "MLA latent cache: auto (the cache dtype) or fp8 / fp8_e4m3 (e4m3 values with a scale per 64 channels, about half the bytes "
+        "of bf16; the KDA state stays fp32 and the conv windows keep the cache dtype)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     # prefix caching and its tiers (docs/serving.md)
     enable_prefix_caching: bool = setting(False, "reuse cached prefixes (MLA pages + KDA state snapshots)")
     prefix_match_unit: int = setting(64, "tokens; prefill chunks are cut and states snapshotted at its multiples", low=1)
     prefix_snapshot_interval: int | None = setting(None, "also snapshot every this many prompt tokens (dense, costs slots)", low=1)
+    prefix_prompt_snapshots: int = setting(
+        4, "states also taken inside a prompt's prefill at the deepest this many match-unit multiples (a repeat hits on its second send)", low=0
+    )
     num_snapshot_slots: int | None = setting(None, "state slots kept for prefix snapshots (default: a quarter of the cache memory)", low=0)
     cpu_offload_bytes: int = setting(0, "host-DRAM tier for evicted prefixes (0: none)", low=0, unit="GiB", flag="--cpu-offload-gb")
     disk_offload_dir: str | None = setting(None, "directory of the disk tier (a private subfolder is made and removed)")
@@ -62,11 +71,18 @@ class EngineConfig:
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
-    # speculative decoding with a separate draft model that shares the target's tokenizer (serve/speculative.py, draft.py)
+    # speculative decoding (serve/speculative.py): a separate draft model that shares the target's tokenizer (draft.py), or
+    # the checkpoint's own multi-token-prediction layer (mtp_draft.py)
+    speculative_method: str | None = setting(
+        None,
+        "speculative decoding: draft_model (a separate draft model, speculative_model) or mtp (the checkpoint's multi-token-prediction layer); "
+        "default draft_model when speculative_model is set, else none",
+        choices=("draft_model", "mtp"),
+    )
     speculative_model: str | None = setting(
         None, "draft model for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (vLLM's method draft_model)"
     )
-    num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with speculative_model)", low=1, high=16)
+    num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with a speculative method)", low=1, high=16)
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
     # implementations of the model's ops by name, set on its OpChoice before "auto" is resolved (serve/op_names.py); held
     # as the canonical "field=impl,..." (a dict is accepted too)
@@ -97,10 +113,26 @@ class EngineConfig:
             )
         if self.pack_cpu_weights and not self._cpu_fp32:
             raise ValueError(f"EngineConfig.pack_cpu_weights=True: oneDNN's packed weights are for CPU fp32 inference, not {self.device} {self.dtype}")
+        if self.speculative_method == "mtp" and self.speculative_model is not None:
+            raise ValueError(
+                f"EngineConfig.speculative_model={self.speculative_model!r} with speculative_method='mtp': the MTP layer is read from the target's "
+                "own checkpoint; leave speculative_model unset"
+            )
+        if self.speculative_method == "draft_model" and self.speculative_model is None:
+            raise ValueError("EngineConfig.speculative_method='draft_model' needs speculative_model: the draft model (a preset or checkpoint folder)")
+
+    @property
+    def speculative(self) -> str | None:
+        """The speculative method in effect: speculative_method, or draft_model when only speculative_model is set."""
+        return self.speculative_method or ("draft_model" if self.speculative_model is not None else None)
 
     @property
     def _cpu_fp32(self) -> bool:
         return str(self.device).split(":")[0] == "cpu" and self.dtype == "float32"
+
+    @property
+    def fp8_latent(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def with_packing_default(self, owns_model: bool) -> EngineConfig:
         """pack_cpu_weights resolved when unset: on for a model the entry point owns (nothing else writes to it), where it

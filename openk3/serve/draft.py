@@ -17,7 +17,7 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.request import Request
 from openk3.serve.runner import CausalLM
-from openk3.serve.speculative import target_probs
+from openk3.serve.speculative import draw_draft
 
 
 class DraftProposer:
@@ -38,10 +38,7 @@ class DraftProposer:
             del self._computed[rid]
 
     def _draw(self, logits_V: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        if req.sampling_params.greedy:
-            return int(logits_V.argmax()), None
-        q = target_probs(logits_V[None], req.sampling_params)[0]
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return draw_draft(logits_V, req.sampling_params, self.generator)
 
     def propose(self, reqs: list[tuple[Request, int]]) -> None:
         """Set `draft_token_ids` (and `draft_probs`) of each (request, k) pair: k draft tokens after its tokens. A request

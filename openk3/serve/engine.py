@@ -21,6 +21,7 @@ import torch
 from openk3.config import ModelConfig
 from openk3.config.vision import VisionConfig
 from openk3.model.model import K3ForCausalLM
+from openk3.model.mtp import MTPLayer
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
@@ -31,6 +32,7 @@ from openk3.serve.draft import DraftProposer
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.media_prompt import ImageSpan
+from openk3.serve.mtp_draft import MTPProposer
 from openk3.serve.policy import check_priority
 from openk3.serve.prompt_check import check_prompt
 from openk3.serve.prompt_logprobs import PromptScores
@@ -60,6 +62,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
+    spec_decode: SpecDecodeStats | None = None  # running totals of speculative decoding; None without a draft model
 
 
 class EngineCore(Protocol):
@@ -144,9 +147,11 @@ class LLMEngine:
         checkpoint_eos: Sequence[int] = (),
         draft_model: CausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
+        mtp_layer: MTPLayer | None = None,
     ) -> None:
         """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
-        tokenizer), `speculative` drafts per step."""
+        tokenizer); `mtp_layer`: with the checkpoint's multi-token-prediction layer as the draft (serve/mtp_draft.py; it
+        reads the target's hidden states); `speculative` drafts per step."""
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -155,23 +160,32 @@ class LLMEngine:
         self.device = p.device if p is not None else torch.device("cpu")
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
-        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype).kda.bytes_per_sequence)
+        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype
+            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots, cache_dtype, cfg.fp8_latent
         )
         prefix = None
         if cfg.enable_prefix_caching:
             prefix = PrefixCacheConfig(
                 match_unit=cfg.prefix_match_unit,
                 snapshot_interval=cfg.prefix_snapshot_interval,
+                prompt_snapshots=cfg.prefix_prompt_snapshots,
                 num_snapshot_slots=snapshot_slots,
-                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype),
+                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype, cfg.fp8_latent),
                 host_bytes=cfg.cpu_offload_bytes,
                 disk_dir=cfg.disk_offload_dir,
                 disk_bytes=cfg.disk_offload_bytes,
             )
         self.cache = CacheManager(
-            self.model_config, num_pages, cfg.page_size, cfg.max_num_seqs, dtype=cache_dtype, device=self.device, prefix=prefix, scratch=cfg.cuda_graphs
+            self.model_config,
+            num_pages,
+            cfg.page_size,
+            cfg.max_num_seqs,
+            dtype=cache_dtype,
+            device=self.device,
+            prefix=prefix,
+            scratch=cfg.cuda_graphs,
+            fp8_latent=cfg.fp8_latent,
         )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
@@ -192,10 +206,16 @@ class LLMEngine:
             self.scheduler.encoder_cost = self.encoder_cache.cost
         self._cache_dtype = cache_dtype
         self.weight_version = 0  # weights_changed() counts the in-place updates (parallel/weight_update.py)
-        self.proposer: DraftProposer | None = None
+        self.proposer: DraftProposer | MTPProposer | None = None
+        if draft_model is not None and mtp_layer is not None:
+            raise ValueError("a draft model and an MTP layer were both given: speculative decoding takes one draft")
+        if (draft_model is not None or mtp_layer is not None) and cfg.cuda_graphs:
+            raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
+        if mtp_layer is not None:
+            k = (speculative or SpeculativeConfig()).num_speculative_tokens
+            self.proposer = MTPProposer(mtp_layer, k, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
+            self.runner.keep_hidden = True
         if draft_model is not None:
-            if cfg.cuda_graphs:
-                raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
             if draft_model.config.vocab_size != self.model_config.vocab_size:
                 v, t = draft_model.config.vocab_size, self.model_config.vocab_size
                 raise ValueError(f"draft model vocab_size={v} differs from the target's {t}: a draft must share the tokenizer")
@@ -257,7 +277,7 @@ class LLMEngine:
             raise RuntimeError("weights changed while requests are running: update the weights between rollouts, with the engine idle")
         if self.cache.prefix is not None:
             model = self.model if isinstance(self.model, torch.nn.Module) else None
-            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype))
+            self.cache.prefix.rekey(model_salt(self.model_config, model, self._cache_dtype, self.config.fp8_latent))
         self.weight_version += 1
         return self.weight_version
 
@@ -272,6 +292,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(request_id, status)
+        if self.proposer is not None:
+            self.proposer.release({r.request_id for r in self.scheduler.running})
         self._texts.pop(request_id, None)
         self._prompt_scores.drop(request_id)
         self._routing.pop(request_id, None)
@@ -303,6 +325,8 @@ class LLMEngine:
             self.runner.graphs.check_integrity()
         if self.encoder_cache is not None:
             self.encoder_cache.check_integrity()
+        if isinstance(self.proposer, MTPProposer):
+            self.proposer.check_integrity({r.request_id for r in self.scheduler.running})
         if not self.has_unfinished():
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:
@@ -335,9 +359,10 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache=prefix_cache_stats(self.cache),
+            spec_decode=self.spec_stats,
         )
 
-    def _propose(self, proposer: DraftProposer) -> None:
+    def _propose(self, proposer: DraftProposer | MTPProposer) -> None:
         """Drafts for every running request in decode that can speculate, as many as its length limits leave room for."""
         proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
         wanted = []
@@ -355,7 +380,7 @@ class LLMEngine:
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
-        """Speculative decoding's acceptance counters (None without a draft model)."""
+        """Speculative decoding's acceptance counters (None without a draft)."""
         return None if self.proposer is None else self.runner.spec_stats
 
     def _stops(self, req: Request, new_tokens: list[int]) -> tuple[RequestStatus | None, list[int], NewText]:
@@ -430,6 +455,8 @@ class LLMEngine:
                     routing,
                 )
             )
+        if isinstance(self.proposer, MTPProposer):
+            self.proposer.observe(result.hidden, self.scheduler.running)
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs

@@ -47,8 +47,10 @@ def build_model(
     seed: int,
     byte_tokenizer: bool = False,
     tokenizer: Tokenizer | None = None,
+    mtp: bool = False,
 ) -> tuple[CausalLM, Tokenizer]:
-    """The model and its tokenizer; `tokenizer`: the caller's own, so the checkpoint's is not looked for."""
+    """The model and its tokenizer; `tokenizer`: the caller's own, so the checkpoint's is not looked for; `mtp`: the caller
+    reads the checkpoint's multi-token-prediction layer itself (model/mtp_load.py)."""
     from openk3.model import K3ForCausalLM, load_model
 
     path = resolve_model(model)
@@ -60,7 +62,7 @@ def build_model(
         net = net.to(device=device, dtype=dtype).eval()
         return net, tokenizer or ByteTokenizer(config.vocab_size)
     tokenizer = tokenizer or checkpoint_tokenizer(path, config_from_hf(path), byte_tokenizer)  # before the weights: fails fast
-    return load_model(path, dtype=dtype, device=device), tokenizer
+    return load_model(path, dtype=dtype, device=device, mtp=mtp), tokenizer
 
 
 def model_tokenizer(model: str | Path, seed: int, byte_tokenizer: bool = False) -> Tokenizer:

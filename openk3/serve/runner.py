@@ -8,7 +8,9 @@ The runner keeps no request state: it reads each scheduled Request (its tokens a
 and pages), and changes none of them; the scheduler applies what was sampled. A request samples when its computed tokens
 catch up with its tokens this step; only those rows get logits, and the prefill rows of a request that wants its prompt
 scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`. Rows of image tokens get their images'
-embeddings (`mm_embeds`, from the encoder cache, which runs the vision encoder for images it does not hold).
+embeddings (`mm_embeds`, from the encoder cache, which runs the vision encoder for images it does not hold). With `keep_hidden` (a draft that reads
+the target's hidden states: serve/mtp_draft.py) the model runs as hidden_states then compute_logits, and the step's
+StepSamples carry each request's last hidden rows at the positions it keeps.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch
+from openk3.model.batch import CacheTensors, ForwardBatch, StateCut
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.graphs import DecodeGraphs
@@ -45,6 +47,15 @@ class CausalLM(Protocol):
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
 
+class HiddenStatesLM(CausalLM, Protocol):
+    """A model whose forward is hidden_states then compute_logits (K3ForCausalLM): what a draft reading the target's
+    hidden states needs of it."""
+
+    def hidden_states(self, batch: ForwardBatch, cache: CacheTensors | None = None) -> torch.Tensor: ...
+
+    def compute_logits(self, h_MD: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class StepSamples:
     """What a step sampled: request id -> token, for the requests whose computed tokens caught up, and their logprobs
@@ -57,6 +68,9 @@ class StepSamples:
     routing: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # request id -> the tokens a speculating request keeps this step (accepted drafts, then the target's token)
     runs: dict[str, list[int]] = field(default_factory=dict)
+    # with ModelRunner.keep_hidden: request id -> (first position, [n, D] last hidden states) of the positions it keeps
+    # (every row it ran; a speculating request's verified rows up to its last kept token)
+    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class ModelRunner:
         self.max_model_len = max_model_len  # where the length rule ends a speculative run (serve/stopping.py)
         self.spec_stats = SpecDecodeStats()
         self.encoder_cache: EncoderCache | None = None  # set by the engine where the model has a vision tower
+        self.keep_hidden = False  # set by the engine for a draft that reads the target's hidden states (serve/mtp_draft.py)
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[Request], list[PromptRows]]:
         """The packed step, the requests that sample (in logits-row order), the requests that verify drafts (k + 1 rows
@@ -124,6 +139,9 @@ class ModelRunner:
         mm = self.encoder_cache.step_rows(out.requests, out.num_tokens) if self.encoder_cache is not None else None
         if mm is not None:  # the placeholder rows of images take the images' embeddings (serve/encoder_cache.py)
             batch = dataclasses.replace(batch, mm_embeds=mm[0], mm_rows=mm[1])
+        if out.cuts:
+            starts = [r.num_computed_tokens for r in out.requests]
+            batch = dataclasses.replace(batch, state_cuts=tuple(StateCut(c.row, c.num_tokens - starts[c.row], c.slot) for c in out.cuts))
         return batch, sampling, verifying, scored
 
     def execute(self, out: SchedulerOutput) -> StepSamples:
@@ -138,18 +156,18 @@ class ModelRunner:
             saved = {r.request_id: save_slot(self.cache, self.cache.slot(r.request_id)) for r in verifying}
             # a graph returns the logits of every row in batch order, not sampling rows then scored or verified ones; and it
             # runs no Python, so a step that records its routing runs eagerly
-            eager = scored or verifying or recorded
+            eager = scored or verifying or recorded or self.keep_hidden
             bucket = self.graphs.bucket_for(batch) if self.graphs is not None and not eager else None
             if bucket is not None:
                 assert self.graphs is not None
-                logits = self.graphs.run(batch, bucket)
+                logits, hidden_TD = self.graphs.run(batch, bucket), None
             elif recorded:
                 if self.routing is None:
                     raise ValueError("return_routing: this engine's model has no MoE layers it can record (a single-process engine)")
                 with self.routing.step():
-                    logits = self.model(batch, self.cache.tensors)
+                    logits, hidden_TD = self._forward(batch)
             else:
-                logits = self.model(batch, self.cache.tensors)
+                logits, hidden_TD = self._forward(batch)
             rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
             result = self.sampler(logits[: len(sampling)], rows)
             at = len(sampling)
@@ -175,7 +193,29 @@ class ModelRunner:
                 req = out.requests[i]
                 routing[req.request_id] = (req.num_computed_tokens, experts_TLk[cu[i] : cu[i + 1]])
         tokens = {r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}
-        return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs)
+        hidden = self._kept_hidden(out, batch, hidden_TD, runs) if hidden_TD is not None else {}
+        return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs, hidden)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of the batch's logits rows, and with keep_hidden the last hidden state of every row."""
+        if not self.keep_hidden:
+            return self.model(batch, self.cache.tensors), None
+        model = cast(HiddenStatesLM, self.model)
+        hidden_TD = model.hidden_states(batch, self.cache.tensors)
+        rows = hidden_TD if batch.logits_indices is None else hidden_TD[batch.logits_indices]
+        return model.compute_logits(rows), hidden_TD
+
+    @staticmethod
+    def _kept_hidden(out: SchedulerOutput, batch: ForwardBatch, hidden_TD: torch.Tensor, runs: dict[str, list[int]]) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each request's hidden rows at the positions it keeps: all it ran, or a verification's up to its last kept token
+        (the pending token and the accepted drafts; the rows after them saw rejected tokens)."""
+        cu = batch.cu_seqlens.tolist()
+        kept = {}
+        for i, req in enumerate(out.requests):
+            run = runs.get(req.request_id)
+            end = cu[i + 1] if run is None else cu[i] + len(run)
+            kept[req.request_id] = (req.num_computed_tokens, hidden_TD[cu[i] : end])
+        return kept
 
     def _verify(self, req: Request, logits_KV: torch.Tensor) -> list[int]:
         """The tokens a request keeps from its drafts (serve/speculative.py), cut at the first a stop rule ends it on."""

@@ -15,9 +15,11 @@ of the budget of the requests it outranks. What goes to the runner is the plan o
 themselves, in batch order, with the tokens each computes; the runner reads their tokens from the Request and their slot
 and pages from the cache. Prefix caching adds one thing to admission: a new request starts at the deepest boundary cached
 under its cache_salt (`num_computed_tokens` = the hit; none for a request that wants its prompt scored,
-serve/prompt_logprobs.py), and its prefill chunks are cut where a state snapshot is wanted -- at detected branch points
-and fixed intervals always, and at a multiple of the match unit whenever a chunk is cut anyway -- because a KDA state
-exists only at a step's end. States are snapshotted at those cuts, at the prompt end and when a request finishes.
+serve/prompt_logprobs.py), and states are snapshotted where the prefix cache wants them: at the end of a chunk (cut at
+fixed intervals when asked, and moved down to a multiple of the match unit whenever it is cut anyway), at the prompt end,
+when a request finishes, and inside a step without cutting it (ForwardBatch.state_cuts) at detected branch points and at
+the deepest `prompt_snapshots` multiples of the match unit below the prompt's end -- so a repeated or extended prompt hits
+on its second send. The slots of in-step states are reserved when the step is planned and adopted after it.
 Images: a chunk whose images are not encoded yet also spends their token count of the budget (the encoder runs in that
 step, serve/encoder_cache.py); the prefix cache keys image tokens by image.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
@@ -30,6 +32,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
@@ -54,12 +57,23 @@ class SchedulerConfig:
         check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, low=1, optional=True)
 
 
+class SnapshotCut(NamedTuple):
+    """A prefix-cache snapshot taken inside a step: request `row` (in batch order) writes its state after its first
+    `num_tokens` tokens into the reserved snapshot slot `slot`."""
+
+    row: int
+    num_tokens: int
+    slot: int
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan: the scheduled requests in batch order and how many tokens each computes."""
+    """One step's plan: the scheduled requests in batch order, how many tokens each computes, and the states to take
+    inside the step."""
 
     requests: tuple[Request, ...]
     num_tokens: tuple[int, ...]
+    cuts: tuple[SnapshotCut, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -117,11 +131,8 @@ class Scheduler:
         if pc is None or c >= req.num_prompt_tokens:
             return n
         end = c + n
-        forced = [q for q in req.snapshot_points if c < q < end]
         if pc.snapshot_interval is not None and (c // pc.snapshot_interval + 1) * pc.snapshot_interval < end:
-            forced.append((c // pc.snapshot_interval + 1) * pc.snapshot_interval)
-        if forced:
-            return min(forced) - c
+            return (c // pc.snapshot_interval + 1) * pc.snapshot_interval - c
         aligned = end // pc.match_unit * pc.match_unit
         return aligned - c if n < remaining and aligned > c else n
 
@@ -144,7 +155,7 @@ class Scheduler:
         skip = wants_scores or req.sampling_params.return_routing
         match = PrefixMatch.miss() if skip else self.cache.fetch(self.cache.match_prefix(tokens, req.cache_salt))
         start = match.num_tokens
-        # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so cut and snapshot exactly
+        # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so take a state exactly
         # there. A repeated prompt branches one token before its end (a hit must leave the last token to compute).
         branch = min(match.matched_tokens, req.num_prompt_tokens - 1)
         if branch > start:
@@ -264,13 +275,46 @@ class Scheduler:
             counts.append(admitted)
             budget -= admitted + (self.encoder_cost(req, admitted) if self.encoder_cost is not None else 0)
 
-        return SchedulerOutput(tuple(scheduled), tuple(counts))
+        return SchedulerOutput(tuple(scheduled), tuple(counts), self._reserve_cuts(scheduled, counts))
+
+    def _cut_points(self, req: Request, n: int) -> list[int]:
+        """Where a prefill chunk of n tokens from req's computed count takes states inside the step, strictly inside the
+        chunk and the prompt, most wanted first: its branch points, then the multiples of the match unit among the deepest
+        `prompt_snapshots` below the prompt's end, deepest first (module docstring)."""
+        pc, c, end = self.cache.prefix_config, req.num_computed_tokens, req.num_prompt_tokens
+        if pc is None or c >= end:
+            return []
+        stop = min(c + n, end)
+        points = [q for q in req.snapshot_points if c < q < stop]
+        if pc.prompt_snapshots:
+            u = pc.match_unit
+            lowest = max(u, (end - 1) // u * u - (pc.prompt_snapshots - 1) * u)
+            points += [q for q in reversed(range(max(lowest, (c // u + 1) * u), stop, u)) if q not in points]
+        return points
+
+    def _reserve_cuts(self, scheduled: list[Request], counts: list[int]) -> tuple[SnapshotCut, ...]:
+        """A snapshot slot for each cut point of the step, a request's most wanted first, until none is left; the cuts in
+        batch order, ascending (adopted in that order, so the deepest is the most recently used)."""
+        cuts: list[SnapshotCut] = []
+        for i, (req, n) in enumerate(zip(scheduled, counts, strict=True)):
+            for q in self._cut_points(req, n):
+                slot = self.cache.reserve_snapshot_slot()
+                if slot is None:
+                    return tuple(sorted(cuts))
+                cuts.append(SnapshotCut(i, q, slot))
+        return tuple(sorted(cuts))
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int], runs: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts and append the sampled tokens (request id -> token, only for the requests whose
         computed tokens caught up this step) and the runs of speculating requests (request id -> the tokens kept: the
         runner left its state covering all but the last, and the pages of the rest are released); returns the requests
         that received tokens, in batch order."""
+        for cut in out.cuts:
+            req = out.requests[cut.row]
+            if req.status == RequestStatus.RUNNING:
+                self.cache.adopt_snapshot(req.request_id, req.cache_key_ids(cut.num_tokens), cut.slot, req.cache_salt)
+            else:
+                self.cache.release_snapshot_slot(cut.slot)  # it ended while the step ran: its pages may be gone
         got_token = []
         for req, n in zip(out.requests, out.num_tokens, strict=True):
             req.draft_token_ids, req.draft_probs = [], None

@@ -119,3 +119,12 @@ def verify(
             residual = p[i]
         return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))], i
     return drafts + [int(torch.multinomial(p[k], 1, generator=generator))], k
+
+
+def draw_draft(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """One draft token from a draft's logits: the argmax for a greedy request, else a sample from the request's sampling
+    distribution q, returned with it (the rejection rule needs q)."""
+    if params.greedy:
+        return int(logits_V.argmax()), None
+    q = target_probs(logits_V[None], params)[0]
+    return int(torch.multinomial(q, 1, generator=generator)), q

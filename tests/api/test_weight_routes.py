@@ -26,6 +26,7 @@ from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.api.conftest import GatedStep, LiveServer, start_server, stop_server
 from tests.api.test_bad_input import error_of
+from tests.api.test_stream_usage import events
 
 PROMPT = list(range(40, 71))
 BODY = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -156,4 +157,29 @@ def test_a_request_in_flight_drains_on_the_old_weights_or_is_aborted(gated, abor
     else:
         assert first["finish_reason"] == "length" and len(first["token_ids"]) == 40
     assert complete(http)["weight_version"] == version + 1
+    live.check_idle_and_free()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_reports_its_weight_version(gated, root, path) -> None:
+    live, (gate,) = gated
+    gate.release.set()
+    http = httpx.Client(base_url=live.base_url, timeout=120)
+    save_model(new_model(live, 30), os.path.join(root, "streamed"))
+    r = http.post("/update_weights_from_disk", json={"model_path": os.path.join(root, "streamed")})
+    assert r.status_code == 200, r.text
+    version = r.json()["weight_version"]
+    assert version > 0  # not the default an unset field would read as
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    chunks = events(http, path, body)
+    *choice_chunks, usage_chunk = chunks
+    ends = [c for c in choice_chunks if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(c["choices"][0]["index"] for c in ends) == [0, 1]
+    if path == "/v1/completions":  # per choice, as in a whole response
+        assert [c["choices"][0]["weight_version"] for c in ends] == [version, version]
+        assert all(c["choices"][0]["weight_version"] is None for c in choice_chunks if c not in ends)
+    else:  # on the response, as in a whole response
+        assert [c["weight_version"] for c in ends] == [version, version] and usage_chunk["weight_version"] == version
+        assert all(c["weight_version"] is None for c in choice_chunks if c not in ends)
     live.check_idle_and_free()

@@ -102,7 +102,8 @@ def test_release_folder_loads_the_same_weights_and_logs_each_skip_once(folders, 
         loaded = load_model(release)
     lines = [r.getMessage() for r in caplog.records if r.name == "openk3.model"]
     assert lines == [
-        f"skipping 7 multi-token-prediction tensors (layers {MTP_LAYER}, past num_hidden_layers={MTP_LAYER}): openk3 has no speculative decoding yet",
+        f"skipping 7 multi-token-prediction tensors (layers {MTP_LAYER}, past num_hidden_layers={MTP_LAYER}): "
+        "read only for speculative decoding with method 'mtp'",
     ]
     state = loaded.state_dict()
     assert loaded.vision == vision_from_hf(VISION_CONFIG, model.config.hidden_size)

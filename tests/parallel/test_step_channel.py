@@ -12,7 +12,7 @@ import torch
 from openk3.api.metrics import ServerMetrics
 from openk3.config import debug
 from openk3.llm import LLM
-from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
+from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts, StateCut
 from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
@@ -25,7 +25,8 @@ def batches() -> list[ForwardBatch]:
     cached = ForwardBatch.for_step([[11, 12, 13], [14]], [16, 40], [2, 5], table)
     decode = ForwardBatch.for_step([[1], [2]], [5, 6], [0, 1], table[:, :1])
     fresh = ForwardBatch.for_step([[5, 6], [7]], [0, 3], [4, 5], table[:, :2])  # a new sequence, consecutive slots
-    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3)), fresh]  # the third: no cache, every row's logits
+    cuts = dataclasses.replace(cached, state_cuts=(StateCut(0, 2, 1), StateCut(0, 1, 0)))  # prefix-cache snapshots inside a step
+    return [cached, decode, ForwardBatch.from_tokens(torch.arange(6).view(2, 3)), fresh, cuts]  # the third: no cache, every row's logits
 
 
 def fields(b: ForwardBatch) -> dict:
@@ -68,7 +69,8 @@ def exchange(ctx: ParallelContext) -> list:
 @pytest.mark.distributed
 def test_step_channel_round_trip() -> None:
     sent, received = run_ranks(exchange, 2)
-    assert received == sent and len(sent) == 7
+    assert received == sent and len(sent) == 8
+    assert sent[6]["state_cuts"] == (StateCut(0, 2, 1), StateCut(0, 1, 0)) and sent[2]["state_cuts"] == ()
     assert sent[3]["is_decode"] and not sent[2]["is_decode"] and sent[4]["page_table"] is None
     # the host facts travel in the header: none given, slots not consecutive, consecutive, and a fresh sequence
     assert [sent[i]["host_facts"] for i in (4, 2, 3, 5)] == [None, HostFacts(False, None), HostFacts(False, (0, 2)), HostFacts(True, (4, 6))]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from openk3.config import k3
+from openk3.config import debug, k3
 from openk3.planner.cli import main
 from openk3.planner.hardware import Vendor, load_catalogue
 from openk3.planner.inputs import Layout, Quantisation, Workload
@@ -15,7 +15,7 @@ from openk3.planner.memory import attn_res_slots, cache_spec
 from openk3.planner.models import deepseek_v3
 from openk3.planner.perf import Scenario, evaluate
 from openk3.planner.plan import PlanRequest, make_plan
-from openk3.planner.pp_cp import SCAN_WORK, KDASplit, fix_ttft, hop_bytes, layout_problem, long_prefill
+from openk3.planner.pp_cp import SCAN_WORK, KDASplit, cp_bytes, fix_ttft, hop_bytes, layout_problem, long_prefill
 from openk3.planner.runtime import support
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.workload import RequestMix
@@ -126,3 +126,14 @@ def test_workload_times_use_the_split_the_plan_prefills_with() -> None:
     assert plan.choice is not None and plan.choice.long_prefill is not None and plan.demand is not None
     assert plan.demand.prefill_s.max == pytest.approx(plan.choice.metrics.ttft_s)
     assert plan.demand.prefill_s.max <= 60
+
+
+def test_cp_bytes_are_what_the_cp_prefill_receives() -> None:
+    # debug(): latent R = 40, KDA 2 heads x 16 x 16 fp32 state + 96 conv channels x 3 window; fp32 cache as on CPU
+    cfg = debug()
+    sent = cp_bytes(cfg, Quantisation(cache_dtype_bytes=4), tp=1, prompt=150, cp=2)
+    assert sent.mla_per_layer == 75 * 40 * 4
+    assert sent.kda_hop == 2 * 16 * 16 * 4 + 96 * 3 * 4
+    assert sent.kda_hops_per_layer == 1 and sent.gather == len(cfg.mla_layers) * sent.mla_per_layer
+    assert cp_bytes(cfg, Quantisation(), tp=1, prompt=150, cp=8, kda=KDASplit.SCAN).kda_hops_per_layer == 3
+    assert cp_bytes(cfg, Quantisation(), tp=1, prompt=150, cp=1).gather == 0

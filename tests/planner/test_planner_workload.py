@@ -34,7 +34,9 @@ def test_block_formats_cost_their_scales() -> None:
 def test_kv_and_state_dtypes() -> None:
     c, base = k3(), Quantisation()
     spec, fp8 = cache_spec(c, base), cache_spec(c, with_dtypes(base, kv="fp8"))
-    assert fp8.mla.bytes_per_token * 2 == spec.mla.bytes_per_token == 27648
+    assert spec.mla.bytes_per_token == 27648  # 24 MLA layers x 576 x bf16
+    assert fp8.mla.bytes_per_token == 24 * (576 + 9 * 4)  # the engine's FP8 rows: e4m3 values + an fp32 scale per 64
+    assert fp8.kda.conv_bytes == spec.kda.conv_bytes  # the conv windows stay bf16 under an fp8 latent cache
     bf16_state = cache_spec(c, with_dtypes(base, state="bf16"))
     assert bf16_state.kda.recurrent_bytes * 2 == spec.kda.recurrent_bytes and bf16_state.kda.conv_bytes == spec.kda.conv_bytes
     with pytest.raises(ValueError, match="--expert-dtype='int3'"):

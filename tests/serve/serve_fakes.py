@@ -1,6 +1,7 @@
 """A fake model that obeys the serve <-> model contract and really uses the cache, so any slot or page misuse changes its output.
 
-Per sequence it keeps a running hash of the tokens in its KDA state slot (with the token count beside it), writes each token into
+Per sequence it keeps a running hash of the tokens in its KDA state slot (with the token count beside it; also in the slot of
+each of the batch's state cuts, as the hash after that many of the step's tokens), writes each token into
 its MLA page at its position, and reads all earlier tokens back from the pages to form the logits. The next token is a function of
 (hash, page checksum): a wrong slot, a wrong page, an unzeroed start or a skipped token gives different text. `reference_greedy`
 computes the same tokens without any cache.
@@ -58,7 +59,10 @@ class FakeModel(nn.Module):
             else:
                 h = int(state[slot, 0, 0, 0])
                 assert int(state[slot, 0, 0, 1]) == ctx, f"slot {slot} holds {int(state[slot, 0, 0, 1])} tokens, batch says {ctx}"
+            cuts = {c.offset: c.slot for c in batch.state_cuts if c.seq == i}
             for j, pos in enumerate(range(ctx, ctx + cu[i + 1] - cu[i])):
+                if j in cuts:
+                    state[cuts[j], 0, 0, 0], state[cuts[j], 0, 0, 1] = h, pos
                 tok = int(batch.input_ids[cu[i] + j])
                 assert int(batch.positions[cu[i] + j]) == pos
                 pages[table[pos // ps], pos % ps, 0] = tok

@@ -94,3 +94,19 @@ def test_engine_caches_per_salt(llm) -> None:
     assert run(prompt, "alice") == (reply, 0)
     assert run(prompt + more, "alice") == (longer, 40)  # the same salt does
     assert run(prompt + more, "bob") == (longer, 0)
+
+
+def test_states_taken_inside_a_step_are_keyed_by_the_request_salt() -> None:
+    cm = manager()
+    match = cm.fetch(cm.match_prefix(A, "alice"))
+    assert cm.allocate_prefixed("a", A, match, len(A), "alice")
+    slot = cm.reserve_snapshot_slot()
+    assert slot == 2
+    assert cm.adopt_snapshot("a", A[:8], slot, "alice")  # the step wrote the state after 8 tokens there
+    assert (hit(cm, A[:8], "alice"), hit(cm, A[:8], None), hit(cm, A[:8], "bob")) == (8, 0, 0)
+    again = cm.reserve_snapshot_slot()
+    assert again == 3 and not cm.adopt_snapshot("a", A[:8], again, "alice")  # cached already: the slot goes back
+    cm.free("a")
+    cm.check_integrity()
+    prefix = cm.prefix
+    assert prefix is not None and prefix.snapshot_boundaries() == [8] and set(prefix._salted) == {request_salt(b"test", "alice")}

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from openk3.config import debug
+from openk3.model.batch import StateCut
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.tier_types import TierKind
+from openk3.serve.scheduler import SnapshotCut
 
 A = list(range(100, 110))  # 10 tokens: pages [100..103] [104..107], tail (108, 109)
 B = A + [1, 2, 3]  # 13 tokens: diverges from A's cached run only after it
@@ -164,8 +166,9 @@ def test_scheduler_cuts_chunks_at_match_units_and_snapshots_there() -> None:
     # chunks of 6 are cut down to multiples of 4; then 2 decode steps; states at every cut, the prompt end and the finish
     assert run_one(eng, "a", prompt) == [4, 4, 4, 4, 4, 1, 1]
     assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 12, 16, 20, 22]
-    # hit at 12 (the deepest state), and a's run goes on to 14 where b diverges: cut there for a branch-point state
-    assert run_one(eng, "b", prompt[:14] + [99]) == [2, 1, 1, 1]
+    # hit at 12 (the deepest state), and a's run goes on to 14 where b diverges: a branch-point state there, inside the step
+    assert run_one(eng, "b", prompt[:14] + [99]) == [3, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 2, 8),)  # slots 2..7 hold a's chunk-end states
     assert eng.cache.prefix.snapshot_boundaries() == [4, 8, 16, 20, 22, 12, 14, 15, 17]  # 12 touched by the hit
 
 
@@ -173,10 +176,71 @@ def test_scheduler_cuts_at_a_detected_branch_point() -> None:
     eng = fake_engine(prefix_match_unit=64)
     shared = list(range(1, 11))
     assert run_one(eng, "a", shared + [50, 51, 52]) == [13, 1, 1]
-    assert run_one(eng, "b", shared + [60, 61]) == [10, 2, 1, 1]  # a miss that stops at the branch point 10 to snapshot
+    assert run_one(eng, "b", shared + [60, 61]) == [12, 1, 1]  # a miss that takes a state at the branch point 10 inside its step
+    assert eng.model.calls[-3].state_cuts[0].offset == 10
     assert run_one(eng, "c", shared + [70, 71, 72]) == [3, 1, 1]  # hits 10
     assert eng.stats().prefix_cache.hit_tokens == 10
-    # a's prompt again: states at 10 and at 13 (its end); a hit must leave one token, so it starts at 10 and cuts at 12
-    assert run_one(eng, "a2", shared + [50, 51, 52]) == [2, 1, 1, 1]
+    # a's prompt again: states at 10 and at 13 (its end); a hit must leave one token, so it starts at 10 and takes one at 12
+    assert run_one(eng, "a2", shared + [50, 51, 52]) == [3, 1, 1]
     assert run_one(eng, "a3", shared + [50, 51, 52]) == [1, 1, 1]  # hits 12
     assert eng.stats().prefix_cache.hit_tokens == 10 + 10 + 12
+
+
+def test_reserved_slots_are_taken_in_lru_order_then_adopted_or_released() -> None:
+    cm = manager(snapshots=2)
+    admit(cm, "a", A)
+    cm.snapshot("a", A)  # slot 2, boundary 10
+    assert cm.prefix is not None
+    assert cm.reserve_snapshot_slot() == 3  # a free one first
+    assert cm.reserve_snapshot_slot() == 2  # then the least recently used snapshot (10) is evicted for its slot
+    assert cm.prefix.snapshot_boundaries() == [] and cm.prefix.counters.snapshots_evicted == 1
+    assert cm.reserve_snapshot_slot() is None  # every slot reserved: no state to take, nothing breaks
+    assert not cm.snapshot("a", A[:6])  # nor does a snapshot at a step's end
+    cm.check_integrity()  # reserved slots are neither free nor snapshots
+    # the step wrote the states after 4 and 8 tokens into slots 3 and 2: adopted with a's pages
+    assert cm.adopt_snapshot("a", A[:8], 3) and cm.adopt_snapshot("a", A[:4], 2)
+    assert cm.prefix.snapshot_boundaries() == [8, 4]
+    assert refs(cm)[:3] == [2, 2, 1]  # pages 0 and 1 shared with the index, no tail page
+    cm.free("a")
+    m = cm.match_prefix(A)
+    assert (m.num_tokens, m.slot, m.page_ids, m.tail_page) == (8, 3, (0, 1), None)
+    assert cm.prefix.snapshot_boundaries() == [4, 8]  # the hit made 8 the most recently used
+    assert admit(cm, "b", A[:4] + [9, 9]).num_tokens == 4
+    assert cm.reserve_snapshot_slot() == 3  # b's hit at 4 made 8 the least recently used: evicted for its slot
+    assert cm.prefix.snapshot_boundaries() == [4]
+    assert not cm.adopt_snapshot("b", A[:4], 3)  # a boundary cached already: the slot goes back unused
+    assert cm.prefix.snapshot_boundaries() == [4] and cm.reserve_snapshot_slot() == 3
+    cm.release_snapshot_slot(3)
+    cm.free("b")
+    cm.check_integrity()
+
+
+def test_a_prompt_takes_states_inside_its_prefill_and_its_repeat_hits_on_the_second_send() -> None:
+    eng = fake_engine(prefix_match_unit=4, prefix_prompt_snapshots=2)
+    prompt = list(range(1, 21))
+    assert run_one(eng, "a", prompt) == [20, 1, 1]  # one step: the states at 12 and 16 come out of it, uncut
+    assert eng.model.calls[0].state_cuts == (StateCut(0, 12, 3), StateCut(0, 16, 2))  # the deepest two units below 20, slots deepest first
+    assert eng.cache.prefix.snapshot_boundaries() == [12, 16, 20, 22]  # + the prompt end and the finish
+    # the repeat hits 16 (the last full unit below its end) and takes a branch-point state at 19 in its step: the 3rd hits 19
+    assert run_one(eng, "b", prompt) == [4, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 3, 6),)  # slots 2..5: a's 16, 12, prompt end, finish
+    assert eng.stats().prefix_cache.hit_tokens == 16
+    # an extension diverging at 18: hit 16, one step with states at the branch point 18 and at the unit 20
+    assert run_one(eng, "c", prompt[:18] + [7, 7, 7]) == [5, 1, 1]
+    assert eng.model.calls[-3].state_cuts == (StateCut(0, 2, 7), StateCut(0, 4, 8))
+    assert eng.cache.prefix.snapshot_boundaries()[-5:] == [16, 18, 20, 21, 23]
+
+
+def test_a_request_that_ends_while_its_step_runs_gives_its_reserved_slots_back() -> None:
+    from openk3.serve.request import RequestStatus
+    from openk3.serve.sampling import SamplingParams
+
+    eng = fake_engine(prefix_match_unit=4, prefix_prompt_snapshots=3, num_snapshot_slots=2)
+    eng.add_request("a", list(range(1, 21)), SamplingParams(temperature=0, max_tokens=3))
+    out = eng.scheduler.schedule()
+    assert out.cuts == (SnapshotCut(0, 12, 3), SnapshotCut(0, 16, 2))  # the deepest three would be 8, 12, 16: two slots, deepest first
+    eng.scheduler.finish("a", RequestStatus.FINISHED_ABORTED)
+    assert eng.scheduler.update_from_output(out, {}) == []
+    assert eng.cache.prefix.snapshot_boundaries() == []
+    eng.check_integrity()
+    assert eng.cache.reserve_snapshot_slot() == 3 and eng.cache.reserve_snapshot_slot() == 2  # free again, in release order

@@ -188,3 +188,20 @@ def test_prefix_stats_reach_engine_stats(model, tmp_path) -> None:
     assert host is not None and device is not None and host.bytes_in > 0 and device.used_bytes > 0
     assert torch.tensor(s.hit_rate).item() >= 0
     llm.close()
+
+
+@pytest.mark.parametrize(("length", "second"), [(78, 64), (228, 192)])
+@pytest.mark.parametrize("prompt_snapshots", [0, 4])
+def test_a_repeated_prompt_hits_on_its_second_send(model, tmp_path, length, second, prompt_snapshots) -> None:
+    """One prefill step per prompt (no chunk cut): only the states taken inside the step let the second send hit, at the
+    last multiple of the match unit below the prompt's end. Either way the second send cuts at its branch point, len - 1,
+    so the third hits there; the tokens equal the uncached ones every time."""
+    one_step = dict(long_prefill_token_threshold=None, max_model_len=320, prefix_match_unit=64)
+    prompt = [(7 * i + 3) % 251 for i in range(length)]
+    ref = result(make(model, tmp_path, **one_step).generate([prompt], GREEDY)[0])
+    llm = make(model, tmp_path, **one_step, enable_prefix_caching=True, prefix_prompt_snapshots=prompt_snapshots)
+    outs = [llm.generate([prompt], GREEDY)[0] for _ in range(3)]
+    llm.engine.check_integrity()
+    assert [o.num_cached_tokens for o in outs] == [0, second if prompt_snapshots else 0, length - 1]
+    assert same([result(o) for o in outs], [ref] * 3)
+    llm.close()

@@ -90,7 +90,8 @@ def test_server_reports_cached_tokens_in_usage() -> None:
     with TestClient(app) as client:
         replies = [client.post("/v1/completions", json=body).json() for _ in range(3)]
         text = client.get("/metrics").text
-    # the 2nd finds the whole prompt cached but no state before its last token: it cuts there (a branch point); the 3rd hits it
-    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == [0, 0, 39]
+    # the 1st took states inside its prefill at the match units 8..32: the 2nd hits 32, the last full unit below its end; it
+    # finds the whole prompt cached but no state before its last token, so it cuts there (a branch point) and the 3rd hits 39
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == [0, 32, 39]
     assert len({r["choices"][0]["text"] for r in replies}) == 1
-    assert sample(text, "cache_tier_hits_total", "device") == 1 and sample(text, "prompt_tokens_cached_total") == 39
+    assert sample(text, "cache_tier_hits_total", "device") == 2 and sample(text, "prompt_tokens_cached_total") == 32 + 39

@@ -32,6 +32,7 @@ def test_random_schedule_keeps_integrity_and_tokens(seed, variant) -> None:
         enable_prefix_caching=True,
         prefix_match_unit=rng.choice([2, 4, 8]),
         prefix_snapshot_interval=rng.choice([None, 6]),
+        prefix_prompt_snapshots=rng.choice([0, 1, 4]),
         **VARIANTS[variant],
     )
     eng = LLMEngine(FakeModel(), ByteTokenizer(256), cfg)

@@ -101,9 +101,9 @@ def test_cpu_weight_packing_only_for_models_the_engine_owns(monkeypatch: pytest.
     seen: list[bool] = []
     real = engine_mod.LLMEngine.__init__
 
-    def spy(self, model, tokenizer, config=None, *rest) -> None:  # type: ignore[no-untyped-def]
+    def spy(self, model, tokenizer, config=None, *rest, **named) -> None:  # type: ignore[no-untyped-def]
         seen.append(config.pack_cpu_weights)
-        real(self, model, tokenizer, config, *rest)
+        real(self, model, tokenizer, config, *rest, **named)
 
     monkeypatch.setattr(engine_mod.LLMEngine, "__init__", spy)
     for flags in ([], ["--no-cpu-weight-packing"]):

@@ -66,5 +66,37 @@ def test_a_key_given_twice_is_refused() -> None:
 
 
 def test_a_multi_rank_layout_refuses_a_draft() -> None:
-    with pytest.raises(ValueError, match="speculative_model with ep=2"):
+    with pytest.raises(ValueError, match="speculative_method=.draft_model. with ep=2"):
         ParallelConfig(ep=2).check_engine(EngineConfig(speculative_model="tiny"))
+
+
+def test_the_server_exports_vllms_spec_decode_counters() -> None:
+    import httpx
+
+    from openk3.launch.server import build_server
+    from tests.api.conftest import serve_app, stop_server
+
+    torch.set_num_threads(1)
+    args = serve_args("--speculative-config", '{"model": "tiny", "num_speculative_tokens": 2}', "--max-num-seqs", "2", "--cache-memory-mb", "16")
+    live = serve_app(build_server(args))
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=120) as http:
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 9, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200
+            live.in_loop(live.frontend.call(lambda e: None))  # the engine thread has published the steps' stats by now
+            text = http.get("/metrics").text
+    finally:
+        stop_server(live)
+
+    def value(name: str) -> float:
+        line = next(line for line in text.splitlines() if line.startswith(f"openk3:{name}{{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    drafts, proposed, accepted = (
+        value("spec_decode_num_drafts_total"),
+        value("spec_decode_num_draft_tokens_total"),
+        value("spec_decode_num_accepted_tokens_total"),
+    )
+    assert drafts > 0 and drafts < proposed <= 2 * drafts and accepted == proposed  # k cut near max_tokens; the draft is the target
+    per_pos = [line for line in text.splitlines() if line.startswith("openk3:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert len(per_pos) == 2 and sum(float(line.rsplit(" ", 1)[1]) for line in per_pos) == accepted

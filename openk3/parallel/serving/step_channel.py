@@ -6,14 +6,16 @@ Rank 0 (the driver) alone schedules and samples; the other ranks run the same fo
 layer is a collective (their experts, their share of the tokens). A message is a fixed int64 header, then for a step one
 int64 payload holding the batch's tensors end to end, so a step costs two broadcasts whatever its size:
 
-  header   [kind, a, b, c, d, e, f, g]
+  header   [kind, a, b, c, d, e, f, g, h]
     STEP   a=T, b=N, c=P (-1: no cache), d=M (-1: every row), e=is_decode, and the batch's host facts (model/batch.py):
-           f=any_fresh (-1: none given), g=first slot of a consecutive range (-1: not consecutive, -2: none given)
+           f=any_fresh (-1: none given), g=first slot of a consecutive range (-1: not consecutive, -2: none given),
+           h=the number of state cuts (prefix-cache snapshots inside the step)
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
     COPIES a=n; payload [n, 3] (kind, src, dst): the slot and page copies rank 0's prefix cache made since the last step
            (CacheTensors.copy_log), which every worker replays on its own pools before the next STEP
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
+           state_cuts[h, 3] (seq, offset, slot)
 
 Before any message, `report_ready` gathers every rank's start-up result (None or its error), so a rank that failed to
 build its model is reported by rank 0 instead of surfacing as a bare gloo error in the first step.
@@ -34,13 +36,14 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts
+from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts, StateCut
 from openk3.parallel.group import ParallelContext
 
-HEADER = 8
+HEADER = 9
 # The ForwardBatch fields this wire format carries; a field added to the batch must be added here too (checked at start).
 CARRIED_FIELDS = (
     "input_ids", "positions", "cu_seqlens", "context_lens", "state_slots", "page_table", "logits_indices", "is_decode", "capturable", "host_facts",
+    "mm_embeds", "mm_rows", "state_cuts",
 )  # fmt: skip
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How long a worker may wait for the next message: an idle server sends nothing, so this bounds idleness, not step time.
@@ -117,6 +120,8 @@ class StepChannel:
         """The header and payload of a step; raises before anything is sent for a batch the wire format cannot carry."""
         if batch.capturable:
             raise ValueError("StepChannel: a capturable batch is a decode graph's, and graphs capture a single-process step only")
+        if batch.mm_embeds is not None or batch.mm_rows is not None:
+            raise ValueError("StepChannel: image inputs (mm_embeds, mm_rows) are not carried to the other ranks: a multi-rank engine serves text only")
         parts = [batch.input_ids, batch.positions, batch.cu_seqlens, batch.context_lens]
         width = -1
         if (batch.state_slots is None) != (batch.page_table is None):
@@ -130,11 +135,14 @@ class StepChannel:
         if batch.logits_indices is not None:
             rows = batch.logits_indices.numel()
             parts.append(batch.logits_indices)
+        if batch.state_cuts:
+            parts.append(torch.tensor(batch.state_cuts, dtype=torch.int64))
         payload = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
         facts = batch.host_facts
         fresh = -1 if facts is None else int(facts.any_fresh)
         first = -2 if facts is None else -1 if facts.slot_range is None else facts.slot_range[0]
-        return [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode), fresh, first], payload
+        header = [MessageKind.STEP, batch.input_ids.numel(), batch.num_seqs, width, rows, int(batch.is_decode), fresh, first, len(batch.state_cuts)]
+        return header, payload
 
     def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
         self._send(header, payload)
@@ -163,7 +171,7 @@ class StepChannel:
         """The next message on a worker: a step's batch (on `device`), the cache shape, copies to replay, or None for STOP."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
-        kind, a, b, c, d, e, f, g = (int(x) for x in header[:8])
+        kind, a, b, c, d, e, f, g, h = (int(x) for x in header[:9])
         if kind == MessageKind.STOP:
             dist.barrier(group=self.group)
             return None
@@ -178,14 +186,15 @@ class StepChannel:
         if kind != MessageKind.STEP:
             raise RuntimeError(f"StepChannel: unknown message kind {kind} (driver and worker run different openk3 versions?)")
         tokens, seqs, width, rows = a, b, c, d
-        sizes = [tokens, tokens, seqs + 1, seqs] + ([seqs, seqs * width] if width >= 0 else []) + ([rows] if rows >= 0 else [])
+        sizes = [tokens, tokens, seqs + 1, seqs] + ([seqs, seqs * width] if width >= 0 else []) + ([rows] if rows >= 0 else []) + [3 * h]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, self.src, group=self.group)
         parts = [p.to(device) for p in payload.split(sizes)]
         ids, positions, cu, context = parts[:4]
         slots, table = (parts[4], parts[5].reshape(seqs, width)) if width >= 0 else (None, None)
-        logits = parts[-1] if rows >= 0 else None
+        logits = parts[-2] if rows >= 0 else None
+        cuts = tuple(StateCut(*(int(x) for x in row)) for row in parts[-1].reshape(h, 3).tolist())
         if f not in (-1, 0, 1) or g < -2 or (f == -1) != (g == -2):
             raise RuntimeError(f"StepChannel: host facts f={f}, g={g} in a step header (driver and worker run different openk3 versions?)")
         facts = None if f == -1 else HostFacts(bool(f), None if g == -1 else (g, g + seqs))
-        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e), host_facts=facts)
+        return ForwardBatch(ids, positions, cu, context, slots, table, logits, bool(e), host_facts=facts, state_cuts=cuts)

@@ -25,12 +25,14 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return array("q", tokens).tobytes()
 
 
-def model_salt(config: ModelConfig, model: torch.nn.Module | None, cache_dtype: torch.dtype) -> bytes:
-    """Salt of the cache keys: the config, the cache dtype and a fingerprint of the weights (shape, sum, first values per
-    parameter), so two checkpoints of one architecture never share cached states."""
+def model_salt(config: ModelConfig, model: torch.nn.Module | None, cache_dtype: torch.dtype, fp8_latent: bool = False) -> bytes:
+    """Salt of the cache keys: the config, the cache dtype and format and a fingerprint of the weights (shape, sum, first
+    values per parameter), so two checkpoints of one architecture, or two cache formats, never share cached states."""
     h = hashlib.blake2b(digest_size=DIGEST)
     h.update(repr(config).encode())
     h.update(str(cache_dtype).encode())
+    if fp8_latent:
+        h.update(b"mla-latent:fp8-e4m3")
     if model is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

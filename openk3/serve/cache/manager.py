@@ -34,8 +34,8 @@ from openk3.serve.cache.tiers import HostTier, TierStack
 from openk3.serve.cache.transfer import copy_page, copy_slot, unpack
 
 
-def cache_spec(config: ModelConfig, page_size: int, dtype: torch.dtype) -> CacheSpec:
-    return CacheSpec.from_config(config, page_size, cache_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+def cache_spec(config: ModelConfig, page_size: int, dtype: torch.dtype, fp8_latent: bool = False) -> CacheSpec:
+    return CacheSpec.from_config(config, page_size, cache_dtype_bytes=torch.empty((), dtype=dtype).element_size(), fp8_latent=fp8_latent)
 
 
 class CacheManager:
@@ -49,6 +49,7 @@ class CacheManager:
         device: torch.device | str = "cpu",
         prefix: PrefixCacheConfig | None = None,
         scratch: bool = False,
+        fp8_latent: bool = False,
     ) -> None:
         if page_size < 1:
             fail("CacheManager", "page_size", page_size, ">= 1")
@@ -56,13 +57,16 @@ class CacheManager:
             fail("CacheManager", "num_pages", num_pages, ">= 1")
         self.config = config
         self.page_size = page_size
+        self.fp8_latent = fp8_latent  # MLA pages in FP8 with scales (ops/mla/fp8_latent.py)
         self.block_pool = BlockPool(num_pages)
         self.state_pool = StatePool(num_slots)
         num_snapshots = prefix.num_snapshot_slots if prefix is not None else 0
         # scratch: one more slot and page than the pools hand out, for the padding rows of captured graphs (serve/graphs.py):
         # they write somewhere, and nothing any request holds may be that place
         extra = 1 if scratch else 0
-        self.tensors = CacheTensors.allocate(config, num_slots + num_snapshots + extra, num_pages + extra, page_size, dtype=dtype, device=device)
+        self.tensors = CacheTensors.allocate(
+            config, num_slots + num_snapshots + extra, num_pages + extra, page_size, dtype=dtype, device=device, fp8_latent=fp8_latent
+        )
         self.scratch_slot: int | None = num_slots + num_snapshots if scratch else None
         self.scratch_page: int | None = num_pages if scratch else None
         self._pages: dict[str, list[int]] = {}
@@ -80,9 +84,9 @@ class CacheManager:
             self.inbox = TransferInbox(max(1, sum(t.numel() * t.element_size() for t in pools)))
 
     @staticmethod
-    def num_pages_for_memory(config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype) -> int:
+    def num_pages_for_memory(config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype, fp8_latent: bool = False) -> int:
         """How many pages fit in memory_bytes after the state slots are paid for."""
-        spec = cache_spec(config, page_size, dtype)
+        spec = cache_spec(config, page_size, dtype, fp8_latent)
         slots = num_slots * spec.kda.bytes_per_sequence
         per_page = spec.mla.bytes_per_page
         if per_page == 0:  # no MLA layer: pages are bookkeeping only, so allow one sequence of max length per slot
@@ -233,6 +237,21 @@ class CacheManager:
         """Cache the state of req_id, which has computed exactly `tokens`, with its pages, under its `cache_salt`."""
         assert self.prefix is not None
         return self.prefix.insert(tokens, self._pages[req_id], self._slots[req_id], request_salt(self.prefix.salt, cache_salt))
+
+    def reserve_snapshot_slot(self) -> int | None:
+        """A snapshot slot for the next step to write a state into (PrefixCache.reserve_slot), or None."""
+        assert self.prefix is not None
+        return self.prefix.reserve_slot()
+
+    def adopt_snapshot(self, req_id: str, tokens: list[int], slot: int, cache_salt: str | None = None) -> bool:
+        """Index reserved `slot`, which req_id's step filled with its state after exactly `tokens`, with req_id's pages,
+        under its `cache_salt`."""
+        assert self.prefix is not None
+        return self.prefix.adopt(tokens, self._pages[req_id], slot, request_salt(self.prefix.salt, cache_salt))
+
+    def release_snapshot_slot(self, slot: int) -> None:
+        assert self.prefix is not None
+        self.prefix.release(slot)
 
     def close(self) -> None:
         """Stop the disk tier's writer and remove its files."""

@@ -19,6 +19,9 @@ Eviction (LRU, `check_integrity` enforces the invariants):
 - snapshot-slot pressure evicts the least recently used snapshot, leaf or not. A state evicted while deeper snapshots still use its
   pages leaves those pages in place: they serve only longer hits that end at a deeper snapshot, never a hit at the evicted boundary.
 - an evicted snapshot goes, with its pages, to the host/disk tiers when there are any (`TierStack.offload`).
+States taken inside a prefill step (ForwardBatch.state_cuts) are written by the model straight into a snapshot slot: the
+scheduler reserves it (`reserve_slot`, which evicts like any snapshot) before the step and `adopt`s it after, or `release`s it
+when the request ended meanwhile; a reserved slot is neither free nor a snapshot.
 Not thread-safe: the scheduler's thread owns it (the tiers' disk writer is separate).
 """
 
@@ -78,6 +81,7 @@ class PrefixCache:
         self.tiers = tiers
         self.all_slots = tuple(snapshot_slots)
         self._free_slots = list(self.all_slots)
+        self._reserved: list[int] = []  # slots a step is writing states into, not yet adopted (reserve_slot)
         self.root = _Node(salt, None, None, (), 0)
         self._salted: dict[bytes, _Node] = {}  # request salt -> the root of its prefixes (requests with a cache_salt)
         self._lru: OrderedDict[bytes, _Snapshot] = OrderedDict()
@@ -171,18 +175,55 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int, salt: bytes | None = None) -> bool:
         """Snapshot the state in `slot` (after exactly `tokens`, keyed under `salt`) with the pages holding them; False when
-        already cached or when there is no snapshot slot at all."""
-        p, ps = len(tokens), self.page_size
-        if p == 0 or not self.all_slots:
+        already cached or when there is no snapshot slot to take."""
+        if not tokens or self._touch(tokens, salt):
             return False
+        snap_slot = self._take_slot()  # before building the path: making room may prune nodes of this very path
+        if snap_slot is None:
+            return False
+        self.counters.device_bytes_copied += copy_slot(self.tensors, slot, snap_slot)
+        self._hang(tokens, page_ids, snap_slot, salt)
+        return True
+
+    def reserve_slot(self) -> int | None:
+        """A snapshot slot for a step to write a state into (ForwardBatch.state_cuts), evicting the least recently used
+        snapshot when none is free; None when every slot is reserved already. `adopt` or `release` gives it back."""
+        slot = self._take_slot()
+        if slot is not None:
+            self._reserved.append(slot)
+        return slot
+
+    def adopt(self, tokens: Sequence[int], page_ids: Sequence[int], slot: int, salt: bytes | None = None) -> bool:
+        """Make reserved `slot`, which now holds the state after exactly `tokens`, a snapshot (keyed under `salt`) with the
+        pages holding them; False (and the slot freed) when that boundary is cached already."""
+        if not tokens or self._touch(tokens, salt):
+            self.release(slot)
+            return False
+        self._reserved.remove(slot)
+        self._hang(tokens, page_ids, slot, salt)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Give back a reserved slot unused (its request ended before its step's states could be adopted)."""
+        self._reserved.remove(slot)
+        self._free_slots.append(slot)
+
+    def _touch(self, tokens: Sequence[int], salt: bytes | None) -> bool:
+        """True (and the snapshot marked most recently used) when boundary len(tokens) is cached under `salt`."""
+        k = len(tokens) // self.page_size
+        node = self._walk(chain_keys(self.salt if salt is None else salt, tokens[: k * self.page_size], self.page_size), salt)
+        snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
+        if snap is not None:
+            self._lru.move_to_end(snap.key)
+        return snap is not None
+
+    def _hang(self, tokens: Sequence[int], page_ids: Sequence[int], snap_slot: int, salt: bytes | None) -> None:
+        """Index the snapshot in `snap_slot` at boundary len(tokens) under `salt`: the path of its full pages, then the
+        snapshot."""
+        p, ps = len(tokens), self.page_size
         k = p // ps
         keys = chain_keys(self.salt if salt is None else salt, tokens[: k * ps], ps)
         tail = tuple(tokens[k * ps : p])
-        node = self._walk(keys, salt)
-        if node is not None and tail in node.snapshots:
-            self._lru.move_to_end(node.snapshots[tail].key)
-            return False
-        snap_slot = self._take_slot()  # before building the path: making room may prune nodes of this very path
         node = self._root(salt, create=True)
         assert node is not None
         for j, key in enumerate(keys):
@@ -195,12 +236,10 @@ class PrefixCache:
         tail_page = page_ids[k] if tail else None
         if tail_page is not None:
             self.pool.share([tail_page])
-        self.counters.device_bytes_copied += copy_slot(self.tensors, slot, snap_slot)
         snap = _Snapshot(snapshot_key(node.key, tail), node, tail, snap_slot, tail_page, p)
         node.snapshots[tail] = snap
         self._lru[snap.key] = snap
         self.counters.snapshots_taken += 1
-        return True
 
     def _walk(self, keys: Sequence[bytes], salt: bytes | None = None) -> _Node | None:
         node = self._root(salt)
@@ -213,10 +252,12 @@ class PrefixCache:
             node = child
         return node
 
-    def _take_slot(self) -> int:
-        if not self._free_slots:
+    def _take_slot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used snapshot when none is free; None when there is no slot
+        at all or every one is reserved."""
+        if not self._free_slots and self._lru:
             self._evict(next(iter(self._lru.values())))
-        return self._free_slots.pop(0)
+        return self._free_slots.pop(0) if self._free_slots else None
 
     # eviction -------------------------------------------------------------------------------------------------------------
 
@@ -314,8 +355,8 @@ class PrefixCache:
         if seen.keys() != self._lru.keys():
             raise AssertionError("PrefixCache: the LRU list and the tree hold different snapshots")
         used = [s.slot for s in self._lru.values()]
-        if sorted(used + self._free_slots) != sorted(self.all_slots):
-            raise AssertionError(f"PrefixCache: snapshot slots used {used} + free {self._free_slots} != {self.all_slots}")
+        if sorted(used + self._free_slots + self._reserved) != sorted(self.all_slots):
+            raise AssertionError(f"PrefixCache: snapshot slots used {used} + free {self._free_slots} + reserved {self._reserved} != {self.all_slots}")
         for page, n in self.page_refs().items():
             if self.pool.ref_count(page) < n:
                 raise AssertionError(f"PrefixCache: page {page} has ref count {self.pool.ref_count(page)} < the index's {n}")

@@ -17,6 +17,9 @@ class PrefixCacheConfig:
 
     match_unit: int = 64  # prefill chunks are cut at multiples of it, and a state is snapshotted at each such cut
     snapshot_interval: int | None = None  # also cut and snapshot every this many prompt tokens (dense, costs slots)
+    # states also taken inside prefill steps, at the deepest this many multiples of match_unit below the prompt's end (the
+    # last full unit first), so that a repeated or extended prompt hits on its second send; each costs a snapshot slot
+    prompt_snapshots: int = 4
     num_snapshot_slots: int = 8  # state slots reserved for snapshots, paid from the same cache byte budget as the pages
     salt: bytes = b""  # hashing.model_salt
     host_bytes: int = 0
@@ -24,7 +27,7 @@ class PrefixCacheConfig:
     disk_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("match_unit", "num_snapshot_slots", "host_bytes", "disk_bytes"):
+        for name in ("match_unit", "num_snapshot_slots", "prompt_snapshots", "host_bytes", "disk_bytes"):
             check_int("PrefixCacheConfig", name, getattr(self, name), low=1 if name == "match_unit" else 0)
         check_int("PrefixCacheConfig", "snapshot_interval", self.snapshot_interval, low=1, optional=True)
         if self.disk_bytes > 0 and self.disk_dir is None:

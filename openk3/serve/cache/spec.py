@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from openk3.checks import check_int, fail
 from openk3.config import ModelConfig
+from openk3.config.cache_format import fp8_latent_width
 
 FP32_BYTES = 4
 
@@ -27,16 +28,19 @@ class MLAPageSpec:
     latent_dim: int
     page_size: int
     dtype_bytes: int = 2
+    scale_bytes: int = 0  # per token per layer: an FP8 cache's scales, stored beside the values (ops/mla/fp8_latent.py)
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
             fail("MLAPageSpec", "num_layers", self.num_layers, ">= 0")
+        if self.scale_bytes < 0:
+            fail("MLAPageSpec", "scale_bytes", self.scale_bytes, ">= 0")
         for name in ("latent_dim", "page_size", "dtype_bytes"):
             check_int("MLAPageSpec", name, getattr(self, name), low=1)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        return self.latent_dim * self.dtype_bytes
+        return self.latent_dim * self.dtype_bytes + self.scale_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,10 +107,18 @@ class CacheSpec:
     kda: KDAStateSpec
 
     @classmethod
-    def from_config(cls, config: ModelConfig, page_size: int, cache_dtype_bytes: int = 2) -> CacheSpec:
-        """Cache sizes of `config`; the MLA latent and the conv windows use the cache dtype, the KDA state fp32."""
+    def from_config(cls, config: ModelConfig, page_size: int, cache_dtype_bytes: int = 2, fp8_latent: bool = False) -> CacheSpec:
+        """Cache sizes of `config`; the MLA latent and the conv windows use the cache dtype, the KDA state fp32. With
+        `fp8_latent` the MLA latent is one byte a value plus its scales (ops/mla/fp8_latent.py)."""
         num_mla = len(config.mla_layers)
-        mla = MLAPageSpec(num_layers=num_mla, latent_dim=config.mla.latent_dim, page_size=page_size, dtype_bytes=cache_dtype_bytes)
+        r = config.mla.latent_dim
+        mla = MLAPageSpec(
+            num_layers=num_mla,
+            latent_dim=r,
+            page_size=page_size,
+            dtype_bytes=1 if fp8_latent else cache_dtype_bytes,
+            scale_bytes=fp8_latent_width(r) - r if fp8_latent else 0,
+        )
         kda = KDAStateSpec(
             num_layers=config.num_hidden_layers - num_mla,
             num_heads=config.kda.num_heads,

@@ -1,0 +1,147 @@
+"""Context-parallel prefill on the demo model: prefill time on one rank against `cp` gloo ranks (same run, interleaved),
+and the bytes each rank received per layer against the planner's CP communication term (openk3/planner/pp_cp.py).
+
+Every rank loads the embedded tiny model and runs one short warm-up of both forms. Per prompt length and repeat, in turn:
+(a) rank 0 alone prefills the whole prompt in one step, 1 thread (the other ranks wait in a barrier); (b) the `cp` ranks
+run `context_parallel_prefill`, 1 thread each (timed from a barrier before to a barrier after, so the slowest rank
+counts). Reported: medians and the ratio (a)/(b). (A one-rank baseline with `cp` threads is not reported: the ranks
+waiting in gloo's barrier keep the other core busy, which made it meaningless on this 2-core machine.) A row's speed-up is refused ("mismatch") unless the
+CP logits equal the one-process logits to 1e-3 and the greedy next token is the same.
+
+Bytes: what each rank logged as received (payload, not the all-gather's padding), per MLA layer (the other ranks'
+latents) and per KDA layer (the conv window and state from the previous rank), against `cp_bytes` of the planner for the
+same model, prompt, cp and an fp32 cache (the CPU cache dtype).
+
+    python benchmarks/context_parallel.py                              # 2k and 8k tokens, cp=2, 3 repeats
+    python benchmarks/context_parallel.py --lengths 4096 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+PAGE_SIZE = 64
+
+
+def _one_rank(ctx, model, ids: list[int]) -> tuple[float, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    """Rank 0 alone prefills the whole prompt in one step; the others wait."""
+    from openk3.model import CacheTensors, ForwardBatch
+
+    dist.barrier()
+    logits, seconds = None, 0.0
+    if ctx.rank == 0:
+        pages = torch.arange(-(-len(ids) // PAGE_SIZE))
+        cache = CacheTensors.allocate(model.config, num_slots=1, num_pages=pages.numel(), page_size=PAGE_SIZE)
+        batch = ForwardBatch.for_step([ids], [0], [0], pages[None], only_last_logits=False)
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(batch, cache)
+        seconds = time.perf_counter() - start
+    dist.barrier()
+    return seconds, logits
+
+
+def _context_parallel(ctx, model, ids: list[int]):  # type: ignore[no-untyped-def]
+    from openk3.model import CacheTensors
+    from openk3.parallel.cp.prefill import context_parallel_prefill
+
+    pages = torch.arange(-(-len(ids) // PAGE_SIZE))
+    cache = CacheTensors.allocate(model.config, num_slots=1, num_pages=pages.numel(), page_size=PAGE_SIZE)
+    dist.barrier()
+    start = time.perf_counter()
+    out = context_parallel_prefill(model, ctx, ids, cache, 0, pages)
+    local = time.perf_counter() - start  # this rank's own part, before waiting for the slowest
+    dist.barrier()
+    return time.perf_counter() - start, local, out
+
+
+def rank_main(ctx, lengths: list[int], repeats: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    from openk3.model import load_model
+    from openk3.serve.loading import resolve_model
+
+    path = resolve_model("tiny")
+    assert path is not None
+    model = load_model(path).eval()
+    rows = []
+    for length in [64, *lengths]:  # the first, short one is the warm-up and is not reported
+        ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        times: dict[str, list[float]] = {"one": [], "cp": [], "local": []}
+        ref, out = None, None
+        for _ in range(repeats):
+            s, ref = _one_rank(ctx, model, ids)
+            times["one"].append(s)
+            s, local, out = _context_parallel(ctx, model, ids)
+            times["cp"].append(s)
+            times["local"].append(local)
+        assert out is not None
+        row: dict = {"length": length, **{k: statistics.median(v) for k, v in times.items()}, "wait": out.wait_s, "padding": out.padding_bytes}
+        mla = _by_layer(out.received, "mla_latent")
+        row["mla"] = statistics.mean(mla.values()) if mla else 0.0
+        kda = _by_layer(out.received, "kda_conv")
+        for k, v in _by_layer(out.received, "kda_state").items():
+            kda[k] = kda.get(k, 0) + v
+        row["kda"] = statistics.mean(kda.values()) if kda else 0.0
+        row["final"] = sum(r.nbytes for r in out.received if r.what == "final_state")
+        if ref is not None:
+            row["error"] = float((out.logits - ref).abs().max())
+            row["same_token"] = int(out.logits[-1].argmax()) == int(ref[-1].argmax())
+        rows.append(row)
+    return rows[1:]
+
+
+def _by_layer(received, what: str) -> dict:  # type: ignore[no-untyped-def]
+    out: dict = {}
+    for r in received:
+        if r.what == what:
+            out[r.layer] = out.get(r.layer, 0) + r.nbytes
+    return out
+
+
+def main() -> None:
+    from openk3.model.weights import config_from_hf
+    from openk3.parallel.launch import run_ranks
+    from openk3.planner.inputs import Quantisation
+    from openk3.planner.pp_cp import cp_bytes
+    from openk3.serve.loading import resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="2048,8192", help="prompt lengths, comma-separated")
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    results = run_ranks(rank_main, a.cp, lengths, a.repeats)
+    path = resolve_model("tiny")
+    assert path is not None
+    config = config_from_hf(path)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"command: python benchmarks/context_parallel.py --lengths {a.lengths} --cp {a.cp} --repeats {a.repeats}; commit {commit}; ")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load avg. after: {load}); demo model, fp32, medians of {a.repeats}\n")
+    columns = ["prompt", "one rank s", f"cp={a.cp} s", "one / cp", "max logit diff", "rank: own part s", "rank: KDA wait s"]
+    columns += ["rank: MLA B/layer (planner)", "rank: KDA B/layer (planner)", "final state B"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for i, length in enumerate(lengths):
+        r0 = results[0][i]
+        ok = r0["error"] <= 1e-3 and r0["same_token"]
+        sent = cp_bytes(config, Quantisation(cache_dtype_bytes=4), tp=1, prompt=length, cp=a.cp)
+        ratio = f"{r0['one'] / r0['cp']:.2f}x" if ok else "mismatch"
+        own = ", ".join(f"{r}: {res[i]['local']:.2f}" for r, res in enumerate(results))
+        waits = ", ".join(f"{r}: {res[i]['wait']:.2f}" for r, res in enumerate(results))
+        mla = ", ".join(f"{r}: {res[i]['mla']:.0f}" for r, res in enumerate(results)) + f" ({sent.mla_per_layer:.0f})"
+        kda = ", ".join(f"{r}: {res[i]['kda']:.0f}" for r, res in enumerate(results)) + f" ({sent.kda_hop:.0f} x {sent.kda_hops_per_layer} hops)"
+        final = ", ".join(f"{r}: {res[i]['final']}" for r, res in enumerate(results))
+        print(f"| {length} | {r0['one']:.2f} | {r0['cp']:.2f} | {ratio} | {r0['error']:.1e} | {own} | {waits} | {mla} | {kda} | {final} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""Context parallelism: one prompt's prefill split over ranks by position (docs/parallel.md, "Context-parallel prefill").
+
+- `exchange.py`: the shards and the messages (all-gather of rows, rank-to-rank hand-offs), logged per layer;
+- `layers.py`: the CP forms of MLA (latents all-gathered) and KDA (conv window and state handed on in rank order);
+- `prefill.py`: `context_parallel_prefill(model, ctx, tokens, cache, slot, pages)`: the logits and cache of one process;
+- `generate.py`: `cp_generate` (CP prefill, greedy decode on rank 0) and its torchrun entry.
+"""

@@ -1,0 +1,80 @@
+"""Context-parallel forms of the two attention layers, swapped in for one prefill (prefill.py) around the layer modules.
+
+Legend: T prompt tokens, T_r this rank's tokens (positions [lo, hi)), D hidden, R MLA latent width, C = 3P conv
+channels, W conv kernel, H K V the KDA heads and head dims.
+
+- MLA: the latents are what every query needs and they are small (R values per token), so each rank computes its own
+  T_r rows, all ranks all-gather them, every rank writes all T into its pages, and each rank attends its own queries over
+  positions [0, hi) read back from the pages: the same computation as a one-process prefill of those rows (exact).
+- KDA: a recurrence. Rank r's first tokens need rank r - 1's last W - 1 pre-conv inputs and its end state. The conv
+  window depends only on this layer's input, so it is handed on right after the short conv, before the recurrence; the
+  projections, the conv and the gates of rank r thus overlap rank r - 1's recurrence, and only the recurrence itself waits
+  for the incoming state. Rank r hands its end state on as soon as its recurrence ends, before the output norm, gate and
+  o_proj and the MLP that follow. Across layers this is a wavefront (rank 0 runs layer l + 1 while rank 1 runs layer l),
+  cut at every MLA layer, whose all-gather waits for every rank.
+
+The module a wrapper replaces keeps its parameters; the wrapper holds it as `inner` only while attached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.model.batch import ForwardBatch
+from openk3.model.kda import KDALayerCache, KimiDeltaAttention
+from openk3.model.mla import GatedMLA, write_latents
+from openk3.ops.kda.decode_step import delta_rule_inputs, gated_output
+from openk3.parallel.cp.exchange import CPExchange
+
+
+def _one_slot(batch: ForwardBatch) -> torch.Tensor:
+    if batch.state_slots is None or batch.num_seqs != 1:
+        raise ValueError("context-parallel prefill runs one sequence with a cache (state_slots set, one sequence)")
+    return batch.state_slots
+
+
+class ContextParallelMLA(nn.Module):
+    def __init__(self, inner: GatedMLA, exchange: CPExchange, layer: int, whole: ForwardBatch) -> None:
+        super().__init__()
+        self.inner, self.exchange, self.layer, self.whole = inner, exchange, layer, whole
+
+    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
+        _one_slot(batch)
+        if latent_pool is None or batch.page_table is None:
+            raise ValueError("context-parallel MLA needs the latent pages (a cache)")
+        inp = self.inner.project(x_TD)
+        all_TR = self.exchange.gather_rows(inp.latent_TR, self.layer, "mla_latent")
+        write_latents(latent_pool, batch.page_table, self.whole, all_TR)
+        out_THV = self.inner.attend_prefill(inp, batch, latent_pool)
+        return self.inner.output(out_THV, inp.gate_logits, x_TD.dtype)
+
+
+class ContextParallelKDA(nn.Module):
+    def __init__(self, inner: KimiDeltaAttention, exchange: CPExchange, layer: int) -> None:
+        super().__init__()
+        self.inner, self.exchange, self.layer = inner, exchange, layer
+
+    def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
+        slot = _one_slot(batch)
+        if cache is None:
+            raise ValueError("context-parallel KDA needs the state slots (a cache)")
+        a, ex, tag = self.inner, self.exchange, 2 * self.layer
+        qkv_TC, f_a, gate_in, b_TH = a.input_projections(x_TD)
+        f_TP = a.f_b_proj(f_a)
+        gate_TP = gate_in if a.full_rank_output_gate else a.g_b_proj(gate_in)
+        w = a.layer_weights()
+        conv_like = cache.conv_SCW[slot]
+        starts_fresh = ex.context_len == 0  # rank 0 of a fresh sequence starts from zeros, after a context from its slot
+        init_conv = ex.from_previous(conv_like, self.layer, "kda_conv", tag) if ex.rank > 0 else (None if starts_fresh else conv_like)
+        y, conv_state = a.conv_prefill(qkv_TC[None], w.conv_weight_CW, init_conv, batch.cu_seqlens, activation="silu")
+        conv_state = conv_state.to(conv_like.dtype)
+        ex.to_next(conv_state, tag)
+        q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, w, a.num_heads)
+        state_like = cache.state_SHKV[slot]
+        init_state = ex.from_previous(state_like, self.layer, "kda_state", tag + 1) if ex.rank > 0 else (None if starts_fresh else state_like)
+        o, new_state = a.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
+        ex.to_next(new_state, tag + 1)
+        cache.conv_SCW.index_copy_(0, slot, conv_state)
+        cache.state_SHKV.index_copy_(0, slot, new_state)
+        return a.o_proj(gated_output(o[0], gate_TP, a.o_norm).to(x_TD.dtype))

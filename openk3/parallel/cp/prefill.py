@@ -1,0 +1,120 @@
+"""One prompt prefilled over W context-parallel ranks, with the same logits and cache contents as one process.
+
+Legend: W ranks, T prompt tokens, V vocabulary, NP pages, PS page size.
+
+Every rank holds the whole model and its own cache pools (the same slot and page ids on every rank). Rank r runs the
+model on positions [lo_r, hi_r) of the prompt (exchange.py's shards) with the attention layers swapped for their CP forms
+(layers.py), so that the rest of the stack -- AttnRes, MoE, norms, the head -- runs unchanged on its own tokens.
+Afterwards every rank holds the whole cache of the prompt: the MLA pages of all T positions (each rank wrote the gathered
+latents), and the KDA states and conv windows after the last token (broadcast from the last rank). Decode then runs on
+any one rank (or on every rank in lockstep) with the ordinary model forward: it needs no CP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.config import LayerKind
+from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.mla import GatedMLA
+from openk3.parallel.cp.exchange import CPExchange, Received, shard_bounds
+from openk3.parallel.cp.layers import ContextParallelKDA, ContextParallelMLA
+from openk3.parallel.group import ParallelContext
+
+
+@dataclass(frozen=True)
+class CPPrefill:
+    logits: torch.Tensor  # [T, V] every prompt row (the last one samples the first output token), on every rank
+    shards: list[tuple[int, int]]
+    received: list[Received]  # this rank's received payloads, per layer
+    padding_bytes: int  # bytes of padding this rank received in the equal-shape all-gathers
+    wait_s: float  # this rank's time blocked waiting for the previous rank's KDA state
+
+
+@contextmanager
+def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch) -> Iterator[None]:
+    """Swap every attention layer for its CP form for the duration of the block; the original modules come back after."""
+    layers = list(model.model.layers)
+    originals: list[nn.Module] = [layer.self_attn for layer in layers]
+    try:
+        for layer, attn in zip(layers, originals, strict=True):
+            if isinstance(attn, GatedMLA):
+                layer.self_attn = ContextParallelMLA(attn, exchange, layer.index, whole)
+            elif isinstance(attn, KimiDeltaAttention):
+                layer.self_attn = ContextParallelKDA(attn, exchange, layer.index)
+            else:
+                raise TypeError(f"context parallel: layer {layer.index} has attention {type(attn).__name__}, expected GatedMLA or KimiDeltaAttention")
+        yield
+    finally:
+        for layer, attn in zip(layers, originals, strict=True):
+            layer.self_attn = attn
+
+
+def _share_final_state(model: K3ForCausalLM, exchange: CPExchange, cache: CacheTensors, slot: int) -> None:
+    kinds = model.config.layer_kinds
+    for layer in model.model.layers:
+        if kinds[layer.index] != LayerKind.KDA:
+            continue
+        i = model.model.cache_index[layer.index]
+        cache.conv_state[i][slot] = exchange.from_last(cache.conv_state[i][slot], layer.index, "final_state")
+        cache.kda_state[i][slot] = exchange.from_last(cache.kda_state[i][slot], layer.index, "final_state")
+
+
+@torch.no_grad()
+def context_parallel_prefill(
+    model: K3ForCausalLM,
+    ctx: ParallelContext,
+    token_ids: Sequence[int],
+    cache: CacheTensors,
+    slot: int,
+    pages: torch.Tensor,
+    context_len: int = 0,
+) -> CPPrefill:
+    """Prefill `token_ids` into state slot `slot` and pages `pages` [P] of `cache` over the ranks of `ctx`, after
+    `context_len` tokens already in that slot and those pages on every rank (0: a fresh sequence; else the next chunk of
+    a chunked prefill, or the rest of a prompt after a prefix hit). Every rank calls it with the same arguments and
+    returns the same logits; the shards count positions from `context_len`."""
+    t = len(token_ids)
+    shards = shard_bounds(t, ctx.world_size)
+    if context_len < 0:
+        raise ValueError(f"context parallel: context_len={context_len}, expected >= 0")
+    end = context_len + t
+    if pages.dim() != 1 or pages.numel() * cache.page_size < end:
+        raise ValueError(
+            f"context parallel: pages must be one row of at least {-(-end // cache.page_size)} page ids for {end} tokens, got shape {tuple(pages.shape)}"
+        )
+    if not 0 <= slot < cache.num_slots:
+        raise ValueError(f"context parallel: slot={slot}, expected 0 <= slot < {cache.num_slots}")
+    device = pages.device
+    lo, hi = shards[ctx.rank]
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
+    page_table = pages[None]
+    batch = ForwardBatch(
+        input_ids=ids[lo:hi],
+        positions=torch.arange(context_len + lo, context_len + hi, device=device),
+        cu_seqlens=torch.tensor([0, hi - lo], device=device),
+        context_lens=torch.tensor([context_len + lo], device=device),
+        state_slots=torch.tensor([slot], device=device),
+        page_table=page_table,
+    )
+    whole = ForwardBatch(
+        input_ids=ids,
+        positions=torch.arange(context_len, end, device=device),
+        cu_seqlens=torch.tensor([0, t], device=device),
+        context_lens=torch.tensor([context_len], device=device),
+    )
+    exchange = CPExchange(ctx, shards, context_len)
+    try:
+        with context_parallel_layers(model, exchange, whole):
+            local_logits = model(batch, cache)
+    finally:
+        exchange.finish()
+    _share_final_state(model, exchange, cache, slot)
+    logits = exchange.gather_rows(local_logits, None, "logits")
+    return CPPrefill(logits, shards, list(exchange.received), exchange.padding_bytes, exchange.wait_s)

@@ -13,12 +13,12 @@ The held-out table greedy-decodes fresh pictures through the engine from the exp
 `openk3 serve` loads); `--kjv` adds the text card's KJV held-out loss before and after.
 
     mkdir -p runs/tiny_text && git archive ce8345b openk3/assets/tiny | tar -x -C runs/tiny_text --strip-components 3
-    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vision_demo --head-rows --kjv --kjv-weight 0 \
-        --code-minutes 11 --tower-minutes 3                      # the first run (no KJV term)
-    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vision_demo2 --init runs/vision_demo/model \
-        --head-rows --kjv --kjv-weight 1 --code-minutes 5 --tower-minutes 2.5   # continued with the KJV term: shipped
-    cp runs/vision_demo2/model/* openk3/assets/tiny/
-    python benchmarks/train_vision_demo.py --eval-only openk3/assets/tiny           # the held-out table of a folder
+    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vd_a --head-rows --kjv --kjv-weight 1 \
+        --code-minutes 12 --tower-minutes 8                          # from scratch
+    python benchmarks/train_vision_demo.py --source runs/tiny_text --out runs/vd_b --init runs/vd_a/model --head-rows --kjv \
+        --kjv-weight 1 --code-minutes 14 --tower-minutes 10          # continued: shipped
+    cp runs/vd_b/model/* openk3/assets/tiny/
+    python benchmarks/train_vision_demo.py --eval-only openk3/assets/tiny --source runs/tiny_text --kjv   # the card's table
 """
 
 from __future__ import annotations

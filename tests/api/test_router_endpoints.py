@@ -69,8 +69,8 @@ def test_model_info_of_a_checkpoint_folder_names_it_and_its_config(live: LiveSer
         "model_path": folder,
         "is_generation": True,
         "max_context_length": MAX_MODEL_LEN,
-        "model_type": "kimi_linear",
-        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_k3",  # the demo folder is multimodal (a vision tower): K3's top-level config, not its text_config
+        "architectures": ["KimiK3ForConditionalGeneration"],
     }
     assert server_model_path == folder
 

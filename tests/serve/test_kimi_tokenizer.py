@@ -245,4 +245,4 @@ def test_a_checkpoint_without_a_tokenizer_is_an_error_unless_bytes_are_asked_for
     (tmp_path / "model.safetensors").symlink_to(ASSETS / "tiny" / "model.safetensors")
     with pytest.raises(TokenizerNotFoundError, match=str(tmp_path)):
         model_tokenizer(tmp_path, seed=0)
-    assert model_tokenizer(tmp_path, seed=0, byte_tokenizer=True).vocab_size == 4096
+    assert model_tokenizer(tmp_path, seed=0, byte_tokenizer=True).vocab_size == 4100  # the demo model: 4096 + the four media tokens

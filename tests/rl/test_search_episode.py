@@ -6,17 +6,19 @@ reward."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
+from openk3.rl.async_episode import run_group_async
 from openk3.rl.branching import run_branched
 from openk3.rl.episode import Task, run_group
-from openk3.rl.policy import ScriptedPolicy
+from openk3.rl.policy import Context, Reply, ScriptedPolicy
 from openk3.rl.task_file import load_task, trajectory_record
 from openk3.rl.tools import Sandboxes
 from openk3.rl.trajectory import ToolStatus, Trajectory
-from openk3.serve.tokenizer import ByteTokenizer
+from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
 from tests.rl.fake_sandboxes import FakeSandboxes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "harbour" / "task.json"
@@ -117,6 +119,24 @@ def test_branches_of_a_searched_trunk_read_the_same_store() -> None:
     assert first.token_ids[: group.shared_tokens] == second.token_ids[: group.shared_tokens]
     assert "(page 1 of 2)" in first.turns[1].observation and "(page 2 of 2)" in second.turns[1].observation
     assert (first.reward, second.reward) == (0.0, 1.0)
+
+
+class ScriptedAsyncPolicy:
+    def __init__(self) -> None:
+        self.tokenizer: Tokenizer = ByteTokenizer(256)
+
+    async def reply(self, context: Context, turn: int) -> Reply:
+        ids = tuple(self.tokenizer.encode(SCRIPT[context.branch][turn]))
+        return Reply(ids, (0.0,) * len(ids), None, 0)
+
+
+def test_the_async_runner_records_the_same_document_turns() -> None:
+    task = example_task_with_fake_verifier()
+    sync = run_group(task, ScriptedPolicy(ByteTokenizer(256), lambda b, t: SCRIPT[b][t]), FakeSandboxes(), n=2, max_turns=8)
+    rollouts = asyncio.run(run_group_async(task, ScriptedAsyncPolicy(), FakeSandboxes(), n=2, max_turns=8))
+    assert rollouts.dropped == []
+    for a, b in zip(rollouts.trajectories, sync, strict=True):
+        assert (a.token_ids, a.loss_mask, a.turns, a.reward) == (b.token_ids, b.loss_mask, b.turns, b.reward)
 
 
 @pytest.mark.sandbox

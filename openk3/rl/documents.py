@@ -157,8 +157,7 @@ class DocumentStore:
         if not query_words:
             raise ToolInputError(f"the query {echo(query)} has no words")
         scored = [(self.score(i, query_words), i) for i in self.docs]
-        ranked = sorted((s, i) for s, i in scored if s > 0)
-        ranked.sort(key=lambda si: (-si[0], si[1]))
+        ranked = sorted(((s, i) for s, i in scored if s > 0), key=lambda si: (-si[0], si[1]))
         return [SearchHit(i, self.docs[i].title, s, self.snippet(i, query_words)) for s, i in ranked[:k]]
 
     def snippet(self, doc_id: str, query_words: set[str]) -> str:

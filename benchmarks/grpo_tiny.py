@@ -1,23 +1,24 @@
 """GRPO on the embedded demo model (`LLM("tiny")`, 12.75M parameters, trained on the King James Bible): it learns to say
 the word its prompt names, by reinforcement alone.
 
-Task `copy`: a prompt such as "And he said, Say Moses. And they said" names one of eight KJV words (LORD, God, Israel, king,
-people, house, land, son); the reply is one token drawn from those eight words' tokens (SamplingParams.allowed_token_ids,
+Task: a prompt such as "And he said, Say Moses" names one of eight KJV words (LORD, God, Israel, king, people, house,
+land, son) as its last word; the reply is one token drawn from those eight words' tokens (SamplingParams.allowed_token_ids,
 so a policy that ignores the prompt scores 1 in 8, which is where the demo model starts). Reward 1.0 when the reply is the
 named word, else 0.0, checked in process. Two prompt templates are trained on; a third is never trained on and measures
-whether what is learnt is "copy the named word" rather than eight memorised prompts.
+whether what is learnt is "say the named word" rather than sixteen memorised prompts.
 
 Each step: every training prompt is a GRPO group of G samples, sampled through the rollout runner's engine path
 (openk3/rl/policy.py LLMPolicy: token ids in, token ids, sampling logprobs and routed experts out) and recorded as the
 runner records a turn (rl/episode.py Branch / take_reply, routing stitched as in an episode); group-relative advantages;
 one clipped policy-gradient step (openk3/rl/grpo.py) of the trainer's copy with the engine's routing replayed (R3); the
 trained tensors pushed into the engine in place (openk3/rl/weight_sync.py update_weights: weight version +1, prefix cache
-rekeyed). Trained subset (stated): `lm_head.weight` and the final norm `model.norm.weight` (1.05M of 12.75M parameters);
-everything else is frozen (the MXFP4 experts are used as served) and only the head is back-propagated, with the
-differentiable kernels (OpTarget(training=True)). Correctness gate: before each step the trainer's logprobs of the sampled
-tokens must equal the engine's to 1e-3, else the run stops with FAIL.
+rekeyed). Trained subset (stated, `--subset`): `head` is `lm_head.weight` and the final norm `model.norm.weight` (1.05M of
+12.75M parameters); `head-mixer` adds the output Attention Residual's query and norm (512 parameters). Everything else is
+frozen (the MXFP4 experts are used as served); the backward never enters a decoder layer, and runs the differentiable
+kernels (OpTarget(training=True)). Correctness gate: before each step the trainer's logprobs of the sampled tokens must
+equal the engine's to 1e-3, else the run stops with FAIL.
 
-  python benchmarks/grpo_tiny.py --threads 1 --steps 30 --every 3
+  python benchmarks/grpo_tiny.py --steps 60 --every 5 --lr 3e-3 --group 16 --threads 1
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ from openk3.serve.tokenizer import Tokenizer
 WORDS = ("LORD", "God", "Israel", "king", "people", "house", "land", "son")
 TRAIN_TEMPLATES = ("And he said, Say {w}", "Write the word {w}")
 HELD_OUT_TEMPLATE = "The word was {w}"
-TRAINED = ("lm_head.weight", "model.norm.weight")
+SUBSETS = {  # what the trainer trains (and pushes); everything else stays as served
+    "head": ("lm_head.weight", "model.norm.weight"),
+    # + the output Attention Residual's query and norm: how the final hidden state mixes the blocks' outputs (the
+    # embeddings' block included), a 512-parameter choice the backward reaches without entering a layer
+    "head-mixer": ("lm_head.weight", "model.norm.weight", "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"),
+}
 
 
 def word_tokens(tokenizer: Tokenizer) -> dict[str, int]:
@@ -102,19 +108,19 @@ def greedy_accuracy(llm: LLM, tokens: dict[str, int], batch: list[tuple[str, str
     return sum(a == w for a, (_, w) in zip(greedy_answers(llm, tokens, batch), batch, strict=True)) / len(batch)
 
 
-def trainer_model(seed: int) -> K3ForCausalLM:
-    """The trainer's copy of the served checkpoint, fp32, with only TRAINED left trainable."""
+def trainer_model(seed: int, trained: tuple[str, ...]) -> K3ForCausalLM:
+    """The trainer's copy of the served checkpoint, fp32, with only `trained` left trainable."""
     torch.manual_seed(seed)
     path = resolve_model("tiny")
     if path is None:
         raise ValueError("the tiny preset has no shipped checkpoint here")
     model = load_model(path)
     names = dict(model.named_parameters())
-    missing = [n for n in TRAINED if n not in names]
+    missing = [n for n in trained if n not in names]
     if missing:
         raise ValueError(f"the tiny checkpoint has no {missing}")
     for name, p in names.items():
-        p.requires_grad_(name in TRAINED)
+        p.requires_grad_(name in trained)
     model.select_ops(target=OpTarget(training=True))  # differentiable kernels: autograd runs through the final norm
     return model.eval()
 
@@ -126,6 +132,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--subset", choices=sorted(SUBSETS), default="head", help="the parameters trained (SUBSETS)")
     p.add_argument("--every", type=int, default=3, help="print a row every this many steps")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -133,7 +140,8 @@ def main() -> int:
     train, held_out = prompts(TRAIN_TEMPLATES), prompts((HELD_OUT_TEMPLATE,))
     llm = LLM("tiny", max_model_len=64, max_num_seqs=len(train) * args.group, seed=args.seed)
     tokens = word_tokens(llm.tokenizer)
-    trainer = trainer_model(args.seed)
+    trained = SUBSETS[args.subset]
+    trainer = trainer_model(args.seed, trained)
     params = [p for p in trainer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     policy = LLMPolicy(llm, SamplingParams(temperature=1.0, max_tokens=1, allowed_token_ids=tuple(tokens.values())), return_routing=True)
@@ -143,7 +151,7 @@ def main() -> int:
     print(f"command: python benchmarks/grpo_tiny.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads; commit {commit}")
     print(
-        f"policy: tiny ({total / 1e6:.2f}M parameters besides the packed MXFP4 experts, vocabulary {trainer.config.vocab_size}); trained {', '.join(TRAINED)} "
+        f"policy: tiny ({total / 1e6:.2f}M parameters besides the packed MXFP4 experts, vocabulary {trainer.config.vocab_size}); trained {', '.join(trained)} "
         f"({sum(p.numel() for p in params) / 1e6:.2f}M); {len(train)} training prompts x {args.group} samples, {len(held_out)} held-out prompts"
     )
     print()
@@ -168,7 +176,7 @@ def main() -> int:
                 print(f"FAIL: trainer and engine logprobs differ by {stats.max_logprob_gap:.2e} at step {step}")
                 return 1
             state = trainer.state_dict()
-            update_weights(llm, {n: state[n] for n in TRAINED})
+            update_weights(llm, {n: state[n] for n in trained})
             t3 = time.perf_counter()
             train_s, push_s = t2 - t1, t3 - t2
             totals["train"] += train_s

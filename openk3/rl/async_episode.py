@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from openk3.rl.async_policy import AsyncPolicy
+from openk3.rl.documents import DocumentStore
 from openk3.rl.episode import Branch, Task, TaskSandboxes, branches_of, finish, take_observation, take_reply
 from openk3.rl.policy import Context
-from openk3.rl.tools import MALFORMED_RESULT, Sandboxes, run_call
-from openk3.rl.trajectory import ToolStatus, Trajectory
+from openk3.rl.tools import Sandboxes, run_tool
+from openk3.rl.trajectory import Trajectory
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Rollouts:
         self.dropped.extend(other.dropped)
 
 
-async def _episode(b: Branch, policy: AsyncPolicy, sandboxes: Sandboxes, max_turns: int, timeout_s: float) -> list[int | None]:
+async def _episode(b: Branch, policy: AsyncPolicy, sandboxes: Sandboxes, documents: DocumentStore | None, max_turns: int, timeout_s: float) -> list[int | None]:
     """Run one branch to its end; the weight version of each of its replies."""
     versions: list[int | None] = []
     for turn in range(max_turns):
@@ -40,11 +41,7 @@ async def _episode(b: Branch, policy: AsyncPolicy, sandboxes: Sandboxes, max_tur
         call = take_reply(b, reply, policy.tokenizer)
         if call is None:
             break
-        result: tuple[ToolStatus, int | None, str]
-        if call.command is None:
-            result = MALFORMED_RESULT
-        else:
-            result = await asyncio.to_thread(run_call, sandboxes, b.sandbox_id, call.command, timeout_s)
+        result = await asyncio.to_thread(run_tool, call, sandboxes, b.sandbox_id, documents, timeout_s)
         take_observation(b, call, result, policy.tokenizer, last=turn == max_turns - 1)
     return versions
 
@@ -57,7 +54,7 @@ async def run_group_async(task: Task, policy: AsyncPolicy, sandboxes: Sandboxes,
     try:
         forks = await asyncio.to_thread(made.open, task, sandboxes, n, tool_timeout_s)
         branches = branches_of(task, policy.tokenizer, forks)
-        versions = await asyncio.gather(*(_episode(b, policy, sandboxes, max_turns, tool_timeout_s) for b in branches))
+        versions = await asyncio.gather(*(_episode(b, policy, sandboxes, task.documents, max_turns, tool_timeout_s) for b in branches))
         out = Rollouts()
         for b, seen in zip(branches, versions, strict=True):
             if len(set(seen)) > 1:

@@ -72,7 +72,7 @@ def run_branched(
         turn = 0
         while turn < branch_at and not trunk.done:
             (reply,) = policy.reply([Context(0, trunk.token_ids)], turn)
-            take_turn(trunk, reply, policy, sandboxes, tool_timeout_s, last=False)
+            take_turn(trunk, reply, policy, sandboxes, task.documents, tool_timeout_s, last=False)
             turn += 1
         if trunk.done:
             return BranchedGroup([finish(task, trunk, sandboxes, version)], turn)
@@ -87,7 +87,7 @@ def run_branched(
                 break
             replies = policy.reply([Context(b.index, b.token_ids) for b in live], turn)
             for b, reply in zip(live, replies, strict=True):
-                take_turn(b, reply, policy, sandboxes, tool_timeout_s, last=turn == max_turns - 1)
+                take_turn(b, reply, policy, sandboxes, task.documents, tool_timeout_s, last=turn == max_turns - 1)
         if policy.weight_version != version:
             raise RuntimeError("the policy's weights changed during a branched episode")
         out = [finish(task, b, sandboxes, version, shared) for b in branches]

@@ -23,7 +23,7 @@ ENGINE_FLAGS_NOT_TAKEN = ("seed",)  # --seed here is the sampling seed
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("rollout", help="run agent episodes of a task in sandboxes and write trajectories (JSONL)")
-    p.add_argument("--task", type=Path, required=True, help="task file: {task_id, prompt, setup?, verify} (rl/task_file.py)")
+    p.add_argument("--task", type=Path, required=True, help="task file: {task_id, prompt, setup?, verify, documents?} (rl/task_file.py)")
     p.add_argument("--episodes", type=int, default=8, help="trajectories to write (rounded up to whole groups)")
     p.add_argument("--group", type=int, default=1, help="samples per group, forked from one snapshot (a GRPO group)")
     p.add_argument("--branch-at", type=int, default=None, help="run one trunk this many turns, then fork it into --group branches")
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (each request seeds its own generator: a group's samples come out the same)")
-    p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable (default: </bash>, kept in the reply)")
+    p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable (default: </bash>, </search>, </open>, kept in the reply)")
     add_engine_arguments(p, exclude=ENGINE_FLAGS_NOT_TAKEN)
     p.set_defaults(func=run)
 
@@ -66,10 +66,11 @@ def rollout(args: argparse.Namespace, sandboxes: Any = None, policy: Any = None)
     """Run the episodes and write them; the summary printed. `sandboxes` / `policy`: given by a caller that made its own
     (tests), else made from the flags and closed here."""
     from openk3.rl.task_file import load_task
+    from openk3.rl.tools import STOP_STRINGS
     from openk3.serve.sampling import SamplingParams
 
     task = load_task(args.task)
-    stop = tuple(args.stop) if args.stop is not None else ("</bash>",)
+    stop = tuple(args.stop) if args.stop is not None else STOP_STRINGS
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, stop=stop, include_stop_str_in_output=True)
     closers: list[Any] = []
     try:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from openk3.rl.documents import DocumentStore
 from openk3.rl.policy import Context, Policy, Reply
-from openk3.rl.tools import MALFORMED_RESULT, Sandboxes, ToolCall, observation_text, parse_call, run_call
-from openk3.rl.trajectory import ToolStatus, Trajectory, Turn, stitch_routing
+from openk3.rl.tools import Result, Sandboxes, ToolCall, observation_text, parse_call, run_tool
+from openk3.rl.trajectory import Trajectory, Turn, stitch_routing
 from openk3.serve.routing import RoutingTrace
 from openk3.serve.tokenizer import Tokenizer
 
@@ -25,6 +26,7 @@ class Task:
     prompt: str  # the text the episode starts from (encoded once, with the tokenizer's special tokens)
     verify: Verifier
     setup: str | None = None  # a shell command run once in the task's sandbox before it is snapshotted
+    documents: DocumentStore | None = None  # the pages the search / open tools read (rl/documents.py), shipped with the task
 
 
 @dataclass
@@ -97,7 +99,7 @@ def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turn
                 break
             replies = policy.reply([Context(b.index, b.token_ids) for b in live], turn)
             for b, reply in zip(live, replies, strict=True):
-                take_turn(b, reply, policy, sandboxes, tool_timeout_s, last=turn == max_turns - 1)
+                take_turn(b, reply, policy, sandboxes, task.documents, tool_timeout_s, last=turn == max_turns - 1)
         if policy.weight_version != version:
             raise RuntimeError("the policy's weights changed during a group's episodes")
         return [finish(task, b, sandboxes, version) for b in branches]
@@ -105,11 +107,10 @@ def run_group(task: Task, policy: Policy, sandboxes: Sandboxes, n: int, max_turn
         made.remove(sandboxes)
 
 
-def take_turn(b: Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, timeout_s: float, last: bool) -> None:
+def take_turn(b: Branch, reply: Reply, policy: Policy, sandboxes: Sandboxes, documents: DocumentStore | None, timeout_s: float, last: bool) -> None:
     call = take_reply(b, reply, policy.tokenizer)
     if call is not None:
-        result = run_call(sandboxes, b.sandbox_id, call.command, timeout_s) if call.command is not None else MALFORMED_RESULT
-        take_observation(b, call, result, policy.tokenizer, last)
+        take_observation(b, call, run_tool(call, sandboxes, b.sandbox_id, documents, timeout_s), policy.tokenizer, last)
 
 
 def take_reply(b: Branch, reply: Reply, tokenizer: Tokenizer) -> ToolCall | None:
@@ -128,11 +129,11 @@ def take_reply(b: Branch, reply: Reply, tokenizer: Tokenizer) -> ToolCall | None
     return call
 
 
-def take_observation(b: Branch, call: ToolCall, result: tuple[ToolStatus, int | None, str], tokenizer: Tokenizer, last: bool) -> None:
+def take_observation(b: Branch, call: ToolCall, result: Result, tokenizer: Tokenizer, last: bool) -> None:
     """Record the call's result (status, exit code, body) and append its observation unless this was the last turn."""
     status, code, body = result
     observation = observation_text(body)
-    b.turns.append(Turn(b.texts[-1], call.command, status, code, observation, b.cached[-1]))
+    b.turns.append(Turn(b.texts[-1], call.command, status, code, observation, b.cached[-1], call.tool))
     if not last:  # the last turn's observation would be read by no one: the trajectory ends at the reply
         b.add(tuple(tokenizer.encode(observation)), None)
     b.done = last

@@ -18,6 +18,7 @@ class ToolStatus(str, enum.Enum):
     TIMED_OUT = "timed_out"
     MALFORMED = "malformed"  # the reply opened a tool call it never closed
     REFUSED = "refused"  # the sandbox refused or failed the call (its error is the observation)
+    INVALID = "invalid"  # a well-formed call with arguments its tool rejects: an unknown doc id, a page or k out of range
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,12 @@ class Turn:
     """One policy reply and, when it called a tool, the call and what came back."""
 
     reply: str  # the reply's text (for reading; the ids are the trajectory's)
-    command: str | None  # the shell command called, None for a final answer or a malformed call
+    command: str | None  # the call's text (shell command, search query, doc id); None for a final answer or a malformed call
     status: ToolStatus | None  # None: no tool was called (the episode's last turn)
     exit_code: int | None = None
     observation: str = ""  # the text fed back to the policy
     cached_tokens: int = 0  # of the reply's context, the tokens the engine took from its prefix cache
+    tool: str | None = None  # which tool was called (rl/tools.py TOOLS); None when none was
 
 
 @dataclass(frozen=True)

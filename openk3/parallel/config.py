@@ -31,6 +31,13 @@ class ParallelConfig:
     dp: int = setting(
         1, "data-parallel attention groups (of --tp ranks each): each runs an engine (scheduler, cache, prefix cache) of its own; needs ep = dp x tp", low=1
     )
+    cp: int = setting(
+        1,
+        "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
+        "state handed rank to rank); decode runs whole on every rank; not with --tp/--ep/--dp yet (docs/parallel.md)",
+        low=1,
+    )
+    cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
     eplb_stats: str | None = setting(
         None, "measured expert load (a file written by --export-eplb-stats) that --ep-method eplb places its replicas from (docs/parallel.md)"
@@ -57,6 +64,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         self._check_load_files()
+        if self.cp > 1 and max(self.tp, self.ep, self.dp) > 1:
+            raise ValueError(
+                f"ParallelConfig: cp={self.cp} with tp={self.tp}, ep={self.ep}, dp={self.dp}: context parallelism runs alone for now "
+                "(a CP group per TP group is not built; docs/parallel.md)"
+            )
+        if self.cp > 1 and self.cp_min_tokens < self.cp:
+            raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
         if self.dp > 1 and self.ep != self.dp * self.tp:
             raise ValueError(
                 f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "
@@ -92,11 +106,14 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Processes one engine runs on: dp groups of tp ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
-        return self.dp * self.tp if self.dp > 1 else max(self.tp, self.ep)
+        return self.dp * self.tp if self.dp > 1 else max(self.tp, self.ep, self.cp)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
-        ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"ep={self.ep}"])
+        ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
+        if self.cp > 1 and engine.enable_prefix_caching:
+            # a step that takes KDA snapshots inside the prompt (the prefix cache's state cuts) would need them inside a rank's shard
+            raise ValueError(f"enable_prefix_caching=True with cp={self.cp}: context-parallel prefill takes no prefix-cache snapshots yet (docs/parallel.md)")
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
         if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:

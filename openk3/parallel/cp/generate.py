@@ -5,7 +5,7 @@ Under torchrun (one process per rank, gloo on CPU, NCCL on CUDA):
 
     torchrun --nproc-per-node 2 -m openk3.parallel.cp.generate --model tiny --prompt "..." --max-tokens 16
 
-This is the model-level path: no scheduler, one prompt, greedy. The serving engine has no `--cp` yet (docs/parallel.md).
+This is the model-level path: no scheduler, one prompt, greedy. The serving engine runs it with `--cp N` (cp/step_model.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from openk3.config import ModelConfig, config_from_hf, preset
 from openk3.model.model import K3ForCausalLM
 from openk3.model.weights import load_model
 from openk3.parallel.config import ParallelConfig
+from openk3.parallel.cp.step_model import ContextParallelStep
 from openk3.parallel.ep.backend import EPBackend, TokenSplit
 from openk3.parallel.ep.placement import redundant_for
 from openk3.parallel.ep.rebalance import RebalanceConfig
@@ -52,6 +53,8 @@ class RankModelSpec:
     ops: str | None = None  # EngineConfig.ops: the implementations every rank selects for its shard (serve/op_names.py)
     heartbeat_timeout_s: float = 5.0  # ParallelConfig.heartbeat_timeout_s: a rank silent this long is lost (heartbeat.py)
     eplb_interval_steps: int | None = None  # method eplb: re-place the experts every N steps from the live load (ep/rebalance.py)
+    cp: int = 1  # > 1: context parallel, every rank the whole model, long prefill steps split by position (cp/step_model.py)
+    cp_min_tokens: int = 256
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
@@ -70,6 +73,8 @@ class RankModelSpec:
             ops=ops,
             heartbeat_timeout_s=parallel.heartbeat_timeout_s,
             eplb_interval_steps=parallel.eplb_interval_steps,
+            cp=parallel.cp,
+            cp_min_tokens=parallel.cp_min_tokens,
         )
 
 
@@ -140,7 +145,7 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
         return 0
     heartbeat.on_lost(exit_worker)  # this rank's main thread may be stuck in a collective with the lost rank
     heartbeat.start()
-    steps = run_worker(model, channel, ctx.device, backend)
+    steps = run_worker(_step_model(spec, model, ctx), channel, ctx.device, backend)
     heartbeat.stop()  # rank 0 stopped every heartbeat before its STOP: this returns within a round
     return steps
 
@@ -162,4 +167,9 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
         raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
     if not isinstance(backend, TokenSplit | None):
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
-    return EPDriver(model, channel, backend.inner if backend is not None else None, heartbeat.start()), backend
+    return EPDriver(_step_model(spec, model, ctx), channel, backend.inner if backend is not None else None, heartbeat.start()), backend
+
+
+def _step_model(spec: RankModelSpec, model: K3ForCausalLM, ctx: ParallelContext) -> K3ForCausalLM | ContextParallelStep:
+    """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form."""
+    return ContextParallelStep(model, ctx, spec.cp_min_tokens) if spec.cp > 1 else model

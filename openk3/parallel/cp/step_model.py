@@ -1,0 +1,56 @@
+"""ContextParallelStep: a context-parallel rank's model as the serving engine's driver runs it (`LLM(cp=N)`, `openk3 serve
+--cp N`).
+
+Every rank holds the whole model and cache pools of rank 0's shapes, and every rank runs every step the driver broadcasts
+(serving/driver.py: the same batch, the prefix cache's copies replayed), so all pools hold the same contents. A step that
+is one sequence's prefill of at least `min_tokens` new tokens runs context-parallel (prefill.py: each rank computes its
+contiguous shard of the step, MLA latents all-gathered, the KDA state handed rank to rank; afterwards every rank's pools
+hold the whole step, as after an ordinary forward); any other step -- decode, several sequences, a short chunk, images --
+runs whole on every rank (the same result everywhere; the workers' logits are dropped). The decision reads only the
+batch, which every rank received alike, so the ranks always take the same path. What this buys: a long prompt's chunks
+(the engine's chunked prefill: one chunk per step up to max_num_batched_tokens) are split W ways; decode does not get
+faster (vLLM's decode context parallelism, which shards the cache, is not built).
+
+Not taken context-parallel, by rule: a step with KDA state cuts inside it (prefix-cache snapshots; the engine refuses
+prefix caching with cp > 1, ParallelConfig.check_engine), a capturable (graph) batch, a batch with image embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from openk3.config import ModelConfig
+from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
+from openk3.parallel.cp.prefill import context_parallel_prefill
+from openk3.parallel.group import ParallelContext
+
+
+class ContextParallelStep:
+    def __init__(self, model: K3ForCausalLM, ctx: ParallelContext, min_tokens: int) -> None:
+        if min_tokens < ctx.world_size:
+            raise ValueError(f"context parallel: min_tokens={min_tokens} must be at least the {ctx.world_size} ranks (every rank needs a token)")
+        self.model, self.ctx, self.min_tokens = model, ctx, min_tokens
+        self.config: ModelConfig = model.config
+        self.cp_steps = 0  # steps run context-parallel (the others ran whole on every rank)
+        self.cp_tokens = 0
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.model.parameters(recurse)
+
+    def splits(self, batch: ForwardBatch, cache: CacheTensors | None) -> bool:
+        """Whether this step runs context-parallel (module docstring): read from the batch alone, alike on every rank."""
+        simple = not (batch.is_decode or batch.capturable or batch.state_cuts or batch.mm_embeds is not None)
+        return cache is not None and simple and batch.num_seqs == 1 and batch.input_ids.numel() >= self.min_tokens
+
+    def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        if not self.splits(batch, cache):
+            return self.model(batch, cache)
+        assert cache is not None and batch.state_slots is not None and batch.page_table is not None  # splits() checked the cache
+        tokens = batch.input_ids.tolist()
+        slot, context_len = int(batch.state_slots[0]), int(batch.context_lens[0])
+        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len)
+        self.cp_steps += 1
+        self.cp_tokens += len(tokens)
+        return out.logits if batch.logits_indices is None else out.logits[batch.logits_indices]

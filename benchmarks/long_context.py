@@ -1,7 +1,7 @@
 """Long prompts on the demo model: prefill time and peak RSS with the MLA prefill "auto" picks now against the form it
 picked before (expanded K/V + SDPA, "fast"), same run, same machine.
 
-Each (length, form) runs in a child process of its own, so that its peak RSS (ru_maxrss) is that prefill's alone: it
+Each (length, form) runs in a child process of its own, so that its peak RSS (VmHWM) is that prefill's alone: it
 builds the embedded tiny model, takes the RSS, then generates one greedy token (with its logprob) for a random prompt of
 `length` tokens in chunks of `--chunk` tokens (the engine's default step budget). Reported per row: the time to the
 first token (the prefill), the peak RSS and its growth over the RSS of the loaded engine, and the MLA cache bytes of the

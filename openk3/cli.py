@@ -1,4 +1,5 @@
-"""`openk3 serve | generate | plan | bench | train | train-mtp | distill | sandbox | quantize | rollout`: one entry point, each sub-command owned by its package.
+"""`openk3 serve | generate | plan | bench | train | train-mtp | distill | sandbox | quantize | rollout`: one entry point,
+each sub-command owned by its package.
 
 A package contributes a sub-command through `register(subparsers)` in its own `cli.py`; importing it here (lazily, inside
 `build_parser`) keeps `openk3 plan` and `openk3 sandbox` free of torch imports.

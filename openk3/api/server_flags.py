@@ -41,12 +41,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="HOST",
-        help="host names image URLs may be fetched from (exact names, as vLLM's flag; api/media_fetch.py); default: none, "
-        "only data: URLs are accepted",
+        help="host names image URLs may be fetched from (exact names, as vLLM's flag; api/media_fetch.py); default: none, only data: URLs are accepted",
     )
-    p.add_argument(
-        "--media-fetch-timeout-s", type=float, default=10.0, help="deadline for fetching one image URL, redirects included (default 10)"
-    )
+    p.add_argument("--media-fetch-timeout-s", type=float, default=10.0, help="deadline for fetching one image URL, redirects included (default 10)")
     p.add_argument(
         "--metrics-prefix",
         default="openk3:",

@@ -173,6 +173,7 @@ def registry() -> OpRegistry:
     from openk3.ops.kda import decode_step
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+    from openk3.ops.kda.chunk_c import kda_chunk_c, kda_mixed_c
     from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
     from openk3.ops.kda.mixed import kda_mixed
     from openk3.ops.kda.naive import kda_recurrent
@@ -216,6 +217,9 @@ def registry() -> OpRegistry:
     r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda", requires=FLA)
     r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda", requires=FLA)
     r.register("kda_prefill", "mixed", kda_mixed, "one-token sequences to the decode recurrence, the rest chunkwise (inference)", chunked=True)
+    # the same two forms with the state-independent work in one C pass per chunk (ops/kda/chunk_c.py)
+    r.register("kda_prefill", "fast", kda_chunk_c, "chunkwise WY form, its intra-chunk part in one C pass (inference)", backend="c", chunked=True)
+    r.register("kda_prefill", "mixed", kda_mixed_c, "as mixed, the chunkwise part by the C form (inference)", backend="c", chunked=True)
     r.register_auto("kda_prefill", lambda t, _: "autograd" if t.training else "mixed")
 
     r.register("short_conv", "naive", conv_naive.causal_conv1d, "per-sequence loops (the definition)", differentiable=True)

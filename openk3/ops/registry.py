@@ -191,6 +191,8 @@ def registry() -> OpRegistry:
     from openk3.ops.moe.naive import moe_experts_naive
     from openk3.ops.moe.router import sigmoid_topk_route, sigmoid_topk_route_c
     from openk3.ops.moe.static import moe_experts_static
+    from openk3.ops.mxfp4 import dequantize, dequantize_naive
+    from openk3.ops.mxfp4_c import dequantize_c
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
@@ -267,6 +269,11 @@ def registry() -> OpRegistry:
     r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
     r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts, Triton grouped GEMM decoding in registers", backend="cuda", requires=TRITON)
     r.register_auto("moe_experts", lambda t, _: "sized")
+    # how a packed MXFP4 bank decodes the experts a step picked (ops/moe/packed_bank.py); all forms give the same bits
+    r.register("mxfp4_decode", "naive", dequantize_naive, "nibbles split, fp64 values, one rounding (the definition)", differentiable=True)
+    r.register("mxfp4_decode", "fast", dequantize, "a byte-pair gather and a scale multiply in torch", differentiable=True)
+    r.register("mxfp4_decode", "fast", dequantize_c, "the same tables in one C loop (fp32)", backend="c")
+    r.register_auto("mxfp4_decode", lambda t, _: "fast")
 
     # the residual stream over depth of one forward (ops/attn_res/stream.py): embedding in, a stream the layer loop reads and adds to
     r.register("attn_res", "naive", OneShotStream, "one-shot mix per sublayer (the definition)", differentiable=True)

@@ -185,16 +185,25 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
     }
 
 
-def set_decode(llm: Any, form: str) -> None:
-    """Every MoE layer's MXFP4 decode form: "fast" on the engine's target (the C loop where it builds) or "torch"."""
+def set_arm(llm: Any, arm: str) -> None:
+    """Every MoE layer's expert path: "engine" as chosen for the engine's target, or "before" (issue 42's starting point:
+    the torch MXFP4 decode and the per-expert grouped loop for packed banks)."""
+    import functools
+
     from openk3.model.moe import LocalExperts
+    from openk3.ops.linear import linear_c
+    from openk3.ops.moe import moe_experts_sized
     from openk3.ops.mxfp4 import dequantize
 
     for layer in _moe_layers(llm):
-        if isinstance(layer.backend, LocalExperts):
-            if not hasattr(layer.backend, "_chosen_decode"):
-                layer.backend._chosen_decode = layer.backend.decode
-            layer.backend.decode = dequantize if form == "torch" else layer.backend._chosen_decode
+        backend = layer.backend
+        if isinstance(backend, LocalExperts):
+            if not hasattr(backend, "_chosen"):
+                backend._chosen = (backend.decode, backend.op)
+            if arm == "before":
+                backend.decode, backend.op = dequantize, functools.partial(moe_experts_sized, linear=linear_c, batched_c=None)
+            else:
+                backend.decode, backend.op = backend._chosen
 
 
 def _moe_layers(llm: Any) -> list[Any]:
@@ -205,12 +214,12 @@ def _moe_layers(llm: Any) -> list[Any]:
 
 def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float]) -> None:
     threads = list(read_bw)
-    decodes = ["engine", "torch"] if args.compare_decode else ["engine"]
+    decodes = ["engine", "before"] if args.compare_before else ["engine"]
     arms = [(t, d) for t in threads for d in decodes]
     print(f"\n{name}: prompt {args.prompt} tokens, {args.warm} warm-up then {args.steps} timed decode steps per run")
-    print(f"interleaved: for each batch, {args.rounds} rounds of one run per arm (threads, MXFP4 decode form); min and median over a row's timed steps\n")
+    print(f"interleaved: for each batch, {args.rounds} rounds of one run per arm (threads, MoE expert path); min and median over a row's timed steps\n")
     print(
-        "| batch | threads | MXFP4 decode | weights MiB | experts MiB (distinct/layer) | MLA MiB | KDA MiB | roofline ms | step ms min / med"
+        "| batch | threads | MoE experts | weights MiB | experts MiB (distinct/layer) | MLA MiB | KDA MiB | roofline ms | step ms min / med"
         " | forward ms min / med | step / roofline (min) | forward / roofline (min) | tokens |"
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -219,10 +228,10 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
         for _ in range(args.rounds):
             for t, d in arms:
                 torch.set_num_threads(t)
-                set_decode(llm, d)
+                set_arm(llm, d)
                 tag = f"b{b}-t{t}-{d}-r{len(rows[(t, d)])}"
                 rows[(t, d)].append(run(llm, b, args.prompt, args.steps, args.warm, seed=i, tag=tag))  # same seed: same prompts
-        set_decode(llm, "engine")
+        set_arm(llm, "engine")
         for t, d in arms:
             r = rows[(t, d)][0]
             steps = [x for run_ in rows[(t, d)] for x in run_["step"]]
@@ -250,7 +259,9 @@ def main() -> int:
     ap.add_argument("--k3-batches", default="1,16", help="batch sizes of the slice (its steps take seconds)")
     ap.add_argument("--k3-steps", type=int, default=3)
     ap.add_argument("--skip-tiny", action="store_true")
-    ap.add_argument("--compare-decode", action="store_true", help="also run every arm with the torch MXFP4 decode (A/B of the C decode)")
+    ap.add_argument(
+        "--compare-before", action="store_true", help="also run every arm with the MoE expert path before issue 42 (torch MXFP4 decode, per-expert loop)"
+    )
     ap.add_argument("--system-heap", action="store_true", help="leave glibc's heap settings (default: keep_heap_for_reuse, as openk3 serve)")
     ap.add_argument("--ops", default=None, help="EngineConfig.ops for both models, e.g. kda=in_pool")
     args = ap.parse_args()

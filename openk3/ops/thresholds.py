@@ -21,6 +21,10 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 # grouped loop up to 16 tokens, ~3.5x the single-token path at one token, 1.4-3.4x from 4 to 64 pairs per expert, and 0.7x
 # at 128-256 pairs per expert, where the loop's large per-expert GEMMs win.
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
+# A packed MXFP4 bank takes the same C loop when the experts a step picked, decoded at once, fit this many bytes (the demo
+# model's 16 experts are 3 MiB in fp32); beyond it (one K3 expert is 132 MiB in fp32) it decodes expert by expert (grouped).
+# Issue 42: the grouped loop's ~10 torch ops per expert were 70% of the demo model's batch-16 decode step.
+PACKED_DECODE_MAX_BYTES = 64 << 20
 
 # ops/attn_res/sized.py ("auto") -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the
 # one-shot mix is kept: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per block and a merge is not fewer ops

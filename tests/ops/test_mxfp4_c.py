@@ -76,3 +76,34 @@ def test_a_bank_decodes_with_its_decode_form() -> None:
     bank = pb.PackedMXFP4ExpertBank(plain.w1, plain.w3, plain.w2, decode=counting)
     assert all(torch.equal(a, b) for a, b in zip(bank.expert(2, torch.float32), plain.expert(2, torch.float32), strict=True))
     assert seen == [(64, 48), (64, 48), (96, 32)]
+
+
+def test_a_packed_bank_goes_through_the_c_loop_with_the_picked_experts_decoded_once() -> None:
+    """moe_experts_sized on the "c" backend: the experts a multi-token step picked are decoded in one call per projection
+    into a dense bank of their own (ids remapped), and the result equals the per-expert grouped path's."""
+    import functools
+
+    from openk3.config import Activation
+    from openk3.ops.activation import glu
+    from openk3.ops.linear import linear_c
+    from openk3.ops.moe import moe_experts_grouped, moe_experts_sized
+    from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
+
+    g = torch.Generator().manual_seed(2)
+    w1, w3, w2 = (torch.randn(*s, generator=g) * 0.05 for s in ((8, 64, 96), (8, 64, 96), (8, 96, 64)))
+    calls = []
+
+    def counting(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, tables: mxfp4.DecodeTables) -> torch.Tensor:
+        calls.append(packed.shape[0])
+        return dequantize_c(packed, scales, dtype, tables)
+
+    plain = pb.PackedMXFP4ExpertBank.from_dense(w1, w3, w2)
+    bank = pb.PackedMXFP4ExpertBank(plain.w1, plain.w3, plain.w2, decode=counting)
+    x = torch.randn(5, 96, generator=g)
+    idx = torch.tensor([[1, 6], [6, 3], [1, 3], [3, 6], [1, 6]])  # experts 1, 3, 6 picked
+    weight = torch.rand(5, 2, generator=g)
+    act = functools.partial(glu, kind=Activation.SITU)  # as the model builds expert_act: an activation moe.c knows
+    got = moe_experts_sized(x, idx, weight, bank, act, linear=linear_c, batched_c=moe_experts_batched_c)
+    assert calls == [3, 3, 3]  # one decode per projection, of the three picked experts
+    want = moe_experts_grouped(x, idx, weight, plain, act, linear=linear_c)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

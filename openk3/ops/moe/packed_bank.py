@@ -70,6 +70,12 @@ class PackedMXFP4ExpertBank:
         tables = decode_tables(dtype, self.w1.packed.device)
         return ExpertWeights(*(self.decode(t.packed[e], t.scales[e], dtype, tables) for t in (self.w1, self.w3, self.w2)))
 
+    def decoded(self, ids: torch.Tensor, dtype: torch.dtype) -> DenseExpertBank:
+        """Experts `ids` (int64 [n]) decoded at once into a dense bank of n experts, in that order: one decode call per
+        projection (the same bits as expert())."""
+        tables = decode_tables(dtype, self.w1.packed.device)
+        return DenseExpertBank(*(self.decode(t.packed.index_select(0, ids), t.scales.index_select(0, ids), dtype, tables) for t in (self.w1, self.w3, self.w2)))
+
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed experts (codes and scales)."""

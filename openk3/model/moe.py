@@ -20,9 +20,9 @@ from openk3.config import ModelConfig
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
 from openk3.ops.activation import glu
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank
-from openk3.ops.moe.packed_bank import PROJECTIONS, PackedMXFP4ExpertBank
+from openk3.ops.moe.packed_bank import PROJECTIONS, DecodeFn, PackedMXFP4ExpertBank
 from openk3.ops.moe.router import RouterOutput
-from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor
+from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, dequantize
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, op
 
 
@@ -46,9 +46,12 @@ class LocalExperts:
     def __init__(self, impl: str = "auto", target: OpTarget = CPU_INFERENCE) -> None:
         self.impl = impl
         self.op = op("moe_experts", impl, target)
+        self.decode = op("mxfp4_decode", "auto", target)  # how a packed bank decodes the experts it is asked for
 
     def __call__(self, layer: LatentMoE, z_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
-        return self.op(z_TD, routing.topk_idx, routing.topk_weight, layer.experts.bank(), layer.expert_act)
+        experts = layer.experts
+        bank = experts.bank(self.decode) if isinstance(experts, PackedExperts) else experts.bank()
+        return self.op(z_TD, routing.topk_idx, routing.topk_weight, bank, layer.expert_act)
 
 
 class Router(nn.Module):
@@ -91,8 +94,10 @@ class PackedExperts(nn.Module):
             self.register_buffer(f"{name}_weight_packed", torch.zeros(num_experts, rows, cols // 2, dtype=torch.uint8))
             self.register_buffer(f"{name}_weight_scale", torch.zeros(num_experts, rows, cols // MX_BLOCK, dtype=torch.uint8))
 
-    def bank(self) -> ExpertBank:
-        return PackedMXFP4ExpertBank(*(MXFP4Tensor(getattr(self, f"{w}_weight_packed"), getattr(self, f"{w}_weight_scale")) for w in PROJECTIONS))
+    def bank(self, decode: DecodeFn = dequantize) -> ExpertBank:
+        """The bank over these buffers; `decode`: the "mxfp4_decode" form its experts are decoded with."""
+        tensors = (MXFP4Tensor(getattr(self, f"{w}_weight_packed"), getattr(self, f"{w}_weight_scale")) for w in PROJECTIONS)
+        return PackedMXFP4ExpertBank(*tensors, decode=decode)
 
     @staticmethod
     def from_dense(experts: DenseExperts) -> PackedExperts:

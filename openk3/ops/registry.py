@@ -173,6 +173,7 @@ def registry() -> OpRegistry:
     from openk3.ops.kda import decode_step
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+    from openk3.ops.kda.chunk_c import kda_chunk_c, kda_mixed_c
     from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
     from openk3.ops.kda.mixed import kda_mixed
     from openk3.ops.kda.naive import kda_recurrent
@@ -191,6 +192,8 @@ def registry() -> OpRegistry:
     from openk3.ops.moe.packed_c import moe_experts_packed_c
     from openk3.ops.moe.router import sigmoid_topk_route, sigmoid_topk_route_c
     from openk3.ops.moe.static import moe_experts_static
+    from openk3.ops.mxfp4 import dequantize, dequantize_naive
+    from openk3.ops.mxfp4_c import dequantize_c
     from openk3.ops.norm import rms_norm, rms_norm_c, rms_norm_reference
     from openk3.ops.short_conv import fast as conv_fast
     from openk3.ops.short_conv import naive as conv_naive
@@ -217,6 +220,9 @@ def registry() -> OpRegistry:
     r.register("kda_prefill", "fla", kda_chunk_fla, "fla's chunk_kda, states converted at the seam", backend="cuda", requires=FLA)
     r.register("kda_prefill", "fla_recurrent", kda_recurrent_fla, "fla's fused_recurrent_kda (decode-sized steps)", backend="cuda", requires=FLA)
     r.register("kda_prefill", "mixed", kda_mixed, "one-token sequences to the decode recurrence, the rest chunkwise (inference)", chunked=True)
+    # the same two forms with the state-independent work in one C pass per chunk (ops/kda/chunk_c.py)
+    r.register("kda_prefill", "fast", kda_chunk_c, "chunkwise WY form, its intra-chunk part in one C pass (inference)", backend="c", chunked=True)
+    r.register("kda_prefill", "mixed", kda_mixed_c, "as mixed, the chunkwise part by the C form (inference)", backend="c", chunked=True)
     r.register_auto("kda_prefill", lambda t, _: "autograd" if t.training else "mixed")
 
     r.register("short_conv", "naive", conv_naive.causal_conv1d, "per-sequence loops (the definition)", differentiable=True)
@@ -265,6 +271,11 @@ def registry() -> OpRegistry:
     r.register("moe_experts", "static", moe_experts_static, "every expert over every token, fixed shapes (capturable in a graph)", differentiable=True)
     r.register("moe_experts", "triton", moe_experts_triton, "packed MXFP4 experts, Triton grouped GEMM decoding in registers", backend="cuda", requires=TRITON)
     r.register_auto("moe_experts", lambda t, _: "sized")
+    # how a packed MXFP4 bank decodes the experts a step picked (ops/moe/packed_bank.py); all forms give the same bits
+    r.register("mxfp4_decode", "naive", dequantize_naive, "nibbles split, fp64 values, one rounding (the definition)", differentiable=True)
+    r.register("mxfp4_decode", "fast", dequantize, "a byte-pair gather and a scale multiply in torch", differentiable=True)
+    r.register("mxfp4_decode", "fast", dequantize_c, "the same tables in one C loop (fp32)", backend="c")
+    r.register_auto("mxfp4_decode", lambda t, _: "fast")
 
     # the residual stream over depth of one forward (ops/attn_res/stream.py): embedding in, a stream the layer loop reads and adds to
     r.register("attn_res", "naive", OneShotStream, "one-shot mix per sublayer (the definition)", differentiable=True)

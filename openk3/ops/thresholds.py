@@ -23,6 +23,10 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 # The same bound sends packed MXFP4 banks to their C loop (ops/moe/packed_c.py: each active expert decoded into scratch, then
 # these products): 3-4x the grouped torch form at 1-3 tokens on the demo model (16 experts, 128 x 128), not measured past.
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
+# A packed MXFP4 bank takes the same C loop when the experts a step picked, decoded at once, fit this many bytes (the demo
+# model's 16 experts are 3 MiB in fp32); beyond it (one K3 expert is 132 MiB in fp32) it decodes expert by expert (grouped).
+# Issue 42: the grouped loop's ~10 torch ops per expert were 70% of the demo model's batch-16 decode step.
+PACKED_DECODE_MAX_BYTES = 64 << 20
 
 # ops/attn_res/sized.py ("auto") -- benchmarks/attn_res.py, benchmarks/results/attn_res.md. Below this many tokens in a step the
 # one-shot mix is kept: phase 1 costs a fixed ~12 + 4 x (stored blocks) small ops per block and a merge is not fewer ops

@@ -13,6 +13,7 @@ from openk3.cli import main
 from openk3.config import debug, save_config
 from openk3.model import load_model, save_model
 from openk3.model.moe import DenseExperts, LocalExperts, PackedExperts
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.moe.bank import DenseExpertBank
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank, dense_bank_nbytes
 
@@ -22,11 +23,12 @@ TOKENS = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(
 
 
 def dequantised_copy(packed_model):
-    """The same model with every packed bank decoded into dense fp32 parameters, run by the same (grouped) expert op as the
-    packed banks, so the comparison sees the weights only, not a different summation order."""
+    """The same model with every packed bank decoded into dense fp32 parameters, run by the same expert loop as the packed
+    banks, so the comparison sees the weights only, not a different summation order: where the C kernels build, the packed
+    banks' picked experts run in moe.c's loop, which "sized" also takes for dense banks; elsewhere both take the grouped op."""
     dense = build(debug())
     for moe in dense.moe_layers():
-        moe.backend = LocalExperts("fast")
+        moe.backend = LocalExperts("sized" if kernels_available() else "fast")
     dense.load_state_dict({k: v for k, v in packed_model.state_dict().items() if "experts.w" not in k}, strict=False)
     for src, dst in zip(packed_model.moe_layers(), dense.moe_layers(), strict=True):
         full = src.experts.bank().materialize(torch.float32)

@@ -214,7 +214,8 @@ def test_gate_rejects_mismatched_arguments() -> None:
 
 def test_prefill_op_dispatch_and_input_errors() -> None:
     assert op("kda_prefill", "naive") is kda_recurrent
-    assert op("kda_prefill", "fast") is kda_chunk and op("kda_prefill", "auto") is kda_mixed  # chunkwise, one-token sequences split off
+    torch_forms = OpTarget(c_kernels=False)  # the C forms where they build: tests/ops/test_kda_chunk_c.py
+    assert op("kda_prefill", "fast", torch_forms) is kda_chunk and op("kda_prefill", "auto", torch_forms) is kda_mixed  # one-token sequences split off
     assert op("kda_prefill", "auto", OpTarget(training=True)) is kda_chunk_autograd  # "auto" is resolved for the mode
     with pytest.raises(ValueError, match="'fast' is inference-only; for training choose one of \\['autograd', 'naive'\\]"):
         op("kda_prefill", "fast", OpTarget(training=True))

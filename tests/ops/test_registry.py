@@ -9,7 +9,9 @@ import torch
 from openk3.config import debug
 from openk3.model import K3ForCausalLM, OpChoice
 from openk3.model.kda import KimiDeltaAttention
+from openk3.ops.cpu.build import kernels_available
 from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
+from openk3.ops.kda.chunk_c import kda_mixed_c
 from openk3.ops.kda.mixed import kda_mixed
 from openk3.ops.registry import OpRegistry, OpTarget, registry
 from openk3.serve.prepare import prepare_for_serving
@@ -78,7 +80,8 @@ def kda_prefills(model: K3ForCausalLM) -> set[object]:
 
 def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     model = K3ForCausalLM(debug())
-    assert kda_prefills(model) == {kda_mixed}  # built for CPU inference
+    mixed = kda_mixed_c if kernels_available() else kda_mixed  # the "c" backend's form where the kernels build
+    assert kda_prefills(model) == {mixed}  # built for CPU inference
     model.select_ops(target=OpTarget(training=True))
     assert kda_prefills(model) == {kda_chunk_autograd}  # "auto" for training: the differentiable form
     model.init_weights(0)
@@ -86,7 +89,7 @@ def test_the_model_chooses_by_name_for_training_and_for_serving() -> None:
     prepare_for_serving(model, torch.device("cpu"))
     assert kda_prefills(model) == {kda_chunk_autograd}  # a module in training mode keeps what its owner chose
     prepare_for_serving(model.eval(), torch.device("cpu"))
-    assert kda_prefills(model) == {kda_mixed}  # an eval-mode one gets "auto" resolved again, for inference
+    assert kda_prefills(model) == {mixed}  # an eval-mode one gets "auto" resolved again, for inference
     with pytest.raises(ValueError, match="'fast' is inference-only"):
         model.select_ops(OpChoice(kda="fast"), OpTarget(training=True))
 

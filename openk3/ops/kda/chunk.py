@@ -162,19 +162,33 @@ def kda_chunk(
     W = torch.bmm(Tm, kc * eG)
     U = torch.bmm(Tm, vc)
     Kd_T = _decay(G[:, -1:] - G).mul_(kc).transpose(1, 2)  # (exp(G_C - G) k)^T, [Q * H, K, C]
-    decay = eG[:, -1, :, None]  # [Q * H, K, 1]
-    # The Python loop carries only the state (3 ops per chunk step: on a busy machine every op is a thread barrier); S_in keeps
-    # each chunk's incoming state so the read-out O = (q exp(G)) S + Aqk V' is two batched matmuls after the loop.
-    # No zero-fill: step 0's slots get the initial states below and step j writes step j+1's; each rank's row of `final` is
-    # written at the step its sequence ends, and Vp's slots by their own step.
-    S_in = qc.new_empty(layout.num_slots * H, K, V)
-    final = qc.new_empty(N * H, K, V)  # rank order
+    S_in, Vp, final = state_scan(layout, W, U, Kd_T, eG[:, -1, :, None], initial_state, N, H)
+    O = torch.bmm(Qd, S_in).baddbmm_(Aqk, Vp)
+    S = layout.from_ranks(final.view(N, H, K, V))
+    o = layout.from_chunks(O, B, T, H)
+    return o.to(v.dtype).contiguous(), S
+
+
+def state_scan(
+    layout: ChunkLayout, W: torch.Tensor, U: torch.Tensor, Kd_T: torch.Tensor, decay: torch.Tensor, initial_state: torch.Tensor | None, N: int, H: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inter-chunk recurrence: V' = U - W S, S <- exp(G_C) S + (exp(G_C - G) k)^T V', one step per chunk index.
+
+    W [Q * H, C, K], U [Q * H, C, V] (row-contiguous views allowed), Kd_T [Q * H, K, C], decay [Q * H, K, 1]. Returns each
+    slot's incoming state S_in [Q * H, K, V], the pseudo-values V' [Q * H, C, V] and the final states [N * H, K, V] in rank
+    order. The Python loop carries only the state (3 ops per chunk step: on a busy machine every op is a thread barrier);
+    S_in keeps each chunk's incoming state so the read-out O = (q exp(G)) S + Aqk V' is two batched matmuls after the loop.
+    No zero-fill: step 0's slots get the initial states below and step j writes step j+1's; each rank's row of `final` is
+    written at the step its sequence ends, and V''s slots by their own step."""
+    K, V = W.shape[-1], U.shape[-1]
+    S_in = W.new_empty(layout.num_slots * H, K, V)
+    final = W.new_empty(N * H, K, V)  # rank order
     first = S_in[: layout.active[0] * H]
     if initial_state is None:
         first.zero_()
     else:
         first.copy_(layout.to_ranks(initial_state.float()).reshape(N * H, K, V))
-    Vp = torch.empty_like(U)  # pseudo-values V' = U - W S
+    Vp = W.new_empty(U.shape)  # pseudo-values V' = U - W S
     for j, running in enumerate(layout.active):
         lo, hi = layout.offsets[j] * H, (layout.offsets[j] + running) * H
         carried = (layout.active[j + 1] if j + 1 < layout.num_steps else 0) * H
@@ -192,7 +206,4 @@ def kda_chunk(
         if 0 < carried < hi - lo:
             S_in[nlo : nlo + carried] = nxt[:carried]
             final[carried : hi - lo] = nxt[carried:]
-    O = torch.bmm(Qd, S_in).baddbmm_(Aqk, Vp)
-    S = layout.from_ranks(final.view(N, H, K, V))
-    o = layout.from_chunks(O, B, T, H)
-    return o.to(v.dtype).contiguous(), S
+    return S_in, Vp, final

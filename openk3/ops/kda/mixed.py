@@ -11,6 +11,8 @@ and so does a step without states to continue (no cache: training and cache-free
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from openk3.ops.kda.chunk import kda_chunk
@@ -28,16 +30,18 @@ def kda_mixed(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] = kda_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill contract (o [B, T, H, V], final state [N, H, K, V] fp32); equal to kda_chunk up to fp32 rounding."""
+    """The prefill contract (o [B, T, H, V], final state [N, H, K, V] fp32); equal to kda_chunk up to fp32 rounding.
+    `chunk` is the chunkwise form the multi-token sequences take (kda_chunk, or chunk_c.kda_chunk_c)."""
     refuse_autograd("mixed", q)
     if initial_state is None or cu_seqlens is None:
-        return kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        return chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     lens_N = cu_seqlens[1:] - cu_seqlens[:-1]
     single_N = lens_N == 1
     num_single = int(single_N.sum())
     if num_single == 0:
-        return kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        return chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if num_single == lens_N.numel():
         o, state = kda_decode(q[0], k[0], v[0], g[0], beta[0], initial_state, scale)
         return o.unsqueeze(0), state
@@ -50,7 +54,7 @@ def kda_mixed(
     pre_lens = lens_N.index_select(0, pre_seq)
     pre_cu = torch.cat([pre_lens.new_zeros(1), torch.cumsum(pre_lens, 0)])
     q_p, k_p, v_p, g_p, beta_p = (x[0].index_select(0, pre_tok).unsqueeze(0) for x in (q, k, v, g, beta))
-    o_pre, s_pre = kda_chunk(q_p, k_p, v_p, g_p, beta_p, scale, initial_state.index_select(0, pre_seq), pre_cu, chunk_size)
+    o_pre, s_pre = chunk(q_p, k_p, v_p, g_p, beta_p, scale, initial_state.index_select(0, pre_seq), pre_cu, chunk_size)
     # each token (sequence) is either a decode or a prefill one, so the two index_copy_ calls write all of o (state)
     o = o_pre.new_empty((q.shape[1], *o_pre.shape[2:]))
     o.index_copy_(0, dec_tok, o_dec.to(o.dtype)).index_copy_(0, pre_tok, o_pre[0])

@@ -10,14 +10,15 @@ import torch
 from openk3.ops.linear import LinearFn, linear_torch
 from openk3.ops.moe.bank import DenseExpertBank, ExpertBank, ExpertWeights
 from openk3.ops.moe.batched import moe_experts_batched
-from openk3.ops.moe.cpu_pairs import c_loop_fits
+from openk3.ops.moe.cpu_pairs import act_in_c, c_loop_fits
 from openk3.ops.moe.grouped import moe_experts_grouped
 from openk3.ops.moe.naive import Act, moe_experts_naive
+from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.packed_c import packed_c_fits
 from openk3.ops.moe.router import RouterOutput, sigmoid_topk_route
 from openk3.ops.moe.single import moe_experts_single_token
 from openk3.ops.moe.static import moe_experts_static
-from openk3.ops.thresholds import BATCHED_MAX_PAIRS_PER_EXPERT, BATCHED_MIN_PAIRS, C_LOOP_MAX_PAIRS_PER_EXPERT
+from openk3.ops.thresholds import BATCHED_MAX_PAIRS_PER_EXPERT, BATCHED_MIN_PAIRS, C_LOOP_MAX_PAIRS_PER_EXPERT, PACKED_DECODE_MAX_BYTES
 
 MoEExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank, Act], torch.Tensor]
 
@@ -35,10 +36,21 @@ def moe_experts_sized(
 ) -> torch.Tensor:
     """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
     backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
-    Otherwise one token: its experts in turn; dense banks at decode-sized steps: batched; the rest (and packed MXFP4
-    banks): grouped. `linear`: the products of the per-expert forms. With `packed_c` (the "c" backend: ops/moe/packed_c.py)
-    packed MXFP4 banks it takes run in C at any size up to C_LOOP_MAX_PAIRS_PER_EXPERT per expert."""
+    Packed MXFP4 banks, in a step of several tokens: the experts the step picked decoded at once into a dense bank of
+    their own and run through that C path, when they fit PACKED_DECODE_MAX_BYTES (tokens that share an expert share its
+    decoding); otherwise, with `packed_c` (the "c" backend: ops/moe/packed_c.py), each picked expert decoded and run in
+    one C call, up to C_LOOP_MAX_PAIRS_PER_EXPERT per expert (a decode step's one token, or a larger pick). Otherwise one
+    token: its experts in turn; dense banks at decode-sized steps: batched; the rest: grouped. `linear`: the products of
+    the per-expert forms."""
     pairs = topk_idx.numel()
+    if batched_c is not None and isinstance(bank, PackedMXFP4ExpertBank) and pairs > topk_idx.shape[1] and act_in_c(x_TD, act):
+        picked = torch.unique(topk_idx)  # sorted
+        n = picked.numel()
+        decoded_bytes = n * 3 * bank.intermediate_size * bank.width * x_TD.element_size()
+        if decoded_bytes <= PACKED_DECODE_MAX_BYTES and pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * n:
+            remap = torch.empty(bank.num_experts, dtype=torch.long, device=topk_idx.device)
+            remap[picked] = torch.arange(n, device=topk_idx.device)
+            return batched_c(x_TD, remap[topk_idx], topk_weight, bank.decoded(picked, x_TD.dtype), act)
     if packed_c is not None and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and packed_c_fits(x_TD, bank, act):
         return packed_c(x_TD, topk_idx, topk_weight, bank, act)
     if (

@@ -80,6 +80,11 @@ def _glu_in_c(act: Act) -> tuple[int, float, float] | None:
     return code, float(kw.get("beta", 4.0)), float(kw.get("linear_beta", 25.0))
 
 
+def act_in_c(x_TD: torch.Tensor, act: Act) -> bool:
+    """moe.c's expert loop takes these rows and this activation (c_loop_fits less the bank's layout)."""
+    return x_TD.dim() == 2 and _glu_in_c(act) is not None
+
+
 def c_loop_fits(x_TD: torch.Tensor, bank: DenseExpertBank, act: Act) -> bool:
     """The batched path's expert MLPs run as moe.c's expert loop for these inputs: an activation it knows, contiguous
     stacked weights. moe_experts_sized then widens the batched path's window (the loop computes no padding rows and reads

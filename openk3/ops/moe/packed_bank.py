@@ -11,14 +11,15 @@ for experts that received tokens. Resident bytes are 4.25 bits per weight, 4.25 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from openk3.ops.moe.bank import DenseExpertBank, ExpertWeights
-from openk3.ops.mxfp4 import MX_BLOCK, MXFP4Tensor, ScaleMode, decode_tables, dequantize, from_gpt_oss, mxfp4_nbytes, quantize
+from openk3.ops.mxfp4 import MX_BLOCK, DecodeTables, MXFP4Tensor, ScaleMode, decode_tables, dequantize, from_gpt_oss, mxfp4_nbytes, quantize
 
 PROJECTIONS = ("w1", "w3", "w2")
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.dtype, DecodeTables], torch.Tensor]  # mxfp4.dequantize's signature
 
 
 def _tensor_nbytes(t: torch.Tensor) -> int:
@@ -33,7 +34,7 @@ def dense_bank_nbytes(bank: DenseExpertBank) -> int:
 class PackedMXFP4ExpertBank:
     """Holds the packed tensors as given (no copies); the caller owns their device placement."""
 
-    def __init__(self, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor) -> None:
+    def __init__(self, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, *, decode: DecodeFn = dequantize) -> None:
         for name, t in zip(PROJECTIONS, (w1, w3, w2), strict=True):
             if t.packed.dtype != torch.uint8 or t.scales.dtype != torch.uint8 or t.packed.dim() != 3:
                 raise ValueError(
@@ -51,6 +52,7 @@ class PackedMXFP4ExpertBank:
                     f"expected {want[name][0]} and {want[name][1]} (E={e}, I={i}, D={d}; I and D multiples of {MX_BLOCK})"
                 )
         self.w1, self.w3, self.w2 = w1, w3, w2
+        self.decode = decode  # the "mxfp4_decode" form the caller chose (ops/registry.py); mxfp4.dequantize by default
 
     @property
     def num_experts(self) -> int:
@@ -66,7 +68,13 @@ class PackedMXFP4ExpertBank:
 
     def expert(self, e: int, dtype: torch.dtype) -> ExpertWeights:
         tables = decode_tables(dtype, self.w1.packed.device)
-        return ExpertWeights(*(dequantize(t.packed[e], t.scales[e], dtype, tables) for t in (self.w1, self.w3, self.w2)))
+        return ExpertWeights(*(self.decode(t.packed[e], t.scales[e], dtype, tables) for t in (self.w1, self.w3, self.w2)))
+
+    def decoded(self, ids: torch.Tensor, dtype: torch.dtype) -> DenseExpertBank:
+        """Experts `ids` (int64 [n]) decoded at once into a dense bank of n experts, in that order: one decode call per
+        projection (the same bits as expert())."""
+        tables = decode_tables(dtype, self.w1.packed.device)
+        return DenseExpertBank(*(self.decode(t.packed.index_select(0, ids), t.scales.index_select(0, ids), dtype, tables) for t in (self.w1, self.w3, self.w2)))
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +68,38 @@ def route_c(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, k: int, renorm
     return idx, weight, logits_TE
 
 
+@dataclass(frozen=True)
+class PairPlan:
+    """openk3_moe_plan's bookkeeping of a step's (token, expert) pairs: the ids and weights as the C calls read them, the
+    rows per expert, each pair's row slot, and the padded rows per expert (the largest count)."""
+
+    idx: torch.Tensor  # [T, k] int64
+    weight: torch.Tensor  # [T, k] fp32
+    counts: torch.Tensor  # [E] int64
+    slot_P: torch.Tensor  # [T * k] int64
+    rows: int
+
+
+def plan_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int) -> PairPlan:
+    """The pairs planned in C; a ValueError naming the span when an id is outside 0..num_experts - 1."""
+    idx = topk_idx.to(torch.int64).contiguous()
+    weight = topk_weight.to(torch.float32).contiguous()
+    counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)
+    rows = _lib().openk3_moe_plan(idx.numel(), num_experts, idx.data_ptr(), counts.data_ptr(), slot_P.data_ptr())
+    if rows < 0:
+        raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
+    return PairPlan(idx, weight, counts, slot_P, rows)
+
+
+def combine_pairs(plan: PairPlan, out_ECD: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, D] fp32: each token's expert outputs (rows of out_ECD, by the plan's slots) summed with their weights, in C."""
+    num_tokens, k = plan.idx.shape
+    y = torch.empty(num_tokens, width, dtype=torch.float32)
+    idx, slots = plan.idx, plan.slot_P
+    _lib().openk3_moe_combine(num_tokens, k, width, plan.rows, idx.data_ptr(), slots.data_ptr(), plan.weight.data_ptr(), out_ECD.data_ptr(), y.data_ptr())
+    return y
+
+
 def _glu_in_c(act: Act) -> tuple[int, float, float] | None:
     """(moe.c's activation code, beta, linear_beta) when `act` is ops/activation.glu with its settings given by keyword -- how
     the model builds `expert_act` -- else None (any other callable runs in torch between the batched products)."""
@@ -110,12 +143,8 @@ def moe_experts_batched_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         return torch.zeros_like(x_TD)
     x_TD = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     lib = _lib()
-    idx = topk_idx.to(torch.int64).contiguous()
-    weight = topk_weight.to(torch.float32).contiguous()
-    counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)
-    rows = lib.openk3_moe_plan(idx.numel(), num_experts, idx.data_ptr(), counts.data_ptr(), slot_P.data_ptr())
-    if rows < 0:
-        raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
+    plan = plan_pairs(topk_idx, topk_weight, num_experts)
+    idx, slot_P, counts, rows = plan.idx, plan.slot_P, plan.counts, plan.rows
     glu_c = _glu_in_c(act)
     if glu_c is None and 2 * int((counts > 0).sum()) < num_experts:
         return moe_experts_batched(x_TD, topk_idx, topk_weight, bank, act)
@@ -134,6 +163,4 @@ def moe_experts_batched_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
             raise MemoryError("moe experts: the C expert loop could not allocate its scratch rows")
     else:
         out_ECD = bmm_weight_t(act(bmm_weight_t(x_ECD, weights[0]), bmm_weight_t(x_ECD, weights[1])), weights[2]).contiguous()
-    y = torch.empty(num_tokens, width, dtype=torch.float32)
-    lib.openk3_moe_combine(num_tokens, k, width, rows, idx.data_ptr(), slot_P.data_ptr(), weight.data_ptr(), out_ECD.data_ptr(), y.data_ptr())
-    return y
+    return combine_pairs(plan, out_ECD, width)

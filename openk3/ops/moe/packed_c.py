@@ -23,7 +23,7 @@ import torch
 from openk3.ops.cpu import require_inference
 from openk3.ops.cpu.build import kernel
 from openk3.ops.moe.bank import ExpertBank
-from openk3.ops.moe.cpu_pairs import _glu_in_c, _lib
+from openk3.ops.moe.cpu_pairs import _glu_in_c, _lib, combine_pairs, plan_pairs
 from openk3.ops.moe.naive import Act, check_moe_inputs
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.mxfp4 import MX_BLOCK
@@ -62,12 +62,8 @@ def moe_experts_packed_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         return torch.zeros_like(x_TD)
     x_TD = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     lib = _lib()
-    idx = topk_idx.to(torch.int64).contiguous()
-    weight = topk_weight.to(torch.float32).contiguous()
-    counts, slot_P = torch.empty(num_experts, dtype=torch.int64), torch.empty(idx.numel(), dtype=torch.int64)
-    rows = lib.openk3_moe_plan(idx.numel(), num_experts, idx.data_ptr(), counts.data_ptr(), slot_P.data_ptr())
-    if rows < 0:
-        raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
+    plan = plan_pairs(topk_idx, topk_weight, num_experts)
+    idx, slot_P, counts, rows = plan.idx, plan.slot_P, plan.counts, plan.rows
     x_ECD = x_TD.new_empty(num_experts, rows, width)  # the loop reads and writes only each expert's first counts[e] rows
     lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())
     out_ECD = torch.empty_like(x_ECD)
@@ -80,6 +76,4 @@ def moe_experts_packed_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     )  # fmt: skip
     if failed:
         raise MemoryError("moe experts: the C expert loop could not allocate its scratch rows")
-    y = torch.empty(num_tokens, width, dtype=torch.float32)
-    lib.openk3_moe_combine(num_tokens, k, width, rows, idx.data_ptr(), slot_P.data_ptr(), weight.data_ptr(), out_ECD.data_ptr(), y.data_ptr())
-    return y
+    return combine_pairs(plan, out_ECD, width)

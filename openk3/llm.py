@@ -39,7 +39,7 @@ from openk3.launch.spec import EngineSpec
 from openk3.options import split_overrides
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.config import EngineConfig
-from openk3.serve.engine import EngineCore
+from openk3.serve.engine_api import EngineCore
 from openk3.serve.output import OutputKind, OutputProcessor, RequestOutput
 from openk3.serve.runner import CausalLM
 from openk3.serve.sampling import SamplingParams

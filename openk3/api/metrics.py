@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from openk3.api.spec_metrics import SpecDecodeMetrics
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.tier_types import TierKind
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.output import FinishedRequest
 
 if TYPE_CHECKING:

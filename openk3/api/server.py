@@ -44,7 +44,7 @@ from openk3.api.served_model import ServedModel
 from openk3.api.token_texts import TokenTexts
 from openk3.serve.admission import QueueFullError, QueueTimeoutError
 from openk3.serve.async_engine import AsyncEngine, EngineDeadError, EngineStalledError, FrontendClosedError
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.heap_trim import HeapTrimmer
 from openk3.serve.tokenizer import Tokenizer
 

@@ -30,7 +30,8 @@ from openk3.parallel.layout import ServingPlan, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, EPTotals
 from openk3.parallel.serving.local import LocalEP
 from openk3.serve.config import EngineConfig
-from openk3.serve.engine import LLMEngine, ServedEngine
+from openk3.serve.engine import LLMEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.folder_files import log_folder_files
 from openk3.serve.generation_config import GenerationConfig, read_generation_config
 from openk3.serve.loading import build_model, model_tokenizer, resolve_model

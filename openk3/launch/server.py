@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch and the server load lazily, so `openk3 plan` and `--h
     from openk3.parallel.group import ParallelContext
     from openk3.parallel.serving.driver import EPTotals
     from openk3.serve.config import EngineConfig
-    from openk3.serve.engine import ServedEngine
+    from openk3.serve.engine_api import ServedEngine
 
 
 def build_server(args: argparse.Namespace, group: ParallelContext | None = None) -> FastAPI:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from openk3.parallel.config import ParallelConfig
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 
 log = logging.getLogger("openk3.api")
 

@@ -31,7 +31,8 @@ from openk3.model.release import fit_a_log, release_extras
 from openk3.model.weights import EXPERT_RE, STACKED_SUFFIX, canonical_name, checkpoint_names, iter_checkpoint
 from openk3.ops.mxfp4 import quantize
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
-from openk3.serve.engine import LLMEngine, ServedEngine
+from openk3.serve.engine import LLMEngine
+from openk3.serve.engine_api import ServedEngine
 
 STACKED_DENSE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
 

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from openk3.serve.config import FrontendConfig
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.output import OutputProcessor
 
 

@@ -36,7 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from openk3.serve.admission import Admission
 from openk3.serve.config import FrontendConfig
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.engine_failure import EngineDeadError, EngineStalledError, FailureLatch
 from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.output import FinishedRequest, IterationStats, OutputKind, OutputProcessor, RequestOutput

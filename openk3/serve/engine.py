@@ -6,19 +6,17 @@ what is new (EngineCoreOutput: the new token ids, their logprobs and text, why i
 anywhere in its life. The n samples of a caller's request and how text reaches callers belong to the OutputProcessor
 (output.py). A request with `return_routing` gets its experts of every MoE layer for every token run with its last output
 (serve/routing.py); `weights_changed` rekeys the prefix cache after the weights were replaced in place (openk3.rl.weight_sync).
-Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine.
+Single-threaded: the caller (LLM, or the async frontend's engine thread) owns the engine. What drivers and the server
+read of an engine (EngineCore, ServedEngine, EngineStats) is serve/engine_api.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from openk3.config import ModelConfig
 from openk3.config.vision import VisionConfig
 from openk3.model.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer
@@ -26,10 +24,11 @@ from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
 from openk3.serve.cache.manager import CacheManager, cache_spec
 from openk3.serve.cache.prefix import PrefixCacheConfig
-from openk3.serve.cache.stats import PrefixCacheStats, prefix_cache_stats
+from openk3.serve.cache.stats import prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer
 from openk3.serve.encoder_cache import EncoderCache
+from openk3.serve.engine_api import EngineStats
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.mtp_draft import MTPProposer
@@ -45,93 +44,6 @@ from openk3.serve.scheduler import Scheduler
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, can_speculate
 from openk3.serve.stopping import NewText, RequestText, token_stop
 from openk3.serve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics (vLLM's names without the prefix)."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage_perc: float  # fraction of MLA pages held
-    state_slots_used: int
-    num_pages: int  # MLA cache pages (with data-parallel attention: over every rank's engine)
-    num_free_pages: int
-    num_state_slots: int  # KDA state slots of running requests
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache: PrefixCacheStats | None = None  # None while prefix caching is off
-    spec_decode: SpecDecodeStats | None = None  # running totals of speculative decoding; None without a draft model
-
-
-class EngineCore(Protocol):
-    """What OutputProcessor and LLM drive: LLMEngine, or an engine of the same surface spread over ranks
-    (openk3.parallel.dp.DataParallelEngine)."""
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    def model(self) -> CausalLM: ...
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        group_id: str | None = None,
-        images: tuple[ImageSpan, ...] = (),
-    ) -> None: ...
-
-    def finish(self, request_id: str, status: RequestStatus) -> RequestMetrics | None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def step(self) -> list[EngineCoreOutput]: ...
-
-    def close(self) -> None: ...
-
-
-class ServedEngine(EngineCore, Protocol):
-    """What the HTTP server (serve/async_engine.py, serve/admission.py, api/metrics.py) reads of an engine besides stepping it.
-    `cache` is one engine's cache manager, for its layout (page size, per-page and per-slot bytes, dtype); how much of
-    every pool is used comes from stats(), which with data-parallel attention covers every rank."""
-
-    @property
-    def config(self) -> EngineConfig: ...
-
-    @property
-    def cache(self) -> CacheManager: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def vision(self) -> VisionConfig | None:
-        """The vision tower's config when add_request takes images, else None."""
-        ...
-
-    @property
-    def model_config(self) -> ModelConfig: ...
-
-    @property
-    def num_engines(self) -> int:
-        """Engines behind this one (data-parallel ranks; 1 for LLMEngine), each with `config`'s sequences and `cache`'s pages."""
-        ...
-
-    @property
-    def weight_version(self) -> int:
-        """How many times the weights were replaced in place (0: as built); what every response reports."""
-        ...
-
-    def stats(self) -> EngineStats: ...
-
-    def was_scheduled(self, request_id: str) -> bool | None: ...
-
-    def check_integrity(self) -> None: ...
 
 
 def _param(model: CausalLM) -> torch.Tensor | None:

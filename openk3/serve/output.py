@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from openk3.serve.engine import EngineCore
+from openk3.serve.engine_api import EngineCore
 from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.output_types import (
     CompletionOutput,

@@ -18,7 +18,7 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.driver import EPDriver, EPTotals, ForwardModel
 from openk3.serve.cache.stats import PrefixCacheStats
 from openk3.serve.cache.tier_types import TierKind, TierStats
-from openk3.serve.engine import EngineStats
+from openk3.serve.engine_api import EngineStats
 from openk3.serve.request import EngineCoreOutput
 from tests.parallel.test_ep_failure import RecordingChannel
 

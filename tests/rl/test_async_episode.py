@@ -22,7 +22,7 @@ from openk3.rl.policy import Context, Reply
 from openk3.rl.tools import Sandboxes
 from openk3.rl.trajectory import ToolStatus
 from openk3.serve.async_engine import AsyncEngine
-from openk3.serve.engine import ServedEngine
+from openk3.serve.engine_api import ServedEngine
 from openk3.serve.output import FinishedRequest
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer

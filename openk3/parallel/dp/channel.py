@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.serving.step_channel import IDLE_TIMEOUT
-from openk3.serve.engine import EngineStats
+from openk3.serve.engine_api import EngineStats
 from openk3.serve.request import EngineCoreOutput, RequestStatus
 from openk3.serve.sampling import SamplingParams
 

@@ -39,7 +39,8 @@ from openk3.parallel.serving.driver import EPTotals
 from openk3.parallel.serving.heartbeat import RankHeartbeat
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.config import EngineConfig
-from openk3.serve.engine import EngineStats, LLMEngine
+from openk3.serve.engine import LLMEngine
+from openk3.serve.engine_api import EngineStats
 from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.policy import check_priority
 from openk3.serve.request import EngineCoreOutput, RequestMetrics, RequestStatus

@@ -20,7 +20,7 @@ from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.serving.driver import EPDriver, EPTotals, ForwardModel
 from openk3.serve.cache.stats import PrefixCacheStats
 from openk3.serve.cache.tier_types import TierStats
-from openk3.serve.engine import EngineStats
+from openk3.serve.engine_api import EngineStats
 
 
 def merge_tier_stats(same_tier: Sequence[TierStats]) -> TierStats:

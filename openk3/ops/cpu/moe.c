@@ -93,6 +93,20 @@ static inline float tanh_f(float x) {
 
 enum { ACT_SILU = 0, ACT_SITU = 1 }; /* ops/activation.py: silu_glu, situ_glu */
 
+/* One expert on its c rows: out_e = w2 act(w1 x_e, w3 x_e), x_e and out_e [c, D], w1 and w3 [I, D], w2 [D, I]; gate and
+ * up are the caller's scratch rows, [c, I] each. What the dense and the packed expert loops run per active expert. */
+static void expert_glu(int64_t c, int64_t D, int64_t I, const float *xe, const float *w1, const float *w3, const float *w2, int act, float beta,
+                       float linear_beta, float *gate, float *up, float *oute) {
+    rows_times_weight_t(c, I, D, xe, D, w1, D, gate, I);
+    rows_times_weight_t(c, I, D, xe, D, w3, D, up, I);
+    if (act == ACT_SITU)
+        for (int64_t i = 0; i < c * I; i++)
+            gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
+    else
+        for (int64_t i = 0; i < c * I; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
+    rows_times_weight_t(c, D, I, gate, I, w2, I, oute, D);
+}
+
 /* out[e, :c_e] = w2_e act(w1_e x, w3_e x) for the first c_e = counts[e] rows of each expert's block; other rows are
  * neither read nor written. x, out [E, C, D]; w1, w3 [E, I, D]; w2 [E, D, I], all contiguous.
  * Experts are split over threads (each reads only its own weights); a thread keeps its expert's gate and up rows,
@@ -112,15 +126,7 @@ int openk3_moe_experts_glu(int64_t E, int64_t C, int64_t D, int64_t I, const int
         for (int64_t e = 0; e < E; e++) {
             const int64_t c = counts[e];
             if (c == 0 || gate == NULL) continue;
-            const float *xe = x + e * C * D;
-            rows_times_weight_t(c, I, D, xe, D, w1 + e * I * D, D, gate, I);
-            rows_times_weight_t(c, I, D, xe, D, w3 + e * I * D, D, up, I);
-            if (act == ACT_SITU)
-                for (int64_t i = 0; i < c * I; i++)
-                    gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
-            else
-                for (int64_t i = 0; i < c * I; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
-            rows_times_weight_t(c, D, I, gate, I, w2 + e * D * I, I, out + e * C * D, D);
+            expert_glu(c, D, I, x + e * C * D, w1 + e * I * D, w3 + e * I * D, w2 + e * D * I, act, beta, linear_beta, gate, up, out + e * C * D);
         }
         free(gate);
     }
@@ -174,19 +180,11 @@ int openk3_moe_experts_glu_mxfp4(int64_t E, int64_t C, int64_t D, int64_t I, con
         for (int64_t e = 0; e < E; e++) {
             const int64_t c = counts[e];
             if (c == 0 || gate == NULL) continue;
-            const float *xe = x + e * C * D;
             float *w1 = w, *w3 = w + I * D, *w2 = w + 2 * I * D;
             mxfp4_decode(I, D, w1p + e * I * (D / 2), w1s + e * I * (D / 32), w1);
             mxfp4_decode(I, D, w3p + e * I * (D / 2), w3s + e * I * (D / 32), w3);
             mxfp4_decode(D, I, w2p + e * D * (I / 2), w2s + e * D * (I / 32), w2);
-            rows_times_weight_t(c, I, D, xe, D, w1, D, gate, I);
-            rows_times_weight_t(c, I, D, xe, D, w3, D, up, I);
-            if (act == ACT_SITU)
-                for (int64_t i = 0; i < c * I; i++)
-                    gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
-            else
-                for (int64_t i = 0; i < c * I; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
-            rows_times_weight_t(c, D, I, gate, I, w2, I, out + e * C * D, D);
+            expert_glu(c, D, I, x + e * C * D, w1, w3, w2, act, beta, linear_beta, gate, up, out + e * C * D);
         }
         free(gate);
     }

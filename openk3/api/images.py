@@ -29,6 +29,7 @@ from openk3.serve.tokenizer import Tokenizer
 from openk3.serve.vision_processor import LOW_DETAIL_PATCHES, ImageError, ImageInput, MediaConfig, process_image
 
 DETAILS = ("auto", "low", "high")
+NO_FETCH = "only data: URLs (base64 images in the request) are accepted: this server fetches no URLs (openk3 serve --allowed-media-domains)"
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),(?P<data>.*)", re.S)
 
 
@@ -63,8 +64,7 @@ def remote_refs(refs: Sequence[ImageRef], fetch: MediaFetchConfig) -> dict[int, 
     """The parts whose image is at an http(s) URL, by position; a 400 for the first one when this server fetches nothing."""
     remote = {i: ref for i, ref in enumerate(refs) if is_remote(ref)}
     if remote and not fetch.enabled:
-        why = "only data: URLs (base64 images in the request) are accepted: this server fetches no URLs (openk3 serve --allowed-media-domains)"
-        raise refuse(next(iter(remote.values())), why, "unsupported", ".url")
+        raise refuse(next(iter(remote.values())), NO_FETCH, "unsupported", ".url")
     return remote
 
 
@@ -73,7 +73,7 @@ def image_bytes(ref: ImageRef, max_bytes: int) -> bytes:
     that cannot fit)."""
     url = ref.url.strip()
     if is_remote(ref):
-        raise refuse(ref, "only data: URLs (base64 images in the request) are accepted: this server fetches no URLs", "unsupported", ".url")
+        raise refuse(ref, NO_FETCH, "unsupported", ".url")  # an http(s) part without a fetched body
     match = _DATA_URL.fullmatch(url)
     if match is None or "base64" not in [p.strip().lower() for p in match["params"].split(";")]:
         raise refuse(ref, "expected a data URL of a base64 image (data:image/png;base64,...)", param_suffix=".url")

@@ -105,6 +105,9 @@ class ServerMetrics:
         self.prefix_snapshots = {
             kind: counter(f"prefix_cache_snapshots_{kind}", f"KDA state snapshots {kind}").labels(**label) for kind in ("taken", "evicted")
         }
+        self.shared_prefill_waits = counter(
+            "prefix_cache_shared_prefill_waits", "Times a request waited a step for a running prefill of a prefix it shares"
+        ).labels(**label)
         self.checksum_failures = counter("cache_disk_checksum_failures", "Disk-tier loads refused by their checksum").labels(**label)
         self.inbox_dropped = counter("cache_inbox_dropped", "Imported prefix records let go unused (aged out or refused at lookup)").labels(**label)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
@@ -216,6 +219,7 @@ class ServerMetrics:
         if prefix is not None:
             totals += [(self.prefix_snapshots["taken"], "snapshots_taken", prefix.snapshots_taken)]
             totals += [(self.prefix_snapshots["evicted"], "snapshots_evicted", prefix.snapshots_evicted)]
+            totals += [(self.shared_prefill_waits, "shared_prefill_waits", prefix.shared_prefill_waits)]
             for t in prefix.all_tiers:
                 name = t.tier.value
                 self.tier_used[name].set(t.used_bytes)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +39,7 @@ from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.prefix_types import PrefixMatch
 from openk3.serve.policy import POLICIES, Ranking, SchedulingPolicy, check_priority
 from openk3.serve.request import Request, RequestStatus
+from openk3.serve.shared_prefill import prefill_to_wait_for, unfinished_prefills, wants_whole_prompt
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,7 @@ class Scheduler:
             return None if self.cache.allocate(req.request_id, req.num_computed_tokens + n) is None else n
         tokens = req.cache_key_ids()  # image tokens keyed by their image (serve/media_prompt.py)
         # a cached prefix has no logits to score and no routing to record, so a request that wants either computes it all
-        wants_scores = req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens
-        skip = wants_scores or req.sampling_params.return_routing
+        skip = wants_whole_prompt(req)
         match = PrefixMatch.miss() if skip else self.cache.fetch(self.cache.match_prefix(tokens, req.cache_salt))
         start = match.num_tokens
         # A branch point: the index holds this prompt's tokens up to `matched` but no state there, so take a state exactly
@@ -168,12 +168,31 @@ class Scheduler:
             req.num_cached_tokens = start
         return n
 
-    def _next_waiting(self, running_per_group: Counter[str]) -> Request:
+    def _next_waiting(self, waiting: Sequence[Request], running_per_group: Counter[str]) -> Request:
         """The waiting request whose turn it is (module docstring): O(1) while every group is a single request."""
-        head = self.waiting[0]
+        head = waiting[0]
         if not running_per_group or head.status == RequestStatus.PREEMPTED or running_per_group[head.group] == 0:
             return head  # nothing beats a preempted request, or one whose group has nothing running
-        return min(self.waiting, key=lambda r: (r.status != RequestStatus.PREEMPTED, running_per_group[r.group]))  # min is stable: arrival order
+        return min(waiting, key=lambda r: (r.status != RequestStatus.PREEMPTED, running_per_group[r.group]))  # min is stable: arrival order
+
+    def _waits_for_shared_prefill(self, req: Request) -> bool:
+        """Whether `req` stays waiting for a running prompt's prefill that will cache a prefix it shares
+        (serve/shared_prefill.py); if so that prefill is asked for a state at the shared depth."""
+        pc = self.cache.prefix_config
+        if pc is None or req.status == RequestStatus.PREEMPTED or wants_whole_prompt(req):
+            return False
+        prefilling = unfinished_prefills(self.running)
+        if not prefilling:
+            return False
+        cached = self.cache.match_prefix(req.cache_key_ids(), req.cache_salt).num_tokens
+        wait = prefill_to_wait_for(req, cached, prefilling, pc.match_unit)
+        if wait is None:
+            return False
+        if wait.depth < wait.running.num_prompt_tokens:  # the prompt's end is snapshotted anyway
+            wait.running.snapshot_points = tuple(sorted({*wait.running.snapshot_points, wait.depth}))
+        assert self.cache.prefix is not None
+        self.cache.prefix.counters.shared_prefill_waits += 1
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
@@ -247,16 +266,23 @@ class Scheduler:
 
         now = time.monotonic()
         running_per_group = Counter(r.group for r in self.running)
+        held: set[str] = set()  # waiting for a running prompt's prefill this step (serve/shared_prefill.py)
         while self.waiting and budget > 0:
+            waiting = [r for r in self.waiting if r.request_id not in held] if held else self.waiting
+            if not waiting:
+                break
             if ranking is None:
                 if preempted or len(self.running) >= self.config.max_num_seqs:
                     break  # pages ran short this step: admitting more would only preempt more
-                req = self._next_waiting(running_per_group)
+                req = self._next_waiting(waiting, running_per_group)
             else:
-                req = ranking.first(self.waiting)
+                req = ranking.first(waiting)
                 # after a preemption only a request that outranks a running one is worth the pages, and never the one preempted
                 if req in preempted or (preempted and not any(ranking.outranks(req, r) for r in self.running)):
                     break
+            if self._waits_for_shared_prefill(req):
+                held.add(req.request_id)
+                continue
             admitted = self._admit(req, budget) if len(self.running) < self.config.max_num_seqs else None
             while admitted is None and ranking is not None and self._displace(req, ranking, scheduled, counts, preempted):
                 budget = self.config.max_num_batched_tokens - sum(counts)

@@ -40,6 +40,26 @@ def test_tier_metrics_follow_the_engine() -> None:
     assert sample(text, "cache_tier_used_bytes", "disk") == 0
 
 
+def test_shared_prefill_waits_reach_metrics() -> None:
+    """Two prompts with one new 16-token prefix added together: the second waits for the first's prefill (shared_prefill.py)."""
+    model = K3ForCausalLM(debug())
+    model.init_weights(seed=0)
+    cfg = EngineConfig(num_pages=64, page_size=4, max_num_seqs=2, max_model_len=128, enable_prefix_caching=True, prefix_match_unit=4)
+    engine = LLMEngine(model.eval(), ByteTokenizer(256), cfg)
+    metrics = ServerMetrics("m")
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    with torch.inference_mode():
+        engine.add_request("a", [7] * 16 + [1], greedy)
+        engine.add_request("b", [7] * 16 + [2], greedy)
+        while engine.has_unfinished():
+            engine.step()
+    metrics.observe_engine(engine)
+    text = metrics.render().decode()
+    assert sample(text, "prefix_cache_shared_prefill_waits_total") == 1
+    stats = engine.stats().prefix_cache
+    assert stats is not None and stats.hits == 1 and stats.hit_tokens == 16
+
+
 def test_cli_flags_reach_engine_config() -> None:
     from openk3.cli import build_parser
     from openk3.launch.flags import engine_configs

@@ -49,6 +49,7 @@ def merge_prefix_stats(ranks: Sequence[PrefixCacheStats]) -> PrefixCacheStats:
         snapshots_evicted=sum(r.snapshots_evicted for r in ranks),
         tiers=tuple(merge_tier_stats([t for r in ranks for t in r.tiers if t.tier == kind]) for kind in kinds),
         inbox=merge_tier_stats(inboxes) if inboxes else None,
+        shared_prefill_waits=sum(r.shared_prefill_waits for r in ranks),
     )
 
 

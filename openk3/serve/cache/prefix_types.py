@@ -61,4 +61,5 @@ class PrefixCounters:
     hit_tokens: int = 0
     snapshots_taken: int = 0
     snapshots_evicted: int = 0
+    shared_prefill_waits: int = 0  # (request, step) pairs held back for a running prefill of a shared prefix (shared_prefill.py)
     device_bytes_copied: int = 0

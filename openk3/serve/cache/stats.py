@@ -21,6 +21,7 @@ class PrefixCacheStats:
     snapshots_evicted: int
     tiers: tuple[TierStats, ...]
     inbox: TierStats | None = None
+    shared_prefill_waits: int = 0  # (request, step) pairs held back for a running prefill of a shared prefix
 
     @property
     def hit_rate(self) -> float:
@@ -50,4 +51,5 @@ def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
     device = TierStats(TierKind.DEVICE, used, capacity, prefix.num_snapshots, c.device_bytes_copied, 0, c.hits)
     lower = prefix.tiers.stats() if prefix.tiers is not None else ()
     inbox = cache.inbox.stats() if cache.inbox is not None else None
-    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, c.snapshots_taken, c.snapshots_evicted, (device, *lower), inbox)
+    taken, evicted = c.snapshots_taken, c.snapshots_evicted
+    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, taken, evicted, (device, *lower), inbox, c.shared_prefill_waits)

@@ -13,10 +13,13 @@ the listed batch sizes) from github.com/NVIDIA/TensorRT-LLM:
   `Total Output Throughput (tokens/sec)` of the instance; per GPU is that over the GPUs of the column.
 
 How the planner is set up (the same predictor as the first sets, `validation_agg.aggregated_tok_s_per_gpu`): one
-instance at the KV-cache limit for whole requests (TensorRT-LLM's guaranteed-no-evict admission), chunks of 8,192
-tokens. Assumed where the page is silent: the v1.0 "TP8" MoE columns run attention data-parallel with EP8 (the page's
-MoE options set `enable_attention_dp: true`); the FP4 checkpoints run NVFP4 experts with FP8 elsewhere and a 16-bit KV
-cache, the FP8 ones FP8 weights and a 16-bit KV cache (as the first sets assume for Qwen3).
+instance at the KV-cache limit for whole requests (TensorRT-LLM's guaranteed-no-evict admission). The errors before any
+change were recorded with 8,192-token prompt chunks; every TensorRT-LLM perf-overview row (tuned, held-out and these)
+now runs at trtllm-bench's own batch cap and token budget (`bench_setup.py`: counted per rank on the current page, over
+the instance on v1.0's, as each version's heuristic did). Assumed where the page is silent: the v1.0 "TP8" MoE columns
+run attention data-parallel with EP8 (the page's MoE options set `enable_attention_dp: true`); the FP4 checkpoints run
+NVFP4 experts with FP8 elsewhere and a 16-bit KV cache, the FP8 ones FP8 weights and a 16-bit KV cache (as the first
+sets assume for Qwen3).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from openk3.config import ModelConfig
+from openk3.planner.bench_setup import Counting
 from openk3.planner.inputs import Quantisation
 from openk3.planner.models import qwen3_30b_a3b, qwen3_235b
 from openk3.planner.perf import Efficiency
@@ -32,11 +36,16 @@ from openk3.planner.validation_agg import QWEN_FP4, QWEN_FP8, aggregated_tok_s_p
 
 CURRENT = "TensorRT-LLM perf-overview, github.com/NVIDIA/TensorRT-LLM/blob/03e27c7d5ff0/docs/source/developer-guide/perf-overview.md"
 V1 = "TensorRT-LLM v1.0 perf-overview, github.com/NVIDIA/TensorRT-LLM/blob/00f37686aa85/docs/source/performance/perf-overview.md"
-ASSUMED = "decode batch = the KV-cache limit at {seq:,} tokens per request; chunks of 8,192 tokens{extra}"
+ASSUMED = (
+    "decode batch = the KV-cache limit at {seq:,} tokens per request, within trtllm-bench's cap; prompt tokens per iteration = its "
+    "token budget less the decoding requests (bench_setup.py, counted {counting}){extra}"
+)
 
 
-def _predictor(config: Callable[[], ModelConfig], quant: Quantisation, gpus: int, system: str, isl: int, osl: int) -> Callable[[Efficiency], float]:
-    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff)
+def _predictor(
+    config: Callable[[], ModelConfig], quant: Quantisation, gpus: int, system: str, isl: int, osl: int, counting: Counting
+) -> Callable[[Efficiency], float]:
+    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff, bench=counting)
 
 
 # (source, section, model, quant, column label, GPUs, system, published figure is per instance, {(isl, osl): figure})
@@ -63,11 +72,11 @@ _TABLES: tuple[tuple[str, str, str, Callable[[], ModelConfig], Quantisation, str
 )  # fmt: skip
 
 
-def _assumed(isl: int, osl: int, gpus: int, per_instance: bool, published: float) -> str:
+def _assumed(isl: int, osl: int, gpus: int, per_instance: bool, published: float, counting: str) -> str:
     extra = f"; published {published:,.0f} tok/s for the instance, / {gpus} GPUs" if per_instance and gpus > 1 else ""
     if gpus > 1:
         extra += f"; attention DP with EP{gpus}"
-    return ASSUMED.format(seq=isl + osl, extra=extra)
+    return ASSUMED.format(seq=isl + osl, extra=extra, counting=counting)
 
 
 NEW_HELD_OUT_CASES: tuple[Case, ...] = tuple(
@@ -78,8 +87,8 @@ NEW_HELD_OUT_CASES: tuple[Case, ...] = tuple(
         figure / gpus if per_instance else figure,
         Split.NEW_HELD_OUT,
         Phase.AGGREGATED,
-        _assumed(isl, osl, gpus, per_instance, figure),
-        _predictor(config, quant, gpus, system, isl, osl),
+        _assumed(isl, osl, gpus, per_instance, figure, "per rank" if source == CURRENT else "over the instance (v1.0)"),
+        _predictor(config, quant, gpus, system, isl, osl, Counting.PER_RANK if source == CURRENT else Counting.PER_INSTANCE),
     )
     for source, section, model, config, quant, column, gpus, system, per_instance, rows in _TABLES
     for (isl, osl), figure in rows.items()

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/planner_validation.py
 
 Prints one Markdown table (case, split, source, published, predicted, error, assumed, why) from
-`openk3.planner.validation.CASES`; every prediction is computed now from the shipped defaults. Pure arithmetic: no
+`openk3.planner.validation.CASES`, the aggregated TensorRT-LLM cases and the new held-out set
+(`openk3.planner.validation_new`), then the errors by group; every prediction is computed now from the shipped defaults. Pure arithmetic: no
 device needed. The goal (issue 20): decode within +-15% and prefill within +-25% on held-out cases, or a reason per case.
 """
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -212,6 +213,11 @@ def family(root: Path, gpu: str) -> dict:
     } | {k: v for k, v in optional.items() if v is not None}
 
 
+def _dump(table: dict) -> str:
+    """Indented JSON with each (shape, efficiency) point on one line, so a regenerated table diffs by point."""
+    return re.sub(r"\[\s+([-+.\deE]+),\s+([-+.\deE]+)\s+\]", r"[\1, \2]", json.dumps(table, indent=1))
+
+
 def _commit(root: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -250,7 +256,7 @@ def main() -> int:
                 for batch, curve in grid.items():
                     print(f"  {op} {heads} heads, batch {batch}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in curve))
     if args.write:
-        args.write.write_text(json.dumps(table, indent=1) + "\n")
+        args.write.write_text(_dump(table) + "\n")
         print(f"\nwrote {args.write}")
     return 0
 

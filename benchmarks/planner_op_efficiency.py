@@ -16,9 +16,11 @@ table sweeps:
   (moe_ep_size 1: the table's EP rows could not be tied to a per-rank token count, so only the unambiguous rows are used),
   DeepSeek-V3 shape (7168 / 2048, 256 experts, top-8), balanced routing; per dtype.
 - attention prefill (`context_mla_perf`, bf16): by prompt length; causal, qk 192 + v 128 per head (DeepSeek MLA, expanded).
-- attention decode (`generation_mla_perf`, bf16): by cached tokens read per call (batch x cached tokens), absorbed MLA.
+- attention decode (`generation_mla_perf`, bf16): a grid by query heads, batch (sequences in the call) and cached tokens
+  per sequence, absorbed MLA. (Until issue 37 round three this was one curve by batch x cached tokens; the kernels are far from one
+  curve of the product: at ~1M tokens read, 512 sequences of 2K reach 0.53 of the roofline on H200 and 8 of 128K 0.63.)
 - GQA attention prefill / decode (`context_attention_perf` / `generation_attention_perf`, bf16, at least 4 query heads
-  per KV head): by prompt length / by cached tokens read per call, as for MLA.
+  per KV head; decode: head_dim 128): by prompt length / the same (heads, batch, cached tokens per sequence) grid as MLA.
 - all-reduce (`custom_allreduce_perf`, SGLang custom all-reduce under CUDA graphs): by message bytes, per group size;
   efficiency = ring time 2 (g - 1) / g x bytes / NVLink bandwidth per direction / measured latency.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -48,6 +51,7 @@ GEMM_DTYPES = {"fp8": ("fp8", 1.0), "bf16": ("bfloat16", 2.0), "fp4": ("nvfp4", 
 MOE_DTYPES = {"fp8": ("fp8_block", 1.0), "bf16": ("bfloat16", 2.0), "fp4": ("nvfp4", 0.5625)}
 QK, V, LATENT, LATENT_V = 192, 128, 576, 512  # DeepSeek-V3 MLA widths the tables were collected for
 H, I, E, K = 7168, 2048, 256, 8  # DeepSeek-V3 MoE shape
+GQA_HEAD_DIM = 128  # Qwen3's and Llama's; the decode grid keeps these rows
 
 
 def _rows(root: Path, gpu: str, rel: str) -> list[dict]:
@@ -116,7 +120,15 @@ def attention_prefill(root: Path, gpu: str) -> list[list[float]]:
     return _pow2(_curve(rows, lambda r: r["isl"], roof))
 
 
-def attention_decode(root: Path, gpu: str) -> list[list[float]]:
+def _grid(rows: Iterable[dict], roofline: Callable[[dict], float]) -> dict[str, dict[str, list[list[float]]]]:
+    """query heads -> batch -> curve by cached tokens per sequence (step + 1), median over the other dimensions."""
+    by: dict[int, dict[int, list[dict]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in rows:
+        by[r["num_heads"]][r["batch_size"]].append(r)
+    return {str(h): {str(b): _pow2(_curve(rs, lambda r: r["step"] + 1, roofline)) for b, rs in sorted(batches.items())} for h, batches in sorted(by.items())}
+
+
+def attention_decode(root: Path, gpu: str) -> dict[str, dict[str, list[list[float]]]]:
     g = GPUS[gpu]
 
     def roof(r: dict) -> float:
@@ -128,7 +140,7 @@ def attention_decode(root: Path, gpu: str) -> list[list[float]]:
         for r in _rows(root, gpu, f"mla/{VERSION}/generation_mla_perf.parquet")
         if r["mla_dtype"] == "bfloat16" and r["kv_cache_dtype"] == "bfloat16" and r["step"] >= 1
     )
-    return _pow2(_curve(rows, lambda r: r["batch_size"] * (r["step"] + 1), roof))
+    return _grid(rows, roof)
 
 
 def _gqa(r: dict) -> bool:
@@ -148,15 +160,17 @@ def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
     return _pow2(_curve(rows, lambda r: r["isl"], roof))
 
 
-def gqa_decode(root: Path, gpu: str) -> list[list[float]]:
+def gqa_decode(root: Path, gpu: str) -> dict[str, dict[str, list[list[float]]]]:
     g = GPUS[gpu]
 
     def roof(r: dict) -> float:
         b, h, kv, d, s = r["batch_size"], r["num_heads"], r["num_key_value_heads"], r["head_dim"], r["step"] + 1
         return max(b * h * s * 2 * 2 * d / g["bf16"], b * s * 2 * kv * d * 2 / g["bw"])
 
-    rows = (r for r in _rows(root, gpu, f"attention/{VERSION}/generation_attention_perf.parquet") if _gqa(r))
-    return _pow2(_curve(rows, lambda r: r["batch_size"] * (r["step"] + 1), roof))
+    rows = (
+        r for r in _rows(root, gpu, f"attention/{VERSION}/generation_attention_perf.parquet") if _gqa(r) and r["step"] >= 1 and r["head_dim"] == GQA_HEAD_DIM
+    )
+    return _grid(rows, roof)
 
 
 def allreduce(root: Path, gpu: str) -> dict[str, list[list[float]]]:
@@ -173,10 +187,12 @@ def allreduce(root: Path, gpu: str) -> dict[str, list[list[float]]]:
     return out
 
 
-def _physical(curve: list[list[float]], name: str) -> list[list[float]] | None:
-    """A curve that claims to beat the roofline somewhere measures something else than the roofline prices; left out."""
-    if any(e > 1 for _, e in curve):
-        print(f"left out {name}: efficiency {max(e for _, e in curve):.2f} > 1 at some shape (not the operator the roofline prices)")
+def _physical(curve: Any, name: str) -> Any:
+    """A curve (or grid of curves) that claims to beat the roofline somewhere measures something else than the roofline
+    prices; left out."""
+    points = [p for g in curve.values() for c in g.values() for p in c] if isinstance(curve, dict) else curve
+    if any(e > 1 for _, e in points):
+        print(f"left out {name}: efficiency {max(e for _, e in points):.2f} > 1 at some shape (not the operator the roofline prices)")
         return None
     return curve
 
@@ -195,6 +211,11 @@ def family(root: Path, gpu: str) -> dict:
         "attention_decode": attention_decode(root, gpu),
         "allreduce": allreduce(root, gpu),
     } | {k: v for k, v in optional.items() if v is not None}
+
+
+def _dump(table: dict) -> str:
+    """Indented JSON with each (shape, efficiency) point on one line, so a regenerated table diffs by point."""
+    return re.sub(r"\[\s+([-+.\deE]+),\s+([-+.\deE]+)\s+\]", r"[\1, \2]", json.dumps(table, indent=1))
 
 
 def _commit(root: Path) -> str:
@@ -218,7 +239,8 @@ def main() -> int:
         f"(github.com/ai-dynamo/aiconfigurator, commit {commit}, {DATA}/<gpu>/<op>/{VERSION}/*.parquet)",
         "licence": "Apache-2.0 (the AIConfigurator repository's licence, NVIDIA CORPORATION & AFFILIATES); medians of its measurements",
         "meaning": "efficiency = roofline time (max of FLOPs / dense peak, bytes / HBM bandwidth) / measured kernel time, "
-        "log-linear between points, clamped at the ends; see the script's docstring for each curve's shape key",
+        "log-linear between points, clamped at the ends; decode attention is a grid: query heads -> batch -> curve by cached "
+        "tokens per sequence (nearest measured head count, log-linear in batch and tokens); see the script's docstring",
         "families": {name: family(root, name) for name in GPUS},
     }
     for name, fam in table["families"].items():
@@ -226,11 +248,15 @@ def main() -> int:
         for op in ("gemm", "moe", "allreduce"):
             for k, curve in fam[op].items():
                 print(f"  {op} {k}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in curve))
-        for op in ("attention_prefill", "attention_decode", "gqa_attention_prefill", "gqa_attention_decode"):
+        for op in ("attention_prefill", "gqa_attention_prefill"):
             if op in fam:
                 print(f"  {op}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in fam[op]))
+        for op in ("attention_decode", "gqa_attention_decode"):
+            for heads, grid in fam.get(op, {}).items():
+                for batch, curve in grid.items():
+                    print(f"  {op} {heads} heads, batch {batch}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in curve))
     if args.write:
-        args.write.write_text(json.dumps(table, indent=1) + "\n")
+        args.write.write_text(_dump(table) + "\n")
         print(f"\nwrote {args.write}")
     return 0
 

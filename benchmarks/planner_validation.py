@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/planner_validation.py
 
 Prints one Markdown table (case, split, source, published, predicted, error, assumed, why) from
-`openk3.planner.validation.CASES`; every prediction is computed now from the shipped defaults. Pure arithmetic: no
+`openk3.planner.validation.CASES`, the aggregated TensorRT-LLM cases and the new held-out set
+(`openk3.planner.validation_new`), then the errors by group; every prediction is computed now from the shipped defaults. Pure arithmetic: no
 device needed. The goal (issue 20): decode within +-15% and prefill within +-25% on held-out cases, or a reason per case.
 """
 
@@ -17,6 +18,7 @@ import sys
 from openk3.planner.perf import Efficiency
 from openk3.planner.validation import CASES, Case, Phase, Split
 from openk3.planner.validation_agg import AGGREGATED_CASES, BLOG_CASES
+from openk3.planner.validation_new import NEW_HELD_OUT_CASES
 
 GOAL = {Phase.DECODE: 0.15, Phase.PREFILL: 0.25, Phase.COMM: 0.25, Phase.AGGREGATED: 0.15}
 MEASURED = Efficiency.measured()
@@ -41,8 +43,8 @@ def main() -> int:
     print("| case | split | source | metric | published | predicted | error | within goal | measured-kernel model | its error | assumed | why |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors: dict[tuple[str, str, str], list[float]] = {}
-    cases: tuple[Case, ...] = CASES + AGGREGATED_CASES + BLOG_CASES
-    for split in (Split.TUNED, Split.HELD_OUT):
+    cases: tuple[Case, ...] = CASES + AGGREGATED_CASES + BLOG_CASES + NEW_HELD_OUT_CASES
+    for split in (Split.TUNED, Split.HELD_OUT, Split.NEW_HELD_OUT):
         for c in (c for c in cases if c.split == split):
             try:
                 predicted, error = c.predict(), c.error()
@@ -61,11 +63,15 @@ def main() -> int:
                 if e is not None:
                     errors.setdefault((group, split.value, model), []).append(e)
     print()
-    print("| cases | split | model | n | median abs error | worst |")
-    print("|---|---|---|---|---|---|")
+    print("| cases | split | model | n | median abs error | median signed error | worst | within 35% |")
+    print("|---|---|---|---|---|---|---|---|")
     for (group, split_name, model), es in errors.items():
         worst = max(es, key=abs)
-        print(f"| {group} | {split_name} | {model} | {len(es)} | {statistics.median(abs(e) for e in es):.0%} | {worst:+.0%} |")
+        inside = sum(abs(e) <= 0.35 for e in es)
+        print(
+            f"| {group} | {split_name} | {model} | {len(es)} | {statistics.median(abs(e) for e in es):.0%} | "
+            f"{statistics.median(es):+.0%} | {worst:+.0%} | {inside}/{len(es)} |"
+        )
     return 0
 
 

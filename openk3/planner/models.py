@@ -74,13 +74,48 @@ def qwen3_235b() -> ModelConfig:
     )
 
 
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B (HF Qwen/Qwen3-30B-A3B config.json): 48 layers, GQA 32 heads / 4 KV heads of 128, 128 experts
+    top-8 of width 768, no shared expert, ~30.5B / 3.3B."""
+    return gqa_moe(
+        {
+            "model_type": "qwen3_moe",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "_name_or_path": "qwen3_30b_a3b",
+        }
+    )
+
+
 def k3_all_mla() -> ModelConfig:
     """K3 with every layer gated MLA (same widths): the baseline for 'what does KDA save'."""
     base = k3()
     return base.replace(name="k3_all_mla", mla_layers=tuple(range(base.num_hidden_layers)))
 
 
-MODELS: dict[str, Callable[[], ModelConfig]] = {**PRESETS, "kimi_k2": kimi_k2, "deepseek_v3": deepseek_v3, "k3_all_mla": k3_all_mla, "qwen3_235b": qwen3_235b}
+MODELS: dict[str, Callable[[], ModelConfig]] = {
+    **PRESETS,
+    "kimi_k2": kimi_k2,
+    "deepseek_v3": deepseek_v3,
+    "k3_all_mla": k3_all_mla,
+    "qwen3_235b": qwen3_235b,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
+}
 
 
 def model_by_name(name: str) -> ModelConfig:

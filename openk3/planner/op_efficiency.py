@@ -3,9 +3,9 @@
 `op_efficiency.json` beside this file is a small table derived by `benchmarks/planner_op_efficiency.py` from
 AIConfigurator's public per-kernel measurements (Apache-2.0; the file names its commit and tables): GEMM by tokens and
 dtype, grouped GEMM (MoE) by routed tokens per expert and dtype, MLA and GQA attention prefill by prompt length and
-decode by cached tokens read per call, all-reduce by message bytes and group size. Hopper curves were measured on H200 and serve
-H100/H800/H200; Blackwell curves on B200 and serve B200/GB200/B300/GB300. An accelerator with no curves (AMD, a user
-row) gets None and the planner falls back to the flat `Efficiency` factors.
+decode by query heads, batch and cached tokens per sequence (a `Grid`), all-reduce by message bytes and group size.
+Hopper curves were measured on H200 and serve H100/H800/H200; Blackwell curves on B200 and serve B200/GB200/B300/GB300.
+An accelerator with no curves (AMD, a user row) gets None and the planner falls back to the flat `Efficiency` factors.
 
 A component's time is its roofline time divided by the curve's value at its shape; between measured points the value is
 interpolated linearly in log(shape), and outside them it is held at the nearest end (never extrapolated).
@@ -42,15 +42,46 @@ class Curve:
         return cls(tuple(x for x, _ in pts), tuple(y for _, y in pts))
 
     def at(self, x: float) -> float:
-        xs, ys = self.xs, self.ys
-        if x <= xs[0]:
-            return max(ys[0], FLOOR)
-        if x >= xs[-1]:
-            return max(ys[-1], FLOOR)
-        i = bisect.bisect_right(xs, x)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return max(y0 + w * (y1 - y0), FLOOR)
+        return _between(self.xs, self.ys, x)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Decode attention: for each measured query-head count, curves by cached tokens per sequence at each measured batch.
+    `at` takes the measured head count nearest in log, then interpolates log-linearly between the two measured batches
+    around the call's (holding the ends), each curve read at the call's cached tokens per sequence."""
+
+    heads: tuple[int, ...]
+    batches: tuple[tuple[float, ...], ...]  # per head count, sorted
+    curves: tuple[tuple[Curve, ...], ...]  # per head count, one per batch
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], name: str) -> Grid:
+        if not raw or any(not by_batch for by_batch in raw.values()):
+            raise ValueError(f"op_efficiency.json: grid {name} needs head counts, each with batches")
+        heads = tuple(sorted(int(h) for h in raw))
+        batches = tuple(tuple(sorted(float(b) for b in raw[str(h)])) for h in heads)
+        curves = tuple(tuple(Curve.of(raw[str(h)][_key(raw[str(h)], b)], f"{name}.{h}.{b:g}") for b in bs) for h, bs in zip(heads, batches, strict=True))
+        return cls(heads, batches, curves)
+
+    def at(self, heads: float, batch: float, tokens_per_seq: float) -> float:
+        i = min(range(len(self.heads)), key=lambda j: abs(math.log(self.heads[j]) - math.log(max(heads, 1.0))))
+        return _between(self.batches[i], [c.at(max(tokens_per_seq, 1.0)) for c in self.curves[i]], max(batch, 1.0))
+
+
+def _key(by_batch: Mapping[str, object], batch: float) -> str:
+    return next(k for k in by_batch if float(k) == batch)
+
+
+def _between(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Log-linear in x between the points around it, the end values outside."""
+    if x <= xs[0]:
+        return max(ys[0], FLOOR)
+    if x >= xs[-1]:
+        return max(ys[-1], FLOOR)
+    i = bisect.bisect_right(xs, x)
+    w = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    return max(ys[i - 1] + w * (ys[i] - ys[i - 1]), FLOOR)
 
 
 _WIDER = {"fp4": ("fp4", "fp8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
@@ -71,10 +102,10 @@ class OpCurves:
     gemm_curves: Mapping[str, Curve]
     moe_curves: Mapping[str, Curve]
     prefill_attention: Curve
-    decode_attention: Curve
+    decode_attention: Grid
     allreduce_curves: Mapping[int, Curve]
     gqa_prefill_attention: Curve | None = None  # None: not measured (or not physical) for this family; flat factors
-    gqa_decode_attention: Curve | None = None
+    gqa_decode_attention: Grid | None = None
 
     def gemm(self, dtype: str, tokens: float) -> float:
         return _by_dtype(self.gemm_curves, dtype, "gemm").at(max(tokens, 1.0))
@@ -87,9 +118,10 @@ class OpCurves:
         curve = self.prefill_attention if mla else self.gqa_prefill_attention
         return None if curve is None else curve.at(max(prompt_tokens, 1.0))
 
-    def attention_decode(self, tokens_read: float, mla: bool = True) -> float | None:
-        curve = self.decode_attention if mla else self.gqa_decode_attention
-        return None if curve is None else curve.at(max(tokens_read, 1.0))
+    def attention_decode(self, heads: float, batch: float, tokens_per_seq: float, mla: bool = True) -> float | None:
+        """A decode attention call over `batch` sequences of `tokens_per_seq` cached tokens, `heads` query heads per rank."""
+        grid = self.decode_attention if mla else self.gqa_decode_attention
+        return None if grid is None else grid.at(heads, batch, tokens_per_seq)
 
     def allreduce(self, group: int, nbytes: float) -> float:
         """The measured group size nearest below `group` (the largest measured one past it)."""
@@ -108,10 +140,10 @@ def _family(name: str, raw: Mapping) -> OpCurves:
         gemm_curves=many("gemm"),
         moe_curves=many("moe"),
         prefill_attention=Curve.of(raw["attention_prefill"], f"{name}.attention_prefill"),
-        decode_attention=Curve.of(raw["attention_decode"], f"{name}.attention_decode"),
+        decode_attention=Grid.of(raw["attention_decode"], f"{name}.attention_decode"),
         allreduce_curves={int(g): Curve.of(p, f"{name}.allreduce.{g}") for g, p in raw["allreduce"].items()},
         gqa_prefill_attention=Curve.of(raw["gqa_attention_prefill"], f"{name}.gqa_attention_prefill") if "gqa_attention_prefill" in raw else None,
-        gqa_decode_attention=Curve.of(raw["gqa_attention_decode"], f"{name}.gqa_attention_decode") if "gqa_attention_decode" in raw else None,
+        gqa_decode_attention=Grid.of(raw["gqa_attention_decode"], f"{name}.gqa_attention_decode") if "gqa_attention_decode" in raw else None,
     )
 
 

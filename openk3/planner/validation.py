@@ -32,6 +32,7 @@ R1_NVFP4 = with_dtypes(FP8, expert="nvfp4")  # nvidia/DeepSeek-R1-NVFP4: NVFP4 e
 class Split(str, enum.Enum):
     TUNED = "tuned"  # a default was chosen with this case in view
     HELD_OUT = "held-out"
+    NEW_HELD_OUT = "new held-out"  # collected after the held-out set was looked at; recorded before any change (validation_new.py)
 
 
 class Phase(str, enum.Enum):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from openk3.config import ModelConfig
+from openk3.planner.bench_setup import Counting, run_shape
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Layout, Quantisation, Workload
@@ -47,14 +48,21 @@ def aggregated_tok_s_per_gpu(
     efficiency: Efficiency | None = None,
     seqs_per_gpu: int | None = None,
     chunk: int = 8192,
+    bench: Counting | None = None,
 ) -> float:
     """Output tokens/s per GPU of one DEP`gpus` instance serving only `isl`/`osl` requests at full load: the KV-cache
-    limit for whole requests, or `seqs_per_gpu` where the run fixed its batch (which must fit)."""
+    limit for whole requests, or `seqs_per_gpu` where the run fixed its batch (which must fit). `bench`: the run left
+    its batch and token budget to trtllm-bench's heuristic (`bench_setup.py`), which then sets both the batch and the
+    prompt tokens per iteration (`chunk` is not used)."""
     sys = load_catalogue().system(system)
     layout = Layout(gpus, tp=1)
     mix = RequestMix(((isl, osl),))
     limit = max_concurrency(config, quant, layout, isl + osl, sys)
     seqs = limit if seqs_per_gpu is None else seqs_per_gpu * gpus
+    if bench is not None:
+        if seqs_per_gpu is not None:
+            raise ValueError("a fixed batch (seqs_per_gpu) and trtllm-bench's heuristic (bench) exclude each other")
+        seqs, chunk = run_shape(limit, gpus, isl, osl, bench)
     if seqs < gpus or seqs > limit:
         raise ValueError(f"{layout.describe()} holds {limit} sequences of {isl + osl:,} tokens; asked for {seqs}")
     workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl, prefill_chunk=chunk)
@@ -63,7 +71,7 @@ def aggregated_tok_s_per_gpu(
 
 
 def _predictor(config: Callable[[], ModelConfig], quant: Quantisation, gpus: int, system: str, isl: int, osl: int) -> Callable[[Efficiency], float]:
-    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff)
+    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff, bench=Counting.PER_RANK)
 
 
 # (model, quant, column label, GPUs, system, {(isl, osl): published output tok/s/GPU})
@@ -92,7 +100,8 @@ AGGREGATED_CASES: tuple[Case, ...] = tuple(
         published,
         Split.TUNED if (isl, osl) in TUNED_LENGTHS else Split.HELD_OUT,
         Phase.AGGREGATED,
-        f"decode batch = the KV-cache limit at {isl + osl:,} tokens per request; chunks of 8,192 tokens",
+        f"decode batch = the KV-cache limit at {isl + osl:,} tokens per request, within trtllm-bench's cap; prompt tokens per "
+        "iteration = its token budget less the decoding requests (bench_setup.py, counted per rank)",
         _predictor(config, quant, gpus, system, isl, osl),
     )
     for model, config, quant, column, gpus, system, rows in _TABLE

@@ -79,5 +79,5 @@ def test_mtp_batch_one_rows_as_docs_report() -> None:
     rows = {c.name: c for c in BLOG_CASES if c.phase == Phase.DECODE}
     b200, h200 = rows["DeepSeek-R1 FP4, 8 B200, batch 1, MTP3"], rows["DeepSeek-R1 FP8, 8 H200, batch 1, MTP3"]
     m = Efficiency.measured()
-    assert b200.error(m) == pytest.approx(0.05, abs=0.03) and h200.error(m) == pytest.approx(0.27, abs=0.03)
+    assert b200.error(m) == pytest.approx(0.08, abs=0.03) and h200.error(m) == pytest.approx(0.30, abs=0.03)
     assert b200.error() == pytest.approx(0.65, abs=0.03) and h200.error() == pytest.approx(0.85, abs=0.03)

@@ -1,0 +1,36 @@
+"""trtllm-bench's batch and token budget (bench_setup.py): its rounding rules and the run shape validation prices."""
+
+from __future__ import annotations
+
+import pytest
+
+from openk3.planner.bench_setup import BenchSettings, Counting, bench_settings, run_shape
+
+
+def test_rounding_rules() -> None:
+    # below 256 requests: multiples of 32, at least 64; tokens at least 2,048
+    assert bench_settings(10, 1000, 1000) == BenchSettings(64, 2048)
+    assert bench_settings(200, 1000, 1000) == BenchSettings(224, 2048)  # 400 tokens -> the 2,048 floor
+    # 256..1023: multiples of 128; 4,096..8,191 tokens: multiples of 512
+    s = bench_settings(730, 1000, 1000)
+    assert s.max_batch == 768 and s.max_tokens == 2048  # 1,460 tokens is under the floor
+    s = bench_settings(600, 5000, 500)  # 6,600 tokens -> 13 x 512
+    assert s.max_batch == 640 and s.max_tokens == 6656
+    # caps: 4,096 requests, 32,768 tokens; above 1,024 multiples of 256, above 8,192 tokens multiples of 1,024
+    assert bench_settings(5563, 128, 128) == BenchSettings(4096, 8192)
+    assert bench_settings(1500, 20000, 2000) == BenchSettings(1536, 17408)  # 16,500 tokens -> 17 x 1,024
+    assert bench_settings(3000, 20000, 2000).max_tokens == 32768
+    with pytest.raises(ValueError, match="kv_requests"):
+        bench_settings(0.5, 128, 128)
+
+
+def test_run_shape_caps_the_batch_and_leaves_the_budget_to_prompts() -> None:
+    # one GPU that holds 5,563 requests of 256 tokens runs 4,096 of them; 8,192 - 4,096 prompt tokens per iteration
+    assert run_shape(5563, 1, 128, 128, Counting.PER_RANK) == (4096, 4096)
+    # a KV limit under the cap is the batch; the iteration's 2,048 tokens less 730 decoding are prompt tokens
+    assert run_shape(730, 1, 1000, 1000, Counting.PER_RANK) == (730, 2048 - 730)
+    # counted over an 8-rank instance (v1.0), the budget comes from the instance's 1,600 requests but applies per rank
+    seqs, chunk = run_shape(1600, 8, 2048, 128, Counting.PER_INSTANCE)
+    assert seqs == 1600 and chunk == 27648 - 200
+    seqs, chunk = run_shape(1600, 8, 2048, 128, Counting.PER_RANK)
+    assert seqs == 1600 and chunk == 3584 - 200  # 200 x 17 = 3,400 tokens -> 3,584 per rank

@@ -57,6 +57,9 @@ class EngineConfig:
     prefix_prompt_snapshots: int = setting(
         4, "states also taken inside a prompt's prefill at the deepest this many match-unit multiples (a repeat hits on its second send)", low=0
     )
+    prefix_shared_prefill: bool = setting(
+        True, "a waiting request that shares a new prefix with a running prompt's prefill waits for its state (serve/shared_prefill.py)"
+    )
     num_snapshot_slots: int | None = setting(None, "state slots kept for prefix snapshots (default: a quarter of the cache memory)", low=0)
     cpu_offload_bytes: int = setting(0, "host-DRAM tier for evicted prefixes (0: none)", low=0, unit="GiB", flag="--cpu-offload-gb")
     disk_offload_dir: str | None = setting(None, "directory of the disk tier (a private subfolder is made and removed)")

@@ -85,6 +85,7 @@ class LLMEngine:
                 match_unit=cfg.prefix_match_unit,
                 snapshot_interval=cfg.prefix_snapshot_interval,
                 prompt_snapshots=cfg.prefix_prompt_snapshots,
+                shared_prefill=cfg.prefix_shared_prefill,
                 num_snapshot_slots=snapshot_slots,
                 salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype, cfg.fp8_latent),
                 host_bytes=cfg.cpu_offload_bytes,

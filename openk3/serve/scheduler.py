@@ -179,7 +179,7 @@ class Scheduler:
         """Whether `req` stays waiting for a running prompt's prefill that will cache a prefix it shares
         (serve/shared_prefill.py); if so that prefill is asked for a state at the shared depth."""
         pc = self.cache.prefix_config
-        if pc is None or req.status == RequestStatus.PREEMPTED or wants_whole_prompt(req):
+        if pc is None or not pc.shared_prefill or req.status == RequestStatus.PREEMPTED or wants_whole_prompt(req):
             return False
         prefilling = unfinished_prefills(self.running)
         if not prefilling:

@@ -92,13 +92,13 @@ def test_requests_sent_together_compute_the_shared_prefix_once(model, policy) ->
         llm.close()
 
 
-def test_without_waiting_the_same_batch_misses(model, monkeypatch) -> None:
-    """The control: with the rule turned off the requests of one batch compute the shared prefix each."""
-    monkeypatch.setattr("openk3.serve.scheduler.prefill_to_wait_for", lambda *a: None)
-    llm = make(model, **CACHED)
+def test_without_waiting_the_same_batch_misses(model) -> None:
+    """The control (--no-prefix-shared-prefill): the requests of one batch compute the shared prefix each."""
+    llm = make(model, **CACHED, prefix_shared_prefill=False)
     try:
         outs = llm.generate(prompts(1), GREEDY)
         assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+        assert waits(llm) == 0
     finally:
         llm.close()
 

@@ -20,6 +20,7 @@ class PrefixCacheConfig:
     # states also taken inside prefill steps, at the deepest this many multiples of match_unit below the prompt's end (the
     # last full unit first), so that a repeated or extended prompt hits on its second send; each costs a snapshot slot
     prompt_snapshots: int = 4
+    shared_prefill: bool = True  # a request waits for a running prefill of a prefix it shares (serve/shared_prefill.py)
     num_snapshot_slots: int = 8  # state slots reserved for snapshots, paid from the same cache byte budget as the pages
     salt: bytes = b""  # hashing.model_salt
     host_bytes: int = 0

@@ -175,13 +175,14 @@ class Scheduler:
             return head  # nothing beats a preempted request, or one whose group has nothing running
         return min(waiting, key=lambda r: (r.status != RequestStatus.PREEMPTED, running_per_group[r.group]))  # min is stable: arrival order
 
-    def _waits_for_shared_prefill(self, req: Request) -> bool:
+    def _waits_for_shared_prefill(self, req: Request, ranking: Ranking | None) -> bool:
         """Whether `req` stays waiting for a running prompt's prefill that will cache a prefix it shares
-        (serve/shared_prefill.py); if so that prefill is asked for a state at the shared depth."""
+        (serve/shared_prefill.py); if so that prefill is asked for a state at the shared depth. Never for a request it
+        outranks: the step keeps budget from that one for it, so the prefill might not advance at all."""
         pc = self.cache.prefix_config
         if pc is None or not pc.shared_prefill or req.status == RequestStatus.PREEMPTED or wants_whole_prompt(req):
             return False
-        prefilling = unfinished_prefills(self.running)
+        prefilling = [r for r in unfinished_prefills(self.running) if ranking is None or not ranking.outranks(req, r)]
         if not prefilling:
             return False
         cached = self.cache.match_prefix(req.cache_key_ids(), req.cache_salt).num_tokens
@@ -280,7 +281,7 @@ class Scheduler:
                 # after a preemption only a request that outranks a running one is worth the pages, and never the one preempted
                 if req in preempted or (preempted and not any(ranking.outranks(req, r) for r in self.running)):
                     break
-            if self._waits_for_shared_prefill(req):
+            if self._waits_for_shared_prefill(req, ranking):
                 held.add(req.request_id)
                 continue
             admitted = self._admit(req, budget) if len(self.running) < self.config.max_num_seqs else None

@@ -12,7 +12,8 @@ It cannot wait forever: it waits only while the other request is running and has
 depth, which it does within its prefill. If the state could not be kept (no snapshot slot free) the request is admitted
 on the next step as a plain miss; if the other request is preempted or finishes it no longer holds anyone back.
 Requests that compute their whole prompt anyway (prompt logprobs, routing records) and preempted requests (who go first)
-never wait. Other waiting requests may be admitted ahead of one that waits.
+never wait, nor does a request wait for one it outranks under the priority and fair policies (the step keeps budget
+from that one for it, so its prefill might not advance). Other waiting requests may be admitted ahead of one that waits.
 """
 
 from __future__ import annotations

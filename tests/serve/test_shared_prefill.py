@@ -143,3 +143,25 @@ def test_without_a_free_state_slot_the_batch_still_finishes(model) -> None:
         llm.engine.check_integrity()
     finally:
         llm.close()
+
+
+def test_a_request_never_waits_for_a_prefill_it_outranks(model) -> None:
+    """Priority policy: a low-priority prompt is mid-prefill when a higher-priority one with the same opening arrives. The
+    step keeps budget for the higher one (it outranks the running request), so waiting for that prefill would wait for a
+    request the step starves: the higher one is admitted at once and computes the opening itself."""
+    from openk3.serve.engine import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(**{**BASE, **CACHED}, scheduling_policy="priority", max_num_batched_tokens=24)
+    engine = LLMEngine(model, ByteTokenizer(256), cfg)
+    low, high = prompts(5, shared=120, n=2)
+    greedy = SamplingParams(temperature=0, max_tokens=2, priority=5)
+    with torch.inference_mode():
+        engine.add_request("low", low, greedy)
+        engine.step()  # low's first chunk
+        engine.add_request("high", high, SamplingParams(temperature=0, max_tokens=2, priority=0))
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+    assert not engine.has_unfinished(), "a request waited for a prefill the scheduler starved"
+    engine.check_integrity()

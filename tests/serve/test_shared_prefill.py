@@ -6,6 +6,7 @@ compute it once; a request that scores its prompt never waits; with no state slo
 """
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from openk3.serve.shared_prefill import common_prefix
 from openk3.serve.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
-BASE = dict(page_size=4, num_pages=200, max_num_seqs=6, max_model_len=256, long_prefill_token_threshold=24)
-CACHED = dict(enable_prefix_caching=True, prefix_match_unit=8, num_snapshot_slots=8)
+BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=6, max_model_len=256, long_prefill_token_threshold=24)
+CACHED: dict[str, Any] = dict(enable_prefix_caching=True, prefix_match_unit=8, num_snapshot_slots=8)
 UNIT = 8
 
 

@@ -111,9 +111,6 @@ class ParallelConfig:
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
-        if self.cp > 1 and engine.enable_prefix_caching:
-            # a step that takes KDA snapshots inside the prompt (the prefix cache's state cuts) would need them inside a rank's shard
-            raise ValueError(f"enable_prefix_caching=True with cp={self.cp}: context-parallel prefill takes no prefix-cache snapshots yet (docs/parallel.md)")
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
         if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:

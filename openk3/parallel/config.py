@@ -34,7 +34,7 @@ class ParallelConfig:
     cp: int = setting(
         1,
         "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
-        "state handed rank to rank); decode runs whole on every rank; not with --tp/--ep/--dp yet (docs/parallel.md)",
+        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks; not with --ep/--dp yet (docs/parallel.md)",
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
@@ -64,10 +64,10 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         self._check_load_files()
-        if self.cp > 1 and max(self.tp, self.ep, self.dp) > 1:
+        if self.cp > 1 and max(self.ep, self.dp) > 1:
             raise ValueError(
-                f"ParallelConfig: cp={self.cp} with tp={self.tp}, ep={self.ep}, dp={self.dp}: context parallelism runs alone for now "
-                "(a CP group per TP group is not built; docs/parallel.md)"
+                f"ParallelConfig: cp={self.cp} with ep={self.ep}, dp={self.dp}: context parallelism runs alone or over TP groups "
+                "(--cp C --tp T, C x T ranks); with expert or data parallelism it is not built yet (docs/parallel.md)"
             )
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
@@ -105,8 +105,9 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes one engine runs on: dp groups of tp ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
-        return self.dp * self.tp if self.dp > 1 else max(self.tp, self.ep, self.cp)
+        """Processes one engine runs on: dp groups of tp ranks, cp groups of tp ranks, or the TP group, whose ranks also hold
+        the experts when ep > 1."""
+        return self.dp * self.tp if self.dp > 1 else self.cp * self.tp if self.cp > 1 else max(self.tp, self.ep)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""

@@ -55,10 +55,12 @@ def one_process() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp", [2, 3])
-def test_llm_cp_tokens_equal_one_process(one_process: dict[str, Any], cp: int) -> None:
+@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (3, 1), (2, 2)])
+def test_llm_cp_tokens_equal_one_process(one_process: dict[str, Any], cp: int, tp: int) -> None:
+    """cp x tp ranks: with tp = 2 each CP rank is a TP group of two (4 gloo ranks), each TP shard exchanging its latents
+    and KDA states with the ranks that hold the same shard."""
     torch.set_num_threads(1)
-    got = run(LLM("tiny", cp=cp, cp_min_tokens=32, **ENGINE))
+    got = run(LLM("tiny", cp=cp, tp=tp, cp_min_tokens=32, **ENGINE))
     for key in ("batched", "seeded", "alone"):
         assert got[key] == one_process[key], key
     assert got["scored_cp_steps"] == 3, "300 prompt tokens in 128-token chunks: 128, 128 and 44 new tokens, each >= 32"
@@ -87,8 +89,11 @@ def test_the_split_rule_reads_the_batch_alone() -> None:
 
 
 def test_layouts_cp_does_not_run_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="context parallelism runs alone"):
-        ParallelConfig(cp=2, tp=2)
+    with pytest.raises(ValueError, match="with expert or data parallelism it is not built yet"):
+        ParallelConfig(cp=2, tp=2, ep=2)
+    with pytest.raises(ValueError, match="with expert or data parallelism it is not built yet"):
+        ParallelConfig(cp=2, dp=2, ep=2)
+    assert ParallelConfig(cp=2, tp=2).world_size == 4
     with pytest.raises(ValueError, match="cp_min_tokens=1 is less than cp=2"):
         ParallelConfig(cp=2, cp_min_tokens=1)
     assert ParallelConfig(cp=3).world_size == 3

@@ -2,7 +2,8 @@
 takes inside its chunk (state_cuts) and at its end, and the prefix cache's slot and page copies (replayed on every rank
 by the driver), leave every rank's pools as one process's, so later requests hit the same prefixes (the same hit counts
 as one process with caching) and give the tokens of one process without caching -- with cuts inside a shard (cp=3) and on
-shard boundaries (cp=2: 64-token cuts in 128-token chunks)."""
+shard boundaries (cp=2: 64-token cuts in 128-token chunks), and over TP groups (cp=2 x tp=2: 4 ranks, each TP shard's
+snapshots taken and broadcast within the ranks that hold that shard)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,12 @@ def one_process() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp", [2, 3])
-def test_cp_prefix_cache_hits_give_one_process_tokens(one_process: dict[str, dict[str, Any]], cp: int) -> None:
+@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (3, 1), (2, 2)])
+def test_cp_prefix_cache_hits_give_one_process_tokens(one_process: dict[str, dict[str, Any]], cp: int, tp: int) -> None:
     torch.set_num_threads(1)
     want, cached = one_process["uncached"], one_process["cached"]
     assert cached["tokens"] == want["tokens"] and cached["hits"] > 0, "the one-process oracle itself"
-    got = rounds(LLM("tiny", cp=cp, cp_min_tokens=32, enable_prefix_caching=True, **ENGINE))
+    got = rounds(LLM("tiny", cp=cp, tp=tp, cp_min_tokens=32, enable_prefix_caching=True, **ENGINE))
     assert got["tokens"] == want["tokens"]
     assert got["logprobs"] == pytest.approx(cached["logprobs"], abs=1e-4), "a hit restores one process's state, to fp32 reassociation"
     assert got["hits"] == cached["hits"], "the same prefixes hit as in one process"

@@ -34,7 +34,7 @@ class ParallelConfig:
     cp: int = setting(
         1,
         "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
-        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks; not with --ep/--dp yet (docs/parallel.md)",
+        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks (--ep 1 or cp x T); not with --dp (docs/parallel.md)",
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
@@ -64,10 +64,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         self._check_load_files()
-        if self.cp > 1 and max(self.ep, self.dp) > 1:
+        if self.cp > 1 and (self.dp > 1 or self.ep not in (1, self.cp * self.tp)):
             raise ValueError(
-                f"ParallelConfig: cp={self.cp} with ep={self.ep}, dp={self.dp}: context parallelism runs alone or over TP groups "
-                "(--cp C --tp T, C x T ranks); with expert or data parallelism it is not built yet (docs/parallel.md)"
+                f"ParallelConfig: cp={self.cp} with tp={self.tp}, ep={self.ep}, dp={self.dp}: context parallelism runs over cp TP groups "
+                f"(--cp C --tp T, C x T ranks), with the experts split by width in each (ep=1) or spread over all {self.cp * self.tp} "
+                f"ranks (ep={self.cp * self.tp}); with --dp it is not built (docs/parallel.md)"
             )
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
@@ -76,7 +77,7 @@ class ParallelConfig:
                 f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "
                 f"dp x tp = {self.dp * self.tp} ranks (ep={self.dp * self.tp}): the MoE layers are what the DP groups share (docs/parallel.md)"
             )
-        if self.tp > 1 and self.ep > 1 and self.ep != self.tp and self.dp == 1:
+        if self.tp > 1 and self.ep > 1 and self.ep != self.tp and self.dp == 1 and self.cp == 1:
             raise ValueError(
                 f"ParallelConfig: tp={self.tp} with ep={self.ep}: one engine runs its experts over its TP group (ep=1 or ep={self.tp}); "
                 "ep = dp x tp spreads them over dp data-parallel groups of tp ranks (--dp, docs/parallel.md)"

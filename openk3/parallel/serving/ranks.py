@@ -168,9 +168,11 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
     failures = [f for f in channel.report_ready(None) if f is not None]
     if failures:
         raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
-    if not isinstance(backend, TokenSplit | None):
+    if not isinstance(backend, TokenSplit | None) and spec.cp == 1:
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
-    return EPDriver(_step_model(spec, model, groups), channel, backend.inner if backend is not None else None, heartbeat.start()), backend
+    # with cp > 1 and tp = 1 each rank dispatches its own tokens (a split step's shard differs per rank): the backend itself
+    stats = backend.inner if isinstance(backend, TokenSplit) else backend
+    return EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start()), backend if isinstance(backend, TokenSplit) else None
 
 
 def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGroups | None:

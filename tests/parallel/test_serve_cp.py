@@ -23,9 +23,10 @@ PROMPT = "And God said, Let there be light: and there was light. And God saw the
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp", [1, 2])
-def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int) -> None:
-    """tp = 2: `--cp 2 --tp 2`, four ranks (two TP groups of two, the CP groups across them)."""
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2)])
+def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int, ep: int) -> None:
+    """tp = 2: `--cp 2 --tp 2`, four ranks (two TP groups of two, the CP groups across them); ep = 2: `--cp 2 --ep 2`,
+    the experts spread over both ranks (MoonEP)."""
     torch.set_num_threads(1)
     llm = LLM("tiny", max_num_batched_tokens=32)
     ids = llm.tokenizer.encode(PROMPT + " " + PROMPT)
@@ -35,7 +36,8 @@ def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int) -
     want = [o.outputs[0].text for o in llm.generate(prompts, params)]
     llm.close()
 
-    flags = ["--cp", "2", "--tp", str(tp), "--cp-min-tokens", "4", "--max-num-batched-tokens", "32", "--enable-prefix-caching", "--prefix-match-unit", "8"]
+    flags = ["--cp", "2", "--tp", str(tp), "--ep", str(ep), "--cp-min-tokens", "4", "--max-num-batched-tokens", "32"]
+    flags += ["--enable-prefix-caching", "--prefix-match-unit", "8"]
     with torchrun_server(flags, tmp_path, nproc=2 * tp) as (proc, url, log):
         for prompt, text in zip(prompts, want, strict=True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}

@@ -151,3 +151,28 @@ def cut_cases(ctx: ParallelContext) -> dict[str, dict[str, float]]:
         "fresh": cut_case(ctx, t, (3, boundary, t - 2)),
         "context": cut_case(ctx, t + 21, (1, boundary, t - 1), context=21),
     }
+
+
+@torch.no_grad()
+def cp_tp_case(world: ParallelContext, cp: int, tp: int, length: int) -> dict[str, float]:
+    """CP prefill over cp TP groups of tp ranks (debug model, experts split by width): the logits against the whole model
+    in one process, and the bytes this rank received per layer."""
+    from openk3.parallel.serving.rank_groups import context_parallel_groups
+    from openk3.parallel.tp.shard import parallelize_tensor
+
+    groups = context_parallel_groups(world, cp, tp)
+    model = build(debug())
+    ids = prompt(length, seed=length + 2)
+    whole_logits, _, _ = one_process(model, ids, [(0, length)])
+    parallelize_tensor(model, groups.tp, split_experts=True)
+    cache, pages = new_cache(model, length)
+    out = context_parallel_prefill(model, groups.cp, ids, cache, SLOT, pages)
+    received: dict[str, list[int]] = {}
+    for r in out.received:
+        received.setdefault(r.what, []).append(r.nbytes)
+    n_kda = model.config.num_hidden_layers - len(model.config.mla_layers)
+    return {
+        "whole_logits": float((out.logits - whole_logits).abs().max()),
+        "mla_bytes_per_layer": float(max(received.get("mla_latent", [0]))),
+        "kda_bytes_per_layer": (sum(received.get("kda_conv", [])) + sum(received.get("kda_state", []))) / n_kda,
+    }

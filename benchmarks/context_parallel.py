@@ -8,12 +8,16 @@ counts). Reported: medians and the ratio (a)/(b). (A one-rank baseline with `cp`
 waiting in gloo's barrier keep the other core busy, which made it meaningless on this 2-core machine.) A row's speed-up is refused ("mismatch") unless the
 CP logits equal the one-process logits to 1e-3 and the greedy next token is the same.
 
+With `--tp T` every CP rank is a TP group of T ranks (cp x T gloo ranks, rank r TP rank r % T of CP rank r // T, each
+holding its TP shard of the checkpoint), and the baseline is the first TP group prefilling the whole prompt alone.
+
 Bytes: what each rank logged as received (payload, not the all-gather's padding), per MLA layer (the other ranks'
 latents) and per KDA layer (the conv window and state from the previous rank), against `cp_bytes` of the planner for the
-same model, prompt, cp and an fp32 cache (the CPU cache dtype).
+same model, prompt, cp, tp and an fp32 cache (the CPU cache dtype); the planner prices one TP rank's share.
 
     python benchmarks/context_parallel.py                              # 2k and 8k tokens, cp=2, 3 repeats
     python benchmarks/context_parallel.py --lengths 4096 --repeats 5
+    python benchmarks/context_parallel.py --lengths 1024 --cp 2 --tp 2  # 4 ranks
 """
 
 from __future__ import annotations
@@ -31,13 +35,13 @@ import torch.distributed as dist
 PAGE_SIZE = 64
 
 
-def _one_rank(ctx, model, ids: list[int]) -> tuple[float, torch.Tensor | None]:  # type: ignore[no-untyped-def]
-    """Rank 0 alone prefills the whole prompt in one step; the others wait."""
+def _one_rank(ctx, model, ids: list[int], tp: int) -> tuple[float, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    """Rank 0 alone (with --tp, the TP group of ranks 0..tp-1) prefills the whole prompt in one step; the others wait."""
     from openk3.model import CacheTensors, ForwardBatch
 
     dist.barrier()
     logits, seconds = None, 0.0
-    if ctx.rank == 0:
+    if ctx.rank < tp:
         pages = torch.arange(-(-len(ids) // PAGE_SIZE))
         cache = CacheTensors.allocate(model.config, num_slots=1, num_pages=pages.numel(), page_size=PAGE_SIZE)
         batch = ForwardBatch.for_step([ids], [0], [0], pages[None], only_last_logits=False)
@@ -63,20 +67,21 @@ def _context_parallel(ctx, model, ids: list[int]):  # type: ignore[no-untyped-de
     return time.perf_counter() - start, local, out
 
 
-def rank_main(ctx, lengths: list[int], repeats: int) -> list[dict]:  # type: ignore[no-untyped-def]
-    from openk3.model import load_model
-    from openk3.serve.loading import resolve_model
+def rank_main(world, lengths: list[int], repeats: int, cp: int, tp: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    from openk3.parallel.serving.rank_groups import context_parallel_groups
+    from openk3.parallel.serving.ranks import RankModelSpec, build_rank_model
 
-    path = resolve_model("tiny")
-    assert path is not None
-    model = load_model(path).eval()
+    groups = context_parallel_groups(world, cp, tp)  # rank r: TP rank r % tp of CP rank r // tp
+    spec = RankModelSpec("tiny", "ep", torch.float32, 0, False, None, tp=tp, ep=False)
+    model, _ = build_rank_model(spec, world, groups.tp)  # with tp > 1 this rank's TP shard, read from the checkpoint
+    ctx = groups.cp
     rows = []
     for length in [64, *lengths]:  # the first, short one is the warm-up and is not reported
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
         times: dict[str, list[float]] = {"one": [], "cp": [], "local": []}
         ref, out = None, None
         for _ in range(repeats):
-            s, ref = _one_rank(ctx, model, ids)
+            s, ref = _one_rank(world, model, ids, tp)
             times["one"].append(s)
             s, local, out = _context_parallel(ctx, model, ids)
             times["cp"].append(s)
@@ -115,25 +120,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,8192", help="prompt lengths, comma-separated")
     p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="each CP rank a TP group of this many ranks (cp x tp ranks); the baseline is one TP group")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
-    results = run_ranks(rank_main, a.cp, lengths, a.repeats)
+    results = run_ranks(rank_main, a.cp * a.tp, lengths, a.repeats, a.cp, a.tp)
     path = resolve_model("tiny")
     assert path is not None
     config = config_from_hf(path)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"command: python benchmarks/context_parallel.py --lengths {a.lengths} --cp {a.cp} --repeats {a.repeats}; commit {commit}; ")
+    print(f"command: python benchmarks/context_parallel.py --lengths {a.lengths} --cp {a.cp} --tp {a.tp} --repeats {a.repeats}; commit {commit}; ")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load avg. after: {load}); demo model, fp32, medians of {a.repeats}\n")
-    columns = ["prompt", "one rank s", f"cp={a.cp} s", "one / cp", "max logit diff", "rank: own part s", "rank: KDA wait s"]
+    base = "one rank" if a.tp == 1 else f"tp={a.tp}"
+    split = f"cp={a.cp}" + (f" x tp={a.tp}" if a.tp > 1 else "")
+    columns = ["prompt", f"{base} s", f"{split} s", f"{base} / cp", "max logit diff", "rank: own part s", "rank: KDA wait s"]
     columns += ["rank: MLA B/layer (planner)", "rank: KDA B/layer (planner)", "final state B"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for i, length in enumerate(lengths):
         r0 = results[0][i]
         ok = r0["error"] <= 1e-3 and r0["same_token"]
-        sent = cp_bytes(config, Quantisation(cache_dtype_bytes=4), tp=1, prompt=length, cp=a.cp)
+        sent = cp_bytes(config, Quantisation(cache_dtype_bytes=4), tp=a.tp, prompt=length, cp=a.cp)
         ratio = f"{r0['one'] / r0['cp']:.2f}x" if ok else "mismatch"
         own = ", ".join(f"{r}: {res[i]['local']:.2f}" for r, res in enumerate(results))
         waits = ", ".join(f"{r}: {res[i]['wait']:.2f}" for r, res in enumerate(results))

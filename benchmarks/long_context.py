@@ -15,6 +15,7 @@ s <= 8192 (the reference's own memory grows with s).
     python benchmarks/long_context.py                                  # 2k and 8k: a few minutes on 2 cores
     python benchmarks/long_context.py --lengths 8192,32768,65536      # the issue's sizes (the 64k baseline: minutes)
     python benchmarks/long_context.py --cp 2                          # also LLM(cp=2): prefill chunks split over 2 ranks
+    python benchmarks/long_context.py --cp 2 --cp-tp 2 --cp-prefix-caching  # that row as LLM(cp=2, tp=2, prefix caching on)
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _peak_mb() -> float:
     return _status_mb("VmHWM")
 
 
-def child(length: int, form: str, chunk: int, cp: int = 1) -> dict:
+def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False) -> dict:
     import torch
 
     from openk3.llm import LLM
@@ -56,7 +57,7 @@ def child(length: int, form: str, chunk: int, cp: int = 1) -> dict:
     split: dict = {}
     if cp > 1:  # every rank one thread (the workers' ep_threads default): cp ranks use as many cores as one rank's default threads
         torch.set_num_threads(1)
-        split = dict(cp=cp, cp_min_tokens=min(256, chunk))
+        split = dict(cp=cp, tp=tp, cp_min_tokens=min(256, chunk), enable_prefix_caching=prefix_caching)
     llm = LLM("tiny", ops=f"mla={form}", max_model_len=length + 8, max_num_batched_tokens=chunk, max_num_seqs=1, **split)
     prompt = [random.Random(length).randrange(1000) for _ in range(length)]
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=1))  # warm-up: kernels built, pools touched
@@ -73,8 +74,8 @@ def child(length: int, form: str, chunk: int, cp: int = 1) -> dict:
     return {"seconds": seconds, "peak": peak, "loaded": loaded, "cache": cache_mb, "token": out.token_ids[0], "logprob": logprobs[0].logprob}
 
 
-def measure(length: int, form: str, chunk: int, cp: int = 1) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk},{cp}"]
+def measure(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk},{cp},{tp},{int(prefix_caching)}"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -123,27 +124,31 @@ def main() -> None:
     p.add_argument("--op-sizes", default="1x1,16x16,128x128,512x512,2048x2048,256x4096,2048x8192,2048x32768", help="op table: TxS,...")
     p.add_argument("--repeats", type=int, default=1, help="runs per (length, form), interleaved; the median time is reported")
     p.add_argument("--cp", type=int, default=1, help="also a row per length with LLM(cp=N): the prefill chunks split over N ranks (rank 0's peak)")
+    p.add_argument("--cp-tp", type=int, default=1, help="the --cp row's TP ranks per CP rank (cp x tp ranks)")
+    p.add_argument("--cp-prefix-caching", action="store_true", help="the --cp row with prefix caching on (its snapshots taken inside the split chunks)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        length, form, chunk, cp = args.child.split(",")
-        print(json.dumps(child(int(length), form, int(chunk), int(cp))))
+        length, form, chunk, cp, tp, pc = args.child.split(",")
+        print(json.dumps(child(int(length), form, int(chunk), int(cp), int(tp), pc == "1")))
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     where = platform.processor() or platform.machine()
-    flags = f"--lengths {args.lengths} --chunk {args.chunk} --repeats {args.repeats} --op-sizes {args.op_sizes}" + (f" --cp {args.cp}" if args.cp > 1 else "")
+    flags = f"--lengths {args.lengths} --chunk {args.chunk} --repeats {args.repeats} --op-sizes {args.op_sizes}"
+    flags += (f" --cp {args.cp} --cp-tp {args.cp_tp}" + " --cp-prefix-caching" * args.cp_prefix_caching) if args.cp > 1 else ""
     print(f"command: python benchmarks/long_context.py {flags}; commit {commit}; {where}, {os.cpu_count()} CPUs")
     op_table([(int(t), int(s)) for t, s in (x.split("x") for x in args.op_sizes.split(",") if x)])
     print(f"baseline: --ops mla={BASELINE} (the old auto: K/V expanded for the whole context + SDPA); new: mla={NEW} (the registry's rule)\n")
     print("| prompt tokens | MLA cache MB | form | prefill s | peak RSS MB | peak - loaded MB | speed-up vs baseline | peak ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):
-        cp_row = f"{NEW}, cp={args.cp}"
+        cp_row = f"{NEW}, cp={args.cp}" + f" x tp={args.cp_tp}" * (args.cp_tp > 1) + ", prefix caching" * args.cp_prefix_caching
         rows = (BASELINE, NEW) + ((cp_row,) if args.cp > 1 else ())
         runs: dict[str, list[dict]] = {name: [] for name in rows}
         for _ in range(args.repeats):  # interleaved: a shared machine's load moves within minutes
             for name in rows:
-                runs[name].append(measure(length, NEW if name == cp_row else name, args.chunk, args.cp if name == cp_row else 1))
+                split = (args.cp, args.cp_tp, args.cp_prefix_caching) if name == cp_row else (1, 1, False)
+                runs[name].append(measure(length, NEW if name == cp_row else name, args.chunk, *split))
         results = {name: median_run(runs[name]) for name in rows}
         base = results[BASELINE]
         for name, r in results.items():

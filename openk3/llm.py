@@ -12,7 +12,8 @@ a module passed in is not, since its owner may still change its weights. `pack_c
 `ep=N` runs the model expert-parallel over N local ranks, `tp=N` tensor-parallel (and `tp=N, ep=N` both): this process
 is rank 0 and drives, N - 1 spawned workers hold the other shards (openk3.parallel.serving.local; docs/parallel.md).
 `dp=N, ep=N` is data-parallel attention: every rank runs an engine of these settings over the requests rank 0 places on
-it (openk3.parallel.dp). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the process group. Prefix
+it (openk3.parallel.dp). `cp=C` (with `tp=T`, and `ep=1` or `ep=C*T`) splits long prefill steps by position over C
+groups of T ranks (openk3.parallel.cp). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the process group. Prefix
 caching works on every layout (rank 0's slot and page copies are replayed on the other ranks; with dp > 1 each rank's
 engine owns its cache), its host and disk tiers only on one rank or with dp > 1; the ranks do not pack their projections
 for CPU (pack_cpu_weights applies to a single-process engine).

@@ -34,7 +34,7 @@ class ParallelConfig:
     cp: int = setting(
         1,
         "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
-        "state handed rank to rank); decode runs whole on every rank; not with --tp/--ep/--dp yet (docs/parallel.md)",
+        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks (--ep 1 or cp x T); not with --dp (docs/parallel.md)",
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
@@ -64,10 +64,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         self._check_load_files()
-        if self.cp > 1 and max(self.tp, self.ep, self.dp) > 1:
+        if self.cp > 1 and (self.dp > 1 or self.ep not in (1, self.cp * self.tp)):
             raise ValueError(
-                f"ParallelConfig: cp={self.cp} with tp={self.tp}, ep={self.ep}, dp={self.dp}: context parallelism runs alone for now "
-                "(a CP group per TP group is not built; docs/parallel.md)"
+                f"ParallelConfig: cp={self.cp} with tp={self.tp}, ep={self.ep}, dp={self.dp}: context parallelism runs over cp TP groups "
+                f"(--cp C --tp T, C x T ranks), with the experts split by width in each (ep=1) or spread over all {self.cp * self.tp} "
+                f"ranks (ep={self.cp * self.tp}); with --dp it is not built (docs/parallel.md)"
             )
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
@@ -76,7 +77,7 @@ class ParallelConfig:
                 f"ParallelConfig: dp={self.dp} with tp={self.tp}, ep={self.ep}: data-parallel attention spreads the experts over all "
                 f"dp x tp = {self.dp * self.tp} ranks (ep={self.dp * self.tp}): the MoE layers are what the DP groups share (docs/parallel.md)"
             )
-        if self.tp > 1 and self.ep > 1 and self.ep != self.tp and self.dp == 1:
+        if self.tp > 1 and self.ep > 1 and self.ep != self.tp and self.dp == 1 and self.cp == 1:
             raise ValueError(
                 f"ParallelConfig: tp={self.tp} with ep={self.ep}: one engine runs its experts over its TP group (ep=1 or ep={self.tp}); "
                 "ep = dp x tp spreads them over dp data-parallel groups of tp ranks (--dp, docs/parallel.md)"
@@ -105,15 +106,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes one engine runs on: dp groups of tp ranks, or the TP group, whose ranks also hold the experts when ep > 1."""
-        return self.dp * self.tp if self.dp > 1 else max(self.tp, self.ep, self.cp)
+        """Processes one engine runs on: dp groups of tp ranks, cp groups of tp ranks, or the TP group, whose ranks also hold
+        the experts when ep > 1."""
+        return self.dp * self.tp if self.dp > 1 else self.cp * self.tp if self.cp > 1 else max(self.tp, self.ep)
 
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
-        if self.cp > 1 and engine.enable_prefix_caching:
-            # a step that takes KDA snapshots inside the prompt (the prefix cache's state cuts) would need them inside a rank's shard
-            raise ValueError(f"enable_prefix_caching=True with cp={self.cp}: context-parallel prefill takes no prefix-cache snapshots yet (docs/parallel.md)")
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
         if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:

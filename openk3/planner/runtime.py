@@ -20,7 +20,9 @@ only. An accelerator whose row names no vendor is matched to no engine. Whether 
 Pipeline parallelism for prefill is documented by all three (`--pp-size`, `--pipeline-parallel-size`, `pp_size`);
 context parallelism over a KDA recurrence (state handed between ranks, or a chunk-parallel scan) is documented by none
 of them, so a CP plan names no engine. openk3 runs no PP; its CP prefill (openk3/parallel/cp: latents all-gathered, the
-KDA state handed rank to rank in order) runs one prompt over gloo/NCCL ranks at the model level, not yet in its engine.
+KDA state handed rank to rank in order) runs in its engine over CP x TP ranks (`--cp C --tp T`, experts split by width or
+`--ep C*T`), every rank running decode whole, so not yet the planner's CP layout, whose attention-DP groups share a
+prompt's prefill and then decode batches of their own (CP with `--dp` is not built).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def support(layout: Layout, comm_overlap: float, quant: Quantisation, vendor: Ve
     if pp > 1:
         missing.append(f"PP{pp} (openk3 has no pipeline parallelism)")
     if cp > 1:
-        missing.append(f"CP{cp} (openk3 has no context parallelism in its engine: only a model-level CP prefill, no --cp serving)")
+        # openk3's --cp C --tp T [--ep C*T] is one engine whose CP groups decode one batch together; priced here, each
+        # attention-DP group decodes its own batch and only the prefill is shared (docs/parallel.md)
+        missing.append(f"CP{cp} beside DP attention (openk3 runs CP over TP groups in one engine, --cp --tp --ep, not with --dp)")
     n = layout.num_accelerators
     if n > 1:
         if layout.ep_size != n:

@@ -8,8 +8,10 @@ import torch
 
 from openk3.config import debug
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
+from openk3.model.batch import StateCut
 from openk3.parallel.cp.prefill import context_parallel_prefill
 from openk3.parallel.group import ParallelContext
+from openk3.serve.cache.transfer import copy_slot
 from tests.model.conftest import build
 
 PAGE_SIZE = 16
@@ -105,3 +107,72 @@ def generate_case(ctx: ParallelContext, prompt_ids: list[int], max_tokens: int) 
     path = resolve_model("tiny")
     assert path is not None
     return cp_generate(load_model(path).eval(), ctx, prompt_ids, max_tokens)
+
+
+CUT_SLOTS = (0, 2, 3)  # snapshot slots of the cut cases (SLOT is the sequence's own)
+
+
+@torch.no_grad()
+def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], context: int = 0) -> dict[str, float]:
+    """CP prefill of `length - context` new tokens with prefix-cache cuts after `offsets` of them (slots CUT_SLOTS);
+    against one process prefilling the same shards as chunks, each with the cuts inside it as its state_cuts (a cut at a
+    shard's end: the slot copied after that chunk, as the prefix cache snapshots a chunk's end). Every slot compared."""
+    model = build(debug())
+    ids = prompt(length, seed=length + 1)
+    pages = torch.arange(2, 2 + -(-length // PAGE_SIZE))
+    caches = [CacheTensors.allocate(model.config, num_slots=4, num_pages=int(pages[-1]) + 1, page_size=PAGE_SIZE) for _ in range(2)]
+    if context:
+        for cache in caches:
+            model(replace(ForwardBatch.for_step([ids[:context]], [0], [SLOT], pages[None]), is_decode=False), cache)
+    cuts = tuple(StateCut(0, o, s) for o, s in zip(offsets, CUT_SLOTS, strict=False))
+    out = context_parallel_prefill(model, ctx, ids[context:], caches[0], SLOT, pages, context, cuts)
+    ref = caches[1]
+    for lo, hi in out.shards:
+        inside = tuple(StateCut(0, c.offset - lo, c.slot) for c in cuts if lo < c.offset < hi)
+        batch = ForwardBatch.for_step([ids[context + lo : context + hi]], [context + lo], [SLOT], pages[None], only_last_logits=False)
+        model(replace(batch, is_decode=False, state_cuts=inside), ref)
+        for c in cuts:
+            if c.offset == hi:
+                copy_slot(ref, SLOT, c.slot)
+    return {
+        "kda_state": max_diff(caches[0].kda_state, ref.kda_state),
+        "conv_state": max_diff(caches[0].conv_state, ref.conv_state),
+        "cut_bytes": float(sum(r.nbytes for r in out.received if r.what == "cut_state")),
+        "cut_slots_filled": float(all(bool(torch.count_nonzero(p[c.slot])) for p in caches[0].kda_state for c in cuts)),
+    }
+
+
+def cut_cases(ctx: ParallelContext) -> dict[str, dict[str, float]]:
+    """Cuts inside the first and last shards and on a shard boundary, fresh and after a context."""
+    w = ctx.world_size
+    t = 40 - 40 % w
+    boundary = t // w
+    return {
+        "fresh": cut_case(ctx, t, (3, boundary, t - 2)),
+        "context": cut_case(ctx, t + 21, (1, boundary, t - 1), context=21),
+    }
+
+
+@torch.no_grad()
+def cp_tp_case(world: ParallelContext, cp: int, tp: int, length: int) -> dict[str, float]:
+    """CP prefill over cp TP groups of tp ranks (debug model, experts split by width): the logits against the whole model
+    in one process, and the bytes this rank received per layer."""
+    from openk3.parallel.serving.rank_groups import context_parallel_groups
+    from openk3.parallel.tp.shard import parallelize_tensor
+
+    groups = context_parallel_groups(world, cp, tp)
+    model = build(debug())
+    ids = prompt(length, seed=length + 2)
+    whole_logits, _, _ = one_process(model, ids, [(0, length)])
+    parallelize_tensor(model, groups.tp, split_experts=True)
+    cache, pages = new_cache(model, length)
+    out = context_parallel_prefill(model, groups.cp, ids, cache, SLOT, pages)
+    received: dict[str, list[int]] = {}
+    for r in out.received:
+        received.setdefault(r.what, []).append(r.nbytes)
+    n_kda = model.config.num_hidden_layers - len(model.config.mla_layers)
+    return {
+        "whole_logits": float((out.logits - whole_logits).abs().max()),
+        "mla_bytes_per_layer": float(max(received.get("mla_latent", [0]))),
+        "kda_bytes_per_layer": (sum(received.get("kda_conv", [])) + sum(received.get("kda_state", []))) / n_kda,
+    }

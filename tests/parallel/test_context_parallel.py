@@ -19,7 +19,7 @@ from openk3.parallel.cp.prefill import context_parallel_prefill
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.launch import run_ranks
 from tests.model.conftest import build
-from tests.parallel.cp_cases import SLOT, all_cases, cp_case, generate_case, new_cache, prompt
+from tests.parallel.cp_cases import SLOT, all_cases, cp_case, cp_tp_case, generate_case, new_cache, prompt
 
 LENGTHS = (5, 37, 150)
 CONTEXT = 21  # tokens prefilled in one process before CP runs the rest (cases "<length>+ctx")
@@ -100,3 +100,20 @@ def test_cp_generate_gives_the_engines_greedy_tokens() -> None:
         llm.close()
     for rank, got in enumerate(run_ranks(generate_case, 2, ids, 8)):
         assert got == want, f"rank {rank}"
+
+
+@pytest.mark.distributed
+def test_cp_over_tp_groups_equals_one_process_and_receives_the_planners_bytes() -> None:
+    """cp=2 x tp=2 (4 gloo ranks): each TP shard's CP group exchanges the whole latents and its own heads' KDA state; the
+    logits equal the whole model's in one process (fp32 reassociation), and each rank receives what the planner's CP
+    term prices for one TP rank (cp_bytes at tp=2)."""
+    from openk3.planner.inputs import Quantisation
+    from openk3.planner.pp_cp import cp_bytes
+
+    length = 64
+    results = run_ranks(cp_tp_case, 4, 2, 2, length)
+    want = cp_bytes(debug(), Quantisation(cache_dtype_bytes=4), tp=2, prompt=length, cp=2)
+    for rank, e in enumerate(results):
+        assert e["whole_logits"] <= 1e-4, f"rank {rank}: {e}"
+        assert e["mla_bytes_per_layer"] == want.mla_per_layer, f"rank {rank}"
+        assert e["kda_bytes_per_layer"] == (want.kda_hop if rank >= 2 else 0), f"rank {rank}: CP rank {rank // 2}"

@@ -14,7 +14,6 @@ import torch
 from openk3.llm import LLM
 from openk3.parallel.config import ParallelConfig
 from openk3.parallel.cp.step_model import ContextParallelStep
-from openk3.serve.config import EngineConfig
 from openk3.serve.sampling import SamplingParams
 
 PROMPTS = [[random.Random(i).randrange(1000) for _ in range(n)] for i, n in enumerate((300, 97, 40, 9))]
@@ -56,10 +55,13 @@ def one_process() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp", [2, 3])
-def test_llm_cp_tokens_equal_one_process(one_process: dict[str, Any], cp: int) -> None:
+@pytest.mark.parametrize(("cp", "tp", "ep"), [(2, 1, 1), (3, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 4)])
+def test_llm_cp_tokens_equal_one_process(one_process: dict[str, Any], cp: int, tp: int, ep: int) -> None:
+    """cp x tp ranks: with tp = 2 each CP rank is a TP group of two (4 gloo ranks), each TP shard exchanging its latents
+    and KDA states with the ranks that hold the same shard; with ep = cp x tp the experts are spread over every rank,
+    each TP group dispatching its own tokens (MoonEP, the default method)."""
     torch.set_num_threads(1)
-    got = run(LLM("tiny", cp=cp, cp_min_tokens=32, **ENGINE))
+    got = run(LLM("tiny", cp=cp, tp=tp, ep=ep, cp_min_tokens=32, **ENGINE))
     for key in ("batched", "seeded", "alone"):
         assert got[key] == one_process[key], key
     assert got["scored_cp_steps"] == 3, "300 prompt tokens in 128-token chunks: 128, 128 and 44 new tokens, each >= 32"
@@ -88,10 +90,11 @@ def test_the_split_rule_reads_the_batch_alone() -> None:
 
 
 def test_layouts_cp_does_not_run_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="context parallelism runs alone"):
-        ParallelConfig(cp=2, tp=2)
+    with pytest.raises(ValueError, match=r"cp=2 with tp=2, ep=2, dp=1: .*spread over all 4 ranks \(ep=4\)"):
+        ParallelConfig(cp=2, tp=2, ep=2)
+    with pytest.raises(ValueError, match="with --dp it is not built"):
+        ParallelConfig(cp=2, dp=2, ep=2)
+    assert ParallelConfig(cp=2, tp=2).world_size == 4 and ParallelConfig(cp=2, tp=2, ep=4).world_size == 4
     with pytest.raises(ValueError, match="cp_min_tokens=1 is less than cp=2"):
         ParallelConfig(cp=2, cp_min_tokens=1)
-    with pytest.raises(ValueError, match="prefix-cache snapshots"):
-        ParallelConfig(cp=2).check_engine(EngineConfig(enable_prefix_caching=True))
     assert ParallelConfig(cp=3).world_size == 3

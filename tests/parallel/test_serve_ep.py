@@ -43,15 +43,15 @@ def wait_until_up(url: str, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"server not up after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
-def start_torchrun(parallel_flags: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
-    """`torchrun --nproc-per-node 2 -m openk3 serve --model tiny <flags>` in a session of its own (so a failing test can
-    kill torchrun and both ranks at once): the process, its URL and its log file."""
+def start_torchrun(parallel_flags: list[str], tmp_path: Path, nproc: int = 2) -> tuple[subprocess.Popen, str, Path]:
+    """`torchrun --nproc-per-node <nproc> -m openk3 serve --model tiny <flags>` in a session of its own (so a failing test
+    can kill torchrun and every rank at once): the process, its URL and its log file."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "openk3", "serve", "--model", "tiny", *parallel_flags]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "openk3", "serve", "--model", "tiny", *parallel_flags]
     cmd += ["--port", str(port), "--torch-threads", "1", "--max-num-seqs", "4", "--log-level", "info"]
     log = tmp_path / "serve.log"
     with log.open("w") as out:
@@ -60,10 +60,10 @@ def start_torchrun(parallel_flags: list[str], tmp_path: Path) -> tuple[subproces
 
 
 @contextlib.contextmanager
-def torchrun_server(parallel_flags: list[str], tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+def torchrun_server(parallel_flags: list[str], tmp_path: Path, nproc: int = 2) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """start_torchrun, up and serving; whatever the test does, torchrun and its ranks are gone afterwards (killed if the
     test did not stop them)."""
-    proc, url, log = start_torchrun(parallel_flags, tmp_path)
+    proc, url, log = start_torchrun(parallel_flags, tmp_path, nproc)
     try:
         wait_until_up(url, proc, log)
         yield proc, url, log

@@ -39,7 +39,7 @@ class Received:
     """One exchange as seen by the receiving rank: which layer ("logits" for the head), what, and its payload bytes."""
 
     layer: int | None
-    what: str  # "mla_latent" | "kda_conv" | "kda_state" | "final_state" | "logits"
+    what: str  # "mla_latent" | "kda_conv" | "kda_state" | "final_state" | "cut_state" | "logits"
     nbytes: int
 
 
@@ -105,13 +105,14 @@ class CPExchange:
         assert work is not None
         self._pending.append((work, buf))
 
-    def from_last(self, t: torch.Tensor, layer: int, what: str) -> torch.Tensor:
-        """The last rank's `t` on every rank (the state after the whole prompt)."""
+    def from_rank(self, t: torch.Tensor, src: int, layer: int, what: str) -> torch.Tensor:
+        """Rank `src`'s `t` on every rank (the state after the whole prompt from the last rank; a prefix-cache snapshot
+        from the rank whose shard holds its position)."""
         if not self.ctx.connected():
             return t
         buf = t.contiguous().clone()
-        dist.broadcast(buf, src=self._global(self.last), group=self.ctx.group)
-        if self.rank != self.last:
+        dist.broadcast(buf, src=self._global(src), group=self.ctx.group)
+        if self.rank != src:
             self.received.append(Received(layer, what, buf.numel() * buf.element_size()))
         return buf
 

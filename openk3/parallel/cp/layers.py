@@ -11,7 +11,10 @@ channels, W conv kernel, H K V the KDA heads and head dims.
   projections, the conv and the gates of rank r thus overlap rank r - 1's recurrence, and only the recurrence itself waits
   for the incoming state. Rank r hands its end state on as soon as its recurrence ends, before the output norm, gate and
   o_proj and the MLP that follow. Across layers this is a wavefront (rank 0 runs layer l + 1 while rank 1 runs layer l),
-  cut at every MLA layer, whose all-gather waits for every rank.
+  cut at every MLA layer, whose all-gather waits for every rank. The prefix cache's states inside the step
+  (ForwardBatch.state_cuts) are taken by the rank whose shard ends at or holds the cut (offsets in (lo, hi]): inside the
+  shard by the one-process form (model/kda_cuts.py: the delta rule piece by piece, the conv window read from the inputs),
+  at its end from the state and window the rank hands on; prefill.py then copies them to every rank.
 
 The module a wrapper replaces keeps its parameters; the wrapper holds it as `inner` only while attached.
 """
@@ -21,8 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.model.batch import ForwardBatch
+from openk3.model.batch import ForwardBatch, StateCut
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
+from openk3.model.kda_cuts import check_cuts, conv_windows_at_cuts, prefill_with_cuts
 from openk3.model.mla import GatedMLA, write_latents
 from openk3.ops.kda.decode_step import delta_rule_inputs, gated_output
 from openk3.parallel.cp.exchange import CPExchange
@@ -51,9 +55,11 @@ class ContextParallelMLA(nn.Module):
 
 
 class ContextParallelKDA(nn.Module):
-    def __init__(self, inner: KimiDeltaAttention, exchange: CPExchange, layer: int) -> None:
+    """`cuts`: this rank's snapshot cuts, offsets counted from its shard's start, in (0, T_r] (T_r: the shard's end)."""
+
+    def __init__(self, inner: KimiDeltaAttention, exchange: CPExchange, layer: int, cuts: tuple[StateCut, ...] = ()) -> None:
         super().__init__()
-        self.inner, self.exchange, self.layer = inner, exchange, layer
+        self.inner, self.exchange, self.layer, self.cuts = inner, exchange, layer, cuts
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
         slot = _one_slot(batch)
@@ -73,8 +79,22 @@ class ContextParallelKDA(nn.Module):
         q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, w, a.num_heads)
         state_like = cache.state_SHKV[slot]
         init_state = ex.from_previous(state_like, self.layer, "kda_state", tag + 1) if ex.rank > 0 else (None if starts_fresh else state_like)
-        o, new_state = a.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
+        n = qkv_TC.shape[0]
+        inside = tuple(c for c in self.cuts if c.offset < n)
+        if inside:
+            cu = [0, n]
+            o, new_state, taken = prefill_with_cuts(a.kda_prefill, (q[None], k[None], v[None], g[None], beta[None]), init_state, cu, check_cuts(inside, cu))
+            windows = dict(zip(inside, conv_windows_at_cuts(qkv_TC, init_conv, cu, inside, a.conv_kernel - 1), strict=True))
+            for cut, state in taken:
+                cache.state_SHKV[cut.slot].copy_(state)
+                cache.conv_SCW[cut.slot].copy_(windows[cut])
+        else:
+            o, new_state = a.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
         ex.to_next(new_state, tag + 1)
+        for cut in self.cuts:
+            if cut.offset == n:  # the cut is this shard's end: the state and window it hands on
+                cache.state_SHKV[cut.slot].copy_(new_state[0])
+                cache.conv_SCW[cut.slot].copy_(conv_state[0])
         cache.conv_SCW.index_copy_(0, slot, conv_state)
         cache.state_SHKV.index_copy_(0, slot, new_state)
         return a.o_proj(gated_output(o[0], gate_TP, a.o_norm).to(x_TD.dtype))

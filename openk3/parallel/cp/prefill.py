@@ -6,7 +6,8 @@ Every rank holds the whole model and its own cache pools (the same slot and page
 model on positions [lo_r, hi_r) of the prompt (exchange.py's shards) with the attention layers swapped for their CP forms
 (layers.py), so that the rest of the stack -- AttnRes, MoE, norms, the head -- runs unchanged on its own tokens.
 Afterwards every rank holds the whole cache of the prompt: the MLA pages of all T positions (each rank wrote the gathered
-latents), and the KDA states and conv windows after the last token (broadcast from the last rank). Decode then runs on
+latents), and the KDA states and conv windows after the last token (broadcast from the last rank) and at the prefix
+cache's cuts (broadcast from the rank that took each). Decode then runs on
 any one rank (or on every rank in lockstep) with the ordinary model forward: it needs no CP.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from openk3.config import LayerKind
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
+from openk3.model.batch import StateCut
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.parallel.cp.exchange import CPExchange, Received, shard_bounds
@@ -38,8 +40,9 @@ class CPPrefill:
 
 
 @contextmanager
-def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch) -> Iterator[None]:
-    """Swap every attention layer for its CP form for the duration of the block; the original modules come back after."""
+def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch, cuts: tuple[StateCut, ...] = ()) -> Iterator[None]:
+    """Swap every attention layer for its CP form for the duration of the block (`cuts`: this rank's snapshot cuts,
+    offsets from its shard's start); the original modules come back after."""
     layers = list(model.model.layers)
     originals: list[nn.Module] = [layer.self_attn for layer in layers]
     try:
@@ -47,7 +50,7 @@ def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: F
             if isinstance(attn, GatedMLA):
                 layer.self_attn = ContextParallelMLA(attn, exchange, layer.index, whole)
             elif isinstance(attn, KimiDeltaAttention):
-                layer.self_attn = ContextParallelKDA(attn, exchange, layer.index)
+                layer.self_attn = ContextParallelKDA(attn, exchange, layer.index, cuts)
             else:
                 raise TypeError(f"context parallel: layer {layer.index} has attention {type(attn).__name__}, expected GatedMLA or KimiDeltaAttention")
         yield
@@ -56,14 +59,28 @@ def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: F
             layer.self_attn = attn
 
 
-def _share_final_state(model: K3ForCausalLM, exchange: CPExchange, cache: CacheTensors, slot: int) -> None:
+def cut_owners(cuts: Sequence[StateCut], shards: Sequence[tuple[int, int]]) -> list[int]:
+    """The rank that takes each cut (offsets from the step's start): the one whose shard holds the cut's last token,
+    lo < offset <= hi, so a cut at a shard boundary is the end state of the shard before it."""
+    owners = []
+    for cut in cuts:
+        if cut.seq != 0 or not 0 < cut.offset < shards[-1][1]:
+            raise ValueError(f"context parallel: state cut {cut} is not strictly inside the step's one sequence of {shards[-1][1]} tokens")
+        owners.append(next(r for r, (lo, hi) in enumerate(shards) if lo < cut.offset <= hi))
+    return owners
+
+
+def _share_states(model: K3ForCausalLM, exchange: CPExchange, cache: CacheTensors, slots_by_rank: dict[int, list[int]], what: str) -> None:
+    """Every KDA layer's state and conv window of each listed slot, copied from the rank that computed it to every rank."""
     kinds = model.config.layer_kinds
-    for layer in model.model.layers:
-        if kinds[layer.index] != LayerKind.KDA:
-            continue
-        i = model.model.cache_index[layer.index]
-        cache.conv_state[i][slot] = exchange.from_last(cache.conv_state[i][slot], layer.index, "final_state")
-        cache.kda_state[i][slot] = exchange.from_last(cache.kda_state[i][slot], layer.index, "final_state")
+    for src, slots in sorted(slots_by_rank.items()):
+        idx = torch.tensor(slots, device=cache.kda_state[0].device)
+        for layer in model.model.layers:
+            if kinds[layer.index] != LayerKind.KDA:
+                continue
+            i = model.model.cache_index[layer.index]
+            for pool in (cache.conv_state[i], cache.kda_state[i]):
+                pool.index_copy_(0, idx, exchange.from_rank(pool[idx], src, layer.index, what))
 
 
 @torch.no_grad()
@@ -75,13 +92,17 @@ def context_parallel_prefill(
     slot: int,
     pages: torch.Tensor,
     context_len: int = 0,
+    cuts: Sequence[StateCut] = (),
 ) -> CPPrefill:
     """Prefill `token_ids` into state slot `slot` and pages `pages` [P] of `cache` over the ranks of `ctx`, after
     `context_len` tokens already in that slot and those pages on every rank (0: a fresh sequence; else the next chunk of
     a chunked prefill, or the rest of a prompt after a prefix hit). Every rank calls it with the same arguments and
-    returns the same logits; the shards count positions from `context_len`."""
+    returns the same logits; the shards count positions from `context_len`. `cuts` (the prefix cache's snapshots inside
+    the step, ForwardBatch.state_cuts of its one sequence) leave the KDA state and conv window after `offset` of the new
+    tokens in slot `slot` of every rank, as a one-process step with those cuts does."""
     t = len(token_ids)
     shards = shard_bounds(t, ctx.world_size)
+    owners = cut_owners(cuts, shards)
     if context_len < 0:
         raise ValueError(f"context parallel: context_len={context_len}, expected >= 0")
     end = context_len + t
@@ -89,8 +110,11 @@ def context_parallel_prefill(
         raise ValueError(
             f"context parallel: pages must be one row of at least {-(-end // cache.page_size)} page ids for {end} tokens, got shape {tuple(pages.shape)}"
         )
-    if not 0 <= slot < cache.num_slots:
-        raise ValueError(f"context parallel: slot={slot}, expected 0 <= slot < {cache.num_slots}")
+    for s in (slot, *(c.slot for c in cuts)):
+        if not 0 <= s < cache.num_slots:
+            raise ValueError(f"context parallel: slot={s}, expected 0 <= slot < {cache.num_slots}")
+    if slot in {c.slot for c in cuts} or len({c.slot for c in cuts}) < len(cuts):
+        raise ValueError(f"context parallel: the state cuts' slots {[c.slot for c in cuts]} must differ from each other and from slot={slot}")
     device = pages.device
     lo, hi = shards[ctx.rank]
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
@@ -110,11 +134,16 @@ def context_parallel_prefill(
         context_lens=torch.tensor([context_len], device=device),
     )
     exchange = CPExchange(ctx, shards, context_len)
+    mine = tuple(StateCut(0, c.offset - lo, c.slot) for c, r in zip(cuts, owners, strict=True) if r == ctx.rank)
     try:
-        with context_parallel_layers(model, exchange, whole):
+        with context_parallel_layers(model, exchange, whole, mine):
             local_logits = model(batch, cache)
     finally:
         exchange.finish()
-    _share_final_state(model, exchange, cache, slot)
+    _share_states(model, exchange, cache, {ctx.world_size - 1: [slot]}, "final_state")
+    cut_slots: dict[int, list[int]] = {}
+    for cut, r in zip(cuts, owners, strict=True):
+        cut_slots.setdefault(r, []).append(cut.slot)
+    _share_states(model, exchange, cache, cut_slots, "cut_state")
     logits = exchange.gather_rows(local_logits, None, "logits")
     return CPPrefill(logits, shards, list(exchange.received), exchange.padding_bytes, exchange.wait_s)

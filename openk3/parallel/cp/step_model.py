@@ -11,8 +11,11 @@ batch, which every rank received alike, so the ranks always take the same path. 
 (the engine's chunked prefill: one chunk per step up to max_num_batched_tokens) are split W ways; decode does not get
 faster (vLLM's decode context parallelism, which shards the cache, is not built).
 
-Not taken context-parallel, by rule: a step with KDA state cuts inside it (prefix-cache snapshots; the engine refuses
-prefix caching with cp > 1, ParallelConfig.check_engine), a capturable (graph) batch, a batch with image embeddings.
+With prefix caching the step's KDA state cuts (the prefix cache's snapshots inside a prompt, ForwardBatch.state_cuts)
+go with it: the rank whose shard holds a cut takes it and every rank gets a copy (prefill.py), so the snapshot slots hold
+what a one-process step would leave there; the prefix cache's copies outside steps are replayed on every rank by the
+driver, as for TP. Not taken context-parallel, by rule: a capturable (graph) batch, a stepwise (speculative) batch, a
+batch with image embeddings.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ class ContextParallelStep:
         self.config: ModelConfig = model.config
         self.cp_steps = 0  # steps run context-parallel (the others ran whole on every rank)
         self.cp_tokens = 0
+        self.cp_cuts = 0  # prefix-cache snapshots taken inside split steps
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return self.model.parameters(recurse)
 
     def splits(self, batch: ForwardBatch, cache: CacheTensors | None) -> bool:
         """Whether this step runs context-parallel (module docstring): read from the batch alone, alike on every rank."""
-        simple = not (batch.is_decode or batch.capturable or batch.state_cuts or batch.mm_embeds is not None)
+        simple = not (batch.is_decode or batch.capturable or batch.stepwise or batch.mm_embeds is not None)
         return cache is not None and simple and batch.num_seqs == 1 and batch.input_ids.numel() >= self.min_tokens
 
     def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
@@ -50,7 +54,8 @@ class ContextParallelStep:
         assert cache is not None and batch.state_slots is not None and batch.page_table is not None  # splits() checked the cache
         tokens = batch.input_ids.tolist()
         slot, context_len = int(batch.state_slots[0]), int(batch.context_lens[0])
-        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len)
+        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len, batch.state_cuts)
         self.cp_steps += 1
         self.cp_tokens += len(tokens)
+        self.cp_cuts += len(batch.state_cuts)
         return out.logits if batch.logits_indices is None else out.logits[batch.logits_indices]

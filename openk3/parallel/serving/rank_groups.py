@@ -1,4 +1,4 @@
-"""The process groups of one rank in a DP x TP layout, made once at start-up.
+"""The process groups of one rank in a DP x TP or CP x TP layout, made once at start-up (context_parallel_groups: below).
 
 Legend: W = dp * tp ranks; rank r is TP rank r % tp of DP group r // tp (a DP group's ranks are consecutive, so on one
 node with GPUs in order they share the fastest links).
@@ -65,3 +65,30 @@ def rank_groups(world: ParallelContext, tp: int, dp: int, timeout: datetime.time
     tp_channel = StepChannel(tp_ctx)
     leaders = _subgroup(world, list(range(0, world.world_size, tp)), timeout) if world.rank == first else None
     return RankGroups(world, tp_ctx, dp, leaders, tp_channel)
+
+
+@dataclass(frozen=True)
+class ContextParallelGroups:
+    """One rank's groups in a CP x TP layout (ParallelConfig cp > 1): rank r is TP rank r % tp of CP rank r // tp, so a
+    CP rank's TP group is `tp` consecutive ranks (its all-reduce per sublayer is the heaviest traffic), and the CP group
+    joins the ranks that hold the same TP shard (tp rank t: t, t + tp, ...), which exchange that shard's latents and KDA
+    states. With tp = 1 the CP group is the world."""
+
+    tp: ParallelContext
+    cp: ParallelContext
+
+
+def context_parallel_groups(world: ParallelContext, cp: int, tp: int, timeout: datetime.timedelta | None = None) -> ContextParallelGroups:
+    """Collective over the world: every rank makes every TP group, then every CP group, in the same order (groups made
+    with global synchronization, so no rank can name a group differently from its peers)."""
+    if cp < 1 or tp < 1 or cp * tp != world.world_size:
+        raise ValueError(f"context_parallel_groups: cp={cp} x tp={tp} ranks, but the world has {world.world_size}")
+    if tp == 1:
+        return ContextParallelGroups(ParallelContext.single(world.device), world)
+    if cp == 1:
+        return ContextParallelGroups(world, ParallelContext.single(world.device))
+    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp)), timeout=timeout) for c in range(cp)]
+    cp_groups = [dist.new_group(list(range(t, cp * tp, tp)), timeout=timeout) for t in range(tp)]
+    return ContextParallelGroups(
+        ParallelContext.from_group(world.device, tp_groups[world.rank // tp]), ParallelContext.from_group(world.device, cp_groups[world.rank % tp])
+    )

@@ -29,6 +29,7 @@ from openk3.parallel.group import ParallelContext
 from openk3.parallel.layout import ExpertLayout, ServingPlan, TensorParallelCut, apply_serving_layout
 from openk3.parallel.serving.driver import EPDriver, run_worker
 from openk3.parallel.serving.heartbeat import RankHeartbeat, exit_worker
+from openk3.parallel.serving.rank_groups import ContextParallelGroups, context_parallel_groups
 from openk3.parallel.serving.rank_model import EPLB_REDUNDANT_FRACTION, engine_placements, rank_expert_ids
 from openk3.parallel.serving.step_channel import StepChannel
 from openk3.serve.loading import resolve_model
@@ -47,13 +48,13 @@ class RankModelSpec:
     seed: int
     collect_stats: bool
     eplb_stats: str | None  # method eplb: the measured load file every rank places its replicas from (--eplb-stats)
-    tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1)
+    tp: int = 1  # ranks of a tensor-parallel group (the world when dp = 1 and cp = 1)
     ep: bool = True  # experts sharded by expert over every rank (else, with tp > 1, every expert split by width)
     dp: int = 1  # > 1: data-parallel attention, dp groups of tp ranks, each group its own engine and tokens
     ops: str | None = None  # EngineConfig.ops: the implementations every rank selects for its shard (serve/op_names.py)
     heartbeat_timeout_s: float = 5.0  # ParallelConfig.heartbeat_timeout_s: a rank silent this long is lost (heartbeat.py)
     eplb_interval_steps: int | None = None  # method eplb: re-place the experts every N steps from the live load (ep/rebalance.py)
-    cp: int = 1  # > 1: context parallel, every rank the whole model, long prefill steps split by position (cp/step_model.py)
+    cp: int = 1  # > 1: context parallel, cp groups of tp ranks, long prefill steps split by position (cp/step_model.py)
     cp_min_tokens: int = 256
 
     @classmethod
@@ -135,9 +136,10 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
     """A worker rank from joining to STOP: channel, model, start-up handshake, loop; returns the steps it ran (0 when
     some rank failed to start: rank 0 reports that)."""
     channel = StepChannel(ctx)
+    groups = _cp_groups(spec, ctx)
     heartbeat = RankHeartbeat(ctx.rank, spec.heartbeat_timeout_s)
     try:
-        model, backend = build_rank_model(spec, ctx)
+        model, backend = build_rank_model(spec, ctx, groups.tp if groups is not None else None)
     except Exception as e:
         channel.report_ready(_failure(ctx.rank, e))
         raise
@@ -145,7 +147,7 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
         return 0
     heartbeat.on_lost(exit_worker)  # this rank's main thread may be stuck in a collective with the lost rank
     heartbeat.start()
-    steps = run_worker(_step_model(spec, model, ctx), channel, ctx.device, backend)
+    steps = run_worker(_step_model(spec, model, groups), channel, ctx.device, backend)
     heartbeat.stop()  # rank 0 stopped every heartbeat before its STOP: this returns within a round
     return steps
 
@@ -154,9 +156,10 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
     """Rank 0's side of the start-up: the channel, its model, the handshake, and the driver the engine is given in place
     of the model. Raises this rank's own error, else the first worker's that failed to build its model."""
     channel = StepChannel(ctx)
+    groups = _cp_groups(spec, ctx)
     heartbeat = RankHeartbeat(ctx.rank, spec.heartbeat_timeout_s)
     try:
-        model, backend = build_rank_model(spec, ctx)
+        model, backend = build_rank_model(spec, ctx, groups.tp if groups is not None else None)
     except Exception as e:
         # the workers wait in the handshake: tell them to leave rather than wait for a first step
         with contextlib.suppress(RuntimeError):
@@ -165,11 +168,18 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
     failures = [f for f in channel.report_ready(None) if f is not None]
     if failures:
         raise RuntimeError(f"multi-rank start-up failed on {len(failures)} rank(s): " + "; ".join(failures))
-    if not isinstance(backend, TokenSplit | None):
+    if not isinstance(backend, TokenSplit | None) and spec.cp == 1:
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
-    return EPDriver(_step_model(spec, model, ctx), channel, backend.inner if backend is not None else None, heartbeat.start()), backend
+    # with cp > 1 and tp = 1 each rank dispatches its own tokens (a split step's shard differs per rank): the backend itself
+    stats = backend.inner if isinstance(backend, TokenSplit) else backend
+    return EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start()), backend if isinstance(backend, TokenSplit) else None
 
 
-def _step_model(spec: RankModelSpec, model: K3ForCausalLM, ctx: ParallelContext) -> K3ForCausalLM | ContextParallelStep:
-    """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form."""
-    return ContextParallelStep(model, ctx, spec.cp_min_tokens) if spec.cp > 1 else model
+def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGroups | None:
+    """With cp > 1 this rank's TP and CP groups (collective: every rank makes them, after the step channel), else None."""
+    return context_parallel_groups(ctx, spec.cp, spec.tp) if spec.cp > 1 else None
+
+
+def _step_model(spec: RankModelSpec, model: K3ForCausalLM, groups: ContextParallelGroups | None) -> K3ForCausalLM | ContextParallelStep:
+    """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form over its CP group."""
+    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens) if groups is not None else model

@@ -28,17 +28,20 @@ from openk3.checks import check_int
 from openk3.serve.request import Request
 from openk3.serve.sampler import apply_top_k_top_p_min_p
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.token_rules import has_token_rules
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """A separate draft model sharing the target's tokenizer (vLLM's `method="draft_model"`), k tokens per step."""
+    """k draft tokens per request and step; `disable_by_batch_size` (vLLM's key): no request gets drafts in a step that
+    begins with at least this many running requests (a large batch decodes faster without them)."""
 
     num_speculative_tokens: int = 3
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if self.disable_by_batch_size is not None:
+            check_int("SpeculativeConfig", "disable_by_batch_size", self.disable_by_batch_size, low=2)
 
 
 @dataclass
@@ -70,17 +73,17 @@ class SpecDecodeStats:
 
 
 def can_speculate(req: Request) -> bool:
-    """Requests whose next-token distribution depends on nothing but the logits and the plain sampling parameters: no
-    token rules, grammar, penalties, logprobs, or stop tokens still masked by min_tokens; the rest decode one token a step.
-    A request that records its routing (return_routing) does not either: a rolled-back run's experts would have to be
-    recorded per kept position."""
+    """Every request but two kinds, which decode one token a step: one whose stop tokens are still masked by min_tokens,
+    and one that records its routing (return_routing: a rolled-back run's experts would have to be recorded per kept
+    position). Token rules, grammars and penalties are applied per verified position and logprobs taken there
+    (serve/spec_logits.py)."""
     p = req.sampling_params
-    plain = not has_token_rules(p) and p.structured_outputs is None and not p.has_penalties and p.logprobs is None
-    return plain and not p.return_routing and req.num_output_tokens >= p.min_tokens
+    return not p.return_routing and req.num_output_tokens >= p.min_tokens
 
 
 def target_probs(logits_KV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the sampler draws from for a plain (can_speculate) request: temperature, min_p, top_k, top_p."""
+    """The distribution the sampler draws from given its processed logits (serve/spec_logits.py): temperature, min_p,
+    top_k, top_p."""
     k = len(logits_KV)
     vocab = logits_KV.shape[1]
     dev = logits_KV.device

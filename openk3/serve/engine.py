@@ -279,12 +279,17 @@ class LLMEngine:
             spec_decode=self.spec_stats,
         )
 
-    def _propose(self, proposer: DraftProposer | MTPProposer) -> None:
-        """Drafts for every running request in decode that can speculate, as many as its length limits leave room for."""
+    def _propose(self, proposer: DraftProposer | MTPProposer) -> bool:
+        """Drafts for every running request in decode that can speculate, as many as its length limits leave room for;
+        False when no request speculates this step (SpeculativeConfig.disable_by_batch_size)."""
         proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
         limit = self._spec.disable_by_batch_size
         if limit is not None and self.scheduler.num_running >= limit:
-            return  # a batch this large decodes faster without drafts (SpeculativeConfig.disable_by_batch_size)
+            # a batch this large decodes faster without drafts; drafts an earlier step proposed but could not schedule
+            # are dropped too
+            for req in self.scheduler.running:
+                req.draft_token_ids, req.draft_probs = [], None
+            return False
         wanted = []
         for req in self.scheduler.running:
             if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
@@ -299,6 +304,7 @@ class LLMEngine:
         proposer.propose(wanted)
         for req, _ in wanted:  # a grammar cuts the drafts at the first it rejects (serve/spec_logits.py)
             cut_drafts(self.runner.sampler.grammars, req, self.model_config.vocab_size)
+        return True
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
@@ -327,8 +333,7 @@ class LLMEngine:
 
     def step(self) -> list[EngineCoreOutput]:
         """One scheduling step; returns an output for each request that received a token (with only that token)."""
-        if self.proposer is not None:
-            self._propose(self.proposer)
+        speculating = self._propose(self.proposer) if self.proposer is not None else False
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError(
@@ -378,8 +383,12 @@ class LLMEngine:
                     routing,
                 )
             )
-        if isinstance(self.proposer, MTPProposer):
+        if isinstance(self.proposer, MTPProposer) and speculating:
             self.proposer.observe(result.hidden, self.scheduler.running)
+        elif isinstance(self.proposer, MTPProposer):
+            # a step without speculation skips the layer too (the point of disable_by_batch_size): when speculation
+            # resumes, the layer starts over at the rows it is then given (serve/mtp_draft.py)
+            self.proposer.release({r.request_id for r in self.scheduler.running})
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs

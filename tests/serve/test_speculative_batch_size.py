@@ -90,3 +90,18 @@ def test_its_spellings_and_refusals() -> None:
         stats = llm.engine.spec_stats
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert stats is not None and stats.num_drafts == 0  # two running from the first decode step to the last
+
+
+def test_the_mtp_layer_sits_out_steps_without_drafts_and_starts_over_after() -> None:
+    """With the shipped MTP layer: steps without drafts do not run the layer either; once the batch shrinks below the key,
+    the layer starts over at the rows it is given and drafts again. Output equals plain decoding's."""
+    settings: dict[str, Any] = dict(max_num_seqs=4, max_model_len=256, num_pages=64, page_size=16)
+    prompts = ["In the beginning", "And God said", "The LORD is my shepherd"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 30)]
+    with LLM("tiny", **settings) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, speculative_disable_by_batch_size=2, **settings) as spec:
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+        stats = spec.engine.spec_stats
+    assert got == want
+    assert stats is not None and 0 < stats.num_drafts < 30  # only the last request, alone, speculates

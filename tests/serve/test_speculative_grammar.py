@@ -7,9 +7,11 @@ first token the grammar rejects, and the rejection rule on the masked distributi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,6 +77,26 @@ def k3_tool_call(tokenizer: Tokenizer, vocab: int) -> Grammar:
     return GrammarCompiler(tokenizer, vocab).compile(spec)
 
 
+def k3_marker_call(tmp_path: Path) -> tuple[Tokenizer, Grammar, dict[str, int]]:
+    """A Kimi tokenizer with K3's markers as special tokens (tests/api/test_k3_encoding.py), and the forced call's grammar
+    as the server builds it for such a tokenizer (api/served_model.py): each marker one token, the text between them the
+    prompt encoder's ids."""
+    from openk3.api.chat_format import CALL_MARKUP, ChatFormat
+    from openk3.api.protocol import Tool
+    from openk3.api.tool_choice import Spelling, ToolPlan
+    from tests.api.test_k3_encoding import k3_tokenizer
+
+    tok = k3_tokenizer(tmp_path)
+    markup = CALL_MARKUP[ChatFormat.KIMI_K3] & tok.special_token_strings
+    markers = {m: ids[0] for m in markup if len(ids := tok.encode_with_plain(m, ())) == 1}
+    spelling = Spelling(markers, lambda text: tok.encode_with_plain(text, ((0, len(text)),)))
+    params = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"]}
+    tool = Tool.model_validate({"type": "function", "function": {"name": "forecast", "parameters": params, "strict": True}})
+    spec = ToolPlan(ChatFormat.KIMI_K3, (tool,), frozenset({"forecast"}), forced="forecast").call_grammar(0, spelling)
+    assert spec is not None
+    return tok, GrammarCompiler(tok, tok.vocab_size, markup=markup).compile(spec), markers
+
+
 def grammars(tokenizer: Tokenizer, vocab: int) -> dict[str, Grammar]:
     compiler = GrammarCompiler(tokenizer, vocab)
     return {
@@ -120,6 +142,43 @@ def test_greedy_output_with_grammars_equals_plain_decoding(target, draft_seed: i
     assert json_out[-1] == STOP and set(json.loads(text(json_out), strict=False)) == set(SCHEMA["required"])
     assert regex_out[-1] == STOP and re.fullmatch(REGEX, text(regex_out))
     assert choice_out[-1] == STOP and text(choice_out) in CHOICES
+
+
+def test_k3_tool_call_with_marker_tokens(tmp_path: Path) -> None:
+    """A forced K3 call whose markers are single special tokens, on a model of that tokenizer's vocabulary. The draft is
+    a random model whose drafts the grammar sometimes keeps; a copy of the target (or seed 13) drafts, on these random
+    weights, a token outside the grammar at every step: drafts are cut, not steered (docs/serving.md)."""
+    tok, grammar, markers = k3_marker_call(tmp_path)
+    config = dataclasses.replace(debug(), vocab_size=tok.vocab_size)
+
+    def lm(seed: int) -> K3ForCausalLM:
+        m = K3ForCausalLM(config)
+        m.init_weights(seed=seed)
+        return m.eval()
+
+    target, draft = lm(5), lm(11)
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=grammar)
+    prompts = [tok.encode("Call the forecast tool"), tok.encode("What is the weather")]
+
+    def generate(draft_model: K3ForCausalLM | None) -> tuple[list[list[int]], LLMEngine]:
+        spec = SpeculativeConfig(3) if draft_model is not None else None
+        engine = LLMEngine(target, tok, EngineConfig(**BASE), draft_model=draft_model, speculative=spec)
+        out: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+            out[str(i)] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+            engine.check_integrity()
+        return [out[str(i)] for i in range(len(prompts))], engine
+
+    plain, _ = generate(None)
+    spec, engine = generate(draft)
+    assert spec == plain
+    assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
+    for out in spec:
+        assert out[-1] == tok.eos_token_id and markers["<|open|>"] in out and markers["<|close|>"] in out
 
 
 def test_sampled_rows_with_grammars_match_them(target) -> None:

@@ -62,6 +62,11 @@ def _grammar(row: SamplingRow) -> Grammar | None:
     return row.params.structured_outputs
 
 
+def _allows(bitmask_W: torch.Tensor, token: int) -> bool:
+    """Whether one row of an xgrammar bitmask (bit t of word t // 32) allows `token`."""
+    return token < 32 * len(bitmask_W) and bool((int(bitmask_W[token // 32]) >> (token % 32)) & 1)
+
+
 def _key(row: SamplingRow) -> Hashable:
     return ("request", row.request_id) if row.request_id is not None else ("token list", id(row.token_ids))
 
@@ -165,7 +170,9 @@ class GrammarStates:
                 ok = i  # as in plain decoding, nothing more is fed or masked
                 continue
             matcher.fill_next_token_bitmask(bitmask, i)
-            if i == len(drafts) or not matcher.accept_token(drafts[i]):
+            # the mask is read first: a token outside it is not offered to the matcher (xgrammar logs each special token
+            # it rejects)
+            if i == len(drafts) or not _allows(bitmask[i], drafts[i]) or not matcher.accept_token(drafts[i]):
                 break
             fed += 1
             ok = i + 1

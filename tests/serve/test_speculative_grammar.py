@@ -107,8 +107,9 @@ def grammars(tokenizer: Tokenizer, vocab: int) -> dict[str, Grammar]:
     }
 
 
-def run(target, params: list[SamplingParams], prompts: list[list[int]], draft=None, k: int = 3) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine(target, ByteTokenizer(256), EngineConfig(**BASE), draft_model=draft, speculative=SpeculativeConfig(k) if draft else None)
+def run(target, params: list[SamplingParams], prompts: list[list[int]], draft=None, k: int = 3, **cfg: Any) -> tuple[list[list[int]], LLMEngine]:
+    config = EngineConfig(**{**BASE, **cfg})
+    engine = LLMEngine(target, ByteTokenizer(256), config, draft_model=draft, speculative=SpeculativeConfig(k) if draft else None)
     out: dict[str, list[int]] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, p)
@@ -179,6 +180,20 @@ def test_k3_tool_call_with_marker_tokens(tmp_path: Path) -> None:
     assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
     for out in spec:
         assert out[-1] == tok.eos_token_id and markers["<|open|>"] in out and markers["<|close|>"] in out
+
+
+def test_preemption_rebuilds_the_grammar_state(target) -> None:
+    """A cache too small for the batch preempts requests mid-output; their matchers are rebuilt from the output tokens
+    when they run again, and greedy output is still plain decoding's."""
+    g = grammars(ByteTokenizer(256), 256)
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=gr, stop_token_ids=(STOP,)) for gr in g.values()]
+    prompts = [[60 + i, 61, 62] * 4 for i in range(len(params))]
+    cfg = dict(num_pages=24, max_num_batched_tokens=12, max_model_len=80)
+    plain, _ = run(target, params, prompts, **cfg)
+    spec, engine = run(target, params, prompts, draft=model(11), k=3, **cfg)
+    assert spec == plain
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
 
 
 def test_sampled_rows_with_grammars_match_them(target) -> None:

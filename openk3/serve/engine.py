@@ -41,8 +41,8 @@ from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler
-from openk3.serve.spec_logits import cut_drafts, sampling_row
-from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, can_speculate
+from openk3.serve.spec_logits import sampling_row
+from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, propose_drafts
 from openk3.serve.stopping import NewText, RequestText, token_stop
 from openk3.serve.tokenizer import Tokenizer
 
@@ -279,33 +279,6 @@ class LLMEngine:
             spec_decode=self.spec_stats,
         )
 
-    def _propose(self, proposer: DraftProposer | MTPProposer) -> bool:
-        """Drafts for every running request in decode that can speculate, as many as its length limits leave room for;
-        False when no request speculates this step (SpeculativeConfig.disable_by_batch_size)."""
-        proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
-        limit = self._spec.disable_by_batch_size
-        if limit is not None and self.scheduler.num_running >= limit:
-            # a batch this large decodes faster without drafts; drafts an earlier step proposed but could not schedule
-            # are dropped too
-            for req in self.scheduler.running:
-                req.draft_token_ids, req.draft_probs = [], None
-            return False
-        wanted = []
-        for req in self.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
-                continue
-            p = req.sampling_params
-            room = self.max_model_len - req.num_tokens - 1
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - 1)
-            k = min(proposer.k, room)
-            if k > 0:
-                wanted.append((req, k))
-        proposer.propose(wanted)
-        for req, _ in wanted:  # a grammar cuts the drafts at the first it rejects (serve/spec_logits.py)
-            cut_drafts(self.runner.sampler.grammars, req, self.model_config.vocab_size)
-        return True
-
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's acceptance counters (None without a draft)."""
@@ -333,7 +306,10 @@ class LLMEngine:
 
     def step(self) -> list[EngineCoreOutput]:
         """One scheduling step; returns an output for each request that received a token (with only that token)."""
-        speculating = self._propose(self.proposer) if self.proposer is not None else False
+        speculating = False
+        if self.proposer is not None:
+            grammars, vocab = self.runner.sampler.grammars, self.model_config.vocab_size
+            speculating = propose_drafts(self.proposer, self._spec, self.scheduler.running, self.max_model_len, grammars, vocab)
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError(

@@ -1,4 +1,4 @@
-"""Speculative decoding: which requests speculate, the acceptance rule, and the metrics (the draft model is serve/draft.py).
+"""Speculative decoding: which requests speculate and get drafts, the acceptance rule, and the metrics (the draft model is serve/draft.py).
 
 A decoding request gets k draft tokens (serve/draft.py) before the step is planned; the scheduler gives it its pending token
 plus the k drafts (or drops the drafts when the budget cannot take them all); the runner verifies the k + 1 positions in
@@ -20,7 +20,9 @@ Legend: K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,6 +30,8 @@ from openk3.checks import check_int
 from openk3.serve.request import Request
 from openk3.serve.sampler import apply_top_k_top_p_min_p
 from openk3.serve.sampling import SamplingParams
+from openk3.serve.spec_logits import cut_drafts
+from openk3.serve.structured.matchers import GrammarStates
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,42 @@ def can_speculate(req: Request) -> bool:
     (serve/spec_logits.py)."""
     p = req.sampling_params
     return not p.return_routing and req.num_output_tokens >= p.min_tokens
+
+
+class Proposer(Protocol):
+    """A draft (serve/draft.py, serve/mtp_draft.py): k tokens per request and step."""
+
+    k: int
+
+    def release(self, live: set[str]) -> None: ...
+
+    def propose(self, reqs: list[tuple[Request, int]]) -> None: ...
+
+
+def propose_drafts(proposer: Proposer, config: SpeculativeConfig, running: Sequence[Request], max_model_len: int, grammars: GrammarStates, vocab: int) -> bool:
+    """Drafts for every running request in decode that can speculate, as many as its length limits leave room for, cut
+    by its grammar (serve/spec_logits.py); False when no request speculates this step (disable_by_batch_size), whose
+    running requests then hold no drafts (not even ones an earlier step proposed but could not schedule)."""
+    proposer.release({r.request_id for r in running})  # a preempted request catches up again later
+    if config.disable_by_batch_size is not None and len(running) >= config.disable_by_batch_size:
+        for req in running:
+            req.draft_token_ids, req.draft_probs = [], None
+        return False
+    wanted = []
+    for req in running:
+        if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
+            continue
+        p = req.sampling_params
+        room = max_model_len - req.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        k = min(proposer.k, room)
+        if k > 0:
+            wanted.append((req, k))
+    proposer.propose(wanted)
+    for req, _ in wanted:
+        cut_drafts(grammars, req, vocab)
+    return True
 
 
 def target_probs(logits_KV: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -106,3 +106,17 @@ def test_a_stop_string_inside_a_run_keeps_the_logprobs_of_the_tokens_kept(target
     got_tokens, got, _ = run(target, params, draft=model(5), k=4)
     assert got_tokens[0] == want_tokens[0] and len(got[0]) == len(want[0]) == len(want_tokens[0])
     assert [lp.token_id for lp in got[0]] == want_tokens[0]
+
+
+def test_sampled_rows_with_penalties_and_logprobs_speculate(target) -> None:
+    """Sampled rows: the rejection rule runs on the penalised p (the draft's q is its own); one logprob per kept token,
+    each the raw distribution's at its position (a finite log-probability of the token kept)."""
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=MAX, ignore_eos=True, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.2)
+        for i in range(len(PROMPTS))
+    ]
+    tokens, logprobs, engine = run(target, params, draft=model(5))
+    assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 0
+    for toks, lps in zip(tokens, logprobs, strict=True):
+        assert len(toks) == len(lps) == MAX
+        assert [lp.token_id for lp in lps] == toks and all(lp.logprob <= 0 and len(lp.top) == 2 for lp in lps)

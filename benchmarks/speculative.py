@@ -12,11 +12,17 @@ speculative run's greedy tokens must equal the baseline's token for token; a fai
 --forms stepwise chunked adds, in the same run, rows whose verification runs in the chunked prefill form with the
 snapshot-and-recompute rollback (the engine's form before per-position KDA states, serve/spec_states.py). --clock cpu
 times this process's CPU time instead of elapsed time: with --threads 1 that is the work of one core, which other jobs on
-a shared machine do not inflate.
+a shared machine do not inflate. --disable-by-batch-size N adds, in the same run, rows with vLLM's key of that name
+(SpeculativeConfig.disable_by_batch_size: no drafts in a step that begins with N or more running requests).
+--grammar json gives every request (baseline and speculative alike) a JSON schema of one string field, so the output is
+`{"text": "..."}` and the string holds what the model writes: drafts are checked against the grammar and cut at the first
+it rejects (serve/spec_logits.py); the requests then end when the grammar does (no ignore_eos).
 
   python benchmarks/speculative.py                       # batch 1, 4, 16; k = 3; 64 new tokens; drafts self, half, mtp
   python benchmarks/speculative.py --batch 1 --k 2 4 --new 32 --drafts mtp
   python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts mtp --forms stepwise chunked --threads 1 --clock cpu
+  python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts mtp --mtp-layer shipped --disable-by-batch-size 8 --threads 1 --clock cpu
+  python benchmarks/speculative.py --batch 1 4 --k 2 --new 48 --drafts mtp --mtp-layer shipped --prompts kjv --grammar json --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import platform
 import subprocess
 import time
@@ -44,6 +51,8 @@ from openk3.serve.pack import PackedRow, pack
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.spec_states import stepwise_verification
 from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig
+from openk3.serve.structured.compiler import GrammarCompiler
+from openk3.serve.structured.spec import Grammar, StructuredOutputs
 from openk3.train.data import kjv_chapters, split_documents
 from openk3.train.mtp_head import new_mtp_layer, train_mtp
 
@@ -118,12 +127,21 @@ def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
 
 
 def generate(
-    target, tokenizer, prompts: list[list[int]], new: int, draft=None, k: int = 3, mtp=None, clock=time.perf_counter
+    target,
+    tokenizer,
+    prompts: list[list[int]],
+    new: int,
+    draft=None,
+    k: int = 3,
+    mtp=None,
+    clock=time.perf_counter,
+    limit: int | None = None,
+    grammar: Grammar | None = None,
 ) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
-    spec = SpeculativeConfig(k) if draft is not None or mtp is not None else None
+    spec = SpeculativeConfig(k, disable_by_batch_size=limit) if draft is not None or mtp is not None else None
     engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=grammar is None, structured_outputs=grammar)
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -160,6 +178,8 @@ def main() -> None:
     ap.add_argument("--mtp-layer", help="instead of training one: a saved MTP layer's state dict, or 'shipped' (the demo assets' layer)")
     ap.add_argument("--prompts", default="stories", choices=["stories", "kjv"], help="kjv: openings of held-out KJV chapters")
     ap.add_argument("--forms", nargs="+", default=["stepwise"], choices=["stepwise", "chunked"], help="verification forms, each a row")
+    ap.add_argument("--grammar", default="none", choices=["none", "json"], help='json: every request\'s output is {"text": STRING}')
+    ap.add_argument("--disable-by-batch-size", type=int, nargs="*", default=[], help="also rows with SpeculativeConfig.disable_by_batch_size N")
     ap.add_argument(
         "--clock", default="wall", choices=["wall", "cpu"], help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to other jobs)"
     )
@@ -192,6 +212,10 @@ def main() -> None:
         mtp_note = f"; mtp: trained {args.mtp_steps} steps in {time.perf_counter() - start:.0f} s, loss {first:.2f} -> {last:.2f}"
     if "mtp" in args.drafts:
         mtp_note += "\n# " + "\n# ".join(forward_costs(target, drafts["mtp"], k) for k in args.k)
+    grammar = None
+    if args.grammar == "json":
+        schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+        grammar = GrammarCompiler(tokenizer, target.config.vocab_size).compile(StructuredOutputs(json=json.dumps(schema)))
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
     openings = [tokenizer.encode(t) for t in texts]
     if args.prompts == "kjv":  # the first 32 tokens of each held-out chapter (every 50th), as the model card measures
@@ -199,32 +223,38 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     flags = f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --drafts {' '.join(args.drafts)}"
     flags += f" --forms {' '.join(args.forms)} --clock {args.clock} --threads {args.threads} --prompts {args.prompts}"
+    if args.grammar != "none":
+        flags += f" --grammar {args.grammar}"
+    if args.disable_by_batch_size:
+        flags += f" --disable-by-batch-size {' '.join(map(str, args.disable_by_batch_size))}"
     print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps}")
     machine = platform.processor() or platform.machine()
     print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {args.clock} clock, {machine}, commit {commit}{mtp_note}")
-    print("| batch | draft | k | verification | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| batch | draft | k | verification | disable_by_batch_size | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    variants = [(form, None) for form in args.forms] + [("stepwise", n) for n in args.disable_by_batch_size]
     for b in args.batch:
         prompts = [openings[i % len(openings)] for i in range(b)]
-        generate(target, tokenizer, prompts[:1], 4)  # warm-up
+        generate(target, tokenizer, prompts[:1], 4, grammar=grammar)  # warm-up
         for name, draft in drafts.items():
             for k in args.k:
                 # the baseline and each form's speculative run alternate, best of --repeat each: a slow spell hits them all
                 base_tps, base_tokens = 0.0, None
-                spec: dict[str, tuple[float, Any, Any]] = {f: (0.0, None, None) for f in args.forms}
+                spec: dict[tuple[str, int | None], tuple[float, Any, Any]] = {v: (0.0, None, None) for v in variants}
                 for _ in range(args.repeat):
-                    b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new, clock=clock)
+                    b_tps, base_tokens, _ = generate(target, tokenizer, prompts, args.new, clock=clock, grammar=grammar)
                     base_tps = max(base_tps, b_tps)
-                    for form in args.forms:
+                    for form, limit in variants:
                         verification_form(form)
                         mtp, other = (draft, None) if name == "mtp" else (None, draft)
-                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, other, k, mtp, clock)
-                        spec[form] = (max(spec[form][0], s_tps), tokens, stats)
-                for form, (tps, tokens, stats) in spec.items():
+                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, other, k, mtp, clock, limit, grammar)
+                        spec[form, limit] = (max(spec[form, limit][0], s_tps), tokens, stats)
+                for (form, limit), (tps, tokens, stats) in spec.items():
                     assert stats is not None
                     ratio = f"{tps / base_tps:.2f}x" if tokens == base_tokens else "FAIL (output differs)"
                     acceptance = f"{stats.acceptance_rate:.2f} | {stats.mean_acceptance_length:.2f}"
-                    print(f"| {b} | {name} | {k} | {form} | {tps:.1f} | {base_tps:.1f} | {ratio} | {acceptance} |", flush=True)
+                    key = "-" if limit is None else str(limit)
+                    print(f"| {b} | {name} | {k} | {form} | {key} | {tps:.1f} | {base_tps:.1f} | {ratio} | {acceptance} |", flush=True)
                 verification_form("stepwise")
 
 

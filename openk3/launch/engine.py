@@ -103,7 +103,7 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
     generation = generation_config(spec)
     draft = _draft_model(spec, tokenizer, device)
     mtp_layer = _mtp_layer(spec, net, device)
-    speculative = None if config.speculative is None else SpeculativeConfig(config.num_speculative_tokens)
+    speculative = None if config.speculative is None else SpeculativeConfig(config.num_speculative_tokens, config.speculative_disable_by_batch_size)
     engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft_model=draft, speculative=speculative, mtp_layer=mtp_layer)
     return Engine(engine, engine, net, generation=generation)
 

@@ -121,7 +121,12 @@ def server_configs(args: argparse.Namespace) -> tuple[EngineConfig, ParallelConf
     return engine.with_packing_default(owns_model=True), parallel
 
 
-SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens"}
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
 SPECULATIVE_METHODS = ("draft_model", "mtp")
 
 

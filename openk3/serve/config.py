@@ -86,6 +86,9 @@ class EngineConfig:
         None, "draft model for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (vLLM's method draft_model)"
     )
     num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with a speculative method)", low=1, high=16)
+    speculative_disable_by_batch_size: int | None = setting(
+        None, "no request gets drafts in a step that begins with at least this many running requests (vLLM's disable_by_batch_size)", low=2
+    )
     check_integrity_when_idle: bool = setting(True, "check the cache and scheduler invariants whenever the engine goes idle", cli=False)
     # implementations of the model's ops by name, set on its OpChoice before "auto" is resolved (serve/op_names.py); held
     # as the canonical "field=impl,..." (a dict is accepted too)
@@ -120,6 +123,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.speculative_model={self.speculative_model!r} with speculative_method='mtp': the MTP layer is read from the target's "
                 "own checkpoint; leave speculative_model unset"
+            )
+        if self.speculative_disable_by_batch_size is not None and self.speculative is None:
+            raise ValueError(
+                f"EngineConfig.speculative_disable_by_batch_size={self.speculative_disable_by_batch_size} needs speculative decoding: "
+                "set speculative_method or speculative_model"
             )
         if self.speculative_method == "draft_model" and self.speculative_model is None:
             raise ValueError("EngineConfig.speculative_method='draft_model' needs speculative_model: the draft model (a preset or checkpoint folder)")

@@ -41,7 +41,8 @@ from openk3.serve.runner import CausalLM, ModelRunner
 from openk3.serve.sampler import Sampler
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import Scheduler
-from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, can_speculate
+from openk3.serve.spec_logits import sampling_row
+from openk3.serve.speculative import SpecDecodeStats, SpeculativeConfig, propose_drafts
 from openk3.serve.stopping import NewText, RequestText, token_stop
 from openk3.serve.tokenizer import Tokenizer
 
@@ -74,7 +75,8 @@ class LLMEngine:
         cfg = self.config
         snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
         # a speculating engine keeps the KDA state after each of k verified positions per sequence (serve/spec_states.py)
-        spec_k = (speculative or SpeculativeConfig()).num_speculative_tokens if draft_model is not None or mtp_layer is not None else 0
+        self._spec = speculative or SpeculativeConfig()
+        spec_k = self._spec.num_speculative_tokens if draft_model is not None or mtp_layer is not None else 0
         verify_slots = cfg.max_num_seqs * spec_k
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
             self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots + verify_slots, cache_dtype, cfg.fp8_latent
@@ -129,15 +131,13 @@ class LLMEngine:
         if (draft_model is not None or mtp_layer is not None) and cfg.cuda_graphs:
             raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
         if mtp_layer is not None:
-            k = (speculative or SpeculativeConfig()).num_speculative_tokens
-            self.proposer = MTPProposer(mtp_layer, k, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
+            self.proposer = MTPProposer(mtp_layer, self._spec.num_speculative_tokens, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
             self.runner.keep_hidden = True
         if draft_model is not None:
             if draft_model.config.vocab_size != self.model_config.vocab_size:
                 v, t = draft_model.config.vocab_size, self.model_config.vocab_size
                 raise ValueError(f"draft model vocab_size={v} differs from the target's {t}: a draft must share the tokenizer")
-            k = (speculative or SpeculativeConfig()).num_speculative_tokens
-            self.proposer = DraftProposer(draft_model, k, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
+            self.proposer = DraftProposer(draft_model, self._spec.num_speculative_tokens, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs
@@ -244,6 +244,7 @@ class LLMEngine:
             self.encoder_cache.check_integrity()
         if isinstance(self.proposer, MTPProposer):
             self.proposer.check_integrity({r.request_id for r in self.scheduler.running})
+        self.runner.sampler.grammars.check_integrity([sampling_row(r) for r in self.scheduler.running], self.model_config.vocab_size)
         if not self.has_unfinished():
             # Pages the prefix index holds are accounted by cache.check_integrity; no request may hold anything.
             if self.cache.num_request_holders or self.cache.num_free_slots != self.cache.state_pool.num_slots:
@@ -279,22 +280,6 @@ class LLMEngine:
             spec_decode=self.spec_stats,
         )
 
-    def _propose(self, proposer: DraftProposer | MTPProposer) -> None:
-        """Drafts for every running request in decode that can speculate, as many as its length limits leave room for."""
-        proposer.release({r.request_id for r in self.scheduler.running})  # a preempted request catches up again later
-        wanted = []
-        for req in self.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
-                continue
-            p = req.sampling_params
-            room = self.max_model_len - req.num_tokens - 1
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - 1)
-            k = min(proposer.k, room)
-            if k > 0:
-                wanted.append((req, k))
-        proposer.propose(wanted)
-
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's acceptance counters (None without a draft)."""
@@ -322,8 +307,10 @@ class LLMEngine:
 
     def step(self) -> list[EngineCoreOutput]:
         """One scheduling step; returns an output for each request that received a token (with only that token)."""
+        speculating = False
         if self.proposer is not None:
-            self._propose(self.proposer)
+            grammars, vocab = self.runner.sampler.grammars, self.model_config.vocab_size
+            speculating = propose_drafts(self.proposer, self._spec, self.scheduler.running, self.max_model_len, grammars, vocab)
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError(
@@ -345,11 +332,12 @@ class LLMEngine:
                 req.timings.first_token = now
             req.timings.last_token = now
             lp = result.logprobs.get(req.request_id)
-            logprobs = None if lp is None else (lp,)
+            run_lp = result.run_logprobs.get(req.request_id)
             prompt_logprobs = None
             if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_scores.take(req.request_id) or ()  # () for a one-token prompt: nothing to score
             status, new_tokens, text = self._stops(req, new_tokens)
+            logprobs = (lp,) if lp is not None else None if run_lp is None else tuple(run_lp[: len(new_tokens)])
             metrics, routing = None, None
             if status is not None:
                 routing = self._take_routing(req)
@@ -372,8 +360,12 @@ class LLMEngine:
                     routing,
                 )
             )
-        if isinstance(self.proposer, MTPProposer):
+        if isinstance(self.proposer, MTPProposer) and speculating:
             self.proposer.observe(result.hidden, self.scheduler.running)
+        elif isinstance(self.proposer, MTPProposer):
+            # a step without speculation skips the layer too (the point of disable_by_batch_size): when speculation
+            # resumes, the layer starts over at the rows it is then given (serve/mtp_draft.py)
+            self.proposer.release({r.request_id for r in self.scheduler.running})
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs

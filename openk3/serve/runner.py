@@ -31,8 +31,9 @@ from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.prompt_logprobs import rows_to_score, score
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.routing import RoutingRecorder
-from openk3.serve.sampler import Sampler, SamplingRow
+from openk3.serve.sampler import Sampler
 from openk3.serve.scheduler import SchedulerOutput
+from openk3.serve.spec_logits import accept_run, run_logprobs, sampling_row, verified_logits
 from openk3.serve.spec_states import keep_verified_state, stepwise_verification
 from openk3.serve.speculative import SpecDecodeStats, verify
 from openk3.serve.stopping import tokens_kept
@@ -72,6 +73,8 @@ class StepSamples:
     # with ModelRunner.keep_hidden: request id -> (first position, [n, D] last hidden states) of the positions it keeps
     # (every row it ran; a speculating request's verified rows up to its last kept token)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # request id -> the logprobs of each token of its run, for speculating requests that asked (serve/spec_logits.py)
+    run_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,14 +176,14 @@ class ModelRunner:
                     logits, hidden_TD = self._forward(batch)
             else:
                 logits, hidden_TD = self._forward(batch)
-            rows = [SamplingRow(r.sampling_params, r.generator, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, r.request_id) for r in sampling]
-            result = self.sampler(logits[: len(sampling)], rows)
+            result = self.sampler(logits[: len(sampling)], [sampling_row(r) for r in sampling], [sampling_row(r) for r in verifying])
             at = len(sampling)
             runs: dict[str, list[int]] = {}
+            run_logprobs: dict[str, list[TokenLogprobs]] = {}
             redo: list[PackedRow] = []
             for req in verifying:
                 k = len(req.draft_token_ids)
-                runs[req.request_id] = run = self._verify(req, logits[at : at + k + 1])
+                runs[req.request_id] = run = self._verify(req, logits[at : at + k + 1], run_logprobs)
                 at += k + 1
                 if stepwise is not None:
                     keep_verified_state(self.cache, req, kept_slots[req.request_id], len(run))
@@ -201,7 +204,7 @@ class ModelRunner:
                 routing[req.request_id] = (req.num_computed_tokens, experts_TLk[cu[i] : cu[i + 1]])
         tokens = {r.request_id: t for r, t in zip(sampling, result.token_ids, strict=True)}
         hidden = self._kept_hidden(out, batch, hidden_TD, runs) if hidden_TD is not None else {}
-        return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs, hidden)
+        return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs, hidden, run_logprobs)
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits of the batch's logits rows, and with keep_hidden the last hidden state of every row."""
@@ -224,13 +227,19 @@ class ModelRunner:
             kept[req.request_id] = (req.num_computed_tokens, hidden_TD[cu[i] : end])
         return kept
 
-    def _verify(self, req: Request, logits_KV: torch.Tensor) -> list[int]:
-        """The tokens a request keeps from its drafts (serve/speculative.py), cut at the first a stop rule ends it on."""
-        drafts = req.draft_token_ids
+    def _verify(self, req: Request, logits_KV: torch.Tensor, logprobs: dict[str, list[TokenLogprobs]]) -> list[int]:
+        """The tokens a request keeps from its drafts (serve/speculative.py) on the distributions plain decoding would
+        sample at each position (serve/spec_logits.py), cut at the first a stop rule ends it on; their logprobs go into
+        `logprobs` when the request asks, and its grammar reads them."""
+        drafts, params = req.draft_token_ids, req.sampling_params
         generator = req.generator if req.generator is not None else self.sampler.generator
-        run, accepted = verify(logits_KV, drafts, req.draft_probs, req.sampling_params, generator)
+        grammars = self.sampler.grammars
+        run, accepted = verify(verified_logits(logits_KV, req, grammars), drafts, req.draft_probs, params, generator)
         run = run[: tokens_kept(req, run, self.max_model_len)]
+        accept_run(grammars, req, run, logits_KV.shape[1])
         self.spec_stats.record(len(drafts), min(accepted, len(run) - 1))
+        if params.logprobs is not None:
+            logprobs[req.request_id] = run_logprobs(logits_KV, run, params.logprobs)
         return run
 
     @staticmethod

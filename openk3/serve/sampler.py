@@ -118,12 +118,21 @@ def apply_top_k_top_p_min_p(logits_MV: torch.Tensor, top_k: torch.Tensor, top_p:
     return logits_MV.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), neg_inf)
 
 
+def token_logprobs(logprobs_V: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
+    """A sampled token's logprob and the `num_top` most likely tokens' from one position's log-softmax."""
+    top = logprobs_V.topk(num_top) if num_top else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprobs(token_id=token, logprob=float(logprobs_V[token]), top=pairs)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without their own seed, on the logits' device
         self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' request ids
 
-    def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow], verifying: Sequence[SamplingRow] = ()) -> SamplerOutput:
+        """Tokens (and asked-for logprobs) for `rows`; `verifying`: the rows that verify drafts in the same step
+        (serve/spec_logits.py), whose grammar states are kept for that."""
         m, vocab = logits_MV.shape
         if m != len(rows):
             raise ValueError(f"Sampler: {m} logit rows for {len(rows)} requests")
@@ -140,7 +149,7 @@ class Sampler:
         constrained = any(r.params.structured_outputs is not None for r in rows)
         if constrained:
             logits_MV = logits_MV.clone()
-        picked = self.grammars.mask(logits_MV, rows) if constrained or len(self.grammars) else []
+        picked = self.grammars.mask(logits_MV, rows, verifying) if constrained or len(self.grammars) else []
 
         early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         masked = [(i, t) for i in early for t in rows[i].stop_token_ids if t < vocab]
@@ -181,12 +190,7 @@ class Sampler:
                 k = r.params.logprobs
                 if k is None:
                     continue
-                top = raw_logprobs[i].topk(k) if k else None
-                logprobs[i] = TokenLogprobs(
-                    token_id=token_list[i],
-                    logprob=float(raw_logprobs[i, token_list[i]]),
-                    top=tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else (),
-                )
+                logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], k)
         return SamplerOutput(token_list, logprobs)
 
     @staticmethod

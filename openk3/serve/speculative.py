@@ -1,4 +1,4 @@
-"""Speculative decoding: which requests speculate, the acceptance rule, and the metrics (the draft model is serve/draft.py).
+"""Speculative decoding: which requests speculate and get drafts, the acceptance rule, and the metrics (the draft model is serve/draft.py).
 
 A decoding request gets k draft tokens (serve/draft.py) before the step is planned; the scheduler gives it its pending token
 plus the k drafts (or drops the drafts when the budget cannot take them all); the runner verifies the k + 1 positions in
@@ -20,7 +20,9 @@ Legend: K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,17 +30,22 @@ from openk3.checks import check_int
 from openk3.serve.request import Request
 from openk3.serve.sampler import apply_top_k_top_p_min_p
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.token_rules import has_token_rules
+from openk3.serve.spec_logits import cut_drafts
+from openk3.serve.structured.matchers import GrammarStates
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """A separate draft model sharing the target's tokenizer (vLLM's `method="draft_model"`), k tokens per step."""
+    """k draft tokens per request and step; `disable_by_batch_size` (vLLM's key): no request gets drafts in a step that
+    begins with at least this many running requests (a large batch decodes faster without them)."""
 
     num_speculative_tokens: int = 3
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if self.disable_by_batch_size is not None:
+            check_int("SpeculativeConfig", "disable_by_batch_size", self.disable_by_batch_size, low=2)
 
 
 @dataclass
@@ -70,17 +77,53 @@ class SpecDecodeStats:
 
 
 def can_speculate(req: Request) -> bool:
-    """Requests whose next-token distribution depends on nothing but the logits and the plain sampling parameters: no
-    token rules, grammar, penalties, logprobs, or stop tokens still masked by min_tokens; the rest decode one token a step.
-    A request that records its routing (return_routing) does not either: a rolled-back run's experts would have to be
-    recorded per kept position."""
+    """Every request but two kinds, which decode one token a step: one whose stop tokens are still masked by min_tokens,
+    and one that records its routing (return_routing: a rolled-back run's experts would have to be recorded per kept
+    position). Token rules, grammars and penalties are applied per verified position and logprobs taken there
+    (serve/spec_logits.py)."""
     p = req.sampling_params
-    plain = not has_token_rules(p) and p.structured_outputs is None and not p.has_penalties and p.logprobs is None
-    return plain and not p.return_routing and req.num_output_tokens >= p.min_tokens
+    return not p.return_routing and req.num_output_tokens >= p.min_tokens
+
+
+class Proposer(Protocol):
+    """A draft (serve/draft.py, serve/mtp_draft.py): k tokens per request and step."""
+
+    k: int
+
+    def release(self, live: set[str]) -> None: ...
+
+    def propose(self, reqs: list[tuple[Request, int]]) -> None: ...
+
+
+def propose_drafts(proposer: Proposer, config: SpeculativeConfig, running: Sequence[Request], max_model_len: int, grammars: GrammarStates, vocab: int) -> bool:
+    """Drafts for every running request in decode that can speculate, as many as its length limits leave room for, cut
+    by its grammar (serve/spec_logits.py); False when no request speculates this step (disable_by_batch_size), whose
+    running requests then hold no drafts (not even ones an earlier step proposed but could not schedule)."""
+    proposer.release({r.request_id for r in running})  # a preempted request catches up again later
+    if config.disable_by_batch_size is not None and len(running) >= config.disable_by_batch_size:
+        for req in running:
+            req.draft_token_ids, req.draft_probs = [], None
+        return False
+    wanted = []
+    for req in running:
+        if req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens or not can_speculate(req):
+            continue
+        p = req.sampling_params
+        room = max_model_len - req.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        k = min(proposer.k, room)
+        if k > 0:
+            wanted.append((req, k))
+    proposer.propose(wanted)
+    for req, _ in wanted:
+        cut_drafts(grammars, req, vocab)
+    return True
 
 
 def target_probs(logits_KV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the sampler draws from for a plain (can_speculate) request: temperature, min_p, top_k, top_p."""
+    """The distribution the sampler draws from given its processed logits (serve/spec_logits.py): temperature, min_p,
+    top_k, top_p."""
     k = len(logits_KV)
     vocab = logits_KV.shape[1]
     dev = logits_KV.device

@@ -27,7 +27,7 @@ from openk3.model.weights import export_state_dict
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.mtp_draft import MTPProposer
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.speculative import SpeculativeConfig
+from openk3.serve.speculative import SpeculativeConfig, propose_drafts
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.model.conftest import build
 from tests.model.test_release_layout import MTP_LAYER, release_tensors, write_release
@@ -136,7 +136,7 @@ def test_the_first_drafts_equal_a_hand_written_forward_of_the_layer(folder) -> N
     req = engine.scheduler.requests["r"]
     proposer = engine.proposer
     assert isinstance(proposer, MTPProposer)
-    engine._propose(proposer)
+    propose_drafts(proposer, SpeculativeConfig(2), engine.scheduler.running, engine.max_model_len, engine.runner.sampler.grammars, target.config.vocab_size)
     tokens = req.token_ids  # the prompt and the first sampled token
     assert len(req.draft_token_ids) == 2
     naive = OpChoice(kda="naive", conv="naive", mla="naive", mla_decode="naive", moe="naive", attn_res="naive", linear="naive", norm="naive", route="naive")

@@ -93,12 +93,13 @@ def test_greedy_equals_plain_decoding(target, draft_seed, prefix, forms) -> None
 
 @pytest.mark.parametrize("prefix", [False, True])
 def test_greedy_equals_plain_decoding_across_batch_mixes(target, prefix, forms) -> None:
-    """Twelve prompts through 4 slots (admissions beside verifications), every third asking for logprobs (it decodes one
-    token a step beside the speculating ones in a stepwise step), repeated prefixes for the prefix cache, k = 2 and 4."""
+    """Twelve prompts through 4 slots (admissions beside verifications), every third asking for logprobs and for
+    min_tokens=4 (it decodes one token a step beside the speculating ones in a stepwise step until 4 tokens are out),
+    repeated prefixes for the prefix cache, k = 2 and 4."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 255, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (12,), generator=g)]
     prompts[5], prompts[9] = prompts[1] + [4, 4], list(prompts[1])
-    params = [GREEDY.replace(max_tokens=6 + i % 9, logprobs=1 if i % 3 == 2 else None) for i in range(12)]
+    params = [GREEDY.replace(max_tokens=6 + i % 9, logprobs=1, min_tokens=4) if i % 3 == 2 else GREEDY.replace(max_tokens=6 + i % 9) for i in range(12)]
     cfg = dict(enable_prefix_caching=True, prefix_match_unit=8) if prefix else {}
     plain, _ = run(target, params, prompts=prompts, **cfg)
     for k in (2, 4):

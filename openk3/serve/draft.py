@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.draft_steering import DraftSteering
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.request import Request
 from openk3.serve.runner import CausalLM
-from openk3.serve.speculative import draw_draft
+from openk3.serve.speculative import draw_steered
 
 
 class DraftProposer:
@@ -37,10 +38,10 @@ class DraftProposer:
             self.cache.free(rid)
             del self._computed[rid]
 
-    def _draw(self, logits_V: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        return draw_draft(logits_V, req.sampling_params, self.generator)
+    def _draw(self, logits_V: torch.Tensor, req: Request, steer: DraftSteering | None) -> tuple[int, torch.Tensor | None]:
+        return draw_steered(logits_V, req, steer, self.generator)
 
-    def propose(self, reqs: list[tuple[Request, int]]) -> None:
+    def propose(self, reqs: list[tuple[Request, int]], steer: DraftSteering | None = None) -> None:
         """Set `draft_token_ids` (and `draft_probs`) of each (request, k) pair: k draft tokens after its tokens. A request
         with no new token since its last proposal (its drafts were not verified) keeps the drafts it has."""
         reqs = [(r, k) for r, k in reqs if self._computed.get(r.request_id, 0) < r.num_tokens]  # the rest keep their drafts
@@ -62,7 +63,7 @@ class DraftProposer:
             live = list(range(len(reqs)))
             for step in range(max(k for _, k in reqs)):
                 for i, row in zip(live, logits, strict=True):
-                    token, q = self._draw(row, reqs[i][0])
+                    token, q = self._draw(row, reqs[i][0], steer)
                     drafts[i].append(token)
                     if q is not None:
                         probs[i].append(q)

@@ -22,9 +22,10 @@ import torch
 
 from openk3.model.mtp import MTPLayer
 from openk3.serve.cache.manager import CacheManager
+from openk3.serve.draft_steering import DraftSteering
 from openk3.serve.pack import PackedRow, pack, restore_slot, save_slot
 from openk3.serve.request import Request
-from openk3.serve.speculative import draw_draft
+from openk3.serve.speculative import draw_steered
 
 
 @dataclass
@@ -99,10 +100,10 @@ class MTPProposer:
             for rid, x_D in zip(ids, x_TD[batch.logits_indices], strict=True):
                 self._seen[rid].last_x = x_D
 
-    def _draw(self, logits_V: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        return draw_draft(logits_V, req.sampling_params, self.generator)
+    def _draw(self, logits_V: torch.Tensor, req: Request, steer: DraftSteering | None) -> tuple[int, torch.Tensor | None]:
+        return draw_steered(logits_V, req, steer, self.generator)
 
-    def propose(self, reqs: list[tuple[Request, int]]) -> None:
+    def propose(self, reqs: list[tuple[Request, int]], steer: DraftSteering | None = None) -> None:
         """Set `draft_token_ids` (and `draft_probs`) of each (request, k) pair whose positions the layer has caught up
         with (all but its last token); the others get none this step."""
         reqs = [(r, k) for r, k in reqs if (s := self._seen.get(r.request_id)) is not None and s.next == r.num_tokens - 1]
@@ -119,7 +120,7 @@ class MTPProposer:
             live = list(range(len(reqs)))
             for step in range(max(k for _, k in reqs)):
                 for i, row in zip(live, logits, strict=True):
-                    token, q = self._draw(row, reqs[i][0])
+                    token, q = self._draw(row, reqs[i][0], steer)
                     drafts[i].append(token)
                     if q is not None:
                         probs[i].append(q)

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from openk3.checks import check_int
+from openk3.serve.draft_steering import DraftSteering
 from openk3.serve.request import Request
 from openk3.serve.sampler import apply_top_k_top_p_min_p
 from openk3.serve.sampling import SamplingParams
@@ -92,7 +93,7 @@ class Proposer(Protocol):
 
     def release(self, live: set[str]) -> None: ...
 
-    def propose(self, reqs: list[tuple[Request, int]]) -> None: ...
+    def propose(self, reqs: list[tuple[Request, int]], steer: DraftSteering | None = None) -> None: ...
 
 
 def propose_drafts(proposer: Proposer, config: SpeculativeConfig, running: Sequence[Request], max_model_len: int, grammars: GrammarStates, vocab: int) -> bool:
@@ -115,7 +116,11 @@ def propose_drafts(proposer: Proposer, config: SpeculativeConfig, running: Seque
         k = min(proposer.k, room)
         if k > 0:
             wanted.append((req, k))
-    proposer.propose(wanted)
+    steer = DraftSteering(grammars, [r for r, _ in wanted], vocab)
+    try:
+        proposer.propose(wanted, steer if steer else None)
+    finally:
+        steer.close()
     for req, _ in wanted:
         cut_drafts(grammars, req, vocab)
     return True
@@ -163,6 +168,16 @@ def verify(
             residual = p[i]
         return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))], i
     return drafts + [int(torch.multinomial(p[k], 1, generator=generator))], k
+
+
+def draw_steered(logits_V: torch.Tensor, req: Request, steer: DraftSteering | None, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """One draft token (and its q for a sampled row) from a draft's logits, inside the request's grammar when steered
+    (serve/draft_steering.py)."""
+    if steer is None:
+        return draw_draft(logits_V, req.sampling_params, generator)
+    token, q = draw_draft(steer.mask(req, logits_V), req.sampling_params, generator)
+    steer.take(req, token)
+    return token, q
 
 
 def draw_draft(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:

@@ -146,9 +146,8 @@ def test_greedy_output_with_grammars_equals_plain_decoding(target, draft_seed: i
 
 
 def test_k3_tool_call_with_marker_tokens(tmp_path: Path) -> None:
-    """A forced K3 call whose markers are single special tokens, on a model of that tokenizer's vocabulary. The draft is
-    a random model whose drafts the grammar sometimes keeps; a copy of the target (or seed 13) drafts, on these random
-    weights, a token outside the grammar at every step: drafts are cut, not steered (docs/serving.md)."""
+    """A forced K3 call whose markers are single special tokens, on a model of that tokenizer's vocabulary, with a random
+    draft model (another seed): its drafts are steered by the grammar (serve/draft_steering.py)."""
     tok, grammar, markers = k3_marker_call(tmp_path)
     config = dataclasses.replace(debug(), vocab_size=tok.vocab_size)
 
@@ -180,6 +179,26 @@ def test_k3_tool_call_with_marker_tokens(tmp_path: Path) -> None:
     assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
     for out in spec:
         assert out[-1] == tok.eos_token_id and markers["<|open|>"] in out and markers["<|close|>"] in out
+
+
+def test_a_copy_of_the_target_drafts_inside_the_grammar(target, monkeypatch) -> None:
+    """Drafts are drawn under the grammar's mask (serve/draft_steering.py): a copy of the target then proposes exactly the
+    target's masked argmax, so (nearly) every draft is kept. Unsteered -- the draft's raw argmax, cut before the first
+    token the grammar rejects -- the same draft model gets few drafts past the grammar on these random weights. The
+    output is plain decoding's either way."""
+    g = grammars(ByteTokenizer(256), 256)
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=gr, stop_token_ids=(STOP,)) for gr in g.values()]
+    prompts = [[70 + i, 71, 72] * 3 for i in range(len(params))]
+    plain, _ = run(target, params, prompts)
+    steered, engine = run(target, params, prompts, draft=model(5), k=3)
+    on = engine.spec_stats
+    monkeypatch.setattr("openk3.serve.speculative.DraftSteering.__bool__", lambda self: False)
+    cut, engine = run(target, params, prompts, draft=model(5), k=3)
+    off = engine.spec_stats
+    assert steered == cut == plain
+    assert on is not None and off is not None
+    assert on.num_accepted_tokens >= 0.95 * on.num_draft_tokens and on.mean_acceptance_length > 3.5, on
+    assert on.num_accepted_tokens > 5 * off.num_accepted_tokens, (on, off)
 
 
 def test_preemption_rebuilds_the_grammar_state(target) -> None:

@@ -153,6 +153,13 @@ class GrammarStates:
         st = self._states[_key(row)] = self._state(row, grammar, vocab)
         return st
 
+    def matcher(self, row: SamplingRow, vocab: int) -> Any:
+        """The row's xgrammar GrammarMatcher, current with its output (made or rebuilt where stale, and kept); a caller
+        that feeds it tokens rolls them back (serve/draft_steering.py)."""
+        grammar = _grammar(row)
+        assert grammar is not None
+        return self._held(row, grammar, vocab).matcher
+
     def draft_masks(self, row: SamplingRow, drafts: Sequence[int], vocab: int) -> tuple[torch.Tensor, int]:
         """For a row with a grammar whose output ends with its pending token: the [len(drafts) + 1, ceil(V/32)] bitmask of
         the verified positions (position i: the state after drafts[:i]; all ones where the grammar has ended, as `mask`

@@ -19,13 +19,15 @@ attention-DP group, in steps:
   captured CUDA graph, padded);
 - output tokens per second = lam OSL x groups / (f x mixed step + (1 - f) x decode step).
 
-Not modelled: the ramp at the start and the drain at the end of a finite run (the benchmark's request counts are chosen
-to reach steady state), eviction (TensorRT-LLM's default admission reserves a whole request), and queues per group
-that drift apart.
+A benchmark of a fixed number of requests is not all steady state: it starts with every slot prefilling and nothing
+decoding, and ends with the last requests decoding at a falling batch. `finite_run` steps through such a run. Not
+modelled: eviction (TensorRT-LLM's default admission reserves a whole request), uneven requests per attention-DP group
+(split evenly; the busiest group sets the wall time) and queues per group that drift apart.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -125,6 +127,12 @@ def _prefill(waiting: list[list[float]], budget: float, isl: int) -> tuple[float
     return done, tokens, prompts, pairs
 
 
+def _grid(x: float) -> float:
+    """Step shapes priced on a grid of three significant figures (< 0.5% apart), so a run of thousands of steps prices
+    each distinct shape once."""
+    return float(round(x, 2 - math.floor(math.log10(x)))) if x > 0 else 0.0
+
+
 def finite_run(sc: Scenario, isl: int, osl: int, token_budget: int, requests: int) -> FiniteRun:
     """`requests` requests of `isl`/`osl` tokens queued at once and split evenly over the attention-DP groups, each
     group admitting up to `sc.workload.concurrency / dp` at a time: the steps of the steady state's rule (decode rows
@@ -140,18 +148,22 @@ def finite_run(sc: Scenario, isl: int, osl: int, token_budget: int, requests: in
     held = rows = 0.0
     step = 0
     seconds = 0.0
-    prices: dict[tuple[int, int, int, int], float] = {}
+    prices: dict[tuple[float, float, float, float], float] = {}
     while queued or waiting or decoding:
         admit = min(n - held, queued)
         if admit > 0:
             waiting.append([admit, 0.0])
             queued, held = queued - admit, held + admit
         done, tokens, prompts, pairs = _prefill(waiting, token_budget - rows, isl)
-        key = (int(rows), round(tokens), round(prompts), round(pairs / tokens) if tokens else 0)
+        key = (_grid(rows), _grid(tokens), _grid(prompts), _grid(pairs / tokens) if tokens else 0.0)
         if key not in prices:
-            chunk = PrefillChunk(tokens, max(prompts, 1.0), pairs / tokens, float(isl)) if tokens else None
-            prices[key] = batch_step(sc, rows, chunk).total_s
-        seconds += prices[key]
+            chunk = PrefillChunk(key[1], max(key[2], 1.0), key[3], float(isl)) if tokens else None
+            prices[key] = batch_step(sc, key[0], chunk).total_s
+        repeats = 1
+        if not tokens and not waiting and decoding and (queued < 1 or held >= n):  # decode only until the next finish
+            repeats = decoding[0][1] - step + 1
+        seconds += repeats * prices[key]
+        step += repeats - 1
         if done:  # their first token came with the last chunk; osl - 1 decode steps follow
             decoding.append((done, step + osl - 1))
             rows += done if osl > 1 else 0.0

@@ -20,8 +20,8 @@ the instance on v1.0's, as each version's heuristic did), and since issue 37 rou
 the page's request count served to the last by mixed steps, experts unbalanced (no load balancer in the options; see
 `validation_agg.py`). Assumed where the page is silent: the v1.0 "TP8" MoE columns
 run attention data-parallel with EP8 (the page's MoE options set `enable_attention_dp: true`); the FP4 checkpoints run
-NVFP4 experts with FP8 elsewhere and a 16-bit KV cache, the FP8 ones FP8 weights and a 16-bit KV cache (as the first
-sets assume for Qwen3).
+NVFP4 experts with FP8 elsewhere, the FP8 ones FP8 weights. Their KV cache is the checkpoints' own FP8 (cited at
+`validation_agg.QWEN_KV`; it was assumed 16-bit, as for the first sets, until issue 37 round four).
 """
 
 from __future__ import annotations

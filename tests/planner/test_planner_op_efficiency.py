@@ -85,15 +85,15 @@ def test_cuda_graph_padding_and_host_gap() -> None:
 
 def test_aggregated_validation_reports_what_docs_say() -> None:
     """docs/planner.md: the TensorRT-LLM rows priced as the benchmark runs them (continuous.finite_run, no load
-    balancer). Median |error|, measured kernels: tuned 13%, held-out 31%, new held-out 27%; the flat default: 40%, 11%,
-    32%. Pinned so a change to either model updates the docs."""
+    balancer) with the Qwen3 checkpoints' FP8 KV cache. Median |error|, measured kernels: tuned 5%, held-out 12%, new
+    held-out 21%; the flat default: 64%, 18%, 103%. Pinned so a change to either model updates the docs."""
 
     def median(cases: tuple, split: Split, eff: Efficiency) -> float:
         errs = [c.error(eff) for c in cases if c.split == split]
         return statistics.median(abs(e) for e in errs if e is not None)
 
     m, flat = Efficiency.measured(), Efficiency()
-    for eff, tuned, held, new in ((m, 0.13, 0.31, 0.27), (flat, 0.40, 0.11, 0.32)):
+    for eff, tuned, held, new in ((m, 0.05, 0.12, 0.21), (flat, 0.64, 0.18, 1.03)):
         assert math.isclose(median(AGGREGATED_CASES, Split.TUNED, eff), tuned, abs_tol=0.02)
         assert math.isclose(median(AGGREGATED_CASES, Split.HELD_OUT, eff), held, abs_tol=0.02)
         assert math.isclose(median(NEW_HELD_OUT_CASES, Split.NEW_HELD_OUT, eff), new, abs_tol=0.02)

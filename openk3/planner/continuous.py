@@ -127,10 +127,18 @@ def _prefill(waiting: list[list[float]], budget: float, isl: int) -> tuple[float
     return done, tokens, prompts, pairs
 
 
+GRID_STEP = 1.01  # step shapes above 100 are priced on a geometric grid 1% apart
+
+
 def _grid(x: float) -> float:
-    """Step shapes priced on a grid of three significant figures (< 0.5% apart), so a run of thousands of steps prices
-    each distinct shape once."""
-    return float(round(x, 2 - math.floor(math.log10(x)))) if x > 0 else 0.0
+    """Prompt-chunk shapes priced on a grid (three significant figures below 100, 1% apart above: a price < 0.5% off), so
+    a run of thousands of steps prices each distinct shape once. Decode rows are not gridded: a captured graph's padding
+    jumps at its sizes."""
+    if x <= 0:
+        return 0.0
+    if x < 100:
+        return float(round(x, 2 - math.floor(math.log10(x))))
+    return GRID_STEP ** round(math.log(x, GRID_STEP))
 
 
 def finite_run(sc: Scenario, isl: int, osl: int, token_budget: int, requests: int) -> FiniteRun:
@@ -155,7 +163,7 @@ def finite_run(sc: Scenario, isl: int, osl: int, token_budget: int, requests: in
             waiting.append([admit, 0.0])
             queued, held = queued - admit, held + admit
         done, tokens, prompts, pairs = _prefill(waiting, token_budget - rows, isl)
-        key = (_grid(rows), _grid(tokens), _grid(prompts), _grid(pairs / tokens) if tokens else 0.0)
+        key = (rows, _grid(tokens), _grid(prompts), _grid(pairs / tokens) if tokens else 0.0)  # rows exact: graphs pad by them
         if key not in prices:
             chunk = PrefillChunk(key[1], max(key[2], 1.0), key[3], float(isl)) if tokens else None
             prices[key] = batch_step(sc, key[0], chunk).total_s

@@ -21,6 +21,7 @@ tables, never to these rows; the flat factors predate all of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from openk3.config import ModelConfig
@@ -55,6 +56,7 @@ QWEN_FP4 = with_dtypes(FP8, expert="nvfp4", kv=QWEN_KV)  # nvidia/Qwen3-*-FP4: N
 TUNED_LENGTHS = ((1000, 1000), (1024, 1024))
 
 
+@functools.lru_cache(maxsize=512)  # a finite run steps through thousands of steps; the tables ask for each row more than once
 def aggregated_tok_s_per_gpu(
     config: ModelConfig,
     quant: Quantisation,

@@ -24,6 +24,14 @@ from dataclasses import dataclass
 
 BATCH_CAP = 4096
 TOKEN_CAP = 32768
+# `$num_requests` per (ISL, OSL) of the perf-overview runs ("Preparing a Dataset"): the v1.0 page
+# (docs/source/performance/perf-overview.md at 00f37686aa85) lists all ten lengths; the current page (03e27c7d5ff0)
+# lists its 1024-based ones with the same counts where they overlap in size (1024/1024 and 1000/1000: 3000)
+PERF_OVERVIEW_REQUESTS = {
+    (128, 128): 30000, (128, 2048): 3000, (128, 4096): 1500, (500, 2000): 3000, (1000, 1000): 3000, (1000, 2000): 1500,
+    (2048, 128): 3000, (2048, 2048): 1500, (5000, 500): 1500, (20000, 2000): 1000,
+    (1024, 1024): 3000, (8192, 1024): 1500, (1024, 8192): 1500, (32768, 1024): 1000, (1024, 32768): 1000,
+}  # fmt: skip
 
 
 class Counting(str, enum.Enum):
@@ -63,11 +71,9 @@ def bench_settings(kv_requests: float, isl: int, osl: int) -> BenchSettings:
 
 
 def run_shape(kv_limit: int, ranks: int, isl: int, osl: int, counting: Counting) -> tuple[int, int]:
-    """(sequences decoding in the instance, prompt tokens per prefill iteration per rank) of a run whose instance holds
-    `kv_limit` whole requests over `ranks` attention-DP schedulers: the batch is the KV limit unless the benchmark's cap
-    is lower, and an iteration's token budget less its decoding requests is left for prompt chunks."""
+    """(requests admitted in the instance, token budget per step per rank) of a run whose instance holds `kv_limit` whole
+    requests over `ranks` attention-DP schedulers: the KV limit unless the benchmark's batch cap is lower, and its
+    max tokens per iteration, which each step shares between the decoding requests and prompt chunks."""
     per_rank = kv_limit / ranks
     s = bench_settings(per_rank if counting == Counting.PER_RANK else kv_limit, isl, osl)
-    seqs = min(kv_limit, s.max_batch * ranks)
-    chunk = max(s.max_tokens - math.ceil(seqs / ranks), 1)
-    return seqs, chunk
+    return min(kv_limit, s.max_batch * ranks), s.max_tokens

@@ -28,7 +28,6 @@ from openk3.planner.hardware import System
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.memory import (
     DEFAULT_FILL,
-    MemoryBreakdown,
     attn_res_slots,
     cache_spec,
     expert_bytes,
@@ -40,7 +39,7 @@ from openk3.planner.memory import (
 )
 from openk3.planner.op_efficiency import OpCurves
 from openk3.planner.speculative import SpecDecoding, SpecStep
-from openk3.planner.steps import Component, StepTime, VerifyShape
+from openk3.planner.steps import Component, Metrics, PrefillChunk, StepTime, VerifyShape, binding
 
 KDA_FLOPS_PER_STATE_ELEMENT = 6  # decay, k^T v outer product, q S readout: ~3 multiply-adds per state element per token
 KDA_CHUNK = 64
@@ -113,20 +112,25 @@ def _step(
     prompts: int = 1,
     mean_keys: float | None = None,
     verify: VerifyShape | None = None,
+    chunk: PrefillChunk | None = None,
 ) -> StepTime:
     """One forward step of `tokens_per_group` tokens per attention-DP group attending to `kv_len` cached tokens each.
     Prefill: the tokens belong to `prompts` sequences, and each query attends to `mean_keys` keys on average (default:
     kv_len plus the causal half of its own prompt's chunk). Decode: `tokens_per_group` sequences, one query each, or
     `verify.queries` each for a speculative verify step (which also snapshots and may restore the KDA state). A decode
     step's kernels run at the CUDA-graph batch that holds its sequences (the padding is work; the throughput counts only
-    the real sequences)."""
+    the real sequences). A decode step may carry a prefill `chunk` (chunked prefill mixed with decode): its tokens join
+    the decode rows in every GEMM, expert and collective (the weights are read once for both), its attention is a second
+    kernel beside the decode one, and the step runs eager at its real batch (captured graphs hold decode-only batches)."""
     config, quant, layout, acc = sc.config, sc.quant, sc.layout, sc.system.accelerator
     tp, eff = layout.tp, sc.efficiency
     curves = eff.curves(acc.name)
     real_seqs = tokens_per_group if decode else float(prompts)
-    seqs = eff.overheads.padded_batch(tokens_per_group) if decode else float(prompts)
+    seqs = eff.overheads.padded_batch(tokens_per_group) if decode and chunk is None else real_seqs
     if decode:
         tokens_per_group = seqs * (verify.queries if verify else 1)
+    extra = chunk.tokens if chunk else 0.0
+    linear_tokens = tokens_per_group + extra
     spec = cache_spec(config, quant)
     n_mla, n_kda = _layer_counts(config)
     moe_layers = num_moe_layers(config)
@@ -134,10 +138,10 @@ def _step(
 
     w = weight_bytes(config, quant)
     trunk_read = trunk_bytes_per_rank(config, quant, tp) - w.embedding_params * quant.trunk_bits / 8 / tp  # embedding rows are gathered, not streamed
-    trunk_eff = curves.gemm(quant.trunk_compute, tokens_per_group) if curves else None
-    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * tokens_per_group / tp, acc.flops(quant.trunk_compute), eff.gemm, sc, trunk_eff)
+    trunk_eff = curves.gemm(quant.trunk_compute, linear_tokens) if curves else None
+    trunk = _component("trunk", trunk_read, 2 * _trunk_active_params(config) * linear_tokens / tp, acc.flops(quant.trunk_compute), eff.gemm, sc, trunk_eff)
 
-    total_tokens = tokens_per_group * layout.dp
+    total_tokens = linear_tokens * layout.dp
     replicas = layout.num_accelerators // layout.ep_size
     assignments_per_rank = total_tokens * k / layout.num_accelerators
     imbalance = rank_imbalance(config, layout, assignments_per_rank, sc.balance)
@@ -154,6 +158,7 @@ def _step(
     is_mla = attn.kind == "mla"
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
+    attn_peak = acc.flops(quant.attention_compute)
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
@@ -163,33 +168,47 @@ def _step(
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
         attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
-    mla = _component(attn.component, mla_bytes, mla_flops, acc.flops(quant.attention_compute), eff.attention, sc, attn_eff)
+    mla = _component(attn.component, mla_bytes, mla_flops, attn_peak, eff.attention, sc, attn_eff)
+    chunk_attn = None
+    if chunk:  # the prompts' own attention: the prefix each has cached plus the causal half of its chunk
+        prefix = max(0.0, chunk.mean_keys - (chunk.tokens / chunk.prompts + 1) / 2)
+        c_flops = n_mla * chunk.tokens * 2 * heads * chunk.mean_keys * attn.prefill_width
+        c_eff = curves.attention_prefill(chunk.prompt_tokens, is_mla) if curves else None
+        c_bytes = (chunk.prompts * prefix + chunk.tokens) * cache_per_token
+        chunk_attn = _component(attn.component + "_prefill", c_bytes, c_flops, attn_peak, eff.attention, sc, c_eff)
 
     state_passes = 2 + (verify.state_passes if verify else 0)  # read and written back every step (+ per-position states, copy)
-    kda_state = seqs * state_passes * spec.kda.bytes_per_sequence / tp
+    kda_state = (seqs * state_passes + (2 * chunk.prompts if chunk else 0.0)) * spec.kda.bytes_per_sequence / tp
     hkv = config.kda.num_heads / tp * config.kda.head_dim * config.kda.head_dim
-    kda_flops = n_kda * (tokens_per_group + (seqs * verify.recompute_tokens if verify else 0.0)) * KDA_FLOPS_PER_STATE_ELEMENT * hkv
-    if not decode:
-        kda_flops += n_kda * tokens_per_group * 2 * KDA_CHUNK * config.kda.num_heads / tp * 2 * config.kda.head_dim
+    kda_flops = n_kda * (linear_tokens + (seqs * verify.recompute_tokens if verify else 0.0)) * KDA_FLOPS_PER_STATE_ELEMENT * hkv
+    chunked = extra if decode else tokens_per_group  # tokens run through KDA's chunked (prefill) form
+    kda_flops += n_kda * chunked * 2 * KDA_CHUNK * config.kda.num_heads / tp * 2 * config.kda.head_dim
     kda = _component("kda", kda_state, kda_flops, acc.flops("bf16"), eff.attention, sc)
 
     # each sublayer's AttnRes mixer reads the token's block summaries
-    attn_res_bytes = tokens_per_group / tp * 2 * config.num_hidden_layers * attn_res_slots(config) * config.hidden_size * 2
+    attn_res_bytes = linear_tokens / tp * 2 * config.num_hidden_layers * attn_res_slots(config) * config.hidden_size * 2
     attn_res = _component("attn_res", attn_res_bytes, 0.0, acc.flops("bf16"), eff.gemm, sc)
 
-    comm = _communication(sc, tokens_per_group, assignments_per_rank, imbalance, curves)
-    components = tuple(c for c in (trunk, experts, mla, kda, attn_res) if c.bytes or c.flops)
+    comm = _communication(sc, linear_tokens, assignments_per_rank, imbalance, curves)
+    components = tuple(c for c in (trunk, experts, mla, chunk_attn, kda, attn_res) if c is not None and (c.bytes or c.flops))
     local = sum(c.time_s for c in components)
     overlap = (
         eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 else 0.0
     )  # two-batch overlap needs two micro-batches (of sequences, when decoding)
     exposed = comm - overlap * min(comm, local)
-    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.overheads.host_gap(real_seqs))
+    host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.overheads.host_gap(host_seqs))
 
 
 def decode_step(sc: Scenario) -> StepTime:
     seqs_per_group = sc.workload.concurrency / sc.layout.dp
     return _step(sc, seqs_per_group, float(sc.workload.context), decode=True)
+
+
+def batch_step(sc: Scenario, decode_seqs: float, chunk: PrefillChunk | None = None) -> StepTime:
+    """A step of `decode_seqs` decoding sequences per group (at the workload's context), carrying a prefill `chunk` (a
+    mixed step, continuous.py) or not (a decode step at that batch)."""
+    return _step(sc, decode_seqs, float(sc.workload.context), decode=True, chunk=chunk)
 
 
 def speculative_step(sc: Scenario) -> SpecStep | None:
@@ -224,37 +243,6 @@ def prefill_batch_step(sc: Scenario) -> StepTime:
         return prefill_step(sc)
     prompts = sc.workload.prefill_chunk // prompt
     return _step(sc, float(prompts * prompt), 0.0, decode=False, prompts=prompts)
-
-
-def binding(step: StepTime, memory: MemoryBreakdown, memory_limited: bool) -> str:
-    """What stops this candidate from doing better: memory when HBM capacity caps the batch, else the largest time term."""
-    if not memory.fits or memory_limited:
-        return "memory"
-    return step.dominant
-
-
-@dataclass(frozen=True)
-class Metrics:
-    memory: MemoryBreakdown
-    decode: StepTime
-    prefill: StepTime
-    throughput_tok_s: float  # decode output tokens/s of the instance
-    per_user_tok_s: float
-    ttft_s: float
-    prefill_tok_s: float
-    tokens_per_joule: float  # decode output tokens per joule at the modelled load
-    prefill_tokens_per_joule: float
-    decode_power_w: float  # mean wall power per accelerator while decoding
-    prefill_power_w: float
-    usd_per_m_output: float
-    usd_per_m_input: float
-    binding: str
-    num_accelerators: int
-    spec: SpecStep | None = None  # the speculative iteration, when the scenario decodes speculatively
-
-    @property
-    def per_accelerator_tok_s(self) -> float:
-        return self.throughput_tok_s / self.num_accelerators
 
 
 def evaluate(sc: Scenario, memory_limited: bool = False) -> Metrics:

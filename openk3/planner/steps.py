@@ -1,8 +1,12 @@
-"""What one step of the busiest rank costs, by component: the types the step model (perf.py) returns."""
+"""What one step of the busiest rank costs, by component, and what a candidate achieves: the types the step model
+(perf.py) takes and returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from openk3.planner.memory import MemoryBreakdown
+from openk3.planner.speculative import SpecStep
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,18 @@ class VerifyShape:
     queries: int
     state_passes: float
     recompute_tokens: float
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens a decode step carries (chunked prefill mixed with decode), per attention-DP group: `tokens` over
+    `prompts` prompts, each query attending to `mean_keys` keys on average, at a prompt length of `prompt_tokens` (the
+    shape the measured prefill-attention curve is read at)."""
+
+    tokens: float
+    prompts: float
+    mean_keys: float
+    prompt_tokens: float
 
 
 @dataclass(frozen=True)
@@ -61,3 +77,34 @@ class StepTime:
         for c in self.components:
             out[c.bound] += c.time_s
         return out
+
+
+def binding(step: StepTime, memory: MemoryBreakdown, memory_limited: bool) -> str:
+    """What stops this candidate from doing better: memory when HBM capacity caps the batch, else the largest time term."""
+    if not memory.fits or memory_limited:
+        return "memory"
+    return step.dominant
+
+
+@dataclass(frozen=True)
+class Metrics:
+    memory: MemoryBreakdown
+    decode: StepTime
+    prefill: StepTime
+    throughput_tok_s: float  # decode output tokens/s of the instance
+    per_user_tok_s: float
+    ttft_s: float
+    prefill_tok_s: float
+    tokens_per_joule: float  # decode output tokens per joule at the modelled load
+    prefill_tokens_per_joule: float
+    decode_power_w: float  # mean wall power per accelerator while decoding
+    prefill_power_w: float
+    usd_per_m_output: float
+    usd_per_m_input: float
+    binding: str
+    num_accelerators: int
+    spec: SpecStep | None = None  # the speculative iteration, when the scenario decodes speculatively
+
+    @property
+    def per_accelerator_tok_s(self) -> float:
+        return self.throughput_tok_s / self.num_accelerators

@@ -16,10 +16,12 @@ How the planner is set up (the same predictor as the first sets, `validation_agg
 instance at the KV-cache limit for whole requests (TensorRT-LLM's guaranteed-no-evict admission). The errors before any
 change were recorded with 8,192-token prompt chunks; every TensorRT-LLM perf-overview row (tuned, held-out and these)
 now runs at trtllm-bench's own batch cap and token budget (`bench_setup.py`: counted per rank on the current page, over
-the instance on v1.0's, as each version's heuristic did). Assumed where the page is silent: the v1.0 "TP8" MoE columns
+the instance on v1.0's, as each version's heuristic did), and since issue 37 round four as the benchmark measures it:
+the page's request count served to the last by mixed steps, experts unbalanced (no load balancer in the options; see
+`validation_agg.py`). Assumed where the page is silent: the v1.0 "TP8" MoE columns
 run attention data-parallel with EP8 (the page's MoE options set `enable_attention_dp: true`); the FP4 checkpoints run
-NVFP4 experts with FP8 elsewhere and a 16-bit KV cache, the FP8 ones FP8 weights and a 16-bit KV cache (as the first
-sets assume for Qwen3).
+NVFP4 experts with FP8 elsewhere, the FP8 ones FP8 weights. Their KV cache is the checkpoints' own FP8 (cited at
+`validation_agg.QWEN_KV`; it was assumed 16-bit, as for the first sets, until issue 37 round four).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from openk3.config import ModelConfig
-from openk3.planner.bench_setup import Counting
+from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, Counting
 from openk3.planner.inputs import Quantisation
 from openk3.planner.models import qwen3_30b_a3b, qwen3_235b
 from openk3.planner.perf import Efficiency
@@ -45,7 +47,8 @@ ASSUMED = (
 def _predictor(
     config: Callable[[], ModelConfig], quant: Quantisation, gpus: int, system: str, isl: int, osl: int, counting: Counting
 ) -> Callable[[Efficiency], float]:
-    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff, bench=counting)
+    requests = PERF_OVERVIEW_REQUESTS[(isl, osl)]
+    return lambda eff: aggregated_tok_s_per_gpu(config(), quant, gpus, system, isl, osl, eff, bench=counting, requests=requests)
 
 
 # (source, section, model, quant, column label, GPUs, system, published figure is per instance, {(isl, osl): figure})

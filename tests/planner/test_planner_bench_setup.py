@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openk3.planner.bench_setup import BenchSettings, Counting, bench_settings, run_shape
+from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, BenchSettings, Counting, bench_settings, run_shape
 
 
 def test_rounding_rules() -> None:
@@ -24,13 +24,21 @@ def test_rounding_rules() -> None:
         bench_settings(0.5, 128, 128)
 
 
-def test_run_shape_caps_the_batch_and_leaves_the_budget_to_prompts() -> None:
-    # one GPU that holds 5,563 requests of 256 tokens runs 4,096 of them; 8,192 - 4,096 prompt tokens per iteration
-    assert run_shape(5563, 1, 128, 128, Counting.PER_RANK) == (4096, 4096)
-    # a KV limit under the cap is the batch; the iteration's 2,048 tokens less 730 decoding are prompt tokens
-    assert run_shape(730, 1, 1000, 1000, Counting.PER_RANK) == (730, 2048 - 730)
+def test_run_shape_caps_the_batch_and_gives_the_step_budget() -> None:
+    # one GPU that holds 5,563 requests of 256 tokens admits 4,096 of them; 8,192 tokens per step
+    assert run_shape(5563, 1, 128, 128, Counting.PER_RANK) == (4096, 8192)
+    # a KV limit under the cap is the batch; 2,048 tokens per step, shared by decode rows and prompt chunks
+    assert run_shape(730, 1, 1000, 1000, Counting.PER_RANK) == (730, 2048)
     # counted over an 8-rank instance (v1.0), the budget comes from the instance's 1,600 requests but applies per rank
-    seqs, chunk = run_shape(1600, 8, 2048, 128, Counting.PER_INSTANCE)
-    assert seqs == 1600 and chunk == 27648 - 200
-    seqs, chunk = run_shape(1600, 8, 2048, 128, Counting.PER_RANK)
-    assert seqs == 1600 and chunk == 3584 - 200  # 200 x 17 = 3,400 tokens -> 3,584 per rank
+    assert run_shape(1600, 8, 2048, 128, Counting.PER_INSTANCE) == (1600, 27648)
+    assert run_shape(1600, 8, 2048, 128, Counting.PER_RANK) == (1600, 3584)  # 200 x 17 = 3,400 tokens -> 3,584 per rank
+
+
+def test_request_counts_cover_every_perf_overview_row() -> None:
+    from openk3.planner.validation_agg import AGGREGATED_CASES
+    from openk3.planner.validation_new import NEW_HELD_OUT_CASES
+
+    for c in AGGREGATED_CASES + NEW_HELD_OUT_CASES:
+        isl, osl = (int(x) for x in c.name.rsplit(" ", 1)[1].split("/"))
+        assert (isl, osl) in PERF_OVERVIEW_REQUESTS, c.name
+    assert PERF_OVERVIEW_REQUESTS[(2048, 128)] == 3000 and PERF_OVERVIEW_REQUESTS[(20000, 2000)] == 1000

@@ -6,10 +6,12 @@ import re
 
 import pytest
 
-from openk3.planner.models import qwen3_30b_a3b
+from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, Counting
+from openk3.planner.inputs import Balance
+from openk3.planner.models import qwen3_30b_a3b, qwen3_235b
 from openk3.planner.perf import Efficiency
 from openk3.planner.validation import CASES, Phase, Split
-from openk3.planner.validation_agg import AGGREGATED_CASES, BLOG_CASES
+from openk3.planner.validation_agg import AGGREGATED_CASES, BLOG_CASES, QWEN_FP4, QWEN_FP8, aggregated_tok_s_per_gpu
 from openk3.planner.validation_new import NEW_HELD_OUT_CASES
 
 
@@ -39,3 +41,19 @@ def test_qwen3_30b_counts_match_published() -> None:
     pc = cfg.param_count()
     assert pc.total == pytest.approx(30.5e9, rel=0.01)
     assert pc.active + cfg.vocab_size * cfg.hidden_size == pytest.approx(3.3e9, rel=0.02)  # 3.35B: "3.3B" at two figures
+
+
+def test_set_up_follows_the_published_runs() -> None:
+    """Round four: the Qwen3 checkpoints' own FP8 KV cache, experts unbalanced (no load balancer in the runs' options),
+    and the page's request count served to the last (a run of one batch is slower than the steady state)."""
+    assert QWEN_FP4.cache_dtype_bytes == 1 and QWEN_FP8.cache_dtype_bytes == 1
+    m = Efficiency.measured()
+    args = (qwen3_30b_a3b(), QWEN_FP4, 1, "hgx-b200", 2048, 128, m)
+    steady = aggregated_tok_s_per_gpu(*args, bench=Counting.PER_INSTANCE)
+    run = aggregated_tok_s_per_gpu(*args, bench=Counting.PER_INSTANCE, requests=PERF_OVERVIEW_REQUESTS[(2048, 128)])
+    assert run < steady
+    case = next(c for c in NEW_HELD_OUT_CASES if c.name == "Qwen3-30B-A3B, B200 TP1 (FP4), v1.0, 2048/128")
+    assert case.predict(m) == pytest.approx(run)
+    dep8 = (qwen3_235b(), QWEN_FP4, 8, "hgx-b200", 2048, 128, m)
+    unbalanced = aggregated_tok_s_per_gpu(*dep8, bench=Counting.PER_INSTANCE)
+    assert unbalanced < aggregated_tok_s_per_gpu(*dep8, bench=Counting.PER_INSTANCE, balance=Balance.EPLB)

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -36,7 +37,7 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_api import ServedEngine
 from openk3.serve.folder_files import log_folder_files
 from openk3.serve.generation_config import GenerationConfig, read_generation_config
-from openk3.serve.loading import build_model, model_tokenizer, resolve_model
+from openk3.serve.loading import ASSETS, build_model, model_tokenizer, resolve_model
 from openk3.serve.runner import CausalLM
 from openk3.serve.speculative import SpeculativeConfig
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
@@ -135,7 +136,10 @@ def _eagle3_head(spec: EngineSpec, net: CausalLM) -> Eagle3Head | None:
     assert config.speculative_model is not None  # EngineConfig refuses eagle3 without it
     if not isinstance(net, K3ForCausalLM):
         raise ValueError("speculative method 'eagle3' reads the target's layer hidden states: the target must be a K3ForCausalLM")
-    head = load_eagle3(config.speculative_model, net)
+    folder = Path(config.speculative_model)
+    if not folder.is_dir() and (ASSETS / folder).is_dir():  # a shipped head by its path under the assets ("tiny/eagle3")
+        folder = ASSETS / folder
+    head = load_eagle3(folder, net)
     log.info(
         "speculative decoding: EAGLE-3 head %s (aux layers %s), %d tokens per step",
         config.speculative_model,

@@ -204,9 +204,16 @@ class Eagle3Head(nn.Module):
             parts.append(attend(q[s.start : s.end], keys, values, len(s.keys)))
         return self.finish(residual, torch.cat(parts)), k, v
 
+    def draft_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        """Logits [M, Vd] over the draft vocabulary (draft id i is target id i + d2t[i])."""
+        return self.lm_head(self.norm(x_MH))
+
+    def to_target(self, logits_MVd: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits spread over the target's vocabulary [M, V], -inf at the ids the draft cannot propose."""
+        out = logits_MVd.new_full((logits_MVd.shape[0], self.config.vocab_size), float("-inf"))
+        out[:, torch.arange(self.config.draft_vocab_size, device=out.device) + self.d2t] = logits_MVd
+        return out
+
     def compute_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
-        logits_d = self.lm_head(self.norm(x_MH))
-        out = logits_d.new_full((logits_d.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, torch.arange(self.config.draft_vocab_size, device=out.device) + self.d2t] = logits_d
-        return out
+        return self.to_target(self.draft_logits(x_MH))

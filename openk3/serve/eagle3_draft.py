@@ -108,6 +108,15 @@ class Eagle3Proposer:
                 s.append(k[p.start : p.end], v[p.start : p.end])
                 s.last_x = x[p.end - 1]
 
+    def _draw(self, logits_Vd: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
+        """A greedy request's draft is the draft vocabulary's argmax mapped to its target id (the same token as the
+        argmax over the target's vocabulary, without spreading the logits over it); a sampled one draws from q over the
+        target's vocabulary, which the rejection rule needs."""
+        if req.sampling_params.greedy:
+            best = int(logits_Vd.argmax())
+            return best + int(self.head.d2t[best]), None
+        return draw_draft(self.head.to_target(logits_Vd[None])[0], req.sampling_params, self.generator)
+
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -124,11 +133,11 @@ class Eagle3Proposer:
         chain_v: list[list[torch.Tensor]] = [[] for _ in reqs]
         with torch.inference_mode():
             x_NH = torch.stack([s.last_x for s in seen])
-            logits = self.head.compute_logits(x_NH)
+            logits = self.head.draft_logits(x_NH)
             live = list(range(len(reqs)))
             for step in range(max(k for _, k in reqs)):
                 for i, row in zip(live, logits, strict=True):
-                    token, q = draw_draft(row, reqs[i][0].sampling_params, self.generator)
+                    token, q = self._draw(row, reqs[i][0])
                     drafts[i].append(token)
                     if q is not None:
                         probs[i].append(q)
@@ -145,7 +154,7 @@ class Eagle3Proposer:
                 for j, i in enumerate(live):
                     chain_k[i].append(k[j : j + 1])
                     chain_v[i].append(v[j : j + 1])
-                logits = self.head.compute_logits(x_NH)
+                logits = self.head.draft_logits(x_NH)
         for (req, _), d, q_list in zip(reqs, drafts, probs, strict=True):
             req.draft_token_ids = d
             req.draft_probs = torch.stack(q_list) if q_list else None

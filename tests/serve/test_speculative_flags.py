@@ -50,6 +50,8 @@ def test_vllms_speculative_config_is_the_two_flags() -> None:
 def test_vllms_eagle3_config_is_the_method_and_head_folder() -> None:
     engine, _ = server_configs(serve_args("--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 2}'))
     assert (engine.speculative, engine.speculative_model, engine.num_speculative_tokens) == ("eagle3", "/heads/e3", 2)
+    engine, _ = server_configs(serve_args("--speculative-method", "eagle3", "--speculative-model", "tiny/eagle3"))
+    assert (engine.speculative, engine.speculative_model) == ("eagle3", "tiny/eagle3")
     with pytest.raises(ValueError, match="speculative_method='eagle3' needs speculative_model"):
         EngineConfig(speculative_method="eagle3")
 

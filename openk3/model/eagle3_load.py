@@ -38,7 +38,8 @@ READ = frozenset(
     {
         "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size",
         "target_hidden_size", "rms_norm_eps", "rope_theta", "rope_scaling", "norm_before_residual", "hidden_act", "tie_word_embeddings",
-        "attention_bias", "mlp_bias", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+        "attention_bias", "mlp_bias", "eagle_config", "eagle_aux_hidden_state_layer_ids", "use_sliding_window", "sliding_window",
+        "max_window_layers",
     }
 )  # fmt: skip
 EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer", "use_last_layernorm"})
@@ -98,7 +99,8 @@ def eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
         raise _refuse(path, f"keys {unknown} are not read by openk3's EAGLE-3 loader")
     if raw.get("num_hidden_layers", 1) != 1:
         raise _refuse(path, f"num_hidden_layers={raw['num_hidden_layers']}: openk3 runs one-layer EAGLE-3 heads")
-    for key, want in (("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False), ("mlp_bias", False)):
+    checks = (("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False))
+    for key, want in checks:  # sliding_window and max_window_layers (Qwen2 fields some heads carry) matter only with it
         if raw.get(key, want) != want:
             raise _refuse(path, f"{key}={raw[key]!r}: openk3's EAGLE-3 head supports {want!r} only")
     if raw.get("vocab_size") != target.vocab_size:

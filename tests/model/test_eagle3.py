@@ -87,6 +87,22 @@ def test_the_default_aux_layers_and_the_targets_embedding(target: K3ForCausalLM,
     assert torch.equal(head.d2t, torch.zeros(target.config.vocab_size, dtype=torch.long))
 
 
+def test_a_kimi_k25_head_configs_fields_are_read(target: K3ForCausalLM, tmp_path: Path) -> None:
+    """The fields of TorchSpec's Kimi-K2.5 EAGLE-3 config (configs/draft_models/kimi_k25_eagle3.json), at this target's
+    size: Qwen2's sliding-window fields (off), rope_scaling null, no draft_vocab_size (the whole vocabulary)."""
+    cfg = head_config(target.config, target.config.vocab_size, None)
+    del cfg["draft_vocab_size"], cfg["pad_token_id"]
+    extra = dict(attention_bias=False, attention_dropout=0.0, head_dim=16, max_window_layers=36, rope_scaling=None, sliding_window=None)
+    cfg |= extra | dict(use_sliding_window=False, rope_theta=1000000)
+    tensors = head_tensors(target.config, cfg | {"draft_vocab_size": target.config.vocab_size})
+    del tensors["d2t"], tensors["t2d"]
+    head = load_eagle3(write_head(tmp_path / "k25", cfg, tensors), target)
+    assert head.config.draft_vocab_size == head.config.vocab_size and head.config.rope_theta == 1e6
+    (tmp_path / "k25" / "config.json").write_text(json.dumps(cfg | dict(use_sliding_window=True)))
+    with pytest.raises(CheckpointError, match="use_sliding_window=True: openk3's EAGLE-3 head supports False only"):
+        load_eagle3(tmp_path / "k25", target)
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [

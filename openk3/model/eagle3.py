@@ -118,11 +118,8 @@ class Eagle3Attention(nn.Module):
 def attend(q_TND: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, past: int) -> torch.Tensor:
     """Causal GQA attention of T query rows over S = past + T keys (row i sees keys 0 .. past + i): [T, N * d]."""
     t, n, d = q_TND.shape
-    reps = n // k_SGD.shape[1]
-    k = k_SGD.repeat_interleave(reps, 1).transpose(0, 1)  # [N, S, d]
-    v = v_SGD.repeat_interleave(reps, 1).transpose(0, 1)
-    mask = torch.ones(t, past + t, dtype=torch.bool, device=q_TND.device).tril(past)
-    out = F.scaled_dot_product_attention(q_TND.transpose(0, 1), k, v, attn_mask=mask)
+    mask = None if t == 1 else torch.ones(t, past + t, dtype=torch.bool, device=q_TND.device).tril(past)  # one row sees all
+    out = F.scaled_dot_product_attention(q_TND.transpose(0, 1), k_SGD.transpose(0, 1), v_SGD.transpose(0, 1), attn_mask=mask, enable_gqa=True)
     return out.transpose(0, 1).reshape(t, n * d)
 
 

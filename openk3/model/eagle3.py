@@ -1,4 +1,4 @@
-"""Eagle3Head: an EAGLE-3 draft head (Li et al. 2025), the layout published heads ship and vLLM's llama_eagle3 reads.
+"""Eagle3Head: the EAGLE-3 draft head (arXiv 2503.01840) in the layout published heads ship and vLLM's llama_eagle3 reads.
 
 Legend: T packed rows, H head hidden, Ht target hidden, A aux layers (3), N query heads, G key/value heads, d head dim,
 Vd draft vocabulary, V target vocabulary, P past positions of one sequence.

@@ -163,3 +163,27 @@ def test_the_layers_packed_form_over_kept_keys_equals_one_forward_per_sequence(t
         x, k, _ = head(rows, rows_h, positions, pasts)
     torch.testing.assert_close(x, torch.cat([whole[0][0][3:], whole[1][0][1:]]))
     torch.testing.assert_close(k, torch.cat([whole[0][1][3:], whole[1][1][1:]]))
+
+
+def test_llama3_rope_frequencies_match_transformers() -> None:
+    """Llama 3.1's rope_scaling against transformers' own (a test-only peer oracle)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from openk3.model.eagle3 import Eagle3Config, rope_frequencies
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=131072)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    cfg = Eagle3Config(4096, 32, 8, 128, 14336, 1000, 1000, 4096, (2, 16, 29), rope_theta=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192))
+    torch.testing.assert_close(rope_frequencies(cfg), want.float())
+
+
+def test_norm_before_residual_adds_the_normed_hidden_state(target: K3ForCausalLM, tmp_path: Path) -> None:
+    cfg = head_config(target.config, 100, [1, 2, 4], norm_before_residual=True)
+    head = load_eagle3(write_head(tmp_path / "h", cfg, head_tensors(target.config, cfg)), target)
+    g = torch.randn(3, 64)
+    with torch.no_grad():
+        residual, x2 = head.layer_input(torch.tensor([1, 2, 3]), g)
+        torch.testing.assert_close(residual, head.midlayer.hidden_norm(g))
+        torch.testing.assert_close(x2[:, 64:], residual)

@@ -7,7 +7,9 @@ norm and head), a layer-skip draft at about half the target's cost; `mtp` is an 
 MoE layer reading the target's hidden states, method "mtp") that this script first trains by self-distillation
 (openk3/train/mtp_head.py) on the demo model's own sampled continuations of other prompts than the ones measured, for
 --mtp-steps steps, or loads one (--mtp-layer: a saved state dict, or `shipped` for the layer the demo assets ship,
-trained on KJV text by `openk3 train-mtp`). Correctness gate: every
+trained on KJV text by `openk3 train-mtp`); `eagle3` is an EAGLE-3 head (model/eagle3.py, method "eagle3"): --eagle3-head,
+a head folder in the EAGLE-3 format, default `shipped` (openk3/assets/tiny/eagle3, trained by `openk3 train-eagle3`).
+Correctness gate: every
 speculative run's greedy tokens must equal the baseline's token for token; a failing row prints FAIL instead of a ratio.
 --forms stepwise chunked adds, in the same run, rows whose verification runs in the chunked prefill form with the
 snapshot-and-recompute rollback (the engine's form before per-position KDA states, serve/spec_states.py). --clock cpu
@@ -23,6 +25,7 @@ it rejects (serve/spec_logits.py); the requests then end when the grammar does (
   python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts mtp --forms stepwise chunked --threads 1 --clock cpu
   python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts mtp --mtp-layer shipped --disable-by-batch-size 8 --threads 1 --clock cpu
   python benchmarks/speculative.py --batch 1 4 --k 2 --new 48 --drafts mtp --mtp-layer shipped --prompts kjv --grammar json --threads 1 --clock cpu
+  python benchmarks/speculative.py --batch 1 4 16 --k 2 3 --new 32 --drafts eagle3 mtp --mtp-layer shipped --prompts kjv --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import torch
 
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import StateCut
+from openk3.model.eagle3 import Eagle3Head, Past
+from openk3.model.eagle3_load import load_eagle3
 from openk3.model.mtp import MTPLayer
 from openk3.model.mtp_load import load_mtp
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
@@ -126,6 +131,31 @@ def forward_costs(target: K3ForCausalLM, layer: MTPLayer, k: int) -> str:
     return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, {verify}, MTP step {mtp:.1f} ({mtp / dec:.2f}x)"
 
 
+def eagle3_cost(target: K3ForCausalLM, head: Eagle3Head) -> str:
+    """1-thread CPU ms of one EAGLE-3 draft step (1 row over 100 kept positions, and its logits) against one target decode row."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache = CacheManager(target.config, 64, 16, 1)
+    cache.allocate("a", 200)
+    cpu, c = torch.device("cpu"), head.config
+    keys = torch.randn(100, c.num_key_value_heads, c.head_dim)
+    x, ids, pos = torch.randn(1, c.hidden_size), torch.tensor([5]), torch.tensor([100])
+
+    def ms(fn, n: int = 15) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        start = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - start) / n * 1000
+
+    with torch.inference_mode():
+        target(pack([PackedRow(cache.slot("a"), cache.page_ids("a"), 0, list(range(10, 110)))], cpu), cache.tensors)
+        dec = ms(lambda: target(pack([PackedRow(cache.slot("a"), cache.page_ids("a"), 100, [5])], cpu), cache.tensors))
+        step = ms(lambda: head.compute_logits(head(ids, x, pos, [Past(0, 1, keys, keys)])[0]))
+    torch.set_num_threads(threads)
+    return f"1-thread CPU ms per forward: target 1 decode row {dec:.1f}, EAGLE-3 step {step:.1f} ({step / dec:.2f}x)"
+
+
 def generate(
     target,
     tokenizer,
@@ -137,10 +167,11 @@ def generate(
     clock=time.perf_counter,
     limit: int | None = None,
     grammar: Grammar | None = None,
+    eagle3=None,
 ) -> tuple[float, list[list[int]], SpecDecodeStats | None]:
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=1024, num_pages=len(prompts) * 80, page_size=16)
-    spec = SpeculativeConfig(k, disable_by_batch_size=limit) if draft is not None or mtp is not None else None
-    engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp)
+    spec = SpeculativeConfig(k, disable_by_batch_size=limit) if draft is not None or mtp is not None or eagle3 is not None else None
+    engine = LLMEngine(target, tokenizer, config, draft_model=draft, speculative=spec, mtp_layer=mtp, eagle3_head=eagle3)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=grammar is None, structured_outputs=grammar)
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -173,7 +204,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--drafts", nargs="+", default=["self", "half", "mtp"], choices=["self", "half", "mtp"])
+    ap.add_argument("--drafts", nargs="+", default=["self", "half", "mtp"], choices=["self", "half", "mtp", "eagle3"])
+    ap.add_argument("--eagle3-head", default="shipped", help="an EAGLE-3 head folder, or 'shipped' (openk3/assets/tiny/eagle3)")
     ap.add_argument("--mtp-steps", type=int, default=150, help="training steps of the MTP layer (batches of 8 x 64 tokens)")
     ap.add_argument("--mtp-layer", help="instead of training one: a saved MTP layer's state dict, or 'shipped' (the demo assets' layer)")
     ap.add_argument("--prompts", default="stories", choices=["stories", "kjv"], help="kjv: openings of held-out KJV chapters")
@@ -216,6 +248,14 @@ def main() -> None:
     if args.grammar == "json":
         schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
         grammar = GrammarCompiler(tokenizer, target.config.vocab_size).compile(StructuredOutputs(json=json.dumps(schema)))
+    if "eagle3" in args.drafts:
+        folder = resolve_model("tiny")
+        if args.eagle3_head == "shipped" and folder is None:
+            raise SystemExit("--eagle3-head shipped: the demo model's assets are not installed")
+        head_dir = folder / "eagle3" if args.eagle3_head == "shipped" and folder is not None else args.eagle3_head
+        drafts["eagle3"] = load_eagle3(head_dir, target)
+        mtp_note += f"; eagle3: {'the head shipped in openk3/assets/tiny/eagle3' if args.eagle3_head == 'shipped' else head_dir}"
+        mtp_note += "\n# " + eagle3_cost(target, drafts["eagle3"])
     texts = ["Once upon a time", "The little robot", "In the morning the sun", "She opened the door and"]
     openings = [tokenizer.encode(t) for t in texts]
     if args.prompts == "kjv":  # the first 32 tokens of each held-out chapter (every 50th), as the model card measures
@@ -227,7 +267,7 @@ def main() -> None:
         flags += f" --grammar {args.grammar}"
     if args.disable_by_batch_size:
         flags += f" --disable-by-batch-size {' '.join(map(str, args.disable_by_batch_size))}"
-    print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps}")
+    print(f"# benchmarks/speculative.py {flags} --mtp-steps {args.mtp_steps} --eagle3-head {args.eagle3_head}")
     machine = platform.processor() or platform.machine()
     print(f"# demo model (openk3/assets/tiny), fp32, {args.threads} threads, {args.clock} clock, {machine}, commit {commit}{mtp_note}")
     print("| batch | draft | k | verification | disable_by_batch_size | decode tok/s | baseline tok/s | ratio | acceptance | mean accepted length |")
@@ -246,8 +286,10 @@ def main() -> None:
                     base_tps = max(base_tps, b_tps)
                     for form, limit in variants:
                         verification_form(form)
-                        mtp, other = (draft, None) if name == "mtp" else (None, draft)
-                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, other, k, mtp, clock, limit, grammar)
+                        mtp = draft if name == "mtp" else None
+                        head = draft if name == "eagle3" else None
+                        other = draft if name in ("self", "half") else None
+                        s_tps, tokens, stats = generate(target, tokenizer, prompts, args.new, other, k, mtp, clock, limit, grammar, head)
                         spec[form, limit] = (max(spec[form, limit][0], s_tps), tokens, stats)
                 for (form, limit), (tps, tokens, stats) in spec.items():
                     assert stats is not None

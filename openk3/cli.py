@@ -1,4 +1,4 @@
-"""`openk3 serve | generate | plan | bench | train | train-mtp | distill | sandbox | quantize | rollout`: one entry point,
+"""`openk3 serve | generate | plan | bench | train | train-mtp | train-eagle3 | distill | sandbox | quantize | rollout`: one entry point,
 each sub-command owned by its package.
 
 A package contributes a sub-command through `register(subparsers)` in its own `cli.py`; importing it here (lazily, inside
@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "openk3.train.cli",
     "openk3.train.distill_cli",
     "openk3.train.mtp_cli",
+    "openk3.train.eagle3_cli",
     "openk3.sandbox.cli",
     "openk3.model.cli",
     "openk3.rl.cli",

@@ -16,12 +16,15 @@ import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import torch
 
 from openk3.launch.spec import EngineSpec
 from openk3.model import K3ForCausalLM
+from openk3.model.eagle3 import Eagle3Head
+from openk3.model.eagle3_load import load_eagle3
 from openk3.model.mtp import MTPLayer
 from openk3.model.mtp_load import load_mtp
 from openk3.parallel.dp.engine import DataParallelEngine
@@ -34,7 +37,7 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_api import ServedEngine
 from openk3.serve.folder_files import log_folder_files
 from openk3.serve.generation_config import GenerationConfig, read_generation_config
-from openk3.serve.loading import build_model, model_tokenizer, resolve_model
+from openk3.serve.loading import ASSETS, build_model, model_tokenizer, resolve_model
 from openk3.serve.runner import CausalLM
 from openk3.serve.speculative import SpeculativeConfig
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
@@ -103,8 +106,9 @@ def build_engine(spec: EngineSpec, group: ParallelContext | None = None) -> Engi
     generation = generation_config(spec)
     draft = _draft_model(spec, tokenizer, device)
     mtp_layer = _mtp_layer(spec, net, device)
+    head = _eagle3_head(spec, net)
     speculative = None if config.speculative is None else SpeculativeConfig(config.num_speculative_tokens, config.speculative_disable_by_batch_size)
-    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft_model=draft, speculative=speculative, mtp_layer=mtp_layer)
+    engine = LLMEngine(net, tokenizer, config, generation.eos_token_ids, draft, speculative, mtp_layer, head)
     return Engine(engine, engine, net, generation=generation)
 
 
@@ -123,11 +127,33 @@ def _mtp_layer(spec: EngineSpec, net: CausalLM, device: torch.device) -> MTPLaye
     return layer
 
 
+def _eagle3_head(spec: EngineSpec, net: CausalLM) -> Eagle3Head | None:
+    """The EAGLE-3 head EngineConfig.speculative_model names when the method is "eagle3" (model/eagle3_load.py: on the
+    target's device in its dtype), or None."""
+    config = spec.engine
+    if config.speculative != "eagle3":
+        return None
+    assert config.speculative_model is not None  # EngineConfig refuses eagle3 without it
+    if not isinstance(net, K3ForCausalLM):
+        raise ValueError("speculative method 'eagle3' reads the target's layer hidden states: the target must be a K3ForCausalLM")
+    folder = Path(config.speculative_model)
+    if not folder.is_dir() and (ASSETS / folder).is_dir():  # a shipped head by its path under the assets ("tiny/eagle3")
+        folder = ASSETS / folder
+    head = load_eagle3(folder, net)
+    log.info(
+        "speculative decoding: EAGLE-3 head %s (aux layers %s), %d tokens per step",
+        config.speculative_model,
+        head.config.aux_layer_ids,
+        config.num_speculative_tokens,
+    )
+    return head
+
+
 def _draft_model(spec: EngineSpec, tokenizer: Tokenizer, device: torch.device) -> CausalLM | None:
     """The draft model EngineConfig.speculative_model names, loaded like the target (same dtype, device and named ops) and
     read with the target's tokenizer (the engine refuses a draft of another vocabulary), or None."""
     config = spec.engine
-    if config.speculative_model is None:
+    if config.speculative != "draft_model" or config.speculative_model is None:
         return None
     draft, _ = build_model(config.speculative_model, config.torch_dtype, device, config.seed, tokenizer=tokenizer)
     apply_serving_layout(cast(torch.nn.Module, draft), ServingPlan(device, ops=config.op_names, pack_cpu_weights=config.pack_cpu_weights is True))

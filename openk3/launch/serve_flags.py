@@ -45,7 +45,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help='vLLM\'s speculative decoding flag, as JSON: {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} '
         '(the same as --speculative-model PATH --num-speculative-tokens K) or {"method": "mtp", "num_speculative_tokens": K} '
-        "(the served checkpoint's own multi-token-prediction layer; the same as --speculative-method mtp); either may add "
+        "(the served checkpoint's own multi-token-prediction layer; the same as --speculative-method mtp) or "
+        '{"method": "eagle3", "model": HEAD_FOLDER, "num_speculative_tokens": K} (an EAGLE-3 draft head); each may add '
         '"disable_by_batch_size": N (no drafts in a step that begins with N or more running requests)',
     )
     p.add_argument(

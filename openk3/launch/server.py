@@ -127,12 +127,13 @@ SPECULATIVE_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
-SPECULATIVE_METHODS = ("draft_model", "mtp")
+SPECULATIVE_METHODS = ("draft_model", "mtp", "eagle3")
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
     """--speculative-config (vLLM's JSON) as the EngineConfig fields it stands for: method "draft_model" (a separate
-    draft model, `model`) or "mtp" (the checkpoint's own multi-token-prediction layer; no `model`). Another method, an
+    draft model, `model`), "mtp" (the checkpoint's own multi-token-prediction layer; no `model`) or "eagle3" (an EAGLE-3
+    head folder, `model`). Another method, an
     unknown key, or a key also given by its own flag is an error naming it, not a setting quietly dropped."""
     config = getattr(args, "speculative_config", None)
     if config is None:
@@ -145,6 +146,8 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--speculative-config key {unknown[0]!r} is not read; it reads: {', '.join(SPECULATIVE_KEYS)}")
     if method == "draft_model" and "model" not in config:
         raise ValueError("--speculative-config needs 'model': the draft model (a preset or checkpoint folder)")
+    if method == "eagle3" and "model" not in config:
+        raise ValueError("--speculative-config method 'eagle3' needs 'model': the EAGLE-3 head's folder")
     if method == "mtp" and "model" in config:
         raise ValueError("--speculative-config method 'mtp' reads the served checkpoint's own MTP layer: leave out 'model'")
     out = {}

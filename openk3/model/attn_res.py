@@ -42,3 +42,6 @@ class PlainResidual:
 
     def add(self, out_TD: torch.Tensor) -> None:
         self._h = self._h + out_TD
+
+    def partial(self) -> torch.Tensor:
+        return self._h

@@ -9,7 +9,7 @@ official names except for the routed experts, which are stacked per layer (weigh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast, overload
 
@@ -130,18 +130,30 @@ class K3Model(nn.Module):
         self.depth_stream = stream if self.config.attn_res_block_size is not None else PlainResidual
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
+        return self.forward_with_aux(batch, cache, ())[0]
+
+    def forward_with_aux(self, batch: ForwardBatch, cache: CacheTensors | None, aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The spec's layer loop over the residual stream (ops/attn_res/stream.py says what each call does): a sublayer
-        reads its input from the stream and adds its output to it; an AttnRes block starts by storing the partial sum."""
+        reads its input from the stream and adds its output to it; an AttnRes block starts by storing the partial sum.
+        Also returns, for each id i of `aux_layers` (an EAGLE-3 draft's, model/eagle3.py), the hidden state [T, D] entering
+        layer i: the stream's running partial sum after layer i - 1, taken before layer i's block starts. Without AttnRes
+        that is the residual stream itself (vLLM's `hidden_states + residual` at the top of layer i); with AttnRes it is
+        the sum of the current block's sublayer outputs, the "prefix_sum + hidden_states" vLLM's and TokenSpeed's K3
+        capture for the published K3 EAGLE-3 heads -- not the AttnRes mix layer i reads, which depends on layer i's own
+        mixer weights."""
         stream = self.depth_stream(self.embed(batch))
         block_size = self.config.attn_res_block_size
         mixers = [layer.mixers() for layer in self.layers]
         output_mixer = self.output_mixer()
+        taken: dict[int, torch.Tensor] = {}
         for layer, (attn_mixer, mlp_mixer) in zip(self.layers, mixers, strict=True):
+            if layer.index in aux_layers:
+                taken[layer.index] = stream.partial()
             if block_size is not None and layer.index % block_size == 0:
                 stream.start_block(self._block_readers(layer.index, block_size, mixers, output_mixer))
             stream.add(layer.attention(stream.read(attn_mixer), batch, cache, self.cache_index[layer.index]))
             stream.add(layer.feed_forward(layer.post_attention_layernorm(stream.read(mlp_mixer))))
-        return self.norm(stream.read(output_mixer))
+        return self.norm(stream.read(output_mixer)), [taken[i] for i in aux_layers]
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """The token embeddings [T, D], with the rows of media placeholders replaced by their image embeddings (the
@@ -232,6 +244,12 @@ class K3ForCausalLM(nn.Module):
         """The last hidden state [T, D] of every row (after the final norm): what the head reads, and what a draft layer
         that reads the target's hidden states takes (model/mtp.py)."""
         return self.model(batch, cache)
+
+    def aux_hidden_states(self, batch: ForwardBatch, cache: CacheTensors | None, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last hidden states [T, D], the hidden states entering `layers` side by side [T, len(layers) * D]): what an
+        EAGLE-3 draft reads (K3Model.forward_with_aux says which tensor)."""
+        h, aux = self.model.forward_with_aux(batch, cache, layers)
+        return h, torch.cat(aux, dim=-1)
 
     def compute_logits(self, h_MD: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of hidden rows from hidden_states."""

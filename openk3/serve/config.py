@@ -74,16 +74,18 @@ class EngineConfig:
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")
     cuda_graph_max_batch: int | None = setting(None, "largest decode batch replayed from a graph (default: max_num_seqs)", low=1)
-    # speculative decoding (serve/speculative.py): a separate draft model that shares the target's tokenizer (draft.py), or
-    # the checkpoint's own multi-token-prediction layer (mtp_draft.py)
+    # speculative decoding (serve/speculative.py): a separate draft model that shares the target's tokenizer (draft.py),
+    # the checkpoint's own multi-token-prediction layer (mtp_draft.py), or an EAGLE-3 head (eagle3_draft.py)
     speculative_method: str | None = setting(
         None,
-        "speculative decoding: draft_model (a separate draft model, speculative_model) or mtp (the checkpoint's multi-token-prediction layer); "
-        "default draft_model when speculative_model is set, else none",
-        choices=("draft_model", "mtp"),
+        "speculative decoding: draft_model (a separate draft model, speculative_model), mtp (the checkpoint's multi-token-prediction layer) "
+        "or eagle3 (an EAGLE-3 head folder, speculative_model); default draft_model when speculative_model is set, else none",
+        choices=("draft_model", "mtp", "eagle3"),
     )
     speculative_model: str | None = setting(
-        None, "draft model for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (vLLM's method draft_model)"
+        None,
+        "draft for speculative decoding: a preset or checkpoint folder sharing the target's tokenizer (method draft_model), "
+        "or an EAGLE-3 head folder (method eagle3)",
     )
     num_speculative_tokens: int = setting(3, "draft tokens proposed per decoding request and step (with a speculative method)", low=1, high=16)
     speculative_disable_by_batch_size: int | None = setting(
@@ -131,6 +133,8 @@ class EngineConfig:
             )
         if self.speculative_method == "draft_model" and self.speculative_model is None:
             raise ValueError("EngineConfig.speculative_method='draft_model' needs speculative_model: the draft model (a preset or checkpoint folder)")
+        if self.speculative_method == "eagle3" and self.speculative_model is None:
+            raise ValueError("EngineConfig.speculative_method='eagle3' needs speculative_model: the EAGLE-3 head's folder (config.json, model.safetensors)")
 
     @property
     def speculative(self) -> str | None:

@@ -41,6 +41,9 @@ class _Walk:
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
         masked = logits_V.float().clone()[None]  # the draft shares the target's vocabulary: the grammar's width
         xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device), vocab_size=self.vocab)
+        if not torch.isfinite(masked).any():  # a draft vocabulary with none of the allowed tokens (an EAGLE-3 head's)
+            self.off = True
+            return logits_V
         return masked[0]
 
     def take(self, token: int) -> None:
@@ -66,6 +69,10 @@ class DraftSteering:
 
     def __bool__(self) -> bool:
         return bool(self._walks)
+
+    def covers(self, req: Request) -> bool:
+        """Whether `req` has a grammar to draft inside."""
+        return req.request_id in self._walks
 
     def mask(self, req: Request, logits_V: torch.Tensor) -> torch.Tensor:
         walk = self._walks.get(req.request_id)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from openk3.config.vision import VisionConfig
+from openk3.model.eagle3 import Eagle3Head
 from openk3.model.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer
 from openk3.serve.cache import handoff
@@ -27,6 +28,7 @@ from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import prefix_cache_stats
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer
+from openk3.serve.eagle3_draft import Eagle3Proposer
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.engine_api import EngineStats
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
@@ -61,10 +63,12 @@ class LLMEngine:
         draft_model: CausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
         mtp_layer: MTPLayer | None = None,
+        eagle3_head: Eagle3Head | None = None,
     ) -> None:
         """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
         tokenizer); `mtp_layer`: with the checkpoint's multi-token-prediction layer as the draft (serve/mtp_draft.py; it
-        reads the target's hidden states); `speculative` drafts per step."""
+        reads the target's hidden states); `eagle3_head`: with an EAGLE-3 head (serve/eagle3_draft.py; it reads three
+        layers' hidden states); `speculative` drafts per step."""
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -76,7 +80,8 @@ class LLMEngine:
         snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
         # a speculating engine keeps the KDA state after each of k verified positions per sequence (serve/spec_states.py)
         self._spec = speculative or SpeculativeConfig()
-        spec_k = self._spec.num_speculative_tokens if draft_model is not None or mtp_layer is not None else 0
+        drafts = [d for d in (draft_model, mtp_layer, eagle3_head) if d is not None]
+        spec_k = self._spec.num_speculative_tokens if drafts else 0
         verify_slots = cfg.max_num_seqs * spec_k
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
             self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots + verify_slots, cache_dtype, cfg.fp8_latent
@@ -125,14 +130,20 @@ class LLMEngine:
             self.scheduler.encoder_cost = self.encoder_cache.cost
         self._cache_dtype = cache_dtype
         self.weight_version = 0  # weights_changed() counts the in-place updates (parallel/weight_update.py)
-        self.proposer: DraftProposer | MTPProposer | None = None
-        if draft_model is not None and mtp_layer is not None:
-            raise ValueError("a draft model and an MTP layer were both given: speculative decoding takes one draft")
-        if (draft_model is not None or mtp_layer is not None) and cfg.cuda_graphs:
+        self.proposer: DraftProposer | MTPProposer | Eagle3Proposer | None = None
+        if len(drafts) > 1:
+            raise ValueError("more than one of a draft model, an MTP layer and an EAGLE-3 head were given: speculative decoding takes one draft")
+        if drafts and cfg.cuda_graphs:
             raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
         if mtp_layer is not None:
             self.proposer = MTPProposer(mtp_layer, self._spec.num_speculative_tokens, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
             self.runner.keep_hidden = True
+        if eagle3_head is not None:
+            if not isinstance(model, K3ForCausalLM):
+                raise ValueError("an EAGLE-3 head reads the target's layer hidden states: the target must be a single-process K3ForCausalLM")
+            self.proposer = Eagle3Proposer(eagle3_head, self._spec.num_speculative_tokens, cfg.seed)
+            self.runner.keep_hidden = True
+            self.runner.aux_layers = eagle3_head.config.aux_layer_ids
         if draft_model is not None:
             if draft_model.config.vocab_size != self.model_config.vocab_size:
                 v, t = draft_model.config.vocab_size, self.model_config.vocab_size
@@ -242,7 +253,7 @@ class LLMEngine:
             self.runner.graphs.check_integrity()
         if self.encoder_cache is not None:
             self.encoder_cache.check_integrity()
-        if isinstance(self.proposer, MTPProposer):
+        if isinstance(self.proposer, (MTPProposer, Eagle3Proposer)):
             self.proposer.check_integrity({r.request_id for r in self.scheduler.running})
         self.runner.sampler.grammars.check_integrity([sampling_row(r) for r in self.scheduler.running], self.model_config.vocab_size)
         if not self.has_unfinished():
@@ -360,11 +371,11 @@ class LLMEngine:
                     routing,
                 )
             )
-        if isinstance(self.proposer, MTPProposer) and speculating:
+        if isinstance(self.proposer, (MTPProposer, Eagle3Proposer)) and speculating:
             self.proposer.observe(result.hidden, self.scheduler.running)
-        elif isinstance(self.proposer, MTPProposer):
-            # a step without speculation skips the layer too (the point of disable_by_batch_size): when speculation
-            # resumes, the layer starts over at the rows it is then given (serve/mtp_draft.py)
+        elif isinstance(self.proposer, (MTPProposer, Eagle3Proposer)):
+            # a step without speculation skips the layer or head too (the point of disable_by_batch_size): when
+            # speculation resumes, it starts over at the rows it is then given (serve/mtp_draft.py, serve/eagle3_draft.py)
             self.proposer.release({r.request_id for r in self.scheduler.running})
         if self.config.check_integrity_when_idle and not self.scheduler.has_unfinished():
             self.check_integrity()

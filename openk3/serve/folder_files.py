@@ -33,7 +33,8 @@ KNOWN: dict[str, str] = {
 
 
 def folder_files(folder: Path) -> list[tuple[str, str]]:
-    """Each file of `folder` (not its subfolders) with what openk3 does with it; weight shards are one entry."""
+    """Each file of `folder` with what openk3 does with it (weight shards are one entry), then each subfolder: none is read
+    with the model; one holding an EAGLE-3 head (the demo's `eagle3/`) is named as the draft it can be."""
     out, shards = [], []
     for file in sorted(p for p in folder.iterdir() if p.is_file()):
         if file.suffix == ".safetensors":
@@ -44,6 +45,10 @@ def folder_files(folder: Path) -> list[tuple[str, str]]:
             continue  # model cards, licences, dot files: documents, not inputs
         else:
             out.append((file.name, "skipped: not a file openk3 reads"))
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
+        head = (sub / "config.json").is_file() and "Eagle3" in (sub / "config.json").read_text()
+        what = "an EAGLE-3 draft head, read only as speculative_model with speculative_method eagle3" if head else "a subfolder"
+        out.append((f"{sub.name}/", f"not read with the model: {what}"))
     if shards:
         out.insert(
             0,

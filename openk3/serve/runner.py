@@ -9,14 +9,15 @@ and pages), and changes none of them; the scheduler applies what was sampled. A 
 catch up with its tokens this step; only those rows get logits, and the prefill rows of a request that wants its prompt
 scored (serve/prompt_logprobs.py), after the sampling rows in `logits_indices`. Rows of image tokens get their images'
 embeddings (`mm_embeds`, from the encoder cache, which runs the vision encoder for images it does not hold). With `keep_hidden` (a draft that reads
-the target's hidden states: serve/mtp_draft.py) the model runs as hidden_states then compute_logits, and the step's
-StepSamples carry each request's last hidden rows at the positions it keeps.
+the target's hidden states: serve/mtp_draft.py, serve/eagle3_draft.py) the model runs as hidden_states (or
+aux_hidden_states with `aux_layers`) then compute_logits, and the step's StepSamples carry each request's hidden rows at
+the positions it keeps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -57,6 +58,8 @@ class HiddenStatesLM(CausalLM, Protocol):
 
     def compute_logits(self, h_MD: torch.Tensor) -> torch.Tensor: ...
 
+    def aux_hidden_states(self, batch: ForwardBatch, cache: CacheTensors | None, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class StepSamples:
@@ -70,8 +73,9 @@ class StepSamples:
     routing: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # request id -> the tokens a speculating request keeps this step (accepted drafts, then the target's token)
     runs: dict[str, list[int]] = field(default_factory=dict)
-    # with ModelRunner.keep_hidden: request id -> (first position, [n, D] last hidden states) of the positions it keeps
-    # (every row it ran; a speculating request's verified rows up to its last kept token)
+    # with ModelRunner.keep_hidden: request id -> (first position, [n, D] last hidden states, or with aux_layers those
+    # layers' hidden states side by side [n, A * D]) of the positions it keeps (every row it ran; a speculating
+    # request's verified rows up to its last kept token)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # request id -> the logprobs of each token of its run, for speculating requests that asked (serve/spec_logits.py)
     run_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
@@ -104,6 +108,9 @@ class ModelRunner:
         self.spec_stats = SpecDecodeStats()
         self.encoder_cache: EncoderCache | None = None  # set by the engine where the model has a vision tower
         self.keep_hidden = False  # set by the engine for a draft that reads the target's hidden states (serve/mtp_draft.py)
+        # with keep_hidden, the hidden rows kept are the hidden states entering these layers instead of the last (an
+        # EAGLE-3 draft's aux layers: serve/eagle3_draft.py, K3Model.forward_with_aux)
+        self.aux_layers: tuple[int, ...] = ()
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[Request], list[PromptRows]]:
         """The packed step, the requests that sample (in logits-row order), the requests that verify drafts (k + 1 rows
@@ -207,13 +214,17 @@ class ModelRunner:
         return StepSamples(tokens, logprobs, prompt_logprobs, routing, runs, hidden, run_logprobs)
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits of the batch's logits rows, and with keep_hidden the last hidden state of every row."""
+        """The logits of the batch's logits rows, and with keep_hidden the hidden rows kept of every row (the last hidden
+        states, or the aux layers' side by side)."""
         if not self.keep_hidden:
             return self.model(batch, self.cache.tensors), None
         model = cast(HiddenStatesLM, self.model)
-        hidden_TD = model.hidden_states(batch, self.cache.tensors)
+        if self.aux_layers:
+            hidden_TD, kept_TD = model.aux_hidden_states(batch, self.cache.tensors, self.aux_layers)
+        else:
+            hidden_TD = kept_TD = model.hidden_states(batch, self.cache.tensors)
         rows = hidden_TD if batch.logits_indices is None else hidden_TD[batch.logits_indices]
-        return model.compute_logits(rows), hidden_TD
+        return model.compute_logits(rows), kept_TD
 
     @staticmethod
     def _kept_hidden(out: SchedulerOutput, batch: ForwardBatch, hidden_TD: torch.Tensor, runs: dict[str, list[int]]) -> dict[str, tuple[int, torch.Tensor]]:

@@ -84,7 +84,11 @@ def test_every_file_of_a_release_folder_is_named_with_what_serves_it(tmp_path: P
 
     for name in ("config.json", "encoding_k3.py", "tokenization_kimi.py", "kimi_k3_processor.py", "model-00001-of-00002.safetensors", "notes.txt"):
         (tmp_path / name).write_text("")
+    (tmp_path / "eagle3").mkdir()
+    (tmp_path / "eagle3" / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (tmp_path / "extras").mkdir()
     said = dict(folder_files(tmp_path))
+    assert "EAGLE-3 draft head" in said["eagle3/"] and said["extras/"] == "not read with the model: a subfolder"
     assert "api/k3_encoding.py" in said["encoding_k3.py"] and "serve/kimi_tokenizer.py" in said["tokenization_kimi.py"]
     assert "serve/vision_processor.py" in said["kimi_k3_processor.py"] and said["notes.txt"].startswith("skipped")
     assert "1 safetensors shard(s)" in said

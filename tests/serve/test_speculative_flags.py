@@ -47,10 +47,20 @@ def test_vllms_speculative_config_is_the_two_flags() -> None:
     assert (engine.speculative_model, engine.num_speculative_tokens) == ("tiny", 5)
 
 
+def test_vllms_eagle3_config_is_the_method_and_head_folder() -> None:
+    engine, _ = server_configs(serve_args("--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 2}'))
+    assert (engine.speculative, engine.speculative_model, engine.num_speculative_tokens) == ("eagle3", "/heads/e3", 2)
+    engine, _ = server_configs(serve_args("--speculative-method", "eagle3", "--speculative-model", "tiny/eagle3"))
+    assert (engine.speculative, engine.speculative_model) == ("eagle3", "tiny/eagle3")
+    with pytest.raises(ValueError, match="speculative_method='eagle3' needs speculative_model"):
+        EngineConfig(speculative_method="eagle3")
+
+
 @pytest.mark.parametrize(
     ("config", "error"),
     [
-        ('{"method": "eagle3", "model": "x"}', "method='eagle3' is not supported"),
+        ('{"method": "eagle", "model": "x"}', "method='eagle' is not supported"),
+        ('{"method": "eagle3", "num_speculative_tokens": 2}', "method 'eagle3' needs 'model'"),
         ('{"model": "tiny", "draft_tensor_parallel_size": 2}', "key 'draft_tensor_parallel_size' is not read"),
         ('{"num_speculative_tokens": 2}', "needs 'model'"),
     ],

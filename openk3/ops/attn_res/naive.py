@@ -64,3 +64,7 @@ class OneShotStream:
 
     def add(self, out_TD: torch.Tensor) -> None:
         self._partial = out_TD if self._partial is None else self._partial + out_TD
+
+    def partial(self) -> torch.Tensor:
+        assert self._partial is not None, "no partial sum right after start_block"
+        return self._partial

@@ -37,3 +37,8 @@ class DepthStream(Protocol):
     def add(self, out_TD: torch.Tensor) -> None:
         """Add a sublayer's output to the partial sum (it becomes the partial sum right after start_block)."""
         ...
+
+    def partial(self) -> torch.Tensor:
+        """The running partial sum [T, D] (the embedding before the first sublayer; not callable right after start_block):
+        what an EAGLE-3 draft reads as a layer's hidden state (model/model.py K3Model.forward_with_aux)."""
+        ...

@@ -102,3 +102,7 @@ class TwoPhaseStream:
 
     def add(self, out_TD: torch.Tensor) -> None:
         self._partial = out_TD if self._partial is None else self._partial + out_TD
+
+    def partial(self) -> torch.Tensor:
+        assert self._partial is not None, "no partial sum right after start_block"
+        return self._partial

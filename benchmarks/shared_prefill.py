@@ -59,9 +59,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"command: python benchmarks/shared_prefill.py --prefix {args.prefix} --requests {args.requests} --new {args.new} --repeats {args.repeats}")
-    print(
-        f"machine: {os.uname().machine}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; commit {commit}; load average {os.getloadavg()[0]:.1f}"
-    )
+    load = os.getloadavg()[0]
+    print(f"machine: {os.uname().machine}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; commit {commit}; load average {load:.1f}")
     print()
     print("| workload | shared-prefill wait | cached / prompt tokens | CPU s (median) | wall s (median) | CPU ratio off / on (median of rounds) |")
     print("|---|---|---:|---:|---:|---:|")

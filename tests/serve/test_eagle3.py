@@ -6,6 +6,7 @@ caching, preemption); the spec_decode counters count; the entry points (LLM, --s
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from openk3.model.model import OpChoice
 from openk3.serve.eagle3_draft import Eagle3Proposer
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.sampling import SamplingParams
-from openk3.serve.speculative import SpeculativeConfig
+from openk3.serve.speculative import SpeculativeConfig, propose_drafts
 from openk3.serve.tokenizer import ByteTokenizer
 from tests.model.conftest import build
 from tests.model.eagle3_folder import head_config, head_tensors, write_head
@@ -111,7 +112,7 @@ def test_the_first_drafts_equal_a_hand_written_forward_of_the_head(target: K3For
         engine.step()
     req = engine.scheduler.requests["r"]
     assert isinstance(engine.proposer, Eagle3Proposer)
-    engine._propose(engine.proposer)
+    propose_drafts(engine.proposer, SpeculativeConfig(2), engine.scheduler.running, engine.max_model_len, engine.runner.sampler.grammars, 256)
     tokens = req.token_ids  # the prompt and the first sampled token
     naive = OpChoice(kda="naive", conv="naive", mla="naive", mla_decode="naive", moe="naive", attn_res="naive", linear="naive", norm="naive", route="naive")
     target.select_ops(naive)
@@ -236,3 +237,20 @@ def test_the_shipped_head_drafts_for_the_demo_model() -> None:
         stats = spec.engine.spec_stats
     assert got == want
     assert stats is not None and stats.acceptance_rate > 0.4
+
+
+def test_requests_with_a_grammar_draft_inside_it(target: K3ForCausalLM, folder: Path) -> None:
+    """A JSON-schema request beside a free one: the head's drafts for it are drawn over the target's vocabulary under
+    the grammar's mask (serve/draft_steering.py), and greedy output is plain decoding's."""
+    pytest.importorskip("xgrammar", reason="the grammar engine")
+    from openk3.serve.structured.compiler import GrammarCompiler
+    from openk3.serve.structured.spec import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}}, "required": ["n", "s"]}
+    grammar = GrammarCompiler(ByteTokenizer(256), 256).compile(StructuredOutputs(json=json.dumps(schema)))
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar, stop_token_ids=(255,)), GREEDY]
+    prompts = [[9, 40, 41, 42, 43] * 3, [5, 6, 7, 8] * 4]
+    plain, _ = run(target, None, prompts, params)
+    spec, engine = run(target, load_eagle3(folder, target), prompts, params)
+    assert spec == plain
+    assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0

@@ -186,14 +186,18 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
 
 
 def set_arm(llm: Any, arm: str) -> None:
-    """Every MoE layer's expert path: "engine" as chosen for the engine's target, or "before" (issue 42's starting point:
-    the torch MXFP4 decode and the per-expert grouped loop for packed banks)."""
+    """Every MoE layer's expert path: "engine" as chosen for the engine's target, "before" (issue 42's starting point:
+    the torch MXFP4 decode and the per-expert grouped loop for packed banks), or "decoded" (the engine's path before the
+    fused MXFP4 products: the C decode of every picked expert into fp32, then the dense C expert loop; one token: each
+    expert decoded in C, then its products)."""
     import functools
 
     from openk3.model.moe import LocalExperts
     from openk3.ops.linear import linear_c
     from openk3.ops.moe import moe_experts_sized
+    from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.mxfp4 import dequantize
+    from openk3.ops.mxfp4_c import dequantize_c
 
     for layer in _moe_layers(llm):
         backend = layer.backend
@@ -202,6 +206,8 @@ def set_arm(llm: Any, arm: str) -> None:
                 backend._chosen = (backend.decode, backend.op)
             if arm == "before":
                 backend.decode, backend.op = dequantize, functools.partial(moe_experts_sized, linear=linear_c, batched_c=None)
+            elif arm == "decoded":
+                backend.decode, backend.op = dequantize_c, functools.partial(moe_experts_sized, linear=linear_c, batched_c=moe_experts_batched_c)
             else:
                 backend.decode, backend.op = backend._chosen
 
@@ -214,7 +220,7 @@ def _moe_layers(llm: Any) -> list[Any]:
 
 def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float]) -> None:
     threads = list(read_bw)
-    decodes = ["engine", "before"] if args.compare_before else ["engine"]
+    decodes = ["engine", *(["decoded"] if args.compare_decoded else []), *(["before"] if args.compare_before else [])]
     arms = [(t, d) for t in threads for d in decodes]
     print(f"\n{name}: prompt {args.prompt} tokens, {args.warm} warm-up then {args.steps} timed decode steps per run")
     print(f"interleaved: for each batch, {args.rounds} rounds of one run per arm (threads, MoE expert path); min and median over a row's timed steps\n")
@@ -261,6 +267,9 @@ def main() -> int:
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument(
         "--compare-before", action="store_true", help="also run every arm with the MoE expert path before issue 42 (torch MXFP4 decode, per-expert loop)"
+    )
+    ap.add_argument(
+        "--compare-decoded", action="store_true", help="also run every arm with the picked experts decoded to fp32 before their products (before fused MXFP4)"
     )
     ap.add_argument("--system-heap", action="store_true", help="leave glibc's heap settings (default: keep_heap_for_reuse, as openk3 serve)")
     ap.add_argument("--ops", default=None, help="EngineConfig.ops for both models, e.g. kda=in_pool")

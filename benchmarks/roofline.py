@@ -12,7 +12,10 @@
    - KDA: each sequence's recurrent state and conv window per KDA layer, read and written back (2x).
    Activations are left out (a few hundred KiB at these widths).
 3. Time: `engine.step()` (the whole step: scheduler, batch building, forward, sampling, output) and the model forward inside it,
-   over `--steps` pure decode steps after the prompts are in; min and median. Ratio = measured / roofline.
+   over `--steps` pure decode steps after the prompts are in; min and median. Ratio = measured / roofline. `--clock process`
+   times the bandwidth runs and the steps in this process's CPU time instead of wall time: at 1 thread that is the time the
+   process ran, which leaves out the time other processes on a shared machine took the core (at 2 threads it adds the
+   threads' times, spinning included, so use it at 1 thread).
 
 Models: the demo model (LLM("tiny")), and a K3-shaped slice: K3's widths (hidden 7168, 96 KDA and MLA heads, latent MoE of
 width 3584 with 3072-wide experts, top-16, two shared experts) with `--k3-layers` layers (one in four MLA, the last MLA),
@@ -37,20 +40,21 @@ from typing import Any
 import torch
 
 MIB = 1 << 20
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
-def read_bandwidth(repeats: int = 7, mib: int = 512) -> tuple[float, float]:
+def read_bandwidth(clock: Callable[[], float], repeats: int = 7, mib: int = 512) -> tuple[float, float]:
     """(read, copy) bytes per second with torch's current threads: sum over an array, copy into another (both counted)."""
     a = torch.ones(mib * MIB // 4)
     b = torch.empty_like(a)
     read, copy = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         a.sum()
-        read.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        read.append(clock() - t)
+        t = clock()
         b.copy_(a)
-        copy.append(time.perf_counter() - t)
+        copy.append(clock() - t)
     return a.nbytes / min(read), 2 * a.nbytes / min(copy)
 
 
@@ -125,7 +129,7 @@ def k3_slice(layers: int, experts: int) -> Any:
     )
 
 
-def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag: str) -> dict[str, Any]:
+def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag: str, clock: Callable[[], float]) -> dict[str, Any]:
     from openk3.serve.sampling import SamplingParams
 
     engine = llm.engine
@@ -136,9 +140,11 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
     fwd_times: list[float] = []
 
     def timed(batch_: Any) -> Any:
-        t = time.perf_counter()
+        if not counter.on:  # only the timed steps: the prompts and the drain after them run smaller batches
+            return forward(batch_)
+        t = clock()
         out = forward(batch_)
-        fwd_times.append(time.perf_counter() - t)
+        fwd_times.append(clock() - t)
         return out
 
     runner._forward = timed
@@ -163,9 +169,9 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
     counter.distinct.clear()
     counter.on = True
     for _ in range(steps):
-        t = time.perf_counter()
+        t = clock()
         step()
-        step_times.append(time.perf_counter() - t)
+        step_times.append(clock() - t)
     counter.on = False
     while engine.has_unfinished():
         step()
@@ -236,7 +242,7 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
                 torch.set_num_threads(t)
                 set_arm(llm, d)
                 tag = f"b{b}-t{t}-{d}-r{len(rows[(t, d)])}"
-                rows[(t, d)].append(run(llm, b, args.prompt, args.steps, args.warm, seed=i, tag=tag))  # same seed: same prompts
+                rows[(t, d)].append(run(llm, b, args.prompt, args.steps, args.warm, seed=i, tag=tag, clock=CLOCKS[args.clock]))  # same seed: same prompts
         set_arm(llm, "engine")
         for t, d in arms:
             r = rows[(t, d)][0]
@@ -271,6 +277,12 @@ def main() -> int:
     ap.add_argument(
         "--compare-decoded", action="store_true", help="also run every arm with the picked experts decoded to fp32 before their products (before fused MXFP4)"
     )
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="what times the bandwidth runs and the steps: wall, or this process's CPU time (at 1 thread the time it ran, what others' load leaves out)",
+    )
     ap.add_argument("--system-heap", action="store_true", help="leave glibc's heap settings (default: keep_heap_for_reuse, as openk3 serve)")
     ap.add_argument("--ops", default=None, help="EngineConfig.ops for both models, e.g. kda=in_pool")
     args = ap.parse_args()
@@ -283,11 +295,11 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join(['python', *sys.argv])}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; commit {commit}")
-    print(f"load average before: {os.getloadavg()[0]:.1f}; C heap: {heap}")
+    print(f"load average before: {os.getloadavg()[0]:.1f}; C heap: {heap}; clock: {args.clock}")
     read_bw = {}
     for t in threads:
         torch.set_num_threads(t)
-        read_bw[t], copy_bw = read_bandwidth()
+        read_bw[t], copy_bw = read_bandwidth(CLOCKS[args.clock])
         print(f"bandwidth at {t} threads: read {read_bw[t] / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s (read + write bytes); roofline = bytes / read")
     batches = [int(b) for b in args.batches.split(",")]
     extra = {} if args.ops is None else {"ops": args.ops}

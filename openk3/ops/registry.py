@@ -170,6 +170,7 @@ def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
     from openk3.ops.attn_res import OneShotStream, TwoPhaseStream, attn_res_sized
+    from openk3.ops.attn_res.mix_c import attn_res_sized_c
     from openk3.ops.kda import decode_step
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
@@ -281,6 +282,7 @@ def registry() -> OpRegistry:
     r.register("attn_res", "naive", OneShotStream, "one-shot mix per sublayer (the definition)", differentiable=True)
     r.register("attn_res", "fast", TwoPhaseStream, "two-phase: phase 1 once per block, a merge per sublayer", differentiable=True)
     r.register("attn_res", "sized", attn_res_sized, "one-shot below 64 tokens, two-phase from there", differentiable=True)
+    r.register("attn_res", "sized", attn_res_sized_c, "as sized, the one-shot reads in one C call each", backend="c")
     r.register_auto("attn_res", lambda t, _: "sized")
 
     r.register("vision_attn", "naive", vision_attention_naive, "explicit softmax per image in fp32 (the definition)", differentiable=True)

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "glu.h"
 #include "mxfp4_rows.h"
 #include "rows_gemm.h"
 
@@ -82,34 +83,13 @@ void openk3_moe_combine(int64_t T, int64_t k, int64_t D, int64_t C, const int64_
     }
 }
 
-/* tanh from exp_f: odd, saturating, and its Taylor polynomial below 1/4, where 1 - e^-2|x| would cancel (the terms left
- * out are below 1e-9 relative there; above, the cancellation costs at most ~2.5x of e's rounding) */
-static inline float tanh_f(float x) {
-    const float a = fabsf(x), e = exp_f(-2.0f * a), far = (1.0f - e) / (1.0f + e), z = a * a;
-    const float near =
-        a * (1.0f + z * (-1.0f / 3.0f + z * (2.0f / 15.0f + z * (-17.0f / 315.0f + z * (62.0f / 2835.0f + z * (-1382.0f / 155925.0f))))));
-    const float t = a < 0.25f ? near : far;
-    return x < 0.0f ? -t : t;
-}
-
-enum { ACT_SILU = 0, ACT_SITU = 1 }; /* ops/activation.py: silu_glu, situ_glu */
-
-/* gate[i] = act(gate[i], up[i]) over n values: ops/activation.py's silu_glu or situ_glu */
-static void glu_rows(int64_t n, int act, float beta, float linear_beta, float *gate, const float *up) {
-    if (act == ACT_SITU)
-        for (int64_t i = 0; i < n; i++)
-            gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
-    else
-        for (int64_t i = 0; i < n; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
-}
-
 /* One expert on its c rows: out_e = w2 act(w1 x_e, w3 x_e), x_e and out_e [c, D], w1 and w3 [I, D], w2 [D, I]; gate and
  * up are the caller's scratch rows, [c, I] each. */
 static void expert_glu(int64_t c, int64_t D, int64_t I, const float *xe, const float *w1, const float *w3, const float *w2, int act, float beta,
                        float linear_beta, float *gate, float *up, float *oute) {
     rows_times_weight_t(c, I, D, xe, D, w1, D, gate, I);
     rows_times_weight_t(c, I, D, xe, D, w3, D, up, I);
-    glu_rows(c * I, act, beta, linear_beta, gate, up);
+    glu_values(c * I, act, beta, linear_beta, gate, up, gate);
     rows_times_weight_t(c, D, I, gate, I, w2, I, oute, D);
 }
 
@@ -162,7 +142,7 @@ int openk3_moe_experts_glu_mxfp4(int64_t E, int64_t C, int64_t D, int64_t I, con
             const float *xe = x + e * C * D;
             mx_rows_times_weight_t(c, I, D, xe, D, w1p + e * I * (D / 2), w1s + e * I * (D / 32), gate, I);
             mx_rows_times_weight_t(c, I, D, xe, D, w3p + e * I * (D / 2), w3s + e * I * (D / 32), up, I);
-            glu_rows(c * I, act, beta, linear_beta, gate, up);
+            glu_values(c * I, act, beta, linear_beta, gate, up, gate);
             mx_rows_times_weight_t(c, D, I, gate, I, w2p + e * D * (I / 2), w2s + e * D * (I / 32), out + e * C * D, D);
         }
         free(gate);

@@ -58,6 +58,42 @@ def read_bandwidth(clock: Callable[[], float], repeats: int = 7, mib: int = 512)
     return a.nbytes / min(read), 2 * a.nbytes / min(copy)
 
 
+def fma_rate(clock: Callable[[], float], repeats: int = 5, n: int = 1024) -> float:
+    """Fused multiply-adds per second of torch's fp32 GEMM (n x n times n x n, in cache) with torch's current threads: the
+    compute ceiling the step's products are held to (the C row kernels measured no faster at 16 rows)."""
+    a = torch.randn(n, n)
+    a @ a
+    best = min(_timed(clock, lambda: a @ a) for _ in range(repeats))
+    return n**3 / best
+
+
+def _timed(clock: Callable[[], float], fn: Callable[[], Any]) -> float:
+    t = clock()
+    fn()
+    return clock() - t
+
+
+def step_fmas(model: torch.nn.Module, batch: int) -> int:
+    """Multiply-adds a decode step of `batch` tokens does in its products: every weight but the embedding once per token
+    (the LM head included), and each token's top-k routed experts per MoE layer (attention and KDA state arithmetic left
+    out: under 1% at these contexts)."""
+    from openk3.model.moe import DenseExperts, LatentMoE, PackedExperts
+
+    skip = {id(t) for m in model.modules() if isinstance(m, DenseExperts | PackedExperts) for t in [*m.parameters(), *m.buffers()]}
+    embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    if model.lm_head.weight is not embed:  # type: ignore[union-attr]
+        skip.add(id(embed))
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    experts = 0
+    for layer in (m for m in model.modules() if isinstance(m, LatentMoE)):
+        bank = layer.experts
+        e = layer.gate.weight.shape[0]
+        per_expert = sum(t.numel() * (2 if t.dtype == torch.uint8 and n.endswith("_packed") else 0) for n, t in bank.named_buffers())
+        per_expert += sum(p.numel() for p in bank.parameters())
+        experts += layer.top_k * per_expert // e
+    return batch * (dense + experts)
+
+
 class RoutingCount:
     """Wraps each MoE layer's `route` to record the distinct experts of every call (one call per layer per step)."""
 
@@ -187,6 +223,7 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
         "distinct": experts / max(1, len(counter.layers)),
         "mla": mla,
         "kda": kda,
+        "fmas": step_fmas(runner.model, batch),
         "tokens": digest,
     }
 
@@ -224,7 +261,7 @@ def _moe_layers(llm: Any) -> list[Any]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, LatentMoE)]
 
 
-def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float]) -> None:
+def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float], fma: dict[int, float]) -> None:
     threads = list(read_bw)
     decodes = ["engine", *(["decoded"] if args.compare_decoded else []), *(["before"] if args.compare_before else [])]
     arms = [(t, d) for t in threads for d in decodes]
@@ -232,9 +269,9 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
     print(f"interleaved: for each batch, {args.rounds} rounds of one run per arm (threads, MoE expert path); min and median over a row's timed steps\n")
     print(
         "| batch | threads | MoE experts | weights MiB | experts MiB (distinct/layer) | MLA MiB | KDA MiB | roofline ms | step ms min / med"
-        " | forward ms min / med | step / roofline (min) | forward / roofline (min) | tokens |"
+        " | forward ms min / med | step / roofline (min) | forward / roofline (min) | compute ms | step / max(roofline, compute) | tokens |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for i, b in enumerate(batches):
         rows: dict[tuple[int, str], list[dict[str, Any]]] = {a: [] for a in arms}
         for _ in range(args.rounds):
@@ -250,11 +287,13 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
             fwds = [x for run_ in rows[(t, d)] for x in run_["forward"]]
             total = r["weights"] + r["experts"] + r["mla"] + r["kda"]
             roof = total / read_bw[t]
+            compute = r["fmas"] / fma[t]
             digests = sorted({run_["tokens"] for run_ in rows[(t, d)]})
             print(
                 f"| {b} | {t} | {d} | {r['weights'] / MIB:.1f} | {r['experts'] / MIB:.1f} ({r['distinct']:.1f}) | {r['mla'] / MIB:.2f} | {r['kda'] / MIB:.2f}"
                 f" | {roof * 1e3:.2f} | {min(steps) * 1e3:.1f} / {statistics.median(steps) * 1e3:.1f} | {min(fwds) * 1e3:.1f} /"
-                f" {statistics.median(fwds) * 1e3:.1f} | {min(steps) / roof:.1f}x | {min(fwds) / roof:.1f}x | {' '.join(digests)} |"
+                f" {statistics.median(fwds) * 1e3:.1f} | {min(steps) / roof:.1f}x | {min(fwds) / roof:.1f}x | {compute * 1e3:.2f}"
+                f" | {min(steps) / max(roof, compute):.1f}x | {' '.join(digests)} |"
             )
 
 
@@ -296,16 +335,20 @@ def main() -> int:
     print(f"command: {' '.join(['python', *sys.argv])}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; commit {commit}")
     print(f"load average before: {os.getloadavg()[0]:.1f}; C heap: {heap}; clock: {args.clock}")
-    read_bw = {}
+    read_bw, fma = {}, {}
     for t in threads:
         torch.set_num_threads(t)
         read_bw[t], copy_bw = read_bandwidth(CLOCKS[args.clock])
-        print(f"bandwidth at {t} threads: read {read_bw[t] / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s (read + write bytes); roofline = bytes / read")
+        fma[t] = fma_rate(CLOCKS[args.clock])
+        print(
+            f"bandwidth at {t} threads: read {read_bw[t] / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s (read + write bytes); roofline = bytes / read;"
+            f" fp32 GEMM {fma[t] / 1e9:.1f} G multiply-adds/s; compute = the step's multiply-adds / that"
+        )
     batches = [int(b) for b in args.batches.split(",")]
     extra = {} if args.ops is None else {"ops": args.ops}
     if not args.skip_tiny:
         tiny = LLM("tiny", max_num_seqs=max(batches), **extra)
-        report("tiny (demo model)", tiny, batches, args, read_bw)
+        report("tiny (demo model)", tiny, batches, args, read_bw, fma)
         tiny.close()
     if args.k3_layers:
         model = k3_slice_model(args.k3_layers, args.k3_experts)
@@ -314,7 +357,7 @@ def main() -> int:
         name = (
             f"K3-shaped slice ({args.k3_layers} layers, {args.k3_experts} packed MXFP4 experts top-{model.config.moe.num_experts_per_token}, no packed copies)"
         )
-        report(name, llm, k3_batches, argparse.Namespace(**{**vars(args), "steps": args.k3_steps, "rounds": 1}), read_bw)
+        report(name, llm, k3_batches, argparse.Namespace(**{**vars(args), "steps": args.k3_steps, "rounds": 1}), read_bw, fma)
         llm.close()
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     return 0

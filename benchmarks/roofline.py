@@ -12,7 +12,10 @@
    - KDA: each sequence's recurrent state and conv window per KDA layer, read and written back (2x).
    Activations are left out (a few hundred KiB at these widths).
 3. Time: `engine.step()` (the whole step: scheduler, batch building, forward, sampling, output) and the model forward inside it,
-   over `--steps` pure decode steps after the prompts are in; min and median. Ratio = measured / roofline.
+   over `--steps` pure decode steps after the prompts are in; min and median. Ratio = measured / roofline. `--clock process`
+   times the bandwidth runs and the steps in this process's CPU time instead of wall time: at 1 thread that is the time the
+   process ran, which leaves out the time other processes on a shared machine took the core (at 2 threads it adds the
+   threads' times, spinning included, so use it at 1 thread).
 
 Models: the demo model (LLM("tiny")), and a K3-shaped slice: K3's widths (hidden 7168, 96 KDA and MLA heads, latent MoE of
 width 3584 with 3072-wide experts, top-16, two shared experts) with `--k3-layers` layers (one in four MLA, the last MLA),
@@ -37,21 +40,58 @@ from typing import Any
 import torch
 
 MIB = 1 << 20
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
-def read_bandwidth(repeats: int = 7, mib: int = 512) -> tuple[float, float]:
+def read_bandwidth(clock: Callable[[], float], repeats: int = 7, mib: int = 512) -> tuple[float, float]:
     """(read, copy) bytes per second with torch's current threads: sum over an array, copy into another (both counted)."""
     a = torch.ones(mib * MIB // 4)
     b = torch.empty_like(a)
     read, copy = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         a.sum()
-        read.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        read.append(clock() - t)
+        t = clock()
         b.copy_(a)
-        copy.append(time.perf_counter() - t)
+        copy.append(clock() - t)
     return a.nbytes / min(read), 2 * a.nbytes / min(copy)
+
+
+def fma_rate(clock: Callable[[], float], repeats: int = 5, n: int = 1024) -> float:
+    """Fused multiply-adds per second of torch's fp32 GEMM (n x n times n x n, in cache) with torch's current threads: the
+    compute ceiling the step's products are held to (the C row kernels measured no faster at 16 rows)."""
+    a = torch.randn(n, n)
+    a @ a
+    best = min(_timed(clock, lambda: a @ a) for _ in range(repeats))
+    return n**3 / best
+
+
+def _timed(clock: Callable[[], float], fn: Callable[[], Any]) -> float:
+    t = clock()
+    fn()
+    return clock() - t
+
+
+def step_fmas(model: torch.nn.Module, batch: int) -> int:
+    """Multiply-adds a decode step of `batch` tokens does in its products: every weight but the embedding once per token
+    (the LM head included), and each token's top-k routed experts per MoE layer (attention and KDA state arithmetic left
+    out: under 1% at these contexts)."""
+    from openk3.model.moe import DenseExperts, LatentMoE, PackedExperts
+
+    skip = {id(t) for m in model.modules() if isinstance(m, DenseExperts | PackedExperts) for t in [*m.parameters(), *m.buffers()]}
+    embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    if model.lm_head.weight is not embed:  # type: ignore[union-attr]
+        skip.add(id(embed))
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    experts = 0
+    for layer in (m for m in model.modules() if isinstance(m, LatentMoE)):
+        bank = layer.experts
+        e = layer.gate.weight.shape[0]
+        per_expert = sum(t.numel() * (2 if t.dtype == torch.uint8 and n.endswith("_packed") else 0) for n, t in bank.named_buffers())
+        per_expert += sum(p.numel() for p in bank.parameters())
+        experts += layer.top_k * per_expert // e
+    return batch * (dense + experts)
 
 
 class RoutingCount:
@@ -125,7 +165,7 @@ def k3_slice(layers: int, experts: int) -> Any:
     )
 
 
-def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag: str) -> dict[str, Any]:
+def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag: str, clock: Callable[[], float]) -> dict[str, Any]:
     from openk3.serve.sampling import SamplingParams
 
     engine = llm.engine
@@ -136,9 +176,11 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
     fwd_times: list[float] = []
 
     def timed(batch_: Any) -> Any:
-        t = time.perf_counter()
+        if not counter.on:  # only the timed steps: the prompts and the drain after them run smaller batches
+            return forward(batch_)
+        t = clock()
         out = forward(batch_)
-        fwd_times.append(time.perf_counter() - t)
+        fwd_times.append(clock() - t)
         return out
 
     runner._forward = timed
@@ -163,9 +205,9 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
     counter.distinct.clear()
     counter.on = True
     for _ in range(steps):
-        t = time.perf_counter()
+        t = clock()
         step()
-        step_times.append(time.perf_counter() - t)
+        step_times.append(clock() - t)
     counter.on = False
     while engine.has_unfinished():
         step()
@@ -181,19 +223,24 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
         "distinct": experts / max(1, len(counter.layers)),
         "mla": mla,
         "kda": kda,
+        "fmas": step_fmas(runner.model, batch),
         "tokens": digest,
     }
 
 
 def set_arm(llm: Any, arm: str) -> None:
-    """Every MoE layer's expert path: "engine" as chosen for the engine's target, or "before" (issue 42's starting point:
-    the torch MXFP4 decode and the per-expert grouped loop for packed banks)."""
+    """Every MoE layer's expert path: "engine" as chosen for the engine's target, "before" (issue 42's starting point:
+    the torch MXFP4 decode and the per-expert grouped loop for packed banks), or "decoded" (the engine's path before the
+    fused MXFP4 products: the C decode of every picked expert into fp32, then the dense C expert loop; one token: each
+    expert decoded in C, then its products)."""
     import functools
 
     from openk3.model.moe import LocalExperts
     from openk3.ops.linear import linear_c
     from openk3.ops.moe import moe_experts_sized
+    from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.mxfp4 import dequantize
+    from openk3.ops.mxfp4_c import dequantize_c
 
     for layer in _moe_layers(llm):
         backend = layer.backend
@@ -202,6 +249,8 @@ def set_arm(llm: Any, arm: str) -> None:
                 backend._chosen = (backend.decode, backend.op)
             if arm == "before":
                 backend.decode, backend.op = dequantize, functools.partial(moe_experts_sized, linear=linear_c, batched_c=None)
+            elif arm == "decoded":
+                backend.decode, backend.op = dequantize_c, functools.partial(moe_experts_sized, linear=linear_c, batched_c=moe_experts_batched_c)
             else:
                 backend.decode, backend.op = backend._chosen
 
@@ -212,17 +261,17 @@ def _moe_layers(llm: Any) -> list[Any]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, LatentMoE)]
 
 
-def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float]) -> None:
+def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, read_bw: dict[int, float], fma: dict[int, float]) -> None:
     threads = list(read_bw)
-    decodes = ["engine", "before"] if args.compare_before else ["engine"]
+    decodes = ["engine", *(["decoded"] if args.compare_decoded else []), *(["before"] if args.compare_before else [])]
     arms = [(t, d) for t in threads for d in decodes]
     print(f"\n{name}: prompt {args.prompt} tokens, {args.warm} warm-up then {args.steps} timed decode steps per run")
     print(f"interleaved: for each batch, {args.rounds} rounds of one run per arm (threads, MoE expert path); min and median over a row's timed steps\n")
     print(
         "| batch | threads | MoE experts | weights MiB | experts MiB (distinct/layer) | MLA MiB | KDA MiB | roofline ms | step ms min / med"
-        " | forward ms min / med | step / roofline (min) | forward / roofline (min) | tokens |"
+        " | forward ms min / med | step / roofline (min) | forward / roofline (min) | compute ms | step / max(roofline, compute) | tokens |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for i, b in enumerate(batches):
         rows: dict[tuple[int, str], list[dict[str, Any]]] = {a: [] for a in arms}
         for _ in range(args.rounds):
@@ -230,7 +279,7 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
                 torch.set_num_threads(t)
                 set_arm(llm, d)
                 tag = f"b{b}-t{t}-{d}-r{len(rows[(t, d)])}"
-                rows[(t, d)].append(run(llm, b, args.prompt, args.steps, args.warm, seed=i, tag=tag))  # same seed: same prompts
+                rows[(t, d)].append(run(llm, b, args.prompt, args.steps, args.warm, seed=i, tag=tag, clock=CLOCKS[args.clock]))  # same seed: same prompts
         set_arm(llm, "engine")
         for t, d in arms:
             r = rows[(t, d)][0]
@@ -238,11 +287,13 @@ def report(name: str, llm: Any, batches: list[int], args: argparse.Namespace, re
             fwds = [x for run_ in rows[(t, d)] for x in run_["forward"]]
             total = r["weights"] + r["experts"] + r["mla"] + r["kda"]
             roof = total / read_bw[t]
+            compute = r["fmas"] / fma[t]
             digests = sorted({run_["tokens"] for run_ in rows[(t, d)]})
             print(
                 f"| {b} | {t} | {d} | {r['weights'] / MIB:.1f} | {r['experts'] / MIB:.1f} ({r['distinct']:.1f}) | {r['mla'] / MIB:.2f} | {r['kda'] / MIB:.2f}"
                 f" | {roof * 1e3:.2f} | {min(steps) * 1e3:.1f} / {statistics.median(steps) * 1e3:.1f} | {min(fwds) * 1e3:.1f} /"
-                f" {statistics.median(fwds) * 1e3:.1f} | {min(steps) / roof:.1f}x | {min(fwds) / roof:.1f}x | {' '.join(digests)} |"
+                f" {statistics.median(fwds) * 1e3:.1f} | {min(steps) / roof:.1f}x | {min(fwds) / roof:.1f}x | {compute * 1e3:.2f}"
+                f" | {min(steps) / max(roof, compute):.1f}x | {' '.join(digests)} |"
             )
 
 
@@ -262,6 +313,15 @@ def main() -> int:
     ap.add_argument(
         "--compare-before", action="store_true", help="also run every arm with the MoE expert path before issue 42 (torch MXFP4 decode, per-expert loop)"
     )
+    ap.add_argument(
+        "--compare-decoded", action="store_true", help="also run every arm with the picked experts decoded to fp32 before their products (before fused MXFP4)"
+    )
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="what times the bandwidth runs and the steps: wall, or this process's CPU time (at 1 thread the time it ran, what others' load leaves out)",
+    )
     ap.add_argument("--system-heap", action="store_true", help="leave glibc's heap settings (default: keep_heap_for_reuse, as openk3 serve)")
     ap.add_argument("--ops", default=None, help="EngineConfig.ops for both models, e.g. kda=in_pool")
     args = ap.parse_args()
@@ -274,17 +334,21 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"command: {' '.join(['python', *sys.argv])}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; commit {commit}")
-    print(f"load average before: {os.getloadavg()[0]:.1f}; C heap: {heap}")
-    read_bw = {}
+    print(f"load average before: {os.getloadavg()[0]:.1f}; C heap: {heap}; clock: {args.clock}")
+    read_bw, fma = {}, {}
     for t in threads:
         torch.set_num_threads(t)
-        read_bw[t], copy_bw = read_bandwidth()
-        print(f"bandwidth at {t} threads: read {read_bw[t] / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s (read + write bytes); roofline = bytes / read")
+        read_bw[t], copy_bw = read_bandwidth(CLOCKS[args.clock])
+        fma[t] = fma_rate(CLOCKS[args.clock])
+        print(
+            f"bandwidth at {t} threads: read {read_bw[t] / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s (read + write bytes); roofline = bytes / read;"
+            f" fp32 GEMM {fma[t] / 1e9:.1f} G multiply-adds/s; compute = the step's multiply-adds / that"
+        )
     batches = [int(b) for b in args.batches.split(",")]
     extra = {} if args.ops is None else {"ops": args.ops}
     if not args.skip_tiny:
         tiny = LLM("tiny", max_num_seqs=max(batches), **extra)
-        report("tiny (demo model)", tiny, batches, args, read_bw)
+        report("tiny (demo model)", tiny, batches, args, read_bw, fma)
         tiny.close()
     if args.k3_layers:
         model = k3_slice_model(args.k3_layers, args.k3_experts)
@@ -293,7 +357,7 @@ def main() -> int:
         name = (
             f"K3-shaped slice ({args.k3_layers} layers, {args.k3_experts} packed MXFP4 experts top-{model.config.moe.num_experts_per_token}, no packed copies)"
         )
-        report(name, llm, k3_batches, argparse.Namespace(**{**vars(args), "steps": args.k3_steps, "rounds": 1}), read_bw)
+        report(name, llm, k3_batches, argparse.Namespace(**{**vars(args), "steps": args.k3_steps, "rounds": 1}), read_bw, fma)
         llm.close()
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     return 0

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from openk3.config import Activation
-from openk3.ops.activation import glu
 from openk3.ops.registry import OpTarget, op
 
 
@@ -95,7 +94,7 @@ class StackedWeights(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))): the dense first-layer MLP and the shared experts."""
+    """down(act(gate(x), up(x))): the dense first-layer MLP and the shared experts; the activation by the registry's "glu"."""
 
     def __init__(self, hidden: int, intermediate: int, act: Activation, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> None:
         super().__init__()
@@ -106,7 +105,12 @@ class GatedMLP(nn.Module):
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
         self.intermediate = intermediate
         self.gate_up = ProjectionGroup([self.gate_proj, self.up_proj])
+        self.select(OpTarget(self.gate_proj.weight.device.type, dtype=self.gate_proj.weight.dtype))
+
+    def select(self, target: OpTarget, impl: str = "auto") -> None:
+        """The activation by the registry's "glu" (K3ForCausalLM.select_ops chooses again for what runs)."""
+        self.glu = op("glu", impl, target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))
+        return self.down_proj(self.glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))

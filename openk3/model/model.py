@@ -45,6 +45,7 @@ class OpChoice:
     linear: str = "auto"  # the bias-free projections ("naive": F.linear; "fast": the CPU forms, ops/linear.py)
     norm: str = "auto"  # every RMSNorm
     route: str = "auto"  # the MoE router's top-k ("moe_route")
+    glu: str = "auto"  # the gated MLPs' activation (shared experts, dense MLP; "glu")
     vision_attn: str = "auto"  # the vision tower's attention within each image ("vision_attn")
     kda_chunk_size: int | None = None  # chunk length of the chunkwise KDA forms (None: their default)
     packed_experts: bool = False  # routed experts as packed MXFP4 buffers (serving K3 checkpoints) instead of dense parameters
@@ -193,6 +194,8 @@ def select_block_ops(root: nn.Module, ops: OpChoice, target: OpTarget, previous_
             module.select(target, ops.norm)
         elif isinstance(module, Router):
             module.select(target, ops.route)
+        elif isinstance(module, GatedMLP):
+            module.select(target, ops.glu)
         elif isinstance(module, DecoderLayer):
             attn = module.self_attn
             if isinstance(attn, KimiDeltaAttention):

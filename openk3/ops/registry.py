@@ -169,7 +169,10 @@ def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
 @functools.cache
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
+    from openk3.ops.activation import glu
     from openk3.ops.attn_res import OneShotStream, TwoPhaseStream, attn_res_sized
+    from openk3.ops.attn_res.mix_c import attn_res_sized_c
+    from openk3.ops.glu_c import glu_c
     from openk3.ops.kda import decode_step
     from openk3.ops.kda.chunk import kda_chunk
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
@@ -212,6 +215,10 @@ def registry() -> OpRegistry:
     r.register("rms_norm", "fast", rms_norm, "torch's fused rms_norm in fp32", differentiable=True)
     r.register("rms_norm", "fast", rms_norm_c, "one C loop over the rows", backend="c")
     r.register_auto("rms_norm", lambda t, _: "fast")
+
+    r.register("glu", "naive", glu, "SiLU / SiTU gate times up in torch ops (the definition)", differentiable=True)
+    r.register("glu", "fast", glu_c, "one C loop over the rows", backend="c")
+    r.register_auto("glu", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("kda_prefill", "naive", kda_recurrent, "the per-token recurrence (the definition)", differentiable=True)
     r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)", chunked=True)
@@ -281,6 +288,7 @@ def registry() -> OpRegistry:
     r.register("attn_res", "naive", OneShotStream, "one-shot mix per sublayer (the definition)", differentiable=True)
     r.register("attn_res", "fast", TwoPhaseStream, "two-phase: phase 1 once per block, a merge per sublayer", differentiable=True)
     r.register("attn_res", "sized", attn_res_sized, "one-shot below 64 tokens, two-phase from there", differentiable=True)
+    r.register("attn_res", "sized", attn_res_sized_c, "as sized, the one-shot reads in one C call each", backend="c")
     r.register_auto("attn_res", lambda t, _: "sized")
 
     r.register("vision_attn", "naive", vision_attention_naive, "explicit softmax per image in fp32 (the definition)", differentiable=True)

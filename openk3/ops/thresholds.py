@@ -20,11 +20,13 @@ BATCHED_MAX_PAIRS_PER_EXPERT = 16
 # With the expert MLPs in C (ops/moe/cpu_pairs.py: no padding rows, one call for all experts) the batched path is 7-9x the
 # grouped loop up to 16 tokens, ~3.5x the single-token path at one token, 1.4-3.4x from 4 to 64 pairs per expert, and 0.7x
 # at 128-256 pairs per expert, where the loop's large per-expert GEMMs win.
-# The same bound sends packed MXFP4 banks to their C loop (ops/moe/packed_c.py: each active expert decoded into scratch, then
-# these products): 3-4x the grouped torch form at 1-3 tokens on the demo model (16 experts, 128 x 128), not measured past.
+# The same bound sends packed MXFP4 banks to their C loop (ops/moe/packed_c.py: these products with the weights decoded in
+# registers): on the demo model's 16 experts of 128 x 128, 4-8x the decoded-bank path below at 1-16 tokens, 2.6x at 64,
+# level at 256 (where re-decoding a weight for every 4 rows costs what one fp32 write of it saves); 9-21x at K3 widths.
 C_LOOP_MAX_PAIRS_PER_EXPERT = 64
-# A packed MXFP4 bank takes the same C loop when the experts a step picked, decoded at once, fit this many bytes (the demo
-# model's 16 experts are 3 MiB in fp32); beyond it (one K3 expert is 132 MiB in fp32) it decodes expert by expert (grouped).
+# Past that bound (prefill chunks) a packed MXFP4 bank takes the dense C loop when the experts a step picked, decoded at
+# once, fit this many bytes (the demo model's 16 experts are 3 MiB in fp32); beyond it (one K3 expert is 132 MiB in fp32)
+# it decodes expert by expert (grouped).
 # Issue 42: the grouped loop's ~10 torch ops per expert were 70% of the demo model's batch-16 decode step.
 PACKED_DECODE_MAX_BYTES = 64 << 20
 

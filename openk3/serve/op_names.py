@@ -39,6 +39,7 @@ REGISTRY_OPS = {
     "linear": "linear",
     "norm": "rms_norm",
     "route": "moe_route",
+    "glu": "glu",
     "vision_attn": "vision_attn",
 }
 NUMBERS = ("kda_chunk_size",)  # fields that take an integer, not a name

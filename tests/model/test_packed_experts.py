@@ -101,3 +101,19 @@ def test_dense_checkpoint_of_an_mxfp4_config_loads_dense(tmp_path: Path) -> None
     model = build(debug())
     save_model(model, tmp_path / "d")
     assert all(isinstance(m.experts, DenseExperts) for m in load_model(tmp_path / "d").moe_layers())
+
+
+def test_the_bank_is_kept_while_its_buffers_are_the_same_tensors() -> None:
+    experts = PackedExperts(4, 64, 32)
+    bank = cast(PackedMXFP4ExpertBank, experts.bank())
+    decode = bank.decode
+    assert experts.bank() is bank
+    scales = cast(torch.Tensor, experts.w2_weight_scale)
+    scales.fill_(127)  # in place: the kept bank holds the same tensor and sees the write
+    assert torch.equal(cast(PackedMXFP4ExpertBank, experts.bank()).w2.scales, scales)
+    codes = torch.ones(4, 32, 32, dtype=torch.uint8)
+    experts.w1_weight_packed = codes  # a new tensor: a new bank over it
+    rebuilt = cast(PackedMXFP4ExpertBank, experts.bank())
+    assert rebuilt is not bank and rebuilt.w1.packed is codes
+    assert experts.bank(decode=lambda p, s, d, t: p) is not rebuilt  # another decode form: a new bank
+    assert experts.bank(decode) is not rebuilt and experts.bank(decode) is experts.bank(decode)

@@ -72,7 +72,7 @@ def test_every_opchoice_field_but_packed_experts_can_be_named() -> None:
         ("kda=fla,", "'' in 'kda=fla,' is not a field=implementation pair"),
         (
             "attention=fla",
-            "unknown field 'attention': expected one of kda, conv, mla, mla_decode, moe, attn_res, linear, norm, route, vision_attn, kda_chunk_size",
+            "unknown field 'attention': expected one of kda, conv, mla, mla_decode, moe, attn_res, linear, norm, route, glu, vision_attn, kda_chunk_size",
         ),
         ("kda=fla,mla=triton,kda=naive", "kda is named twice ('fla' and 'naive')"),
         ("packed_experts=true", "packed_experts cannot be named: it follows the checkpoint"),

@@ -59,7 +59,8 @@ def _cpu_flags() -> str:
         return ""
 
 
-SOURCES = ("norm.c", "linear.c", "moe.c", "mla_decode.c", "kda_decode.c", "kda_chunk.c", "mxfp4.c")  # every library the "c" backend's entries call
+# every library the "c" backend's entries call
+SOURCES = ("norm.c", "linear.c", "moe.c", "mla_decode.c", "kda_decode.c", "kda_chunk.c", "mxfp4.c", "attn_res.c", "glu.c")
 
 
 @cache

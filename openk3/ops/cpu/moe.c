@@ -12,6 +12,8 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "glu.h"
+#include "mxfp4_rows.h"
 #include "rows_gemm.h"
 
 /* scores [T, E]: router logits in, sigmoid scores out. idx/weight [T, k]: the k largest scores + bias, largest first
@@ -81,29 +83,13 @@ void openk3_moe_combine(int64_t T, int64_t k, int64_t D, int64_t C, const int64_
     }
 }
 
-/* tanh from exp_f: odd, saturating, and its Taylor polynomial below 1/4, where 1 - e^-2|x| would cancel (the terms left
- * out are below 1e-9 relative there; above, the cancellation costs at most ~2.5x of e's rounding) */
-static inline float tanh_f(float x) {
-    const float a = fabsf(x), e = exp_f(-2.0f * a), far = (1.0f - e) / (1.0f + e), z = a * a;
-    const float near =
-        a * (1.0f + z * (-1.0f / 3.0f + z * (2.0f / 15.0f + z * (-17.0f / 315.0f + z * (62.0f / 2835.0f + z * (-1382.0f / 155925.0f))))));
-    const float t = a < 0.25f ? near : far;
-    return x < 0.0f ? -t : t;
-}
-
-enum { ACT_SILU = 0, ACT_SITU = 1 }; /* ops/activation.py: silu_glu, situ_glu */
-
 /* One expert on its c rows: out_e = w2 act(w1 x_e, w3 x_e), x_e and out_e [c, D], w1 and w3 [I, D], w2 [D, I]; gate and
- * up are the caller's scratch rows, [c, I] each. What the dense and the packed expert loops run per active expert. */
+ * up are the caller's scratch rows, [c, I] each. */
 static void expert_glu(int64_t c, int64_t D, int64_t I, const float *xe, const float *w1, const float *w3, const float *w2, int act, float beta,
                        float linear_beta, float *gate, float *up, float *oute) {
     rows_times_weight_t(c, I, D, xe, D, w1, D, gate, I);
     rows_times_weight_t(c, I, D, xe, D, w3, D, up, I);
-    if (act == ACT_SITU)
-        for (int64_t i = 0; i < c * I; i++)
-            gate[i] = beta * tanh_f(gate[i] / beta) * sigmoid_f(gate[i]) * (linear_beta * tanh_f(up[i] / linear_beta));
-    else
-        for (int64_t i = 0; i < c * I; i++) gate[i] = gate[i] * sigmoid_f(gate[i]) * up[i];
+    glu_values(c * I, act, beta, linear_beta, gate, up, gate);
     rows_times_weight_t(c, D, I, gate, I, w2, I, oute, D);
 }
 
@@ -133,45 +119,18 @@ int openk3_moe_experts_glu(int64_t E, int64_t C, int64_t D, int64_t I, const int
     return failed;
 }
 
-/* The E2M1 values of the 16 codes (code 8 + c is -value(c)) and an E8M0 scale byte as fp32 bits: 2^(b - 127) is the
- * float whose exponent field is b, except b = 0 (2^-127, a subnormal) and 0xFF (NaN); ops/mxfp4.py is the definition. */
-static const float E2M1_CODES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-static inline float e8m0_f(uint8_t b) {
-    const uint32_t bits = b == 0xFF ? 0x7FC00000u : b == 0 ? 0x00400000u : (uint32_t)b << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* w [R, K] fp32 from MXFP4 codes packed [R, K/2] (even element in the low nibble) and scales [R, K/32]: every product is
- * exact in fp32, so this equals ops/mxfp4.py's dequantize bit for bit. */
-static void mxfp4_decode(int64_t R, int64_t K, const uint8_t *packed, const uint8_t *scales, float *w) {
-    const int64_t blocks = R * (K / 32);
-    for (int64_t b = 0; b < blocks; b++) {
-        const float s = e8m0_f(scales[b]);
-        const uint8_t *p = packed + b * 16;
-        float *o = w + b * 32;
-        for (int j = 0; j < 16; j++) {
-            o[2 * j] = E2M1_CODES[p[j] & 15] * s;
-            o[2 * j + 1] = E2M1_CODES[p[j] >> 4] * s;
-        }
-    }
-}
-
 /* openk3_moe_experts_glu over packed MXFP4 experts (ops/moe/packed_bank.py's layout: w1, w3 codes [E, I, D/2] and scales
- * [E, I, D/32], w2 [E, D, I/2] and [E, D, I/32]): each active expert's three weights are decoded into the thread's scratch
- * once, then multiplied as in the dense loop, so no expert's fp32 weights outlive its turn and idle experts are never
- * decoded. D and I must be multiples of 32. Returns 1 when the scratch cannot be allocated. */
+ * [E, I, D/32], w2 [E, D, I/2] and [E, D, I/32]): the products decode the weights in registers (mxfp4_rows.h), so no
+ * expert is ever written out in fp32 and idle experts are never read; the result equals openk3_moe_experts_glu on the
+ * dequantized bank bit for bit. D and I must be multiples of 32. Returns 1 when the scratch cannot be allocated. */
 int openk3_moe_experts_glu_mxfp4(int64_t E, int64_t C, int64_t D, int64_t I, const int64_t *counts, const float *x, const uint8_t *w1p,
                                  const uint8_t *w1s, const uint8_t *w3p, const uint8_t *w3s, const uint8_t *w2p, const uint8_t *w2s, int act,
                                  float beta, float linear_beta, float *out, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && E > 1)
     {
-        float *gate = malloc(sizeof(float) * (size_t)(2 * C * I + 3 * I * D));
+        float *gate = malloc(sizeof(float) * (size_t)(2 * C * I));
         float *up = gate ? gate + C * I : NULL;
-        float *w = gate ? up + C * I : NULL;
         if (gate == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -180,11 +139,11 @@ int openk3_moe_experts_glu_mxfp4(int64_t E, int64_t C, int64_t D, int64_t I, con
         for (int64_t e = 0; e < E; e++) {
             const int64_t c = counts[e];
             if (c == 0 || gate == NULL) continue;
-            float *w1 = w, *w3 = w + I * D, *w2 = w + 2 * I * D;
-            mxfp4_decode(I, D, w1p + e * I * (D / 2), w1s + e * I * (D / 32), w1);
-            mxfp4_decode(I, D, w3p + e * I * (D / 2), w3s + e * I * (D / 32), w3);
-            mxfp4_decode(D, I, w2p + e * D * (I / 2), w2s + e * D * (I / 32), w2);
-            expert_glu(c, D, I, x + e * C * D, w1, w3, w2, act, beta, linear_beta, gate, up, out + e * C * D);
+            const float *xe = x + e * C * D;
+            mx_rows_times_weight_t(c, I, D, xe, D, w1p + e * I * (D / 2), w1s + e * I * (D / 32), gate, I);
+            mx_rows_times_weight_t(c, I, D, xe, D, w3p + e * I * (D / 2), w3s + e * I * (D / 32), up, I);
+            glu_values(c * I, act, beta, linear_beta, gate, up, gate);
+            mx_rows_times_weight_t(c, D, I, gate, I, w2p + e * D * (I / 2), w2s + e * D * (I / 32), out + e * C * D, D);
         }
         free(gate);
     }

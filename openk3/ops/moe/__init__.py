@@ -36,13 +36,14 @@ def moe_experts_sized(
 ) -> torch.Tensor:
     """The form by the step's size (the registry's "sized"; switches in ops/thresholds.py). With `batched_c` (the "c"
     backend: ops/moe/cpu_pairs.py) dense banks whose expert MLPs run in C go batched up to C_LOOP_MAX_PAIRS_PER_EXPERT.
-    Packed MXFP4 banks, in a step of several tokens: the experts the step picked decoded at once into a dense bank of
-    their own and run through that C path, when they fit PACKED_DECODE_MAX_BYTES (tokens that share an expert share its
-    decoding); otherwise, with `packed_c` (the "c" backend: ops/moe/packed_c.py), each picked expert decoded and run in
-    one C call, up to C_LOOP_MAX_PAIRS_PER_EXPERT per expert (a decode step's one token, or a larger pick). Otherwise one
-    token: its experts in turn; dense banks at decode-sized steps: batched; the rest: grouped. `linear`: the products of
-    the per-expert forms."""
+    Packed MXFP4 banks, with `packed_c` (the "c" backend: ops/moe/packed_c.py): every picked expert's MLP in one C call that
+    decodes the weights in registers, up to C_LOOP_MAX_PAIRS_PER_EXPERT pairs per expert. Without it, in a step of several
+    tokens: the experts the step picked decoded at once into a dense bank of their own and run through `batched_c`, when
+    they fit PACKED_DECODE_MAX_BYTES (tokens that share an expert share its decoding). Otherwise one token: its experts in
+    turn; dense banks at decode-sized steps: batched; the rest: grouped. `linear`: the products of the per-expert forms."""
     pairs = topk_idx.numel()
+    if packed_c is not None and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and packed_c_fits(x_TD, bank, act):
+        return packed_c(x_TD, topk_idx, topk_weight, bank, act)
     if batched_c is not None and isinstance(bank, PackedMXFP4ExpertBank) and pairs > topk_idx.shape[1] and act_in_c(x_TD, act):
         picked = torch.unique(topk_idx)  # sorted
         n = picked.numel()
@@ -51,8 +52,6 @@ def moe_experts_sized(
             remap = torch.empty(bank.num_experts, dtype=torch.long, device=topk_idx.device)
             remap[picked] = torch.arange(n, device=topk_idx.device)
             return batched_c(x_TD, remap[topk_idx], topk_weight, bank.decoded(picked, x_TD.dtype), act)
-    if packed_c is not None and 1 <= pairs <= C_LOOP_MAX_PAIRS_PER_EXPERT * bank.num_experts and packed_c_fits(x_TD, bank, act):
-        return packed_c(x_TD, topk_idx, topk_weight, bank, act)
     if (
         batched_c is not None
         and isinstance(bank, DenseExpertBank)

@@ -7,9 +7,11 @@ Why: the torch forms decode one expert at a time (ops/mxfp4.py's dequantize: a g
 and run its MLP as three small products; on the demo model that is ~0.15 ms per active expert, almost all of it dispatch,
 and it grows with the number of distinct experts a step touches -- which a speculative verification multiplies (k + 1
 tokens per sequence route to up to k + 1 times the experts). Here the pair bookkeeping of moe_experts_batched_c and, per
-active expert, the decode into a scratch buffer and the three products run in C. The decoded weights equal dequantize's
-bit for bit (every code x scale product is exact in fp32); the products round as the dense C loop's do
-(tests/ops/test_moe_packed_c.py compares with the grouped torch form).
+active expert, the three products run in C, decoding the weights in registers (ops/cpu/mxfp4_rows.h): no expert is written
+out in fp32 (issue 42: at K3's widths that write, 132 MiB per picked expert, was most of the routed experts' time; on the
+demo model decoding a batch-16 step's picked experts into a dense bank and multiplying it was 3-6x this). The decoded
+weights equal dequantize's bit for bit (every code x scale product is exact in fp32) and the sums are the dense C loop's,
+so the result equals moe_experts_batched_c on the dequantized bank bit for bit (tests/ops/test_moe_packed_c.py).
 """
 
 from __future__ import annotations

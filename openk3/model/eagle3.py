@@ -31,6 +31,7 @@ from torch import nn
 from openk3.checks import check_int, fail
 from openk3.config import Activation
 from openk3.model.layers import GatedMLP, Linear, RMSNorm
+from openk3.ops.registry import OpTarget
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,12 @@ class Eagle3Head(nn.Module):
     def draft_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
         """Logits [M, Vd] over the draft vocabulary (draft id i is target id i + d2t[i])."""
         return self.lm_head(self.norm(x_MH))
+
+    def select_ops(self, target: OpTarget) -> None:
+        """Choose the norms', projections' and MLP activation's implementations for what runs now (inference or training)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm, GatedMLP)):
+                module.select(target)
 
     def to_target(self, logits_MVd: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits spread over the target's vocabulary [M, V], -inf at the ids the draft cannot propose."""

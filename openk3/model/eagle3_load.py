@@ -21,7 +21,6 @@ import torch
 
 from openk3.config import ModelConfig
 from openk3.model.eagle3 import Eagle3Config, Eagle3Head, rope_frequencies
-from openk3.model.layers import Linear, RMSNorm
 from openk3.model.model import K3ForCausalLM
 from openk3.model.weights import CheckpointError, iter_checkpoint
 from openk3.ops.registry import OpTarget
@@ -171,7 +170,5 @@ def load_eagle3(path: str | Path, target: K3ForCausalLM) -> Eagle3Head:
     head.to(weight.dtype)  # floating tensors only: d2t / t2d keep their integer and bool types
     head.inv_freq = rope_frequencies(cfg).to(weight.device)  # RoPE's frequencies stay fp32
     check_vocab_map(head, path, "t2d" in tensors)
-    for module in head.modules():
-        if isinstance(module, (Linear, RMSNorm)):
-            module.select(OpTarget(weight.device.type, dtype=weight.dtype))
+    head.select_ops(OpTarget(weight.device.type, dtype=weight.dtype))
     return head.eval()

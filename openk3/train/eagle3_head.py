@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from openk3.model.batch import ForwardBatch
 from openk3.model.eagle3 import Eagle3Config, Eagle3Head
 from openk3.model.eagle3_load import default_aux_layers
-from openk3.model.layers import Linear, RMSNorm
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.registry import OpTarget
 
@@ -129,12 +128,6 @@ def ttt_loss(head: Eagle3Head, ids_BL: torch.Tensor, aux_BLA: torch.Tensor, p_BL
     return total
 
 
-def _select(head: Eagle3Head, target: OpTarget) -> None:
-    for module in head.modules():
-        if isinstance(module, (Linear, RMSNorm)):
-            module.select(target)
-
-
 def train_eagle3(
     target: K3ForCausalLM, head: Eagle3Head, sequences: torch.Tensor, steps: int, ttt_steps: int = 3, batch_size: int = 8, lr: float = 2e-3, seed: int = 0
 ) -> list[float]:
@@ -144,7 +137,7 @@ def train_eagle3(
     parts = [teacher(target, head, sequences[i : i + batch_size]) for i in range(0, len(sequences), batch_size)]
     aux_N, p_N = torch.cat([a for a, _ in parts]), torch.cat([p for _, p in parts])
     head.train()
-    _select(head, OpTarget(training=True))
+    head.select_ops(OpTarget(training=True))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
@@ -159,5 +152,5 @@ def train_eagle3(
         sched.step()
         losses.append(float(loss.detach()))
     head.eval()
-    _select(head, OpTarget())
+    head.select_ops(OpTarget())
     return losses

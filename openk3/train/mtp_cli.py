@@ -67,41 +67,14 @@ def export_mtp(layer, index: int) -> dict[str, torch.Tensor]:  # type: ignore[no
 
 
 def acceptance(folder: Path, held: list[list[int]], prompt_tokens: int, new_tokens: int, k: int) -> dict:
-    """Greedy decoding of every held-out chapter's opening with the layer read back from `folder` as the draft: the
-    engine's spec_decode counters, and whether every output equals the non-speculative one."""
+    """Held-out acceptance with the layer read back from `folder` as the draft (train/draft_acceptance.py)."""
     from openk3.model.mtp_load import load_mtp
-    from openk3.serve.engine import EngineConfig, LLMEngine
     from openk3.serve.loading import build_model
-    from openk3.serve.sampling import SamplingParams
-    from openk3.serve.speculative import SpeculativeConfig
+    from openk3.train.draft_acceptance import held_out_acceptance
 
     target, tokenizer = build_model(folder, torch.float32, "cpu", 0, mtp=True)
     layer = load_mtp(folder, target)  # type: ignore[arg-type]
-    prompts = [ids[:prompt_tokens] for ids in held]
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = []
-    stats = None
-    for spec in (False, True):
-        config = EngineConfig(max_num_seqs=8, max_model_len=prompt_tokens + new_tokens + 8, num_pages=8 * 8, page_size=16)
-        engine = LLMEngine(target, tokenizer, config, speculative=SpeculativeConfig(k) if spec else None, mtp_layer=layer if spec else None)
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id].extend(o.new_token_ids)
-        outputs.append([out[str(i)] for i in range(len(prompts))])
-        stats = engine.spec_stats
-    assert stats is not None
-    return {
-        "k": k,
-        "chapters": len(prompts),
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
-        "accepted_per_position": stats.accepted_per_position,
-        "verifications": stats.num_drafts,
-        "greedy_output_identical": outputs[0] == outputs[1],
-    }
+    return held_out_acceptance(target, tokenizer, held, prompt_tokens, new_tokens, k, mtp_layer=layer)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,12 +32,7 @@ ENGINE: dict[str, Any] = dict(page_size=PAGE, num_pages=24, max_num_seqs=2, max_
 LENGTHS = (10, 64, 65, 100, 129, 200)  # below, at, one past the page (boundary 63, 64), and several pages
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build(seed: int = 5, **changes) -> K3ForCausalLM:

@@ -39,12 +39,7 @@ BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=4, max_mode
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_mtp(target: K3ForCausalLM, seed: int = 3) -> dict[str, torch.Tensor]:

@@ -24,12 +24,7 @@ CACHED: dict[str, Any] = dict(enable_prefix_caching=True, prefix_match_unit=8, n
 UNIT = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

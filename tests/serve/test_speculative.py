@@ -22,12 +22,7 @@ BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=4, max_mode
 PROMPTS = [list(range(40, 70)), list(range(40, 70)) + [9, 8, 7], [5, 6, 7, 8] * 5, [100, 3, 77]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def model(seed: int) -> K3ForCausalLM:

@@ -44,12 +44,7 @@ REGEX = r"[a-f]{3,8}-[0-9]{2,5}"
 CHOICES = ("alpha", "beta", "gamma delta")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def model(seed: int) -> K3ForCausalLM:

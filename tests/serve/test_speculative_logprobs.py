@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from openk3.config import debug
 from openk3.model import K3ForCausalLM
@@ -24,12 +23,7 @@ MAX = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def model(seed: int) -> K3ForCausalLM:

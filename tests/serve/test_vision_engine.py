@@ -21,12 +21,7 @@ PAD = 250  # the media placeholder id of this test (any id of the debug vocabula
 GREEDY = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -171,6 +171,9 @@ def render_text(plan: Plan) -> str:
         if plan.memory is not None and plan.layout is not None:
             out.append(f"closest layout: {plan.layout.describe()}")
             out.append(_memory_table(plan))
+        if plan.disagg is not None:  # a disaggregated plan can exist where no aggregated one does
+            out.append("")
+            out.extend(comparison_lines(plan.disagg, _price_note(plan)))
         out.append("")
         out.extend(_search_tables(plan))
         return "\n".join(out)

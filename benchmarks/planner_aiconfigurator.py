@@ -23,6 +23,7 @@ from pathlib import Path
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.inputs import Layout, Workload
 from openk3.planner.models import deepseek_v3
+from openk3.planner.perf import Efficiency
 from openk3.planner.validation import CASES, FP8, _eval
 
 AIC = Path(sys.executable).with_name("aiconfigurator")
@@ -58,11 +59,11 @@ def _run_aic(args: list[str]) -> dict[str, float] | str:
 
 
 def _ds_h200_decode() -> float:
-    return _eval(deepseek_v3(), FP8_KV, Layout(8, tp=1), Workload(context=2050, concurrency=1024, prompt=2000), "hgx-h200").per_accelerator_tok_s
+    return _eval(Efficiency(), deepseek_v3(), FP8_KV, Layout(8, tp=1), Workload(context=2050, concurrency=1024, prompt=2000), "hgx-h200").per_accelerator_tok_s
 
 
 def _ds_h200_prefill() -> float:
-    return _eval(deepseek_v3(), FP8_KV, Layout(8, tp=1), Workload(context=2000, concurrency=8, prompt=2000), "hgx-h200").prefill_tok_s / 8
+    return _eval(Efficiency(), deepseek_v3(), FP8_KV, Layout(8, tp=1), Workload(context=2000, concurrency=8, prompt=2000), "hgx-h200").prefill_tok_s / 8
 
 
 def _case(name: str) -> Callable[[], float]:

@@ -8,6 +8,7 @@ import sys
 
 from openk3.planner.agent import AgentTask, ToolWait
 from openk3.planner.dtypes import CACHE_BYTES, STATE_BYTES, WEIGHT_FORMATS, with_dtypes
+from openk3.planner.efficiency import KERNEL_MODES
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Quantisation, parse_tokens
 from openk3.planner.models import MODELS, resolve_model
@@ -59,15 +60,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-ttft", type=float, default=float("inf"), help="SLO: time to first token in seconds (default none)")
     p.add_argument("--max-accelerators", type=int, default=288, help="largest instance the search considers (default 288)")
     p.add_argument("--eff-hbm", type=float, default=None, help="HBM bandwidth efficiency (default 0.8)")
-    p.add_argument("--eff-gemm", type=float, default=None, help="GEMM efficiency (default 0.5)")
-    p.add_argument("--eff-attention", type=float, default=None, help="attention kernel efficiency (default 0.3)")
+    p.add_argument("--eff-gemm", type=float, default=None, help="GEMM efficiency where no measured curve applies (all with --kernels flat; default 0.5)")
+    p.add_argument("--eff-attention", type=float, default=None, help="attention kernel efficiency where no measured curve applies (default 0.3)")
     p.add_argument("--comm-overlap", type=float, default=None, help="fraction of communication hidden (default 0.7)")
     p.add_argument("--ideal", action="store_true", help="pure roofline: every efficiency 1, communication hidden")
     p.add_argument(
         "--kernels",
-        default="flat",
-        choices=["flat", "measured"],
-        help="flat efficiency factors (default) or measured per-operator curves + CUDA-graph padding + host gap (NVIDIA Hopper/Blackwell)",
+        default=None,
+        choices=list(KERNEL_MODES),
+        help="measured per-operator curves + CUDA-graph padding + host gap (default; curves for NVIDIA Hopper/Blackwell) "
+        "or flat: the first-order model's flat factors, no scheduler overheads",
     )
     p.add_argument("--spec-tokens", type=int, default=None, help="speculative decoding: draft tokens per step (MTP / a draft model); default none")
     p.add_argument(
@@ -107,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _efficiency(args: argparse.Namespace) -> Efficiency:
     if args.ideal and args.kernels == "measured":
         raise ValueError("--ideal and --kernels measured contradict each other: the roofline has no measured curves")
-    base = Efficiency.ideal() if args.ideal else (Efficiency.measured() if args.kernels == "measured" else Efficiency())
+    base = Efficiency.ideal() if args.ideal else Efficiency(kernels=args.kernels or "measured")
     changes = {
         k: v
         for k, v in (("hbm", args.eff_hbm), ("gemm", args.eff_gemm), ("attention", args.eff_attention), ("comm_overlap", args.comm_overlap))

@@ -3,7 +3,7 @@ the scheduler overheads (issue 37 item 1)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from openk3.checks import fail
 from openk3.planner.op_efficiency import OpCurves, curves_for
@@ -16,21 +16,23 @@ KERNEL_MODES = ("measured", "flat")
 class Efficiency:
     """How far from the roofline the kernels and the scheduler run.
 
-    `kernels="flat"` (default): every component takes the flat factors (HBM streaming 80%, GEMMs 50%, attention 30%:
-    round numbers between two decode anchors). `kernels="measured"` (`Efficiency.measured()`, `--kernels measured`):
-    GEMM, grouped GEMM, MLA attention prefill/decode and TP all-reduce take the measured per-operator curves of the
-    accelerator's family (`op_efficiency.py`), by shape; the flat factors then price only what has no curve (KDA,
-    AttnRes, GQA attention, an accelerator without curves). 70% of the expert communication hides under compute
-    (two-batch overlap); `overheads` adds CUDA-graph padding and the host gap per step (none by default, the measured
-    model's fitted ones with `measured()`). docs/planner.md compares both against the validation set: neither is the
-    better one everywhere, which is why the default stays. `calibrate` fits the flat factors to a measurement."""
+    `kernels="measured"` (default, `--kernels measured`): GEMM, grouped GEMM, MLA attention prefill/decode and TP
+    all-reduce take the measured per-operator curves of the accelerator's family (`op_efficiency.py`), by shape; the
+    flat factors then price only what has no curve (KDA, AttnRes, GQA prefill on Blackwell, an accelerator without curves).
+    `kernels="flat"` (`Efficiency.flat()`, `--kernels flat`): the first-order model, every component at the flat
+    factors (HBM streaming 80%, GEMMs 50%, attention 30%: round numbers between two decode anchors). 70% of the expert
+    communication hides under compute (two-batch overlap). `overheads` (CUDA-graph padding and the host gap per step)
+    left None takes the kernel mode's own: the fitted ones (`Overheads()`) with measured kernels, none with flat
+    factors, so `Efficiency(kernels="flat")` is the old model and `dataclasses.replace` of the mode keeps them paired.
+    docs/planner.md compares both against the validation sets: the measured model is the closer on every one.
+    `calibrate` fits the flat factors to a measurement."""
 
     hbm: float = 0.8
     gemm: float = 0.5
     attention: float = 0.3
     comm_overlap: float = 0.7
-    kernels: str = "flat"
-    overheads: Overheads = field(default_factory=Overheads.none)
+    kernels: str = "measured"
+    overheads: Overheads | None = None
 
     def __post_init__(self) -> None:
         for name in ("hbm", "gemm", "attention"):
@@ -48,8 +50,20 @@ class Efficiency:
 
     @classmethod
     def measured(cls) -> Efficiency:
-        """Measured per-operator curves plus CUDA-graph padding and the fitted host gap (`overheads.py`)."""
-        return cls(kernels="measured", overheads=Overheads())
+        """The default: measured per-operator curves plus CUDA-graph padding and the fitted host gap (`overheads.py`)."""
+        return cls(kernels="measured")
+
+    @classmethod
+    def flat(cls) -> Efficiency:
+        """The first-order model (the default until issue 37 round five): flat factors, no scheduler overheads."""
+        return cls(kernels="flat")
+
+    @property
+    def step_overheads(self) -> Overheads:
+        """`overheads` as given, else the kernel mode's own: fitted with measured kernels, none with flat factors."""
+        if self.overheads is not None:
+            return self.overheads
+        return Overheads() if self.kernels == "measured" else Overheads.none()
 
     def curves(self, accelerator: str) -> OpCurves | None:
         return curves_for(accelerator) if self.kernels == "measured" else None

@@ -2,9 +2,9 @@
 
 An accelerator's draw is split in two: the GPU's board power (`tdp_w`), which follows the step, and the rest of its wall
 share (`power_w - tdp_w`: CPU, NIC, switches, fans, cooling), drawn whatever the load. Inside a step, time the busiest
-rank spends compute-bound draws `compute` x TDP, HBM-bound time draws `hbm` x TDP, and exposed communication (the
-rank waits on the fabric) draws `idle` x TDP. Every other rank waits for the busiest one, so one step's energy is the
-instance size times that of the busiest rank.
+rank spends compute-bound draws `compute` x TDP, HBM-bound time draws `hbm` x TDP, and the rest of the step (exposed
+communication and the host gap: the rank waits on the fabric or the host) draws `idle` x TDP. Every other rank waits
+for the busiest one, so one step's energy is the instance size times that of the busiest rank.
 
 The fractions are estimates, not measurements: GPUs reach their power limit on dense GEMMs, memory-bound decode draws
 well below it (prefill runs near TDP, decode far under: Splitwise, Patel et al. ISCA 2024), an idle H100/H200 draws
@@ -48,5 +48,6 @@ def step_power_w(step: _Step, tdp_w: float, wall_w: float, params: PowerParams) 
     if step.total_s <= 0:
         return wall_w
     by = step.time_by_bound()
-    gpu_j = tdp_w * (params.compute * by["compute"] + params.hbm * by["hbm"] + params.idle * by["interconnect"])
+    waiting = step.total_s - by["compute"] - by["hbm"]  # exposed communication + host gap
+    gpu_j = tdp_w * (params.compute * by["compute"] + params.hbm * by["hbm"] + params.idle * waiting)
     return max(wall_w - tdp_w, 0.0) + gpu_j / step.total_s

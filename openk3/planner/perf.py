@@ -126,7 +126,7 @@ def _step(
     tp, eff = layout.tp, sc.efficiency
     curves = eff.curves(acc.name)
     real_seqs = tokens_per_group if decode else float(prompts)
-    seqs = eff.overheads.padded_batch(tokens_per_group) if decode and chunk is None else real_seqs
+    seqs = eff.step_overheads.padded_batch(tokens_per_group) if decode and chunk is None else real_seqs
     if decode:
         tokens_per_group = seqs * (verify.queries if verify else 1)
     extra = chunk.tokens if chunk else 0.0
@@ -197,7 +197,7 @@ def _step(
     )  # two-batch overlap needs two micro-batches (of sequences, when decoding)
     exposed = comm - overlap * min(comm, local)
     host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
-    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.overheads.host_gap(host_seqs))
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.step_overheads.host_gap(host_seqs))
 
 
 def decode_step(sc: Scenario) -> StepTime:

@@ -85,8 +85,8 @@ def _header(plan: Plan) -> list[str]:
         f"weights + {plan.workload.concurrency:,} sequences: {mk.num_accelerators if mk else '> search limit'}",
         f"inputs: kernels {e.kernels}"
         + (
-            f" ({e.overheads.host_gap_s * 1e3:g} ms + {e.overheads.host_gap_per_seq_s * 1e6:g} us/sequence host gap per step)"
-            if e.kernels == "measured"
+            f" ({e.step_overheads.host_gap_s * 1e3:g} ms + {e.step_overheads.host_gap_per_seq_s * 1e6:g} us/sequence host gap per step)"
+            if e.step_overheads.host_gap(1) > 0
             else ""
         )
         + f", efficiency hbm {e.hbm:g}, gemm {e.gemm:g}, attention {e.attention:g}, comm overlap {e.comm_overlap:g}; "
@@ -171,6 +171,9 @@ def render_text(plan: Plan) -> str:
         if plan.memory is not None and plan.layout is not None:
             out.append(f"closest layout: {plan.layout.describe()}")
             out.append(_memory_table(plan))
+        if plan.disagg is not None:  # a disaggregated plan can exist where no aggregated one does
+            out.append("")
+            out.extend(comparison_lines(plan.disagg, _price_note(plan)))
         out.append("")
         out.extend(_search_tables(plan))
         return "\n".join(out)

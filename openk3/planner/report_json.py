@@ -99,7 +99,7 @@ def _inputs(plan: Plan) -> dict[str, Any]:
             "placeholder": system.price_is_placeholder,
         },
         "quantisation": dataclasses.asdict(req.quant),
-        "efficiency": dataclasses.asdict(req.efficiency),
+        "efficiency": {**dataclasses.asdict(req.efficiency), "overheads": dataclasses.asdict(req.efficiency.step_overheads)},
         "speculative": None if req.spec is None else dataclasses.asdict(req.spec) | {"tokens_per_iteration": req.spec.tokens_per_iteration},
         "comm": dataclasses.asdict(req.comm),
         "balance_params": dataclasses.asdict(req.balance_params),

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from openk3.planner.cli import main, register
+from openk3.planner.cli import build_request, main, register
+from openk3.planner.overheads import Overheads
+from openk3.planner.perf import Efficiency
 
 FAST = ["--max-accelerators", "72"]
 
@@ -72,3 +74,29 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert rc == 2 and "pip install 'openk3[plot]'" in capsys.readouterr().err
     else:
         assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_kernels_default_to_measured_and_flat_stays_selectable() -> None:
+    """Issue 37 round five: measured kernels are the default; `--kernels flat` is the old model whole (no host gap);
+    `--ideal` is the roofline, and `--ideal --kernels measured` says it contradicts itself."""
+    parser = argparse.ArgumentParser(prog="openk3")
+    register(parser.add_subparsers(dest="command"))
+    base = ["plan", "--model", "k3", "--hardware", "gb300-nvl72", "--context", "8k"]
+    assert build_request(parser.parse_args(base)).efficiency == Efficiency.measured()
+    assert build_request(parser.parse_args([*base, "--kernels", "flat"])).efficiency == Efficiency.flat()
+    assert build_request(parser.parse_args([*base, "--ideal"])).efficiency == Efficiency.ideal()
+    tuned = build_request(parser.parse_args([*base, "--kernels", "flat", "--eff-gemm", "0.4"])).efficiency
+    assert tuned.gemm == 0.4 and tuned.step_overheads == Overheads.none()
+    with pytest.raises(ValueError, match="contradict"):
+        build_request(parser.parse_args([*base, "--ideal", "--kernels", "measured"]))
+
+
+def test_report_names_the_kernel_model(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--context", "8k", "--accelerators", "72", "--tp", "1", *FAST]
+    assert main(args) == 0
+    assert "inputs: kernels measured (1 ms + 20 us/sequence host gap per step)" in capsys.readouterr().out
+    assert main([*args, "--kernels", "flat"]) == 0
+    assert "inputs: kernels flat, efficiency hbm 0.8" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    eff = json.loads(capsys.readouterr().out)["inputs"]["efficiency"]
+    assert eff["kernels"] == "measured" and eff["overheads"]["host_gap_s"] == 1e-3

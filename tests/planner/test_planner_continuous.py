@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from openk3.config import k3
 from openk3.planner.continuous import _prefill, finite_run, steady_state
 from openk3.planner.hardware import load_catalogue
-from openk3.planner.inputs import Layout, Workload
+from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.models import qwen3_30b_a3b
-from openk3.planner.perf import Efficiency, Scenario, batch_step, prefill_step
+from openk3.planner.perf import Efficiency, Scenario, batch_step, evaluate, prefill_step
 from openk3.planner.steps import PrefillChunk
 from openk3.planner.validation_agg import QWEN_FP4
+from openk3.planner.workload import RequestMix, demand
 
 
 def _sc(concurrency: int, context: int = 1500, eff: Efficiency | None = None) -> Scenario:
@@ -89,3 +91,19 @@ def test_a_long_finite_run_approaches_the_steady_state() -> None:
     long = finite_run(sc, isl=500, osl=50, token_budget=4096, requests=64 * 200)
     assert short.output_tok_s < long.output_tok_s  # the start and the drain weigh on a run of one batch
     assert long.output_tok_s == pytest.approx(long.steady.output_tok_s, rel=0.05)
+
+
+def test_the_headline_plan_priced_by_mixed_steps_agrees_with_separate_ones() -> None:
+    """docs/planner.md (per-operator section): the issue's headline plan (K3, GB300, 8K/1K, 72 acc TP2 x DP36, 31
+    sequences per group) served as mixed steps gives within a few % of the workload's separate prefill and decode
+    steps: at 31 decode rows per group a mixed step saves one decode step's weight read against an 8K prompt's prefill.
+    The steady state is a little faster, never slower, and the same decode rows pay a prefill-long step once per prompt."""
+    mix = RequestMix(((8192, 1024),), None)
+    layout = Layout(72, tp=2, balance=Balance.MOONEP)
+    sc = Scenario(k3(), Quantisation(), layout, Workload(mix.decode_context, 31 * layout.dp, prompt=8192), load_catalogue().system("gb300-nvl72"))
+    d = demand(sc, evaluate(sc), mix)
+    st = steady_state(sc, 8192, 1024, token_budget=8192)
+    assert st.prompt_steps == pytest.approx(1.0, abs=0.01) and st.mixed.total_s > 20 * st.decode.total_s  # ~a prompt a step
+    rps = st.output_tok_s / 1024
+    assert d.replica_rps < rps < 1.03 * d.replica_rps
+    assert d.user_tok_s < 1 / st.step_s < 1.03 * d.user_tok_s

@@ -15,7 +15,8 @@ from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Layout, Quantisation, Workload
 from openk3.planner.memory import cache_spec
 from openk3.planner.perf import Scenario
-from openk3.planner.plan import PlanRequest
+from openk3.planner.plan import PlanRequest, make_plan
+from openk3.planner.report import render_text
 from openk3.planner.search import SLO, SearchSpace
 from openk3.planner.workload import RequestMix
 
@@ -99,3 +100,12 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "winner: disaggregated" in capsys.readouterr().out
     assert main(["plan", "--disagg", "--max-accelerators", "72"]) == 2
     assert "needs a workload" in capsys.readouterr().err
+
+
+def test_text_report_shows_the_disaggregated_plan_when_no_aggregated_one_exists() -> None:
+    """1M prompts at 20 tok/s/user: no aggregated layout meets the SLO once prefill interleaves with decode, yet a
+    prefill pool with PP/CP and a decode pool do; the text report says both (the JSON always carried it)."""
+    plan = make_plan(_req(1_000_000, 2048, 0.05, user=20, ttft=60, max_pp=8, max_cp=16))
+    assert plan.problem is not None and plan.disagg is not None and plan.disagg.disaggregated is not None
+    text = render_text(plan)
+    assert "no plan:" in text and "disaggregated " in text and "no aggregated layout meets the SLO" in text

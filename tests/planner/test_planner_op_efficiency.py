@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -70,8 +71,19 @@ def test_measured_decode_attention_is_the_roofline_over_the_curve() -> None:
     measured = curves.attention_decode(128, 128, 2000)
     assert measured is not None and attn.time_s == pytest.approx(roof / measured)
     assert step.overhead_s == pytest.approx(1e-3 + 20e-6 * 128)
-    flat = decode_step(sc.with_(efficiency=Efficiency()))
+    flat = decode_step(sc.with_(efficiency=Efficiency.flat()))
     assert flat.overhead_s == 0.0
+
+
+def test_measured_kernels_are_the_default_and_each_mode_brings_its_overheads() -> None:
+    assert Efficiency() == Efficiency.measured() and Efficiency().kernels == "measured"
+    assert Efficiency().step_overheads == Overheads() and Efficiency.flat().step_overheads == Overheads.none()
+    assert dataclasses.replace(Efficiency(), kernels="flat").step_overheads == Overheads.none()  # the old model, whole
+    assert Efficiency.ideal().step_overheads == Overheads.none() and Efficiency.ideal().curves("h200-sxm") is None
+    own = Overheads(host_gap_s=5e-3)
+    assert Efficiency(kernels="flat", overheads=own).step_overheads == own  # given overheads win over the mode's
+    with pytest.raises(ValueError, match="kernels"):
+        Efficiency(kernels="fast")
 
 
 def test_cuda_graph_padding_and_host_gap() -> None:
@@ -86,13 +98,13 @@ def test_cuda_graph_padding_and_host_gap() -> None:
 def test_aggregated_validation_reports_what_docs_say() -> None:
     """docs/planner.md: the TensorRT-LLM rows priced as the benchmark runs them (continuous.finite_run, no load
     balancer) with the Qwen3 checkpoints' FP8 KV cache. Median |error|, measured kernels: tuned 5%, held-out 12%, new
-    held-out 21%; the flat default: 64%, 18%, 103%. Pinned so a change to either model updates the docs."""
+    held-out 21% (the default); the flat model: 64%, 18%, 103%. Pinned so a change to either model updates the docs."""
 
     def median(cases: tuple, split: Split, eff: Efficiency) -> float:
         errs = [c.error(eff) for c in cases if c.split == split]
         return statistics.median(abs(e) for e in errs if e is not None)
 
-    m, flat = Efficiency.measured(), Efficiency()
+    m, flat = Efficiency(), Efficiency.flat()
     for eff, tuned, held, new in ((m, 0.05, 0.12, 0.21), (flat, 0.64, 0.18, 1.03)):
         assert math.isclose(median(AGGREGATED_CASES, Split.TUNED, eff), tuned, abs_tol=0.02)
         assert math.isclose(median(AGGREGATED_CASES, Split.HELD_OUT, eff), held, abs_tol=0.02)

@@ -5,26 +5,28 @@ from __future__ import annotations
 
 import pytest
 
+from openk3.planner.perf import Efficiency
 from openk3.planner.validation import CASES, Phase, Split
 
 BY_NAME = {c.name: c for c in CASES}
 
 # (low, high) error bands the docs report for each case with a prediction: a change to the model that moves a case out
 # of its band must update docs/planner.md too. Held-out decode within +-15% is the issue's goal; the others are outside
-# it for the reason each case states, and the band pins the direction of that miss.
+# it for the reason each case states, and the band pins the direction of that miss. The default model is the measured
+# kernels (issue 37 round five); test_flat_model_keeps_its_bands pins the flat factors' errors the docs quote beside it.
 BANDS = {
     "Kimi K2, 96 decode H200, EP96 + 96 redundant": (-0.30, 0.0),
-    "DeepSeek-V3, GB200 NVL72, EP48 (part I)": (0.0, 0.60),
+    "DeepSeek-V3, GB200 NVL72, EP48 (part I)": (-0.30, 0.0),
     "DeepEP LL dispatch, EP8": (-0.25, 0.0),
     "DeepEP LL combine, EP64": (0.0, 0.25),
-    "DeepSeek-V3, GB200 NVL72 decode, BF16 attn + FP8 MoE": (0.0, 0.35),
-    "DeepSeek-V3, GB200 NVL72 decode, FP8 attn + NVFP4 MoE": (0.0, 0.50),
-    "DeepSeek-V3, GB200 NVL72 prefill, BF16 attn + FP8 MoE": (0.0, 0.45),
-    "DeepSeek-V3, GB200 NVL72 prefill, FP8 attn + NVFP4 MoE": (0.0, 0.45),
-    "DeepSeek-V3, 72 decode H100 (9 nodes), EP72": (-0.15, 0.15),
+    "DeepSeek-V3, GB200 NVL72 decode, BF16 attn + FP8 MoE": (-0.40, 0.0),
+    "DeepSeek-V3, GB200 NVL72 decode, FP8 attn + NVFP4 MoE": (-0.35, 0.0),
+    "DeepSeek-V3, GB200 NVL72 prefill, BF16 attn + FP8 MoE": (-0.35, 0.0),
+    "DeepSeek-V3, GB200 NVL72 prefill, FP8 attn + NVFP4 MoE": (-0.10, 0.10),
+    "DeepSeek-V3, 72 decode H100 (9 nodes), EP72": (-0.25, 0.0),
     "DeepSeek-V3, 32 prefill H100 (4 nodes), EP32": (-0.35, 0.0),
     "DeepSeek-R1 NVFP4, GB300 NVL72, DEP8, 128K/8K": (0.0, 0.40),
-    "DeepSeek-R1 NVFP4, 2 GB300, EP2, prefill only": (0.0, 0.80),
+    "DeepSeek-R1 NVFP4, 2 GB300, EP2, prefill only": (0.0, 0.40),
 }
 
 
@@ -61,3 +63,17 @@ def test_predictions_follow_the_inputs() -> None:
     bf16 = BY_NAME["DeepSeek-V3, GB200 NVL72 decode, BF16 attn + FP8 MoE"].predict()
     fp8 = BY_NAME["DeepSeek-V3, GB200 NVL72 decode, FP8 attn + NVFP4 MoE"].predict()
     assert bf16 is not None and fp8 is not None and fp8 > 1.3 * bf16
+
+
+FLAT_BANDS = {  # the flat factors' errors, quoted in the cases' notes and in docs/planner.md's anchors
+    "DeepSeek-V3, GB200 NVL72, EP48 (part I)": (0.50, 0.60),
+    "DeepSeek-V3, GB200 NVL72 decode, BF16 attn + FP8 MoE": (0.25, 0.35),
+    "DeepSeek-V3, 72 decode H100 (9 nodes), EP72": (0.05, 0.15),
+}
+
+
+def test_flat_model_keeps_its_bands() -> None:
+    flat = Efficiency.flat()
+    for name, (low, high) in FLAT_BANDS.items():
+        err = BY_NAME[name].error(flat)
+        assert err is not None and low <= err <= high, f"{name}: flat {err}"

@@ -214,7 +214,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 with a plan, 1 when no layout fits or meets the SLO (the reason is printed), 2 on a bad input."""
+    """Exit status: 0 with a plan (with --disagg a disaggregated one counts when no aggregated layout meets the SLO),
+    1 when no layout fits or meets the SLO (the reason is printed), 2 on a bad input."""
     try:
         plan = make_plan(build_request(args))
     except (ValueError, OSError) as exc:
@@ -224,9 +225,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(render_json(plan), indent=2, allow_nan=False))
     else:
         print(render_text(plan))
-    if plan.problem is not None:
+    disaggregated = plan.disagg is not None and plan.disagg.disaggregated is not None
+    if plan.problem is not None and not disaggregated:
         print(f"openk3 plan: no plan: {plan.problem}", file=sys.stderr)
         return 1
+    if plan.problem is not None:
+        print(f"openk3 plan: no aggregated plan ({plan.problem}); the disaggregated plan above meets the SLO", file=sys.stderr)
     if args.plot:
         try:
             path = write_plot(plan, args.plot)

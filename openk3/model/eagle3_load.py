@@ -7,8 +7,9 @@ aux layer ids (`eagle_aux_hidden_state_layer_ids`, top level or under `eagle_con
 target's L layers, used as vLLM uses them: id i is the hidden state entering the target's layer i); and model.safetensors
 (or an index) with `fc.weight`, `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t`, `t2d` and an optional
 `embed_tokens.weight`. Every config key is read or refused (a few metadata keys that change nothing are listed), every
-tensor placed; a missing, unknown or misshapen tensor is a CheckpointError naming it. The MLA-layer heads (eagle3-mla) and
-multi-layer heads are refused by name: docs/serving.md says which published drafts load.
+tensor placed; a missing, unknown or misshapen tensor is a CheckpointError naming it. Multi-layer heads are refused by
+name; the MLA-layer heads are model/eagle3_mla_load.py's (load_any_eagle3 picks by architecture): docs/serving.md says
+which published drafts load.
 """
 
 from __future__ import annotations

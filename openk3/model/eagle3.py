@@ -66,7 +66,8 @@ class Eagle3Config:
 
 class Past(NamedTuple):
     """One sequence's rows of a step: rows [start, end) of the packed batch, after `keys`/`values` [P, G, d] of its
-    earlier positions (already rotated), which every row attends to before its own sequence's rows up to itself."""
+    earlier positions (already rotated), which every row attends to before its own sequence's rows up to itself. The K3
+    MLA head (model/eagle3_mla.py) passes its latent halves the same way: c_kv [P, Lr] as `keys`, k_pe [P, Dr] as `values`."""
 
     start: int
     end: int

@@ -23,8 +23,8 @@ import torch
 
 from openk3.launch.spec import EngineSpec
 from openk3.model import K3ForCausalLM
-from openk3.model.eagle3 import Eagle3Head
-from openk3.model.eagle3_load import load_eagle3
+from openk3.model.eagle3_mla import AnyEagle3Head
+from openk3.model.eagle3_mla_load import load_any_eagle3
 from openk3.model.mtp import MTPLayer
 from openk3.model.mtp_load import load_mtp
 from openk3.parallel.dp.engine import DataParallelEngine
@@ -127,7 +127,7 @@ def _mtp_layer(spec: EngineSpec, net: CausalLM, device: torch.device) -> MTPLaye
     return layer
 
 
-def _eagle3_head(spec: EngineSpec, net: CausalLM) -> Eagle3Head | None:
+def _eagle3_head(spec: EngineSpec, net: CausalLM) -> AnyEagle3Head | None:
     """The EAGLE-3 head EngineConfig.speculative_model names when the method is "eagle3" (model/eagle3_load.py: on the
     target's device in its dtype), or None."""
     config = spec.engine
@@ -139,7 +139,7 @@ def _eagle3_head(spec: EngineSpec, net: CausalLM) -> Eagle3Head | None:
     folder = Path(config.speculative_model)
     if not folder.is_dir() and (ASSETS / folder).is_dir():  # a shipped head by its path under the assets ("tiny/eagle3")
         folder = ASSETS / folder
-    head = load_eagle3(folder, net)
+    head = load_any_eagle3(folder, net)
     log.info(
         "speculative decoding: EAGLE-3 head %s (aux layers %s), %d tokens per step",
         config.speculative_model,

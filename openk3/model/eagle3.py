@@ -66,7 +66,8 @@ class Eagle3Config:
 
 class Past(NamedTuple):
     """One sequence's rows of a step: rows [start, end) of the packed batch, after `keys`/`values` [P, G, d] of its
-    earlier positions (already rotated), which every row attends to before its own sequence's rows up to itself."""
+    earlier positions (already rotated), which every row attends to before its own sequence's rows up to itself. The K3
+    MLA head (model/eagle3_mla.py) passes its latent halves the same way: c_kv [P, Lr] as `keys`, k_pe [P, Dr] as `values`."""
 
     start: int
     end: int
@@ -168,6 +169,10 @@ class Eagle3Head(nn.Module):
         )
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.target_parts: tuple[nn.Embedding, ...] = () if target_embed is None else (target_embed,)  # a tuple: not registered here
+
+    def cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one position's two cached rows: its rotated keys and its values, [G, d] each."""
+        return (self.config.num_key_value_heads, self.config.head_dim), (self.config.num_key_value_heads, self.config.head_dim)
 
     def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self.target_parts[0])(input_ids_T)

@@ -7,8 +7,9 @@ aux layer ids (`eagle_aux_hidden_state_layer_ids`, top level or under `eagle_con
 target's L layers, used as vLLM uses them: id i is the hidden state entering the target's layer i); and model.safetensors
 (or an index) with `fc.weight`, `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t`, `t2d` and an optional
 `embed_tokens.weight`. Every config key is read or refused (a few metadata keys that change nothing are listed), every
-tensor placed; a missing, unknown or misshapen tensor is a CheckpointError naming it. The MLA-layer heads (eagle3-mla) and
-multi-layer heads are refused by name: docs/serving.md says which published drafts load.
+tensor placed; a missing, unknown or misshapen tensor is a CheckpointError naming it. Multi-layer heads are refused by
+name; the MLA-layer heads are model/eagle3_mla_load.py's (load_any_eagle3 picks by architecture): docs/serving.md says
+which published drafts load.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from openk3.config import ModelConfig
 from openk3.model.eagle3 import Eagle3Config, Eagle3Head, rope_frequencies
+from openk3.model.eagle3_mla import AnyEagle3Head
 from openk3.model.model import K3ForCausalLM
 from openk3.model.weights import CheckpointError, iter_checkpoint
 from openk3.ops.registry import OpTarget
@@ -41,7 +43,9 @@ READ = frozenset(
         "max_window_layers",
     }
 )  # fmt: skip
-EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer", "use_last_layernorm"})
+EAGLE_CONFIG_KEYS = frozenset(
+    {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer", "use_last_layernorm", "use_mtp_layernorm"}
+)
 
 
 def _refuse(path: Path, what: str) -> CheckpointError:
@@ -62,6 +66,8 @@ def _aux_ids(path: Path, raw: dict[str, Any], target: ModelConfig) -> tuple[int,
     for key in ("use_aux_hidden_state", "use_input_layernorm_in_first_layer", "use_last_layernorm"):
         if nested.get(key, True) is not True:
             raise _refuse(path, f"eagle_config.{key}={nested[key]!r}: openk3 runs EAGLE-3's layout, where it is true")
+    if nested.get("use_mtp_layernorm", False) is not False:  # TorchSpec's K3 MLA config writes it false
+        raise _refuse(path, f"eagle_config.use_mtp_layernorm={nested['use_mtp_layernorm']!r}: openk3 runs EAGLE-3's layout, where it is false")
     ids = nested.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
     n = target.num_hidden_layers
     aux = default_aux_layers(n) if ids is None else tuple(ids)
@@ -91,7 +97,9 @@ def eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     arch = raw.get("architectures") or []
     if not any(a in ARCHITECTURES for a in arch):
         hint = (
-            " (an EAGLE-3 head with an MLA draft layer, as the *-eagle3-mla heads ship: not loaded)" if any("Deepseek" in a or "MLA" in a for a in arch) else ""
+            " (an EAGLE-3 head with an MLA draft layer: model/eagle3_mla_load.py load_any_eagle3 reads the K3 NoPE one)"
+            if any("Deepseek" in a or "MLA" in a for a in arch)
+            else ""
         )
         raise _refuse(path, f"architectures={arch}{hint}; openk3 loads EAGLE-3 heads of {list(ARCHITECTURES)}")
     if unknown := sorted(set(raw) - READ - METADATA):
@@ -136,7 +144,7 @@ def _local_name(name: str) -> str:
     return name.removeprefix("model.") if name.startswith("model.") and not name.startswith("model.layers.") else name
 
 
-def check_vocab_map(head: Eagle3Head, path: Path, has_t2d: bool) -> None:
+def check_vocab_map(head: AnyEagle3Head, path: Path, has_t2d: bool) -> None:
     """d2t maps the draft ids to distinct target ids; t2d, where shipped, marks exactly those."""
     cfg = head.config
     ids = torch.arange(cfg.draft_vocab_size, device=head.d2t.device) + head.d2t

@@ -62,25 +62,28 @@ class MLAInputs(NamedTuple):
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, config: ModelConfig, prefill_impl: str = "auto") -> None:
+    def __init__(self, config: ModelConfig, prefill_impl: str = "auto", input_size: int | None = None, norm_eps: float = MLA_NORM_EPS) -> None:
+        """`input_size`: the width the input projections read (the hidden size, unless a draft layer reads a wider input:
+        model/eagle3_mla.py's 2H); `norm_eps`: q_a_layernorm's and kv_a_layernorm's epsilon."""
         super().__init__()
         m = config.mla
         d = config.hidden_size
+        d_in = input_size or d
         self.num_heads, self.nope, self.rope, self.v_dim, self.lora = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.scale = m.qk_head_dim**-0.5
         if m.q_lora_rank is None:
-            self.q_proj = Linear(d, m.num_heads * m.qk_head_dim, bias=False)
+            self.q_proj = Linear(d_in, m.num_heads * m.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = Linear(d, m.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, MLA_NORM_EPS)
+            self.q_a_proj = Linear(d_in, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, norm_eps)
             self.q_b_proj = Linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, bias=False)
         self.q_lora = m.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = Linear(d, m.latent_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_a_proj_with_mqa = Linear(d_in, m.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, norm_eps)
         self.kv_b_proj = Linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.output_gate = m.output_gate
         if m.output_gate:
-            self.g_proj = Linear(d, m.num_heads * m.v_head_dim, bias=False)
+            self.g_proj = Linear(d_in, m.num_heads * m.v_head_dim, bias=False)
         self.o_proj = Linear(m.num_heads * m.v_head_dim, d, bias=False)
         self.select(prefill_impl, CPU_INFERENCE)
         self.in_proj = ProjectionGroup(self._in_linears())  # q (or q_a), kv_a, g: the projections of the input

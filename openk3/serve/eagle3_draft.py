@@ -9,8 +9,10 @@ one position on, reading its own previous x in place of fc(aux) and attending to
 earlier drafts (held only for the proposal, so nothing needs undoing when drafts are rejected). A request whose rows do
 not start where the head stopped (recomputed after a preemption, or begun after a prefix-cache hit, where the target ran
 no rows) starts over at its first row; that changes drafts, never the output (the target's verification decides it).
-The head's keys and values live here, per request, in buffers that grow by doubling: one layer of GQA keys is small
-beside the target's cache. Legend: T packed rows, H head hidden, G key/value heads, d head dim, V target vocabulary.
+The head's cache lives here, per request, in buffers that grow by doubling: one layer's rows are small beside the
+target's cache. Two rows per position: the Llama head's keys and values, or the K3 MLA head's latent halves c_kv and k_pe
+(model/eagle3_mla.py); `head.cache_rows()` gives their shapes.
+Legend: T packed rows, H head hidden, G key/value heads, d head dim, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openk3.model.eagle3 import Eagle3Head, Past
+from openk3.model.eagle3 import Past
+from openk3.model.eagle3_mla import AnyEagle3Head
 from openk3.serve.draft_steering import DraftSteering
 from openk3.serve.request import Request
 from openk3.serve.speculative import draw_draft, draw_steered
@@ -28,8 +31,9 @@ from openk3.serve.speculative import draw_draft, draw_steered
 
 @dataclass
 class _Seen:
-    """What the head holds for one request: keys/values [capacity, G, d] of positions offset .. next - 1 (row = position
-    - offset) and its output x at position next - 1 (what the first draft after token `next` is read from)."""
+    """What the head holds for one request: its two cached rows (keys/values [capacity, G, d], or the MLA head's c_kv /
+    k_pe) of positions offset .. next - 1 (row = position - offset) and its output x at position next - 1 (what the first
+    draft after token `next` is read from)."""
 
     offset: int
     next: int
@@ -53,7 +57,7 @@ class _Seen:
 
 
 class Eagle3Proposer:
-    def __init__(self, head: Eagle3Head, num_tokens: int, seed: int = 0) -> None:
+    def __init__(self, head: AnyEagle3Head, num_tokens: int, seed: int = 0) -> None:
         self.head = head
         self.k = num_tokens
         self.device = head.fc.weight.device
@@ -86,9 +90,9 @@ class Eagle3Proposer:
                 continue
             seen = self._seen.get(rid)
             if seen is None or seen.next != start:  # new, or the target ran it again from elsewhere (module docstring)
-                g, d = self.head.config.num_key_value_heads, self.head.config.head_dim
-                empty = aux.new_empty((0, g, d), dtype=self.head.fc.weight.dtype)
-                self._seen[rid] = _Seen(start, start, empty, empty.clone(), torch.empty(0))
+                key_row, value_row = self.head.cache_rows()
+                dtype = self.head.fc.weight.dtype
+                self._seen[rid] = _Seen(start, start, aux.new_empty((0, *key_row), dtype=dtype), aux.new_empty((0, *value_row), dtype=dtype), torch.empty(0))
             end = start + len(aux)
             ids.append(rid)
             tokens.extend(req.token_ids[start + 1 : end + 1])

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from openk3.config.vision import VisionConfig
-from openk3.model.eagle3 import Eagle3Head
+from openk3.model.eagle3_mla import AnyEagle3Head
 from openk3.model.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer
 from openk3.serve.cache import handoff
@@ -63,7 +63,7 @@ class LLMEngine:
         draft_model: CausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
         mtp_layer: MTPLayer | None = None,
-        eagle3_head: Eagle3Head | None = None,
+        eagle3_head: AnyEagle3Head | None = None,
     ) -> None:
         """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
         tokenizer); `mtp_layer`: with the checkpoint's multi-token-prediction layer as the draft (serve/mtp_draft.py; it

@@ -9,6 +9,7 @@ step-0 keys of positions <= p and, for j > 0, the keys that row p made at steps 
 diagonal extension of the mask). Its loss is the soft cross-entropy to the target's next-token distribution at p + 1 + j
 (over the draft vocabulary, as EAGLE-3 restricts it), weighted 0.8^j; rows past the window drop out.
 
+The K3 MLA head (model/eagle3_mla.py) trains by the same loop; its steps are train/eagle3_mla_train.py's.
 A new head: the draft vocabulary is the Vd most frequent tokens of the training sequences (d2t / t2d from them);
 lm_head starts from the target's rows of those tokens, norm from the target's final norm, the embedding is the target's
 (not trained), the rest small random.
@@ -22,8 +23,10 @@ import torch.nn.functional as F
 from openk3.model.batch import ForwardBatch
 from openk3.model.eagle3 import Eagle3Config, Eagle3Head
 from openk3.model.eagle3_load import default_aux_layers
+from openk3.model.eagle3_mla import AnyEagle3Head, Eagle3MLAHead
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.registry import OpTarget
+from openk3.train.eagle3_mla_train import mla_ttt_outputs
 
 LOSS_DECAY = 0.8
 
@@ -64,7 +67,7 @@ def new_eagle3_head(
 
 
 @torch.no_grad()
-def teacher(target: K3ForCausalLM, head: Eagle3Head, ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher(target: K3ForCausalLM, head: AnyEagle3Head, ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's aux hidden states [B, L, 3D] and its next-token distributions over the draft vocabulary [B, L, Vd]."""
     b, seq_len = ids_BL.shape
     h, aux = target.aux_hidden_states(ForwardBatch.from_tokens(ids_BL), None, head.config.aux_layer_ids)
@@ -117,11 +120,13 @@ def ttt_outputs(head: Eagle3Head, ids_BL: torch.Tensor, aux_BLA: torch.Tensor, s
     return outs
 
 
-def ttt_loss(head: Eagle3Head, ids_BL: torch.Tensor, aux_BLA: torch.Tensor, p_BLV: torch.Tensor, steps: int) -> torch.Tensor:
-    """The training-time test's weighted loss over `steps` steps: step j's row p against the target at p + 1 + j."""
+def ttt_loss(head: AnyEagle3Head, ids_BL: torch.Tensor, aux_BLA: torch.Tensor, p_BLV: torch.Tensor, steps: int) -> torch.Tensor:
+    """The training-time test's weighted loss over `steps` steps: step j's row p against the target at p + 1 + j (the
+    K3 MLA head's steps by train/eagle3_mla_train.py)."""
     total = aux_BLA.new_zeros(())
     rows = ids_BL.shape[1] - 1
-    for j, x in enumerate(ttt_outputs(head, ids_BL, aux_BLA, steps)):
+    outs = mla_ttt_outputs(head, ids_BL, aux_BLA, steps) if isinstance(head, Eagle3MLAHead) else ttt_outputs(head, ids_BL, aux_BLA, steps)
+    for j, x in enumerate(outs):
         valid = rows - j
         logq = head.lm_head(head.norm(x[:, :valid])).log_softmax(-1)
         total = total + LOSS_DECAY**j * -(p_BLV[:, 1 + j : 1 + j + valid] * logq).sum(-1).mean()
@@ -129,7 +134,7 @@ def ttt_loss(head: Eagle3Head, ids_BL: torch.Tensor, aux_BLA: torch.Tensor, p_BL
 
 
 def train_eagle3(
-    target: K3ForCausalLM, head: Eagle3Head, sequences: torch.Tensor, steps: int, ttt_steps: int = 3, batch_size: int = 8, lr: float = 2e-3, seed: int = 0
+    target: K3ForCausalLM, head: AnyEagle3Head, sequences: torch.Tensor, steps: int, ttt_steps: int = 3, batch_size: int = 8, lr: float = 2e-3, seed: int = 0
 ) -> list[float]:
     """Train `head` in place on `sequences` [N, L] (the teacher computed once, then random batches, AdamW with a cosine
     schedule); the loss of every step. The head is left in eval mode with inference ops."""

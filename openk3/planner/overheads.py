@@ -7,7 +7,9 @@
   one, and engines capture a graph at their max batch (TensorRT-LLM appends `max_batch_size` to the sizes it generates,
   and generates every 8 up to 128; SGLang every 8 up to 256), so the search prices each batch it tries with a graph at
   that batch (`capturing`): steady decode at the planned batch pads nothing, smaller batches pad to the list. The
-  validation keeps the benchmark's own list.
+  validation keeps the benchmark's own list. Padding rows are charged in full, attention included, although
+  TensorRT-LLM pads with one dummy request that has no cache: charging attention for the real rows only and refitting
+  the host gap left the tuned rows at 11% median |error| against 5% (docs/planner.md, round six), so it was not kept.
 - Host gap: time per step the GPU waits on the host (scheduling, sampling, detokenisation hand-off) that the engine's
   overlap scheduler does not hide; a fixed part plus a part per sequence in the step.
 - Chunked-prefill mixing: a plan's workload (`workload.py`) time-shares the replica between prefill and decode steps,

@@ -197,7 +197,8 @@ def best_aggregated(req: PlanRequest, mix: RequestMix, sc0: Scenario) -> Aggrega
             continue
 
         def make(b: int, layout: Layout = layout) -> Aggregated | None:
-            sc = sc0.with_(layout=layout, workload=Workload(context=mix.decode_context, concurrency=b * layout.dp, prompt=mix.ttft_prompt))
+            workload = Workload(context=mix.decode_context, concurrency=b * layout.dp, prompt=mix.ttft_prompt)
+            sc = sc0.with_(layout=layout, workload=workload, efficiency=sc0.efficiency.capturing(b))  # a graph at its batch, as search
             m: Metrics = evaluate(sc)
             lp = None
             if m.ttft_s > slo.max_ttft_s and (req.space.max_pp > 1 or req.space.max_cp > 1):

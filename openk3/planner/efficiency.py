@@ -3,7 +3,7 @@ the scheduler overheads (issue 37 item 1)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openk3.checks import fail
 from openk3.planner.op_efficiency import OpCurves, curves_for
@@ -64,6 +64,11 @@ class Efficiency:
         if self.overheads is not None:
             return self.overheads
         return Overheads() if self.kernels == "measured" else Overheads.none()
+
+    def capturing(self, batch: int) -> Efficiency:
+        """The engine a plan deploys for `batch` sequences per attention group: a CUDA graph captured at that batch
+        (`Overheads.capturing`), the overheads otherwise the same."""
+        return replace(self, overheads=self.step_overheads.capturing(batch))
 
     def curves(self, accelerator: str) -> OpCurves | None:
         return curves_for(accelerator) if self.kernels == "measured" else None

@@ -3,7 +3,13 @@
 - CUDA-graph padding: a decode step runs the captured graph of the smallest captured batch that holds its sequences
   (per attention group), so the kernels see the padded batch. Default sizes: TensorRT-LLM's benchmark configuration
   (`cuda_graph_config.batch_sizes` in its perf-overview, `enable_padding: true`); above the largest the step runs eager
-  at its own size.
+  at its own size. A plan's engine is set up for the plan's batch: its max batch per attention group is the planned
+  one, and engines capture a graph at their max batch (TensorRT-LLM appends `max_batch_size` to the sizes it generates,
+  and generates every 8 up to 128; SGLang every 8 up to 256), so the search prices each batch it tries with a graph at
+  that batch (`capturing`): steady decode at the planned batch pads nothing, smaller batches pad to the list. The
+  validation keeps the benchmark's own list. Padding rows are charged in full, attention included, although
+  TensorRT-LLM pads with one dummy request that has no cache: charging attention for the real rows only and refitting
+  the host gap left the tuned rows at 11% median |error| against 5% (docs/planner.md, round six), so it was not kept.
 - Host gap: time per step the GPU waits on the host (scheduling, sampling, detokenisation hand-off) that the engine's
   overlap scheduler does not hide; a fixed part plus a part per sequence in the step.
 - Chunked-prefill mixing: a plan's workload (`workload.py`) time-shares the replica between prefill and decode steps,
@@ -26,7 +32,7 @@ balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' medi
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openk3.checks import fail
 
@@ -55,6 +61,12 @@ class Overheads:
         if not self.graph_sizes or seqs > self.graph_sizes[-1]:
             return seqs
         return float(self.graph_sizes[bisect.bisect_left(self.graph_sizes, seqs)])
+
+    def capturing(self, batch: int) -> Overheads:
+        """The same engine with a graph captured at `batch` as well (its max batch); without graphs, unchanged."""
+        if not self.graph_sizes or batch in self.graph_sizes:
+            return self
+        return replace(self, graph_sizes=tuple(sorted({*self.graph_sizes, batch})))
 
     def host_gap(self, seqs: float) -> float:
         return self.host_gap_s + self.host_gap_per_seq_s * seqs

@@ -25,7 +25,7 @@ from openk3.planner.runtime import Support, support
 from openk3.planner.search import SLO, Candidate, SearchResult, SearchSpace, default_sizes, search, why_not
 from openk3.planner.tiers import TierRow, break_even_tokens, tier_table
 from openk3.planner.traffic import Traffic, step_traffic
-from openk3.planner.workload import Demand, demand, seconds_per_request
+from openk3.planner.workload import Demand, demand, replicas_for
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,25 @@ class Plan:
             return None
         lp = self.choice.long_prefill if self.choice else None
         return support(self.layout, self.request.efficiency.comm_overlap, self.request.quant, self.request.system.accelerator.vendor, lp)
+
+
+def request_rank(c: Candidate, rate: float | None) -> tuple[float, float]:
+    """How a workload's candidates are ordered (the headline and the search rows): with a rate, by the accelerators of
+    the ceil(rate / per-replica rate) replicas it needs, then by accelerator-seconds per request; without one, by
+    accelerator-seconds per request at full utilisation (both are $ at the system's one price per accelerator-hour)."""
+    if c.busy_s is None:
+        raise ValueError(f"request_rank needs a candidate searched with a workload ({c.describe()} has no busy seconds per request)")
+    full_use = c.layout.num_accelerators * c.busy_s
+    if rate is None:
+        return (full_use, 0.0)
+    return (float(replicas_for(rate, c.busy_s) * c.layout.num_accelerators), full_use)
+
+
+def ranking_rule(rate: float | None) -> str:
+    """The order `request_rank` gives, in words for the reports."""
+    if rate is None:
+        return "cheapest per request at full utilisation first"
+    return f"cheapest fleet for {rate:g} requests/s first (ceil(rate / per-replica rate) replicas), then per request at full utilisation"
 
 
 def _pinned_space(req: PlanRequest, sizes: tuple[int, ...]) -> SearchSpace:
@@ -103,8 +122,8 @@ def make_plan(req: PlanRequest) -> Plan:
     result = run(pinned_space, req.concurrency) if req.pinned else full
     choice = result.best
     if req.requests is not None and result.feasible:
-        mix = req.requests
-        choice = min(result.feasible, key=lambda c: c.layout.num_accelerators * seconds_per_request(c.metrics, mix))
+        rate = req.requests.rate
+        choice = min(result.feasible, key=lambda c: request_rank(c, rate))
     balance = req.balance or Balance.EPLB
     problem: str | None = None
     layout: Layout | None = None
@@ -134,7 +153,8 @@ def make_plan(req: PlanRequest) -> Plan:
     agent: TaskCost | None = None
     queue: tuple[QueueStats, SLOPercentile] | None = None
     if choice is not None and layout is not None:
-        sc = Scenario(req.config, req.quant, layout, workload, req.system, req.efficiency, req.comm, req.balance_params, req.fill, req.power, req.spec)
+        engine = req.efficiency.capturing(choice.seqs_per_group)  # as the search priced it: a graph at the planned batch
+        sc = Scenario(req.config, req.quant, layout, workload, req.system, engine, req.comm, req.balance_params, req.fill, req.power, req.spec)
         tiers = tier_table(sc, req.context)
         break_even = {t: break_even_tokens(sc, t) for t in ("host_dram", "nvme")}
         sized = demand(sc, choice.metrics, req.requests, choice.long_prefill) if req.requests is not None else None

@@ -12,7 +12,7 @@ from openk3.planner.agent import describe_cost
 from openk3.planner.attention import attention_shape
 from openk3.planner.dtypes import describe as describe_quant
 from openk3.planner.pareto import front
-from openk3.planner.plan import Plan
+from openk3.planner.plan import Plan, ranking_rule, request_rank
 from openk3.planner.plot import PlotUnavailable, write_plot
 from openk3.planner.queueing import describe_queue
 from openk3.planner.report_disagg import comparison_lines
@@ -20,7 +20,6 @@ from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
 from openk3.planner.workload import describe as describe_demand
-from openk3.planner.workload import seconds_per_request
 
 __all__ = ["PlotUnavailable", "render_json", "render_text", "write_plot"]
 
@@ -106,10 +105,10 @@ def _search_tables(plan: Plan) -> list[str]:
     feasible = list(plan.search.feasible)
     if mix is None:
         out = [f"search (SLO: >= {slo.min_user_tok_s:g} tok/s per user, TTFT <= {slo.max_ttft_s:g} s), cheapest first:"]
-    else:  # ranked as the headline is: replica-seconds per request, prefill and decode
-        feasible.sort(key=lambda c: c.layout.num_accelerators * seconds_per_request(c.metrics, mix))
+    else:  # ranked as the headline is chosen
+        feasible.sort(key=lambda c: request_rank(c, mix.rate))
         seen = f">= {slo.min_user_tok_s:g} tok/s per user as users see it, prefill interleaved"
-        out = [f"search (SLO: {seen}, TTFT <= {slo.max_ttft_s:g} s), cheapest per request first:"]
+        out = [f"search (SLO: {seen}, TTFT <= {slo.max_ttft_s:g} s), {ranking_rule(mix.rate)}:"]
     feasible = feasible[:5]
     out.append(_table(HEADERS, [_candidate_row(c, plan) for c in feasible]) if feasible else "  no candidate meets the SLO")
     out.append("")

@@ -12,7 +12,7 @@ from typing import Any
 from openk3.planner.inputs import Workload
 from openk3.planner.pareto import front
 from openk3.planner.perf import Scenario
-from openk3.planner.plan import Plan
+from openk3.planner.plan import Plan, ranking_rule
 from openk3.planner.report_disagg import comparison_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
@@ -208,7 +208,12 @@ def render_json(plan: Plan) -> dict[str, Any]:
             "binding": m.binding,
         }
     if req.requests is not None:
-        doc["workload"] = {"pairs": [list(p) for p in req.requests.pairs], "rate": req.requests.rate, "demand": _demand(plan)}
+        doc["workload"] = {
+            "pairs": [list(p) for p in req.requests.pairs],
+            "rate": req.requests.rate,
+            "ranking": ranking_rule(req.requests.rate),
+            "demand": _demand(plan),
+        }
     if plan.queue is not None:
         stats, met = plan.queue
         doc["queueing"] = {

@@ -8,7 +8,11 @@ sequence per group do not fit is not a candidate at all; `why_not` says how far 
 its per-user speed is at least `min_user_tok_s` and its TTFT at most `max_ttft_s`; feasible candidates are ranked by $
 per 1M output tokens. The per-user speed is what a user sees: with a workload (input/output lengths, a rate) the decode
 steps are stretched by the prefill its requests bring (`workload.decode_stretch`); without one, no prefill load is
-implied and it is the decode step's own speed.
+implied and it is the decode step's own speed. Each batch is priced on an engine set up for it: a CUDA graph captured
+at that batch per group (`Efficiency.capturing`), as engines capture their max batch, so a batch between two powers
+of two runs its own graph, not the next power's (until issue 37 round six every batch from 65 to 127 ran the graph of
+128, and the bisection found nothing between the grid points). With a workload each candidate carries its replica's
+busy seconds per request, which `plan.request_rank` orders by.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Candidate:
     # wall time per decode step / the step itself: the prefill a workload's requests bring interleaves with decode
     # (workload.decode_stretch); 1.0 when no workload is given, or for a decode pool that never prefills
     stretch: float = 1.0
+    busy_s: float | None = None  # with a workload: replica-seconds per request (its prefill + its decode steps)
 
     @property
     def user_tok_s(self) -> float:
@@ -203,7 +208,8 @@ def search(
             cap = "fixed" if total is not None else ("memory" if capped else "")
             total = b * layout.dp if total is None else total
             workload = Workload(context=context, concurrency=total, prompt=prompt)
-            sc = Scenario(config, quant, layout, workload, system, efficiency, comm, balance, fill, power, spec)
+            engine = efficiency.capturing(b)  # the engine set up for this batch captures its graph
+            sc = Scenario(config, quant, layout, workload, system, engine, comm, balance, fill, power, spec)
             m = evaluate(sc, memory_limited=capped)
             lp = None
             if m.ttft_s > slo.max_ttft_s and (space.max_pp > 1 or space.max_cp > 1):
@@ -212,9 +218,10 @@ def search(
                     m = with_long_prefill(m, lp)
                 else:
                     lp = None
-            stretch = 1.0
+            stretch, busy = 1.0, None
             if mix is not None and prefill_busy is not None:
                 stretch = decode_stretch(prefill_busy, mix.mean_output / m.throughput_tok_s, mix.rate)
+                busy = prefill_busy + mix.mean_output / m.throughput_tok_s
             user = m.per_user_tok_s / stretch
             miss = []
             if user < slo.min_user_tok_s:
@@ -222,7 +229,7 @@ def search(
                 miss.append(f"{user:.1f} tok/s/user{seen} < {slo.min_user_tok_s:g}")
             if m.ttft_s > slo.max_ttft_s:
                 miss.append(f"TTFT {m.ttft_s:.2f}s > {slo.max_ttft_s:g}s")
-            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp, stretch)
+            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp, stretch, busy)
 
         if concurrency is not None:
             b = -(-concurrency // layout.dp)

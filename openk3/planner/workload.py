@@ -9,7 +9,8 @@ utilisation; the fleet figure divides the provisioned fleet's $/s by the rate).
 
 The search plans one decode context and one prompt: the context is the time-average cache of a decoding sequence,
 weighted by output length (a request holds its slot for `output` steps at `input + (output - 1) / 2` cached tokens
-on average), and the TTFT SLO is checked at the 90th-percentile prompt; candidates are ranked by $ per request. Times
+on average), and the TTFT SLO is checked at the 90th-percentile prompt; candidates are ranked by $ per request
+(with a rate: the fleet's, `plan.request_rank`). Times
 per request are then computed for every pair of the distribution on the chosen layout: prefill = its prompt's chunks
 run alone (service time, no queueing); decode = output tokens x the decode step, stretched by the share of the
 replica's time that prefill takes at the served rate (prefill steps interleave with decode steps). That stretched speed
@@ -95,19 +96,19 @@ def mean_prefill_busy(sc: Scenario, mix: RequestMix) -> float:
     return sum(times[i] for i, _ in mix.pairs) / len(mix.pairs)
 
 
+def replicas_for(rate: float, busy_s: float) -> int:
+    """Replicas `rate` requests/s need when each request keeps a replica busy `busy_s` seconds."""
+    return max(1, math.ceil(rate * busy_s - 1e-9))
+
+
 def decode_stretch(prefill_busy_s: float, decode_busy_s: float, rate: float | None) -> float:
     """Wall time per decode step / the step itself, when a replica also prefills arriving requests: with `prefill_busy_s`
     and `decode_busy_s` replica-seconds per request, one replica sustains 1 / (their sum) requests/s; `rate` (None: the
     replica runs at that capacity) is spread over ceil(rate / capacity) replicas, and prefill takes `served x prefill
     busy` of each replica's time, during which its decode steps wait."""
     capacity = 1 / (prefill_busy_s + decode_busy_s)
-    served = capacity if rate is None else rate / max(1, math.ceil(rate / capacity - 1e-9))
+    served = capacity if rate is None else rate / replicas_for(rate, prefill_busy_s + decode_busy_s)
     return 1 / (1 - served * prefill_busy_s)
-
-
-def seconds_per_request(metrics: Metrics, mix: RequestMix) -> float:
-    """Replica busy seconds per request from a candidate's own prefill and decode throughput (the search's ranking)."""
-    return mix.mean_input / metrics.prefill_tok_s + mix.mean_output / metrics.throughput_tok_s
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def demand(sc: Scenario, metrics: Metrics, mix: RequestMix, split: LongPrefill |
     dec = mix.mean_output / metrics.throughput_tok_s
     busy = pre + dec
     replica_rps = 1 / busy
-    replicas = None if mix.rate is None else max(1, math.ceil(mix.rate / replica_rps - 1e-9))
+    replicas = None if mix.rate is None else replicas_for(mix.rate, busy)
     served = replica_rps if mix.rate is None or replicas is None else mix.rate / replicas
     stretch = decode_stretch(pre, dec, mix.rate)  # decode steps share the replica with the prefill of arriving requests
     usd_per_s = sc.system.price_per_hour * sc.layout.num_accelerators / 3600

@@ -170,7 +170,7 @@ def test_slo_batch_is_the_largest_that_meets_it() -> None:
     best = search(k3(), Q, GB300, 8192, slo, space=space).best
     assert best is not None and best.meets_slo
     one_more = Workload(8192, (best.seqs_per_group + 1) * best.layout.dp)
-    m = evaluate(Scenario(k3(), Q, best.layout, one_more, GB300))
+    m = evaluate(Scenario(k3(), Q, best.layout, one_more, GB300, Efficiency().capturing(best.seqs_per_group + 1)))  # as the search prices it
     assert m.per_user_tok_s < 20 or not m.memory.fits
 
 
@@ -190,7 +190,7 @@ def test_layouts_say_who_can_run_them(capsys: pytest.CaptureFixture[str]) -> Non
     for tp in (8, 2, 1):
         assert support(Layout(8, tp=tp), 0.0, BF16_DISPATCH, Vendor.NVIDIA).openk3_missing == cuda_only, tp
     assert any("replicated 2x" in r for r in support(Layout(8, tp=8, ep=4), 0.0, BF16_DISPATCH, Vendor.NVIDIA).openk3_missing)
-    rc, doc = _json(["plan", "--context", "8k", "--accelerators", "72", "--json", *FAST], capsys)
+    rc, doc = _json(["plan", "--context", "8k", "--accelerators", "72", "--balance", "eplb", "--json", *FAST], capsys)
     assert rc == 0 and doc["runnable"]["openk3"] is False and doc["runnable"]["engines"]
     assert all("runnable" in c for c in doc["search"]["candidates"])
     small = make_plan(PlanRequest(config=debug(), system=CAT.system("hgx-h100"), context=128, accelerators=1, quant=Quantisation.named("bf16")))

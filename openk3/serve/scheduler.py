@@ -267,11 +267,10 @@ class Scheduler:
 
         now = time.monotonic()
         running_per_group = Counter(r.group for r in self.running)
-        held: set[str] = set()  # waiting for a running prompt's prefill this step (serve/shared_prefill.py)
-        while self.waiting and budget > 0:
-            waiting = [r for r in self.waiting if r.request_id not in held] if held else self.waiting
-            if not waiting:
-                break
+        # the waiting requests this step may still admit: a copy once one of them waits for a running prompt's prefill
+        # (serve/shared_prefill.py), from which it is then dropped (one C-level scan, not a rebuild per admission)
+        waiting: deque[Request] | list[Request] = self.waiting
+        while waiting and budget > 0:
             if ranking is None:
                 if preempted or len(self.running) >= self.config.max_num_seqs:
                     break  # pages ran short this step: admitting more would only preempt more
@@ -282,7 +281,8 @@ class Scheduler:
                 if req in preempted or (preempted and not any(ranking.outranks(req, r) for r in self.running)):
                     break
             if self._waits_for_shared_prefill(req, ranking):
-                held.add(req.request_id)
+                waiting = list(waiting) if waiting is self.waiting else waiting
+                waiting.remove(req)
                 continue
             admitted = self._admit(req, budget) if len(self.running) < self.config.max_num_seqs else None
             while admitted is None and ranking is not None and self._displace(req, ranking, scheduled, counts, preempted):
@@ -291,6 +291,8 @@ class Scheduler:
             if admitted is None:
                 break  # later requests wait behind the one whose turn it is rather than overtaking it
             self.waiting.remove(req)
+            if waiting is not self.waiting:
+                waiting.remove(req)
             running_per_group[req.group] += 1
             if ranking is not None:
                 ranking.admitted(req)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -138,44 +138,89 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size, Activation.SILU)
 
 
-class Eagle3Head(nn.Module):
-    """The checkpoint's tensors by their published names: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t` (draft id -> target
-    id offset) and `t2d` (which target ids the draft vocabulary holds), and `embed_tokens` where it ships one. The
-    target's embedding is held, not registered."""
+class HeadDims(Protocol):
+    """What every EAGLE-3 head's config gives the parts all heads share (Eagle3Config; model/eagle3_mla.py's Eagle3MLAConfig)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def draft_vocab_size(self) -> int: ...
+    @property
+    def target_hidden_size(self) -> int: ...
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+
+class DraftVocabHead(nn.Module):
+    """The parts of an EAGLE-3 head that do not depend on its decoder layer (a Llama layer here, K3's gated MLA in
+    model/eagle3_mla.py): `fc` over the target's aux hidden states, the final `norm`, `lm_head` over the draft vocabulary,
+    `d2t` (draft id -> target id offset) and `t2d` (which target ids the draft vocabulary holds), and the embedding --
+    `embed_tokens` where the checkpoint ships one, else the target's, held but not registered."""
 
     d2t: torch.Tensor
     t2d: torch.Tensor
-    inv_freq: torch.Tensor
 
-    def __init__(self, cfg: Eagle3Config, target_embed: nn.Embedding | None, own_embedding: bool = False) -> None:
+    def __init__(self, cfg: HeadDims, target_embed: nn.Embedding | None, own_embedding: bool) -> None:
         super().__init__()
+        name = type(self).__name__
         if target_embed is None and not own_embedding:
-            raise ValueError("Eagle3Head: a head without its own embed_tokens reads the target's embedding; none was given")
+            raise ValueError(f"{name}: a head without its own embed_tokens reads the target's embedding; none was given")
         if not own_embedding and target_embed is not None and target_embed.embedding_dim != cfg.hidden_size:
             raise ValueError(
-                f"Eagle3Head: hidden_size={cfg.hidden_size} differs from the target's embedding width {target_embed.embedding_dim}: "
-                "the head must ship embed_tokens"
+                f"{name}: hidden_size={cfg.hidden_size} differs from the target's embedding width {target_embed.embedding_dim}: the head must ship embed_tokens"
             )
-        self.config = cfg
         h = cfg.hidden_size
         self.fc = Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
-        self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer(
-            "t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        )
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.register_buffer("t2d", torch.full((cfg.vocab_size,), cfg.draft_vocab_size == cfg.vocab_size, dtype=torch.bool))
         self.target_parts: tuple[nn.Embedding, ...] = () if target_embed is None else (target_embed,)  # a tuple: not registered here
+
+    def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens or self.target_parts[0])(input_ids_T)
+
+    def draft_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        """Logits [M, Vd] over the draft vocabulary (draft id i is target id i + d2t[i])."""
+        return self.lm_head(self.norm(x_MH))
+
+    def select_ops(self, target: OpTarget) -> None:
+        """Choose the norms', projections' and MLP activation's implementations for what runs now (inference or training)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm, GatedMLP)):
+                module.select(target)
+
+    def to_target(self, logits_MVd: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits spread over the target's vocabulary [M, V], -inf at the ids the draft cannot propose."""
+        out = logits_MVd.new_full((logits_MVd.shape[0], len(self.t2d)), float("-inf"))  # t2d: one flag per target id
+        out[:, torch.arange(len(self.d2t), device=out.device) + self.d2t] = logits_MVd
+        return out
+
+    def compute_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        """Logits [M, V] over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
+        return self.to_target(self.draft_logits(x_MH))
+
+
+class Eagle3Head(DraftVocabHead):
+    """An EAGLE-3 head whose layer is one Llama decoder layer: the checkpoint's tensors by their published names, `fc`,
+    `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, and `embed_tokens` where it ships one (DraftVocabHead)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, cfg: Eagle3Config, target_embed: nn.Embedding | None, own_embedding: bool = False) -> None:
+        super().__init__(cfg, target_embed, own_embedding)
+        self.config = cfg
+        self.midlayer = Eagle3Layer(cfg)
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
     def cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one position's two cached rows: its rotated keys and its values, [G, d] each."""
         return (self.config.num_key_value_heads, self.config.head_dim), (self.config.num_key_value_heads, self.config.head_dim)
-
-    def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens or self.target_parts[0])(input_ids_T)
 
     def fuse(self, aux_TAH: torch.Tensor) -> torch.Tensor:
         """g = fc(the target's aux hidden states side by side) [T, H]."""
@@ -206,23 +251,3 @@ class Eagle3Head(nn.Module):
             values = torch.cat([s.values.to(v.dtype), v[s.start : s.end]])
             parts.append(attend(q[s.start : s.end], keys, values, len(s.keys)))
         return self.finish(residual, torch.cat(parts)), k, v
-
-    def draft_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
-        """Logits [M, Vd] over the draft vocabulary (draft id i is target id i + d2t[i])."""
-        return self.lm_head(self.norm(x_MH))
-
-    def select_ops(self, target: OpTarget) -> None:
-        """Choose the norms', projections' and MLP activation's implementations for what runs now (inference or training)."""
-        for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm, GatedMLP)):
-                module.select(target)
-
-    def to_target(self, logits_MVd: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits spread over the target's vocabulary [M, V], -inf at the ids the draft cannot propose."""
-        out = logits_MVd.new_full((logits_MVd.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, torch.arange(self.config.draft_vocab_size, device=out.device) + self.d2t] = logits_MVd
-        return out
-
-    def compute_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
-        """Logits [M, V] over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
-        return self.to_target(self.draft_logits(x_MH))

@@ -27,8 +27,8 @@ from torch import nn
 
 from openk3.checks import check_int, fail
 from openk3.config import Activation, MLAConfig, ModelConfig
-from openk3.model.eagle3 import Eagle3Head, Past
-from openk3.model.layers import GatedMLP, Linear, RMSNorm
+from openk3.model.eagle3 import DraftVocabHead, Eagle3Head, Past
+from openk3.model.layers import GatedMLP, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.ops.mla import split_kv_b
 from openk3.ops.registry import OpTarget
@@ -79,37 +79,20 @@ class Eagle3MLALayer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
 
 
-class Eagle3MLAHead(nn.Module):
-    """The checkpoint's tensors by their names: `fc`, `fc_norm.{0,1,2}` (with fc_norm), `midlayer.*`, `norm`, `lm_head`,
-    `d2t`, `t2d`, and `embed_tokens` where it ships one. The target's embedding is held, not registered."""
-
-    d2t: torch.Tensor
-    t2d: torch.Tensor
+class Eagle3MLAHead(DraftVocabHead):
+    """An EAGLE-3 head whose layer is K3's NoPE gated MLA: the checkpoint's tensors by their names, `fc`, `fc_norm.{0,1,2}`
+    (with fc_norm), `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, and `embed_tokens` where it ships one (DraftVocabHead)."""
 
     def __init__(self, cfg: Eagle3MLAConfig, target_config: ModelConfig, target_embed: nn.Embedding | None, own_embedding: bool = False) -> None:
-        super().__init__()
-        if target_embed is None and not own_embedding:
-            raise ValueError("Eagle3MLAHead: a head without its own embed_tokens reads the target's embedding; none was given")
-        if not own_embedding and target_embed is not None and target_embed.embedding_dim != cfg.hidden_size:
-            raise ValueError(f"Eagle3MLAHead: hidden_size={cfg.hidden_size} differs from the target's embedding width {target_embed.embedding_dim}")
+        super().__init__(cfg, target_embed, own_embedding)
         self.config = cfg
-        h, a = cfg.hidden_size, len(cfg.aux_layer_ids)
-        self.fc = Linear(a * cfg.target_hidden_size, h, bias=False)
+        a = len(cfg.aux_layer_ids)
         self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(a)]) if cfg.fc_norm else None
         self.midlayer = Eagle3MLALayer(cfg, cfg.block(target_config))
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.full((cfg.vocab_size,), cfg.draft_vocab_size == cfg.vocab_size, dtype=torch.bool))
-        self.target_parts: tuple[nn.Embedding, ...] = () if target_embed is None else (target_embed,)
 
     def cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one position's two cached rows: c_kv [Lr] and k_pe [Dr] (the Llama head's: keys and values)."""
         return (self.config.mla.kv_lora_rank,), (self.config.mla.qk_rope_head_dim,)
-
-    def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens or self.target_parts[0])(input_ids_T)
 
     def fuse(self, aux_TAH: torch.Tensor) -> torch.Tensor:
         """g = fc(the target's aux hidden states side by side, each normed first with fc_norm) [T, H]."""
@@ -137,27 +120,12 @@ class Eagle3MLAHead(nn.Module):
         x = hidden_TH + attn.output(torch.cat(parts), inp.gate_logits, x2.dtype)
         return x + layer.mlp(layer.post_attention_layernorm(x)), c, kpe
 
-    def draft_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
-        """Logits [M, Vd] over the draft vocabulary (draft id i is target id i + d2t[i])."""
-        return self.lm_head(self.norm(x_MH))
-
     def select_ops(self, target: OpTarget) -> None:
         """Choose the norms', projections', MLP activation's and the MLA attention's implementations for what runs now."""
+        super().select_ops(target)
         for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm, GatedMLP)):
-                module.select(target)
-            elif isinstance(module, GatedMLA):
+            if isinstance(module, GatedMLA):
                 module.select("auto", target)
-
-    def to_target(self, logits_MVd: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits spread over the target's vocabulary [M, V], -inf at the ids the draft cannot propose."""
-        out = logits_MVd.new_full((logits_MVd.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, torch.arange(self.config.draft_vocab_size, device=out.device) + self.d2t] = logits_MVd
-        return out
-
-    def compute_logits(self, x_MH: torch.Tensor) -> torch.Tensor:
-        """Logits [M, V] over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
-        return self.to_target(self.draft_logits(x_MH))
 
 
 AnyEagle3Head = Eagle3Head | Eagle3MLAHead  # what the proposer, the engine and the loaders take

@@ -154,15 +154,13 @@ def check_vocab_map(head: AnyEagle3Head, path: Path, has_t2d: bool) -> None:
         raise CheckpointError(f"{path}: t2d marks {int(head.t2d.sum())} target ids, not the {cfg.draft_vocab_size} that d2t maps the draft ids to")
 
 
-def load_eagle3(path: str | Path, target: K3ForCausalLM) -> Eagle3Head:
-    """The head on the target's device in its dtype, its embedding the target's unless it ships its own."""
-    path = Path(path)
-    cfg = eagle3_config(path, target.config)
-    tensors = {_local_name(n): (n, t) for n, t in iter_checkpoint(path)}
-    weight = target.lm_head.weight
-    head = Eagle3Head(cfg, target.model.embed_tokens, own_embedding="embed_tokens.weight" in tensors).to(weight.device)
+def place_tensors(head: AnyEagle3Head, tensors: dict[str, tuple[str, torch.Tensor]], path: Path, dtype: torch.dtype, what: str, unknown: str) -> None:
+    """Copy a head's checkpoint tensors (local name -> (checkpoint name, tensor)) into it and cast it to `dtype`, all or
+    nothing: a tensor it has no place for (`unknown` says why), one it lacks (d2t / t2d may be left out when the draft
+    vocabulary is the target's) or one of another shape is a CheckpointError naming every such tensor."""
+    cfg = head.config
     expected = head.state_dict()
-    problems = [f"{orig}: not part of an EAGLE-3 head" for local, (orig, _) in tensors.items() if local not in expected]
+    problems = [f"{orig}: {unknown}" for local, (orig, _) in tensors.items() if local not in expected]
     optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
     problems += [f"{name}: missing" for name in expected if name not in tensors and name not in optional]
     for local, (orig, t) in tensors.items():
@@ -170,12 +168,22 @@ def load_eagle3(path: str | Path, target: K3ForCausalLM) -> Eagle3Head:
         if want is not None and tuple(t.shape) != tuple(want.shape):
             problems.append(f"{orig}: shape {tuple(t.shape)}, expected {tuple(want.shape)}")
     if problems:
-        raise CheckpointError(f"{path}: EAGLE-3 head tensors do not match its config: " + "; ".join(problems))
+        raise CheckpointError(f"{path}: {what} tensors do not match its config: " + "; ".join(problems))
     with torch.no_grad():
         for local, (_, t) in tensors.items():
             dest = expected[local]
-            dest.copy_(t.to(dest.dtype) if not dest.is_floating_point() else t.to(weight.dtype))
-    head.to(weight.dtype)  # floating tensors only: d2t / t2d keep their integer and bool types
+            dest.copy_(t.to(dest.dtype) if not dest.is_floating_point() else t.to(dtype))
+    head.to(dtype)  # floating tensors only: d2t / t2d keep their integer and bool types
+
+
+def load_eagle3(path: str | Path, target: K3ForCausalLM) -> Eagle3Head:
+    """The head on the target's device in its dtype, its embedding the target's unless it ships its own."""
+    path = Path(path)
+    cfg = eagle3_config(path, target.config)
+    tensors = {_local_name(n): (n, t) for n, t in iter_checkpoint(path)}
+    weight = target.lm_head.weight
+    head = Eagle3Head(cfg, target.model.embed_tokens, own_embedding="embed_tokens.weight" in tensors).to(weight.device)
+    place_tensors(head, tensors, path, weight.dtype, "EAGLE-3 head", "not part of an EAGLE-3 head")
     head.inv_freq = rope_frequencies(cfg).to(weight.device)  # RoPE's frequencies stay fp32
     check_vocab_map(head, path, "t2d" in tensors)
     head.select_ops(OpTarget(weight.device.type, dtype=weight.dtype))

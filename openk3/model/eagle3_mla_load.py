@@ -20,10 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from openk3.config import Activation, MLAConfig, ModelConfig
-from openk3.model.eagle3_load import METADATA, _aux_ids, _local_name, _refuse, check_vocab_map, load_eagle3
+from openk3.model.eagle3_load import METADATA, _aux_ids, _local_name, _refuse, check_vocab_map, load_eagle3, place_tensors
 from openk3.model.eagle3_mla import AnyEagle3Head, Eagle3MLAConfig, Eagle3MLAHead
 from openk3.model.model import K3ForCausalLM
 from openk3.model.weights import CheckpointError, iter_checkpoint
@@ -126,25 +124,8 @@ def load_eagle3_mla(path: str | Path, target: K3ForCausalLM) -> Eagle3MLAHead:
     tensors = {_local_name(n): (n, t) for n, t in iter_checkpoint(path)}
     weight = target.lm_head.weight
     head = Eagle3MLAHead(cfg, target.config, target.model.embed_tokens, own_embedding="embed_tokens.weight" in tensors).to(weight.device)
-    expected = head.state_dict()
-    problems = [
-        f"{orig}: not part of this K3 EAGLE-3 MLA head (mla_use_output_gate / fc_norm say which tensors it has)"
-        for local, (orig, _) in tensors.items()
-        if local not in expected
-    ]
-    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
-    problems += [f"{name}: missing" for name in expected if name not in tensors and name not in optional]
-    for local, (orig, t) in tensors.items():
-        want = expected.get(local)
-        if want is not None and tuple(t.shape) != tuple(want.shape):
-            problems.append(f"{orig}: shape {tuple(t.shape)}, expected {tuple(want.shape)}")
-    if problems:
-        raise CheckpointError(f"{path}: K3 EAGLE-3 MLA head tensors do not match its config: " + "; ".join(problems))
-    with torch.no_grad():
-        for local, (_, t) in tensors.items():
-            dest = expected[local]
-            dest.copy_(t.to(dest.dtype) if not dest.is_floating_point() else t.to(weight.dtype))
-    head.to(weight.dtype)
+    unknown = "not part of this K3 EAGLE-3 MLA head (mla_use_output_gate / fc_norm say which tensors it has)"
+    place_tensors(head, tensors, path, weight.dtype, "K3 EAGLE-3 MLA head", unknown)
     check_vocab_map(head, path, "t2d" in tensors)
     head.select_ops(OpTarget(weight.device.type, dtype=weight.dtype))
     return head.eval()

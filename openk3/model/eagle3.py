@@ -159,12 +159,13 @@ class DraftVocabHead(nn.Module):
     """The parts of an EAGLE-3 head that do not depend on its decoder layer (a Llama layer here, K3's gated MLA in
     model/eagle3_mla.py): `fc` over the target's aux hidden states, the final `norm`, `lm_head` over the draft vocabulary,
     `d2t` (draft id -> target id offset) and `t2d` (which target ids the draft vocabulary holds), and the embedding --
-    `embed_tokens` where the checkpoint ships one, else the target's, held but not registered."""
+    `embed_tokens` where the checkpoint ships one, else the target's, held but not registered. The decoder layer itself
+    (`midlayer`) is the subclass's."""
 
     d2t: torch.Tensor
     t2d: torch.Tensor
 
-    def __init__(self, cfg: HeadDims, target_embed: nn.Embedding | None, own_embedding: bool) -> None:
+    def __init__(self, cfg: HeadDims, midlayer: nn.Module, target_embed: nn.Embedding | None, own_embedding: bool) -> None:
         super().__init__()
         name = type(self).__name__
         if target_embed is None and not own_embedding:
@@ -175,6 +176,7 @@ class DraftVocabHead(nn.Module):
             )
         h = cfg.hidden_size
         self.fc = Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = midlayer  # registered before norm and lm_head, as the checkpoints list them (and seeded inits draw)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
@@ -211,11 +213,11 @@ class Eagle3Head(DraftVocabHead):
     `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, and `embed_tokens` where it ships one (DraftVocabHead)."""
 
     inv_freq: torch.Tensor
+    midlayer: Eagle3Layer
 
     def __init__(self, cfg: Eagle3Config, target_embed: nn.Embedding | None, own_embedding: bool = False) -> None:
-        super().__init__(cfg, target_embed, own_embedding)
+        super().__init__(cfg, Eagle3Layer(cfg), target_embed, own_embedding)
         self.config = cfg
-        self.midlayer = Eagle3Layer(cfg)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
     def cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -83,12 +83,13 @@ class Eagle3MLAHead(DraftVocabHead):
     """An EAGLE-3 head whose layer is K3's NoPE gated MLA: the checkpoint's tensors by their names, `fc`, `fc_norm.{0,1,2}`
     (with fc_norm), `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, and `embed_tokens` where it ships one (DraftVocabHead)."""
 
+    midlayer: Eagle3MLALayer
+
     def __init__(self, cfg: Eagle3MLAConfig, target_config: ModelConfig, target_embed: nn.Embedding | None, own_embedding: bool = False) -> None:
-        super().__init__(cfg, target_embed, own_embedding)
+        super().__init__(cfg, Eagle3MLALayer(cfg, cfg.block(target_config)), target_embed, own_embedding)
         self.config = cfg
         a = len(cfg.aux_layer_ids)
         self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(a)]) if cfg.fc_norm else None
-        self.midlayer = Eagle3MLALayer(cfg, cfg.block(target_config))
 
     def cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one position's two cached rows: c_kv [Lr] and k_pe [Dr] (the Llama head's: keys and values)."""

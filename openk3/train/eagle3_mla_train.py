@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from openk3.model.eagle3_load import default_aux_layers
 from openk3.model.eagle3_mla import Eagle3MLAConfig, Eagle3MLAHead
 from openk3.model.model import K3ForCausalLM
+from openk3.train.eagle3_init import init_head
 
 
 def new_eagle3_mla_head(target: K3ForCausalLM, draft_ids: torch.Tensor, seed: int = 0) -> Eagle3MLAHead:
@@ -36,14 +37,7 @@ def new_eagle3_mla_head(target: K3ForCausalLM, draft_ids: torch.Tensor, seed: in
         rms_norm_eps=cfg.rms_norm_eps,
     )
     head = Eagle3MLAHead(head_cfg, cfg, target.model.embed_tokens)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=g) * 0.02)
-        head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
-        head.norm.weight.copy_(target.model.norm.weight)
-        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        head.t2d.zero_().index_fill_(0, draft_ids, True)
+    init_head(head, target, draft_ids, seed)
     return head
 
 

@@ -29,7 +29,7 @@ from openk3.serve.tokenizer import ByteTokenizer
 from tests.model.conftest import build
 from tests.model.eagle3_folder import write_head
 from tests.model.eagle3_mla_folder import mla_head_config, mla_head_tensors
-from tests.serve.test_eagle3 import BASE, GREEDY, PROMPTS, rms, run
+from tests.serve.test_eagle3 import BASE, GREEDY, PROMPTS, draft_of, rms, run
 
 AUX = [1, 2, 4]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -70,13 +70,6 @@ def reference_head(t: dict[str, torch.Tensor], cfg: dict[str, Any], embed: torch
     x = hidden_TH + gated @ t[a + "o_proj.weight"].T
     m = rms(x, t["layers.0.post_attention_layernorm.weight"], eps)
     return x + situ(m @ t["layers.0.mlp.gate_proj.weight"].T, m @ t["layers.0.mlp.up_proj.weight"].T) @ t["layers.0.mlp.down_proj.weight"].T
-
-
-def draft_of(t: dict[str, torch.Tensor], cfg: dict[str, Any], x_H: torch.Tensor) -> tuple[int, float]:
-    logits = rms(x_H, t["norm.weight"], cfg["rms_norm_eps"]) @ t["lm_head.weight"].T
-    top = logits.topk(2)
-    best = int(top.indices[0])
-    return best + int(t["d2t"][best]), float(top.values[0] - top.values[1])
 
 
 def test_the_first_drafts_equal_a_hand_written_forward_of_the_head(target: K3ForCausalLM, folder: Path) -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from openk3.cli import build_parser
-from openk3.config import debug
 from openk3.launch.server import server_configs
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
@@ -19,16 +18,11 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.speculative import SpeculativeConfig
 from openk3.serve.tokenizer import ByteTokenizer
+from tests.serve.test_speculative import model
 
 BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=4, max_model_len=256)
 PROMPTS = [[40, 41, 42], [7, 8, 9, 10], [100, 3, 77], [5, 6] * 4]
 LENGTHS = [3, 6, 10, 20]  # requests finish one after another: the running batch shrinks from 4 to 1
-
-
-def model(seed: int) -> K3ForCausalLM:
-    m = K3ForCausalLM(debug())
-    m.init_weights(seed=seed)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from openk3.serve.structured.compiler import GrammarCompiler
 from openk3.serve.structured.matchers import GrammarStates
 from openk3.serve.structured.spec import Grammar, StructuredOutputs
 from openk3.serve.tokenizer import ByteTokenizer, Tokenizer
+from tests.serve.test_speculative import model
 
 pytest.importorskip("xgrammar", reason="the grammar engine")
 
@@ -45,12 +46,6 @@ CHOICES = ("alpha", "beta", "gamma delta")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def model(seed: int) -> K3ForCausalLM:
-    m = K3ForCausalLM(debug())
-    m.init_weights(seed=seed)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from openk3.config import debug
 from openk3.model import K3ForCausalLM
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.speculative import SpeculativeConfig
 from openk3.serve.tokenizer import ByteTokenizer
+from tests.serve.test_speculative import model
 
 BASE: dict[str, Any] = dict(page_size=4, num_pages=200, max_num_seqs=4, max_model_len=256, long_prefill_token_threshold=16)
 PROMPTS = [list(range(40, 70)), [5, 6, 7, 8] * 5, [100, 3, 77], list(range(90, 60, -1))]
@@ -24,12 +24,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def model(seed: int) -> K3ForCausalLM:
-    m = K3ForCausalLM(debug())
-    m.init_weights(seed=seed)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

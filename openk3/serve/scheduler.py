@@ -185,8 +185,9 @@ class Scheduler:
         prefilling = [r for r in unfinished_prefills(self.running) if ranking is None or not ranking.outranks(req, r)]
         if not prefilling:
             return False
-        cached = self.cache.match_prefix(req.cache_key_ids(), req.cache_salt).num_tokens
-        wait = prefill_to_wait_for(req, cached, prefilling, pc.match_unit)
+        tokens = req.cache_key_ids()  # a waiting request that was never preempted: its prompt
+        cached = self.cache.match_prefix(tokens, req.cache_salt).num_tokens
+        wait = prefill_to_wait_for(req, tokens, cached, prefilling, pc.match_unit)
         if wait is None:
             return False
         if wait.depth < wait.running.num_prompt_tokens:  # the prompt's end is snapshotted anyway

@@ -48,13 +48,13 @@ def unfinished_prefills(running: Iterable[Request]) -> list[Request]:
     return [r for r in running if r.num_computed_tokens < r.num_prompt_tokens]
 
 
-def prefill_to_wait_for(req: Request, cached: int, prefilling: Sequence[Request], unit: int) -> SharedPrefill | None:
-    """The prefill `req` should wait for: the one whose prompt shares the deepest prefix with req's, at least `unit` tokens
-    beyond the `cached` tokens req could start from now and not yet computed by it; None when no prefill is worth it.
-    The depth is capped at req's prompt minus one token (a hit leaves the last token to compute) and at the other prompt."""
+def prefill_to_wait_for(req: Request, mine: Sequence[int], cached: int, prefilling: Sequence[Request], unit: int) -> SharedPrefill | None:
+    """The prefill `req` should wait for (`mine`: its prompt as the prefix cache keys it): the one whose prompt shares the
+    deepest prefix with req's, at least `unit` tokens beyond the `cached` tokens req could start from now and not yet
+    computed by it; None when no prefill is worth it. The depth is capped at req's prompt minus one token (a hit leaves
+    the last token to compute) and at the other prompt."""
     if cached + unit >= req.num_prompt_tokens:
         return None
-    mine = req.cache_key_ids(req.num_prompt_tokens)
     best: SharedPrefill | None = None
     for other in prefilling:
         if other.cache_salt != req.cache_salt or other is req:

@@ -17,6 +17,7 @@ class EPMethod(str, enum.Enum):
 
 
 EP_METHODS = tuple(m.value for m in EPMethod)
+KDA_CP_FORMS = ("sequential", "scan")  # ParallelConfig.kda_cp (the planner's --kda-cp names the same two)
 STATS_NEEDED = (
     "expert parallel: method 'eplb' places replicas from measured expert load and needs a stats file (--eplb-stats FILE); "
     "export one from a run of the same model with --export-eplb-stats FILE, place from the live load with "
@@ -38,6 +39,12 @@ class ParallelConfig:
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
+    kda_cp: str = setting(
+        "sequential",
+        "--cp: how the KDA layers' recurrence crosses the ranks: the state handed rank to rank (sequential), or every rank at "
+        "once, their state maps composed by a log-depth scan (scan: ~2x the recurrence's work, no rank waits for another's; docs/parallel.md)",
+        choices=KDA_CP_FORMS,
+    )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
     eplb_stats: str | None = setting(
         None, "measured expert load (a file written by --export-eplb-stats) that --ep-method eplb places its replicas from (docs/parallel.md)"
@@ -70,6 +77,8 @@ class ParallelConfig:
                 f"(--cp C --tp T, C x T ranks), with the experts split by width in each (ep=1) or spread over all {self.cp * self.tp} "
                 f"ranks (ep={self.cp * self.tp}); with --dp it is not built (docs/parallel.md)"
             )
+        if self.cp == 1 and self.kda_cp != "sequential":
+            raise ValueError(f"ParallelConfig: kda_cp={self.kda_cp!r} needs context parallelism (--cp 2 or more)")
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
         if self.dp > 1 and self.ep != self.dp * self.tp:

@@ -19,13 +19,17 @@ chunk, so a 1M-token prompt's attention and trunk work sits on that group alone.
   KDA is a recurrence: the state at the start of rank r's tokens is the end state of rank r - 1. Two assumptions, named by
   `KDASplit`: `sequential` (the default, what a plain implementation does): each KDA layer's recurrence runs rank after
   rank, so KDA's share of the prefill is not divided by cp, and the per-layer state (its recurrent state and conv
-  windows) hops cp - 1 times; `scan`: a chunk-parallel scan -- each rank runs its tokens from a zero state while also
-  building its block's state transition, the transitions are combined in ceil(log2 cp) hops, and each rank corrects its
-  outputs with the incoming state; that is `SCAN_WORK` x the rank's KDA work, divided by cp.
+  windows) hops cp - 1 times; `scan` (openk3's `--kda-cp scan`, parallel/cp/kda_scan.py): each rank runs its tokens
+  at once, from the state [0 | I] over values widened by K zero columns, which yields its block's state map
+  S -> A S + B and the outputs' dependence on the start in one run (`SCAN_WORK` x the rank's KDA work, divided by cp),
+  an exclusive scan composes each rank's predecessors' maps in 1 + ceil(log2(cp - 1)) rounds of point-to-point messages
+  (a rank receives at most one map [B | A], twice the state where K = V, per round), and each rank corrects its
+  outputs with the start state that gives it.
 
 The base layout must fit as it is; PP and CP only lower what a rank holds (1 / pp of the trunk, 1 / cp of a prompt's
-cache while it is prefilled), which the planner does not credit. openk3's engine runs neither (`runtime.py`); its model-level
-CP prefill (openk3/parallel/cp) is what `cp_bytes` is checked against (benchmarks/context_parallel.py).
+cache while it is prefilled), which the planner does not credit. openk3 runs no PP, and its CP over TP groups is not yet
+the planner's CP layout (`runtime.py`); its CP prefill (openk3/parallel/cp) is what `cp_bytes` is checked against, both
+KDA forms (benchmarks/context_parallel.py, tests/parallel).
 """
 
 from __future__ import annotations
@@ -101,17 +105,23 @@ class CPBytes:
 
     mla_per_layer: float  # the other ranks' latents of one MLA layer: (cp - 1) / cp of the prompt
     kda_hop: float  # one KDA layer's recurrent state and conv windows, handed on once
-    kda_hops_per_layer: int  # hand-offs per KDA layer over the whole group: cp - 1 (sequential), ceil(log2 cp) (scan)
+    kda_hops_per_layer: int  # hand-offs per KDA layer on the critical path: cp - 1 (sequential), 1 + ceil(log2(cp - 1)) (scan)
     gather: float  # the other ranks' shards of the prompt's whole cache, gathered into the decoding group
+    kda_map: float = 0.0  # scan: one rank's state map [B | A] of one KDA layer, one round's message
+    kda_per_rank: float = 0.0  # the most one rank receives per KDA layer: kda_hop, or its conv windows + one map per round
 
 
 def cp_bytes(config: ModelConfig, quant: Quantisation, tp: int, prompt: float, cp: int, kda: KDASplit = KDASplit.SEQUENTIAL) -> CPBytes:
     spec = cache_spec(config, quant)
     n_kda = spec.kda.num_layers if config.kda_layers else 0
     per_token = spec.mla.bytes_per_token_per_layer / attention_shape(config).kv_split(tp)
-    hops = 0 if cp == 1 or n_kda == 0 else (cp - 1 if kda == KDASplit.SEQUENTIAL else math.ceil(math.log2(cp)))
+    hops = 0 if cp == 1 or n_kda == 0 else (cp - 1 if kda == KDASplit.SEQUENTIAL else 1 + math.ceil(math.log2(cp - 1)))
     mla = (cp - 1) / cp * prompt * per_token
-    return CPBytes(mla, spec.kda.bytes_per_sequence / max(n_kda, 1) / tp, hops, mla * spec.mla.num_layers)
+    hop = spec.kda.bytes_per_sequence / max(n_kda, 1) / tp
+    state = config.kda.num_heads * config.kda.head_dim**2 * 4 / tp if n_kda else 0.0  # fp32 [H, K, V], K = V
+    kda_map = 2 * state if kda == KDASplit.SCAN and hops else 0.0
+    per_rank = 0.0 if hops == 0 else hop if kda == KDASplit.SEQUENTIAL else hop - state + hops * kda_map
+    return CPBytes(mla, hop, hops, mla * spec.mla.num_layers, kda_map, per_rank)
 
 
 def long_prefill(sc: Scenario, pp: int = 1, cp: int = 1, kda: KDASplit = KDASplit.SEQUENTIAL) -> LongPrefill:
@@ -133,7 +143,10 @@ def long_prefill(sc: Scenario, pp: int = 1, cp: int = 1, kda: KDASplit = KDASpli
     spec = cache_spec(config, sc.quant)
     n_kda = spec.kda.num_layers if config.kda_layers else 0
     sent = cp_bytes(config, sc.quant, layout.tp, prompt, cp, kda)
-    state_hop = HOP_FLOOR_S + sent.kda_hop / _link_bw(sc, cp * layout.tp <= sc.system.scale_up_domain)
+    kda_bw = _link_bw(sc, cp * layout.tp <= sc.system.scale_up_domain)
+    # per KDA layer on the critical path: the state's chain of hops, or the scan's rounds (one map each)
+    rounds = max(sent.kda_hops_per_layer, 1)
+    state_hop = HOP_FLOOR_S + (sent.kda_hop if kda == KDASplit.SEQUENTIAL else sent.kda_per_rank / rounds) / kda_bw
     hops = n_kda * sent.kda_hops_per_layer
     factor = 1.0 if hops == 0 else (float(cp) if kda == KDASplit.SEQUENTIAL else SCAN_WORK)
     chunk_s = step.total_s + (factor - 1) * kda_t

@@ -52,15 +52,16 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
-def cp_case(ctx: ParallelContext, length: int, seed: int, context: int = 0) -> dict[str, float]:
+def cp_case(ctx: ParallelContext, length: int, seed: int, context: int = 0, kda_scan: bool = False) -> dict[str, float]:
     """CP prefill of a prompt of `length` tokens; with `context`, its first `context` tokens are prefilled in one process
-    first (a prefix hit or an earlier chunk) and CP runs the rest; the logits compared are the rest's."""
+    first (a prefix hit or an earlier chunk) and CP runs the rest; the logits compared are the rest's. `kda_scan`: the
+    KDA layers by the scan (cp/kda_scan.py)."""
     model = build(debug())
     ids = prompt(length, seed)
     cache, pages = new_cache(model, length)
     if context:
         model(replace(ForwardBatch.for_step([ids[:context]], [0], [SLOT], pages[None]), is_decode=False), cache)
-    out = context_parallel_prefill(model, ctx, ids[context:], cache, SLOT, pages, context_len=context)
+    out = context_parallel_prefill(model, ctx, ids[context:], cache, SLOT, pages, context_len=context, kda_scan=kda_scan)
     whole_logits, _, whole_tokens = one_process(model, ids, [(0, length)])
     whole_logits = whole_logits[context:]
     # the same rows through the same ops as CP: what CP must reproduce; the whole prompt in one step differs from
@@ -87,6 +88,8 @@ def cp_case(ctx: ParallelContext, length: int, seed: int, context: int = 0) -> d
         "mismatched_whole_tokens": float(sum(a != b for a, b in zip(tokens, whole_tokens, strict=True))),
         "mla_bytes": float(sum(r.nbytes for r in out.received if r.what == "mla_latent")),
         "kda_bytes": float(sum(r.nbytes for r in out.received if r.what in ("kda_conv", "kda_state"))),
+        "kda_conv_bytes": float(sum(r.nbytes for r in out.received if r.what == "kda_conv")),
+        "kda_scan_bytes": float(sum(r.nbytes for r in out.received if r.what == "kda_scan")),
         "attn_modules_restored": float(all(type(layer.self_attn).__name__ in ("GatedMLA", "KimiDeltaAttention") for layer in model.model.layers)),
     }
 
@@ -113,7 +116,7 @@ CUT_SLOTS = (0, 2, 3)  # snapshot slots of the cut cases (SLOT is the sequence's
 
 
 @torch.no_grad()
-def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], context: int = 0) -> dict[str, float]:
+def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], context: int = 0, kda_scan: bool = False) -> dict[str, float]:
     """CP prefill of `length - context` new tokens with prefix-cache cuts after `offsets` of them (slots CUT_SLOTS);
     against one process prefilling the same shards as chunks, each with the cuts inside it as its state_cuts (a cut at a
     shard's end: the slot copied after that chunk, as the prefix cache snapshots a chunk's end). Every slot compared."""
@@ -125,7 +128,7 @@ def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], contex
         for cache in caches:
             model(replace(ForwardBatch.for_step([ids[:context]], [0], [SLOT], pages[None]), is_decode=False), cache)
     cuts = tuple(StateCut(0, o, s) for o, s in zip(offsets, CUT_SLOTS, strict=False))
-    out = context_parallel_prefill(model, ctx, ids[context:], caches[0], SLOT, pages, context, cuts)
+    out = context_parallel_prefill(model, ctx, ids[context:], caches[0], SLOT, pages, context, cuts, kda_scan)
     ref = caches[1]
     for lo, hi in out.shards:
         inside = tuple(StateCut(0, c.offset - lo, c.slot) for c in cuts if lo < c.offset < hi)
@@ -142,15 +145,23 @@ def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], contex
     }
 
 
-def cut_cases(ctx: ParallelContext) -> dict[str, dict[str, float]]:
+def cut_cases(ctx: ParallelContext, kda_scan: bool = False) -> dict[str, dict[str, float]]:
     """Cuts inside the first and last shards and on a shard boundary, fresh and after a context."""
     w = ctx.world_size
     t = 40 - 40 % w
     boundary = t // w
     return {
-        "fresh": cut_case(ctx, t, (3, boundary, t - 2)),
-        "context": cut_case(ctx, t + 21, (1, boundary, t - 1), context=21),
+        "fresh": cut_case(ctx, t, (3, boundary, t - 2), kda_scan=kda_scan),
+        "context": cut_case(ctx, t + 21, (1, boundary, t - 1), context=21, kda_scan=kda_scan),
     }
+
+
+def scan_cases(ctx: ParallelContext, lengths: tuple[int, ...], context: int) -> dict[str, dict[str, float]]:
+    """all_cases and cut_cases with the KDA layers by the scan; the cut cases keyed "cuts:<case>"."""
+    torch.manual_seed(0)
+    out = {str(n): cp_case(ctx, n, seed=n, kda_scan=True) for n in lengths}
+    out |= {f"{n}+ctx": cp_case(ctx, n, seed=n, context=context, kda_scan=True) for n in lengths if n > context + ctx.world_size}
+    return out | {f"cuts:{case}": e for case, e in cut_cases(ctx, kda_scan=True).items()}
 
 
 @torch.no_grad()
@@ -175,4 +186,29 @@ def cp_tp_case(world: ParallelContext, cp: int, tp: int, length: int) -> dict[st
         "whole_logits": float((out.logits - whole_logits).abs().max()),
         "mla_bytes_per_layer": float(max(received.get("mla_latent", [0]))),
         "kda_bytes_per_layer": (sum(received.get("kda_conv", [])) + sum(received.get("kda_state", []))) / n_kda,
+    }
+
+
+def scan_rounds_case(ctx: ParallelContext) -> dict[str, float]:
+    """kda_scan.predecessors over gloo on random maps (rank 0's A = 0, as a rank that knows its start): the start state
+    it gives this rank against the one-by-one fold, and the maps this rank received."""
+    from openk3.parallel.cp.exchange import CPExchange, shard_bounds
+    from openk3.parallel.cp.kda_scan import Affine, predecessors, start_of
+
+    gen = torch.Generator().manual_seed(5)
+    heads, key, value = 2, 4, 3
+    maps = [
+        Affine(None if r == 0 else torch.randn(heads, key, key, generator=gen) * 0.5, torch.randn(heads, key, value, generator=gen))
+        for r in range(ctx.world_size)
+    ]
+    start = torch.randn(heads, key, value, generator=gen)
+    exchange = CPExchange(ctx, shard_bounds(ctx.world_size, ctx.world_size))
+    try:
+        before = predecessors(maps[ctx.rank], exchange, layer=3, num_value=value)
+    finally:
+        exchange.finish()
+    got = start if before is None else before.apply(start)
+    return {
+        "error": float((got - start_of(ctx.rank, maps, start)).abs().max()),
+        "maps_received": float(sum(r.what == "kda_scan" for r in exchange.received)),
     }

@@ -139,5 +139,12 @@ def test_cp_bytes_are_what_the_cp_prefill_receives() -> None:
     assert sent.mla_per_layer == 75 * 40 * 4
     assert sent.kda_hop == 2 * 16 * 16 * 4 + 96 * 3 * 4
     assert sent.kda_hops_per_layer == 1 and sent.gather == len(cfg.mla_layers) * sent.mla_per_layer
-    assert cp_bytes(cfg, Quantisation(), tp=1, prompt=150, cp=8, kda=KDASplit.SCAN).kda_hops_per_layer == 3
+    # the scan (parallel/cp/kda_scan.py): a hand-on round, then ceil(log2(cp - 1)) doubling rounds, each at most one
+    # state map [B | A] ([H, K, V + K] fp32) per rank, beside the predecessor's conv windows -- what
+    # tests/parallel/test_cp_kda_scan.py measures on the busiest rank
+    assert [cp_bytes(cfg, Quantisation(), tp=1, prompt=150, cp=c, kda=KDASplit.SCAN).kda_hops_per_layer for c in (2, 3, 5, 8, 9)] == [1, 2, 3, 4, 4]
+    scan = cp_bytes(cfg, Quantisation(cache_dtype_bytes=4), tp=1, prompt=150, cp=3, kda=KDASplit.SCAN)
+    assert scan.kda_map == 2 * 16 * (16 + 16) * 4
+    assert scan.kda_per_rank == 96 * 3 * 4 + 2 * scan.kda_map
+    assert cp_bytes(cfg, Quantisation(cache_dtype_bytes=4), tp=1, prompt=150, cp=3).kda_per_rank == sent.kda_hop
     assert cp_bytes(cfg, Quantisation(), tp=1, prompt=150, cp=1).gather == 0

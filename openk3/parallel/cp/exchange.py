@@ -3,10 +3,11 @@
 Legend: W ranks, T prompt tokens, T_r rank r's tokens (positions [lo_r, hi_r)), R the MLA latent width.
 
 Two patterns, both exact: an all-gather of rows (the MLA latents, the logits; gloo's all_gather wants equal shapes, so
-each rank pads its rows to the largest shard), and a hand-off from rank r to rank r + 1 (the KDA conv window and
-recurrent state; `isend`, so that the sender goes on with its own work while the message travels; `recv` blocks, and the
-time spent there is recorded). Every received payload is logged per layer, which is what the planner's CP term predicts
-(benchmarks/context_parallel.py); padding is logged apart as `padding_bytes`.
+each rank pads its rows to the largest shard), and point-to-point hand-offs: from rank r to rank r + 1 (the KDA conv
+window, and without the scan the recurrent state) and, with `--kda-cp scan`, the state maps of kda_scan.py's rounds
+(rank r to r + 2^d). Sends are `isend`, so that the sender goes on with its own work while the message travels; `recv`
+blocks, and the time spent there is recorded. Every received payload is logged per layer, which is what the planner's
+CP term predicts (benchmarks/context_parallel.py); padding is logged apart as `padding_bytes`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Received:
     """One exchange as seen by the receiving rank: which layer ("logits" for the head), what, and its payload bytes."""
 
     layer: int | None
-    what: str  # "mla_latent" | "kda_conv" | "kda_state" | "final_state" | "cut_state" | "logits"
+    what: str  # "mla_latent" | "kda_conv" | "kda_state" | "kda_scan" | "final_state" | "cut_state" | "logits"
     nbytes: int
 
 
@@ -85,25 +86,30 @@ class CPExchange:
         self.padding_bytes += sum(width - n for r, n in enumerate(sizes) if r != self.rank) * row_bytes
         return torch.cat([parts[r, :n] for r, n in enumerate(sizes)], dim=0)
 
-    def from_previous(self, like: torch.Tensor, layer: int, what: str, tag: int) -> torch.Tensor | None:
-        """Rank r - 1's hand-off (shape and dtype of `like`); None on rank 0, which starts the prompt."""
-        if self.rank == 0:
-            return None
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """Hand `t` to rank `dst` of the group without waiting for it to arrive."""
+        buf = t.contiguous()
+        work = dist.isend(buf, dst=self._global(dst), group=self.ctx.group, tag=tag)
+        assert work is not None
+        self._pending.append((work, buf))
+
+    def recv(self, like: torch.Tensor, src: int, layer: int, what: str, tag: int) -> torch.Tensor:
+        """Rank `src`'s message (shape and dtype of `like`); the time blocked is recorded."""
         out = torch.empty_like(like)
         start = time.perf_counter()
-        dist.recv(out, src=self._global(self.rank - 1), group=self.ctx.group, tag=tag)
+        dist.recv(out, src=self._global(src), group=self.ctx.group, tag=tag)
         self.wait_s += time.perf_counter() - start
         self.received.append(Received(layer, what, out.numel() * out.element_size()))
         return out
 
+    def from_previous(self, like: torch.Tensor, layer: int, what: str, tag: int) -> torch.Tensor | None:
+        """Rank r - 1's hand-off (shape and dtype of `like`); None on rank 0, which starts the prompt."""
+        return None if self.rank == 0 else self.recv(like, self.rank - 1, layer, what, tag)
+
     def to_next(self, t: torch.Tensor, tag: int) -> None:
         """Hand `t` to rank r + 1 without waiting for it to arrive (nothing on the last rank)."""
-        if self.rank == self.last:
-            return
-        buf = t.contiguous()
-        work = dist.isend(buf, dst=self._global(self.rank + 1), group=self.ctx.group, tag=tag)
-        assert work is not None
-        self._pending.append((work, buf))
+        if self.rank != self.last:
+            self.send(t, self.rank + 1, tag)
 
     def from_rank(self, t: torch.Tensor, src: int, layer: int, what: str) -> torch.Tensor:
         """Rank `src`'s `t` on every rank (the state after the whole prompt from the last rank; a prefix-cache snapshot

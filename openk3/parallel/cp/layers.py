@@ -15,6 +15,10 @@ channels, W conv kernel, H K V the KDA heads and head dims.
   (ForwardBatch.state_cuts) are taken by the rank whose shard ends at or holds the cut (offsets in (lo, hi]): inside the
   shard by the one-process form (model/kda_cuts.py: the delta rule piece by piece, the conv window read from the inputs),
   at its end from the state and window the rank hands on; prefill.py then copies them to every rank.
+  With `scan` (`--kda-cp scan`, kda_scan.py) no rank waits for the state: every rank runs its recurrence at once (all
+  but the first over widened values from [0 | I]), a log-depth scan of point-to-point messages composes each rank's
+  predecessors' state maps, and each rank corrects its output, end state and cut states with the start state they give
+  it. The conv window is still handed on.
 
 The module a wrapper replaces keeps its parameters; the wrapper holds it as `inner` only while attached.
 """
@@ -30,6 +34,10 @@ from openk3.model.kda_cuts import check_cuts, conv_windows_at_cuts, prefill_with
 from openk3.model.mla import GatedMLA, write_latents
 from openk3.ops.kda.decode_step import delta_rule_inputs, gated_output
 from openk3.parallel.cp.exchange import CPExchange
+from openk3.parallel.cp.kda_scan import Affine, corrected_output, identity_start, predecessors, widened
+
+DeltaInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, g, beta
+ShardRun = tuple[torch.Tensor, torch.Tensor, list[tuple[StateCut, torch.Tensor]]]  # o, end state, the cuts' states
 
 
 def _one_slot(batch: ForwardBatch) -> torch.Tensor:
@@ -57,9 +65,9 @@ class ContextParallelMLA(nn.Module):
 class ContextParallelKDA(nn.Module):
     """`cuts`: this rank's snapshot cuts, offsets counted from its shard's start, in (0, T_r] (T_r: the shard's end)."""
 
-    def __init__(self, inner: KimiDeltaAttention, exchange: CPExchange, layer: int, cuts: tuple[StateCut, ...] = ()) -> None:
+    def __init__(self, inner: KimiDeltaAttention, exchange: CPExchange, layer: int, cuts: tuple[StateCut, ...] = (), scan: bool = False) -> None:
         super().__init__()
-        self.inner, self.exchange, self.layer, self.cuts = inner, exchange, layer, cuts
+        self.inner, self.exchange, self.layer, self.cuts, self.scan = inner, exchange, layer, cuts, scan
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache | None) -> torch.Tensor:
         slot = _one_slot(batch)
@@ -76,21 +84,21 @@ class ContextParallelKDA(nn.Module):
         y, conv_state = a.conv_prefill(qkv_TC[None], w.conv_weight_CW, init_conv, batch.cu_seqlens, activation="silu")
         conv_state = conv_state.to(conv_like.dtype)
         ex.to_next(conv_state, tag)
-        q, k, v, g, beta = delta_rule_inputs(y[0], f_TP, b_TH, w, a.num_heads)
+        qkvgb = delta_rule_inputs(y[0], f_TP, b_TH, w, a.num_heads)
         state_like = cache.state_SHKV[slot]
-        init_state = ex.from_previous(state_like, self.layer, "kda_state", tag + 1) if ex.rank > 0 else (None if starts_fresh else state_like)
         n = qkv_TC.shape[0]
         inside = tuple(c for c in self.cuts if c.offset < n)
+        if self.scan:
+            o, new_state, taken = self._scan(qkvgb, None if starts_fresh else state_like, inside)
+        else:
+            init_state = ex.from_previous(state_like, self.layer, "kda_state", tag + 1) if ex.rank > 0 else (None if starts_fresh else state_like)
+            o, new_state, taken = self._recurrence(qkvgb, init_state, inside)
+            ex.to_next(new_state, tag + 1)
         if inside:
-            cu = [0, n]
-            o, new_state, taken = prefill_with_cuts(a.kda_prefill, (q[None], k[None], v[None], g[None], beta[None]), init_state, cu, check_cuts(inside, cu))
-            windows = dict(zip(inside, conv_windows_at_cuts(qkv_TC, init_conv, cu, inside, a.conv_kernel - 1), strict=True))
+            windows = dict(zip(inside, conv_windows_at_cuts(qkv_TC, init_conv, [0, n], inside, a.conv_kernel - 1), strict=True))
             for cut, state in taken:
                 cache.state_SHKV[cut.slot].copy_(state)
                 cache.conv_SCW[cut.slot].copy_(windows[cut])
-        else:
-            o, new_state = a.kda_prefill(q[None], k[None], v[None], g[None], beta[None], None, init_state, batch.cu_seqlens)
-        ex.to_next(new_state, tag + 1)
         for cut in self.cuts:
             if cut.offset == n:  # the cut is this shard's end: the state and window it hands on
                 cache.state_SHKV[cut.slot].copy_(new_state[0])
@@ -98,3 +106,33 @@ class ContextParallelKDA(nn.Module):
         cache.conv_SCW.index_copy_(0, slot, conv_state)
         cache.state_SHKV.index_copy_(0, slot, new_state)
         return a.o_proj(gated_output(o[0], gate_TP, a.o_norm).to(x_TD.dtype))
+
+    def _recurrence(self, qkvgb: DeltaInputs, init_state: torch.Tensor | None, inside: tuple[StateCut, ...]) -> ShardRun:
+        """The shard's recurrence over (q, k, v, g, beta) [T_r, ...] from `init_state` (None: zeros): (o [1, T_r, H, V'],
+        end state [1, H, K, V'], the states at the cuts inside it), V' the width of v."""
+        q, k, v, g, beta = qkvgb
+        inputs, n = (q[None], k[None], v[None], g[None], beta[None]), q.shape[0]
+        if inside:
+            return prefill_with_cuts(self.inner.kda_prefill, inputs, init_state, [0, n], check_cuts(inside, [0, n]))
+        o, state = self.inner.kda_prefill(*inputs, None, init_state, torch.tensor([0, n], device=q.device))
+        return o, state, []
+
+    def _scan(self, qkvgb: DeltaInputs, context_state: torch.Tensor | None, inside: tuple[StateCut, ...]) -> ShardRun:
+        """`--kda-cp scan` (kda_scan.py): rank 0 runs from the sequence's start state (`context_state`, None: zeros),
+        every other rank from [0 | I] over widened values; the scan's rounds give each rank its predecessors' composed
+        map, from which it corrects its output, end state and cut states."""
+        q, k, v, g, beta = qkvgb
+        ex, heads, width, key = self.exchange, self.inner.num_heads, v.shape[-1], k.shape[-1]
+        first = context_state if context_state is not None else q.new_zeros((1, heads, key, width), dtype=torch.float32)  # [1, H, K, V]
+        if ex.rank == 0:
+            o, end, taken = self._recurrence(qkvgb, first, inside)
+            mine = Affine(None, end[0].float())
+        else:
+            o, end, taken = self._recurrence((q, k, widened(v, key), g, beta), identity_start(heads, key, width, q), inside)
+            mine = Affine.of_widened(end, width)
+        before = predecessors(mine, ex, self.layer, width)
+        if before is None:  # rank 0
+            return o, end, taken
+        start = before.apply(first[0])
+        fixed = [(cut, Affine.of_widened(state, width).apply(start).to(state.dtype)) for cut, state in taken]
+        return corrected_output(o, start, width), mine.apply(start)[None].to(end.dtype), fixed

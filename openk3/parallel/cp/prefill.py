@@ -36,13 +36,15 @@ class CPPrefill:
     shards: list[tuple[int, int]]
     received: list[Received]  # this rank's received payloads, per layer
     padding_bytes: int  # bytes of padding this rank received in the equal-shape all-gathers
-    wait_s: float  # this rank's time blocked waiting for the previous rank's KDA state
+    wait_s: float  # this rank's time blocked waiting for the previous rank's KDA state (or conv window, with the scan)
 
 
 @contextmanager
-def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch, cuts: tuple[StateCut, ...] = ()) -> Iterator[None]:
+def context_parallel_layers(
+    model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch, cuts: tuple[StateCut, ...] = (), kda_scan: bool = False
+) -> Iterator[None]:
     """Swap every attention layer for its CP form for the duration of the block (`cuts`: this rank's snapshot cuts,
-    offsets from its shard's start); the original modules come back after."""
+    offsets from its shard's start; `kda_scan`: KDA by the scan, kda_scan.py); the original modules come back after."""
     layers = list(model.model.layers)
     originals: list[nn.Module] = [layer.self_attn for layer in layers]
     try:
@@ -50,7 +52,7 @@ def context_parallel_layers(model: K3ForCausalLM, exchange: CPExchange, whole: F
             if isinstance(attn, GatedMLA):
                 layer.self_attn = ContextParallelMLA(attn, exchange, layer.index, whole)
             elif isinstance(attn, KimiDeltaAttention):
-                layer.self_attn = ContextParallelKDA(attn, exchange, layer.index, cuts)
+                layer.self_attn = ContextParallelKDA(attn, exchange, layer.index, cuts, kda_scan)
             else:
                 raise TypeError(f"context parallel: layer {layer.index} has attention {type(attn).__name__}, expected GatedMLA or KimiDeltaAttention")
         yield
@@ -93,13 +95,15 @@ def context_parallel_prefill(
     pages: torch.Tensor,
     context_len: int = 0,
     cuts: Sequence[StateCut] = (),
+    kda_scan: bool = False,
 ) -> CPPrefill:
     """Prefill `token_ids` into state slot `slot` and pages `pages` [P] of `cache` over the ranks of `ctx`, after
     `context_len` tokens already in that slot and those pages on every rank (0: a fresh sequence; else the next chunk of
     a chunked prefill, or the rest of a prompt after a prefix hit). Every rank calls it with the same arguments and
     returns the same logits; the shards count positions from `context_len`. `cuts` (the prefix cache's snapshots inside
     the step, ForwardBatch.state_cuts of its one sequence) leave the KDA state and conv window after `offset` of the new
-    tokens in slot `slot` of every rank, as a one-process step with those cuts does."""
+    tokens in slot `slot` of every rank, as a one-process step with those cuts does. `kda_scan`: the KDA layers' recurrence
+    runs on every rank at once (kda_scan.py) instead of handing the state rank to rank; the same result to rounding."""
     t = len(token_ids)
     shards = shard_bounds(t, ctx.world_size)
     owners = cut_owners(cuts, shards)
@@ -136,7 +140,7 @@ def context_parallel_prefill(
     exchange = CPExchange(ctx, shards, context_len)
     mine = tuple(StateCut(0, c.offset - lo, c.slot) for c, r in zip(cuts, owners, strict=True) if r == ctx.rank)
     try:
-        with context_parallel_layers(model, exchange, whole, mine):
+        with context_parallel_layers(model, exchange, whole, mine, kda_scan):
             local_logits = model(batch, cache)
     finally:
         exchange.finish()

@@ -4,10 +4,11 @@
 Every rank holds the whole model and cache pools of rank 0's shapes, and every rank runs every step the driver broadcasts
 (serving/driver.py: the same batch, the prefix cache's copies replayed), so all pools hold the same contents. A step that
 is one sequence's prefill of at least `min_tokens` new tokens runs context-parallel (prefill.py: each rank computes its
-contiguous shard of the step, MLA latents all-gathered, the KDA state handed rank to rank; afterwards every rank's pools
-hold the whole step, as after an ordinary forward); any other step -- decode, several sequences, a short chunk, images --
-runs whole on every rank (the same result everywhere; the workers' logits are dropped). The decision reads only the
-batch, which every rank received alike, so the ranks always take the same path. What this buys: a long prompt's chunks
+contiguous shard of the step, MLA latents all-gathered, the KDA state handed rank to rank -- or with `kda_scan` every
+rank's recurrence at once and their state maps scanned; afterwards every rank's pools hold the whole step, as after an
+ordinary forward); any other step -- decode, several sequences, a short chunk, images -- runs whole on every rank (the
+same result everywhere; the workers' logits are dropped). The decision reads only the batch, which every rank received
+alike, so the ranks always take the same path. What this buys: a long prompt's chunks
 (the engine's chunked prefill: one chunk per step up to max_num_batched_tokens) are split W ways; decode does not get
 faster (vLLM's decode context parallelism, which shards the cache, is not built).
 
@@ -31,10 +32,10 @@ from openk3.parallel.group import ParallelContext
 
 
 class ContextParallelStep:
-    def __init__(self, model: K3ForCausalLM, ctx: ParallelContext, min_tokens: int) -> None:
+    def __init__(self, model: K3ForCausalLM, ctx: ParallelContext, min_tokens: int, kda_scan: bool = False) -> None:
         if min_tokens < ctx.world_size:
             raise ValueError(f"context parallel: min_tokens={min_tokens} must be at least the {ctx.world_size} ranks (every rank needs a token)")
-        self.model, self.ctx, self.min_tokens = model, ctx, min_tokens
+        self.model, self.ctx, self.min_tokens, self.kda_scan = model, ctx, min_tokens, kda_scan
         self.config: ModelConfig = model.config
         self.cp_steps = 0  # steps run context-parallel (the others ran whole on every rank)
         self.cp_tokens = 0
@@ -54,7 +55,7 @@ class ContextParallelStep:
         assert cache is not None and batch.state_slots is not None and batch.page_table is not None  # splits() checked the cache
         tokens = batch.input_ids.tolist()
         slot, context_len = int(batch.state_slots[0]), int(batch.context_lens[0])
-        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len, batch.state_cuts)
+        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len, batch.state_cuts, self.kda_scan)
         self.cp_steps += 1
         self.cp_tokens += len(tokens)
         self.cp_cuts += len(batch.state_cuts)

@@ -56,6 +56,7 @@ class RankModelSpec:
     eplb_interval_steps: int | None = None  # method eplb: re-place the experts every N steps from the live load (ep/rebalance.py)
     cp: int = 1  # > 1: context parallel, cp groups of tp ranks, long prefill steps split by position (cp/step_model.py)
     cp_min_tokens: int = 256
+    kda_cp: str = "sequential"  # ParallelConfig.kda_cp: "scan" runs every CP rank's KDA recurrence at once (cp/kda_scan.py)
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
@@ -76,6 +77,7 @@ class RankModelSpec:
             eplb_interval_steps=parallel.eplb_interval_steps,
             cp=parallel.cp,
             cp_min_tokens=parallel.cp_min_tokens,
+            kda_cp=parallel.kda_cp,
         )
 
 
@@ -182,4 +184,4 @@ def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGrou
 
 def _step_model(spec: RankModelSpec, model: K3ForCausalLM, groups: ContextParallelGroups | None) -> K3ForCausalLM | ContextParallelStep:
     """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form over its CP group."""
-    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens) if groups is not None else model
+    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens, spec.kda_cp == "scan") if groups is not None else model

@@ -34,7 +34,8 @@ from openk3.config import ModelConfig, debug, tiny
 from openk3.config.presets import k3_schedule
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
-from openk3.model.weights import iter_checkpoint, save_model
+from openk3.model.checkpoint import iter_checkpoint
+from openk3.model.weights import save_model
 from openk3.parallel.weight_group import BUCKET_BYTES, WeightGroup, specs_of
 from openk3.parallel.weight_update import update_engine_weights
 from openk3.serve.tokenizer import ByteTokenizer

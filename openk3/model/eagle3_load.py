@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from openk3.config import ModelConfig
+from openk3.model.checkpoint import CheckpointError, iter_checkpoint
 from openk3.model.eagle3 import Eagle3Config, Eagle3Head, rope_frequencies
 from openk3.model.eagle3_mla import AnyEagle3Head
 from openk3.model.model import K3ForCausalLM
-from openk3.model.weights import CheckpointError, iter_checkpoint
 from openk3.ops.registry import OpTarget
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

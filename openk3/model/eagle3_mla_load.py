@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import Activation, MLAConfig, ModelConfig
+from openk3.model.checkpoint import CheckpointError, iter_checkpoint
 from openk3.model.eagle3_load import METADATA, _aux_ids, _local_name, _refuse, check_vocab_map, load_eagle3, place_tensors
 from openk3.model.eagle3_mla import AnyEagle3Head, Eagle3MLAConfig, Eagle3MLAHead
 from openk3.model.model import K3ForCausalLM
-from openk3.model.weights import CheckpointError, iter_checkpoint
 from openk3.ops.registry import OpTarget
 
 MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)

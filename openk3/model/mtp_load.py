@@ -18,10 +18,11 @@ from torch import nn
 
 from openk3.config import LayerKind
 from openk3.config.hf import mtp_layer_count
+from openk3.model.checkpoint import CheckpointError, checkpoint_names, has_packed_experts, iter_checkpoint
 from openk3.model.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer, mtp_block_config
 from openk3.model.release import LAYER_RE, release_extras
-from openk3.model.weights import CheckpointError, cast_model, checkpoint_names, has_packed_experts, iter_checkpoint, load_state_dict_into
+from openk3.model.weights import cast_model, load_state_dict_into
 from openk3.ops.registry import OpTarget
 
 AT = "model.layers.0."  # where the layer sits in the holder load_state_dict_into reads

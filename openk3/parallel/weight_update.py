@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from openk3.config.hf import mtp_layer_count
+from openk3.model.checkpoint import EXPERT_RE, STACKED_SUFFIX, canonical_name, checkpoint_names, iter_checkpoint
 from openk3.model.model import K3ForCausalLM
 from openk3.model.release import fit_a_log, release_extras
-from openk3.model.weights import EXPERT_RE, STACKED_SUFFIX, canonical_name, checkpoint_names, iter_checkpoint
 from openk3.ops.mxfp4 import quantize
 from openk3.parallel.layout import ServingPlan, apply_serving_layout
 from openk3.serve.engine import LLMEngine

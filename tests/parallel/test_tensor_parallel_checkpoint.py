@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openk3.model import K3ForCausalLM, weights
-from openk3.model.weights import EXPERT_RE, STACKED_SUFFIX, CheckpointError, canonical_name, load_model, save_model
+from openk3.model.checkpoint import EXPERT_RE, STACKED_SUFFIX, CheckpointError, canonical_name
+from openk3.model.weights import load_model, save_model
 from openk3.parallel.group import ParallelContext
 from openk3.parallel.tp.shard import TensorSplits, parallelize_tensor
 from tests.parallel.tp_cases import model_of

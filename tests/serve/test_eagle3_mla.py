@@ -18,10 +18,10 @@ from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import ForwardBatch
+from openk3.model.checkpoint import CheckpointError
 from openk3.model.eagle3_mla import Eagle3MLAHead
 from openk3.model.eagle3_mla_load import load_any_eagle3
 from openk3.model.model import OpChoice
-from openk3.model.weights import CheckpointError
 from openk3.serve.eagle3_draft import Eagle3Proposer
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.speculative import SpeculativeConfig, propose_drafts

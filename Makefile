@@ -26,11 +26,12 @@ venv: $(STAMP) $(FLA_SITE)/.stamp
 
 # Debian packages the tests need: bubblewrap (sandbox namespaces), zstd (snapshot export), gcc (the CPU kernels of
 # openk3/ops/cpu, built on first use; without a compiler the engine runs the torch ops and their tests skip), libc6-dev
-# (the static libc the sandbox's host-side helper openk3-enter links against; gcc only recommends it).
+# (the static libc the sandbox's host-side helper openk3-enter links against; gcc only recommends it), binutils (objdump:
+# tests/ops/test_portable_kernels.py reads the kernels' instructions; gcc depends on it, named for the check).
 # Skipped when not root or already present.
 system-deps:
-	@if { ! command -v bwrap >/dev/null 2>&1 || ! command -v zstd >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1 || ! dpkg -s libc6-dev >/dev/null 2>&1; } && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd gcc libc6-dev >/dev/null; fi
+	@if { ! command -v bwrap >/dev/null 2>&1 || ! command -v zstd >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1 || ! command -v objdump >/dev/null 2>&1 || ! dpkg -s libc6-dev >/dev/null 2>&1; } && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap zstd gcc libc6-dev binutils >/dev/null; fi
 
 test: venv system-deps
 	$(PY) -m pytest -q

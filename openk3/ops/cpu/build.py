@@ -6,7 +6,8 @@ headers compiles in about a second (a torch C++ extension takes about a minute) 
 
 The library is cached under $OPENK3_CACHE_DIR (default ~/.cache/openk3)/kernels, keyed by a hash of the source, the headers,
 the flags, the compiler's version and the CPU's flags, and written atomically, so concurrent first uses (several test
-workers, EP ranks) are safe. No compiler, a failed build, no writable cache or OPENK3_CPU_KERNELS=0: `load` returns None
+workers, EP ranks) are safe. OPENK3_CPU_MARCH overrides `-march=native` (FLAGS). No compiler, a failed build, no
+writable cache or OPENK3_CPU_KERNELS=0: `load` returns None
 (with a warning when a build was attempted), `kernels_available()` is False and the op registry offers no "c" backend:
 every op is then resolved to its torch entries, once, when a model is built or prepared (ops/registry.py).
 """
@@ -33,7 +34,17 @@ import torch  # noqa: F401  # loaded first, so that its OpenMP runtime is the on
 # rows_gemm.h need to reach the FMA units. -fopenmp-simd honours `omp simd` pragmas (a
 # reduction the compiler may then vectorise) without an OpenMP runtime; _openmp_flags adds -fopenmp only where torch's own
 # runtime is already in the process.
+# OPENK3_CPU_MARCH picks another -march (e.g. x86-64-v3: AVX2 + FMA without AVX-512): the kernels' portable paths, which a
+# machine without AVX-512 runs, can then be built and tested on one that has it (tests/ops/test_portable_kernels.py).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of this process's kernel libraries (FLAGS with OPENK3_CPU_MARCH's -march, and OpenMP's)."""
+    march = os.environ.get("OPENK3_CPU_MARCH", "native")
+    if not march or any(c.isspace() for c in march):
+        raise ValueError(f"OPENK3_CPU_MARCH={march!r}: expected one -march value such as native or x86-64-v3")
+    return [f"-march={march}" if f == "-march=native" else f for f in FLAGS] + _openmp_flags()
 
 
 def _cache_dir() -> Path:
@@ -102,7 +113,7 @@ def load(source_name: str) -> ctypes.CDLL | None:
     headers = "".join(h.read_text() for h in sorted(here.glob("*.h")))  # what the source may include
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        flags = FLAGS + _openmp_flags()
+        flags = build_flags()
         key = hashlib.sha256("\0".join([source, headers, " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"{Path(source_name).stem}-{key}.so"
         if target.exists():

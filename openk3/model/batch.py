@@ -175,6 +175,19 @@ def _latent_row(latent_dim: int, dtype: torch.dtype, fp8: bool) -> tuple[int, to
     return (fp8_latent_width(latent_dim), torch.uint8) if fp8 else (latent_dim, dtype)
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    """A prefix written into a slot and pages from a tier buffer (transfer.unpack), as the copy log carries it."""
+
+    buffer: torch.Tensor  # transfer.pack layout, uint8 on the host
+    slot: int
+    page_ids: tuple[int, ...]
+    num_tokens: int
+
+
+CopyEntry = tuple[int, int, int] | TierLoad  # (kind, src, dst) of a slot or page copy, or a tier load
+
+
 @dataclass
 class CacheTensors:
     """Preallocated pools. The model mutates their contents in place; their shapes never change."""
@@ -184,8 +197,10 @@ class CacheTensors:
     mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R]
     page_size: int
     # When a list: every copy between slots or pages made outside a forward (serve/cache/transfer.py) is recorded here as
-    # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step.
-    copy_log: list[tuple[int, int, int]] | None = None
+    # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step; and, when
+    # those pools are replicas of these (`mirrors_replicate`), every host/disk tier load as a TierLoad with its buffer.
+    copy_log: list[CopyEntry] | None = None
+    mirrors_replicate: bool = False  # the ranks that replay copy_log hold these very contents (no TP shard of their own)
 
     @staticmethod
     def allocate(

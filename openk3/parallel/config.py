@@ -123,12 +123,13 @@ class ParallelConfig:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
-        if self.world_size > 1 and (self.dp == 1 or self.tp > 1) and tiers:
+        if self.tp > 1 and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:
-            # the driver replays rank 0's slot and page copies on every rank (serving/driver.py)
+            # the driver replays rank 0's slot and page copies on every rank (serving/driver.py). Without TP (--cp, --ep,
+            # --dp) every rank that mirrors an engine holds its contents, and the driver replays tier loads too.
             raise ValueError(
-                f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported on more than one rank yet "
-                "(docs/parallel.md)"
+                f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported with tensor "
+                "parallelism yet: each TP rank would need its own shard of every tier entry (docs/parallel.md)"
             )
         if self.world_size > 1 and engine.pack_cpu_weights:
             # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights

@@ -65,7 +65,8 @@ def test_cp_prefix_cache_hits_give_one_process_tokens(one_process: dict[str, dic
     assert got["cp_cuts"] > 0 and got["cp_steps"] > 0, "snapshots were taken inside split steps"
 
 
-def test_cp_with_device_prefix_caching_is_accepted_and_tiers_are_not() -> None:
+def test_cp_with_device_prefix_caching_is_accepted_and_tiers_only_without_tp() -> None:
     ParallelConfig(cp=2).check_engine(EngineConfig(enable_prefix_caching=True))
-    with pytest.raises(ValueError, match="cp=2, ep=1: the host and disk prefix tiers are not supported on more than one rank"):
-        ParallelConfig(cp=2).check_engine(EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20))
+    ParallelConfig(cp=2).check_engine(EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20))  # test_multi_rank_tiers.py
+    with pytest.raises(ValueError, match="tp=2, cp=2, ep=1: the host and disk prefix tiers are not supported with tensor parallelism"):
+        ParallelConfig(cp=2, tp=2).check_engine(EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20))

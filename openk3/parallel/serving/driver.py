@@ -12,7 +12,9 @@ Contract: the engine's cache pools are mutated by model calls and by the prefix 
 driver turns on the pools' copy log (CacheTensors.copy_log) at its first call -- no copy can come earlier: a copy's
 source is written by a forward -- and sends the copies made since the last step just before each step (COPIES), which
 every worker replays on its own pools, so the same slot and page ids hold the same (per-rank) contents everywhere. Host
-and disk tier loads would write rank 0's pools from rank 0's buffers only: multi-rank engines refuse those tiers.
+and disk tier loads write rank 0's pools from rank 0's buffers: where the workers' pools are replicas of rank 0's
+(`replicas`: no TP shard, as with --cp or --ep over TP groups of one) each load goes in the log with its buffer and the
+workers unpack it too; tensor-parallel engines, whose ranks hold shards of their own, refuse the tiers.
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ class EPDriver:
     instead (destroy it, kill local workers).
     """
 
-    def __init__(self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None, heartbeat: RankHeartbeat | None = None) -> None:
+    def __init__(
+        self, model: ForwardModel, channel: StepChannel, stats: StatsSource | None = None, heartbeat: RankHeartbeat | None = None, replicas: bool = False
+    ) -> None:
         self.model, self.channel, self.stats = model, channel, stats
+        self.replicas = replicas  # the workers' pools hold rank 0's very contents (no TP shard): tier loads are replayed too
         self.heartbeat = heartbeat  # started; its owner adds what a lost rank means (LocalEP, the server's rank 0)
         self.config = model.config
         self.totals = EPTotals()
@@ -120,6 +125,7 @@ class EPDriver:
                     self.channel.send_cache(cache)
                     self._cache = cache
                     cache.copy_log = []
+                    cache.mirrors_replicate = self.replicas
                 if cache is not None and cache.copy_log:
                     self.channel.send_copies(cache.copy_log)
                     cache.copy_log.clear()

@@ -174,7 +174,9 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
     # with cp > 1 and tp = 1 each rank dispatches its own tokens (a split step's shard differs per rank): the backend itself
     stats = backend.inner if isinstance(backend, TokenSplit) else backend
-    return EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start()), backend if isinstance(backend, TokenSplit) else None
+    # tp = 1: every rank's pools are rank 0's contents (CP and EP replicate attention), so tier loads can be replayed
+    driver = EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start(), replicas=spec.tp == 1)
+    return driver, backend if isinstance(backend, TokenSplit) else None
 
 
 def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGroups | None:

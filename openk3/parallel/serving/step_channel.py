@@ -14,6 +14,9 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout)
     COPIES a=n; payload [n, 3] (kind, src, dst): the slot and page copies rank 0's prefix cache made since the last step
            (CacheTensors.copy_log), which every worker replays on its own pools before the next STEP
+    LOAD   a=slot, b=number of pages, c=tokens, d=buffer bytes; payloads pages[b] (int64), then the buffer (uint8): a host
+           or disk tier load into rank 0's pools, sent in its place among the copies when the workers' pools are replicas
+           of rank 0's (no TP shard of their own: CacheTensors.mirrors_replicate), which unpack the same buffer
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
            state_cuts[h, 3] (seq, offset, slot)
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, ForwardBatch, HostFacts, StateCut
+from openk3.model.batch import CacheTensors, CopyEntry, ForwardBatch, HostFacts, StateCut, TierLoad
 from openk3.parallel.group import ParallelContext
 
 HEADER = 9
@@ -56,10 +59,11 @@ class MessageKind(IntEnum):
     CACHE = 2
     STOP = 3
     COPIES = 4
+    LOAD = 5
 
 
 class CopyLog(NamedTuple):
-    copies: list[tuple[int, int, int]]
+    copies: list[CopyEntry]
 
 
 class CacheShape(NamedTuple):
@@ -149,8 +153,20 @@ class StepChannel:
     def send_encoded(self, header: list[int], payload: torch.Tensor) -> None:
         self._send(header, payload)
 
-    def send_copies(self, copies: list[tuple[int, int, int]]) -> None:
-        self._send([MessageKind.COPIES, len(copies)], torch.tensor(copies, dtype=torch.int64).reshape(-1))
+    def send_copies(self, copies: list[CopyEntry]) -> None:
+        """The copy log in order: each run of slot and page copies as one COPIES message, each tier load as a LOAD."""
+        run: list[tuple[int, int, int]] = []
+        for entry in [*copies, None]:
+            if isinstance(entry, tuple):
+                run.append(entry)
+                continue
+            if run:
+                self._send([MessageKind.COPIES, len(run)], torch.tensor(run, dtype=torch.int64).reshape(-1))
+                run = []
+            if isinstance(entry, TierLoad):
+                pages = torch.tensor(entry.page_ids, dtype=torch.int64)
+                self._send([MessageKind.LOAD, entry.slot, pages.numel(), entry.num_tokens, entry.buffer.numel()], pages)
+                dist.broadcast(entry.buffer.contiguous(), self.src, group=self.group)
 
     def send_step(self, batch: ForwardBatch) -> None:
         self._send(*self.encode_step(batch))
@@ -170,7 +186,8 @@ class StepChannel:
         dist.barrier(group=self.group)
 
     def receive(self, device: torch.device | str) -> ForwardBatch | CacheShape | CopyLog | None:
-        """The next message on a worker: a step's batch (on `device`), the cache shape, copies to replay, or None for STOP."""
+        """The next message on a worker: a step's batch (on `device`), the cache shape, copies (or a tier load) to replay, or
+        None for STOP."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
         kind, a, b, c, d, e, f, g, h = (int(x) for x in header[:9])
@@ -185,6 +202,12 @@ class StepChannel:
             flat = torch.empty(3 * a, dtype=torch.int64)
             dist.broadcast(flat, self.src, group=self.group)
             return CopyLog([(int(k), int(x), int(y)) for k, x, y in flat.reshape(-1, 3).tolist()])
+        if kind == MessageKind.LOAD:
+            pages = torch.empty(b, dtype=torch.int64)
+            dist.broadcast(pages, self.src, group=self.group)
+            buffer = torch.empty(d, dtype=torch.uint8)
+            dist.broadcast(buffer, self.src, group=self.group)
+            return CopyLog([TierLoad(buffer, a, tuple(int(x) for x in pages.tolist()), c)])
         if kind != MessageKind.STEP:
             raise RuntimeError(f"StepChannel: unknown message kind {kind} (driver and worker run different openk3 versions?)")
         tokens, seqs, width, rows = a, b, c, d

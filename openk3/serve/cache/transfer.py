@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.model.batch import CacheTensors
+from openk3.model.batch import CacheTensors, CopyEntry, TierLoad
 
 COPY_SLOT, COPY_PAGE = 1, 2  # the kinds of CacheTensors.copy_log entries
 
@@ -66,9 +66,13 @@ def pack(tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: 
         return torch.cat(parts).to("cpu")
 
 
-def replay(tensors: CacheTensors, copies: Sequence[tuple[int, int, int]]) -> None:
+def replay(tensors: CacheTensors, copies: Sequence[CopyEntry]) -> None:
     """Apply another rank's copy log to these pools, in order."""
-    for kind, src, dst in copies:
+    for entry in copies:
+        if isinstance(entry, TierLoad):
+            unpack(entry.buffer, tensors, entry.slot, entry.page_ids, entry.num_tokens)
+            continue
+        kind, src, dst = entry
         if kind == COPY_SLOT:
             copy_slot(tensors, src, dst)
         elif kind == COPY_PAGE:
@@ -79,9 +83,9 @@ def replay(tensors: CacheTensors, copies: Sequence[tuple[int, int, int]]) -> Non
 
 def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> None:
     """Write a buffer made by `pack` into a slot and pages (which must cover num_tokens positions)."""
-    if tensors.copy_log is not None:
-        # a tier buffer holds this rank's pools only; the other ranks' parts of the prefix were never stored
-        raise RuntimeError("unpack: a tier load into pools that other ranks mirror (multi-rank engines refuse host/disk tiers)")
+    if tensors.copy_log is not None and not tensors.mirrors_replicate:
+        # a tier buffer holds this rank's pools only; the other ranks' shards of the prefix were never stored
+        raise RuntimeError("unpack: a tier load into pools whose mirrors hold shards of their own (tensor-parallel engines refuse host/disk tiers)")
     expected = buffer_nbytes(tensors, num_tokens)
     if buffer.numel() != expected:
         raise ValueError(f"prefix buffer has {buffer.numel()} bytes; {num_tokens} tokens need {expected}")
@@ -99,3 +103,5 @@ def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Seq
                 data = buffer[off : off + n].to(pool.device).view(pool.dtype).view(num_tokens, width)
                 pool.view(-1, width).index_copy_(0, rows, data)
                 off += n
+    if tensors.copy_log is not None:  # replicas replay the same load (driver.py sends the buffer with the copies)
+        tensors.copy_log.append(TierLoad(buffer, slot, tuple(int(p) for p in page_ids), num_tokens))

@@ -1,0 +1,75 @@
+"""Host and disk prefix tiers on multi-rank engines whose ranks hold replicas of rank 0's pools (`--cp N`, `--ep N` with
+tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD), so
+prompts that hit prefixes evicted to the host or disk tier give one process's tokens, its hit counts and its logprobs;
+tensor-parallel engines, whose ranks hold shards, still refuse the tiers by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from openk3.llm import LLM
+from openk3.parallel.config import ParallelConfig
+from openk3.serve.cache.tier_types import TierKind
+from openk3.serve.config import EngineConfig
+from tests.parallel.test_llm_cp_prefix import ENGINE, GREEDY, PROMPTS
+
+# one snapshot slot: every prompt's snapshots push the previous prompt's out to the tier, so the repeats load from it
+TIGHT = dict(enable_prefix_caching=True, num_snapshot_slots=1, **ENGINE)
+
+
+def tiers(tmp_path: Path, kind: TierKind) -> dict[str, Any]:
+    return dict(cpu_offload_bytes=64 << 20) if kind == TierKind.HOST else dict(disk_offload_dir=str(tmp_path), disk_offload_bytes=256 << 20)
+
+
+def rounds(llm: LLM, kind: TierKind) -> dict[str, Any]:
+    """Each prompt alone, then all again (their snapshots now in the tier), then each extended by its own output."""
+    try:
+        outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
+        first = [list(o.token_ids) for o in outs]
+        outs += [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
+        outs += [llm.generate([p + t], GREEDY)[0].outputs[0] for p, t in zip(PROMPTS, first, strict=True)]
+        stats = llm.engine.stats().prefix_cache
+        assert stats is not None
+        tier = stats.tier(kind)
+        assert tier is not None
+        return {
+            "tokens": [list(o.token_ids) for o in outs],
+            "logprobs": [lp.logprob for o in outs for lp in o.logprobs or ()],
+            "hits": stats.hit_tokens,
+            "tier_hits": tier.hits,
+        }
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[TierKind, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return {kind: rounds(LLM("tiny", **TIGHT, **tiers(tmp_path_factory.mktemp(kind.value), kind)), kind) for kind in (TierKind.HOST, TierKind.DISK)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("layout", "kind"), [(dict(cp=2, cp_min_tokens=32), TierKind.HOST), (dict(cp=2, cp_min_tokens=32), TierKind.DISK), (dict(ep=2), TierKind.HOST)]
+)
+def test_tier_hits_on_replica_ranks_give_one_process_results(one_process, tmp_path: Path, layout: dict[str, Any], kind: TierKind) -> None:
+    torch.set_num_threads(1)
+    want = one_process[kind]
+    assert want["tier_hits"] > 0, "the one-process oracle loads from the tier"
+    got = rounds(LLM("tiny", **layout, **TIGHT, **tiers(tmp_path, kind)), kind)
+    assert got["tier_hits"] == want["tier_hits"] and got["hits"] == want["hits"]
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+def test_tiers_are_refused_with_tensor_parallelism_only() -> None:
+    host = EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20)
+    for replicas in (ParallelConfig(cp=2), ParallelConfig(ep=2), ParallelConfig(cp=2, ep=2)):
+        replicas.check_engine(host)
+    for sharded in (ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2), ParallelConfig(dp=2, tp=2, ep=4)):
+        with pytest.raises(ValueError, match="not supported with tensor parallelism yet"):
+            sharded.check_engine(host)

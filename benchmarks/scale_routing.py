@@ -4,7 +4,8 @@ Two replicas of the model (each `openk3 serve --enable-prefix-caching`, one Ray 
 cluster behind openk3's front end, deployed with `openk3.launch.replicas.replica_application` (what `openk3 serve --replicas 2
 --replica-router prefix|pow2` runs). The same workload runs twice, on a fresh deployment each time: `--replica-router
 prefix` (PrefixAffinityRouter) and the baseline `pow2` (Ray's default router). Both have prefix caching on in every
-replica; only the routing differs.
+replica; only the routing differs, and the prefix router's cross-replica prefix pull (`--prefix-pull on`, the default:
+a replica lacking a prefix the other holds pulls it, scale/prefix_pull.py; pow2 has none).
 
 Workload: C conversations of T turns sharing one long system prompt (several 64-token match units); each turn appends the
 assistant's reply and a new user message (thinking off, so each turn's prompt is a token prefix of the next one's). At
@@ -122,7 +123,7 @@ def parse_metrics(text: str) -> dict[str, dict[str, float]]:
     """replica label -> {sample name: value}, for the per-replica prefix-cache and request counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = ("openk3:prefix_cache_queries", "openk3:prefix_cache_hits", "openk3:request_success", "openk3:prompt_tokens")
+    wanted = ("openk3:prefix_cache_queries", "openk3:prefix_cache_hits", "openk3:request_success", "openk3:prompt_tokens", "openk3:prefix_cache_remote")
     out: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -248,7 +249,8 @@ def run_router(router: str, args: argparse.Namespace, system: str) -> RouterRun:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run = RouterRun(router)
     try:
-        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance)
+        pull = (args.prefix_pull == "on") if router == "prefix" else None
+        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance, prefix_pull=pull)
         serve.run(replica_application(argv, config), name="openk3", route_prefix="/")
         wait_healthy(base, args.replicas, 180)
         asyncio.run(warm_up(base, args))
@@ -311,6 +313,7 @@ def main() -> int:
     p.add_argument("--system-sentences", type=int, default=len(SENTENCES), help="sentences of the shared system prompt (about 30 tokens each)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-imbalance", type=int, default=4, help="prefix router: in-flight requests a match may cost (ScaleConfig's default: 4)")
+    p.add_argument("--prefix-pull", choices=("on", "off"), default="on", help="prefix router: cross-replica prefix pulls (ScaleConfig.prefix_pull)")
     p.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = p.parse_args()
 
@@ -347,7 +350,8 @@ def main() -> int:
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, ray {ray.__version__}, commit {commit}",
         f"deployment: openk3.launch.replicas.replica_application, {args.replicas} replicas x (1 Ray CPU, --torch-threads 1, --enable-prefix-caching, "
-        f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}; every run on a fresh deployment "
+        f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}, prefix pull {args.prefix_pull}; every run "
+        f"on a fresh deployment "
         f"(serve.shutdown between), {args.repeats} pairs, the order alternating (prefix first, then pow2 first, ...)",
         f"workload: {n} conversations x {args.turns} turns sharing one system prompt of {system_tokens} tokens; "
         f"each turn appends the reply and a new user message ({args.user_sentences} sentences of its own and a question; thinking off); "
@@ -389,6 +393,12 @@ def main() -> int:
             replicas = sorted({rep for _, rep in run.metrics_after})
             by_metrics = ", ".join(f"{k}: {done.get(k, 0.0):.0f}" for k in replicas)
             lines.append(f"- {r}, run {i + 1}, requests per replica from /metrics (openk3:request_success): {by_metrics}")
+            pulls = {k: sum(run.counter_delta(f"openk3:prefix_cache_remote_{k}_total").values()) for k in ("pulls", "pull_bytes", "pull_failures")}
+            if any(pulls.values()):
+                lines.append(
+                    f"- {r}, run {i + 1}, cross-replica prefix pulls (/metrics openk3:prefix_cache_remote_*): {pulls['pulls']:.0f} imported, "
+                    f"{pulls['pull_bytes'] / 1e3:.0f} kB, {pulls['pull_failures']:.0f} that brought nothing"
+                )
             for e in run.errors:
                 lines.append(f"- {r}, run {i + 1}, ERROR: {e}")
     report = "\n".join(lines) + "\n"

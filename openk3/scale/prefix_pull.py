@@ -7,7 +7,8 @@ The replica B it lands on, before its engine sees the request (`PrefixPuller.bef
 hint is at least one match unit deeper, sends A an export call for the prompt (through the router, targeted at A) and
 imports the record A answers (serve/prefix_pull.py checks it is this prompt's prefix under B's model salt and the
 request's cache_salt); the request then hits it like any cached prefix. Exactly one transfer per prefix per replica:
-requests on B that wait for the same prefix (the same hint key) share one pull, and a later one finds it in B's own cache.
+requests on B whose prompts carry the key of a prefix being pulled wait for that pull (hinted or not: the router hints
+only B's first request for it), and a later one finds it in B's own cache.
 A answers (`export`) with the deepest boundary of the prompt it holds in any tier; while its own engine is still
 prefilling toward it (a burst of new conversations: A's first one computes the shared system prompt while B's first one
 arrives) it asks again after each engine step, up to `max_wait_steps`. A pull that brings nothing -- A had evicted it, A
@@ -68,28 +69,33 @@ class PrefixPuller:
         self.engine_call = engine_call
         self.export_call = export_call
         self.config = config
-        self._pulling: dict[tuple[str, bytes], asyncio.Task[None]] = {}  # (holder, the prefix's key) -> the pull under way
+        self._pulling: dict[bytes, asyncio.Task[None]] = {}  # the router's key of a prefix -> its pull under way
 
     async def before(self, call: ReplicaCall) -> None:
-        """Pull the prefix `call.pull` names, unless this replica holds it already or it is not worth a unit; returns when
-        the pull (this request's, or the one another request started for the same prefix) has ended, however it ended."""
+        """Wait for a pull under way of a prefix of this request (another request's), then pull the prefix `call.pull`
+        names, unless this replica holds it already or it is not worth a unit; returns when the pulls have ended, however
+        they ended. A request without a hint also waits: its replica's first request pulls the shared system prompt while
+        the second, which the router sends there without a hint (it counts the replica as holding it already), would
+        otherwise compute it at once."""
+        under_way = next((self._pulling[k] for k in reversed(call.keys) if k in self._pulling), None)
         hint, ids = call.pull, list(call.prompt_ids)
-        if hint is None or hint.replica == self.replica_id or len(ids) < 2 or not 0 < hint.units <= len(call.keys):
-            return
-        unit, salt = self.config.match_unit, call.cache_salt
+        if hint is not None and hint.replica != self.replica_id and len(ids) >= 2 and 0 < hint.units <= len(call.keys):
+            key = call.keys[hint.units - 1]
+            if key not in self._pulling:  # registered before any await: a request arriving meanwhile finds it
+                task = asyncio.get_running_loop().create_task(self._pull(hint, ids, call.cache_salt, call.request_id))
+                self._pulling[key] = task
+                task.add_done_callback(lambda _: self._pulling.pop(key, None))
+            under_way = self._pulling[key]
+        if under_way is not None:
+            await asyncio.shield(under_way)  # a client that leaves does not cancel a pull other requests may be waiting for
+
+    async def _pull(self, hint: PullHint, ids: list[int], salt: str | None, request_id: str) -> None:
+        unit = self.config.match_unit
         want = min(hint.units * unit, len(ids) - 1)
-        own: int = await self.engine_call(lambda e: e.cache.match_prefix(ids, salt).num_tokens if e.cache.prefix is not None else want)
+        own: int = await self.engine_call(lambda e: e.cache.match_prefix(ids, salt).num_tokens)
         if want - own < unit:
             return
-        key = (hint.replica, call.keys[hint.units - 1])
-        task = self._pulling.get(key)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._pull(hint.replica, ids, salt, own // unit + 1, call.request_id))
-            self._pulling[key] = task
-            task.add_done_callback(lambda _: self._pulling.pop(key, None))
-        await asyncio.shield(task)  # a client that leaves does not cancel a pull other requests may be waiting for
-
-    async def _pull(self, holder: str, ids: list[int], salt: str | None, min_units: int, request_id: str) -> None:
+        holder, min_units = hint.replica, own // unit + 1
         export_call = ReplicaCall("POST", "/export", target=holder, prompt_ids=tuple(ids), cache_salt=salt, pull=PullHint(holder, min_units))
         try:
             record = await asyncio.wait_for(self.export_call(export_call), self.config.timeout_s)

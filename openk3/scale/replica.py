@@ -74,7 +74,7 @@ class EngineReplica:
         """The app's answer to `call`: its head (with this replica's id), then its body chunks as they are made."""
         if call.record is not None:
             await self._import(call.record)
-        if call.pull is not None:
+        if call.prompt_ids:  # pulls are on (the front end sent the prompt): pull, or wait for a pull under way of this prefix
             await self._pulls().before(call)
         async for item in asgi_call(self.app, call):
             if isinstance(item, ResponseStart):

@@ -1,11 +1,12 @@
 """The replicas' half of the cross-replica prefix pull (scale/prefix_pull.py), without Ray: two in-process engines, the
 holder's `export` reached through a fake export call. One transfer per prefix per replica however many requests wait for
-it; no pull when the puller holds the prefix or the hint is not a unit deeper; a holder that evicted it, is lost, or
+it (hinted or not); no pull when the puller holds the prefix or the hint is not a unit deeper; a holder that evicted it, is lost, or
 answers another model's record costs a counted failure and the request computes its prompt with the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,9 @@ def test_one_transfer_for_requests_that_wait_for_the_same_prefix(model) -> None:
     second = SYSTEM + ids(40, 4)
 
     async def both() -> None:
-        waiting = [asyncio.create_task(puller.before(request(p))) for p in (PULLER, second)]
+        # the second without a hint, as the router sends it (it counts b as holding the prefix once the first went there)
+        calls = [request(PULLER), dataclasses.replace(request(second), pull=None)]
+        waiting = [asyncio.create_task(puller.before(c)) for c in calls]
         await asyncio.sleep(0)
         gate.set()
         await asyncio.gather(*waiting)

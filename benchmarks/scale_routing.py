@@ -4,7 +4,8 @@ Two replicas of the model (each `openk3 serve --enable-prefix-caching`, one Ray 
 cluster behind openk3's front end, deployed with `openk3.launch.replicas.replica_application` (what `openk3 serve --replicas 2
 --replica-router prefix|pow2` runs). The same workload runs twice, on a fresh deployment each time: `--replica-router
 prefix` (PrefixAffinityRouter) and the baseline `pow2` (Ray's default router). Both have prefix caching on in every
-replica; only the routing differs.
+replica; only the routing differs, and the prefix router's cross-replica prefix pull (`--prefix-pull on`, the default:
+a replica lacking a prefix the other holds pulls it, scale/prefix_pull.py; pow2 has none).
 
 Workload: C conversations of T turns sharing one long system prompt (several 64-token match units); each turn appends the
 assistant's reply and a new user message (thinking off, so each turn's prompt is a token prefix of the next one's). At
@@ -19,6 +20,7 @@ Correctness gate: greedy replies must be the same under both routers (the caches
   .venv/bin/python benchmarks/scale_routing.py                            # 8 conversations x 4 turns, 4 in flight
   .venv/bin/python benchmarks/scale_routing.py --conversations 4 --turns 2 # a quick look
   .venv/bin/python benchmarks/scale_routing.py --out benchmarks/results/scale_routing.md
+  .venv/bin/python benchmarks/scale_routing.py --with-nopull               # + the prefix router without prefix pulls, same run
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def parse_metrics(text: str) -> dict[str, dict[str, float]]:
     """replica label -> {sample name: value}, for the per-replica prefix-cache and request counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = ("openk3:prefix_cache_queries", "openk3:prefix_cache_hits", "openk3:request_success", "openk3:prompt_tokens")
+    wanted = ("openk3:prefix_cache_queries", "openk3:prefix_cache_hits", "openk3:request_success", "openk3:prompt_tokens", "openk3:prefix_cache_remote")
     out: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -236,7 +238,8 @@ async def warm_up(base: str, args: argparse.Namespace) -> None:
         await asyncio.gather(*(one_turn(client, args, m) for m in msgs))
 
 
-def run_router(router: str, args: argparse.Namespace, system: str) -> RouterRun:
+def run_router(label: str, args: argparse.Namespace, system: str) -> RouterRun:
+    """One deployment and workload; `label`: "prefix" (pulls as --prefix-pull says), "prefix-nopull" or "pow2"."""
     from ray import serve
 
     from openk3.launch.replicas import replica_application
@@ -246,9 +249,11 @@ def run_router(router: str, args: argparse.Namespace, system: str) -> RouterRun:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    run = RouterRun(router)
+    run = RouterRun(label)
+    router = "pow2" if label == "pow2" else "prefix"
     try:
-        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance)
+        pull = None if label == "pow2" else (label == "prefix" and args.prefix_pull == "on")
+        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance, prefix_pull=pull)
         serve.run(replica_application(argv, config), name="openk3", route_prefix="/")
         wait_healthy(base, args.replicas, 180)
         asyncio.run(warm_up(base, args))
@@ -307,10 +312,17 @@ def main() -> int:
     p.add_argument("--in-flight", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--user-sentences", type=int, default=3, help="sentences of a conversation's own in each user message (about 20 tokens each)")
-    p.add_argument("--repeats", type=int, default=3, help="deploy-and-run pairs (prefix, pow2), the order alternating; each on fresh deployments")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="deploy-and-run pairs (prefix, pow2; + prefix-nopull with --with-nopull), the order alternating; each on fresh deployments",
+    )
     p.add_argument("--system-sentences", type=int, default=len(SENTENCES), help="sentences of the shared system prompt (about 30 tokens each)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-imbalance", type=int, default=4, help="prefix router: in-flight requests a match may cost (ScaleConfig's default: 4)")
+    p.add_argument("--prefix-pull", choices=("on", "off"), default="on", help="prefix router: cross-replica prefix pulls (ScaleConfig.prefix_pull)")
+    p.add_argument("--with-nopull", action="store_true", help="also run the prefix router with prefix pulls off in every repeat (what the pull adds, same run)")
     p.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = p.parse_args()
 
@@ -324,10 +336,11 @@ def main() -> int:
     system_tokens = len(model_tokenizer(args.model, 0).encode(system))
     load_start = os.getloadavg()[0]
     connect(None, num_cpus=max(2, args.replicas))
-    runs: dict[str, list[RouterRun]] = {"prefix": [], "pow2": []}
+    labels = ("prefix", "pow2", "prefix-nopull") if args.with_nopull else ("prefix", "pow2")
+    runs: dict[str, list[RouterRun]] = {r: [] for r in labels}
     try:
         for i in range(args.repeats):
-            for r in ("prefix", "pow2") if i % 2 == 0 else ("pow2", "prefix"):
+            for r in labels if i % 2 == 0 else labels[::-1]:
                 runs[r].append(run_router(r, args, system))
     finally:
         ray.shutdown()
@@ -347,8 +360,10 @@ def main() -> int:
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, ray {ray.__version__}, commit {commit}",
         f"deployment: openk3.launch.replicas.replica_application, {args.replicas} replicas x (1 Ray CPU, --torch-threads 1, --enable-prefix-caching, "
-        f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}; every run on a fresh deployment "
-        f"(serve.shutdown between), {args.repeats} pairs, the order alternating (prefix first, then pow2 first, ...)",
+        f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}, prefix pull {args.prefix_pull}; every run "
+        f"on a fresh deployment "
+        f"(serve.shutdown between), {args.repeats} {'triples' if args.with_nopull else 'pairs'}, the order alternating "
+        f"({', '.join(labels)} first, then reversed, ...)",
         f"workload: {n} conversations x {args.turns} turns sharing one system prompt of {system_tokens} tokens; "
         f"each turn appends the reply and a new user message ({args.user_sentences} sentences of its own and a question; thinking off); "
         f"{args.in_flight} requests in flight; streamed, temperature 0, "
@@ -364,17 +379,17 @@ def main() -> int:
     ]
     for i in range(args.repeats):
         base = summary([runs["pow2"][i]])
-        for r in ("prefix", "pow2"):
+        for r in labels:
             run = runs[r][i]
             spread = ", ".join(f"{rep}: {k}" for rep, k in sorted(Counter(t.replica for t in run.turns).items(), key=lambda kv: -kv[1]))
             lines.append(row(f"{r}, run {i + 1}", summary([run]), None if r == "pow2" else base, same, spread, n))
     pooled = {r: summary(runs[r]) for r in runs}
-    for r in ("prefix", "pow2"):
+    for r in labels:
         x = pooled[r]
         spread = f"busiest replica {x['busiest']:.0%} (mean of runs)"
         lines.append(row(f"**{r}, all {args.repeats} runs**", x, None if r == "pow2" else pooled["pow2"], same, spread, n * args.repeats))
     lines.append("")
-    for r in ("prefix", "pow2"):
+    for r in labels:
         per_turn = []
         for t in range(args.turns):
             ts = [u for run in runs[r] for u in run.turns if u.turn == t]
@@ -389,6 +404,12 @@ def main() -> int:
             replicas = sorted({rep for _, rep in run.metrics_after})
             by_metrics = ", ".join(f"{k}: {done.get(k, 0.0):.0f}" for k in replicas)
             lines.append(f"- {r}, run {i + 1}, requests per replica from /metrics (openk3:request_success): {by_metrics}")
+            pulls = {k: sum(run.counter_delta(f"openk3:prefix_cache_remote_{k}_total").values()) for k in ("pulls", "pull_bytes", "pull_failures")}
+            if any(pulls.values()):
+                lines.append(
+                    f"- {r}, run {i + 1}, cross-replica prefix pulls (/metrics openk3:prefix_cache_remote_*): {pulls['pulls']:.0f} imported, "
+                    f"{pulls['pull_bytes'] / 1e3:.0f} kB, {pulls['pull_failures']:.0f} that brought nothing"
+                )
             for e in run.errors:
                 lines.append(f"- {r}, run {i + 1}, ERROR: {e}")
     report = "\n".join(lines) + "\n"

@@ -108,6 +108,15 @@ class ServerMetrics:
         self.shared_prefill_waits = counter(
             "prefix_cache_shared_prefill_waits", "Times a request waited a step for a running prefill of a prefix it shares"
         ).labels(**label)
+        self.remote = {
+            name: counter(f"prefix_cache_remote_{name}", doc).labels(**label)
+            for name, doc in (
+                ("pulls", "Prefixes imported from another replica instead of computed (cross-replica prefix pull)"),
+                ("pull_bytes", "Bytes of the prefix records imported from other replicas"),
+                ("pull_failures", "Prefix pulls that brought nothing (refused, evicted on the holder, or no answer): the prompt was computed"),
+                ("exports", "Prefixes exported to another replica"),
+            )
+        }
         self.checksum_failures = counter("cache_disk_checksum_failures", "Disk-tier loads refused by their checksum").labels(**label)
         self.inbox_dropped = counter("cache_inbox_dropped", "Imported prefix records let go unused (aged out or refused at lookup)").labels(**label)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
@@ -220,6 +229,7 @@ class ServerMetrics:
             totals += [(self.prefix_snapshots["taken"], "snapshots_taken", prefix.snapshots_taken)]
             totals += [(self.prefix_snapshots["evicted"], "snapshots_evicted", prefix.snapshots_evicted)]
             totals += [(self.shared_prefill_waits, "shared_prefill_waits", prefix.shared_prefill_waits)]
+            totals += [(self.remote[name], f"remote_{name}", getattr(prefix, f"remote_{name}")) for name in self.remote]
             for t in prefix.all_tiers:
                 name = t.tier.value
                 self.tier_used[name].set(t.used_bytes)

@@ -7,11 +7,24 @@ answers with a `ResponseHead` and then the body's chunks, as it produces them (S
 Prefill/decode disaggregation adds two fields: a prefill call carries the prompt's token ids (`prompt_ids`) and is
 answered with a hand-off record (serve/cache/handoff.py) or None; the request's call to a decode replica then carries
 that record (`record`), which the replica imports before it serves the request.
+
+A cross-replica prefix pull (scale/prefix_pull.py) adds `pull`, set by the router on a request whose replica lacks a
+prefix another replica holds, with the prompt's ids and `cache_salt`; the replica then sends that one an export call
+(`target` the holder, `pull` the fewest units worth sending) answered with a record or None.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PullHint:
+    """Another replica believed to hold the first `units` match units of a request's prompt (pull_hints.py); on an export
+    call, the replica asked and the fewest units worth sending."""
+
+    replica: str
+    units: int
 
 
 @dataclass(frozen=True)
@@ -25,8 +38,11 @@ class ReplicaCall:
     request_id: str = ""
     avoid: frozenset[str] = field(default_factory=frozenset)
     target: str | None = None  # a replica id: the call is a report meant for that replica only
-    prompt_ids: tuple[int, ...] = ()  # a prefill call: the prompt, as the decode replica's server will tokenise it
+    # a prefill call, an export call, and a request that may pull a prefix: the prompt as the replica's server will tokenise it
+    prompt_ids: tuple[int, ...] = ()
     record: bytes | None = None  # the prefill replica's hand-off record for this request's prompt (decode replicas)
+    cache_salt: str | None = None  # the request's cache_salt, with prompt_ids: a pulled prefix is keyed under it
+    pull: PullHint | None = None  # the router's hint: pull the prefix from this replica first (scale/prefix_pull.py)
 
 
 @dataclass(frozen=True)

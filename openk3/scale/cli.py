@@ -35,13 +35,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --replicas: add P prefill replicas; the --replicas N then decode, each prompt handed over with its KDA state and MLA latents",
     )
+    g.add_argument(
+        "--replica-prefix-pull",
+        choices=("on", "off"),
+        default=None,
+        help="with --replicas and the prefix router: a replica lacking a prefix another replica holds pulls its cached state "
+        "instead of computing it (default: on for one-rank replicas without a prefill pool)",
+    )
     g.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per rank of a replica (default 1)")
     g.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start a local one)")
 
 
 def refuse_without_replicas(args: argparse.Namespace) -> str | None:
     """The scale-out flag given without --replicas, if any (an error: it would be ignored)."""
-    for name in ("replica_router", "prefill_replicas", "replica_cpus", "ray_address"):
+    for name in ("replica_router", "prefill_replicas", "replica_prefix_pull", "replica_cpus", "ray_address"):
         if getattr(args, name) is not None:
             return f"--{name.replace('_', '-')} needs --replicas N"
     return None
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace, launch: ReplicaLaunch) -> int:
             prefill_replicas=args.prefill_replicas or 0,
             router=args.replica_router or "prefix",
             replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+            prefix_pull=None if args.replica_prefix_pull is None else args.replica_prefix_pull == "on",
         )
         app = application(launch, config)
     except ValueError as e:

@@ -11,6 +11,8 @@ default power-of-two-choices router (the baseline the benchmark compares with; r
 prefill replicas (prefill/decode disaggregation, frontend.py): the `replicas` then decode, every completion and chat
 prompt is computed on a prefill replica first and handed over with its KDA state and MLA latents. Both pools run the
 same engine flags and the same router, and need prefix caching (the hand-off lands in the decode engine's prefix cache).
+`prefix_pull` (prefix router only; None: on where it can be, i.e. one-rank replicas and no prefill pool) lets a replica
+that lacks a prefix another replica holds pull it instead of computing it (scale/prefix_pull.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ScaleConfig:
     health_period_s: float = 0.5  # the front end probes every replica's /health this often (health_board.py)
     health_timeout_s: float = 2.0  # a replica that does not answer its probe in this long is unhealthy
     app_name: str = "openk3"
+    prefix_pull: bool | None = None  # cross-replica prefix pulls (prefix router); None: on wherever the replicas allow it
 
     def __post_init__(self) -> None:
         check_int("ScaleConfig", "replicas", self.replicas, low=1)
@@ -72,6 +75,20 @@ def check_combination(launch: ReplicaLaunch, config: ScaleConfig) -> int:
     return engine.prefix_match_unit
 
 
+def pulls_on(launch: ReplicaLaunch, config: ScaleConfig) -> bool:
+    """Whether replicas pull prefixes from each other; `prefix_pull=True` where they cannot is a ValueError naming why."""
+    why = None
+    if config.router != "prefix":
+        why = "it needs --replica-router prefix (the router hints where a prefix is)"
+    elif config.prefill_replicas:
+        why = "with --prefill-replicas every prompt is handed over by a prefill replica already"
+    elif launch.parallel.world_size > 1:
+        why = f"a prefix record holds one rank's cache, and these replicas have {launch.parallel.world_size} ranks"
+    if why is not None and config.prefix_pull:
+        raise ValueError(f"--replica-prefix-pull on: {why}")
+    return why is None and config.prefix_pull is not False
+
+
 def replica_resources(launch: ReplicaLaunch, config: ScaleConfig) -> dict[str, float]:
     """Ray's actor options for one replica: `replica_cpus` per rank and, on CUDA, one GPU per rank. A replica of several
     ranks spawns them on its own node, and they see the GPUs Ray gives the replica's actor (CUDA_VISIBLE_DEVICES), so
@@ -87,9 +104,11 @@ def application(launch: ReplicaLaunch, config: ScaleConfig) -> Application:
     """The replicas and their front end; `launch`: the `openk3 serve` flags every replica runs, as the launch layer read
     them (openk3.launch.replicas.replica_application builds one from argv)."""
     match_unit = check_combination(launch, config)
+    pull = pulls_on(launch, config)
     resources = replica_resources(launch, config)
     if config.router == "prefix":
-        router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": config.max_imbalance})  # type: ignore[arg-type]
+        kwargs = {"max_imbalance": config.max_imbalance, "pull_min_units": 1 if pull else None}
+        router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs=kwargs)  # type: ignore[arg-type]
     else:
         router = RequestRouterConfig(request_router_class=TargetedPowerOfTwoRouter)  # type: ignore[arg-type]
 
@@ -111,7 +130,9 @@ def application(launch: ReplicaLaunch, config: ScaleConfig) -> Application:
     decode = pool(REPLICA_DEPLOYMENT, config.replicas)
     probe = ProbeConfig(config.health_period_s, config.health_timeout_s)
     if not config.prefill_replicas:
-        return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, probe=probe, pool_sizes=(config.replicas, 0))
+        return front.bind(
+            decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, probe=probe, pool_sizes=(config.replicas, 0), prefix_pull=pull
+        )
     prefill = pool(PREFILL_DEPLOYMENT, config.prefill_replicas)
     sizes = (config.replicas, config.prefill_replicas)
     return front.bind(decode, launch.serve_args, config.app_name, REPLICA_DEPLOYMENT, match_unit, prefill, PREFILL_DEPLOYMENT, probe=probe, pool_sizes=sizes)

@@ -6,6 +6,9 @@ chat request first goes to a prefill replica, which computes its prompt but the 
 record of that boundary; the request then goes to a decode replica with the record, which imports it and serves the
 request from it (replica.py). A prefill that fails (its replica lost, busy, or the prompt refused) is counted and the
 request goes to a decode replica without a record, which computes the whole prompt: slower, never a different answer.
+With prefix pulls on (`prefix_pull`), a completion or chat call also carries its prompt's ids and cache_salt: the router
+may hint that its replica pull a prefix another replica holds, and the replica checks the record against them
+(scale/prefix_pull.py).
 
 A prefill call also ends, without its answer, when the prefill pool has no healthy replica left (health_board.py):
 Ray would hold it until a replacement replica has started (seconds to minutes), the decode replica computes the prompt
@@ -28,7 +31,7 @@ import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -100,8 +103,10 @@ class Frontend:
         prefill_deployment: str | None = None,
         probe: ProbeConfig | None = None,
         pool_sizes: tuple[int, int] = (1, 0),
+        prefix_pull: bool = False,
     ) -> None:
-        """pool_sizes: the decode (or only) pool's replicas and the prefill pool's, as deployed (what /health counts)."""
+        """pool_sizes: the decode (or only) pool's replicas and the prefill pool's, as deployed (what /health counts);
+        prefix_pull: send each request's prompt ids, so that its replica can pull a prefix (the router hints it)."""
         from openk3.api.chat_loading import load_chat_template
         from openk3.serve.loading import ASSETS, model_tokenizer
 
@@ -114,6 +119,7 @@ class Frontend:
         self.app_name = app_name
         self.deployment = deployment
         self.prefill, self.prefill_deployment = prefill, prefill_deployment
+        self.prefix_pull = prefix_pull
         self.stats = ForwardStats()
         self.handoff = HandoffStats()
         self.probe = probe or ProbeConfig()
@@ -180,24 +186,28 @@ class Frontend:
         self._ensure_probing()
         body = await request.body()
         path = request.url.path
-        keys, handoff = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
+        keys, handoff, pull = await asyncio.to_thread(self._prompt, request.method, path, body)  # tokenising is CPU work: off the event loop
         request_id = uuid.uuid4().hex
         record = None
         if handoff is not None:
             record = await self._prefill(ReplicaCall("POST", path, keys=keys, request_id=request_id, prompt_ids=tuple(handoff)))
         headers = tuple((k, v) for k, v in request.headers.raw if k.lower() not in HOP_HEADERS)
         call = ReplicaCall(request.method, path, request.url.query.encode(), headers, body, keys, request_id, record=record)
+        if pull is not None:
+            call = replace(call, prompt_ids=tuple(pull[0]), cache_salt=pull[1])
         started = await start(self._open, call, LOST, self.stats)
         response = StreamingResponse(rest_of_body(started, LOST, self.stats), status_code=started.head.status)
         response.raw_headers = [(k.lower(), v) for k, v in started.head.headers if k.lower() not in HOP_HEADERS]
         return response
 
-    def _prompt(self, method: str, path: str, body: bytes) -> tuple[tuple[bytes, ...], list[int] | None]:
-        """The prompt's routing keys (under its cache_salt), and with a prefill pool the ids a prefill replica computes
-        (None: no hand-off)."""
+    def _prompt(self, method: str, path: str, body: bytes) -> tuple[tuple[bytes, ...], list[int] | None, tuple[list[int], str | None] | None]:
+        """The prompt's routing keys (under its cache_salt); with a prefill pool the ids a prefill replica computes (None:
+        no hand-off); with prefix pulls the ids and cache_salt a pulled prefix is checked against (None: no pull)."""
         ids = self.keys.prompt_ids(path, body)
+        salt = self.keys.cache_salt(path, body)
         handoff = self.keys.handoff_ids(path, body, ids) if self.prefill is not None and method == "POST" else None
-        return self.keys.keys_of(ids, self.keys.cache_salt(path, body)), handoff
+        exact = self.keys.exact_ids(path, body, ids) if self.prefix_pull and method == "POST" else None
+        return self.keys.keys_of(ids, salt), handoff, None if exact is None else (exact, salt)
 
     async def _prefill(self, call: ReplicaCall) -> bytes | None:
         prefill, pool = self.prefill, self.prefill_deployment

@@ -65,15 +65,23 @@ class PromptKeys:
             return None
 
     def handoff_ids(self, path: str, body: bytes, routed: list[int] | None) -> list[int] | None:
-        """The prompt a prefill replica may compute for the request: `routed` (prompt_ids' answer) when it is the request's
-                whole prompt, as the decode replica's server will tokenise it; None for several prompts, or a chat whose reply the
-                server starts inside the prompt (a named or required tool call, or structured output: api/tool_choice.py writes
-                the call's or the reply's opening after the rendered prompt), or one with images (their tokens are keyed by the image,
-        which the hand-off record is not). A wrong guess costs only the hand-off: the decode
-                replica's lookup misses and it computes the prompt itself."""
+        """The prompt a prefill replica may compute for the request: `exact_ids`, but None for a salted request (a salted
+        request looks only under its salt, and a prefill replica's record is keyed by none)."""
         data = self._request(path, body) if routed is not None else None
         if data is None or data.get("cache_salt") is not None:
-            return None  # a salted request looks only under its salt, and a prefill replica's record is keyed by none
+            return None
+        return self.exact_ids(path, body, routed)
+
+    def exact_ids(self, path: str, body: bytes, routed: list[int] | None) -> list[int] | None:
+        """`routed` (prompt_ids' answer) when it is the request's whole prompt, as the replica's server will tokenise it
+        (what a prefill replica computes, and what a pulled prefix is checked against); None for several prompts, or a chat
+        whose reply the server starts inside the prompt (a named or required tool call, or structured output:
+        api/tool_choice.py writes the call's or the reply's opening after the rendered prompt), or one with images (their
+        tokens are keyed by the image, which a prefix record is not). A wrong guess costs only the hand-off or the pull: the
+        replica's lookup misses, or the pulled record is refused, and it computes the prompt itself."""
+        data = self._request(path, body) if routed is not None else None
+        if data is None:
+            return None
         if path == "/v1/chat/completions":
             try:
                 req = ChatCompletionRequest.model_validate(data)

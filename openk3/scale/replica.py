@@ -11,6 +11,9 @@ prompt but its last token, export the boundary there: serve/cache/handoff.py's p
 record a call carries before it serves the request, which then hits the record and computes only the last prompt token.
 A record refused at import (corrupted, another model's shape) is logged and the request recomputes its prompt.
 
+A request the router marked with a pull hint first pulls the prefix another replica of the pool holds (prefix_pull.py:
+`forward` runs PrefixPuller.before, which calls the holder's `export` through this deployment's own handle, targeted).
+
 A replica of several ranks (`--tp/--ep/--dp` with `--replicas`) spawns its other ranks on its own node, as `LLM(ep=N)`
 does (launch/replicas.py build_replica_server); Ray reserves every rank's CPUs (and GPUs) for the replica's actor
 (deploy.py), and the replica's shutdown stops them.
@@ -19,6 +22,7 @@ does (launch/replicas.py build_replica_server); Ray reserves every rank's CPUs (
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +33,7 @@ from ray import serve
 from openk3.scale.asgi_call import ResponseStart, asgi_call
 from openk3.scale.calls import ReplicaCall, ReplicaReport, ResponseHead, WrongReplicaError
 from openk3.scale.forward import REPLICA_HEADER
+from openk3.scale.prefix_pull import PrefixPuller, PullConfig, export
 from openk3.scale.replica_launch import ReplicaLaunch, SpawnedRanks
 from openk3.serve.output import OutputKind
 from openk3.serve.sampling import SamplingParams
@@ -41,7 +46,11 @@ PREFILL = SamplingParams(temperature=0, max_tokens=1)
 class EngineReplica:
     # Ray Serve awaits an async constructor (replicas may start their engines here); type checkers want None from __init__
     async def __init__(self, launch: ReplicaLaunch) -> None:  # type: ignore[misc]
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self._pool = (context.app_name, context.deployment)
+        self._pull = PullConfig(launch.engine.prefix_match_unit)
+        self._puller: PrefixPuller | None = None  # made at the first hint: this deployment's handle needs the app to be up
         self._ranks: SpawnedRanks | None  # a multi-rank replica's other ranks
         self.app, self._ranks = launch.build_server(launch.serve_args)
         self._lifespan: AbstractAsyncContextManager[object] = self.app.router.lifespan_context(self.app)
@@ -65,6 +74,8 @@ class EngineReplica:
         """The app's answer to `call`: its head (with this replica's id), then its body chunks as they are made."""
         if call.record is not None:
             await self._import(call.record)
+        if call.prompt_ids:  # pulls are on (the front end sent the prompt): pull, or wait for a pull under way of this prefix
+            await self._pulls().before(call)
         async for item in asgi_call(self.app, call):
             if isinstance(item, ResponseStart):
                 yield ResponseHead(item.status, (*item.headers, (REPLICA_HEADER, self.replica_id.encode())), self.replica_id)
@@ -86,6 +97,25 @@ class EngineReplica:
             return None
         record: bytes | None = await frontend.call(lambda engine: engine.export_prefix(prompt[:-1]))
         return record
+
+    def _pulls(self) -> PrefixPuller:
+        if self._puller is None:
+            handle = serve.get_deployment_handle(self._pool[1], self._pool[0])
+
+            async def export_call(call: ReplicaCall) -> bytes | None:
+                # a context of its own, so Ray gives the call an internal request id apart from the request's (frontend.py
+                # own_request_id says why); the router honours `target`
+                record: bytes | None = await contextvars.Context().run(lambda: handle.export.remote(call))
+                return record
+
+            self._puller = PrefixPuller(self.replica_id, self.app.state.served.frontend.call, export_call, self._pull)
+        return self._puller
+
+    async def export(self, call: ReplicaCall) -> bytes | None:
+        """Another replica's pull: the record of the deepest prefix of `call.prompt_ids` this replica holds (prefix_pull.py)."""
+        if call.target != self.replica_id:
+            raise WrongReplicaError(f"an export for replica {call.target} reached replica {self.replica_id}")
+        return await export(self.app.state.served.frontend.call, call, self._pull)
 
     async def _import(self, record: bytes) -> None:
         try:

@@ -7,6 +7,10 @@ match is a boundary where the replica's prefix cache can hit; the front end comp
 travel in the call. Ranks go best first; Ray's base class then takes, within a rank, the replica with the shortest queue
 that accepts the request. A replica Ray reports dead, or drops from the set, is forgotten (its restart is empty).
 
+With pulls on (`pull_min_units`, scale/prefix_pull.py), a request that lands on a replica lacking a prefix another replica
+is believed to hold (pull_hints.py) carries a hint naming that one: Ray sends the `PendingRequest`'s args as they are
+after routing, so the hint is written into the call there.
+
 Both routers here (this one, and `TargetedPowerOfTwoRouter`: Ray's default with the targeting below) honour a report
 call's `target` (the front end asks each replica for its /health and /metrics by id), and both ask Ray to back off
 between routing attempts (`routing_context.should_backoff`): without it Ray's routing loop retries at once, and a call
@@ -16,11 +20,15 @@ front end's event loop until nothing else runs there, requests and replica-set u
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
+
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from openk3.scale.calls import ReplicaCall
 from openk3.scale.prefix_table import PrefixTable, TableConfig
+from openk3.scale.pull_hints import PullHints
 
 
 def _call_of(pending: PendingRequest | None) -> ReplicaCall | None:
@@ -43,8 +51,10 @@ def _back_off(pending: PendingRequest | None) -> None:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, max_keys_per_replica: int = 1 << 16, max_imbalance: int = 4) -> None:  # type: ignore[override]
+    def initialize_state(self, max_keys_per_replica: int = 1 << 16, max_imbalance: int = 4, pull_min_units: int | None = None) -> None:  # type: ignore[override]
+        """pull_min_units: hint a pull when another replica holds at least this many units more (None: no pulls)."""
         self.table = PrefixTable(TableConfig(max_keys_per_replica, max_imbalance))
+        self.pulls = None if pull_min_units is None else PullHints(pull_min_units, max_keys_per_replica)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         _back_off(pending_request)
@@ -60,14 +70,28 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         if pending_request is not None:
             self.table.chosen(ranked[0].replica, pending_request.metadata.internal_request_id)
+            if call is not None:
+                self._hint(pending_request, call, ranked[0].replica, by_id)
         # one rank per replica, in the table's order (a new conversation: the replica sent the fewest requests first)
         return [[by_id[c.replica]] for c in ranked]
+
+    def _hint(self, pending: PendingRequest, call: ReplicaCall, landing: str, alive: Iterable[str]) -> None:
+        """Write a pull hint into the call when `landing` lacks a prefix another replica holds (a call with its prompt ids
+        only: the front end sends them when pulls are on)."""
+        if self.pulls is None or not call.prompt_ids:
+            return
+        hint = self.pulls.hint(call.keys, landing, alive)
+        self.pulls.sent(landing, call.keys)
+        if hint is not None:
+            pending.args[0] = replace(call, pull=hint)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         call = _call_of(pending_request)
         if call is None or call.target is not None:
             return
         self.table.routed(replica_id.unique_id, pending_request.metadata.internal_request_id, call.keys)
+        if self.pulls is not None:
+            self.pulls.sent(replica_id.unique_id, call.keys)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.table.completed(replica_id.unique_id, internal_request_id)
@@ -75,10 +99,14 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.table.forget(replica_id.unique_id)
+        if self.pulls is not None:
+            self.pulls.forget(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.table.retain(r.replica_id.unique_id for r in replicas)
+        if self.pulls is not None:
+            self.pulls.retain(r.replica_id.unique_id for r in replicas)
 
 
 class TargetedPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):

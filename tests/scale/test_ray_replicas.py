@@ -1,5 +1,5 @@
 """Two debug-model replicas on a local Ray cluster behind the front end, under each router (prefix-aware and Ray's power of
-two): prefix-aware routing, the aggregated /health and /metrics (every replica's own report), a killed replica's request
+two): prefix-aware routing and a cross-replica prefix pull, the aggregated /health and /metrics (every replica's own report), a killed replica's request
 served by the other, and its replacement back in service. Bounded: Ray must start within 90 s (probed in a child process
 first) and the replicas report healthy within 120 s (a bound, not a race: the assertions wait for events, never for a time)."""
 
@@ -109,6 +109,13 @@ def test_replicas_route_aggregate_and_survive_a_kill(served: tuple[str, str]) ->
         if router == "prefix":
             assert r2.headers["x-openk3-replica"] == home  # the conversation follows its cache
             assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+            # a new conversation goes to the other replica (sent fewer requests), which pulls the system prompt from home
+            fresh = chat(client, ["Which river runs through Paris? One word."])
+            assert fresh.status_code == 200, fresh.text
+            assert fresh.headers["x-openk3-replica"] != home
+            assert fresh.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 320
+            pulled = [line for line in client.get("/metrics").text.splitlines() if line.startswith("openk3:prefix_cache_remote_pulls_total")]
+            assert any(f'replica="{fresh.headers["x-openk3-replica"]}"' in line and line.endswith(" 1.0") for line in pulled), pulled
 
         metrics = client.get("/metrics").text
         assert f'replica="{home}"' in metrics and "openk3:scale_replicas" in metrics

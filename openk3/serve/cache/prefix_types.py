@@ -64,3 +64,7 @@ class PrefixCounters:
     snapshots_evicted: int = 0
     shared_prefill_waits: int = 0  # (request, step) pairs held back for a running prefill of a shared prefix (shared_prefill.py)
     device_bytes_copied: int = 0
+    remote_pulls: int = 0  # prefixes imported from another replica (serve/prefix_pull.py)
+    remote_pull_bytes: int = 0
+    remote_pull_failures: int = 0  # pulls that brought nothing: refused, evicted on the holder, or no answer
+    remote_exports: int = 0  # prefixes this engine exported to another replica

@@ -22,6 +22,10 @@ class PrefixCacheStats:
     tiers: tuple[TierStats, ...]
     inbox: TierStats | None = None
     shared_prefill_waits: int = 0  # (request, step) pairs held back for a running prefill of a shared prefix
+    remote_pulls: int = 0  # prefixes imported from another replica (serve/prefix_pull.py), their bytes, and the pulls that failed
+    remote_pull_bytes: int = 0
+    remote_pull_failures: int = 0
+    remote_exports: int = 0  # prefixes exported to another replica
 
     @property
     def hit_rate(self) -> float:
@@ -52,4 +56,18 @@ def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
     lower = prefix.tiers.stats() if prefix.tiers is not None else ()
     inbox = cache.inbox.stats() if cache.inbox is not None else None
     taken, evicted = c.snapshots_taken, c.snapshots_evicted
-    return PrefixCacheStats(c.queries, c.hits, c.query_tokens, c.hit_tokens, taken, evicted, (device, *lower), inbox, c.shared_prefill_waits)
+    return PrefixCacheStats(
+        c.queries,
+        c.hits,
+        c.query_tokens,
+        c.hit_tokens,
+        taken,
+        evicted,
+        (device, *lower),
+        inbox,
+        c.shared_prefill_waits,
+        c.remote_pulls,
+        c.remote_pull_bytes,
+        c.remote_pull_failures,
+        c.remote_exports,
+    )

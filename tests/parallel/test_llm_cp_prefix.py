@@ -16,6 +16,7 @@ import torch
 from openk3.llm import LLM
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.config import EngineConfig
+from openk3.serve.output_types import CompletionOutput
 from openk3.serve.sampling import SamplingParams
 from tests.parallel.test_llm_cp import cp_step
 
@@ -26,13 +27,18 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs
 ENGINE: dict[str, Any] = dict(max_num_batched_tokens=128, max_model_len=512)
 
 
-def rounds(llm: LLM) -> dict[str, Any]:
+def sends(llm: LLM) -> list[CompletionOutput]:
     """Each prompt alone, then all again (repeats: hits at their deepest snapshot), then extended by its own output."""
+    outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
+    first = [list(o.token_ids) for o in outs]
+    outs += [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
+    return outs + [llm.generate([p + t], GREEDY)[0].outputs[0] for p, t in zip(PROMPTS, first, strict=True)]
+
+
+def rounds(llm: LLM) -> dict[str, Any]:
+    """`sends`, then what the tests compare: tokens, sampled logprobs, prefix-cache hit tokens, CP steps and cuts."""
     try:
-        outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
-        first = [list(o.token_ids) for o in outs]
-        outs += [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
-        outs += [llm.generate([p + t], GREEDY)[0].outputs[0] for p, t in zip(PROMPTS, first, strict=True)]
+        outs = sends(llm)
         stats = llm.engine.stats().prefix_cache
         step = cp_step(llm)
         return {

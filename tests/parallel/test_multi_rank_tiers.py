@@ -15,7 +15,7 @@ from openk3.llm import LLM
 from openk3.parallel.config import ParallelConfig
 from openk3.serve.cache.tier_types import TierKind
 from openk3.serve.config import EngineConfig
-from tests.parallel.test_llm_cp_prefix import ENGINE, GREEDY, PROMPTS
+from tests.parallel.test_llm_cp_prefix import ENGINE, sends
 
 # one snapshot slot: every prompt's snapshots push the previous prompt's out to the tier, so the repeats load from it
 TIGHT = dict(enable_prefix_caching=True, num_snapshot_slots=1, **ENGINE)
@@ -26,12 +26,9 @@ def tiers(tmp_path: Path, kind: TierKind) -> dict[str, Any]:
 
 
 def rounds(llm: LLM, kind: TierKind) -> dict[str, Any]:
-    """Each prompt alone, then all again (their snapshots now in the tier), then each extended by its own output."""
+    """test_llm_cp_prefix's sends (the repeats now find their snapshots in the tier), and what the tests compare."""
     try:
-        outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
-        first = [list(o.token_ids) for o in outs]
-        outs += [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
-        outs += [llm.generate([p + t], GREEDY)[0].outputs[0] for p, t in zip(PROMPTS, first, strict=True)]
+        outs = sends(llm)
         stats = llm.engine.stats().prefix_cache
         assert stats is not None
         tier = stats.tier(kind)

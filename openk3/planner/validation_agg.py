@@ -5,7 +5,8 @@ corpus) lists output tokens/s per GPU from `trtllm-bench throughput`: every requ
 lengths, one instance per table column (DEP n = attention DP n with EP n), in-flight batching with chunked prefill, CUDA
 graphs padded to its listed batch sizes, KV cache FP8 for DeepSeek-R1. The planner predicts the same figure as the
 benchmark measures it: the page's number of requests (`bench_setup.PERF_OVERVIEW_REQUESTS`) served to the last by
-in-flight batching (`continuous.finite_run`): steps that decode every running request and fill the rest of the token
+in-flight batching (`continuous.finite_run`) on the CUDA graphs its engine captures (the page's list up to the run's
+max batch and token budget, `Overheads.engine`): steps that decode every running request and fill the rest of the token
 budget with prompt chunks (trtllm-bench's `--enable_chunked_context` defaults to on), each priced as one mixed forward
 pass, output tokens / the run's wall time; the admitted requests being the most whose whole length (input + output)
 fits the KV cache -- the benchmark's default scheduler policy, guaranteed_no_evict, reserves a request's full length
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 
 from openk3.config import ModelConfig
 from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, Counting, run_shape
@@ -80,14 +82,17 @@ def aggregated_tok_s_per_gpu(
     mix = RequestMix(((isl, osl),))
     limit = max_concurrency(config, quant, layout, isl + osl, sys)
     seqs = limit if seqs_per_gpu is None else seqs_per_gpu * gpus
+    max_batch = -(-seqs // gpus)
     if bench is not None:
         if seqs_per_gpu is not None:
             raise ValueError("a fixed batch (seqs_per_gpu) and trtllm-bench's heuristic (bench) exclude each other")
-        seqs, max_tokens = run_shape(limit, gpus, isl, osl, bench)
+        seqs, max_batch, max_tokens = run_shape(limit, gpus, isl, osl, bench)
     if seqs < gpus or seqs > limit:
         raise ValueError(f"{layout.describe()} holds {limit} sequences of {isl + osl:,} tokens; asked for {seqs}")
     workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl)
-    sc = Scenario(config, quant, layout, workload, sys, efficiency or Efficiency())
+    eff = efficiency or Efficiency()
+    eff = replace(eff, overheads=eff.step_overheads.engine(max_batch, max_tokens))  # the graphs this engine captures
+    sc = Scenario(config, quant, layout, workload, sys, eff)
     if requests is None:
         return steady_state(sc, isl, osl, max_tokens).output_tok_s / gpus
     return finite_run(sc, isl, osl, max_tokens, requests).output_tok_s / gpus

@@ -95,17 +95,34 @@ def test_cuda_graph_padding_and_host_gap() -> None:
         Overheads(graph_sizes=(4, 2))
 
 
+def test_an_engine_captures_graphs_up_to_its_own_max_batch() -> None:
+    """TensorRT-LLM's `_filter_cuda_graph_batch_sizes`: the listed sizes up to min(max batch, max tokens), then that
+    bound itself (padding on, a larger size listed); a decode batch of 631 on an engine of max batch 768 pads to 768,
+    not to the list's 1,024."""
+    o = Overheads()
+    e = o.engine(768, 2048)
+    assert e.graph_sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768)
+    assert e.padded_batch(631) == 768 and o.padded_batch(631) == 1024 and e.padded_batch(300) == 384
+    assert o.engine(4096, 300).graph_sizes[-2:] == (256, 300)  # the token budget bounds a pure-decode batch too
+    assert o.engine(8192, 8192) == o and o.engine(512, 8192).graph_sizes[-1] == 512  # listed bound: nothing appended
+    assert Overheads.none().engine(768, 2048) == Overheads.none()
+    assert (e.host_gap_s, e.host_gap_per_seq_s) == (o.host_gap_s, o.host_gap_per_seq_s)
+    with pytest.raises(ValueError, match="max_batch"):
+        o.engine(0, 2048)
+
+
 def test_aggregated_validation_reports_what_docs_say() -> None:
     """docs/planner.md: the TensorRT-LLM rows priced as the benchmark runs them (continuous.finite_run, no load
-    balancer) with the Qwen3 checkpoints' FP8 KV cache. Median |error|, measured kernels: tuned 5%, held-out 12%, new
-    held-out 21% (the default); the flat model: 64%, 18%, 103%. Pinned so a change to either model updates the docs."""
+    balancer, the engine's own CUDA graphs) with the Qwen3 checkpoints' FP8 KV cache. Median |error| of these rows,
+    measured kernels: tuned 23%, held-out 24%, new held-out 17% (the default); the flat model: 64%, 18%, 103%. Pinned so
+    a change to either model updates the docs."""
 
     def median(cases: tuple, split: Split, eff: Efficiency) -> float:
         errs = [c.error(eff) for c in cases if c.split == split]
         return statistics.median(abs(e) for e in errs if e is not None)
 
     m, flat = Efficiency(), Efficiency.flat()
-    for eff, tuned, held, new in ((m, 0.05, 0.12, 0.21), (flat, 0.64, 0.18, 1.03)):
+    for eff, tuned, held, new in ((m, 0.23, 0.24, 0.17), (flat, 0.64, 0.18, 1.03)):
         assert math.isclose(median(AGGREGATED_CASES, Split.TUNED, eff), tuned, abs_tol=0.02)
         assert math.isclose(median(AGGREGATED_CASES, Split.HELD_OUT, eff), held, abs_tol=0.02)
         assert math.isclose(median(NEW_HELD_OUT_CASES, Split.NEW_HELD_OUT, eff), new, abs_tol=0.02)

@@ -4,8 +4,9 @@ Each component (trunk GEMMs, routed experts, MLA attention, KDA recurrence, Attn
 max(bytes / (HBM BW x eff_hbm), FLOPs / (peak x eff)) on its own; components run one after another, so their times
 add. Communication per MoE layer (dispatch + combine on the busiest rank, MoonEP weight prefetch) and TP all-reduces
 add too, except the `comm_overlap` fraction hidden under compute (two-batch overlap, which needs two micro-batches: with
-fewer than two sequences per group nothing is hidden). TP all-reduces run over NVLink inside the scale-up domain and over
-the NIC when TP spans domains. The KDA state is read and written every decode step, which is what makes it cost HBM
+fewer than two sequences per group nothing is hidden, nor under an all-gather / reduce-scatter exchange,
+`comm.Exchange.ALLGATHER`). TP all-reduces run over NVLink inside the scale-up domain and over the NIC when TP spans
+domains. The KDA state is read and written every decode step, which is what makes it cost HBM
 bandwidth and not only capacity.
 
 Prefill: a chunk of `prefill_chunk` tokens at `kv_len` cached tokens; causal attention, so its queries see kv_len plus
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.attention import attention_shape
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
-from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
+from openk3.planner.comm import CommParams, Exchange, a2a_layer_time, allgather_layer_time, allreduce_time, prefetch_time
 from openk3.planner.efficiency import Efficiency
 from openk3.planner.energy import PowerParams, step_power_w
 from openk3.planner.hardware import System
@@ -95,7 +96,10 @@ def _allreduce(sc: Scenario, nbytes: float, curves: OpCurves | None) -> float:
 def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float, curves: OpCurves | None) -> float:
     config, layout = sc.config, sc.layout
     tokens_per_rank = tokens_per_group / layout.tp  # each TP rank dispatches its slice of the group's tokens
-    a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
+    if sc.comm.exchange == Exchange.ALLGATHER:
+        a2a = allgather_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank).total_s
+    else:
+        a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
     fetch = 0.0
     if layout.balance == Balance.MOONEP:
         n = moonep_prefetch_experts(config, layout, assignments_per_rank, sc.balance)
@@ -192,9 +196,9 @@ def _step(
     comm = _communication(sc, linear_tokens, assignments_per_rank, imbalance, curves)
     components = tuple(c for c in (trunk, experts, mla, chunk_attn, kda, attn_res) if c is not None and (c.bytes or c.flops))
     local = sum(c.time_s for c in components)
-    overlap = (
-        eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 else 0.0
-    )  # two-batch overlap needs two micro-batches (of sequences, when decoding)
+    overlap = (  # two-batch overlap needs two micro-batches (of sequences, when decoding), and an exchange that allows it
+        eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 and sc.comm.exchange == Exchange.ALL_TO_ALL else 0.0
+    )
     exposed = comm - overlap * min(comm, local)
     host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
     return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.step_overheads.host_gap(host_seqs))

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from openk3.config import ModelConfig
 from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, Counting, run_shape
+from openk3.planner.comm import CommParams, Exchange
 from openk3.planner.continuous import finite_run, steady_state
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.hardware import load_catalogue
@@ -56,6 +57,13 @@ QWEN_KV = "fp8"
 QWEN_FP8 = with_dtypes(FP8, kv=QWEN_KV)  # nvidia/Qwen3-235B-A22B-FP8
 QWEN_FP4 = with_dtypes(FP8, expert="nvfp4", kv=QWEN_KV)  # nvidia/Qwen3-*-FP4: NVFP4 experts, FP8 elsewhere (assumed)
 TUNED_LENGTHS = ((1000, 1000), (1024, 1024))
+# TensorRT-LLM's CUTLASS fused MoE (the runs' MoE backend: the DeepSeek options name it, the others take the default)
+# under attention DP enables its all-to-all only for an EP group wider than top-k (tensorrt_llm/_torch/modules/fused_moe/
+# fused_moe_cutlass.py, the all-to-all method selection: `moe_ep_size <= top_k` -> NotEnabled, also on GB200's MNNVL);
+# every run here is EP 1, 4 or 8 of a top-8 model, so each rank all-gathers every rank's tokens and reduce-scatters the
+# outputs, in sequence with the experts (`Exchange.ALLGATHER`). Until issue 37 round seven these rows were priced with
+# the all-to-all, 70% of it hidden under compute (the planner's two-batch overlap).
+TRTLLM_EXCHANGE = CommParams(exchange=Exchange.ALLGATHER)
 
 
 @functools.lru_cache(maxsize=512)  # a finite run steps through thousands of steps; the tables ask for each row more than once
@@ -92,7 +100,7 @@ def aggregated_tok_s_per_gpu(
     workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl)
     eff = efficiency or Efficiency()
     eff = replace(eff, overheads=eff.step_overheads.engine(max_batch, max_tokens))  # the graphs this engine captures
-    sc = Scenario(config, quant, layout, workload, sys, eff)
+    sc = Scenario(config, quant, layout, workload, sys, eff, comm=TRTLLM_EXCHANGE)
     if requests is None:
         return steady_state(sc, isl, osl, max_tokens).output_tok_s / gpus
     return finite_run(sc, isl, osl, max_tokens, requests).output_tok_s / gpus

@@ -28,7 +28,10 @@ are that short (SGLang, GPT-OSS-120B on B200, 2.41 ms TPOT at concurrency 1; gis
 their batches are all large; the batch-1 bound picks the point on it. Until issue 37 round three the gap was 2 ms +
 40 us: the per-sequence part stood in for decode attention, which the per-operator table priced by the product batch x
 context; priced by (heads, batch, context) it needs half of that. Round four (mixed steps, finite runs, no load
-balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| is 5% with it.
+balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| was 5% with it. Round seven
+(each run on its engine's own graphs, `engine`, and the CUTLASS MoE's all-gather exchange) left it too: the tuned rows
+are at 12% with it; the grid's best on them is now 0 ms + 40 us (9%), not applied because it re-prices every plan
+(benchmarks/results/planner.md, round seven).
 """
 
 from __future__ import annotations

@@ -163,16 +163,20 @@ def _step(
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
     attn_peak = acc.flops(quant.attention_compute)
+    decode_peak = attn_peak
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
-        attn_eff = curves.attention_decode(heads, seqs, kv_len, is_mla) if curves else None
+        fp8_cache = is_mla and quant.cache_dtype_bytes == 1 and curves is not None and curves.fp8_cache_grid
+        if fp8_cache:  # the FP8-cache MLA kernel multiplies in FP8 (op_efficiency.py): its curve is against that peak
+            decode_peak = acc.flops("fp8")
+        attn_eff = curves.attention_decode(heads, seqs, kv_len, is_mla, fp8_cache=fp8_cache) if curves else None
     else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
         attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
-    mla = _component(attn.component, mla_bytes, mla_flops, attn_peak, eff.attention, sc, attn_eff)
+    mla = _component(attn.component, mla_bytes, mla_flops, decode_peak, eff.attention, sc, attn_eff)
     chunk_attn = None
     if chunk:  # the prompts' own attention: the prefix each has cached plus the causal half of its chunk
         prefix = max(0.0, chunk.mean_keys - (chunk.tokens / chunk.prompts + 1) / 2)

@@ -26,6 +26,7 @@ table sweeps:
   of 2K reach 0.53 of the roofline on H200 and 8 of 128K 0.63.)
 - GQA attention prefill / decode (`context_attention_perf` / `generation_attention_perf`, bf16, at least 4 query heads
   per KV head; decode: head_dim 128): by prompt length / the same (heads, batch, cached tokens per sequence) grid as MLA.
+  Where SGLang's prefill table is not physical (B200: 4x the roofline), TensorRT-LLM's (FP8_CACHE_VERSION) gives it.
 - all-reduce (`custom_allreduce_perf`, SGLang custom all-reduce under CUDA graphs): by message bytes, per group size;
   efficiency = ring time 2 (g - 1) / g x bytes / NVLink bandwidth per direction / measured latency.
 
@@ -161,7 +162,7 @@ def _gqa(r: dict) -> bool:
     return r["num_heads"] >= 4 * r["num_key_value_heads"] and r["kv_cache_dtype"] == "bfloat16" and r["attn_dtype"] == "bfloat16"
 
 
-def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
+def gqa_prefill(root: Path, gpu: str, version: str = VERSION) -> list[list[float]]:
     g = GPUS[gpu]
 
     def roof(r: dict) -> float:
@@ -169,7 +170,7 @@ def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
         flops = b * h * s * (s + 1) / 2 * 2 * 2 * d
         return max(flops / g["bf16"], b * s * (h + 2 * kv) * d * 2 / g["bw"])
 
-    rows = (r for r in _rows(root, gpu, f"attention/{VERSION}/context_attention_perf.parquet") if _gqa(r))
+    rows = (r for r in _rows(root, gpu, f"attention/{version}/context_attention_perf.parquet") if _gqa(r))
     return _pow2(_curve(rows, lambda r: r["isl"], roof))
 
 
@@ -211,8 +212,13 @@ def _physical(curve: Any, name: str) -> Any:
 
 
 def family(root: Path, gpu: str) -> dict:
+    # SGLang's B200 GQA prefill table claims 4x the roofline (not the operator the roofline prices); TensorRT-LLM's
+    # (FP8_CACHE_VERSION's context_attention_perf) is physical there and measures the kernel TensorRT-LLM runs
+    prefill = _physical(gqa_prefill(root, gpu), f"{gpu} gqa_attention_prefill")
+    if prefill is None:
+        prefill = _physical(gqa_prefill(root, gpu, FP8_CACHE_VERSION), f"{gpu} gqa_attention_prefill ({FP8_CACHE_VERSION})")
     optional = {
-        "gqa_attention_prefill": _physical(gqa_prefill(root, gpu), f"{gpu} gqa_attention_prefill"),
+        "gqa_attention_prefill": prefill,
         "gqa_attention_decode": _physical(gqa_decode(root, gpu), f"{gpu} gqa_attention_decode"),
         "attention_decode_fp8_cache": _physical(attention_decode(root, gpu, "fp8", FP8_CACHE_VERSION), f"{gpu} attention_decode_fp8_cache"),
     }
@@ -251,7 +257,8 @@ def main() -> int:
     table: dict = {
         "origin": f"derived by benchmarks/planner_op_efficiency.py from AIConfigurator's collected per-kernel tables "
         f"(github.com/ai-dynamo/aiconfigurator, commit {commit}, {DATA}/<gpu>/<op>/{VERSION}/*.parquet; the FP8-cache MLA "
-        f"decode grid from <gpu>/mla/{FP8_CACHE_VERSION}/generation_mla_perf.parquet)",
+        f"decode grid from <gpu>/mla/{FP8_CACHE_VERSION}/generation_mla_perf.parquet, Blackwell's GQA prefill from "
+        f"b200_sxm/attention/{FP8_CACHE_VERSION}/context_attention_perf.parquet)",
         "licence": "Apache-2.0 (the AIConfigurator repository's licence, NVIDIA CORPORATION & AFFILIATES); medians of its measurements",
         "meaning": "efficiency = roofline time (max of FLOPs / dense peak, bytes / HBM bandwidth) / measured kernel time, "
         "log-linear between points, clamped at the ends; decode attention is a grid: query heads -> batch -> curve by cached "

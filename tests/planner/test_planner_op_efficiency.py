@@ -116,16 +116,16 @@ def test_an_engine_captures_graphs_up_to_its_own_max_batch() -> None:
 def test_aggregated_validation_reports_what_docs_say() -> None:
     """docs/planner.md: the TensorRT-LLM rows priced as the benchmark runs them (continuous.finite_run, no load
     balancer, the engine's own CUDA graphs, the CUTLASS MoE's all-gather exchange) with the Qwen3 checkpoints' FP8 KV
-    cache, MLA decode over an FP8 cache on its own kernel's curve. Median |error| of these rows, measured kernels: tuned
-    10%, held-out 15%, new held-out 13% (the default); the flat model: 46%, 21%, 75%. Pinned so a change to either model
-    updates the docs."""
+    cache, MLA decode over an FP8 cache on its own kernel's curve, Blackwell GQA prefill on TensorRT-LLM's table. Median
+    |error| of these rows, measured kernels: tuned 10%, held-out 12%, new held-out 13% (the default); the flat model: 46%,
+    21%, 75%. Pinned so a change to either model updates the docs."""
 
     def median(cases: tuple, split: Split, eff: Efficiency) -> float:
         errs = [c.error(eff) for c in cases if c.split == split]
         return statistics.median(abs(e) for e in errs if e is not None)
 
     m, flat = Efficiency(), Efficiency.flat()
-    for eff, tuned, held, new in ((m, 0.10, 0.15, 0.13), (flat, 0.46, 0.21, 0.75)):
+    for eff, tuned, held, new in ((m, 0.10, 0.12, 0.13), (flat, 0.46, 0.21, 0.75)):
         assert math.isclose(median(AGGREGATED_CASES, Split.TUNED, eff), tuned, abs_tol=0.02)
         assert math.isclose(median(AGGREGATED_CASES, Split.HELD_OUT, eff), held, abs_tol=0.02)
         assert math.isclose(median(NEW_HELD_OUT_CASES, Split.NEW_HELD_OUT, eff), new, abs_tol=0.02)
@@ -136,8 +136,11 @@ def test_gqa_attention_has_its_own_curves_where_they_are_physical() -> None:
     assert hopper is not None and blackwell is not None
     assert hopper.attention_decode(64, 64, 4096, mla=False) != hopper.attention_decode(64, 64, 4096)
     assert hopper.attention_prefill(4096, mla=False) is not None
-    # B200's GQA prefill table claims more than the roofline at long prompts: left out, so the flat factor prices it
-    assert blackwell.attention_prefill(4096, mla=False) is None and blackwell.attention_decode(64, 64, 4096, mla=False) is not None
+    # B200's GQA prefill in SGLang's table claims more than the roofline at long prompts: left out, and TensorRT-LLM's
+    # table (physical: 0.27 at 2K, 0.46 at 8K, 0.52 from 16K) prices it since issue 37 round seven
+    prefill = blackwell.attention_prefill(4096, mla=False)
+    assert prefill is not None and 0.3 < prefill < 0.45 and blackwell.attention_prefill(32768, mla=False) == pytest.approx(0.52, abs=0.01)
+    assert blackwell.attention_decode(64, 64, 4096, mla=False) is not None
 
 
 def test_mla_decode_over_an_fp8_cache_is_priced_on_its_own_kernel() -> None:

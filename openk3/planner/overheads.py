@@ -29,9 +29,9 @@ their batches are all large; the batch-1 bound picks the point on it. Until issu
 40 us: the per-sequence part stood in for decode attention, which the per-operator table priced by the product batch x
 context; priced by (heads, batch, context) it needs half of that. Round four (mixed steps, finite runs, no load
 balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| was 5% with it. Round seven
-(each run on its engine's own graphs, `engine`, the CUTLASS MoE's all-gather exchange, the FP8-cache MLA kernel's
-curve) left it too: the tuned rows are at 10% with it; the grid's best on them is now 0 ms + 40 us (9%), not applied
-because it re-prices every plan (benchmarks/results/planner.md, round seven).
+(each run on its engine's own graphs, `engine`, the CUTLASS MoE's all-gather exchange, two kernels' own curves) left
+it too: the tuned rows are at 10% with it; the grid's best on them is now 2 ms + 20 us (8.8%), not applied because it
+re-prices every plan (benchmarks/results/planner.md, round seven).
 """
 
 from __future__ import annotations

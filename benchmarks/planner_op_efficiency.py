@@ -17,10 +17,16 @@ table sweeps:
   DeepSeek-V3 shape (7168 / 2048, 256 experts, top-8), balanced routing; per dtype.
 - attention prefill (`context_mla_perf`, bf16): by prompt length; causal, qk 192 + v 128 per head (DeepSeek MLA, expanded).
 - attention decode (`generation_mla_perf`, bf16): a grid by query heads, batch (sequences in the call) and cached tokens
-  per sequence, absorbed MLA. (Until issue 37 round three this was one curve by batch x cached tokens; the kernels are far from one
-  curve of the product: at ~1M tokens read, 512 sequences of 2K reach 0.53 of the roofline on H200 and 8 of 128K 0.63.)
+  per sequence, absorbed MLA; and the same grid over an FP8 cache (`kv_cache_dtype` fp8, bf16 MLA inputs) from
+  TensorRT-LLM's table (`mla/trtllm/1.3.0rc20`, the fastest FP8-cache kernel measured on both GPUs; see
+  FP8_CACHE_VERSION), whose roofline reads one byte per latent value and counts the math at the FP8 peak, used for
+  every FP8-cache MLA decode step (issue 37 round seven: on B200 the FP8-cache kernel takes 0.6x the bf16 one's time,
+  and beats the bf16-math roofline by up to 1.3x, so it multiplies in FP8). (Until issue 37 round three this was one
+  curve by batch x cached tokens; the kernels are far from one curve of the product: at ~1M tokens read, 512 sequences
+  of 2K reach 0.53 of the roofline on H200 and 8 of 128K 0.63.)
 - GQA attention prefill / decode (`context_attention_perf` / `generation_attention_perf`, bf16, at least 4 query heads
   per KV head; decode: head_dim 128): by prompt length / the same (heads, batch, cached tokens per sequence) grid as MLA.
+  Where SGLang's prefill table is not physical (B200: 4x the roofline), TensorRT-LLM's (FP8_CACHE_VERSION) gives it.
 - all-reduce (`custom_allreduce_perf`, SGLang custom all-reduce under CUDA graphs): by message bytes, per group size;
   efficiency = ring time 2 (g - 1) / g x bytes / NVLink bandwidth per direction / measured latency.
 
@@ -42,6 +48,10 @@ from typing import Any
 
 DATA = "aic-core/src/aiconfigurator_core/systems/data"
 VERSION = "sglang/0.5.10"
+# MLA decode over an FP8 cache: TensorRT-LLM's table. SGLang 0.5.10 runs it on H200 with its flash_attention backend at
+# 4.5x its bf16 time (0.171 against 0.056 ms per layer at 128 heads, 32 x 2K), TensorRT-LLM at 0.9x (0.052 against
+# 0.057 ms); on B200 both run TensorRT-LLM's trtllm-gen kernel (SGLang's kernel_source "trtllm_mla").
+FP8_CACHE_VERSION = "trtllm/1.3.0rc20"
 GPUS: dict[str, dict[str, Any]] = {  # the catalogue's figures for the measured GPU (openk3/planner/catalogue.json)
     "hopper": dict(dir="h200_sxm", bw=4.8e12, bf16=989e12, fp8=1979e12, fp4=1979e12, nvlink=450e9),
     "blackwell": dict(dir="b200_sxm", bw=8.0e12, bf16=2250e12, fp8=4500e12, fp4=9000e12, nvlink=900e9),
@@ -128,17 +138,21 @@ def _grid(rows: Iterable[dict], roofline: Callable[[dict], float]) -> dict[str, 
     return {str(h): {str(b): _pow2(_curve(rs, lambda r: r["step"] + 1, roofline)) for b, rs in sorted(batches.items())} for h, batches in sorted(by.items())}
 
 
-def attention_decode(root: Path, gpu: str) -> dict[str, dict[str, list[list[float]]]]:
+def attention_decode(root: Path, gpu: str, cache: str = "bfloat16", version: str = VERSION) -> dict[str, dict[str, list[list[float]]]]:
+    """`cache`: the KV cache's dtype in the table ("bfloat16" or "fp8"); the roofline reads the cache at its own width
+    (2 or 1 byte per latent value) and counts the math at the peak of that width (the FP8-cache kernel beats the bf16
+    math roofline on B200, up to 1.3x: it multiplies in FP8), as the planner prices such a step."""
     g = GPUS[gpu]
+    width, math_peak = {"bfloat16": (2, g["bf16"]), "fp8": (1, g["fp8"])}[cache]
 
     def roof(r: dict) -> float:
         b, h, s = r["batch_size"], r["num_heads"], r["step"] + 1
-        return max(b * h * s * 2 * (LATENT + LATENT_V) / g["bf16"], b * s * LATENT * 2 / g["bw"])
+        return max(b * h * s * 2 * (LATENT + LATENT_V) / math_peak, b * s * LATENT * width / g["bw"])
 
     rows = (
         r
-        for r in _rows(root, gpu, f"mla/{VERSION}/generation_mla_perf.parquet")
-        if r["mla_dtype"] == "bfloat16" and r["kv_cache_dtype"] == "bfloat16" and r["step"] >= 1
+        for r in _rows(root, gpu, f"mla/{version}/generation_mla_perf.parquet")
+        if r["mla_dtype"] == "bfloat16" and r["kv_cache_dtype"] == cache and r["step"] >= 1
     )
     return _grid(rows, roof)
 
@@ -148,7 +162,7 @@ def _gqa(r: dict) -> bool:
     return r["num_heads"] >= 4 * r["num_key_value_heads"] and r["kv_cache_dtype"] == "bfloat16" and r["attn_dtype"] == "bfloat16"
 
 
-def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
+def gqa_prefill(root: Path, gpu: str, version: str = VERSION) -> list[list[float]]:
     g = GPUS[gpu]
 
     def roof(r: dict) -> float:
@@ -156,7 +170,7 @@ def gqa_prefill(root: Path, gpu: str) -> list[list[float]]:
         flops = b * h * s * (s + 1) / 2 * 2 * 2 * d
         return max(flops / g["bf16"], b * s * (h + 2 * kv) * d * 2 / g["bw"])
 
-    rows = (r for r in _rows(root, gpu, f"attention/{VERSION}/context_attention_perf.parquet") if _gqa(r))
+    rows = (r for r in _rows(root, gpu, f"attention/{version}/context_attention_perf.parquet") if _gqa(r))
     return _pow2(_curve(rows, lambda r: r["isl"], roof))
 
 
@@ -198,9 +212,15 @@ def _physical(curve: Any, name: str) -> Any:
 
 
 def family(root: Path, gpu: str) -> dict:
+    # SGLang's B200 GQA prefill table claims 4x the roofline (not the operator the roofline prices); TensorRT-LLM's
+    # (FP8_CACHE_VERSION's context_attention_perf) is physical there and measures the kernel TensorRT-LLM runs
+    prefill = _physical(gqa_prefill(root, gpu), f"{gpu} gqa_attention_prefill")
+    if prefill is None:
+        prefill = _physical(gqa_prefill(root, gpu, FP8_CACHE_VERSION), f"{gpu} gqa_attention_prefill ({FP8_CACHE_VERSION})")
     optional = {
-        "gqa_attention_prefill": _physical(gqa_prefill(root, gpu), f"{gpu} gqa_attention_prefill"),
+        "gqa_attention_prefill": prefill,
         "gqa_attention_decode": _physical(gqa_decode(root, gpu), f"{gpu} gqa_attention_decode"),
+        "attention_decode_fp8_cache": _physical(attention_decode(root, gpu, "fp8", FP8_CACHE_VERSION), f"{gpu} attention_decode_fp8_cache"),
     }
     return {
         "measured_on": GPUS[gpu]["dir"],
@@ -236,7 +256,9 @@ def main() -> int:
     print(f"command: python {' '.join(sys.argv)}; AIConfigurator commit {commit}")
     table: dict = {
         "origin": f"derived by benchmarks/planner_op_efficiency.py from AIConfigurator's collected per-kernel tables "
-        f"(github.com/ai-dynamo/aiconfigurator, commit {commit}, {DATA}/<gpu>/<op>/{VERSION}/*.parquet)",
+        f"(github.com/ai-dynamo/aiconfigurator, commit {commit}, {DATA}/<gpu>/<op>/{VERSION}/*.parquet; the FP8-cache MLA "
+        f"decode grid from <gpu>/mla/{FP8_CACHE_VERSION}/generation_mla_perf.parquet, Blackwell's GQA prefill from "
+        f"b200_sxm/attention/{FP8_CACHE_VERSION}/context_attention_perf.parquet)",
         "licence": "Apache-2.0 (the AIConfigurator repository's licence, NVIDIA CORPORATION & AFFILIATES); medians of its measurements",
         "meaning": "efficiency = roofline time (max of FLOPs / dense peak, bytes / HBM bandwidth) / measured kernel time, "
         "log-linear between points, clamped at the ends; decode attention is a grid: query heads -> batch -> curve by cached "
@@ -251,7 +273,7 @@ def main() -> int:
         for op in ("attention_prefill", "gqa_attention_prefill"):
             if op in fam:
                 print(f"  {op}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in fam[op]))
-        for op in ("attention_decode", "gqa_attention_decode"):
+        for op in ("attention_decode", "attention_decode_fp8_cache", "gqa_attention_decode"):
             for heads, grid in fam.get(op, {}).items():
                 for batch, curve in grid.items():
                     print(f"  {op} {heads} heads, batch {batch}: " + ", ".join(f"{x:g}:{e:.2f}" for x, e in curve))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 BATCH_CAP = 4096
 TOKEN_CAP = 32768
@@ -70,10 +71,16 @@ def bench_settings(kv_requests: float, isl: int, osl: int) -> BenchSettings:
     return BenchSettings(batch, tokens)
 
 
-def run_shape(kv_limit: int, ranks: int, isl: int, osl: int, counting: Counting) -> tuple[int, int]:
-    """(requests admitted in the instance, token budget per step per rank) of a run whose instance holds `kv_limit` whole
-    requests over `ranks` attention-DP schedulers: the KV limit unless the benchmark's batch cap is lower, and its
-    max tokens per iteration, which each step shares between the decoding requests and prompt chunks."""
+class RunShape(NamedTuple):
+    requests: int  # admitted in the instance at once
+    max_batch: int  # the engine's max batch per rank (its CUDA graphs stop there: `Overheads.engine`)
+    max_tokens: int  # token budget per step per rank
+
+
+def run_shape(kv_limit: int, ranks: int, isl: int, osl: int, counting: Counting) -> RunShape:
+    """The run whose instance holds `kv_limit` whole requests over `ranks` attention-DP schedulers: the requests admitted
+    (the KV limit unless the benchmark's batch cap is lower), the engine's max batch per rank, and its max tokens per
+    iteration, which each step shares between the decoding requests and prompt chunks."""
     per_rank = kv_limit / ranks
     s = bench_settings(per_rank if counting == Counting.PER_RANK else kv_limit, isl, osl)
-    return min(kv_limit, s.max_batch * ranks), s.max_tokens
+    return RunShape(min(kv_limit, s.max_batch * ranks), s.max_batch, s.max_tokens)

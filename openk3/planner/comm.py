@@ -8,6 +8,7 @@ the bytes of the busiest link over its bandwidth: NVLink inside the scale-up dom
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass
@@ -19,11 +20,26 @@ from openk3.planner.inputs import Quantisation
 from openk3.planner.memory import a2a_width
 
 
+class Exchange(str, enum.Enum):
+    """How an MoE layer moves tokens between expert-parallel ranks.
+
+    ALL_TO_ALL: each token goes to the ranks of its experts and back (DeepEP, MoonEP, NVLink one-sided all-to-all),
+    overlappable with compute (two-batch overlap). ALLGATHER: every rank gathers every rank's tokens, runs its own
+    experts on them and reduce-scatters the results back -- TensorRT-LLM's CUTLASS fused MoE under attention data
+    parallelism when its all-to-all is not enabled (tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py:
+    `forward_chunk` all-gathers the quantised inputs, then `reducescatter_or_allreduce` on the outputs, one after the
+    other on the layer's stream), so the whole batch crosses every link and nothing overlaps it."""
+
+    ALL_TO_ALL = "all-to-all"
+    ALLGATHER = "allgather"
+
+
 @dataclass(frozen=True)
 class CommParams:
     """Defaults: floors are the small-message latencies of NVIDIA's one-sided NVLink all-to-all on GB200 NVL72
     (TensorRT-LLM blog 18: 19-28 us dispatch, 31-45 us combine; mid-range taken); link efficiencies are the fraction of
-    the per-direction peak that all-to-all kernels reach (DeepEP: ~160 of 200 GB/s NVLink on H800, 39-46 of 50 GB/s RDMA)."""
+    the per-direction peak that all-to-all kernels reach (DeepEP: ~160 of 200 GB/s NVLink on H800, 39-46 of 50 GB/s RDMA).
+    `exchange`: the MoE layer's token exchange (`Exchange`)."""
 
     dispatch_floor_s: float = 22e-6
     combine_floor_s: float = 35e-6
@@ -31,6 +47,7 @@ class CommParams:
     scale_out_efficiency: float = 0.85
     allreduce_floor_s: float = 10e-6
     dedup: bool = True
+    exchange: Exchange = Exchange.ALL_TO_ALL
 
     def __post_init__(self) -> None:
         for name in ("scale_up_efficiency", "scale_out_efficiency"):
@@ -39,6 +56,8 @@ class CommParams:
         for name in ("dispatch_floor_s", "combine_floor_s", "allreduce_floor_s"):
             if getattr(self, name) < 0:
                 fail("CommParams", name, getattr(self, name), "seconds >= 0")
+        if not isinstance(self.exchange, Exchange):
+            fail("CommParams", "exchange", self.exchange, f"one of {[e.value for e in Exchange]}")
 
 
 def dispatch_bytes_per_copy(config: ModelConfig, quant: Quantisation) -> float:
@@ -123,6 +142,21 @@ def a2a_layer_time(
     dispatch = _phase(copies_out * d_b, copies_in * d_b, comm.dispatch_floor_s, fraction_out, system, comm)
     combine = _phase(copies_in * c_b, copies_out * c_b, comm.combine_floor_s, fraction_out, system, comm)
     return A2ATime(dispatch_s=dispatch, combine_s=combine, scale_out_fraction=fraction_out)
+
+
+def allgather_layer_time(config: ModelConfig, quant: Quantisation, ranks: int, system: System, comm: CommParams, tokens_per_rank: float) -> A2ATime:
+    """All-gather of every rank's dispatch-width tokens, then reduce-scatter of the bf16 results (`Exchange.ALLGATHER`):
+    each rank receives (and in the reduce-scatter sends) the other ranks' (ranks - 1) x tokens_per_rank rows, whatever the
+    routing; the floors and link efficiencies are the all-to-all's."""
+    if ranks <= 1 or tokens_per_rank <= 0:
+        return A2ATime(0.0, 0.0, 0.0)
+    domain = min(system.scale_up_domain, ranks)
+    fraction_out = (ranks - domain) / (ranks - 1)
+    rows = (ranks - 1) * tokens_per_rank
+    d_b, c_b = dispatch_bytes_per_copy(config, quant), combine_bytes_per_copy(config, quant)
+    gather = _phase(rows * d_b, rows * d_b, comm.dispatch_floor_s, fraction_out, system, comm)
+    scatter = _phase(rows * c_b, rows * c_b, comm.combine_floor_s, fraction_out, system, comm)
+    return A2ATime(dispatch_s=gather, combine_s=scatter, scale_out_fraction=fraction_out)
 
 
 def allreduce_time(bytes_per_rank: float, tp: int, system: System, comm: CommParams) -> float:

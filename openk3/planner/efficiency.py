@@ -18,7 +18,7 @@ class Efficiency:
 
     `kernels="measured"` (default, `--kernels measured`): GEMM, grouped GEMM, MLA attention prefill/decode and TP
     all-reduce take the measured per-operator curves of the accelerator's family (`op_efficiency.py`), by shape; the
-    flat factors then price only what has no curve (KDA, AttnRes, GQA prefill on Blackwell, an accelerator without curves).
+    flat factors then price only what has no curve (KDA, AttnRes, an accelerator without curves).
     `kernels="flat"` (`Efficiency.flat()`, `--kernels flat`): the first-order model, every component at the flat
     factors (HBM streaming 80%, GEMMs 50%, attention 30%: round numbers between two decode anchors). 70% of the expert
     communication hides under compute (two-batch overlap). `overheads` (CUDA-graph padding and the host gap per step)

@@ -3,7 +3,8 @@
 `op_efficiency.json` beside this file is a small table derived by `benchmarks/planner_op_efficiency.py` from
 AIConfigurator's public per-kernel measurements (Apache-2.0; the file names its commit and tables): GEMM by tokens and
 dtype, grouped GEMM (MoE) by routed tokens per expert and dtype, MLA and GQA attention prefill by prompt length and
-decode by query heads, batch and cached tokens per sequence (a `Grid`), all-reduce by message bytes and group size.
+decode by query heads, batch and cached tokens per sequence (a `Grid`; MLA decode over an FP8 cache has its own grid,
+from TensorRT-LLM's FP8-cache kernel, against the FP8 math peak), all-reduce by message bytes and group size.
 Hopper curves were measured on H200 and serve H100/H800/H200; Blackwell curves on B200 and serve B200/GB200/B300/GB300.
 An accelerator with no curves (AMD, a user row) gets None and the planner falls back to the flat `Efficiency` factors.
 
@@ -106,6 +107,7 @@ class OpCurves:
     allreduce_curves: Mapping[int, Curve]
     gqa_prefill_attention: Curve | None = None  # None: not measured (or not physical) for this family; flat factors
     gqa_decode_attention: Grid | None = None
+    decode_attention_fp8_cache: Grid | None = None  # MLA decode over an FP8 cache, its roofline's math at the FP8 peak
 
     def gemm(self, dtype: str, tokens: float) -> float:
         return _by_dtype(self.gemm_curves, dtype, "gemm").at(max(tokens, 1.0))
@@ -118,10 +120,18 @@ class OpCurves:
         curve = self.prefill_attention if mla else self.gqa_prefill_attention
         return None if curve is None else curve.at(max(prompt_tokens, 1.0))
 
-    def attention_decode(self, heads: float, batch: float, tokens_per_seq: float, mla: bool = True) -> float | None:
-        """A decode attention call over `batch` sequences of `tokens_per_seq` cached tokens, `heads` query heads per rank."""
+    def attention_decode(self, heads: float, batch: float, tokens_per_seq: float, mla: bool = True, fp8_cache: bool = False) -> float | None:
+        """A decode attention call over `batch` sequences of `tokens_per_seq` cached tokens, `heads` query heads per rank.
+        `fp8_cache` (MLA): the FP8-cache kernel's grid, whose roofline counts the math at the FP8 peak (`fp8_cache_grid`)."""
+        if mla and fp8_cache and self.decode_attention_fp8_cache is not None:
+            return self.decode_attention_fp8_cache.at(heads, batch, tokens_per_seq)
         grid = self.decode_attention if mla else self.gqa_decode_attention
         return None if grid is None else grid.at(heads, batch, tokens_per_seq)
+
+    @property
+    def fp8_cache_grid(self) -> bool:
+        """Whether MLA decode over an FP8 cache has its own measured grid (then priced at the FP8 math peak)."""
+        return self.decode_attention_fp8_cache is not None
 
     def allreduce(self, group: int, nbytes: float) -> float:
         """The measured group size nearest below `group` (the largest measured one past it)."""
@@ -144,6 +154,9 @@ def _family(name: str, raw: Mapping) -> OpCurves:
         allreduce_curves={int(g): Curve.of(p, f"{name}.allreduce.{g}") for g, p in raw["allreduce"].items()},
         gqa_prefill_attention=Curve.of(raw["gqa_attention_prefill"], f"{name}.gqa_attention_prefill") if "gqa_attention_prefill" in raw else None,
         gqa_decode_attention=Grid.of(raw["gqa_attention_decode"], f"{name}.gqa_attention_decode") if "gqa_attention_decode" in raw else None,
+        decode_attention_fp8_cache=(
+            Grid.of(raw["attention_decode_fp8_cache"], f"{name}.attention_decode_fp8_cache") if "attention_decode_fp8_cache" in raw else None
+        ),
     )
 
 

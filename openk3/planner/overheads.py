@@ -7,7 +7,9 @@
   one, and engines capture a graph at their max batch (TensorRT-LLM appends `max_batch_size` to the sizes it generates,
   and generates every 8 up to 128; SGLang every 8 up to 256), so the search prices each batch it tries with a graph at
   that batch (`capturing`): steady decode at the planned batch pads nothing, smaller batches pad to the list. The
-  validation keeps the benchmark's own list. Padding rows are charged in full, attention included, although
+  validation runs the benchmark's list through the engine's own filter (`engine`: sizes above min(max batch, max
+  tokens) dropped, that bound captured instead), so a run whose engine admits 640 sequences pads to 640, not 1,024
+  (until issue 37 round seven it padded to the whole list's next size). Padding rows are charged in full, attention included, although
   TensorRT-LLM pads with one dummy request that has no cache: charging attention for the real rows only and refitting
   the host gap left the tuned rows at 11% median |error| against 5% (docs/planner.md, round six), so it was not kept.
 - Host gap: time per step the GPU waits on the host (scheduling, sampling, detokenisation hand-off) that the engine's
@@ -26,7 +28,10 @@ are that short (SGLang, GPT-OSS-120B on B200, 2.41 ms TPOT at concurrency 1; gis
 their batches are all large; the batch-1 bound picks the point on it. Until issue 37 round three the gap was 2 ms +
 40 us: the per-sequence part stood in for decode attention, which the per-operator table priced by the product batch x
 context; priced by (heads, batch, context) it needs half of that. Round four (mixed steps, finite runs, no load
-balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| is 5% with it.
+balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| was 5% with it. Round seven
+(each run on its engine's own graphs, `engine`, the CUTLASS MoE's all-gather exchange, two kernels' own curves) left
+it too: the tuned rows are at 10% with it; the grid's best on them is now 2 ms + 20 us (8.8%), not applied because it
+re-prices every plan (benchmarks/results/planner.md, round seven).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from openk3.checks import fail
+from openk3.checks import check_int, fail
 
 TRTLLM_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
 
@@ -67,6 +72,22 @@ class Overheads:
         if not self.graph_sizes or batch in self.graph_sizes:
             return self
         return replace(self, graph_sizes=tuple(sorted({*self.graph_sizes, batch})))
+
+    def engine(self, max_batch: int, max_tokens: int) -> Overheads:
+        """The graphs an engine with this list captures under its own limits (TensorRT-LLM's PyTorch engine,
+        tensorrt_llm/_torch/pyexecutor/model_engine.py, `_filter_cuda_graph_batch_sizes`): the sizes up to its largest
+        pure-decode batch, min(max batch, max tokens per iteration), and, with padding on and a larger size listed,
+        that largest batch itself, to which bigger decode batches then pad; none above it (such batches run eager).
+        Without graphs, unchanged."""
+        check_int("Overheads.engine", "max_batch", max_batch, low=1)
+        check_int("Overheads.engine", "max_tokens", max_tokens, low=1)
+        if not self.graph_sizes:
+            return self
+        top = min(max_batch, max_tokens)
+        kept = [s for s in self.graph_sizes if s <= top]
+        if len(kept) < len(self.graph_sizes) and (not kept or kept[-1] != top):
+            kept.append(top)
+        return replace(self, graph_sizes=tuple(kept))
 
     def host_gap(self, seqs: float) -> float:
         return self.host_gap_s + self.host_gap_per_seq_s * seqs

@@ -4,8 +4,9 @@ Each component (trunk GEMMs, routed experts, MLA attention, KDA recurrence, Attn
 max(bytes / (HBM BW x eff_hbm), FLOPs / (peak x eff)) on its own; components run one after another, so their times
 add. Communication per MoE layer (dispatch + combine on the busiest rank, MoonEP weight prefetch) and TP all-reduces
 add too, except the `comm_overlap` fraction hidden under compute (two-batch overlap, which needs two micro-batches: with
-fewer than two sequences per group nothing is hidden). TP all-reduces run over NVLink inside the scale-up domain and over
-the NIC when TP spans domains. The KDA state is read and written every decode step, which is what makes it cost HBM
+fewer than two sequences per group nothing is hidden, nor under an all-gather / reduce-scatter exchange,
+`comm.Exchange.ALLGATHER`). TP all-reduces run over NVLink inside the scale-up domain and over the NIC when TP spans
+domains. The KDA state is read and written every decode step, which is what makes it cost HBM
 bandwidth and not only capacity.
 
 Prefill: a chunk of `prefill_chunk` tokens at `kv_len` cached tokens; causal attention, so its queries see kv_len plus
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.attention import attention_shape
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
-from openk3.planner.comm import CommParams, a2a_layer_time, allreduce_time, prefetch_time
+from openk3.planner.comm import CommParams, Exchange, a2a_layer_time, allgather_layer_time, allreduce_time, prefetch_time
 from openk3.planner.efficiency import Efficiency
 from openk3.planner.energy import PowerParams, step_power_w
 from openk3.planner.hardware import System
@@ -95,7 +96,10 @@ def _allreduce(sc: Scenario, nbytes: float, curves: OpCurves | None) -> float:
 def _communication(sc: Scenario, tokens_per_group: float, assignments_per_rank: float, imbalance: float, curves: OpCurves | None) -> float:
     config, layout = sc.config, sc.layout
     tokens_per_rank = tokens_per_group / layout.tp  # each TP rank dispatches its slice of the group's tokens
-    a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
+    if sc.comm.exchange == Exchange.ALLGATHER:
+        a2a = allgather_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank).total_s
+    else:
+        a2a = a2a_layer_time(config, sc.quant, layout.ep_size, sc.system, sc.comm, tokens_per_rank, imbalance).total_s
     fetch = 0.0
     if layout.balance == Balance.MOONEP:
         n = moonep_prefetch_experts(config, layout, assignments_per_rank, sc.balance)
@@ -159,16 +163,20 @@ def _step(
     heads = attn.num_heads / tp
     cache_per_token = spec.mla.bytes_per_token / attn.kv_split(tp)  # GQA splits its KV heads over TP; an MLA latent does not
     attn_peak = acc.flops(quant.attention_compute)
+    decode_peak = attn_peak
     if decode:  # absorbed MLA: scores over the 576-wide latent, values over the 512-wide part; GQA: qk + v head widths
         mla_flops = n_mla * tokens_per_group * 2 * heads * kv_len * attn.decode_width
         mla_bytes = seqs * kv_len * cache_per_token
-        attn_eff = curves.attention_decode(heads, seqs, kv_len, is_mla) if curves else None
+        fp8_cache = is_mla and quant.cache_dtype_bytes == 1 and curves is not None and curves.fp8_cache_grid
+        if fp8_cache:  # the FP8-cache MLA kernel multiplies in FP8 (op_efficiency.py): its curve is against that peak
+            decode_peak = acc.flops("fp8")
+        attn_eff = curves.attention_decode(heads, seqs, kv_len, is_mla, fp8_cache=fp8_cache) if curves else None
     else:  # naive attention over the chunk: the cached keys plus, causally, the average query's half of its own chunk
         keys = kv_len + (tokens_per_group / prompts + 1) / 2 if mean_keys is None else mean_keys
         mla_flops = n_mla * tokens_per_group * 2 * heads * keys * attn.prefill_width
         mla_bytes = (seqs * kv_len + tokens_per_group) * cache_per_token
         attn_eff = curves.attention_prefill(kv_len + tokens_per_group / prompts, is_mla) if curves else None
-    mla = _component(attn.component, mla_bytes, mla_flops, attn_peak, eff.attention, sc, attn_eff)
+    mla = _component(attn.component, mla_bytes, mla_flops, decode_peak, eff.attention, sc, attn_eff)
     chunk_attn = None
     if chunk:  # the prompts' own attention: the prefix each has cached plus the causal half of its chunk
         prefix = max(0.0, chunk.mean_keys - (chunk.tokens / chunk.prompts + 1) / 2)
@@ -192,9 +200,9 @@ def _step(
     comm = _communication(sc, linear_tokens, assignments_per_rank, imbalance, curves)
     components = tuple(c for c in (trunk, experts, mla, chunk_attn, kda, attn_res) if c is not None and (c.bytes or c.flops))
     local = sum(c.time_s for c in components)
-    overlap = (
-        eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 else 0.0
-    )  # two-batch overlap needs two micro-batches (of sequences, when decoding)
+    overlap = (  # two-batch overlap needs two micro-batches (of sequences, when decoding), and an exchange that allows it
+        eff.comm_overlap if (real_seqs if decode else tokens_per_group) >= 2 and sc.comm.exchange == Exchange.ALL_TO_ALL else 0.0
+    )
     exposed = comm - overlap * min(comm, local)
     host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
     return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.step_overheads.host_gap(host_seqs))

@@ -5,7 +5,8 @@ corpus) lists output tokens/s per GPU from `trtllm-bench throughput`: every requ
 lengths, one instance per table column (DEP n = attention DP n with EP n), in-flight batching with chunked prefill, CUDA
 graphs padded to its listed batch sizes, KV cache FP8 for DeepSeek-R1. The planner predicts the same figure as the
 benchmark measures it: the page's number of requests (`bench_setup.PERF_OVERVIEW_REQUESTS`) served to the last by
-in-flight batching (`continuous.finite_run`): steps that decode every running request and fill the rest of the token
+in-flight batching (`continuous.finite_run`) on the CUDA graphs its engine captures (the page's list up to the run's
+max batch and token budget, `Overheads.engine`): steps that decode every running request and fill the rest of the token
 budget with prompt chunks (trtllm-bench's `--enable_chunked_context` defaults to on), each priced as one mixed forward
 pass, output tokens / the run's wall time; the admitted requests being the most whose whole length (input + output)
 fits the KV cache -- the benchmark's default scheduler policy, guaranteed_no_evict, reserves a request's full length
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 
 from openk3.config import ModelConfig
 from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, Counting, run_shape
+from openk3.planner.comm import CommParams, Exchange
 from openk3.planner.continuous import finite_run, steady_state
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.hardware import load_catalogue
@@ -54,6 +57,13 @@ QWEN_KV = "fp8"
 QWEN_FP8 = with_dtypes(FP8, kv=QWEN_KV)  # nvidia/Qwen3-235B-A22B-FP8
 QWEN_FP4 = with_dtypes(FP8, expert="nvfp4", kv=QWEN_KV)  # nvidia/Qwen3-*-FP4: NVFP4 experts, FP8 elsewhere (assumed)
 TUNED_LENGTHS = ((1000, 1000), (1024, 1024))
+# TensorRT-LLM's CUTLASS fused MoE (the runs' MoE backend: the DeepSeek options name it, the others take the default)
+# under attention DP enables its all-to-all only for an EP group wider than top-k (tensorrt_llm/_torch/modules/fused_moe/
+# fused_moe_cutlass.py, the all-to-all method selection: `moe_ep_size <= top_k` -> NotEnabled, also on GB200's MNNVL);
+# every run here is EP 1, 4 or 8 of a top-8 model, so each rank all-gathers every rank's tokens and reduce-scatters the
+# outputs, in sequence with the experts (`Exchange.ALLGATHER`). Until issue 37 round seven these rows were priced with
+# the all-to-all, 70% of it hidden under compute (the planner's two-batch overlap).
+TRTLLM_EXCHANGE = CommParams(exchange=Exchange.ALLGATHER)
 
 
 @functools.lru_cache(maxsize=512)  # a finite run steps through thousands of steps; the tables ask for each row more than once
@@ -80,14 +90,17 @@ def aggregated_tok_s_per_gpu(
     mix = RequestMix(((isl, osl),))
     limit = max_concurrency(config, quant, layout, isl + osl, sys)
     seqs = limit if seqs_per_gpu is None else seqs_per_gpu * gpus
+    max_batch = -(-seqs // gpus)
     if bench is not None:
         if seqs_per_gpu is not None:
             raise ValueError("a fixed batch (seqs_per_gpu) and trtllm-bench's heuristic (bench) exclude each other")
-        seqs, max_tokens = run_shape(limit, gpus, isl, osl, bench)
+        seqs, max_batch, max_tokens = run_shape(limit, gpus, isl, osl, bench)
     if seqs < gpus or seqs > limit:
         raise ValueError(f"{layout.describe()} holds {limit} sequences of {isl + osl:,} tokens; asked for {seqs}")
     workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl)
-    sc = Scenario(config, quant, layout, workload, sys, efficiency or Efficiency())
+    eff = efficiency or Efficiency()
+    eff = replace(eff, overheads=eff.step_overheads.engine(max_batch, max_tokens))  # the graphs this engine captures
+    sc = Scenario(config, quant, layout, workload, sys, eff, comm=TRTLLM_EXCHANGE)
     if requests is None:
         return steady_state(sc, isl, osl, max_tokens).output_tok_s / gpus
     return finite_run(sc, isl, osl, max_tokens, requests).output_tok_s / gpus

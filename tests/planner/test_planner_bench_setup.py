@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, BenchSettings, Counting, bench_settings, run_shape
+from openk3.planner.bench_setup import PERF_OVERVIEW_REQUESTS, BenchSettings, Counting, RunShape, bench_settings, run_shape
 
 
 def test_rounding_rules() -> None:
@@ -25,13 +25,14 @@ def test_rounding_rules() -> None:
 
 
 def test_run_shape_caps_the_batch_and_gives_the_step_budget() -> None:
-    # one GPU that holds 5,563 requests of 256 tokens admits 4,096 of them; 8,192 tokens per step
-    assert run_shape(5563, 1, 128, 128, Counting.PER_RANK) == (4096, 8192)
-    # a KV limit under the cap is the batch; 2,048 tokens per step, shared by decode rows and prompt chunks
-    assert run_shape(730, 1, 1000, 1000, Counting.PER_RANK) == (730, 2048)
-    # counted over an 8-rank instance (v1.0), the budget comes from the instance's 1,600 requests but applies per rank
-    assert run_shape(1600, 8, 2048, 128, Counting.PER_INSTANCE) == (1600, 27648)
-    assert run_shape(1600, 8, 2048, 128, Counting.PER_RANK) == (1600, 3584)  # 200 x 17 = 3,400 tokens -> 3,584 per rank
+    # one GPU that holds 5,563 requests of 256 tokens admits 4,096 of them (its max batch); 8,192 tokens per step
+    assert run_shape(5563, 1, 128, 128, Counting.PER_RANK) == RunShape(4096, 4096, 8192)
+    # a KV limit under the cap is the batch, the engine's max batch its rounding up (730 -> 768); 2,048 tokens per step,
+    # shared by decode rows and prompt chunks
+    assert run_shape(730, 1, 1000, 1000, Counting.PER_RANK) == RunShape(730, 768, 2048)
+    # counted over an 8-rank instance (v1.0), batch and budget come from the instance's 1,600 requests but apply per rank
+    assert run_shape(1600, 8, 2048, 128, Counting.PER_INSTANCE) == RunShape(1600, 1792, 27648)
+    assert run_shape(1600, 8, 2048, 128, Counting.PER_RANK) == RunShape(1600, 224, 3584)  # 200 -> 224; 3,400 -> 3,584 tokens
 
 
 def test_request_counts_cover_every_perf_overview_row() -> None:

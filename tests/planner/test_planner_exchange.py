@@ -1,0 +1,41 @@
+"""The MoE token exchange (issue 37 round seven): all-to-all, or TensorRT-LLM's all-gather / reduce-scatter under
+attention DP when its all-to-all is off, which moves every rank's tokens to every rank and hides under nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from openk3.planner import CommParams, Layout, Quantisation, Scenario, Workload, load_catalogue
+from openk3.planner.comm import Exchange, a2a_layer_time, allgather_layer_time, combine_bytes_per_copy, dispatch_bytes_per_copy
+from openk3.planner.models import deepseek_v3
+from openk3.planner.perf import decode_step
+
+FP8 = Quantisation.named("fp8")
+B200 = load_catalogue().system("hgx-b200")
+
+
+def test_allgather_moves_every_other_ranks_tokens_whatever_the_routing() -> None:
+    cfg, comm, tokens = deepseek_v3(), CommParams(), 640.0
+    t = allgather_layer_time(cfg, FP8, 4, B200, comm, tokens)
+    bw = B200.accelerator.scale_up_bw * comm.scale_up_efficiency
+    rows = 3 * tokens  # the three other ranks' tokens, into this rank and (reduce-scatter) out of it
+    assert t.dispatch_s == pytest.approx(comm.dispatch_floor_s + rows * dispatch_bytes_per_copy(cfg, FP8) / bw)
+    assert t.combine_s == pytest.approx(comm.combine_floor_s + rows * combine_bytes_per_copy(cfg, FP8) / bw)
+    assert t.scale_out_fraction == 0.0
+    # at EP4 with top-8 a token reaches ~3.9 ranks, so the all-to-all moves less than the whole batch
+    assert a2a_layer_time(cfg, FP8, 4, B200, comm, tokens).total_s < t.total_s
+    assert allgather_layer_time(cfg, FP8, 1, B200, comm, tokens).total_s == 0.0
+
+
+def test_an_allgather_exchange_is_never_hidden_under_compute() -> None:
+    sc = Scenario(deepseek_v3(), FP8, Layout(4, tp=1), Workload(context=2000, concurrency=4 * 640), B200)
+    a2a = decode_step(sc)
+    gathered = decode_step(sc.with_(comm=CommParams(exchange=Exchange.ALLGATHER)))
+    assert a2a.exposed_comm_s < a2a.comm_s  # the default two-batch overlap hides part of the all-to-all
+    assert gathered.exposed_comm_s == pytest.approx(gathered.comm_s) and gathered.comm_s > a2a.comm_s
+    assert gathered.local_s == pytest.approx(a2a.local_s)  # the kernels are the same; only the exchange moved
+
+
+def test_exchange_is_checked() -> None:
+    with pytest.raises(ValueError, match="exchange"):
+        CommParams(exchange="allgather")  # type: ignore[arg-type]

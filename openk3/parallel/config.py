@@ -38,6 +38,13 @@ class ParallelConfig:
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
+    decode_cp: bool = setting(
+        False,
+        "--cp: decode context parallelism: each CP rank keeps only its interleaved share of the MLA latent pages (1/cp of "
+        "the bytes), a decode step attends each share and merges the parts by log-sum-exp (needs --page-size a multiple "
+        "of --cp; docs/parallel.md)",
+        flag="--dcp",
+    )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
     eplb_stats: str | None = setting(
         None, "measured expert load (a file written by --export-eplb-stats) that --ep-method eplb places its replicas from (docs/parallel.md)"
@@ -70,6 +77,8 @@ class ParallelConfig:
                 f"(--cp C --tp T, C x T ranks), with the experts split by width in each (ep=1) or spread over all {self.cp * self.tp} "
                 f"ranks (ep={self.cp * self.tp}); with --dp it is not built (docs/parallel.md)"
             )
+        if self.decode_cp and self.cp == 1:
+            raise ValueError("ParallelConfig: decode_cp=True (--dcp) with cp=1: decode context parallelism shards the MLA pages over --cp ranks; set cp >= 2")
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
         if self.dp > 1 and self.ep != self.dp * self.tp:
@@ -105,6 +114,11 @@ class ParallelConfig:
             )
 
     @property
+    def latent_shards(self) -> int:
+        """How many ranks share each MLA page's latents: cp with decode_cp, else 1 (every rank holds whole pages)."""
+        return self.cp if self.decode_cp else 1
+
+    @property
     def world_size(self) -> int:
         """Processes one engine runs on: dp groups of tp ranks, cp groups of tp ranks, or the TP group, whose ranks also hold
         the experts when ep > 1."""
@@ -120,6 +134,11 @@ class ParallelConfig:
             raise ValueError(
                 f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported on more than one rank yet "
                 "(docs/parallel.md)"
+            )
+        if self.decode_cp and engine.page_size % self.cp:
+            raise ValueError(
+                f"page_size={engine.page_size} with cp={self.cp}, decode_cp=True: each CP rank holds page_size / cp rows of every "
+                f"MLA page, so page_size must be a multiple of cp (e.g. {self.cp * max(1, engine.page_size // self.cp)})"
             )
         if self.world_size > 1 and engine.pack_cpu_weights:
             # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights

@@ -56,6 +56,7 @@ class RankModelSpec:
     eplb_interval_steps: int | None = None  # method eplb: re-place the experts every N steps from the live load (ep/rebalance.py)
     cp: int = 1  # > 1: context parallel, cp groups of tp ranks, long prefill steps split by position (cp/step_model.py)
     cp_min_tokens: int = 256
+    decode_cp: bool = False  # cp > 1: every rank's MLA pages hold its share of the latents (cp/sharded_mla.py)
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
@@ -76,6 +77,7 @@ class RankModelSpec:
             eplb_interval_steps=parallel.eplb_interval_steps,
             cp=parallel.cp,
             cp_min_tokens=parallel.cp_min_tokens,
+            decode_cp=parallel.decode_cp,
         )
 
 
@@ -182,4 +184,4 @@ def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGrou
 
 def _step_model(spec: RankModelSpec, model: K3ForCausalLM, groups: ContextParallelGroups | None) -> K3ForCausalLM | ContextParallelStep:
     """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form over its CP group."""
-    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens) if groups is not None else model
+    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens, spec.decode_cp) if groups is not None else model

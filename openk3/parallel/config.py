@@ -34,7 +34,8 @@ class ParallelConfig:
     cp: int = setting(
         1,
         "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
-        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks (--ep 1 or cp x T); not with --dp (docs/parallel.md)",
+        "state handed rank to rank); decode runs whole on every rank (sharded with --dcp); with --tp T over cp x T ranks (--ep 1 or cp x T); "
+        "not with --dp (docs/parallel.md)",
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)

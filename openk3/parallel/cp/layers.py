@@ -68,7 +68,7 @@ class ContextParallelMLA(nn.Module):
                 ex.received.append(Received(self.layer, "mla_context", (ex.context_len - self.shards.held(ex.context_len)) * row_bytes))
             hi = ex.shards[ex.rank][1]
             latents = torch.cat([context, all_TR[:hi].to(context.dtype)])
-            out_THV = attend_over(self.inner, inp, batch, [latents])
+            out_THV = attend_over(self.inner, inp.q_nope, inp.q_pe, latents, ex.context_len + ex.shards[ex.rank][0])
         return self.inner.output(out_THV, inp.gate_logits, x_TD.dtype)
 
 

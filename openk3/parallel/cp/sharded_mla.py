@@ -15,9 +15,10 @@ sequence is spread too), and the new token of each decode step goes to the next 
 - a new token's latent is written by the rank that owns its position only (`write_owned`);
 - a decode step: each rank attends the step's query over its share (ops/mla/lse.py, the latent-space form), and the
   parts are merged exactly by their log-sum-exp after one all-gather of (out [N, H, Dv], lse [N, H]) per MLA layer;
-- any other step (a prefill chunk, a batch mixing prefill and decode rows): each rank's share of the context before the
-  step is all-gathered and put back in position order (`gather_context`, a temporary the size of that context), then the
-  step attends as one process does. The cache stays sharded; the gather is the price of a prefill after a context.
+- any other step: a sequence with one new token (a decoding request beside a prefill chunk) takes the decode form; a
+  sequence with more (a prefill chunk) gathers every rank's share of its context before the step, in position order
+  (`gather_context`, a temporary the size of that context), then attends as one process does. The cache stays sharded;
+  the gather is the price of a prefill chunk after a context.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 
 from openk3.model import K3ForCausalLM
 from openk3.model.batch import ForwardBatch
-from openk3.model.mla import GatedMLA, MLAInputs, read_latents
+from openk3.model.mla import GatedMLA, read_latents
 from openk3.ops.mla import split_kv_b
 from openk3.ops.mla.lse import merge_by_lse, mla_decode_paged_lse
 from openk3.parallel.group import ParallelContext
@@ -95,25 +96,29 @@ def gather_context(pool_PSR: torch.Tensor, page_table: torch.Tensor, lengths: li
     return out
 
 
-def attend_over(mla: GatedMLA, inp: MLAInputs, batch: ForwardBatch, latents: list[torch.Tensor]) -> torch.Tensor:
-    """Per sequence its queries (at positions context_lens[i] + j) against `latents[i]` (every latent up to its last
-    query, in position order): model/mla.py's attend_prefill over given latents instead of pages. [T, H, Dv]."""
+def attend_over(mla: GatedMLA, q_nope_tHD: torch.Tensor, q_pe_tHR: torch.Tensor, latents_sR: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """One sequence's queries (at positions q_offset + j) against `latents_sR` (every latent up to its last query, in
+    position order): model/mla.py's attend_prefill over given latents instead of pages. [t, H, Dv]."""
     w_uk, w_uv = split_kv_b(mla.kv_b_proj.weight, mla.num_heads, mla.nope, mla.v_dim)
-    cu, ctx = batch.cu_seqlens.tolist(), batch.context_lens.tolist()
-    outs = []
-    for i, lat in enumerate(latents):
-        lo, hi = cu[i], cu[i + 1]
-        c, kpe = lat.split([mla.lora, mla.rope], dim=-1)
-        outs.append(mla.prefill(inp.q_nope[lo:hi], inp.q_pe[lo:hi], c, kpe, w_uk, w_uv, mla.scale, ctx[i]))
-    return torch.cat(outs, dim=0)
+    c, kpe = latents_sR.split([mla.lora, mla.rope], dim=-1)
+    return mla.prefill(q_nope_tHD, q_pe_tHR, c, kpe, w_uk, w_uv, mla.scale, q_offset)
 
 
-def decode_on_shards(mla: GatedMLA, inp: MLAInputs, batch: ForwardBatch, pool_PSR: torch.Tensor, shards: LatentShards, ctx: ParallelContext) -> torch.Tensor:
-    """A decode step's attention [N, H, Dv] (fp32): this rank's part over its share, merged with every rank's by LSE."""
-    assert batch.page_table is not None
+def decode_on_shards(
+    mla: GatedMLA,
+    q_nope_NHD: torch.Tensor,
+    q_pe_NHR: torch.Tensor,
+    pool_PSR: torch.Tensor,
+    page_table_NP: torch.Tensor,
+    kv_lens_N: torch.Tensor,
+    shards: LatentShards,
+    ctx: ParallelContext,
+) -> torch.Tensor:
+    """One query per sequence over its first kv_lens[n] latents (its own included), [N, H, Dv] fp32: this rank's part
+    over its share, merged with every rank's by LSE after one all-gather of [out | lse]."""
     w_uk, w_uv = split_kv_b(mla.kv_b_proj.weight, mla.num_heads, mla.nope, mla.v_dim)
-    held = shards.held_t(batch.context_lens + 1)
-    out_NHV, lse_NH = mla_decode_paged_lse(inp.q_nope, inp.q_pe, pool_PSR, batch.page_table, held, w_uk, w_uv, mla.scale)
+    held = shards.held_t(kv_lens_N)
+    out_NHV, lse_NH = mla_decode_paged_lse(q_nope_NHD, q_pe_NHR, pool_PSR, page_table_NP, held, w_uk, w_uv, mla.scale)
     n, h, v = out_NHV.shape
     both = ctx.all_gather(torch.cat([out_NHV.reshape(n, h * v), lse_NH], dim=-1))  # one message: [W, N, H * Dv + H]
     return merge_by_lse(both[..., : h * v].reshape(-1, n, h, v), both[..., h * v :])
@@ -134,15 +139,28 @@ class ShardedLatentMLA(nn.Module):
         if batch.stepwise:
             raise ValueError("decode context parallelism: stepwise (speculative) batches are not supported with it")
         inp = self.inner.project(x_TD)
-        write_owned(latent_pool, batch.page_table, batch, inp.latent_TR, self.shards)
+        table = batch.page_table
+        write_owned(latent_pool, table, batch, inp.latent_TR, self.shards)
         if batch.is_decode:
-            out_THV = decode_on_shards(self.inner, inp, batch, latent_pool, self.shards, self.ctx).to(inp.q_nope.dtype)
-        else:
-            cu, ctx_lens = batch.cu_seqlens.tolist(), batch.context_lens.tolist()
-            context = gather_context(latent_pool, batch.page_table, ctx_lens, self.shards, self.ctx)
-            # the new latents as the pages hold them: one process reads its whole context back from the pages
-            latents = [torch.cat([c, inp.latent_TR[cu[i] : cu[i + 1]].to(c.dtype)]) for i, c in enumerate(context)]
-            out_THV = attend_over(self.inner, inp, batch, latents)
+            out = decode_on_shards(self.inner, inp.q_nope, inp.q_pe, latent_pool, table, batch.context_lens + 1, self.shards, self.ctx)
+            return self.inner.output(out.to(inp.q_nope.dtype), inp.gate_logits, x_TD.dtype)
+        cu, ctx_lens = batch.cu_seqlens.tolist(), batch.context_lens.tolist()
+        out_THV = inp.q_nope.new_empty(inp.q_nope.shape[0], self.inner.num_heads, self.inner.v_dim)
+        # one new token (a decoding request beside a prefill chunk): the decode form, so no context is gathered for it
+        ones = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] == 1]
+        if ones:
+            rows, seqs = torch.tensor([cu[i] for i in ones], device=table.device), torch.tensor(ones, device=table.device)
+            q_nope, q_pe, lens = inp.q_nope[rows], inp.q_pe[rows], batch.context_lens[seqs] + 1
+            out_THV[rows] = decode_on_shards(self.inner, q_nope, q_pe, latent_pool, table[seqs], lens, self.shards, self.ctx).to(out_THV.dtype)
+        chunks = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] > 1]
+        if chunks:
+            seqs = torch.tensor(chunks, device=table.device)
+            context = gather_context(latent_pool, table[seqs], [ctx_lens[i] for i in chunks], self.shards, self.ctx)
+            for i, c in zip(chunks, context, strict=True):
+                lo, hi = cu[i], cu[i + 1]
+                # the new latents as the pages hold them: one process reads its whole context back from the pages
+                latents = torch.cat([c, inp.latent_TR[lo:hi].to(c.dtype)])
+                out_THV[lo:hi] = attend_over(self.inner, inp.q_nope[lo:hi], inp.q_pe[lo:hi], latents, ctx_lens[i])
         return self.inner.output(out_THV, inp.gate_logits, x_TD.dtype)
 
 

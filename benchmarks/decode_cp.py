@@ -7,7 +7,9 @@ Per prompt length and repeat, in turn: (a) rank 0 alone prefills the prompt (unt
 tokens, 1 thread (the other ranks wait in a barrier); (b) every rank prefills it context-parallel and decodes the same
 tokens whole, in lockstep; (c) the same with the pages sharded. Time per output token: the median over the repeats of
 (decode wall time / tokens), timed on rank 0 from a barrier before the first step to one after the last (so the slowest
-rank counts). A row's ratios are refused ("mismatch") unless (b) and (c) decode the tokens of (a).
+rank counts); and rank 0's CPU time per token (process time over the decode steps, its gloo threads included, not the
+wait for the slowest rank), which a machine shared with other jobs disturbs less than the wall clock. A row's ratios are
+refused ("mismatch") unless (b) and (c) decode the tokens of (a).
 
 MLA cache bytes per rank: the pages the sequence uses (prompt + output) times what a page costs that rank in every MLA
 layer -- the block pool's measure, not RSS. Decode bytes: what a rank receives per MLA layer per decode step under (c),
@@ -32,22 +34,23 @@ import torch.distributed as dist
 PAGE_SIZE = 64
 
 
-def _decode(model, cache, first: int, length: int, pages: torch.Tensor, tokens: int) -> tuple[float, list[int]]:  # type: ignore[no-untyped-def]
+def _decode(model, cache, first: int, length: int, pages: torch.Tensor, tokens: int) -> tuple[float, float, list[int]]:  # type: ignore[no-untyped-def]
     from openk3.model import ForwardBatch
 
     out, token = [], first
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i in range(tokens):
             batch = ForwardBatch.for_step([[token]], [length + i], [0], pages[None])
             token = int(model(batch, cache)[-1].argmax())
             out.append(token)
+    cpu = time.process_time() - cpu  # this rank's own work (its gloo threads included), not the wait for the slowest
     dist.barrier()
-    return (time.perf_counter() - start) / tokens, out
+    return (time.perf_counter() - start) / tokens, cpu / tokens, out
 
 
-def _one_rank(world, model, ids: list[int], tokens: int) -> tuple[float, list[int], int]:  # type: ignore[no-untyped-def]
+def _one_rank(world, model, ids: list[int], tokens: int) -> tuple[float, float, list[int], int]:  # type: ignore[no-untyped-def]
     from openk3.model import CacheTensors, ForwardBatch
 
     pages = torch.arange(-(-(len(ids) + tokens) // PAGE_SIZE))
@@ -56,22 +59,22 @@ def _one_rank(world, model, ids: list[int], tokens: int) -> tuple[float, list[in
     if world.rank != 0:
         dist.barrier()
         dist.barrier()
-        return 0.0, [], 0
+        return 0.0, 0.0, [], 0
     with torch.no_grad():
         first = int(model(ForwardBatch.for_step([ids], [0], [0], pages[None]), cache)[-1].argmax())
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out, token = [], first
         for i in range(tokens):
             token = int(model(ForwardBatch.for_step([[token]], [len(ids) + i], [0], pages[None]), cache)[-1].argmax())
             out.append(token)
-    per_token = (time.perf_counter() - start) / tokens
+    per_token, cpu = (time.perf_counter() - start) / tokens, (time.process_time() - cpu) / tokens
     dist.barrier()
-    return per_token, [first, *out], sum(p.nbytes for p in cache.mla_latent)
+    return per_token, cpu, [first, *out], sum(p.nbytes for p in cache.mla_latent)
 
 
-def _context_parallel(ctx, model, ids: list[int], tokens: int, sharded: bool) -> tuple[float, list[int], int]:  # type: ignore[no-untyped-def]
+def _context_parallel(ctx, model, ids: list[int], tokens: int, sharded: bool) -> tuple[float, float, list[int], int]:  # type: ignore[no-untyped-def]
     from contextlib import nullcontext
 
     from openk3.model import CacheTensors
@@ -84,8 +87,8 @@ def _context_parallel(ctx, model, ids: list[int], tokens: int, sharded: bool) ->
     dist.barrier()
     first = int(context_parallel_prefill(model, ctx, ids, cache, 0, pages, latent_shards=shards).logits[-1].argmax())
     with sharded_mla_layers(model, shards, ctx) if shards is not None else nullcontext():
-        per_token, out = _decode(model, cache, first, len(ids), pages, tokens)
-    return per_token, [first, *out], sum(p.nbytes for p in cache.mla_latent)
+        per_token, cpu, out = _decode(model, cache, first, len(ids), pages, tokens)
+    return per_token, cpu, [first, *out], sum(p.nbytes for p in cache.mla_latent)
 
 
 def rank_main(world, lengths: list[int], tokens: int, repeats: int) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -97,12 +100,14 @@ def rank_main(world, lengths: list[int], tokens: int, repeats: int) -> list[dict
     rows = []
     for length in [64, *lengths]:  # the first, short one is the warm-up and is not reported
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        times: dict[str, list[float]] = {"one": [], "cp": [], "dcp": []}
+        times: dict[str, list[float]] = {k: [] for k in ("one", "cp", "dcp", "one_cpu", "cp_cpu", "dcp_cpu")}
         row: dict = {"length": length}
         for _ in range(repeats):
             for name in ("one", "cp", "dcp"):
-                s, out, nbytes = _one_rank(world, model, ids, tokens) if name == "one" else _context_parallel(world, model, ids, tokens, name == "dcp")
+                run = _one_rank(world, model, ids, tokens) if name == "one" else _context_parallel(world, model, ids, tokens, name == "dcp")
+                s, cpu, out, nbytes = run
                 times[name].append(s)
+                times[name + "_cpu"].append(cpu)
                 row[name + "_tokens"], row[name + "_bytes"] = out, nbytes
         row.update({k: statistics.median(v) for k, v in times.items()})
         rows.append(row)
@@ -131,7 +136,7 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared (load avg. after: {load}); demo model, fp32, 1 thread per rank\n")
     part = (a.cp - 1) * m.num_heads * (m.v_head_dim + 1) * 4  # the other ranks' (out [H, Dv], lse [H]) per sequence, fp32
     columns = ["prompt", "MLA cache B/rank: one / cp / cp+dcp", "ms/token: one", f"cp={a.cp}", f"cp={a.cp}+dcp", "one / cp", "one / cp+dcp"]
-    columns += ["cp / cp+dcp", "dcp decode B recv/MLA layer/step"]
+    columns += ["cp / cp+dcp", "rank 0 CPU ms/token: one / cp / cp+dcp", "cp / cp+dcp (CPU)", "dcp decode B recv/MLA layer/step (from shapes)"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for i, length in enumerate(lengths):
@@ -140,7 +145,9 @@ def main() -> None:
         cache = f"{r0['one_bytes']:,} / {r0['cp_bytes']:,} / {r0['dcp_bytes']:,}"
         ms = [f"{1e3 * r0[k]:.2f}" for k in ("one", "cp", "dcp")]
         ratios = [f"{r0[x] / r0[y]:.2f}x" if ok else "mismatch" for x, y in (("one", "cp"), ("one", "dcp"), ("cp", "dcp"))]
-        print(f"| {length} | {cache} | {' | '.join(ms)} | {' | '.join(ratios)} | {part} |")
+        cpu = " / ".join(f"{1e3 * r0[k + '_cpu']:.2f}" for k in ("one", "cp", "dcp"))
+        cpu_ratio = f"{r0['cp_cpu'] / r0['dcp_cpu']:.2f}x" if ok else "mismatch"
+        print(f"| {length} | {cache} | {' | '.join(ms)} | {' | '.join(ratios)} | {cpu} | {cpu_ratio} | {part} |")
 
 
 if __name__ == "__main__":

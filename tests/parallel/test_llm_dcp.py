@@ -1,8 +1,9 @@
 """LLM(..., cp=N, decode_cp=True): decode context parallelism (parallel/cp/sharded_mla.py). Each CP rank's MLA pages hold
 its interleaved share of the latents (position p on rank p % N); decode attends each share and merges the parts by LSE;
-prefill steps gather the context's shares. Greedy and seeded tokens equal one process, their logprobs and the prompt
-logprobs to 1e-4 (fp32 reassociation), alone and batched (steps mixing prefill and decode rows), over TP groups and with
-prefix caching; rank 0's pools hold exactly the even positions of one process's pages, at half the bytes per page."""
+prefill chunks gather the context's shares. Greedy and seeded tokens equal one process, their logprobs and the prompt
+logprobs to 1e-4 (fp32 reassociation), alone and batched (steps mixing prefill chunks and decode rows), over TP groups,
+with the experts spread over the ranks and with prefix caching; rank 0's pools hold exactly the even positions of one
+process's pages, at half the bytes per page."""
 
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def one_process() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (2, 2)])
-def test_dcp_tokens_and_logprobs_equal_one_process(one_process: dict[str, Any], cp: int, tp: int) -> None:
+@pytest.mark.parametrize(("cp", "tp", "ep"), [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_dcp_tokens_and_logprobs_equal_one_process(one_process: dict[str, Any], cp: int, tp: int, ep: int) -> None:
+    """tp = 2: each CP rank a TP group of two (4 ranks), each TP rank holding its CP rank's share of the latents and
+    merging its own heads; ep = 2: the experts spread over both CP ranks."""
     torch.set_num_threads(1)
-    got = run(LLM("tiny", cp=cp, tp=tp, decode_cp=True, cp_min_tokens=32, **ENGINE))
+    got = run(LLM("tiny", cp=cp, tp=tp, ep=ep, decode_cp=True, cp_min_tokens=32, **ENGINE))
     for key in ("greedy", "seeded", "alone"):
         assert got[key] == one_process[key], key
     for key in ("greedy_logprobs", "seeded_logprobs", "alone_logprobs", "prompt_logprobs"):

@@ -53,12 +53,14 @@ def one_process() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("cp", "tp", "ep"), [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+@pytest.mark.parametrize(("cp", "tp", "ep"), [(2, 1, 1), (3, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_dcp_tokens_and_logprobs_equal_one_process(one_process: dict[str, Any], cp: int, tp: int, ep: int) -> None:
-    """tp = 2: each CP rank a TP group of two (4 ranks), each TP rank holding its CP rank's share of the latents and
-    merging its own heads; ep = 2: the experts spread over both CP ranks."""
+    """cp = 3: uneven shares (48-token pages, 16 rows per rank; a sequence's last rank may hold one token fewer, or none
+    of a 1- or 2-token context); tp = 2: each CP rank a TP group of two (4 ranks), each TP rank holding its CP rank's
+    share of the latents and merging its own heads; ep = 2: the experts spread over both CP ranks."""
     torch.set_num_threads(1)
-    got = run(LLM("tiny", cp=cp, tp=tp, ep=ep, decode_cp=True, cp_min_tokens=32, **ENGINE))
+    page_size = 48 if cp == 3 else 16
+    got = run(LLM("tiny", cp=cp, tp=tp, ep=ep, decode_cp=True, cp_min_tokens=32, page_size=page_size, **ENGINE))
     for key in ("greedy", "seeded", "alone"):
         assert got[key] == one_process[key], key
     for key in ("greedy_logprobs", "seeded_logprobs", "alone_logprobs", "prompt_logprobs"):

@@ -174,7 +174,7 @@ def _build_on_local_ranks(spec: EngineSpec) -> Engine:
             return Engine(ranks.dp_engine, ranks.dp_engine.local, None, local_ranks=ranks)
         assert ranks.driver is not None
         generation = generation_config(spec)
-        engine = LLMEngine(ranks.driver, tokenizer, config, generation.eos_token_ids)
+        engine = LLMEngine(ranks.driver, tokenizer, config, generation.eos_token_ids, latent_shards=spec.parallel.latent_shards)
     except BaseException:
         ranks.close()
         raise
@@ -193,7 +193,7 @@ def _build_on_group(spec: EngineSpec, group: ParallelContext) -> Engine:
     driver, _ = start_driver(group, rank_spec)
     try:
         generation = generation_config(spec)
-        engine = LLMEngine(driver, _tokenizer(spec), config, generation.eos_token_ids)
+        engine = LLMEngine(driver, _tokenizer(spec), config, generation.eos_token_ids, latent_shards=spec.parallel.latent_shards)
     except BaseException:
         driver.close()
         raise

@@ -33,6 +33,7 @@ def startup_lines(engine: ServedEngine, served_name: str, model_source: str, par
         f"parallel layout: tp={parallel.tp} ep={parallel.ep} dp={parallel.dp} ({parallel.world_size} rank{'s' if parallel.world_size > 1 else ''}"
         + (f", ep method {parallel.ep_method}" if parallel.ep > 1 else "")
         + (f", cp={parallel.cp}: prefill steps of >= {parallel.cp_min_tokens} new tokens split by position, KDA {parallel.kda_cp}" if parallel.cp > 1 else "")
+        + (f", decode CP: each rank holds 1/{parallel.cp} of every MLA page" if parallel.decode_cp else "")
         + f"; {engines} engine{'s' if engines > 1 else ''})",
         f"serving on http://{host}:{port}",
     ]

@@ -194,13 +194,16 @@ class CacheTensors:
 
     kda_state: list[torch.Tensor]  # per KDA layer [S, H, K, V] fp32
     conv_state: list[torch.Tensor]  # per KDA layer [S, C, W - 1], q | k | v channels
-    mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R]
+    mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R] ([NP, PS / latent_shards, R] with decode context parallelism)
     page_size: int
     # When a list: every copy between slots or pages made outside a forward (serve/cache/transfer.py) is recorded here as
     # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step; and, when
     # those pools are replicas of these (`mirrors_replicate`), every host/disk tier load as a TierLoad with its buffer.
     copy_log: list[CopyEntry] | None = None
     mirrors_replicate: bool = False  # the ranks that replay copy_log hold these very contents (no TP shard of their own)
+    # > 1: decode context parallelism (parallel/cp/sharded_mla.py): this rank's pages hold every latent_shards-th token of
+    # each page (its share), page_size / latent_shards rows per page; the page table and page ids are the engine's
+    latent_shards: int = 1
 
     @staticmethod
     def allocate(
@@ -211,9 +214,15 @@ class CacheTensors:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         fp8_latent: bool = False,
+        latent_shards: int = 1,
     ) -> CacheTensors:
         """`fp8_latent`: the MLA pages hold each token's latent as packed e4m3 values and scales (ops/mla/fp8_latent.py),
-        uint8 rows; the conv windows keep `dtype` and the KDA states fp32 either way."""
+        uint8 rows; the conv windows keep `dtype` and the KDA states fp32 either way. `latent_shards`: pages of
+        page_size / latent_shards rows, this rank's share (decode context parallelism)."""
+        if latent_shards < 1 or page_size % latent_shards:
+            raise ValueError(
+                f"CacheTensors: page_size={page_size} must be a multiple of latent_shards={latent_shards} (>= 1): a rank holds page_size / shards rows of each"
+            )
         kda = config.kda
         n_kda = sum(1 for k in config.layer_kinds if k == LayerKind.KDA)
         n_mla = config.num_hidden_layers - n_kda
@@ -221,8 +230,9 @@ class CacheTensors:
         return CacheTensors(
             kda_state=[torch.zeros(num_slots, kda.num_heads, kda.head_dim, kda.head_dim, dtype=torch.float32, device=device) for _ in range(n_kda)],
             conv_state=[torch.zeros(num_slots, 3 * kda.proj_dim, kda.conv_kernel - 1, dtype=dtype, device=device) for _ in range(n_kda)],
-            mla_latent=[torch.zeros(num_pages, page_size, width, dtype=row_dtype, device=device) for _ in range(n_mla)],
+            mla_latent=[torch.zeros(num_pages, page_size // latent_shards, width, dtype=row_dtype, device=device) for _ in range(n_mla)],
             page_size=page_size,
+            latent_shards=latent_shards,
         )
 
     def pools(self) -> list[torch.Tensor]:

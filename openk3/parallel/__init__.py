@@ -3,7 +3,8 @@
 - `group.py`, `launch.py`: the ParallelContext a rank works with and the one rank start-up (torchrun, spawned local ranks);
 - `ep/`: expert parallelism -- the exchange, plain EP, EPLB-style static placement and MoonEP balanced plans, attached to
   the model through its one seam (the MoE layer's ExpertBackend);
-- `cp/`: context-parallel prefill of one prompt over ranks by position (model level; no serving flag yet);
+- `cp/`: context parallelism: a prompt's prefill split over ranks by position (`--cp`), and decode over the MLA pages sharded
+  over them (`--dcp`);
 - `serving/`: multi-rank engines -- rank 0 drives, the other ranks follow (the step channel, each rank's model, LocalEP for
   `LLM(ep=N)`, the torchrun entry of `openk3 serve --ep N`).
 

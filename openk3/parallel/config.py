@@ -35,7 +35,8 @@ class ParallelConfig:
     cp: int = setting(
         1,
         "context-parallel ranks: a long prompt's prefill chunks split by position over them (MLA latents all-gathered, the KDA "
-        "state handed rank to rank); decode runs whole on every rank; with --tp T over cp x T ranks (--ep 1 or cp x T); not with --dp (docs/parallel.md)",
+        "state handed rank to rank); decode runs whole on every rank (sharded with --dcp); with --tp T over cp x T ranks (--ep 1 or cp x T); "
+        "not with --dp (docs/parallel.md)",
         low=1,
     )
     cp_min_tokens: int = setting(256, "--cp: a prefill step of one sequence with at least this many new tokens is split over the ranks", low=1)
@@ -44,6 +45,13 @@ class ParallelConfig:
         "--cp: how the KDA layers' recurrence crosses the ranks: the state handed rank to rank (sequential), or every rank at "
         "once, their state maps composed by a log-depth scan (scan: ~2x the recurrence's work, no rank waits for another's; docs/parallel.md)",
         choices=KDA_CP_FORMS,
+    )
+    decode_cp: bool = setting(
+        False,
+        "--cp: decode context parallelism: each CP rank keeps only its interleaved share of the MLA latent pages (1/cp of "
+        "the bytes), a decode step attends each share and merges the parts by log-sum-exp (needs --page-size a multiple "
+        "of --cp; docs/parallel.md)",
+        flag="--dcp",
     )
     ep_method: str = setting(EPMethod.MOONEP.value, "how experts and tokens are spread over the ranks (docs/parallel.md)", choices=EP_METHODS)
     eplb_stats: str | None = setting(
@@ -79,6 +87,8 @@ class ParallelConfig:
             )
         if self.cp == 1 and self.kda_cp != "sequential":
             raise ValueError(f"ParallelConfig: kda_cp={self.kda_cp!r} needs context parallelism (--cp 2 or more)")
+        if self.decode_cp and self.cp == 1:
+            raise ValueError("ParallelConfig: decode_cp=True (--dcp) with cp=1: decode context parallelism shards the MLA pages over --cp ranks; set cp >= 2")
         if self.cp > 1 and self.cp_min_tokens < self.cp:
             raise ValueError(f"ParallelConfig: cp_min_tokens={self.cp_min_tokens} is less than cp={self.cp}: every rank needs a token of a split step")
         if self.dp > 1 and self.ep != self.dp * self.tp:
@@ -114,6 +124,11 @@ class ParallelConfig:
             )
 
     @property
+    def latent_shards(self) -> int:
+        """How many ranks share each MLA page's latents: cp with decode_cp, else 1 (every rank holds whole pages)."""
+        return self.cp if self.decode_cp else 1
+
+    @property
     def world_size(self) -> int:
         """Processes one engine runs on: dp groups of tp ranks, cp groups of tp ranks, or the TP group, whose ranks also hold
         the experts when ep > 1."""
@@ -123,6 +138,11 @@ class ParallelConfig:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
+        if tiers and self.decode_cp:
+            raise ValueError(
+                f"cpu_offload_bytes / disk_offload_dir with {ranks}, decode_cp=True: the host and disk prefix tiers are not supported "
+                "with decode context parallelism yet: each CP rank holds its own share of the MLA pages, which rank 0's tier entries lack"
+            )
         if self.tp > 1 and tiers:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:
             # the driver replays rank 0's slot and page copies on every rank (serving/driver.py). Without TP (--cp, --ep,
@@ -130,6 +150,11 @@ class ParallelConfig:
             raise ValueError(
                 f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported with tensor "
                 "parallelism yet: each TP rank would need its own shard of every tier entry (docs/parallel.md)"
+            )
+        if self.decode_cp and engine.page_size % self.cp:
+            raise ValueError(
+                f"page_size={engine.page_size} with cp={self.cp}, decode_cp=True: each CP rank holds page_size / cp rows of every "
+                f"MLA page, so page_size must be a multiple of cp (e.g. {self.cp * max(1, engine.page_size // self.cp)})"
             )
         if self.world_size > 1 and engine.pack_cpu_weights:
             # each rank prepares its own shard at start-up, unpacked; the engine's model is then a driver, not the weights

@@ -64,11 +64,14 @@ class LLMEngine:
         speculative: SpeculativeConfig | None = None,
         mtp_layer: MTPLayer | None = None,
         eagle3_head: AnyEagle3Head | None = None,
+        latent_shards: int = 1,
     ) -> None:
         """`draft_model`: speculative decoding with this model as the draft (serve/speculative.py; it shares the
         tokenizer); `mtp_layer`: with the checkpoint's multi-token-prediction layer as the draft (serve/mtp_draft.py; it
         reads the target's hidden states); `eagle3_head`: with an EAGLE-3 head (serve/eagle3_draft.py; it reads three
-        layers' hidden states); `speculative` drafts per step."""
+        layers' hidden states); `speculative` drafts per step. `latent_shards` > 1: the model is a decode-context-parallel
+        driver whose ranks each hold 1/latent_shards of every MLA page (parallel/cp/sharded_mla.py): this process's pools
+        are its share, and the cache memory holds that many times the pages."""
         self.config = config or EngineConfig()
         self.model = model
         self.model_config = model.config
@@ -84,7 +87,13 @@ class LLMEngine:
         spec_k = self._spec.num_speculative_tokens if drafts else 0
         verify_slots = cfg.max_num_seqs * spec_k
         num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config, cfg.cache_memory_bytes, cfg.page_size, cfg.max_num_seqs + snapshot_slots + verify_slots, cache_dtype, cfg.fp8_latent
+            self.model_config,
+            cfg.cache_memory_bytes,
+            cfg.page_size,
+            cfg.max_num_seqs + snapshot_slots + verify_slots,
+            cache_dtype,
+            cfg.fp8_latent,
+            latent_shards,
         )
         prefix = None
         if cfg.enable_prefix_caching:
@@ -110,6 +119,7 @@ class LLMEngine:
             scratch=cfg.cuda_graphs,
             fp8_latent=cfg.fp8_latent,
             verify_slots=verify_slots,
+            latent_shards=latent_shards,
         )
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)

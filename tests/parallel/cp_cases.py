@@ -128,7 +128,7 @@ def cut_case(ctx: ParallelContext, length: int, offsets: tuple[int, ...], contex
         for cache in caches:
             model(replace(ForwardBatch.for_step([ids[:context]], [0], [SLOT], pages[None]), is_decode=False), cache)
     cuts = tuple(StateCut(0, o, s) for o, s in zip(offsets, CUT_SLOTS, strict=False))
-    out = context_parallel_prefill(model, ctx, ids[context:], caches[0], SLOT, pages, context, cuts, kda_scan)
+    out = context_parallel_prefill(model, ctx, ids[context:], caches[0], SLOT, pages, context, cuts, kda_scan=kda_scan)
     ref = caches[1]
     for lo, hi in out.shards:
         inside = tuple(StateCut(0, c.offset - lo, c.slot) for c in cuts if lo < c.offset < hi)

@@ -1,7 +1,7 @@
 """Host and disk prefix tiers on multi-rank engines whose ranks hold replicas of rank 0's pools (`--cp N`, `--ep N` with
 tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD), so
 prompts that hit prefixes evicted to the host or disk tier give one process's tokens, its hit counts and its logprobs;
-tensor-parallel engines, whose ranks hold shards, still refuse the tiers by name."""
+tensor-parallel and decode-CP engines, whose ranks hold shards, still refuse the tiers by name."""
 
 from __future__ import annotations
 
@@ -70,3 +70,5 @@ def test_tiers_are_refused_with_tensor_parallelism_only() -> None:
     for sharded in (ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2), ParallelConfig(dp=2, tp=2, ep=4)):
         with pytest.raises(ValueError, match="not supported with tensor parallelism yet"):
             sharded.check_engine(host)
+    with pytest.raises(ValueError, match="not supported with decode context parallelism yet"):
+        ParallelConfig(cp=2, decode_cp=True).check_engine(host)

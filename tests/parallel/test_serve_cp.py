@@ -23,10 +23,11 @@ PROMPT = "And God said, Let there be light: and there was light. And God saw the
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2)])
-def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int, ep: int) -> None:
+@pytest.mark.parametrize(("tp", "ep", "dcp"), [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)])
+def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int, ep: int, dcp: bool) -> None:
     """tp = 2: `--cp 2 --tp 2`, four ranks (two TP groups of two, the CP groups across them); ep = 2: `--cp 2 --ep 2`,
-    the experts spread over both ranks (MoonEP)."""
+    the experts spread over both ranks (MoonEP); dcp: `--cp 2 --dcp`, each rank holding half of every MLA page
+    (parallel/cp/sharded_mla.py), the hit's pages and the tail page's copy each rank's share."""
     torch.set_num_threads(1)
     llm = LLM("tiny", max_num_batched_tokens=32)
     ids = llm.tokenizer.encode(PROMPT + " " + PROMPT)
@@ -37,7 +38,7 @@ def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int, e
     llm.close()
 
     flags = ["--cp", "2", "--tp", str(tp), "--ep", str(ep), "--cp-min-tokens", "4", "--max-num-batched-tokens", "32"]
-    flags += ["--enable-prefix-caching", "--prefix-match-unit", "8"]
+    flags += ["--enable-prefix-caching", "--prefix-match-unit", "8"] + (["--dcp"] if dcp else [])
     with torchrun_server(flags, tmp_path, nproc=2 * tp) as (proc, url, log):
         for prompt, text in zip(prompts, want, strict=True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -49,6 +50,7 @@ def test_serve_cp2_with_prefix_caching_under_torchrun(tmp_path: Path, tp: int, e
         stop(proc, rank0_pid(log))
     text = log.read_text()
     assert "cp=2: prefill steps of >= 4 new tokens split by position" in text, text[-3000:]
+    assert ("decode CP: each rank holds 1/2 of every MLA page" in text) == dcp, text[-3000:]
     assert proc.returncode == 0, text[-3000:]
     for rank in range(1, 2 * tp):
         assert re.search(rf"rank {rank}: stopped after [1-9]\d* steps", text), text[-3000:]

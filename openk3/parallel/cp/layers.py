@@ -5,7 +5,9 @@ channels, W conv kernel, H K V the KDA heads and head dims.
 
 - MLA: the latents are what every query needs and they are small (R values per token), so each rank computes its own
   T_r rows, all ranks all-gather them, every rank writes all T into its pages, and each rank attends its own queries over
-  positions [0, hi) read back from the pages: the same computation as a one-process prefill of those rows (exact).
+  positions [0, hi) read back from the pages: the same computation as a one-process prefill of those rows (exact). With
+  decode context parallelism (sharded_mla.py) each rank writes only the gathered rows it owns and reads the context
+  before the step from every rank's share.
 - KDA: a recurrence. Rank r's first tokens need rank r - 1's last W - 1 pre-conv inputs and its end state. The conv
   window depends only on this layer's input, so it is handed on right after the short conv, before the recurrence; the
   projections, the conv and the gates of rank r thus overlap rank r - 1's recurrence, and only the recurrence itself waits
@@ -33,8 +35,9 @@ from openk3.model.kda import KDALayerCache, KimiDeltaAttention
 from openk3.model.kda_cuts import check_cuts, conv_windows_at_cuts, prefill_with_cuts
 from openk3.model.mla import GatedMLA, write_latents
 from openk3.ops.kda.decode_step import delta_rule_inputs, gated_output
-from openk3.parallel.cp.exchange import CPExchange
+from openk3.parallel.cp.exchange import CPExchange, Received
 from openk3.parallel.cp.kda_scan import Affine, corrected_output, identity_start, predecessors, widened
+from openk3.parallel.cp.sharded_mla import LatentShards, attend_over, gather_context, write_owned
 
 DeltaInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, g, beta
 ShardRun = tuple[torch.Tensor, torch.Tensor, list[tuple[StateCut, torch.Tensor]]]  # o, end state, the cuts' states
@@ -47,18 +50,33 @@ def _one_slot(batch: ForwardBatch) -> torch.Tensor:
 
 
 class ContextParallelMLA(nn.Module):
-    def __init__(self, inner: GatedMLA, exchange: CPExchange, layer: int, whole: ForwardBatch) -> None:
+    """`shards`: the pages hold this rank's share of the latents (decode context parallelism, sharded_mla.py): only the
+    owned rows of the gathered latents are written, and the context before the step is gathered from every rank's share
+    (logged as "mla_context") to attend over; None: every rank's pages hold every latent."""
+
+    def __init__(self, inner: GatedMLA, exchange: CPExchange, layer: int, whole: ForwardBatch, shards: LatentShards | None = None) -> None:
         super().__init__()
-        self.inner, self.exchange, self.layer, self.whole = inner, exchange, layer, whole
+        self.inner, self.exchange, self.layer, self.whole, self.shards = inner, exchange, layer, whole, shards
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, latent_pool: torch.Tensor | None) -> torch.Tensor:
         _one_slot(batch)
         if latent_pool is None or batch.page_table is None:
             raise ValueError("context-parallel MLA needs the latent pages (a cache)")
         inp = self.inner.project(x_TD)
-        all_TR = self.exchange.gather_rows(inp.latent_TR, self.layer, "mla_latent")
-        write_latents(latent_pool, batch.page_table, self.whole, all_TR)
-        out_THV = self.inner.attend_prefill(inp, batch, latent_pool)
+        ex = self.exchange
+        all_TR = ex.gather_rows(inp.latent_TR, self.layer, "mla_latent")
+        if self.shards is None:
+            write_latents(latent_pool, batch.page_table, self.whole, all_TR)
+            out_THV = self.inner.attend_prefill(inp, batch, latent_pool)
+        else:
+            write_owned(latent_pool, batch.page_table, self.whole, all_TR, self.shards)
+            context = gather_context(latent_pool, batch.page_table, [ex.context_len], self.shards, ex.ctx)[0]
+            row_bytes = latent_pool.shape[-1] * latent_pool.element_size()
+            if ex.context_len > 0:
+                ex.received.append(Received(self.layer, "mla_context", (ex.context_len - self.shards.held(ex.context_len)) * row_bytes))
+            hi = ex.shards[ex.rank][1]
+            latents = torch.cat([context, all_TR[:hi].to(context.dtype)])
+            out_THV = attend_over(self.inner, inp.q_nope, inp.q_pe, latents, ex.context_len + ex.shards[ex.rank][0])
         return self.inner.output(out_THV, inp.gate_logits, x_TD.dtype)
 
 

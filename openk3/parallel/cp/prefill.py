@@ -8,7 +8,8 @@ model on positions [lo_r, hi_r) of the prompt (exchange.py's shards) with the at
 Afterwards every rank holds the whole cache of the prompt: the MLA pages of all T positions (each rank wrote the gathered
 latents), and the KDA states and conv windows after the last token (broadcast from the last rank) and at the prefix
 cache's cuts (broadcast from the rank that took each). Decode then runs on
-any one rank (or on every rank in lockstep) with the ordinary model forward: it needs no CP.
+any one rank (or on every rank in lockstep) with the ordinary model forward: it needs no CP. With `latent_shards` (decode
+context parallelism, sharded_mla.py) each rank's pages hold only its share of the latents, and decode runs sharded too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.parallel.cp.exchange import CPExchange, Received, shard_bounds
 from openk3.parallel.cp.layers import ContextParallelKDA, ContextParallelMLA
+from openk3.parallel.cp.sharded_mla import LatentShards
 from openk3.parallel.group import ParallelContext
 
 
@@ -41,16 +43,22 @@ class CPPrefill:
 
 @contextmanager
 def context_parallel_layers(
-    model: K3ForCausalLM, exchange: CPExchange, whole: ForwardBatch, cuts: tuple[StateCut, ...] = (), kda_scan: bool = False
+    model: K3ForCausalLM,
+    exchange: CPExchange,
+    whole: ForwardBatch,
+    cuts: tuple[StateCut, ...] = (),
+    shards: LatentShards | None = None,
+    kda_scan: bool = False,
 ) -> Iterator[None]:
     """Swap every attention layer for its CP form for the duration of the block (`cuts`: this rank's snapshot cuts,
-    offsets from its shard's start; `kda_scan`: KDA by the scan, kda_scan.py); the original modules come back after."""
+    offsets from its shard's start; `shards`: the MLA pages hold this rank's share, sharded_mla.py; `kda_scan`: KDA by
+    the scan, kda_scan.py); the original modules come back after."""
     layers = list(model.model.layers)
     originals: list[nn.Module] = [layer.self_attn for layer in layers]
     try:
         for layer, attn in zip(layers, originals, strict=True):
             if isinstance(attn, GatedMLA):
-                layer.self_attn = ContextParallelMLA(attn, exchange, layer.index, whole)
+                layer.self_attn = ContextParallelMLA(attn, exchange, layer.index, whole, shards)
             elif isinstance(attn, KimiDeltaAttention):
                 layer.self_attn = ContextParallelKDA(attn, exchange, layer.index, cuts, kda_scan)
             else:
@@ -95,6 +103,7 @@ def context_parallel_prefill(
     pages: torch.Tensor,
     context_len: int = 0,
     cuts: Sequence[StateCut] = (),
+    latent_shards: LatentShards | None = None,
     kda_scan: bool = False,
 ) -> CPPrefill:
     """Prefill `token_ids` into state slot `slot` and pages `pages` [P] of `cache` over the ranks of `ctx`, after
@@ -102,8 +111,10 @@ def context_parallel_prefill(
     a chunked prefill, or the rest of a prompt after a prefix hit). Every rank calls it with the same arguments and
     returns the same logits; the shards count positions from `context_len`. `cuts` (the prefix cache's snapshots inside
     the step, ForwardBatch.state_cuts of its one sequence) leave the KDA state and conv window after `offset` of the new
-    tokens in slot `slot` of every rank, as a one-process step with those cuts does. `kda_scan`: the KDA layers' recurrence
-    runs on every rank at once (kda_scan.py) instead of handing the state rank to rank; the same result to rounding."""
+    tokens in slot `slot` of every rank, as a one-process step with those cuts does. `latent_shards`: the MLA pages hold this
+    rank's share of the latents (decode context parallelism, sharded_mla.py; pools of page_size / W rows per page).
+    `kda_scan`: the KDA layers' recurrence runs on every rank at once (kda_scan.py) instead of handing the state rank to
+    rank; the same result to rounding."""
     t = len(token_ids)
     shards = shard_bounds(t, ctx.world_size)
     owners = cut_owners(cuts, shards)
@@ -140,7 +151,7 @@ def context_parallel_prefill(
     exchange = CPExchange(ctx, shards, context_len)
     mine = tuple(StateCut(0, c.offset - lo, c.slot) for c, r in zip(cuts, owners, strict=True) if r == ctx.rank)
     try:
-        with context_parallel_layers(model, exchange, whole, mine, kda_scan):
+        with context_parallel_layers(model, exchange, whole, mine, latent_shards, kda_scan):
             local_logits = model(batch, cache)
     finally:
         exchange.finish()

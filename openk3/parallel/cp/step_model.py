@@ -10,7 +10,12 @@ ordinary forward); any other step -- decode, several sequences, a short chunk, i
 same result everywhere; the workers' logits are dropped). The decision reads only the batch, which every rank received
 alike, so the ranks always take the same path. What this buys: a long prompt's chunks
 (the engine's chunked prefill: one chunk per step up to max_num_batched_tokens) are split W ways; decode does not get
-faster (vLLM's decode context parallelism, which shards the cache, is not built).
+faster.
+
+With `decode_cp` (decode context parallelism, sharded_mla.py) every rank's MLA pages hold only its interleaved share of
+the latents (pools of page_size / W rows per page, the engine's page table unchanged), in every step: a split step
+writes the owned rows of the gathered latents, any other step runs with the MLA layers in their sharded form (a decode
+step attends each share and merges the parts by LSE; a prefill after a context gathers the context's shares).
 
 With prefix caching the step's KDA state cuts (the prefix cache's snapshots inside a prompt, ForwardBatch.state_cuts)
 go with it: the rank whose shard holds a cut takes it and every rank gets a copy (prefill.py), so the snapshot slots hold
@@ -28,14 +33,16 @@ import torch
 from openk3.config import ModelConfig
 from openk3.model import CacheTensors, ForwardBatch, K3ForCausalLM
 from openk3.parallel.cp.prefill import context_parallel_prefill
+from openk3.parallel.cp.sharded_mla import LatentShards, sharded_mla_layers
 from openk3.parallel.group import ParallelContext
 
 
 class ContextParallelStep:
-    def __init__(self, model: K3ForCausalLM, ctx: ParallelContext, min_tokens: int, kda_scan: bool = False) -> None:
+    def __init__(self, model: K3ForCausalLM, ctx: ParallelContext, min_tokens: int, decode_cp: bool = False, kda_scan: bool = False) -> None:
         if min_tokens < ctx.world_size:
             raise ValueError(f"context parallel: min_tokens={min_tokens} must be at least the {ctx.world_size} ranks (every rank needs a token)")
         self.model, self.ctx, self.min_tokens, self.kda_scan = model, ctx, min_tokens, kda_scan
+        self.shards = LatentShards(ctx.rank, ctx.world_size) if decode_cp else None
         self.config: ModelConfig = model.config
         self.cp_steps = 0  # steps run context-parallel (the others ran whole on every rank)
         self.cp_tokens = 0
@@ -51,11 +58,16 @@ class ContextParallelStep:
 
     def __call__(self, batch: ForwardBatch, cache: CacheTensors | None) -> torch.Tensor:
         if not self.splits(batch, cache):
-            return self.model(batch, cache)
+            if self.shards is None or cache is None:
+                return self.model(batch, cache)
+            with sharded_mla_layers(self.model, self.shards, self.ctx):
+                return self.model(batch, cache)
         assert cache is not None and batch.state_slots is not None and batch.page_table is not None  # splits() checked the cache
         tokens = batch.input_ids.tolist()
         slot, context_len = int(batch.state_slots[0]), int(batch.context_lens[0])
-        out = context_parallel_prefill(self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len, batch.state_cuts, self.kda_scan)
+        out = context_parallel_prefill(
+            self.model, self.ctx, tokens, cache, slot, batch.page_table[0], context_len, batch.state_cuts, self.shards, kda_scan=self.kda_scan
+        )
         self.cp_steps += 1
         self.cp_tokens += len(tokens)
         self.cp_cuts += len(batch.state_cuts)

@@ -57,6 +57,7 @@ class RankModelSpec:
     cp: int = 1  # > 1: context parallel, cp groups of tp ranks, long prefill steps split by position (cp/step_model.py)
     cp_min_tokens: int = 256
     kda_cp: str = "sequential"  # ParallelConfig.kda_cp: "scan" runs every CP rank's KDA recurrence at once (cp/kda_scan.py)
+    decode_cp: bool = False  # cp > 1: every rank's MLA pages hold its share of the latents (cp/sharded_mla.py)
 
     @classmethod
     def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
@@ -78,6 +79,7 @@ class RankModelSpec:
             cp=parallel.cp,
             cp_min_tokens=parallel.cp_min_tokens,
             kda_cp=parallel.kda_cp,
+            decode_cp=parallel.decode_cp,
         )
 
 
@@ -174,8 +176,9 @@ def start_driver(ctx: ParallelContext, spec: RankModelSpec) -> tuple[EPDriver, T
         raise ValueError("start_driver: rank 0 drives replicated attention only; data-parallel attention starts with start_dp_leader")
     # with cp > 1 and tp = 1 each rank dispatches its own tokens (a split step's shard differs per rank): the backend itself
     stats = backend.inner if isinstance(backend, TokenSplit) else backend
-    # tp = 1: every rank's pools are rank 0's contents (CP and EP replicate attention), so tier loads can be replayed
-    driver = EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start(), replicas=spec.tp == 1)
+    # tp = 1 without decode CP: every rank's pools are rank 0's contents (CP and EP replicate attention), so tier loads
+    # can be replayed
+    driver = EPDriver(_step_model(spec, model, groups), channel, stats, heartbeat.start(), replicas=spec.tp == 1 and not spec.decode_cp)
     return driver, backend if isinstance(backend, TokenSplit) else None
 
 
@@ -186,4 +189,4 @@ def _cp_groups(spec: RankModelSpec, ctx: ParallelContext) -> ContextParallelGrou
 
 def _step_model(spec: RankModelSpec, model: K3ForCausalLM, groups: ContextParallelGroups | None) -> K3ForCausalLM | ContextParallelStep:
     """What each rank runs on a broadcast step: the model, or with cp > 1 its context-parallel step form over its CP group."""
-    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens, spec.kda_cp == "scan") if groups is not None else model
+    return ContextParallelStep(model, groups.cp, spec.cp_min_tokens, spec.decode_cp, kda_scan=spec.kda_cp == "scan") if groups is not None else model

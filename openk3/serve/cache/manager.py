@@ -51,7 +51,10 @@ class CacheManager:
         scratch: bool = False,
         fp8_latent: bool = False,
         verify_slots: int = 0,
+        latent_shards: int = 1,
     ) -> None:
+        """`latent_shards` > 1: this process's pools hold its share of every page's latents (decode context parallelism,
+        parallel/cp/sharded_mla.py); the block pool still counts the engine's pages of page_size tokens."""
         if page_size < 1:
             fail("CacheManager", "page_size", page_size, ">= 1")
         if num_pages < 1:
@@ -69,7 +72,14 @@ class CacheManager:
             fail("CacheManager", "verify_slots", verify_slots, ">= 0")
         first_verify = num_slots + num_snapshots + extra
         self.tensors = CacheTensors.allocate(
-            config, first_verify + verify_slots, num_pages + extra, page_size, dtype=dtype, device=device, fp8_latent=fp8_latent
+            config,
+            first_verify + verify_slots,
+            num_pages + extra,
+            page_size,
+            dtype=dtype,
+            device=device,
+            fp8_latent=fp8_latent,
+            latent_shards=latent_shards,
         )
         self.scratch_slot: int | None = num_slots + num_snapshots if scratch else None
         # after every other slot: where a speculative verification keeps its per-position KDA states (serve/spec_states.py);
@@ -91,11 +101,14 @@ class CacheManager:
             self.inbox = TransferInbox(max(1, sum(t.numel() * t.element_size() for t in pools)))
 
     @staticmethod
-    def num_pages_for_memory(config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype, fp8_latent: bool = False) -> int:
-        """How many pages fit in memory_bytes after the state slots are paid for."""
+    def num_pages_for_memory(
+        config: ModelConfig, memory_bytes: int, page_size: int, num_slots: int, dtype: torch.dtype, fp8_latent: bool = False, latent_shards: int = 1
+    ) -> int:
+        """How many pages fit in memory_bytes after the state slots are paid for (`latent_shards`: a page costs this
+        process 1/latent_shards of its bytes, decode context parallelism)."""
         spec = cache_spec(config, page_size, dtype, fp8_latent)
         slots = num_slots * spec.kda.bytes_per_sequence
-        per_page = spec.mla.bytes_per_page
+        per_page = spec.mla.bytes_per_page // latent_shards
         if per_page == 0:  # no MLA layer: pages are bookkeeping only, so allow one sequence of max length per slot
             return num_slots * spec.mla.pages_for(config.max_position_embeddings)
         if memory_bytes - slots < per_page:

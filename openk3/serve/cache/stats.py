@@ -48,7 +48,7 @@ def prefix_cache_stats(cache: CacheManager) -> PrefixCacheStats | None:
         return None
     dtype = cache.tensors.conv_state[0].dtype if cache.tensors.conv_state else cache.tensors.mla_latent[0].dtype
     spec = cache_spec(cache.config, cache.page_size, dtype, cache.fp8_latent)
-    page, state = spec.mla.bytes_per_page, spec.kda.bytes_per_sequence
+    page, state = spec.mla.bytes_per_page // cache.tensors.latent_shards, spec.kda.bytes_per_sequence  # this process's share of a page
     used = cache.block_pool.num_used * page + (cache.state_pool.num_used + prefix.num_snapshots) * state
     capacity = cache.num_pages * page + (cache.state_pool.num_slots + len(prefix.all_slots)) * state
     c = prefix.counters

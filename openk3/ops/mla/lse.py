@@ -1,0 +1,67 @@
+"""MLA decode over a part of each sequence's keys, with the log-sum-exp of its scores, and the exact merge of such parts:
+what decode context parallelism runs (parallel/cp/sharded_mla.py), each rank over the latents it holds.
+
+Legend: W parts (ranks), N sequences, H heads, Dn/Dr/Dv qk_nope/qk_rope/v head dims, Lr kv_lora_rank, R = Lr + Dr, NP pages,
+PS rows per page, P page-table width, S = P * PS gathered rows.
+
+A part over keys K_w gives out_w = sum_{k in K_w} e^{s_k} v_k / Z_w and lse_w = log Z_w (Z_w = sum_{k in K_w} e^{s_k}).
+Over the union, out = sum_w (Z_w / Z) out_w with Z = sum_w Z_w, i.e. weights exp(lse_w - log Z): `merge_by_lse` is that
+formula, the definition (tested against one softmax over the concatenated keys). An empty part (no key: Z_w = 0) has
+lse_w = -inf and weight 0, whatever its out_w; a sequence no part has a key for is refused (its softmax is undefined).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_by_lse(out_WNHV: torch.Tensor, lse_WNH: torch.Tensor) -> torch.Tensor:
+    """The attention over the union of the parts' keys, [N, H, Dv] (fp32), from each part's output and log-sum-exp."""
+    if out_WNHV.shape[:-1] != lse_WNH.shape:
+        raise ValueError(f"merge_by_lse: outputs {tuple(out_WNHV.shape)} and log-sum-exps {tuple(lse_WNH.shape)} differ in [W, N, H]")
+    lse = lse_WNH.float()
+    top_NH = lse.max(dim=0).values
+    if bool(torch.isneginf(top_NH).any()):
+        raise ValueError("merge_by_lse: a (sequence, head) has no key in any part (every log-sum-exp is -inf)")
+    weight_WNH = torch.exp(lse - top_NH)  # exp(-inf) = 0: an empty part drops out
+    total_NH = weight_WNH.sum(dim=0)
+    return (weight_WNH[..., None] * out_WNHV.float()).sum(dim=0) / total_NH[..., None]
+
+
+def latent_attention_lse(
+    q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u [N, H, Lr], lse [N, H]): ops/mla/decode_cpu.py's latent attention over each sequence's first kv_lens[n] rows,
+    with the log-sum-exp of its (scaled) scores; kv_lens[n] = 0 gives u = 0 and lse = -inf (an empty part)."""
+    n, num_pages = page_table_NP.shape
+    ps = latent_pool.shape[1]
+    if n == 0 or num_pages == 0:
+        return q_NHR.new_zeros(n, q_NHR.shape[1], lr, dtype=torch.float32), q_NHR.new_full((n, q_NHR.shape[1]), float("-inf"), dtype=torch.float32)
+    rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
+    scores_NHS = torch.matmul(q_NHR.float(), rows_NSR.transpose(1, 2))
+    valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
+    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
+    lse_NH = torch.logsumexp(scores_NHS, dim=-1)
+    # exp(score - lse) is the softmax where the part has keys; an empty part's row is all -inf - -inf = NaN: zeroed
+    p_NHS = torch.exp(scores_NHS - lse_NH[..., None]).nan_to_num_(0.0)
+    return torch.matmul(p_NHS, rows_NSR)[..., :lr], lse_NH
+
+
+def mla_decode_paged_lse(
+    q_nope_NHD: torch.Tensor,
+    q_pe_NHR: torch.Tensor,
+    latent_pool: torch.Tensor,
+    page_table_NP: torch.Tensor,
+    kv_lens_N: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/mla/absorbed.py's `mla_decode_paged` over the rows a part holds, returning (out [N, H, Dv] fp32, lse [N, H]):
+    kv_lens[n] may be 0 (this part holds none of sequence n's keys). W_UV is applied here, before any merge: it is
+    linear, so merging outputs equals merging the latent sums, and Dv values per head travel instead of Lr."""
+    q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
+    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)
+    u_NHL, lse_NH = latent_attention_lse(q_NHR, latent_pool, page_table_NP, kv_lens_N, w_uk_HDL.shape[-1])
+    out_NHV = torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1)
+    return out_NHV, lse_NH

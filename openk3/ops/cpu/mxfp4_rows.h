@@ -88,8 +88,11 @@ static inline rows_vf mx_decode(const uint8_t *p, mx_table t) {
                 }                                                                                                             \
             }                                                                                                                 \
         }                                                                                                                     \
-        for (int i = 0; i < MB; i++)                                                                                          \
-            for (int j = 0; j < NB; j++) y[i * ldy + j] = rows_hsum(acc[i][j]);                                               \
+        if (NB == 4)                                                                                                          \
+            for (int i = 0; i < MB; i++) rows_hsum4(acc[i][0], acc[i][NB > 1 ? 1 : 0], acc[i][NB > 2 ? 2 : 0], acc[i][NB > 3 ? 3 : 0], y + i * ldy); \
+        else                                                                                                                  \
+            for (int i = 0; i < MB; i++)                                                                                      \
+                for (int j = 0; j < NB; j++) y[i * ldy + j] = rows_hsum(acc[i][j]);                                           \
     }
 
 MX_TILE(1, 4)

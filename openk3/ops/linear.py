@@ -13,7 +13,8 @@ into L2, once for all rows: a decode step of the benchmark model 14% faster than
 sequences, 21% at 4 (benchmarks/results/engine_offline.md; op figures in benchmarks/results/ops_linear.md). Where the caller
 holds an enabled `PackedWeight` (serving), the kernel reads the weight's panel copy instead (16 outputs side by side per
 input, made once): no sums across vector lanes, each weight vector used for all rows in registers; 1.4x on the demo
-model's projections at 16 rows, and every output the same in-order sum whatever the row count (issue 42).
+model's projections at 16 rows, and every output the same in-order sum whatever the row count (issue 42). With the panel
+copy the kernel also takes up to PANEL_ROWS rows (ops/thresholds.py), ahead of oneDNN.
 
 Without the "c" backend (no C compiler, OpTarget(c_kernels=False)) and above KERNEL_ROWS: weights of at least
 LARGE_WEIGHT elements (512 KiB in fp32) go weight-first, (W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache;
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 from openk3.ops.cpu import cpu_fp32, require_inference
 from openk3.ops.cpu.build import kernel
-from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, SMALL_ROWS
+from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, PANEL_ROWS, SMALL_ROWS
 
 PANEL = 16  # outputs per panel of ops/cpu/linear.c's packed layout
 
@@ -52,7 +53,7 @@ _reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _onednn 
 class PackedWeight:
     """Copies of one projection weight in faster layouts for CPU fp32 inference, held by the module that owns the weight
     and made on first use once `enabled` (the serving layout enables them: serve/prepare.py): oneDNN's blocked layout
-    (`get`, above KERNEL_ROWS rows) and, where the C kernels run, ops/cpu/linear.c's panels (`panels`, up to KERNEL_ROWS
+    (`get`, above the few-row forms) and, where the C kernels run, ops/cpu/linear.c's panels (`panels`, up to PANEL_ROWS
     rows). Each is made only when a call at its row counts comes, so a model serves from one or two extra copies.
 
     They are caches, so every use checks them against their sources: the weight's address and shape, and the address and
@@ -175,18 +176,20 @@ def linear_cpu(
     x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = (), *, rows_kernel: bool = False
 ) -> torch.Tensor:
     """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight), in the CPU forms chosen by rows and weight size (module
-    docstring); `rows_kernel`: up to KERNEL_ROWS rows through ops/cpu/linear.c (the "c" backend). `packed`: the caller's
+    docstring); `rows_kernel`: up to KERNEL_ROWS rows through ops/cpu/linear.c (the "c" backend), up to PANEL_ROWS where
+    `packed` gives the weight's panel copy. `packed`: the caller's
     PackedWeight for this weight, and `sources` the parameters the weight is made of (default: the weight itself)."""
     require_inference("linear", x, weight_NK)
     if weight_NK.dim() != 2:
         raise ValueError(f"linear: weight shape {tuple(weight_NK.shape)}, expected [N, K]")
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
-    if rows_kernel and 1 <= rows <= KERNEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
+    if rows_kernel and 1 <= rows <= PANEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
         panels = packed.panels(weight_NK, sources or (weight_NK,)) if packed is not None else None
         if panels is not None:
             return _linear_panels_c(x, panels, weight_NK.shape[0], rows)
-        return _linear_rows_c(x, weight_NK, rows)
+        if rows <= KERNEL_ROWS:
+            return _linear_rows_c(x, weight_NK, rows)
     if weight_NK.numel() < LARGE_WEIGHT:
         return F.linear(x, weight_NK)
     if 1 <= rows <= SMALL_ROWS:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from openk3.ops import linear as linear_mod
 from openk3.ops.cpu.build import kernels_available
-from openk3.ops.linear import KERNEL_ROWS, PackedWeight, linear_c, pack_panels
+from openk3.ops.linear import KERNEL_ROWS, PANEL_ROWS, PackedWeight, linear_c, pack_panels
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C compiler: the kernel cannot be built here")
 
@@ -35,11 +35,11 @@ def test_pack_panels_layout() -> None:
 def test_panels_match_f_linear_at_every_row_count(out_features: int, width: int) -> None:
     g = torch.Generator().manual_seed(out_features)
     w = torch.nn.Parameter(torch.randn(out_features, width, generator=g))
-    x = torch.randn(KERNEL_ROWS, width, generator=g)
+    x = torch.randn(PANEL_ROWS, width, generator=g)
     packed = _enabled()
     with torch.no_grad():
-        one_by_one = [linear_c(x[i : i + 1], w, packed) for i in range(KERNEL_ROWS)]
-        for rows in range(1, KERNEL_ROWS + 1):
+        one_by_one = [linear_c(x[i : i + 1], w, packed) for i in range(PANEL_ROWS)]
+        for rows in range(1, PANEL_ROWS + 1):
             y = linear_c(x[:rows], w, packed)
             torch.testing.assert_close(y, F.linear(x[:rows], w), rtol=1e-5, atol=1e-4)
             # each output is one in-order sum along k: the same bits whichever tile a row falls in
@@ -47,7 +47,7 @@ def test_panels_match_f_linear_at_every_row_count(out_features: int, width: int)
     assert packed._panels is not None
 
 
-def test_panels_only_for_an_enabled_copy_up_to_kernel_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_panels_only_for_an_enabled_copy_up_to_panel_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = linear_mod._panels_kernel()
 
@@ -61,10 +61,12 @@ def test_panels_only_for_an_enabled_copy_up_to_kernel_rows(monkeypatch: pytest.M
         linear_c(torch.randn(4, 128), w)  # no PackedWeight: the stored layout's kernel
         linear_c(torch.randn(4, 128), w, PackedWeight())  # not enabled
         packed = _enabled()
-        linear_c(torch.randn(KERNEL_ROWS + 1, 128), w, packed)  # above the few-row forms
+        linear_c(torch.randn(PANEL_ROWS + 1, 128), w, packed)  # above the panel form: oneDNN
+        linear_c(torch.randn(PANEL_ROWS, 128), w, packed)
         linear_c(torch.randn(KERNEL_ROWS, 128), w, packed)
         linear_c(torch.randn(2, 3, 128), w, packed)  # leading dims: 6 rows
-    assert calls == [KERNEL_ROWS, 6]
+        linear_c(torch.randn(KERNEL_ROWS + 1, 128), w)  # no panel copy: past the stored layout's kernel, the torch forms
+    assert calls == [PANEL_ROWS, KERNEL_ROWS, 6]
 
 
 def test_panel_copy_follows_writes_and_moves() -> None:

@@ -112,8 +112,13 @@ MX_TILE(1, 1)
 MX_TILE(2, 1)
 MX_TILE(3, 1)
 MX_TILE(4, 1)
-/* 5 to 8 rows (an expert that several tokens of a step picked): two outputs at a time, so that each weight vector is
- * decoded once for all the rows rather than once per block of four (the decode, not the products, bounds these tiles). */
+/* More than 4 rows (an expert that several tokens of a step picked): two outputs at a time over blocks of up to 8 rows,
+ * so that each weight vector is decoded once per 8 rows rather than once per 4 (the decode, not the products, bounds
+ * these tiles). */
+MX_TILE(1, 2)
+MX_TILE(2, 2)
+MX_TILE(3, 2)
+MX_TILE(4, 2)
 MX_TILE(5, 2)
 MX_TILE(6, 2)
 MX_TILE(7, 2)
@@ -127,10 +132,14 @@ static void mx_rows_times_weight_t(int64_t M, int64_t N, int64_t K, const float 
                                    const uint8_t *scales, float *y, int64_t ldy) {
     static const mx_tile_fn four[5] = {0, mx_tile_1_4, mx_tile_2_4, mx_tile_3_4, mx_tile_4_4};
     static const mx_tile_fn one[5] = {0, mx_tile_1_1, mx_tile_2_1, mx_tile_3_1, mx_tile_4_1};
-    static const mx_tile_fn two[9] = {0, 0, 0, 0, 0, mx_tile_5_2, mx_tile_6_2, mx_tile_7_2, mx_tile_8_2};
+    static const mx_tile_fn two[9] = {0, mx_tile_1_2, mx_tile_2_2, mx_tile_3_2, mx_tile_4_2, mx_tile_5_2, mx_tile_6_2, mx_tile_7_2, mx_tile_8_2};
     const int64_t ldp = K / 2, lds = K / 32;
-    if (M > 4 && M <= 8 && N % 2 == 0) { /* the same sums per output as the tiles below, so the same bits */
-        for (int64_t n = 0; n < N; n += 2) two[M](1, K, x, ldx, packed + n * ldp, scales + n * lds, y + n, ldy);
+    if (M > 4 && N % 2 == 0) { /* the same sums per output as the tiles below, so the same bits */
+        for (int64_t n = 0; n < N; n += 2)
+            for (int64_t m = 0; m < M; m += 8) {
+                const int64_t mb = M - m < 8 ? M - m : 8;
+                two[mb](m == 0, K, x + m * ldx, ldx, packed + n * ldp, scales + n * lds, y + m * ldy + n, ldy);
+            }
         return;
     }
     for (int64_t n = 0; n < N; n += 4) {

@@ -6,8 +6,9 @@ or an already built module with a `.config`; `overrides` are EngineConfig's and 
 flags; `config=` / `parallel=` take whole config objects, which overrides then amend. `ops="kda=naive,moe=naive"` (or a
 dict) names op implementations (serve/op_names.py): they are set on the model's OpChoice on every rank of a multi-rank
 layout, a module's too (they become its own; with tp > 1 the ranks cut copies of it, which take them instead). On CPU a
-model loaded here keeps its large projections also in oneDNN's blocked layout (pack_cpu_weights, a second copy of them);
-a module passed in is not, since its owner may still change its weights. `pack_cpu_weights=True / False` overrides both.
+model loaded here keeps its projections also in oneDNN's blocked layout and the C kernel's panels (pack_cpu_weights,
+copies made on first use at their row counts); a module passed in is not, since its owner may still change its weights.
+`pack_cpu_weights=True / False` overrides both.
 
 `ep=N` runs the model expert-parallel over N local ranks, `tp=N` tensor-parallel (and `tp=N, ep=N` both): this process
 is rank 0 and drives, N - 1 spawned workers hold the other shards (openk3.parallel.serving.local; docs/parallel.md).

@@ -82,8 +82,9 @@ class ForwardBatch:
         if self.stepwise and (self.is_decode or self.capturable or self.state_slots is None):
             raise ValueError("ForwardBatch.stepwise: only a batch with a cache and a sequence of several tokens runs position by position")
 
-    # fresh_seqs and slot_range below are computed once per batch on first use (every layer asks): a batch is built for one
-    # step and its tensors are never modified afterwards (a graph makes a new capturable batch over its buffers per run).
+    # fresh_seqs, slot_range and latent_rows below are computed once per batch on first use (every layer asks): a batch is
+    # built for one step and its tensors are never modified afterwards (a graph makes a new capturable batch over its
+    # buffers per run).
 
     @property
     def num_seqs(self) -> int:
@@ -128,6 +129,28 @@ class ForwardBatch:
         if self.state_slots is None:
             raise ValueError("ForwardBatch.stepwise: the batch has no cache (state_slots is None)")
         return StepwisePlan.of(self.host_cu_seqlens, self.state_slots, self.fresh_seqs, self.state_cuts)
+
+    def latent_rows(self, page_size: int, page_table: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] int64: where each new token's latent goes in an MLA pool seen as [NP * PS, R] rows -- token position p of
+        sequence i in page page_table[i, p // PS] at offset p % PS. Built once per batch and page size from the batch's own
+        page table (every MLA layer writes there); `page_table`: another table, computed for this call only."""
+        own = page_table is None or page_table is self.page_table
+        rows = self._latent_rows.get(page_size) if own else None
+        if rows is None:
+            table = self.page_table if page_table is None else page_table
+            if table is None:
+                raise ValueError("ForwardBatch.latent_rows: the batch has no page table (no cache)")
+            seqs = torch.arange(self.num_seqs, device=self.positions.device)
+            # a decode step has one token per sequence, in sequence order
+            seq_of_token = seqs if self.is_decode else torch.repeat_interleave(seqs, self.seq_lens, output_size=self.positions.shape[0])
+            rows = table[seq_of_token, self.positions // page_size] * page_size + self.positions % page_size
+            if own:
+                self._latent_rows[page_size] = rows
+        return rows
+
+    @functools.cached_property
+    def _latent_rows(self) -> dict[int, torch.Tensor]:
+        return {}
 
     @functools.cached_property
     def host_cu_seqlens(self) -> list[int]:

@@ -26,14 +26,15 @@ MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6 in every refere
 
 
 def write_latents(pool_PSR: torch.Tensor, page_table: torch.Tensor, batch: ForwardBatch, latent_TR: torch.Tensor) -> None:
-    """Scatter the step's new latents into their pages: token at position p of sequence i goes to page_table[i, p // PS]."""
+    """Scatter the step's new latents into their pages: token at position p of sequence i goes to page_table[i, p // PS]
+    (the rows computed once per step: ForwardBatch.latent_rows)."""
     page_size = pool_PSR.shape[1]
-    seqs = torch.arange(batch.num_seqs, device=latent_TR.device)
-    # a decode step has one token per sequence, in sequence order
-    seq_of_token = seqs if batch.is_decode else torch.repeat_interleave(seqs, batch.seq_lens, output_size=latent_TR.shape[0])
-    pages = page_table[seq_of_token, batch.positions // page_size]
+    index = batch.latent_rows(page_size, page_table)
     rows = pack_fp8_latent(latent_TR) if pool_PSR.dtype == torch.uint8 else latent_TR.to(pool_PSR.dtype)
-    pool_PSR[pages, batch.positions % page_size] = rows
+    if pool_PSR.is_contiguous():  # the pools are allocated so: one row copy per token into the flat view
+        pool_PSR.view(-1, pool_PSR.shape[2]).index_copy_(0, index, rows)
+    else:
+        pool_PSR[index // page_size, index % page_size] = rows
 
 
 def readable_pages(pool: torch.Tensor, page_table: torch.Tensor, latent_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,11 @@ weight is read. On CPU in fp32 the GEMMs behind F.linear (MKL) and oneDNN's matm
 and read it without prefetching, slowly at few rows, out of cache even more so (the serving case: a decode step's weights do
 not fit in the last-level cache). Up to KERNEL_ROWS rows, `ops/cpu/linear.c` reads the weight where it lies, prefetched
 into L2, once for all rows: a decode step of the benchmark model 14% faster than with the forms below at 1 and at 16
-sequences, 21% at 4 (benchmarks/results/engine_offline.md; op figures in benchmarks/results/ops_linear.md).
+sequences, 21% at 4 (benchmarks/results/engine_offline.md; op figures in benchmarks/results/ops_linear.md). Where the caller
+holds an enabled `PackedWeight` (serving), the kernel reads the weight's panel copy instead (16 outputs side by side per
+input, made once): no sums across vector lanes, each weight vector used for all rows in registers; 1.4x on the demo
+model's projections at 16 rows, and every output the same in-order sum whatever the row count (issue 42). With the panel
+copy the kernel also takes up to PANEL_ROWS rows (ops/thresholds.py), ahead of oneDNN.
 
 Without the "c" backend (no C compiler, OpTarget(c_kernels=False)) and above KERNEL_ROWS: weights of at least
 LARGE_WEIGHT elements (512 KiB in fp32) go weight-first, (W x^T)^T, up to SMALL_ROWS rows (1.5-4x F.linear out of cache;
@@ -38,52 +42,90 @@ import torch.nn.functional as F
 
 from openk3.ops.cpu import cpu_fp32, require_inference
 from openk3.ops.cpu.build import kernel
-from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, SMALL_ROWS
+from openk3.ops.thresholds import KERNEL_ROWS, LARGE_WEIGHT, PACKED_BATCH_HINT, PANEL_ROWS, SMALL_ROWS
+
+PANEL = 16  # outputs per panel of ops/cpu/linear.c's packed layout
 
 _onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _onednn is not None else None
 
 
 class PackedWeight:
-    """oneDNN's blocked copy of one projection weight for CPU fp32 inference, held by the module that owns the weight and
-    made on first use once `enabled` (the serving layout enables them: serve/prepare.py).
+    """Copies of one projection weight in faster layouts for CPU fp32 inference, held by the module that owns the weight
+    and made on first use once `enabled` (the serving layout enables them: serve/prepare.py): oneDNN's blocked layout
+    (`get`, above the few-row forms) and, where the C kernels run, ops/cpu/linear.c's panels (`panels`, up to PANEL_ROWS
+    rows). Each is made only when a call at its row counts comes, so a model serves from one or two extra copies.
 
-    It is a cache, so every use checks it against its sources: the weight's address and shape, and the address and version
-    counter of every parameter the weight is made of (a fused block's parameters are views whose writes do not show in the
-    block's own counter). In-place writes to a parameter -- load_state_dict, `p.copy_` under no_grad, a foreach or for-loop
-    optimizer step -- bump its counter, and a new tensor (`.to()`, `p.data = ...`) changes its address: either makes the copy
-    be rebuilt. Writes through `p.data` and fused optimizer kernels (`Adam(fused=True)`) bypass the counter; call `reset()`
-    after them. Inference tensors (made under torch.inference_mode) have no counter at all, so their weights are never packed.
+    They are caches, so every use checks them against their sources: the weight's address and shape, and the address and
+    version counter of every parameter the weight is made of (a fused block's parameters are views whose writes do not show
+    in the block's own counter). In-place writes to a parameter -- load_state_dict, `p.copy_` under no_grad, a foreach or
+    for-loop optimizer step -- bump its counter, and a new tensor (`.to()`, `p.data = ...`) changes its address: either makes
+    the copies be rebuilt. Writes through `p.data` and fused optimizer kernels (`Adam(fused=True)`) bypass the counter; call
+    `reset()` after them. Inference tensors (made under torch.inference_mode) have no counter at all, so their weights are
+    never packed.
     """
 
     def __init__(self) -> None:
         self.enabled = False
         self._packed: torch.Tensor | None = None
         self._key: tuple | None = None
+        self._panels: torch.Tensor | None = None
+        self._panels_key: tuple | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # copies start empty: oneDNN's opaque tensors do not pickle
-        return {"enabled": self.enabled, "_packed": None, "_key": None}
+        return {"enabled": self.enabled, "_packed": None, "_key": None, "_panels": None, "_panels_key": None}
 
     def reset(self) -> None:
         self._packed, self._key = None, None
+        self._panels, self._panels_key = None, None
 
     def enable(self) -> None:
-        """Use (and, on first use, make) the packed copy from now on; a copy held so far is dropped."""
+        """Use (and, on first use, make) the packed copies from now on; copies held so far are dropped."""
         self.enabled = True
         self.reset()
 
-    def get(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        if not self.enabled or _reorder is None:
+    def _source_key(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> tuple | None:
+        """What a copy was made from, or None when no copy may be used (not enabled, or inference tensors)."""
+        if not self.enabled:
             return None
         try:
             versions = tuple((s.data_ptr(), s._version) for s in sources)
         except RuntimeError:  # made under inference mode: no version counter, even once `.data` is a normal tensor
             return None
-        key = (weight_NK.data_ptr(), tuple(weight_NK.shape), versions)
+        return (weight_NK.data_ptr(), tuple(weight_NK.shape), versions)
+
+    def get(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """oneDNN's blocked copy, or None (not enabled, no oneDNN, inference tensors)."""
+        if _reorder is None:
+            return None
+        key = self._source_key(weight_NK, sources)
+        if key is None:
+            return None
         if key != self._key:
             self._packed = None  # release the stale copy before making the new one
             self._packed, self._key = _reorder(weight_NK.contiguous(), PACKED_BATCH_HINT), key
         return self._packed
+
+    def panels(self, weight_NK: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """ops/cpu/linear.c's panel copy [ceil(N / 16) * 16 * K] of a contiguous fp32 weight, or None (as `get`). Only
+        the "c" backend's entry calls it."""
+        key = self._source_key(weight_NK, sources)
+        if key is None:
+            return None
+        if key != self._panels_key:
+            self._panels = None
+            self._panels, self._panels_key = pack_panels(weight_NK), key
+        return self._panels
+
+
+def pack_panels(weight_NK: torch.Tensor) -> torch.Tensor:
+    """ops/cpu/linear.c's panel layout of a contiguous fp32 weight [N, K]: [N/16][K][16], the last panel zero-padded."""
+    n, k = weight_NK.shape
+    out = torch.empty((n + PANEL - 1) // PANEL * PANEL * k, dtype=torch.float32)
+    if out.data_ptr() % 64:  # the kernel's vector loads are aligned (torch's CPU allocator aligns to 64 bytes)
+        raise RuntimeError(f"pack_panels: the panel buffer at {out.data_ptr():#x} is not 64-byte aligned")
+    _pack_kernel()(n, k, weight_NK.data_ptr(), out.data_ptr())
+    return out
 
 
 @functools.cache
@@ -91,6 +133,18 @@ def _rows_kernel() -> Any:
     """ops/cpu/linear.c's function, built and loaded once per process (the "c" backend's entry only)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel("linear.c", "openk3_linear_rows", [i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], None)
+
+
+@functools.cache
+def _panels_kernel() -> Any:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel("linear.c", "openk3_linear_panels", [i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], None)
+
+
+@functools.cache
+def _pack_kernel() -> Any:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel("linear.c", "openk3_pack_panels", [i64, i64, ptr, ptr], None)
 
 
 def _linear_rows_c(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> torch.Tensor:
@@ -103,6 +157,16 @@ def _linear_rows_c(x: torch.Tensor, weight_NK: torch.Tensor, rows: int) -> torch
     return y.view(*x.shape[:-1], out_features)
 
 
+def _linear_panels_c(x: torch.Tensor, panels: torch.Tensor, out_features: int, rows: int) -> torch.Tensor:
+    flat = x.dim() == 2  # the serving case: no reshape or view (each ~1 us, ~55 calls per step)
+    x_MK = x if flat else x.reshape(rows, x.shape[-1])
+    if x_MK.stride(1) != 1:
+        x_MK = x_MK.contiguous()
+    y = x.new_empty(rows, out_features)
+    _panels_kernel()(rows, out_features, x.shape[-1], x_MK.data_ptr(), x_MK.stride(0), panels.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y if flat else y.view(*x.shape[:-1], out_features)
+
+
 def linear_torch(x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """F.linear (the "any" backend, and the definition): `packed` and `sources` are for the CPU forms, which alone use them."""
     return F.linear(x, weight_NK)
@@ -112,15 +176,20 @@ def linear_cpu(
     x: torch.Tensor, weight_NK: torch.Tensor, packed: PackedWeight | None = None, sources: Sequence[torch.Tensor] = (), *, rows_kernel: bool = False
 ) -> torch.Tensor:
     """x [..., K] @ weight^T -> [..., N], as F.linear(x, weight), in the CPU forms chosen by rows and weight size (module
-    docstring); `rows_kernel`: up to KERNEL_ROWS rows through ops/cpu/linear.c (the "c" backend). `packed`: the caller's
+    docstring); `rows_kernel`: up to KERNEL_ROWS rows through ops/cpu/linear.c (the "c" backend), up to PANEL_ROWS where
+    `packed` gives the weight's panel copy. `packed`: the caller's
     PackedWeight for this weight, and `sources` the parameters the weight is made of (default: the weight itself)."""
     require_inference("linear", x, weight_NK)
     if weight_NK.dim() != 2:
         raise ValueError(f"linear: weight shape {tuple(weight_NK.shape)}, expected [N, K]")
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
-    if rows_kernel and 1 <= rows <= KERNEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
-        return _linear_rows_c(x, weight_NK, rows)
+    if rows_kernel and 1 <= rows <= PANEL_ROWS and weight_NK.is_contiguous() and width == weight_NK.shape[1]:
+        panels = packed.panels(weight_NK, sources or (weight_NK,)) if packed is not None else None
+        if panels is not None:
+            return _linear_panels_c(x, panels, weight_NK.shape[0], rows)
+        if rows <= KERNEL_ROWS:
+            return _linear_rows_c(x, weight_NK, rows)
     if weight_NK.numel() < LARGE_WEIGHT:
         return F.linear(x, weight_NK)
     if 1 <= rows <= SMALL_ROWS:

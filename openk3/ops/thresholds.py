@@ -7,6 +7,10 @@ switch for one op with monkeypatch.
 
 # ops/linear.py -- benchmarks/ops_linear.py, benchmarks/results/ops_linear.md
 KERNEL_ROWS = 16  # up to here the C few-row kernel, any weight size; at 32 rows it is no faster than the forms below
+# With a panel copy of the weight (serving: ops/linear.py PackedWeight.panels) the C kernel's panel form goes further: on the
+# demo model's 55 projections of a decode step (weights cycled, 1 thread, this box), against oneDNN's packed weights:
+# 1.45x at 17 rows, 1.47x at 24, 1.33x at 32, 1.15x at 48, level at 64 (issue 42, perf3).
+PANEL_ROWS = 48
 LARGE_WEIGHT = 2**17  # below: F.linear (the other forms' extra per-call cost outweighs their faster streaming)
 SMALL_ROWS = 8  # up to here the weight-first form; it gains 1.5-4x out of cache and loses from about 12 rows
 PACKED_BATCH_HINT = 2048  # oneDNN picks the blocked layout for this row count; 16 and 2048 measured the same, 1 slower

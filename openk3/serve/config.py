@@ -64,12 +64,15 @@ class EngineConfig:
     cpu_offload_bytes: int = setting(0, "host-DRAM tier for evicted prefixes (0: none)", low=0, unit="GiB", flag="--cpu-offload-gb")
     disk_offload_dir: str | None = setting(None, "directory of the disk tier (a private subfolder is made and removed)")
     disk_offload_bytes: int = setting(0, "disk tier budget (needs --disk-offload-dir)", low=0, unit="GiB", flag="--disk-offload-gb")
-    # CPU fp32: keep the large projections also in oneDNN's blocked layout (a second copy; serve/prepare.py), used above 16
-    # rows (prefill, wide decode steps; 1.4-2x on the projection). For a model only the engine uses: the copy follows
+    # CPU fp32: keep the projections also in oneDNN's blocked layout (used above 16 rows: prefill, wide decode steps; 1.4-2x
+    # on the projection) and in the C kernel's panels (up to 16 rows: decode; 1.4x at 16 rows): copies made on first use
+    # at those row counts (serve/prepare.py). For a model only the engine uses: the copy follows
     # load_state_dict and in-place writes, but not writes through `.data` or fused optimizer kernels, which bump no version
     # counter (an in-process trainer's). None: only for a model the entry point loads itself.
     pack_cpu_weights: bool | None = setting(
-        None, "on CPU, also keep the large projections in oneDNN's blocked layout (faster above 16 rows, a second copy of them)", flag="--cpu-weight-packing"
+        None,
+        "on CPU, also keep the projections in oneDNN's blocked layout and the C kernel's panels (faster above / up to 16 rows; extra copies of them)",
+        flag="--cpu-weight-packing",
     )
     # decode steps from captured graphs (serve/graphs.py); off by default until a GPU run has measured them (docs/gpu.md)
     cuda_graphs: bool = setting(False, "replay decode steps from CUDA graphs captured per batch size and page-table width (needs a CUDA device)")

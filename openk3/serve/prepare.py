@@ -8,8 +8,9 @@ model's own OpChoice, and, by swapping the model's attach points for serving mod
   for the group, the pieces returned as views of its output;
 - every StackedWeights becomes FusedWeights: the stacked tensor is the block itself (no concatenation per call);
 - on CPU with `pack_cpu_weights`: every fused block and every other bias-free Linear also keeps oneDNN's blocked copy of
-  its weight (ops/linear.py PackedWeight, made on first use, checked against the weights on every use), used above
-  ops/linear.KERNEL_ROWS rows. A second copy of those weights: for a model only the engine writes to.
+  its weight, used above ops/linear.KERNEL_ROWS rows, and the C kernel's panel copy, used up to them (ops/linear.py
+  PackedWeight: each made on first use at its row counts, checked against the weights on every use). One or two more
+  copies of those weights: for a model only the engine writes to.
 
 Idempotent: a second call ties again whatever a `.to()`, cast_model or `p.data = ...` moved out of its block (until then
 the group falls back to one matmul per member: slower, never wrong). Parameter names, identities and state_dict keys do

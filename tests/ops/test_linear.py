@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from openk3.ops import linear as linear_mod
 from openk3.ops.cpu.build import kernels_available
-from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, SMALL_ROWS, LinearFn, PackedWeight, bmm_weight_t, linear_c, linear_cpu, linear_torch
+from openk3.ops.linear import KERNEL_ROWS, LARGE_WEIGHT, PANEL_ROWS, SMALL_ROWS, LinearFn, PackedWeight, bmm_weight_t, linear_c, linear_cpu, linear_torch
 from openk3.ops.registry import OpTarget, op
 
 PARAMS = [pytest.param("C kernel", marks=pytest.mark.skipif(not kernels_available(), reason="no C compiler: the kernel cannot be built here")), "torch forms"]
@@ -109,7 +109,7 @@ def test_packed_weight_is_used_above_the_few_row_forms_and_matches(monkeypatch: 
     w = torch.randn(LARGE_WEIGHT // 256 + 3, 256, generator=g)
     packed = PackedWeight()
     with torch.inference_mode():
-        for rows in (KERNEL_ROWS + 1, 64, 2048):
+        for rows in (PANEL_ROWS + 1, 64, 2048):  # above the panel form too (test_linear_panels.py)
             x = torch.randn(rows, 256, generator=g)
             _close(linear(x, w, packed), F.linear(x, w))  # not enabled: the plain weight
             packed.enabled = True
@@ -130,7 +130,7 @@ def test_packed_weight_follows_writes_and_moves(rows_kernel: str, linear: Linear
     _needs_packing()
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(LARGE_WEIGHT // 256, 256, generator=g))
-    x = torch.randn(KERNEL_ROWS + 1, 256, generator=g)
+    x = torch.randn(PANEL_ROWS + 1, 256, generator=g)
     packed = PackedWeight()
     packed.enabled = True
     with torch.no_grad():
@@ -164,7 +164,7 @@ def test_inference_tensors_are_not_packed(rows_kernel: str, linear: LinearFn) ->
     _needs_packing()
     with torch.inference_mode():
         w = torch.randn(LARGE_WEIGHT // 256, 256)
-        x = torch.randn(KERNEL_ROWS + 1, 256)
+        x = torch.randn(PANEL_ROWS + 1, 256)
         packed = PackedWeight()
         packed.enabled = True
         _close(linear(x, w, packed), F.linear(x, w))
@@ -177,7 +177,7 @@ def test_packed_weight_copies_start_empty(rows_kernel: str, linear: LinearFn) ->
     packed = PackedWeight()
     packed.enabled = True
     with torch.inference_mode():
-        linear(torch.randn(KERNEL_ROWS + 1, 256), w, packed)
+        linear(torch.randn(PANEL_ROWS + 1, 256), w, packed)
     assert packed._packed is not None
     for clone in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
         assert clone.enabled and clone._packed is None

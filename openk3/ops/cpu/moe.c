@@ -149,3 +149,34 @@ int openk3_moe_experts_glu_mxfp4(int64_t E, int64_t C, int64_t D, int64_t I, con
     }
     return failed;
 }
+
+/* The whole routed-expert step of a packed MXFP4 bank in one call (ops/moe/packed_c.py): plan the pairs, gather each
+ * token's row into its experts' blocks, openk3_moe_experts_glu_mxfp4, combine into y [T, D] -- the same functions in the
+ * same order as the four calls it replaces, so the same bits, without their four torch allocations and host round trips
+ * per layer and step. idx, weight [T, k] contiguous; x rows with stride x_stride. Returns 0, -1 when an expert id is
+ * outside 0..E-1, or 1 when scratch memory cannot be had (y is then not trusted). */
+int openk3_moe_packed_pairs(int64_t T, int64_t k, int64_t E, int64_t D, int64_t I, const float *x, int64_t x_stride, const int64_t *idx,
+                            const float *weight, const uint8_t *w1p, const uint8_t *w1s, const uint8_t *w3p, const uint8_t *w3s,
+                            const uint8_t *w2p, const uint8_t *w2s, int act, float beta, float linear_beta, float *y, int num_threads) {
+    const int64_t P = T * k;
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)(E + P));
+    if (counts == NULL) return 1;
+    int64_t *slot_P = counts + E;
+    const int64_t C = openk3_moe_plan(P, E, idx, counts, slot_P);
+    if (C < 0) {
+        free(counts);
+        return -1;
+    }
+    float *block = malloc(sizeof(float) * (size_t)(2 * E * C * D));
+    if (block == NULL) {
+        free(counts);
+        return 1;
+    }
+    float *out = block + E * C * D;
+    openk3_moe_gather(P, k, D, C, idx, slot_P, x, x_stride, block);
+    int failed = openk3_moe_experts_glu_mxfp4(E, C, D, I, counts, block, w1p, w1s, w3p, w3s, w2p, w2s, act, beta, linear_beta, out, num_threads);
+    if (!failed) openk3_moe_combine(T, k, D, C, idx, slot_P, weight, out, y);
+    free(block);
+    free(counts);
+    return failed;
+}

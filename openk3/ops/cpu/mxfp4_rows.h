@@ -88,8 +88,20 @@ static inline rows_vf mx_decode(const uint8_t *p, mx_table t) {
                 }                                                                                                             \
             }                                                                                                                 \
         }                                                                                                                     \
-        for (int i = 0; i < MB; i++)                                                                                          \
-            for (int j = 0; j < NB; j++) y[i * ldy + j] = rows_hsum(acc[i][j]);                                               \
+        if (NB == 4) {                                                                                                        \
+            for (int i = 0; i < MB; i++) rows_hsum4(acc[i][0], acc[i][NB > 1 ? 1 : 0], acc[i][NB > 2 ? 2 : 0], acc[i][NB > 3 ? 3 : 0], y + i * ldy); \
+        } else if (NB == 2) {                                                                                                 \
+            int i = 0;                                                                                                        \
+            for (; i + 1 < MB; i += 2) {                                                                                      \
+                float s4[4];                                                                                                  \
+                rows_hsum4(acc[i][0], acc[i][NB - 1], acc[i + 1][0], acc[i + 1][NB - 1], s4);                                 \
+                y[i * ldy] = s4[0], y[i * ldy + 1] = s4[1], y[(i + 1) * ldy] = s4[2], y[(i + 1) * ldy + 1] = s4[3];           \
+            }                                                                                                                 \
+            for (; i < MB; i++) y[i * ldy] = rows_hsum(acc[i][0]), y[i * ldy + 1] = rows_hsum(acc[i][NB - 1]);                \
+        } else {                                                                                                              \
+            for (int i = 0; i < MB; i++)                                                                                      \
+                for (int j = 0; j < NB; j++) y[i * ldy + j] = rows_hsum(acc[i][j]);                                           \
+        }                                                                                                                     \
     }
 
 MX_TILE(1, 4)
@@ -100,6 +112,17 @@ MX_TILE(1, 1)
 MX_TILE(2, 1)
 MX_TILE(3, 1)
 MX_TILE(4, 1)
+/* More than 4 rows (an expert that several tokens of a step picked): two outputs at a time over blocks of up to 8 rows,
+ * so that each weight vector is decoded once per 8 rows rather than once per 4 (the decode, not the products, bounds
+ * these tiles). */
+MX_TILE(1, 2)
+MX_TILE(2, 2)
+MX_TILE(3, 2)
+MX_TILE(4, 2)
+MX_TILE(5, 2)
+MX_TILE(6, 2)
+MX_TILE(7, 2)
+MX_TILE(8, 2)
 
 typedef void (*mx_tile_fn)(int, int64_t, const float *, int64_t, const uint8_t *, const uint8_t *, float *, int64_t);
 
@@ -109,7 +132,16 @@ static void mx_rows_times_weight_t(int64_t M, int64_t N, int64_t K, const float 
                                    const uint8_t *scales, float *y, int64_t ldy) {
     static const mx_tile_fn four[5] = {0, mx_tile_1_4, mx_tile_2_4, mx_tile_3_4, mx_tile_4_4};
     static const mx_tile_fn one[5] = {0, mx_tile_1_1, mx_tile_2_1, mx_tile_3_1, mx_tile_4_1};
+    static const mx_tile_fn two[9] = {0, mx_tile_1_2, mx_tile_2_2, mx_tile_3_2, mx_tile_4_2, mx_tile_5_2, mx_tile_6_2, mx_tile_7_2, mx_tile_8_2};
     const int64_t ldp = K / 2, lds = K / 32;
+    if (M > 4 && N % 2 == 0) { /* the same sums per output as the tiles below, so the same bits */
+        for (int64_t n = 0; n < N; n += 2)
+            for (int64_t m = 0; m < M; m += 8) {
+                const int64_t mb = M - m < 8 ? M - m : 8;
+                two[mb](m == 0, K, x + m * ldx, ldx, packed + n * ldp, scales + n * lds, y + m * ldy + n, ldy);
+            }
+        return;
+    }
     for (int64_t n = 0; n < N; n += 4) {
         const int64_t nb = N - n < 4 ? N - n : 4;
         for (int64_t m = 0; m < M; m += 4) {

@@ -6,8 +6,9 @@ Legend: T tokens, E experts, k experts per token, D expert input width, I expert
 Why: the torch forms decode one expert at a time (ops/mxfp4.py's dequantize: a gather, a multiply and a copy per weight)
 and run its MLP as three small products; on the demo model that is ~0.15 ms per active expert, almost all of it dispatch,
 and it grows with the number of distinct experts a step touches -- which a speculative verification multiplies (k + 1
-tokens per sequence route to up to k + 1 times the experts). Here the pair bookkeeping of moe_experts_batched_c and, per
-active expert, the three products run in C, decoding the weights in registers (ops/cpu/mxfp4_rows.h): no expert is written
+tokens per sequence route to up to k + 1 times the experts). Here the pair bookkeeping of moe_experts_batched_c (plan,
+gather, combine) and, per active expert, the three products run in one C call (openk3_moe_packed_pairs: no torch
+allocation or host round trip between them), decoding the weights in registers (ops/cpu/mxfp4_rows.h): no expert is written
 out in fp32 (issue 42: at K3's widths that write, 132 MiB per picked expert, was most of the routed experts' time; on the
 demo model decoding a batch-16 step's picked experts into a dense bank and multiplying it was 3-6x this). The decoded
 weights equal dequantize's bit for bit (every code x scale product is exact in fp32) and the sums are the dense C loop's,
@@ -25,7 +26,7 @@ import torch
 from openk3.ops.cpu import require_inference
 from openk3.ops.cpu.build import kernel
 from openk3.ops.moe.bank import ExpertBank
-from openk3.ops.moe.cpu_pairs import _glu_in_c, _lib, combine_pairs, plan_pairs
+from openk3.ops.moe.cpu_pairs import _glu_in_c
 from openk3.ops.moe.naive import Act, check_moe_inputs
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.mxfp4 import MX_BLOCK
@@ -34,8 +35,8 @@ from openk3.ops.mxfp4 import MX_BLOCK
 @functools.cache
 def _experts_kernel() -> Any:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, f32, f32, ptr, ctypes.c_int]
-    return kernel("moe.c", "openk3_moe_experts_glu_mxfp4", argtypes, ctypes.c_int)
+    argtypes = [i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, f32, f32, ptr, ctypes.c_int]
+    return kernel("moe.c", "openk3_moe_packed_pairs", argtypes, ctypes.c_int)
 
 
 def packed_c_fits(x_TD: torch.Tensor, bank: ExpertBank, act: Act) -> bool:
@@ -63,19 +64,18 @@ def moe_experts_packed_c(x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     if num_tokens == 0:
         return torch.zeros_like(x_TD)
     x_TD = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
-    lib = _lib()
-    plan = plan_pairs(topk_idx, topk_weight, num_experts)
-    idx, slot_P, counts, rows = plan.idx, plan.slot_P, plan.counts, plan.rows
-    x_ECD = x_TD.new_empty(num_experts, rows, width)  # the loop reads and writes only each expert's first counts[e] rows
-    lib.openk3_moe_gather(idx.numel(), k, width, rows, idx.data_ptr(), slot_P.data_ptr(), x_TD.data_ptr(), x_TD.stride(0), x_ECD.data_ptr())
-    out_ECD = torch.empty_like(x_ECD)
+    idx = topk_idx if topk_idx.dtype == torch.int64 and topk_idx.is_contiguous() else topk_idx.to(torch.int64).contiguous()
+    weight = topk_weight if topk_weight.dtype == torch.float32 and topk_weight.is_contiguous() else topk_weight.to(torch.float32).contiguous()
+    y = x_TD.new_empty(num_tokens, width)
     code, beta, linear_beta = glu_c
     w1, w3, w2 = bank.w1, bank.w3, bank.w2
-    failed = _experts_kernel()(
-        num_experts, rows, width, inner, counts.data_ptr(), x_ECD.data_ptr(),
+    status = _experts_kernel()(
+        num_tokens, k, num_experts, width, inner, x_TD.data_ptr(), x_TD.stride(0), idx.data_ptr(), weight.data_ptr(),
         w1.packed.data_ptr(), w1.scales.data_ptr(), w3.packed.data_ptr(), w3.scales.data_ptr(), w2.packed.data_ptr(), w2.scales.data_ptr(),
-        code, beta, linear_beta, out_ECD.data_ptr(), torch.get_num_threads(),
+        code, beta, linear_beta, y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if failed:
+    if status < 0:
+        raise ValueError(f"moe experts: expert ids span {int(idx.min())}..{int(idx.max())}, expected 0..{num_experts - 1}")
+    if status:
         raise MemoryError("moe experts: the C expert loop could not allocate its scratch rows")
-    return combine_pairs(plan, out_ECD, width)
+    return y

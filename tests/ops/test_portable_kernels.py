@@ -18,6 +18,7 @@ from openk3.ops.cpu.build import _cpu_flags, build_flags
 
 KERNEL_TESTS = (
     "tests/ops/test_linear.py",
+    "tests/ops/test_linear_panels.py",
     "tests/ops/test_norm.py",
     "tests/ops/test_glu_c.py",
     "tests/ops/test_attn_res_c.py",

@@ -208,7 +208,37 @@ class TierLoad:
     num_tokens: int
 
 
-CopyEntry = tuple[int, int, int] | TierLoad  # (kind, src, dst) of a slot or page copy, or a tier load
+@dataclass(frozen=True)
+class MirrorPack:
+    """Rank 0 offloaded a prefix (slot, pages) into its host tier under `key`: a rank holding shards of its own packs its
+    own pools the same way and keeps the buffer under that key (tensor parallelism: a TP rank's KDA heads are its own)."""
+
+    key: bytes
+    slot: int
+    page_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class MirrorLoad:
+    """Rank 0 loaded its tier entry `key` into a slot and pages: a sharded rank unpacks its own buffer of that key."""
+
+    key: bytes
+    slot: int
+    page_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class MirrorDrop:
+    """Rank 0's host tier let the entry `key` go: a sharded rank drops its buffer too (after the copies before the next
+    step, which may still load it: rank 0 fetched the buffer before the eviction that dropped it)."""
+
+    key: bytes
+
+
+# (kind, src, dst) of a slot or page copy, a tier load with its buffer (replica ranks), or a mirror op (sharded ranks)
+CopyEntry = tuple[int, int, int] | TierLoad | MirrorPack | MirrorLoad | MirrorDrop
 
 
 @dataclass
@@ -220,8 +250,9 @@ class CacheTensors:
     mla_latent: list[torch.Tensor]  # per MLA layer [NP, PS, R] ([NP, PS / latent_shards, R] with decode context parallelism)
     page_size: int
     # When a list: every copy between slots or pages made outside a forward (serve/cache/transfer.py) is recorded here as
-    # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step; and, when
-    # those pools are replicas of these (`mirrors_replicate`), every host/disk tier load as a TierLoad with its buffer.
+    # (kind, src, dst), so that a multi-rank engine can replay it on the other ranks' pools before the next step; and every
+    # host/disk tier load: as a TierLoad with its buffer when those pools are replicas of these (`mirrors_replicate`), else
+    # (TP shards) as mirror ops: each offload, load and drop of the host tier, which the other ranks repeat on their own.
     copy_log: list[CopyEntry] | None = None
     mirrors_replicate: bool = False  # the ranks that replay copy_log hold these very contents (no TP shard of their own)
     # > 1: decode context parallelism (parallel/cp/sharded_mla.py): this rank's pages hold every latent_shards-th token of

@@ -143,13 +143,14 @@ class ParallelConfig:
                 f"cpu_offload_bytes / disk_offload_dir with {ranks}, decode_cp=True: the host and disk prefix tiers are not supported "
                 "with decode context parallelism yet: each CP rank holds its own share of the MLA pages, which rank 0's tier entries lack"
             )
-        if self.tp > 1 and tiers:
-            # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own); device prefix caching is fine:
-            # the driver replays rank 0's slot and page copies on every rank (serving/driver.py). Without TP (--cp, --ep,
-            # --dp) every rank that mirrors an engine holds its contents, and the driver replays tier loads too.
+        if self.tp > 1 and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
+            # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own): each TP rank keeps its own shard
+            # of every host tier entry in its RAM (serve/cache/tier_mirror.py); a disk tier would have each rank hold its
+            # shard of the whole disk budget in RAM. Without TP (--cp, --ep, --dp) every rank that mirrors an engine holds
+            # its contents, and the driver replays tier loads with their buffers (serving/driver.py).
             raise ValueError(
-                f"cpu_offload_bytes / disk_offload_dir with {ranks}: the host and disk prefix tiers are not supported with tensor "
-                "parallelism yet: each TP rank would need its own shard of every tier entry (docs/parallel.md)"
+                f"disk_offload_dir with {ranks}: the disk prefix tier is not supported with tensor parallelism yet (each TP rank "
+                "would hold its shard of the disk tier in memory); the host tier (cpu_offload_bytes) is (docs/parallel.md)"
             )
         if self.decode_cp and engine.page_size % self.cp:
             raise ValueError(

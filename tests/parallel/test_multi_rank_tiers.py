@@ -1,7 +1,9 @@
-"""Host and disk prefix tiers on multi-rank engines whose ranks hold replicas of rank 0's pools (`--cp N`, `--ep N` with
-tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD), so
-prompts that hit prefixes evicted to the host or disk tier give one process's tokens, its hit counts and its logprobs;
-tensor-parallel and decode-CP engines, whose ranks hold shards, still refuse the tiers by name."""
+"""Host and disk prefix tiers on multi-rank engines. Ranks holding replicas of rank 0's pools (`--cp N`, `--ep N` with
+tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD).
+Ranks holding TP shards (`--tp N`): each keeps its own shard of rank 0's host tier (serve/cache/tier_mirror.py), packed,
+loaded and dropped as rank 0's prefix cache logs it (step_channel MIRROR). Either way prompts that hit prefixes evicted to
+the tier give one process's tokens, its hit counts and its logprobs. Refused by name: the disk tier with TP, and any tier
+with decode CP (its ranks hold shards of the pages)."""
 
 from __future__ import annotations
 
@@ -51,9 +53,16 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[TierKind, dict
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("layout", "kind"), [(dict(cp=2, cp_min_tokens=32), TierKind.HOST), (dict(cp=2, cp_min_tokens=32), TierKind.DISK), (dict(ep=2), TierKind.HOST)]
+    ("layout", "kind"),
+    [
+        (dict(cp=2, cp_min_tokens=32), TierKind.HOST),
+        (dict(cp=2, cp_min_tokens=32), TierKind.DISK),
+        (dict(ep=2), TierKind.HOST),
+        (dict(tp=2), TierKind.HOST),
+        (dict(tp=2, ep=2), TierKind.HOST),
+    ],
 )
-def test_tier_hits_on_replica_ranks_give_one_process_results(one_process, tmp_path: Path, layout: dict[str, Any], kind: TierKind) -> None:
+def test_tier_hits_on_multi_rank_engines_give_one_process_results(one_process, tmp_path: Path, layout: dict[str, Any], kind: TierKind) -> None:
     torch.set_num_threads(1)
     want = one_process[kind]
     assert want["tier_hits"] > 0, "the one-process oracle loads from the tier"
@@ -63,12 +72,15 @@ def test_tier_hits_on_replica_ranks_give_one_process_results(one_process, tmp_pa
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
-def test_tiers_are_refused_with_tensor_parallelism_only() -> None:
+def test_what_the_tiers_are_refused_with() -> None:
     host = EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20)
-    for replicas in (ParallelConfig(cp=2), ParallelConfig(ep=2), ParallelConfig(cp=2, ep=2)):
-        replicas.check_engine(host)
+    disk = EngineConfig(enable_prefix_caching=True, disk_offload_dir="/tmp/openk3-never-made")
+    for layout in (ParallelConfig(cp=2), ParallelConfig(ep=2), ParallelConfig(cp=2, ep=2), ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2)):
+        layout.check_engine(host)
+    for replicas in (ParallelConfig(cp=2), ParallelConfig(ep=2)):
+        replicas.check_engine(disk)
     for sharded in (ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2), ParallelConfig(dp=2, tp=2, ep=4)):
-        with pytest.raises(ValueError, match="not supported with tensor parallelism yet"):
-            sharded.check_engine(host)
+        with pytest.raises(ValueError, match="disk prefix tier is not supported with tensor parallelism yet"):
+            sharded.check_engine(disk)
     with pytest.raises(ValueError, match="not supported with decode context parallelism yet"):
         ParallelConfig(cp=2, decode_cp=True).check_engine(host)

@@ -14,7 +14,9 @@ source is written by a forward -- and sends the copies made since the last step 
 every worker replays on its own pools, so the same slot and page ids hold the same (per-rank) contents everywhere. Host
 and disk tier loads write rank 0's pools from rank 0's buffers: where the workers' pools are replicas of rank 0's
 (`replicas`: no TP shard, as with --cp or --ep over TP groups of one) each load goes in the log with its buffer and the
-workers unpack it too; tensor-parallel engines, whose ranks hold shards of their own, refuse the tiers.
+workers unpack it too. Where the workers hold TP shards, rank 0's prefix cache logs what its host tier does instead
+(offloads, loads, drops), and each worker repeats it on its own pools and TierMirror (serve/cache/tier_mirror.py); the
+disk tier is refused there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from openk3.model.batch import CacheTensors, ForwardBatch
 from openk3.parallel.ep.stats import EPStats
 from openk3.parallel.serving.heartbeat import RankHeartbeat
 from openk3.parallel.serving.step_channel import CacheShape, CopyLog, StepChannel
+from openk3.serve.cache.tier_mirror import TierMirror
 from openk3.serve.cache.transfer import replay
 
 
@@ -170,6 +173,7 @@ def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device |
     """A worker rank's loop until rank 0 sends STOP; returns the number of steps run. Cache pools are allocated when rank 0
     announces their shapes; stats (when the backend collects them) are drained and dropped, rank 0 reports them."""
     cache: CacheTensors | None = None
+    mirror = TierMirror()  # rank 0's host tier, in this rank's own shards (used when rank 0 has one and this rank's pools are shards)
     steps = 0
     while True:
         message = channel.receive(device)
@@ -181,10 +185,11 @@ def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device |
         if isinstance(message, CopyLog):
             if cache is None:
                 raise RuntimeError("expert-parallel worker: rank 0 sent cache copies before announcing its cache shapes")
-            replay(cache, message.copies)
+            replay(cache, message.copies, mirror)
             continue
         if message.uses_cache and cache is None:
             raise RuntimeError("expert-parallel worker: rank 0 sent a step before announcing its cache shapes")
+        mirror.step()
         with torch.inference_mode():
             model(message, cache if message.uses_cache else None)
         if stats is not None:

@@ -18,6 +18,9 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
     LOAD   a=slot, b=number of pages, c=tokens, d=buffer bytes; payloads pages[b] (int64), then the buffer (uint8): a host
            or disk tier load into rank 0's pools, sent in its place among the copies when the workers' pools are replicas
            of rank 0's (no TP shard of their own: CacheTensors.mirrors_replicate), which unpack the same buffer
+    MIRROR a=op (1 pack, 2 load, 3 drop), b=slot, c=number of pages, d=tokens, e=key bytes; payload the key's bytes (one
+           int64 each), then pages[c]: what rank 0's host tier did, for workers whose pools are TP shards, which repeat
+           it on their own pools and tier mirror (serve/cache/tier_mirror.py)
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
            state_cuts[h, 3] (seq, offset, slot)
@@ -41,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, CopyEntry, ForwardBatch, HostFacts, StateCut, TierLoad
+from openk3.model.batch import CacheTensors, CopyEntry, ForwardBatch, HostFacts, MirrorDrop, MirrorLoad, MirrorPack, StateCut, TierLoad
 from openk3.parallel.group import ParallelContext
 
 HEADER = 9
@@ -61,6 +64,7 @@ class MessageKind(IntEnum):
     STOP = 3
     COPIES = 4
     LOAD = 5
+    MIRROR = 6
 
 
 class CopyLog(NamedTuple):
@@ -169,6 +173,12 @@ class StepChannel:
                 pages = torch.tensor(entry.page_ids, dtype=torch.int64)
                 self._send([MessageKind.LOAD, entry.slot, pages.numel(), entry.num_tokens, entry.buffer.numel()], pages)
                 dist.broadcast(entry.buffer.contiguous(), self.src, group=self.group)
+            elif isinstance(entry, MirrorDrop):
+                self._send([MessageKind.MIRROR, 3, -1, 0, 0, len(entry.key)], torch.tensor(list(entry.key), dtype=torch.int64))
+            elif isinstance(entry, MirrorPack | MirrorLoad):
+                op = 1 if isinstance(entry, MirrorPack) else 2
+                mirrored = torch.tensor([*entry.key, *entry.page_ids], dtype=torch.int64)
+                self._send([MessageKind.MIRROR, op, entry.slot, len(entry.page_ids), entry.num_tokens, len(entry.key)], mirrored)
 
     def send_step(self, batch: ForwardBatch) -> None:
         self._send(*self.encode_step(batch))
@@ -204,6 +214,16 @@ class StepChannel:
             flat = torch.empty(3 * a, dtype=torch.int64)
             dist.broadcast(flat, self.src, group=self.group)
             return CopyLog([(int(k), int(x), int(y)) for k, x, y in flat.reshape(-1, 3).tolist()])
+        if kind == MessageKind.MIRROR:
+            words = torch.empty(e + c, dtype=torch.int64)
+            dist.broadcast(words, self.src, group=self.group)
+            values = words.tolist()
+            key, mirrored_pages = bytes(values[:e]), tuple(values[e:])
+            if a == 3:
+                return CopyLog([MirrorDrop(key)])
+            if a not in (1, 2):
+                raise RuntimeError(f"StepChannel: mirror op {a} (driver and worker run different openk3 versions?)")
+            return CopyLog([(MirrorPack if a == 1 else MirrorLoad)(key, b, mirrored_pages, d)])
         if kind == MessageKind.LOAD:
             pages = torch.empty(b, dtype=torch.int64)
             dist.broadcast(pages, self.src, group=self.group)

@@ -244,7 +244,8 @@ class CacheManager:
                 self.block_pool.free([match.tail_page])
         elif match.tier is not None:
             assert match.buffer is not None
-            unpack(match.buffer, self.tensors, slot, pages, p)
+            # a host tier entry is one that ranks holding shards of these pools mirror (tier_mirror.py), by its key
+            unpack(match.buffer, self.tensors, slot, pages, p, key=match.key if match.tier == TierKind.HOST else None)
         self._slots[req_id], self._pages[req_id] = slot, pages
         if match.tier not in (None, TierKind.DEVICE):
             prefix.insert(tokens[:p], pages, slot, request_salt(prefix.salt, cache_salt))

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from openk3.model.batch import CacheTensors
+from openk3.model.batch import CacheTensors, MirrorDrop, MirrorPack
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.hashing import chain_keys, page_key, snapshot_key
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixCounters, PrefixMatch
@@ -160,9 +160,11 @@ class PrefixCache:
         snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
         return None if snap is None else self._pack(snap)
 
+    def _entry_pages(self, snap: _Snapshot) -> list[int]:
+        return self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
+
     def _pack(self, snap: _Snapshot) -> TierEntry:
-        pages = self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
-        return TierEntry(snap.key, snap.node.key, snap.tail, snap.num_tokens, pack(self.tensors, snap.slot, pages, snap.num_tokens))
+        return TierEntry(snap.key, snap.node.key, snap.tail, snap.num_tokens, pack(self.tensors, snap.slot, self._entry_pages(snap), snap.num_tokens))
 
     def count_query(self, num_tokens: int, hit_tokens: int) -> None:
         c = self.counters
@@ -278,7 +280,13 @@ class PrefixCache:
 
     def _evict(self, snap: _Snapshot, offload: bool = True) -> None:
         if offload and self.tiers is not None and not self.tiers.contains(snap.key):
-            self.tiers.offload(self._pack(snap))
+            entry = self._pack(snap)
+            log = self.tensors.copy_log if not self.tensors.mirrors_replicate else None
+            if log is not None:  # ranks holding shards pack theirs under the same key (transfer.py, driver.py)
+                log.append(MirrorPack(entry.key, snap.slot, tuple(self._entry_pages(snap)), snap.num_tokens))
+            gone = self.tiers.offload(entry)
+            if log is not None:
+                log.extend(MirrorDrop(e.key) for e in gone)
         del snap.node.snapshots[snap.tail]
         del self._lru[snap.key]
         self._free_slots.append(snap.slot)

@@ -78,11 +78,15 @@ class TierStack:
         self.host = host
         self.disk = disk
 
-    def offload(self, e: TierEntry) -> None:
+    def offload(self, e: TierEntry) -> list[TierEntry]:
+        """Store e; returns the entries that left the stack altogether (the host tier's overflow when there is no disk
+        tier: e itself when it can never fit), which ranks mirroring the host tier drop too (prefix.py)."""
         overflow = self.host.put(e) if self.host is not None else [e]
-        if self.disk is not None:
-            for old in overflow:
-                self.disk.put(old)
+        if self.disk is None:
+            return overflow
+        for old in overflow:
+            self.disk.put(old)
+        return []
 
     def contains(self, key: bytes) -> bool:
         return (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk)

@@ -9,10 +9,18 @@ prefix's pages and its KDA snapshot together, which is what makes a tier hit all
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from openk3.model.batch import CacheTensors, CopyEntry, TierLoad
+from openk3.model.batch import CacheTensors, CopyEntry, MirrorDrop, MirrorLoad, MirrorPack, TierLoad
+
+
+class MirrorStore(Protocol):
+    """Where a rank holding shards repeats rank 0's host tier ops (tier_mirror.TierMirror)."""
+
+    def apply(self, tensors: CacheTensors, op: MirrorPack | MirrorLoad | MirrorDrop) -> None: ...
+
 
 COPY_SLOT, COPY_PAGE = 1, 2  # the kinds of CacheTensors.copy_log entries
 
@@ -66,11 +74,16 @@ def pack(tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: 
         return torch.cat(parts).to("cpu")
 
 
-def replay(tensors: CacheTensors, copies: Sequence[CopyEntry]) -> None:
-    """Apply another rank's copy log to these pools, in order."""
+def replay(tensors: CacheTensors, copies: Sequence[CopyEntry], mirror: MirrorStore | None = None) -> None:
+    """Apply another rank's copy log to these pools, in order; its mirror ops (a rank holding shards) on `mirror`."""
     for entry in copies:
         if isinstance(entry, TierLoad):
             unpack(entry.buffer, tensors, entry.slot, entry.page_ids, entry.num_tokens)
+            continue
+        if isinstance(entry, MirrorPack | MirrorLoad | MirrorDrop):
+            if mirror is None:
+                raise ValueError(f"replay: a tier mirror op ({type(entry).__name__}) for pools without a tier mirror")
+            mirror.apply(tensors, entry)
             continue
         kind, src, dst = entry
         if kind == COPY_SLOT:
@@ -81,11 +94,12 @@ def replay(tensors: CacheTensors, copies: Sequence[CopyEntry]) -> None:
             raise ValueError(f"replay: unknown copy kind {kind} (expected {COPY_SLOT} slot or {COPY_PAGE} page)")
 
 
-def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> None:
-    """Write a buffer made by `pack` into a slot and pages (which must cover num_tokens positions)."""
-    if tensors.copy_log is not None and not tensors.mirrors_replicate:
-        # a tier buffer holds this rank's pools only; the other ranks' shards of the prefix were never stored
-        raise RuntimeError("unpack: a tier load into pools whose mirrors hold shards of their own (tensor-parallel engines refuse host/disk tiers)")
+def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int, key: bytes | None = None) -> None:
+    """Write a buffer made by `pack` into a slot and pages (which must cover num_tokens positions). `key`: the host tier
+    entry it came from, which ranks holding shards of these pools load from their own mirror (tier_mirror.py)."""
+    if tensors.copy_log is not None and not tensors.mirrors_replicate and key is None:
+        # a buffer from outside the host tier holds this rank's pools only; the other ranks' shards were never stored
+        raise RuntimeError("unpack: a load into pools whose mirrors hold shards of their own, from no host tier entry they mirror")
     expected = buffer_nbytes(tensors, num_tokens)
     if buffer.numel() != expected:
         raise ValueError(f"prefix buffer has {buffer.numel()} bytes; {num_tokens} tokens need {expected}")
@@ -103,5 +117,8 @@ def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Seq
                 data = buffer[off : off + n].to(pool.device).view(pool.dtype).view(num_tokens, width)
                 pool.view(-1, width).index_copy_(0, rows, data)
                 off += n
-    if tensors.copy_log is not None:  # replicas replay the same load (driver.py sends the buffer with the copies)
-        tensors.copy_log.append(TierLoad(buffer, slot, tuple(int(p) for p in page_ids), num_tokens))
+    if tensors.copy_log is not None:  # replicas replay the same load (driver.py sends the buffer), shards their own entry
+        pages = tuple(int(p) for p in page_ids)
+        assert key is not None or tensors.mirrors_replicate
+        entry = TierLoad(buffer, slot, pages, num_tokens) if tensors.mirrors_replicate else MirrorLoad(key or b"", slot, pages, num_tokens)
+        tensors.copy_log.append(entry)

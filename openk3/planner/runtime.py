@@ -22,8 +22,8 @@ context parallelism over a KDA recurrence (state handed between ranks, or a chun
 of them, so a CP plan names no engine. openk3 runs no PP; its CP prefill (openk3/parallel/cp: latents all-gathered, the
 KDA state handed rank to rank in order, or with --kda-cp scan every rank's at once and their state maps scanned) runs in its engine
 over CP x TP ranks (`--cp C --tp T`, experts split by width or `--ep C*T`), every rank running decode whole or, with
-`--dcp`, over its share of the MLA pages (merged by log-sum-exp), so not yet the planner's CP layout, whose attention-DP groups share a prompt's prefill and then decode batches of their own
-(CP with `--dp` is not built).
+`--dcp`, over its share of the MLA pages (merged by log-sum-exp), so not yet the planner's CP layout, whose
+attention-DP groups share a prompt's prefill and then decode batches of their own (CP with `--dp` is not built).
 """
 
 from __future__ import annotations

@@ -57,10 +57,18 @@ def mla_decode_paged(
     of range. `latent_attention`: the form of the attention over the latents (ops/mla/decode_cpu.py; the registry's
     "mla_decode" entries bind it).
     """
-    lr = w_uk_HDL.shape[-1]
-    # The query is [q~ | q_pe], so the scores against a cached [c | k_pe] row are one product. Plain matmuls over heads,
-    # not einsum: at decode sizes einsum's own permutes and reshapes cost as much as the products.
+    u_NHL = latent_attention(absorbed_query(q_nope_NHD, q_pe_NHR, w_uk_HDL, scale), latent_pool, page_table_NP, kv_lens_N, w_uk_HDL.shape[-1])
+    return values_of(u_NHL, w_uv_HDL).to(q_nope_NHD.dtype)
+
+
+def absorbed_query(q_nope_NHD: torch.Tensor, q_pe_NHR: torch.Tensor, w_uk_HDL: torch.Tensor, scale: float) -> torch.Tensor:
+    """[N, H, R] fp32: the decode query [W_UK^T q_nope | q_pe], scaled, so the scores against a cached [c | k_pe] row are
+    one product. Plain matmuls over heads, not einsum: at decode sizes einsum's own permutes and reshapes cost as much as
+    the products; scaled here: H x R values, not H x S."""
     q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
-    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)  # scaled here: H x R values, not H x S
-    u_NHL = latent_attention(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr)
-    return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1).to(q_nope_NHD.dtype)
+    return torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)
+
+
+def values_of(u_NHL: torch.Tensor, w_uv_HDL: torch.Tensor) -> torch.Tensor:
+    """[N, H, Dv] fp32: W_UV applied to each head's weighted sum of latents."""
+    return torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1)

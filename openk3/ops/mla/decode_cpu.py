@@ -64,10 +64,18 @@ def latent_attention_torch(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_
     q_NHR is the absorbed query [q~ | q_pe], already scaled. Whole pages are gathered as rows (index_select) and the cached
     [c | k_pe] rows used as they lie: the scores are one batched matmul, and the weighted sum runs over the full rows,
     dropping the k_pe columns after (Dr / Lr more arithmetic instead of copying the strided c_kv columns out)."""
+    scores_NHS, rows_NSR = masked_latent_scores(q_NHR, latent_pool, page_table_NP, kv_lens_N)
+    return torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
+
+
+def masked_latent_scores(
+    q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [N, H, S] with -inf past each sequence's kv_lens[n] rows, the gathered rows [N, S, R] fp32), S = P x PS:
+    whole pages gathered as rows, the absorbed query against each cached [c | k_pe] row in one batched matmul."""
     n, num_pages = page_table_NP.shape
     ps = latent_pool.shape[1]
     rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
     scores_NHS = torch.matmul(q_NHR, rows_NSR.transpose(1, 2))
     valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores_NHS, dim=-1), rows_NSR)[..., :lr]
+    return scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf")), rows_NSR

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.mla.absorbed import absorbed_query, values_of
+from openk3.ops.mla.decode_cpu import masked_latent_scores
+
 
 def merge_by_lse(out_WNHV: torch.Tensor, lse_WNH: torch.Tensor) -> torch.Tensor:
     """The attention over the union of the parts' keys, [N, H, Dv] (fp32), from each part's output and log-sum-exp."""
@@ -34,13 +37,9 @@ def latent_attention_lse(
     """(u [N, H, Lr], lse [N, H]): ops/mla/decode_cpu.py's latent attention over each sequence's first kv_lens[n] rows,
     with the log-sum-exp of its (scaled) scores; kv_lens[n] = 0 gives u = 0 and lse = -inf (an empty part)."""
     n, num_pages = page_table_NP.shape
-    ps = latent_pool.shape[1]
     if n == 0 or num_pages == 0:
         return q_NHR.new_zeros(n, q_NHR.shape[1], lr, dtype=torch.float32), q_NHR.new_full((n, q_NHR.shape[1]), float("-inf"), dtype=torch.float32)
-    rows_NSR = latent_pool.index_select(0, page_table_NP.reshape(-1)).view(n, num_pages * ps, -1).float()
-    scores_NHS = torch.matmul(q_NHR.float(), rows_NSR.transpose(1, 2))
-    valid_NS = torch.arange(num_pages * ps, device=scores_NHS.device)[None, :] < kv_lens_N[:, None]
-    scores_NHS = scores_NHS.masked_fill_(~valid_NS[:, None, :], float("-inf"))
+    scores_NHS, rows_NSR = masked_latent_scores(q_NHR.float(), latent_pool, page_table_NP, kv_lens_N)
     lse_NH = torch.logsumexp(scores_NHS, dim=-1)
     # exp(score - lse) is the softmax where the part has keys; an empty part's row is all -inf - -inf = NaN: zeroed
     p_NHS = torch.exp(scores_NHS - lse_NH[..., None]).nan_to_num_(0.0)
@@ -60,8 +59,6 @@ def mla_decode_paged_lse(
     """ops/mla/absorbed.py's `mla_decode_paged` over the rows a part holds, returning (out [N, H, Dv] fp32, lse [N, H]):
     kv_lens[n] may be 0 (this part holds none of sequence n's keys). W_UV is applied here, before any merge: it is
     linear, so merging outputs equals merging the latent sums, and Dv values per head travel instead of Lr."""
-    q_lat_HNL = torch.matmul(q_nope_NHD.float().transpose(0, 1), w_uk_HDL.float())
-    q_NHR = torch.cat((q_lat_HNL.transpose(0, 1), q_pe_NHR.float()), dim=-1).mul_(scale)
+    q_NHR = absorbed_query(q_nope_NHD, q_pe_NHR, w_uk_HDL, scale)
     u_NHL, lse_NH = latent_attention_lse(q_NHR, latent_pool, page_table_NP, kv_lens_N, w_uk_HDL.shape[-1])
-    out_NHV = torch.matmul(u_NHL.transpose(0, 1), w_uv_HDL.float().transpose(1, 2)).transpose(0, 1)
-    return out_NHV, lse_NH
+    return values_of(u_NHL, w_uv_HDL), lse_NH

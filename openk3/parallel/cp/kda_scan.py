@@ -54,8 +54,7 @@ class Affine:
     @classmethod
     def of_widened(cls, state: torch.Tensor, num_value: int) -> Affine:
         """From a widened run's state [..., H, K, V + K] = [B | A]."""
-        s = state.reshape(state.shape[-3:])
-        return cls(s[..., num_value:], s[..., :num_value])
+        return cls.unpacked(state.reshape(state.shape[-3:]), num_value)
 
     def apply(self, start: torch.Tensor) -> torch.Tensor:
         """[H, K, V]: A start + B."""
@@ -68,6 +67,7 @@ class Affine:
 
     @classmethod
     def unpacked(cls, t: torch.Tensor, num_value: int) -> Affine:
+        """From [H, K, V + K] = [B | A]: a scan message (`packed`), or a widened run's end state."""
         return cls(t[..., num_value:], t[..., :num_value])
 
     def after(self, first: Affine) -> Affine:

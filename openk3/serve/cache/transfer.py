@@ -119,6 +119,8 @@ def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Seq
                 off += n
     if tensors.copy_log is not None:  # replicas replay the same load (driver.py sends the buffer), shards their own entry
         pages = tuple(int(p) for p in page_ids)
-        assert key is not None or tensors.mirrors_replicate
-        entry = TierLoad(buffer, slot, pages, num_tokens) if tensors.mirrors_replicate else MirrorLoad(key or b"", slot, pages, num_tokens)
-        tensors.copy_log.append(entry)
+        if tensors.mirrors_replicate:
+            tensors.copy_log.append(TierLoad(buffer, slot, pages, num_tokens))
+        else:
+            assert key is not None  # checked on entry
+            tensors.copy_log.append(MirrorLoad(key, slot, pages, num_tokens))

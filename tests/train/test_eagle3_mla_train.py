@@ -18,7 +18,7 @@ from openk3.train.eagle3_cli import export_eagle3
 from openk3.train.eagle3_head import draft_vocabulary, teacher
 from openk3.train.eagle3_mla_train import mla_ttt_outputs, new_eagle3_mla_head
 from tests.model.conftest import build
-from tests.train.test_eagle3_head import train_and_check_the_loss
+from tests.train.test_eagle3_head import train_and_check_the_loss, training_case
 
 
 def test_each_training_step_is_the_drafting_chain() -> None:
@@ -44,10 +44,7 @@ def test_each_training_step_is_the_drafting_chain() -> None:
 
 
 def test_training_lowers_the_loss_and_the_export_loads_back(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    target = build(debug())
-    g = torch.Generator().manual_seed(3)
-    data = torch.randint(0, 64, (16, 12), generator=g)
+    target, data = training_case()
     head = new_eagle3_mla_head(target, draft_vocabulary(data, 256, 64))
     train_and_check_the_loss(target, head, data)
     export_eagle3(head, tmp_path / "e3")

@@ -16,6 +16,7 @@ s <= 8192 (the reference's own memory grows with s).
     python benchmarks/long_context.py --lengths 8192,32768,65536      # the issue's sizes (the 64k baseline: minutes)
     python benchmarks/long_context.py --cp 2                          # also LLM(cp=2): prefill chunks split over 2 ranks
     python benchmarks/long_context.py --cp 2 --cp-tp 2 --cp-prefix-caching  # that row as LLM(cp=2, tp=2, prefix caching on)
+    python benchmarks/long_context.py --lengths 1048576 --dtype bf16 --no-baseline --op-sizes "" --decode-tokens 9  # 1M tokens
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def _peak_mb() -> float:
     return _status_mb("VmHWM")
 
 
-def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False) -> dict:
+DTYPES = ("fp32", "bf16")
+
+
+def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False, dtype: str = "fp32", decode: int = 1) -> dict:
     import torch
 
     from openk3.llm import LLM
@@ -58,24 +62,26 @@ def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_c
     if cp > 1:  # every rank one thread (the workers' ep_threads default): cp ranks use as many cores as one rank's default threads
         torch.set_num_threads(1)
         split = dict(cp=cp, tp=tp, cp_min_tokens=min(256, chunk), enable_prefix_caching=prefix_caching)
-    llm = LLM("tiny", ops=f"mla={form}", max_model_len=length + 8, max_num_batched_tokens=chunk, max_num_seqs=1, **split)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    llm = LLM("tiny", ops=f"mla={form}", dtype=torch_dtype, max_model_len=length + decode + 8, max_num_batched_tokens=chunk, max_num_seqs=1, **split)
     prompt = [random.Random(length).randrange(1000) for _ in range(length)]
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=1))  # warm-up: kernels built, pools touched
     loaded = _rss_mb()
     start = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True, logprobs=0))[0]
     seconds = time.perf_counter() - start
-    logprobs = out.outputs[0].logprobs
-    assert logprobs is not None
+    logprobs, metrics = out.outputs[0].logprobs, out.outputs[0].metrics
+    assert logprobs is not None and metrics is not None and metrics.time_to_first_token is not None
     cfg = llm.engine.model.config
-    cache_mb = length * len(cfg.mla_layers) * cfg.mla.latent_dim * 4 / 2**20
+    cache_mb = length * len(cfg.mla_layers) * cfg.mla.latent_dim * torch_dtype.itemsize / 2**20
     peak = _peak_mb()
     llm.close()
-    return {"seconds": seconds, "peak": peak, "loaded": loaded, "cache": cache_mb, "token": out.token_ids[0], "logprob": logprobs[0].logprob}
+    return {"seconds": metrics.time_to_first_token if decode > 1 else seconds, "tpot": metrics.time_per_output_token, "peak": peak,
+            "loaded": loaded, "cache": cache_mb, "token": out.token_ids[0], "logprob": logprobs[0].logprob}  # fmt: skip
 
 
-def measure(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk},{cp},{tp},{int(prefix_caching)}"]
+def measure(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False, dtype: str = "fp32", decode: int = 1) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk},{cp},{tp},{int(prefix_caching)},{dtype},{decode}"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -126,37 +132,51 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=1, help="also a row per length with LLM(cp=N): the prefill chunks split over N ranks (rank 0's peak)")
     p.add_argument("--cp-tp", type=int, default=1, help="the --cp row's TP ranks per CP rank (cp x tp ranks)")
     p.add_argument("--cp-prefix-caching", action="store_true", help="the --cp row with prefix caching on (its snapshots taken inside the split chunks)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="the model's dtype in every row (bf16: torch's CPU flash in bf16, fp32 accumulation)")
+    p.add_argument("--decode-tokens", type=int, default=1, help="tokens generated per row; above 1 the prefill column is the TTFT and a TPOT column is added")
+    p.add_argument("--no-baseline", action="store_true", help="no expanded-K/V row (its memory at 1M tokens is tens of GB): the new form's rows only")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        length, form, chunk, cp, tp, pc = args.child.split(",")
-        print(json.dumps(child(int(length), form, int(chunk), int(cp), int(tp), pc == "1")))
+        length, form, chunk, cp, tp, pc, dtype, decode = args.child.split(",")
+        print(json.dumps(child(int(length), form, int(chunk), int(cp), int(tp), pc == "1", dtype, int(decode))))
         return
+    if args.decode_tokens < 1:
+        p.error("--decode-tokens must be at least 1")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     where = platform.processor() or platform.machine()
     flags = f"--lengths {args.lengths} --chunk {args.chunk} --repeats {args.repeats} --op-sizes {args.op_sizes}"
     flags += (f" --cp {args.cp} --cp-tp {args.cp_tp}" + " --cp-prefix-caching" * args.cp_prefix_caching) if args.cp > 1 else ""
+    flags += f" --dtype {args.dtype}" * (args.dtype != "fp32") + f" --decode-tokens {args.decode_tokens}" * (args.decode_tokens > 1)
+    flags += " --no-baseline" * args.no_baseline
     print(f"command: python benchmarks/long_context.py {flags}; commit {commit}; {where}, {os.cpu_count()} CPUs")
     op_table([(int(t), int(s)) for t, s in (x.split("x") for x in args.op_sizes.split(",") if x)])
     print(f"baseline: --ops mla={BASELINE} (the old auto: K/V expanded for the whole context + SDPA); new: mla={NEW} (the registry's rule)\n")
-    print("| prompt tokens | MLA cache MB | form | prefill s | peak RSS MB | peak - loaded MB | speed-up vs baseline | peak ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    tpot = args.decode_tokens > 1
+    print("| prompt tokens | MLA cache MB | form | prefill s |" + " TPOT ms |" * tpot + " peak RSS MB | peak - loaded MB | speed-up vs baseline | peak ratio |")
+    print("|---|---|---|---|" + "---|" * tpot + "---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):
         cp_row = f"{NEW}, cp={args.cp}" + f" x tp={args.cp_tp}" * (args.cp_tp > 1) + ", prefix caching" * args.cp_prefix_caching
-        rows = (BASELINE, NEW) + ((cp_row,) if args.cp > 1 else ())
+        rows = ((BASELINE,) if not args.no_baseline else ()) + (NEW,) + ((cp_row,) if args.cp > 1 else ())
         runs: dict[str, list[dict]] = {name: [] for name in rows}
         for _ in range(args.repeats):  # interleaved: a shared machine's load moves within minutes
             for name in rows:
-                split = (args.cp, args.cp_tp, args.cp_prefix_caching) if name == cp_row else (1, 1, False)
-                runs[name].append(measure(length, NEW if name == cp_row else name, args.chunk, *split))
+                cp, tp, pc = (args.cp, args.cp_tp, args.cp_prefix_caching) if name == cp_row else (1, 1, False)
+                runs[name].append(measure(length, NEW if name == cp_row else name, args.chunk, cp, tp, pc, args.dtype, args.decode_tokens))
         results = {name: median_run(runs[name]) for name in rows}
-        base = results[BASELINE]
+        base = results.get(BASELINE)
         for name, r in results.items():
-            same = base["token"] == r["token"] and abs(base["logprob"] - r["logprob"]) <= 1e-3
-            ratio = (f"{base['seconds'] / r['seconds']:.2f}x" if same else "mismatch") if r is not base else "1.00x"
-            peak = f"{r['peak'] / base['peak']:.2f}" if r is not base else "1.00"
+            if base is None:
+                ratio, peak = "-", "-"
+            elif r is base:
+                ratio, peak = "1.00x", "1.00"
+            else:
+                same = base["token"] == r["token"] and abs(base["logprob"] - r["logprob"]) <= 1e-3
+                ratio, peak = (f"{base['seconds'] / r['seconds']:.2f}x" if same else "mismatch"), f"{r['peak'] / base['peak']:.2f}"
             grown = r["peak"] - r["loaded"]
-            print(f"| {length} | {r['cache']:.1f} | {name} | {r['seconds']:.1f} | {r['peak']:.0f} | {grown:.0f} | {ratio} | {peak} |", flush=True)
+            per_token = f" {r['tpot'] * 1e3:.1f} |" if tpot else ""
+            print(f"| {length} | {r['cache']:.1f} | {name} | {r['seconds']:.1f} |{per_token} {r['peak']:.0f} | {grown:.0f} | {ratio} | {peak} |", flush=True)
+            print(f"  (first token {r['token']}, logprob {r['logprob']:.4f})", flush=True)
 
 
 if __name__ == "__main__":

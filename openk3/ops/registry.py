@@ -8,6 +8,7 @@ A backend is where an entry runs. The same name may be registered for several; a
 (OpTarget.backends), so a faster backend plugs in as entries of its own and no op asks "is my kernel there?" per call:
 - "c": the C kernels of ops/cpu (CPU, fp32, inference), offered only where every one of them builds and loads;
 - "cpu": torch's CPU-only forms (oneDNN's blocked weights, weight-first products; CPU, fp32, inference);
+- "cpu_half": torch's CPU-only forms that take bf16 and fp16 (CPU, bf16/fp16, inference): the MLA latent prefill;
 - a device type ("cuda", ...): that device's kernels (Triton, fla), offered on that device;
 - "any": plain torch ops, on every device and dtype, the only backend training gets on CPU.
 An entry of an inference backend refuses a call outside what it was chosen for (autograd on, another dtype or device,
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 ANY = "any"
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the CPU inference dtypes the "cpu_half" backend serves
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,11 @@ class OpTarget:
 
         if self.device != "cpu":
             return (self.device, ANY)
-        if self.training or self.dtype != torch.float32:
+        if self.training:
+            return (ANY,)
+        if self.dtype in HALF_DTYPES:
+            return ("cpu_half", ANY)
+        if self.dtype != torch.float32:
             return (ANY,)
         return ("c", "cpu", ANY) if self.c_kernels and kernels_available() else ("cpu", ANY)
 
@@ -157,13 +163,13 @@ def kda_decode_rule(target: OpTarget, use: OpUse) -> str:
 
 
 def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
-    """The latent CPU flash form where the target offers it (CPU fp32 inference: faster than expanded SDPA at every size
-    measured, 1.6-6.9x the expanded SDPA from 1 x 1 to 2048 x 32768, benchmarks/results/long_context.md; its memory is the cached
-    latents); for inference elsewhere SDPA over expanded K/V until its bytes reach a bound, key blocks past it ("sized");
-    for training SDPA over expanded K/V (differentiable)."""
+    """The latent CPU flash form where the target offers it (CPU inference in fp32, bf16 or fp16: faster than expanded SDPA
+    at every size measured, 1.6-6.9x the expanded SDPA from 1 x 1 to 2048 x 32768 in fp32, benchmarks/results/long_context.md;
+    its memory is the cached latents); for inference elsewhere SDPA over expanded K/V until its bytes reach a bound, key
+    blocks past it ("sized"); for training SDPA over expanded K/V (differentiable)."""
     if target.training:
         return "fast"
-    return "latent" if "cpu" in target.backends() else "sized"
+    return "latent" if {"cpu", "cpu_half"} & set(target.backends()) else "sized"
 
 
 @functools.cache
@@ -242,7 +248,9 @@ def registry() -> OpRegistry:
     r.register("mla_prefill", "blockwise", mla_blockwise, "K/V expanded one key block at a time, online softmax", differentiable=True)
     # by name only, like the other Triton entries below ("auto" stays on the torch forms until a hardware run)
     r.register("mla_prefill", "triton", mla_prefill_triton, "the chunk's latent attention as a causal Triton kernel, no K/V", backend="cuda", requires=TRITON)
-    r.register("mla_prefill", "latent", mla_latent_flash, "latent space, torch's CPU flash kernel: no K/V, no chunk x context scores", backend="cpu")
+    latent_summary = "latent space, torch's CPU flash kernel: no K/V, no chunk x context scores"
+    r.register("mla_prefill", "latent", mla_latent_flash, latent_summary, backend="cpu")
+    r.register("mla_prefill", "latent", mla_latent_flash, latent_summary + " (bf16/fp16)", backend="cpu_half")
     r.register("mla_prefill", "sized", mla_expanded_or_blockwise, "SDPA over expanded K/V up to a byte bound, key blocks above (ops/thresholds.py)")
     r.register_auto("mla_prefill", mla_prefill_rule)
 

@@ -12,6 +12,7 @@ import torch
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model import K3ForCausalLM
+from openk3.model.mla import GatedMLA
 from openk3.ops import thresholds
 from openk3.ops.mla import mla_expanded
 from openk3.ops.mla.blockwise import mla_expanded_or_blockwise
@@ -49,8 +50,24 @@ def test_latent_flash_reads_a_bf16_cache_and_refuses_bad_offsets_and_autograd() 
         mla_latent_flash(q_nope, q_pe, c, k_pe, w_uk, w_uv, 0.2, 5)
     got = mla_latent_flash(q_nope, q_pe, c.bfloat16(), k_pe.bfloat16(), w_uk, w_uv, 0.2, 6)  # a bf16 cache, fp32 math
     torch.testing.assert_close(got, mla_expanded(q_nope, q_pe, c.bfloat16(), k_pe.bfloat16(), w_uk, w_uv, 0.2, 6), atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="CPU fp32 inference"):
+    with pytest.raises(RuntimeError, match="CPU inference in one of"):
         mla_latent_flash(q_nope.requires_grad_(), q_pe, c, k_pe, w_uk, w_uv, 0.2, 6)
+    with pytest.raises(RuntimeError, match="torch.float64 on cpu"):
+        mla_latent_flash(q_nope.double(), q_pe.double(), c, k_pe, w_uk.double(), w_uv.double(), 0.2, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,s", [(1, 1), (5, 5), (7, 70), (64, 301)])
+def test_half_precision_is_the_fp32_reference_to_its_rounding(dtype: torch.dtype, t: int, s: int) -> None:
+    """The "cpu_half" entry: a bf16/fp16 model's chunk against the fp32 definition of the same (rounded) inputs, within the
+    half type's rounding of a few products (the kernel accumulates in fp32; the two key ranges merge in fp32)."""
+    q_nope, q_pe, c, k_pe, w_uk, w_uv = (x.to(dtype) for x in make(t, s, seed=t * s))
+    scale = (DN + DR) ** -0.5
+    want = mla_expanded(q_nope.float(), q_pe.float(), c.float(), k_pe.float(), w_uk.float(), w_uv.float(), scale, s - t)
+    got = mla_latent_flash(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale, s - t)
+    assert got.dtype == dtype
+    tol = 2 ** -(7 if dtype == torch.bfloat16 else 10) * 4
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("bound", [0, 2**40])
@@ -66,7 +83,10 @@ def test_auto_rule() -> None:
     r = registry()
     assert r.entry("mla_prefill", "auto")[0] == "latent"
     assert r.entry("mla_prefill", "auto", OpTarget(c_kernels=False))[0] == "latent"
-    assert r.entry("mla_prefill", "auto", OpTarget(dtype=torch.bfloat16))[0] == "sized"
+    assert r.entry("mla_prefill", "auto", OpTarget(dtype=torch.bfloat16))[0] == "latent"
+    assert r.entry("mla_prefill", "auto", OpTarget(dtype=torch.float16))[0] == "latent"
+    assert r.entry("mla_prefill", "auto", OpTarget(dtype=torch.float64))[0] == "sized"
+    assert r.entry("mla_prefill", "latent", OpTarget(dtype=torch.bfloat16))[1].backend == "cpu_half"
     assert r.entry("mla_prefill", "auto", OpTarget("cuda"))[0] == "sized"
     assert r.entry("mla_prefill", "auto", OpTarget(training=True))[0] == "fast"
 
@@ -102,6 +122,22 @@ def test_engine_chunked_prefill_and_prefix_hits_equal_the_reference_layer() -> N
     assert [g[0] for g in got] == [w[0] for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g[1]), torch.tensor(w[1]), atol=1e-4, rtol=0)
+
+
+def test_engine_in_bf16_takes_the_latent_form_and_agrees_with_sized() -> None:
+    """A bf16 model on CPU now resolves "auto" to the latent form (the "cpu_half" entry): the same tokens as the expanded
+    "sized" form in bf16, logprobs within bf16's rounding (measured: 2e-3)."""
+    model = K3ForCausalLM(debug())
+    model.init_weights(seed=11)
+    model.eval()
+    model.to(torch.bfloat16)
+    want, got = run(model, "sized"), run(model, "auto")
+    assert [layer.self_attn.prefill for layer in model.model.layers if isinstance(layer.self_attn, GatedMLA)] == [mla_latent_flash] * len(
+        model.config.mla_layers
+    )
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g[1]), torch.tensor(w[1]), atol=1e-2, rtol=0)
 
 
 def _peak_growth_bytes(fn) -> int:

@@ -32,6 +32,21 @@ def cpu_fp32_inference(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def require_cpu_inference(op: str, dtypes: tuple[torch.dtype, ...], *tensors: torch.Tensor) -> None:
+    """Raise unless `tensors` are on CPU, of one dtype among `dtypes`, with autograd recording nothing on them: the guard of
+    a torch CPU form that takes more than fp32 (the "cpu_half" backend's entries)."""
+    dtype = tensors[0].dtype
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if dtype in dtypes and not grad and all(t.is_cpu and t.dtype == dtype for t in tensors):
+        return
+    got = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+    raise RuntimeError(
+        f"{op}: this implementation was chosen for CPU inference in one of {[str(d) for d in dtypes]}, but got {', '.join(got)}"
+        f"{' with autograd on' if grad else ''}. Choose again for what runs now: model.select_ops(target=OpTarget(device, "
+        "training=..., dtype=...)) after moving or casting the model (prepare_for_serving does it for serving)"
+    )
+
+
 def require_inference(op: str, *tensors: torch.Tensor) -> None:
     """Raise unless `tensors` are what an entry of the "c" or "cpu" backend was chosen for (CPU, fp32, autograd off)."""
     if cpu_fp32_inference(*tensors):

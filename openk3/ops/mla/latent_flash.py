@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.cpu import require_inference
+from openk3.ops.cpu import require_cpu_inference
 
 # torch's CPU flash attention with its log-sum-exp, the kernel F.scaled_dot_product_attention runs on CPU (public since
 # torch 2.3 as an aten op; the public function drops the log-sum-exp that merging two key ranges needs)
@@ -49,8 +49,10 @@ def mla_latent_flash(
     q_offset: int,
 ) -> torch.Tensor:
     """Same contract as `mla_expanded` for a prefill chunk (keys = the q_offset cached tokens + the chunk's t: s = q_offset + t),
-    for CPU fp32 inference (the "cpu" backend). Returns [t, H, Dv]."""
-    require_inference("mla latent flash", q_nope_tHD, q_pe_tHR, w_uk_HDL, w_uv_HDL)  # the cache may be narrower: read as fp32
+    for CPU inference in fp32 (the "cpu" backend), bf16 or fp16 ("cpu_half": the kernel accumulates in fp32 and its
+    log-sum-exp is fp32, so the two key ranges merge in fp32 before the result returns to the model's dtype). Returns [t, H, Dv]."""
+    # the cache may be narrower than the model (fp8 pages): its rows are read in the model's dtype
+    require_cpu_inference("mla latent flash", (torch.float32, torch.bfloat16, torch.float16), q_nope_tHD, q_pe_tHR, w_uk_HDL, w_uv_HDL)
     t, h = q_nope_tHD.shape[:2]
     s, lr = c_kv_sL.shape
     if s != q_offset + t:
@@ -68,5 +70,6 @@ def mla_latent_flash(
         lse_pre = lse_pre.view(h, t)
         lse_all = torch.logaddexp(lse_Ht, lse_pre)
         u_HtR = u_HtR * torch.exp(lse_Ht - lse_all)[..., None] + u_pre.view(h, t, -1) * torch.exp(lse_pre - lse_all)[..., None]
+        u_HtR = u_HtR.to(dtype)  # the weights are fp32 (the log-sum-exps), so a half-precision chunk merged in fp32
     out_HtD = torch.matmul(u_HtR[..., :lr], w_uv_HDL.to(dtype).transpose(1, 2))
     return out_HtD.transpose(0, 1)

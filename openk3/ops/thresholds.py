@@ -1,5 +1,7 @@
 """Every tuned size switch of the CPU fast paths, in one place, each with the measurement that chose it. Values are for the
-2-core dev box (AMD EPYC Zen 4 VM, 32 MiB L3, fp32, 2 threads); rerun the named benchmark before changing one.
+2-core dev VMs they were measured on (fp32, 2 threads): the earlier switches on an AMD EPYC Zen 4 VM (32 MiB L3), the
+later ones (the panel rows, issue 42) on an Intel Xeon VM with AVX-512 and AMX (2 MiB L2 per core). A machine with other
+caches may want other values: rerun the named benchmark before changing one.
 
 The ops read them as their own module names (ops/linear.py, ops/moe/__init__.py, ops/attn_res/sized.py), so a test can move a
 switch for one op with monkeypatch.

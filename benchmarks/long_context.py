@@ -63,7 +63,19 @@ def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_c
         torch.set_num_threads(1)
         split = dict(cp=cp, tp=tp, cp_min_tokens=min(256, chunk), enable_prefix_caching=prefix_caching)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    llm = LLM("tiny", ops=f"mla={form}", dtype=torch_dtype, max_model_len=length + decode + 8, max_num_batched_tokens=chunk, max_num_seqs=1, **split)
+    max_len = length + decode + 8
+    pages = -(-max_len // 16)  # the prompt's pages exactly: the default budget holds ~700k tokens
+    llm = LLM(
+        "tiny",
+        ops=f"mla={form}",
+        dtype=torch_dtype,
+        max_model_len=max_len,
+        page_size=16,
+        num_pages=pages,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=1,
+        **split,
+    )
     prompt = [random.Random(length).randrange(1000) for _ in range(length)]
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=1))  # warm-up: kernels built, pools touched
     loaded = _rss_mb()
@@ -82,7 +94,9 @@ def child(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_c
 
 def measure(length: int, form: str, chunk: int, cp: int = 1, tp: int = 1, prefix_caching: bool = False, dtype: str = "fp32", decode: int = 1) -> dict:
     cmd = [sys.executable, __file__, "--child", f"{length},{form},{chunk},{cp},{tp},{int(prefix_caching)},{dtype},{decode}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd[1:])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

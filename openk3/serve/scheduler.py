@@ -15,11 +15,8 @@ of the budget of the requests it outranks. What goes to the runner is the plan o
 themselves, in batch order, with the tokens each computes; the runner reads their tokens from the Request and their slot
 and pages from the cache. Prefix caching adds one thing to admission: a new request starts at the deepest boundary cached
 under its cache_salt (`num_computed_tokens` = the hit; none for a request that wants its prompt scored,
-serve/prompt_logprobs.py), and states are snapshotted where the prefix cache wants them: at the end of a chunk (cut at
-fixed intervals when asked, and moved down to a multiple of the match unit whenever it is cut anyway), at the prompt end,
-when a request finishes, and inside a step without cutting it (ForwardBatch.state_cuts) at detected branch points and at
-the deepest `prompt_snapshots` multiples of the match unit below the prompt's end -- so a repeated or extended prompt hits
-on its second send. The slots of in-step states are reserved when the step is planned and adopted after it.
+serve/prompt_logprobs.py), and states are snapshotted where the prefix cache wants them (serve/snapshot_points.py: chunk
+ends, the prompt end, branch points and the deepest match-unit multiples inside a step) and when a request finishes.
 Images: a chunk whose images are not encoded yet also spends their token count of the budget (the encoder runs in that
 step, serve/encoder_cache.py); the prefix cache keys image tokens by image.
 Single-threaded: the engine loop calls schedule / update_from_output / finish in turn.
@@ -32,7 +29,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from openk3.checks import check_int
 from openk3.serve.cache.manager import CacheManager
@@ -40,6 +36,7 @@ from openk3.serve.cache.prefix_types import PrefixMatch
 from openk3.serve.policy import POLICIES, Ranking, SchedulingPolicy, check_priority
 from openk3.serve.request import Request, RequestStatus
 from openk3.serve.shared_prefill import prefill_to_wait_for, unfinished_prefills, wants_whole_prompt
+from openk3.serve.snapshot_points import SnapshotCut, chunk_tokens, reserve_cuts, snapshot_due
 
 
 @dataclass(frozen=True)
@@ -56,15 +53,6 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             check_int("SchedulerConfig", name, getattr(self, name), low=1)
         check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, low=1, optional=True)
-
-
-class SnapshotCut(NamedTuple):
-    """A prefix-cache snapshot taken inside a step: request `row` (in batch order) writes its state after its first
-    `num_tokens` tokens into the reserved snapshot slot `slot`."""
-
-    row: int
-    num_tokens: int
-    slot: int
 
 
 @dataclass(frozen=True)
@@ -123,26 +111,13 @@ class Scheduler:
         self.waiting.append(req)
 
     def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
+        """The tokens req computes this step from `start` (its computed count): the budget, the prefill threshold, and
+        inside the prompt a chunk end where a state is worth taking (serve/snapshot_points.py)."""
         c = req.num_computed_tokens if start is None else start
-        remaining = req.num_tokens - c
-        n = min(remaining, budget)
+        n = min(req.num_tokens - c, budget)
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
-        pc = self.cache.prefix_config
-        if pc is None or c >= req.num_prompt_tokens:
-            return n
-        end = c + n
-        if pc.snapshot_interval is not None and (c // pc.snapshot_interval + 1) * pc.snapshot_interval < end:
-            return (c // pc.snapshot_interval + 1) * pc.snapshot_interval - c
-        aligned = end // pc.match_unit * pc.match_unit
-        return aligned - c if n < remaining and aligned > c else n
-
-    def _snapshot_due(self, req: Request) -> bool:
-        pc, c = self.cache.prefix_config, req.num_computed_tokens
-        if pc is None or c > req.num_prompt_tokens:
-            return False
-        interval = pc.snapshot_interval is not None and c % pc.snapshot_interval == 0
-        return c == req.num_prompt_tokens or c % pc.match_unit == 0 or c in req.snapshot_points or interval
+        return chunk_tokens(self.cache.prefix_config, req, n, c)
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Take cache for a waiting request (from its deepest cached prefix when prefix caching is on); the tokens it gets this
@@ -305,34 +280,8 @@ class Scheduler:
             counts.append(admitted)
             budget -= admitted + (self.encoder_cost(req, admitted) if self.encoder_cost is not None else 0)
 
-        return SchedulerOutput(tuple(scheduled), tuple(counts), self._reserve_cuts(scheduled, counts))
-
-    def _cut_points(self, req: Request, n: int) -> list[int]:
-        """Where a prefill chunk of n tokens from req's computed count takes states inside the step, strictly inside the
-        chunk and the prompt, most wanted first: its branch points, then the multiples of the match unit among the deepest
-        `prompt_snapshots` below the prompt's end, deepest first (module docstring)."""
-        pc, c, end = self.cache.prefix_config, req.num_computed_tokens, req.num_prompt_tokens
-        if pc is None or c >= end:
-            return []
-        stop = min(c + n, end)
-        points = [q for q in req.snapshot_points if c < q < stop]
-        if pc.prompt_snapshots:
-            u = pc.match_unit
-            lowest = max(u, (end - 1) // u * u - (pc.prompt_snapshots - 1) * u)
-            points += [q for q in reversed(range(max(lowest, (c // u + 1) * u), stop, u)) if q not in points]
-        return points
-
-    def _reserve_cuts(self, scheduled: list[Request], counts: list[int]) -> tuple[SnapshotCut, ...]:
-        """A snapshot slot for each cut point of the step, a request's most wanted first, until none is left; the cuts in
-        batch order, ascending (adopted in that order, so the deepest is the most recently used)."""
-        cuts: list[SnapshotCut] = []
-        for i, (req, n) in enumerate(zip(scheduled, counts, strict=True)):
-            for q in self._cut_points(req, n):
-                slot = self.cache.reserve_snapshot_slot()
-                if slot is None:
-                    return tuple(sorted(cuts))
-                cuts.append(SnapshotCut(i, q, slot))
-        return tuple(sorted(cuts))
+        cuts = reserve_cuts(self.cache.prefix_config, scheduled, counts, self.cache.reserve_snapshot_slot)
+        return SchedulerOutput(tuple(scheduled), tuple(counts), cuts)
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, int], runs: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts and append the sampled tokens (request id -> token, only for the requests whose
@@ -358,7 +307,7 @@ class Scheduler:
                 got_token.append(req)
                 continue
             req.num_computed_tokens += n
-            if self._snapshot_due(req):
+            if snapshot_due(self.cache.prefix_config, req):
                 self.cache.snapshot(req.request_id, req.cache_key_ids(req.num_computed_tokens), req.cache_salt)
             token = sampled.get(req.request_id)
             if token is None:

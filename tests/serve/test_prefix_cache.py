@@ -8,7 +8,7 @@ from openk3.model.batch import StateCut
 from openk3.serve.cache.manager import CacheManager
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixMatch
 from openk3.serve.cache.tier_types import TierKind
-from openk3.serve.scheduler import SnapshotCut
+from openk3.serve.snapshot_points import SnapshotCut
 
 A = list(range(100, 110))  # 10 tokens: pages [100..103] [104..107], tail (108, 109)
 B = A + [1, 2, 3]  # 13 tokens: diverges from A's cached run only after it

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from openk3.ops.mla import mla_decode_paged, mla_expanded, split_kv_b
-from openk3.ops.mla.lse import merge_by_lse, mla_decode_paged_lse
+from openk3.ops.mla.lse import merge_by_lse, mla_decode_paged_lse, mla_rows_lse
 
 H, DN, DR, DV, LR = 3, 16, 8, 12, 20
 
@@ -69,3 +69,31 @@ def test_an_empty_part_is_zero_with_minus_infinite_lse() -> None:
     w_uk, w_uv = split_kv_b(torch.randn(H * (DN + DV), LR), H, DN, DV)
     out, lse = mla_decode_paged_lse(torch.randn(1, H, DN), torch.randn(1, H, DR), pool, torch.tensor([[1]]), torch.tensor([0]), w_uk, w_uv, 0.5)
     assert torch.equal(out, torch.zeros(1, H, DV)) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize("block", [1, 3, 64])
+@pytest.mark.parametrize(("t", "s"), [(1, 1), (5, 5), (4, 19), (7, 0)])
+def test_rows_lse_over_blocks_is_the_definition(monkeypatch: pytest.MonkeyPatch, block: int, t: int, s: int) -> None:
+    """Every query over every row (the context part of a prefill chunk) and the causal chunk's own rows, in key blocks of
+    `block` x t x H scores, against the expanded definition; a context split in two parts merges to the whole context."""
+    import openk3.ops.mla.lse as lse_module
+
+    monkeypatch.setattr(lse_module, "ROWS_LSE_SCORE_ELEMENTS", block * t * H)
+    g = torch.Generator().manual_seed(t * 31 + s)
+    rows = torch.randn(s + t, LR + DR, generator=g)
+    q_nope, q_pe = torch.randn(t, H, DN, generator=g), torch.randn(t, H, DR, generator=g)
+    w_uk, w_uv = split_kv_b(torch.randn(H * (DN + DV), LR, generator=g), H, DN, DV)
+    context, own = rows[:s], rows[s:]
+    c, k_pe = rows.split([LR, DR], -1)
+    whole = mla_expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, 0.3, s)  # the chunk at offset s, causal
+    own_part = mla_rows_lse(q_nope, q_pe, own, w_uk, w_uv, 0.3, causal=True)
+    torch.testing.assert_close(own_part[0], mla_expanded(q_nope, q_pe, c[s:], k_pe[s:], w_uk, w_uv, 0.3, 0), atol=1e-5, rtol=1e-5)
+    half = s // 2
+    parts = [mla_rows_lse(q_nope, q_pe, context[:half], w_uk, w_uv, 0.3), mla_rows_lse(q_nope, q_pe, context[half:], w_uk, w_uv, 0.3), own_part]
+    merged = merge_by_lse(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    torch.testing.assert_close(merged, whole, atol=1e-5, rtol=1e-5)
+    if s == 0:
+        out, lse = parts[0]
+        assert torch.equal(out, torch.zeros(t, H, DV)) and bool(torch.isneginf(lse).all())
+    with pytest.raises(ValueError, match="causal attention over"):
+        mla_rows_lse(q_nope, q_pe, torch.randn(t + 1, LR + DR), w_uk, w_uv, 0.3, causal=True)

@@ -1,6 +1,6 @@
 """LLM(..., cp=N, decode_cp=True): decode context parallelism (parallel/cp/sharded_mla.py). Each CP rank's MLA pages hold
 its interleaved share of the latents (position p on rank p % N); decode attends each share and merges the parts by LSE;
-prefill chunks gather the context's shares. Greedy and seeded tokens equal one process, their logprobs and the prompt
+prefill chunks after a context attend each share and merge by LSE too. Greedy and seeded tokens equal one process, their logprobs and the prompt
 logprobs to 1e-4 (fp32 reassociation), alone and batched (steps mixing prefill chunks and decode rows), over TP groups,
 with the experts spread over the ranks and with prefix caching; rank 0's pools hold exactly the even positions of one
 process's pages, at half the bytes per page."""

@@ -1,5 +1,6 @@
-"""MLA decode over a part of each sequence's keys, with the log-sum-exp of its scores, and the exact merge of such parts:
-what decode context parallelism runs (parallel/cp/sharded_mla.py), each rank over the latents it holds.
+"""MLA attention over a part of each sequence's keys, with the log-sum-exp of its scores, and the exact merge of such
+parts: what decode context parallelism runs (parallel/cp/sharded_mla.py), each rank over the latents it holds -- a decode
+step's queries over the pages (`mla_decode_paged_lse`), a prefill chunk's queries over given rows (`mla_rows_lse`).
 
 Legend: W parts (ranks), N sequences, H heads, Dn/Dr/Dv qk_nope/qk_rope/v head dims, Lr kv_lora_rank, R = Lr + Dr, NP pages,
 PS rows per page, P page-table width, S = P * PS gathered rows.
@@ -62,3 +63,48 @@ def mla_decode_paged_lse(
     q_NHR = absorbed_query(q_nope_NHD, q_pe_NHR, w_uk_HDL, scale)
     u_NHL, lse_NH = latent_attention_lse(q_NHR, latent_pool, page_table_NP, kv_lens_N, w_uk_HDL.shape[-1])
     return values_of(u_NHL, w_uv_HDL), lse_NH
+
+
+ROWS_LSE_SCORE_ELEMENTS = 2**22  # scores held at once by mla_rows_lse (16 MiB fp32): key blocks of this over t x H rows
+
+
+def mla_rows_lse(
+    q_nope_tHD: torch.Tensor,
+    q_pe_tHR: torch.Tensor,
+    rows_sR: torch.Tensor,
+    w_uk_HDL: torch.Tensor,
+    w_uv_HDL: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [t, H, Dv] fp32, lse [t, H]) of t queries of one sequence over the latent rows [s, R] ([c | k_pe] as the pages
+    hold them): every query over every row, or with `causal` (s == t: the chunk's own rows) query j over rows 0 .. j. In the
+    latent space (the absorbed query), key blocks with an online softmax, so its memory is the rows plus
+    ROWS_LSE_SCORE_ELEMENTS scores, whatever s is; no rows (s = 0) is an empty part (zeros, -inf)."""
+    t, h = q_nope_tHD.shape[:2]
+    s, lr = rows_sR.shape[0], w_uk_HDL.shape[-1]
+    if causal and s != t:
+        raise ValueError(f"mla_rows_lse: causal attention over {s} rows for {t} queries; expected the chunk's own {t} rows")
+    q_MR = absorbed_query(q_nope_tHD, q_pe_tHR, w_uk_HDL, scale).reshape(t * h, -1)  # row m = (query m // H, head m % H)
+    top_M = q_MR.new_full((t * h,), float("-inf"))
+    total_M = q_MR.new_zeros(t * h)
+    acc_ML = q_MR.new_zeros(t * h, lr)
+    query_M = torch.arange(t, device=q_MR.device).repeat_interleave(h)
+    block = max(1, ROWS_LSE_SCORE_ELEMENTS // max(1, t * h))
+    for lo in range(0, t if causal else s, block):  # causal: no query sees a row past the last query
+        keys_bR = rows_sR[lo : lo + block].float()
+        scores_Mb = q_MR @ keys_bR.T
+        if causal:
+            key_b = torch.arange(lo, lo + keys_bR.shape[0], device=q_MR.device)
+            scores_Mb.masked_fill_(key_b[None, :] > query_M[:, None], float("-inf"))
+        new_top = torch.maximum(top_M, scores_Mb.max(dim=-1).values)
+        # a row with no visible key yet keeps top -inf: exp(-inf - -inf) would be NaN, and its sums are still 0
+        finite = torch.isfinite(new_top)
+        rescale = torch.where(finite, torch.exp(top_M - new_top), 0.0)
+        p_Mb = torch.exp(scores_Mb - torch.where(finite, new_top, 0.0)[:, None])
+        total_M = total_M * rescale + p_Mb.sum(dim=-1)
+        acc_ML = acc_ML * rescale[:, None] + p_Mb @ keys_bR[:, :lr]
+        top_M = new_top
+    lse_M = torch.where(total_M > 0, top_M + torch.log(total_M), float("-inf"))
+    u_tHL = (acc_ML / total_M.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).view(t, h, lr)
+    return values_of(u_tHL, w_uv_HDL), lse_M.view(t, h)

@@ -16,9 +16,14 @@ sequence is spread too), and the new token of each decode step goes to the next 
 - a decode step: each rank attends the step's query over its share (ops/mla/lse.py, the latent-space form), and the
   parts are merged exactly by their log-sum-exp after one all-gather of (out [N, H, Dv], lse [N, H]) per MLA layer;
 - any other step: a sequence with one new token (a decoding request beside a prefill chunk) takes the decode form; a
-  sequence with more (a prefill chunk) gathers every rank's share of its context before the step, in position order
-  (`gather_context`, a temporary the size of that context), then attends as one process does. The cache stays sharded;
-  the gather is the price of a prefill chunk after a context.
+  prefill chunk of a fresh sequence attends its own latents as one process does; a prefill chunk after a context splits
+  like a decode step (`chunks_by_lse`): each rank attends the chunk's queries over its share of the context (every rank
+  has every query: the step runs whole on each), one all-gather of (out [t, H, Dv], lse [t, H]) per MLA layer carries
+  the parts, and every rank merges them with the chunk's own causal part. So no rank holds more than its share of a
+  context, and the context's attention work is split over the ranks, for t x H x (Dv + 1) values per rank on the wire
+  (against R per context token for gathering the context: less from a context of about t x H x (Dv + 1) / R tokens on).
+- a context-parallel prefill (layers.py), whose ranks hold different queries, gathers the context's shares instead
+  (`gather_context`): there the latents are what is small.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.batch import ForwardBatch
 from openk3.model.mla import GatedMLA, read_latents
 from openk3.ops.mla import split_kv_b
-from openk3.ops.mla.lse import merge_by_lse, mla_decode_paged_lse
+from openk3.ops.mla.lse import merge_by_lse, mla_decode_paged_lse, mla_rows_lse
 from openk3.parallel.group import ParallelContext
 
 
@@ -124,6 +129,41 @@ def decode_on_shards(
     return merge_by_lse(both[..., : h * v].reshape(-1, n, h, v), both[..., h * v :])
 
 
+def chunks_by_lse(
+    mla: GatedMLA,
+    q_nope_THD: torch.Tensor,
+    q_pe_THR: torch.Tensor,
+    latent_TR: torch.Tensor,
+    spans: list[tuple[int, int]],
+    contexts: list[tuple[torch.Tensor, int]],
+    pool_PSR: torch.Tensor,
+    shards: LatentShards,
+    ctx: ParallelContext,
+) -> list[torch.Tensor]:
+    """Per prefill chunk (its rows [lo, hi) of the step, its page-table row and context length): its queries over the
+    whole context and itself, [t, H, Dv] fp32 (module docstring): this rank's part over its share of the context, every
+    rank's parts after one all-gather of [out | lse] for all the chunks, merged with the chunk's own causal part (its
+    latents as the pages hold them)."""
+    w_uk, w_uv = split_kv_b(mla.kv_b_proj.weight, mla.num_heads, mla.nope, mla.v_dim)
+    h, v = mla.num_heads, mla.v_dim
+    mine = []
+    for (lo, hi), (pages_P, length) in zip(spans, contexts, strict=True):
+        rows_sR = read_latents(pool_PSR, pages_P, shards.held(length))
+        out_tHV, lse_tH = mla_rows_lse(q_nope_THD[lo:hi], q_pe_THR[lo:hi], rows_sR, w_uk, w_uv, mla.scale)
+        mine.append(torch.cat([out_tHV.reshape(hi - lo, h * v), lse_tH], dim=-1))
+    parts = ctx.all_gather(torch.cat(mine))  # one message for every chunk of the step: [W, sum t, H * Dv + H]
+    merged, at = [], 0
+    for lo, hi in spans:
+        t = hi - lo
+        own_out, own_lse = mla_rows_lse(q_nope_THD[lo:hi], q_pe_THR[lo:hi], latent_TR[lo:hi].to(pool_PSR.dtype), w_uk, w_uv, mla.scale, causal=True)
+        theirs = parts[:, at : at + t]
+        outs = torch.cat([theirs[..., : h * v].reshape(-1, t, h, v), own_out[None]])
+        lses = torch.cat([theirs[..., h * v :], own_lse[None]])
+        merged.append(merge_by_lse(outs, lses))
+        at += t
+    return merged
+
+
 class ShardedLatentMLA(nn.Module):
     """A GatedMLA whose pages hold this rank's share (module docstring); swapped in around the layer for a step."""
 
@@ -153,14 +193,17 @@ class ShardedLatentMLA(nn.Module):
             q_nope, q_pe, lens = inp.q_nope[rows], inp.q_pe[rows], batch.context_lens[seqs] + 1
             out_THV[rows] = decode_on_shards(self.inner, q_nope, q_pe, latent_pool, table[seqs], lens, self.shards, self.ctx).to(out_THV.dtype)
         chunks = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] > 1]
-        if chunks:
-            seqs = torch.tensor(chunks, device=table.device)
-            context = gather_context(latent_pool, table[seqs], [ctx_lens[i] for i in chunks], self.shards, self.ctx)
-            for i, c in zip(chunks, context, strict=True):
+        for i in chunks:
+            if ctx_lens[i] == 0:  # a fresh sequence: its own latents, as the pages hold them, are its whole context
                 lo, hi = cu[i], cu[i + 1]
-                # the new latents as the pages hold them: one process reads its whole context back from the pages
-                latents = torch.cat([c, inp.latent_TR[lo:hi].to(c.dtype)])
-                out_THV[lo:hi] = attend_over(self.inner, inp.q_nope[lo:hi], inp.q_pe[lo:hi], latents, ctx_lens[i])
+                out_THV[lo:hi] = attend_over(self.inner, inp.q_nope[lo:hi], inp.q_pe[lo:hi], inp.latent_TR[lo:hi].to(latent_pool.dtype), 0)
+        after = [i for i in chunks if ctx_lens[i] > 0]
+        if after:
+            spans = [(cu[i], cu[i + 1]) for i in after]
+            pages = [(table[i], ctx_lens[i]) for i in after]
+            merged = chunks_by_lse(self.inner, inp.q_nope, inp.q_pe, inp.latent_TR, spans, pages, latent_pool, self.shards, self.ctx)
+            for (lo, hi), out in zip(spans, merged, strict=True):
+                out_THV[lo:hi] = out.to(out_THV.dtype)
         return self.inner.output(out_THV, inp.gate_logits, x_TD.dtype)
 
 

@@ -18,7 +18,6 @@ from openk3.planner.comm import CommParams, a2a_layer_time
 from openk3.planner.dtypes import with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
-from openk3.planner.memory import max_concurrency
 from openk3.planner.models import deepseek_v3, kimi_k2
 from openk3.planner.overheads import sglang_graph_sizes
 from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
@@ -109,9 +108,8 @@ def _ds_gb200_prefill(quant: Quantisation) -> Callable[[Efficiency], float]:
 
 def _ds_h100_decode(eff: Efficiency) -> float:
     eff = _graphs(eff, (256,))  # the decode command of its reproduction (sglang issue 6017): --cuda-graph-bs 256
-    lay = Layout(72, tp=1, redundant_experts=32, balance=Balance.EPLB)
-    limit = max_concurrency(deepseek_v3(), FP8, lay, 2100, load_catalogue().system("hgx-h100"))
-    return _eval(eff, deepseek_v3(), FP8, lay, Workload(context=2100, concurrency=limit, prompt=2000), "hgx-h100", DEEPEP_LL).per_accelerator_tok_s
+    lay = Layout(72, tp=1, redundant_experts=32, balance=Balance.EPLB)  # the post's profile table: batch 256 per GPU, KV length 2,000
+    return _eval(eff, deepseek_v3(), FP8, lay, Workload(context=2000, concurrency=256 * 72, prompt=2000), "hgx-h100", DEEPEP_LL).per_accelerator_tok_s
 
 
 def _ds_h100_prefill(eff: Efficiency) -> float:
@@ -175,10 +173,10 @@ CASES: tuple[Case, ...] = (
          "as above, FP8 KV and attention math, NVFP4 experts", _ds_gb200_prefill(FP8_ATTN_NVFP4),
          "NVFP4 experts on their measured curve: 32 of 76 ms per chunk; the flat factors take the FP4/FP8 peaks at the bf16 50%: +39%"),
     Case("DeepSeek-V3, 72 decode H100 (9 nodes), EP72", LMSYS_H100, "decode tok/s/GPU", 22_300 / 8, Split.HELD_OUT, Phase.DECODE,
-         "9 decode nodes (a third-party summary of the post; the post's excerpt gives 12 nodes in all), 32 redundant experts (288 slots), "
-         "the HBM-limited batch at 2,100 tokens (the post saturates decode with its slow-down API)", _ds_h100_decode,
-         "interconnect and experts: 48 ms of exposed DeepEP low-latency all-to-all over 8 x 50 GB/s NICs per node and 28 ms of experts "
-         "on the Hopper FP8 grouped-GEMM curve, of a 129 ms step (flat factors: +11%)"),
+         "9 decode nodes, EP72, 256 sequences per GPU at a 2,000-token KV cache (the post's profile table; its reproduction's decode "
+         "command: --cuda-graph-bs 256, two-batch overlap), 32 redundant experts (288 slots)", _ds_h100_decode,
+         "interconnect and experts: 31 ms of exposed DeepEP low-latency all-to-all over 8 x 50 GB/s NICs per node and 18 ms of experts "
+         "on the Hopper FP8 grouped-GEMM curve, of a 90 ms step; until round eight the HBM-limited batch (300, padded to 384): -16%"),
     Case("DeepSeek-V3, 32 prefill H100 (4 nodes), EP32", LMSYS_H100, "prefill tok/s/GPU", 52_300 / 8, Split.HELD_OUT, Phase.PREFILL,
          "4 prefill nodes (the post: 4 x 8 H100, EP32), 32 redundant experts, 2,000-token prompts", _ds_h100_prefill,
          "DeepEP normal dispatch in prefill (the post, 'Expert Parallelism with DeepEP'): a token crosses the NIC once per destination "

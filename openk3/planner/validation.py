@@ -167,7 +167,8 @@ CASES: tuple[Case, ...] = (
          "FP8 attention and NVFP4 experts at 1,408 sequences: a 112 ms step (29 ms of it the host gap at 20 us per sequence), x1.64 "
          "the BF16 row's tok/s/GPU in the model, x1.47 published; at part I's 768: -9%"),
     Case("DeepSeek-V3, GB200 NVL72 prefill, BF16 attn + FP8 MoE", LMSYS_GB200_2, "prefill tok/s/GPU", 18471, Split.HELD_OUT, Phase.PREFILL,
-         "a prefill group of 2 nodes = 8 GPUs (its reproduction scripts), EP8, 2,000-token prompts packed into 8K chunks",
+         "a prefill group of 2 nodes = 8 GPUs (its reproduction scripts), EP8, 2,000-token prompts packed into 8K chunks (the post "
+         "says 4 ranks per instance here and 2 for the NVFP4 row, with weights offloaded to host memory, which the planner cannot hold)",
          _ds_gb200_prefill(FP8),
          "the experts on the measured Blackwell FP8 grouped-GEMM curve take 92 of the 145 ms per chunk; the flat factors (GEMMs at 50%): +38%"),
     Case("DeepSeek-V3, GB200 NVL72 prefill, FP8 attn + NVFP4 MoE", LMSYS_GB200_2, "prefill tok/s/GPU", 26156, Split.HELD_OUT, Phase.PREFILL,

@@ -13,11 +13,13 @@ from openk3.planner.comm import (
     a2a_layer_time,
     allgather_layer_time,
     combine_bytes_per_copy,
+    copies_per_token,
     dispatch_bytes_per_copy,
     remote_domains_per_token,
 )
 from openk3.planner.models import deepseek_v3
 from openk3.planner.perf import decode_step
+from openk3.planner.traffic import a2a_bytes
 
 FP8 = Quantisation.named("fp8")
 B200 = load_catalogue().system("hgx-b200")
@@ -71,3 +73,12 @@ def test_domain_forwarding_crosses_the_nic_once_per_remote_node() -> None:
     assert a2a_layer_time(cfg, FP8, 8, H100, forwarded, tokens) == a2a_layer_time(cfg, FP8, 8, H100, per_rank, tokens)
     with pytest.raises(ValueError, match="forward_by_domain"):
         CommParams(dedup=False, forward_by_domain=True)
+
+
+def test_flow_bytes_follow_domain_forwarding() -> None:
+    """The bytes-by-flow report (traffic.py) counts what the forwarding model times: NIC bytes per remote node."""
+    sc = Scenario(deepseek_v3(), FP8, Layout(32, tp=1), Workload(context=2000, concurrency=32 * 64), H100)
+    up, out = a2a_bytes(sc, 64.0, 1.0)
+    fwd_up, fwd_out = a2a_bytes(sc.with_(comm=CommParams(forward_by_domain=True)), 64.0, 1.0)
+    assert up + out == pytest.approx(fwd_up)  # every rank copy still crosses NVLink somewhere
+    assert fwd_out / out == pytest.approx(remote_domains_per_token(deepseek_v3(), 32, 8) / (copies_per_token(deepseek_v3(), 32, True)[0] * 24 / 31))

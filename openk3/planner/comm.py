@@ -2,8 +2,10 @@
 
 A token's dispatch carries its a2a-width activations (FP8 + scales) to every rank hosting one of its top-k experts; the
 combine brings bf16 results back. With per-rank de-duplication a token travels once per destination *rank* (MoonEP,
-DeepEP normal kernels); without it once per expert (DeepEP low-latency kernels). Time per phase is a latency floor plus
-the bytes of the busiest link over its bandwidth: NVLink inside the scale-up domain, the NIC outside it.
+DeepEP normal kernels inside a node); without it once per expert (DeepEP low-latency kernels). With domain forwarding
+(DeepEP normal kernels across nodes) it crosses the NIC once per destination *domain* and NVLink carries it on to the
+ranks there. Time per phase is a latency floor plus the bytes of the busiest link over its bandwidth: NVLink inside the
+scale-up domain, the NIC outside it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ class CommParams:
     """Defaults: floors are the small-message latencies of NVIDIA's one-sided NVLink all-to-all on GB200 NVL72
     (TensorRT-LLM blog 18: 19-28 us dispatch, 31-45 us combine; mid-range taken); link efficiencies are the fraction of
     the per-direction peak that all-to-all kernels reach (DeepEP: ~160 of 200 GB/s NVLink on H800, 39-46 of 50 GB/s RDMA).
-    `exchange`: the MoE layer's token exchange (`Exchange`)."""
+    `exchange`: the MoE layer's token exchange (`Exchange`). `forward_by_domain` (with `dedup`): a token crosses the NIC
+    once per destination scale-up domain, and the rank it lands on forwards it over NVLink to the ranks of its experts
+    there (and the combine reduces it there before the NIC) -- DeepEP's normal (high-throughput) kernels, "asymmetric-domain
+    bandwidth forwarding ... from NVLink domain to RDMA domain" (DeepEP README, V1 docs/legacy.md; its
+    tests/test_internode.py counts the RDMA bytes as one copy per destination node), following DeepSeek-V3's node-limited
+    dispatch (technical report, section 3.2.2). Off: one NIC copy per remote destination rank (MoonEP's per-rank
+    de-duplication)."""
 
     dispatch_floor_s: float = 22e-6
     combine_floor_s: float = 35e-6
@@ -48,6 +56,7 @@ class CommParams:
     allreduce_floor_s: float = 10e-6
     dedup: bool = True
     exchange: Exchange = Exchange.ALL_TO_ALL
+    forward_by_domain: bool = False
 
     def __post_init__(self) -> None:
         for name in ("scale_up_efficiency", "scale_out_efficiency"):
@@ -58,6 +67,8 @@ class CommParams:
                 fail("CommParams", name, getattr(self, name), "seconds >= 0")
         if not isinstance(self.exchange, Exchange):
             fail("CommParams", "exchange", self.exchange, f"one of {[e.value for e in Exchange]}")
+        if self.forward_by_domain and not self.dedup:
+            fail("CommParams", "forward_by_domain", self.forward_by_domain, "False when dedup is False (one copy per expert goes direct)")
 
 
 def dispatch_bytes_per_copy(config: ModelConfig, quant: Quantisation) -> float:
@@ -87,6 +98,17 @@ def expected_destination_ranks(num_experts: int, top_k: int, ranks: int) -> floa
     base, extra = divmod(num_experts, ranks)
     sizes = [base + 1] * extra + [base] * (ranks - extra)
     return sum(1.0 - _p_rank_missed(num_experts, top_k, s) for s in sizes)
+
+
+def remote_domains_per_token(config: ModelConfig, ranks: int, domain: int) -> float:
+    """Distinct scale-up domains other than the source's that hold one of a token's top_k experts (uniform routing,
+    experts split evenly over the EP group's ranks, `domain` consecutive ranks per domain)."""
+    domains = math.ceil(ranks / domain)
+    if domains <= 1:
+        return 0.0
+    e, k = config.moe.num_experts, config.moe.num_experts_per_token
+    per_domain = math.ceil(e / ranks) * min(domain, ranks)
+    return (domains - 1) * (1.0 - _p_rank_missed(e, k, per_domain))
 
 
 def copies_per_token(config: ModelConfig, ranks: int, dedup: bool) -> tuple[float, float]:
@@ -136,9 +158,21 @@ def a2a_layer_time(
     remote, _ = copies_per_token(config, ranks, comm.dedup)
     domain = min(system.scale_up_domain, ranks)
     fraction_out = (ranks - domain) / (ranks - 1)
+    d_b, c_b = dispatch_bytes_per_copy(config, quant), combine_bytes_per_copy(config, quant)
+    if comm.forward_by_domain and ranks > domain:
+        # the NIC carries one copy per remote domain; NVLink every rank copy (direct inside the domain, forwarded in the others)
+        nic = tokens_per_rank * remote_domains_per_token(config, ranks, domain)
+        nvl = tokens_per_rank * remote
+        up_bw = system.accelerator.scale_up_bw * comm.scale_up_efficiency
+        out_bw = system.scale_out_bw * comm.scale_out_efficiency
+
+        def forwarded(per_copy: float, floor: float) -> float:
+            return floor + imbalance * max(nvl * per_copy / up_bw, nic * per_copy / out_bw)
+
+        dispatch, combine = forwarded(d_b, comm.dispatch_floor_s), forwarded(c_b, comm.combine_floor_s)
+        return A2ATime(dispatch_s=dispatch, combine_s=combine, scale_out_fraction=nic / nvl if nvl else 0.0)
     copies_out = tokens_per_rank * remote
     copies_in = copies_out * imbalance
-    d_b, c_b = dispatch_bytes_per_copy(config, quant), combine_bytes_per_copy(config, quant)
     dispatch = _phase(copies_out * d_b, copies_in * d_b, comm.dispatch_floor_s, fraction_out, system, comm)
     combine = _phase(copies_in * c_b, copies_out * c_b, comm.combine_floor_s, fraction_out, system, comm)
     return A2ATime(dispatch_s=dispatch, combine_s=combine, scale_out_fraction=fraction_out)

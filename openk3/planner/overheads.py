@@ -44,6 +44,17 @@ from openk3.checks import check_int, fail
 TRTLLM_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
 
 
+def sglang_graph_sizes(max_bs: int = 512) -> tuple[int, ...]:
+    """The decode batches SGLang captures by default without speculative decoding (`ServerArgs.
+    _generate_cuda_graph_batch_sizes`, python/sglang/srt/server_args.py): 1, 2, 4, 8, 12, every 8 from 16 to 256, every
+    16 to 496, every 32 from 512 to `max_bs` (`--cuda-graph-max-bs`; 512 on GPUs of 160 GB and more), and `max_bs`
+    itself. The validation's SGLang runs pad to these (or to the `--cuda-graph-bs` their scripts list), not to
+    TensorRT-LLM's powers of two."""
+    check_int("sglang_graph_sizes", "max_bs", max_bs, low=1)
+    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    return tuple(sorted({s for s in sizes if s <= max_bs} | {max_bs}))
+
+
 @dataclass(frozen=True)
 class Overheads:
     host_gap_s: float = 1.0e-3

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openk3.planner.balance import moonep_prefetch_experts
-from openk3.planner.comm import combine_bytes_per_copy, copies_per_token, dispatch_bytes_per_copy
+from openk3.planner.comm import combine_bytes_per_copy, copies_per_token, dispatch_bytes_per_copy, remote_domains_per_token
 from openk3.planner.inputs import Balance
 from openk3.planner.memory import expert_bytes, num_moe_layers
 from openk3.planner.perf import Scenario, StepTime, decode_step
@@ -52,11 +52,13 @@ def a2a_bytes(sc: Scenario, tokens_per_rank: float, imbalance: float) -> tuple[f
     if ranks <= 1 or tokens_per_rank <= 0:
         return 0.0, 0.0
     remote, _ = copies_per_token(sc.config, ranks, sc.comm.dedup)
-    fraction_out = (ranks - min(sc.system.scale_up_domain, ranks)) / (ranks - 1)
-    copies_out = tokens_per_rank * remote
-    copies_in = copies_out * imbalance
+    domain = min(sc.system.scale_up_domain, ranks)
     per_copy = dispatch_bytes_per_copy(sc.config, sc.quant) + combine_bytes_per_copy(sc.config, sc.quant)
-    total = (copies_out + copies_in) * per_copy  # dispatch out + in, combine back out + in
+    both_ways = (1 + imbalance) * tokens_per_rank * per_copy  # dispatch out + in, combine back out + in, per copy
+    if sc.comm.forward_by_domain and ranks > domain:  # one NIC copy per remote domain; NVLink carries every rank copy
+        return both_ways * remote, both_ways * remote_domains_per_token(sc.config, ranks, domain)
+    fraction_out = (ranks - domain) / (ranks - 1)
+    total = both_ways * remote
     return total * (1 - fraction_out), total * fraction_out
 
 

@@ -3,12 +3,23 @@ attention DP when its all-to-all is off, which moves every rank's tokens to ever
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from openk3.planner import CommParams, Layout, Quantisation, Scenario, Workload, load_catalogue
-from openk3.planner.comm import Exchange, a2a_layer_time, allgather_layer_time, combine_bytes_per_copy, dispatch_bytes_per_copy
+from openk3.planner.comm import (
+    Exchange,
+    a2a_layer_time,
+    allgather_layer_time,
+    combine_bytes_per_copy,
+    copies_per_token,
+    dispatch_bytes_per_copy,
+    remote_domains_per_token,
+)
 from openk3.planner.models import deepseek_v3
 from openk3.planner.perf import decode_step
+from openk3.planner.traffic import a2a_bytes
 
 FP8 = Quantisation.named("fp8")
 B200 = load_catalogue().system("hgx-b200")
@@ -39,3 +50,35 @@ def test_an_allgather_exchange_is_never_hidden_under_compute() -> None:
 def test_exchange_is_checked() -> None:
     with pytest.raises(ValueError, match="exchange"):
         CommParams(exchange="allgather")  # type: ignore[arg-type]
+
+
+H100 = load_catalogue().system("hgx-h100")
+
+
+def test_domain_forwarding_crosses_the_nic_once_per_remote_node() -> None:
+    """DeepEP's normal kernels (issue 37 round eight): over the NIC a token goes once to each remote node holding one of
+    its experts, and NVLink carries it on to the ranks there; per-rank copies each cross the NIC."""
+    cfg, tokens = deepseek_v3(), 2000.0
+    per_rank, forwarded = CommParams(), CommParams(forward_by_domain=True)
+    nodes = remote_domains_per_token(cfg, 32, 8)
+    # uniform top-8 over 256 experts, 64 per node: P(a node is missed) = C(192, 8) / C(256, 8) ~ 0.097
+    assert nodes == pytest.approx(3 * (1 - math.comb(192, 8) / math.comb(256, 8)))
+    assert remote_domains_per_token(cfg, 8, 8) == 0.0  # one node: nothing crosses the NIC
+    t = a2a_layer_time(cfg, FP8, 32, H100, forwarded, tokens)
+    out_bw = H100.scale_out_bw * forwarded.scale_out_efficiency
+    nic_s = tokens * nodes * dispatch_bytes_per_copy(cfg, FP8) / out_bw
+    assert t.dispatch_s == pytest.approx(forwarded.dispatch_floor_s + nic_s)  # NIC-bound: NVLink is 9x wider
+    assert t.total_s < 0.6 * a2a_layer_time(cfg, FP8, 32, H100, per_rank, tokens).total_s
+    # inside one scale-up domain forwarding changes nothing
+    assert a2a_layer_time(cfg, FP8, 8, H100, forwarded, tokens) == a2a_layer_time(cfg, FP8, 8, H100, per_rank, tokens)
+    with pytest.raises(ValueError, match="forward_by_domain"):
+        CommParams(dedup=False, forward_by_domain=True)
+
+
+def test_flow_bytes_follow_domain_forwarding() -> None:
+    """The bytes-by-flow report (traffic.py) counts what the forwarding model times: NIC bytes per remote node."""
+    sc = Scenario(deepseek_v3(), FP8, Layout(32, tp=1), Workload(context=2000, concurrency=32 * 64), H100)
+    up, out = a2a_bytes(sc, 64.0, 1.0)
+    fwd_up, fwd_out = a2a_bytes(sc.with_(comm=CommParams(forward_by_domain=True)), 64.0, 1.0)
+    assert up + out == pytest.approx(fwd_up)  # every rank copy still crosses NVLink somewhere
+    assert fwd_out / out == pytest.approx(remote_domains_per_token(deepseek_v3(), 32, 8) / (copies_per_token(deepseek_v3(), 32, True)[0] * 24 / 31))

@@ -148,7 +148,8 @@ def chunks_by_lse(
     h, v = mla.num_heads, mla.v_dim
     mine = []
     for (lo, hi), (pages_P, length) in zip(spans, contexts, strict=True):
-        rows_sR = read_latents(pool_PSR, pages_P, shards.held(length))
+        held = shards.held(length)  # none on this rank for a context shorter than its rank: an empty part
+        rows_sR = read_latents(pool_PSR, pages_P, held) if held else pool_PSR[:0, 0]
         out_tHV, lse_tH = mla_rows_lse(q_nope_THD[lo:hi], q_pe_THR[lo:hi], rows_sR, w_uk, w_uv, mla.scale)
         mine.append(torch.cat([out_tHV.reshape(hi - lo, h * v), lse_tH], dim=-1))
     parts = ctx.all_gather(torch.cat(mine))  # one message for every chunk of the step: [W, sum t, H * Dv + H]

@@ -1,6 +1,6 @@
 """Scale-out routing: openk3's prefix-aware replica router against Ray's power-of-two-choices, on one multi-turn workload.
 
-Two replicas of the model (each `openk3 serve --enable-prefix-caching`, one Ray CPU and one torch thread) on a local Ray
+N replicas of the model (2 by default; each `openk3 serve --enable-prefix-caching`, --replica-cpus Ray CPUs, one torch thread) on a local Ray
 cluster behind openk3's front end, deployed with `openk3.launch.replicas.replica_application` (what `openk3 serve --replicas 2
 --replica-router prefix|pow2` runs). The same workload runs twice, on a fresh deployment each time: `--replica-router
 prefix` (PrefixAffinityRouter) and the baseline `pow2` (Ray's default router). Both have prefix caching on in every
@@ -21,6 +21,7 @@ Correctness gate: greedy replies must be the same under both routers (the caches
   .venv/bin/python benchmarks/scale_routing.py --conversations 4 --turns 2 # a quick look
   .venv/bin/python benchmarks/scale_routing.py --out benchmarks/results/scale_routing.md
   .venv/bin/python benchmarks/scale_routing.py --with-nopull               # + the prefix router without prefix pulls, same run
+  .venv/bin/python benchmarks/scale_routing.py --replicas 4 --replica-cpus 0.5 --conversations 16 --in-flight 8  # a fleet of 4
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -253,7 +255,7 @@ def run_router(label: str, args: argparse.Namespace, system: str) -> RouterRun:
     router = "pow2" if label == "pow2" else "prefix"
     try:
         pull = None if label == "pow2" else (label == "prefix" and args.prefix_pull == "on")
-        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=1, max_imbalance=args.max_imbalance, prefix_pull=pull)
+        config = ScaleConfig(replicas=args.replicas, router=router, replica_cpus=args.replica_cpus, max_imbalance=args.max_imbalance, prefix_pull=pull)
         serve.run(replica_application(argv, config), name="openk3", route_prefix="/")
         wait_healthy(base, args.replicas, 180)
         asyncio.run(warm_up(base, args))
@@ -307,6 +309,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="Ray CPUs per replica (ScaleConfig.replica_cpus); the local Ray node declares max(2, ceil(replicas x this)) CPUs, "
+        "so 4 replicas x 0.5 fit the 2 CPUs of a small machine (each replica runs one torch thread whatever this is)",
+    )
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--in-flight", type=int, default=4)
@@ -335,7 +344,8 @@ def main() -> int:
     system = " ".join(SENTENCES[: args.system_sentences])
     system_tokens = len(model_tokenizer(args.model, 0).encode(system))
     load_start = os.getloadavg()[0]
-    connect(None, num_cpus=max(2, args.replicas))
+    node_cpus = max(2, math.ceil(args.replicas * args.replica_cpus))
+    connect(None, num_cpus=node_cpus)
     labels = ("prefix", "pow2", "prefix-nopull") if args.with_nopull else ("prefix", "pow2")
     runs: dict[str, list[RouterRun]] = {r: [] for r in labels}
     try:
@@ -359,9 +369,9 @@ def main() -> int:
         f"command: `.venv/bin/python benchmarks/scale_routing.py{''.join(' ' + a for a in sys.argv[1:])}`",
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, ray {ray.__version__}, commit {commit}",
-        f"deployment: openk3.launch.replicas.replica_application, {args.replicas} replicas x (1 Ray CPU, --torch-threads 1, --enable-prefix-caching, "
-        f"match unit 64), front end on 0 CPUs; prefix router max_imbalance {args.max_imbalance}, prefix pull {args.prefix_pull}; every run "
-        f"on a fresh deployment "
+        f"deployment: openk3.launch.replicas.replica_application, {args.replicas} replicas x ({args.replica_cpus:g} Ray CPU, --torch-threads 1, "
+        f"--enable-prefix-caching, match unit 64) on a Ray node of {node_cpus} CPUs, front end on 0 CPUs; "
+        f"prefix router max_imbalance {args.max_imbalance}, prefix pull {args.prefix_pull}; every run on a fresh deployment "
         f"(serve.shutdown between), {args.repeats} {'triples' if args.with_nopull else 'pairs'}, the order alternating "
         f"({', '.join(labels)} first, then reversed, ...)",
         f"workload: {n} conversations x {args.turns} turns sharing one system prompt of {system_tokens} tokens; "

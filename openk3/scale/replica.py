@@ -33,7 +33,7 @@ from ray import serve
 from openk3.scale.asgi_call import ResponseStart, asgi_call
 from openk3.scale.calls import ReplicaCall, ReplicaReport, ResponseHead, WrongReplicaError
 from openk3.scale.forward import REPLICA_HEADER
-from openk3.scale.prefix_pull import PrefixPuller, PullConfig, export
+from openk3.scale.prefix_pull import PrefixPuller, PullConfig
 from openk3.scale.replica_launch import ReplicaLaunch, SpawnedRanks
 from openk3.serve.output import OutputKind
 from openk3.serve.sampling import SamplingParams
@@ -50,7 +50,7 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         self._pool = (context.app_name, context.deployment)
         self._pull = PullConfig(launch.engine.prefix_match_unit)
-        self._puller: PrefixPuller | None = None  # made at the first hint: this deployment's handle needs the app to be up
+        self._puller: PrefixPuller | None = None  # made at the first hint or export: this deployment's handle needs the app to be up
         self._ranks: SpawnedRanks | None  # a multi-rank replica's other ranks
         self.app, self._ranks = launch.build_server(launch.serve_args)
         self._lifespan: AbstractAsyncContextManager[object] = self.app.router.lifespan_context(self.app)
@@ -115,7 +115,7 @@ class EngineReplica:
         """Another replica's pull: the record of the deepest prefix of `call.prompt_ids` this replica holds (prefix_pull.py)."""
         if call.target != self.replica_id:
             raise WrongReplicaError(f"an export for replica {call.target} reached replica {self.replica_id}")
-        return await export(self.app.state.served.frontend.call, call, self._pull)
+        return await self._pulls().export(call)
 
     async def _import(self, record: bytes) -> None:
         try:

@@ -1,7 +1,8 @@
 """The replicas' half of the cross-replica prefix pull (scale/prefix_pull.py), without Ray: two in-process engines, the
 holder's `export` reached through a fake export call. One transfer per prefix per replica however many requests wait for
-it (hinted or not); no pull when the puller holds the prefix or the hint is not a unit deeper; a holder that evicted it, is lost, or
-answers another model's record costs a counted failure and the request computes its prompt with the same tokens."""
+it (hinted or not); no pull when the puller holds the prefix or the hint is not a unit deeper; a holder that is pulling the prefix itself
+answers after its pull; a holder that evicted it, is lost, or answers another model's record costs a counted failure and
+the request computes its prompt with the same tokens."""
 
 from __future__ import annotations
 
@@ -110,6 +111,43 @@ def test_no_pull_for_a_hint_at_itself_or_less_than_a_unit_deeper(model) -> None:
     asyncio.run(puller.before(request(PULLER, units=3)))  # 192 - 128 < one unit
     assert holder.calls == 0 and stats(b) == (0, 0)
     b.close()
+
+
+def test_a_replica_asked_for_a_prefix_it_is_pulling_answers_after_its_pull(model) -> None:
+    """Three replicas (issue 36, 4-replica benchmark): b pulls the shared prefix from a, and c, whose hint names b (the
+    replica most recently sent it), asks b while b's pull is still under way: b answers from its inbox once its pull has
+    ended, so c imports it too and neither computes it. (Before, b answered nothing and c counted a failed pull.)"""
+    a, b, c = engine(model), engine(model), engine(model)
+    a.generate([HOLDER], SamplingParams(temperature=0, max_tokens=1))
+    gate = asyncio.Event()
+    b_puller = PrefixPuller("b", on(b), Holder(a, gate), CONFIG)
+    asked_b = asyncio.Event()
+
+    async def to_b(call: ReplicaCall) -> bytes | None:
+        assert call.target == "b" and call.pull is not None and not asked_b.is_set()
+        asked_b.set()
+        return await b_puller.export(call)
+
+    c_puller = PrefixPuller("c", on(c), to_b, CONFIG)
+    third = SYSTEM + ids(45, 5)
+
+    async def burst() -> None:
+        b_pull = asyncio.create_task(b_puller.before(request(PULLER)))
+        await asyncio.sleep(0)  # b's pull is under way (registered before its first await)
+        c_pull = asyncio.create_task(c_puller.before(request(third, holder="b")))
+        await asked_b.wait()  # c asks b while b's pull waits for a's answer
+        assert not b_pull.done()
+        gate.set()
+        await asyncio.gather(b_pull, c_pull)
+
+    asyncio.run(burst())
+    assert stats(b) == (1, 0) and stats(c) == (1, 0)
+    computing = engine(model)
+    reference = computing.generate([third], GEN)[0]
+    out = c.generate([third], GEN)[0]
+    assert out.num_cached_tokens == 192 and list(out.token_ids) == list(reference.token_ids)
+    for llm in (a, b, c, computing):
+        llm.close()
 
 
 @pytest.mark.parametrize("case", ["evicted", "lost", "other model"])

@@ -189,6 +189,7 @@ def registry() -> OpRegistry:
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
     from openk3.ops.moe import moe_experts_sized
     from openk3.ops.moe.batched import moe_experts_batched
+    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference
     from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
@@ -265,6 +266,10 @@ def registry() -> OpRegistry:
     r.register("moe_route", "naive", sigmoid_topk_route, "sigmoid, biased top-k, renormalise in torch ops", differentiable=True)
     r.register("moe_route", "fast", sigmoid_topk_route_c, "the steps after the logits in one C loop", backend="c")
     r.register_auto("moe_route", lambda t, _: "fast" if "c" in t.backends() else "naive")
+
+    r.register("moe_latent_block", "naive", moe_latent_block_reference, "latent MoE after the router in torch ops (the definition)", differentiable=True)
+    r.register("moe_latent_block", "fast", moe_latent_block_c, "projections, experts, norm and shared experts in one C call", backend="c")
+    r.register_auto("moe_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_experts", "naive", moe_experts_naive, "per-token, per-expert loop (the definition)", differentiable=True)
     r.register("moe_experts", "batched", moe_experts_batched, "all experts as one padded batch (dense banks)", differentiable=True)

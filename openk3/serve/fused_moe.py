@@ -1,0 +1,99 @@
+"""The serving layout of a latent MoE layer on CPU (prepare_for_serving with pack_cpu_weights): at decode sizes, the layer
+after its router as one call of the registry's "moe_latent_block" (ops/moe/block_c.py) instead of ~10 module and kernel
+calls; the same kernels' code in the same order, so the same bits (tests/serve/test_fused_moe.py).
+
+Why: on the demo model at 16 rows a MoE layer's Python and torch dispatch (~390 us) outweighed its kernels (~240 us); the
+block in one call takes the dispatch away (issue 42, benchmarks/results/roofline.md).
+
+ServedLatentMoE is the same module with a forward that takes the one call only where the separate calls would have run
+exactly those kernels: the local expert backend with the C packed-expert loop, the C forms of every projection (from
+their panel copies, which ops/linear.py PackedWeight checks against the weights on every use), of the latent norm and of
+the shared experts' activation, and a step of at most PANEL_ROWS rows. Anything else -- an expert-parallel backend, ops
+named otherwise, more rows, autograd on -- runs the layer's own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+
+from openk3.model.layers import GatedMLP, Linear
+from openk3.model.moe import LatentMoE, LocalExperts, PackedExperts
+from openk3.ops.glu_c import glu_c
+from openk3.ops.linear import PackedWeight, linear_c
+from openk3.ops.moe.block_c import LatentBlockWeights
+from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
+from openk3.ops.moe.packed_c import packed_c_fits
+from openk3.ops.norm import rms_norm_c
+from openk3.ops.registry import OpTarget, registry
+from openk3.ops.thresholds import C_LOOP_MAX_PAIRS_PER_EXPERT, PANEL_ROWS
+
+
+class ServedLatentMoE(LatentMoE):
+    block: Callable[..., torch.Tensor]  # the "moe_latent_block" C form
+    sized_c: object  # the "moe_experts" entry whose choice the block reproduces (the "c" backend's "sized")
+
+    @classmethod
+    def from_moe(cls, source: LatentMoE, target: OpTarget) -> ServedLatentMoE:
+        """The same module (parameters, buffers, hooks and outside references stay), turned into a ServedLatentMoE."""
+        source.__class__ = cls
+        served = cast(ServedLatentMoE, source)
+        served.block = registry().get("moe_latent_block", "fast", target)
+        served.sized_c = registry().get("moe_experts", "sized", target)
+        return served
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        weights = self.block_weights(x_TD)
+        if weights is None:
+            return super().forward(x_TD)
+        routing = self.route(x_TD)
+        return self.block(x_TD, routing.topk_idx, routing.topk_weight, weights)
+
+    def block_weights(self, x_TD: torch.Tensor) -> LatentBlockWeights | None:
+        """The block's weights with their panel copies when the one call gives what the separate calls would, else None."""
+        rows = x_TD.shape[0] if x_TD.dim() == 2 else 0
+        backend, shared, experts = self.backend, self.shared_experts, self.experts
+        if not 1 <= rows <= PANEL_ROWS or torch.is_grad_enabled() or x_TD.dtype != torch.float32 or not self.latent or shared is None:
+            return None
+        if type(backend) is not LocalExperts or backend.op is not self.sized_c or not isinstance(experts, PackedExperts):
+            return None
+        if rows * self.top_k > C_LOOP_MAX_PAIRS_PER_EXPERT * self.gate.weight.shape[0]:
+            return None
+        bank = experts.bank(backend.decode)
+        norm = self.routed_expert_norm
+        if not isinstance(bank, PackedMXFP4ExpertBank) or not packed_c_fits(x_TD, bank, self.expert_act) or (norm is not None and norm.norm is not rms_norm_c):
+            return None
+        down, up = self.routed_expert_down_proj, self.routed_expert_up_proj
+        gate_up = _gate_up(shared)
+        panels = (_panels(down), _panels(up), gate_up[1] if gate_up is not None else None, _panels(shared.down_proj))
+        if gate_up is None or any(p is None for p in panels):
+            return None
+        return LatentBlockWeights(
+            down.weight, bank, self.expert_act, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
+            up.weight, gate_up[0], shared.act, shared.situ_beta, shared.situ_linear_beta, shared.down_proj.weight,
+            cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], panels),
+        )  # fmt: skip
+
+
+def _panels(linear: Linear) -> torch.Tensor | None:
+    """The panel copy a PackedLinear's own forward would read, or None where its forward takes another form."""
+    packed = getattr(linear, "packed", None)
+    if not isinstance(packed, PackedWeight) or linear.linear is not linear_c or linear.bias is not None or not linear.weight.is_contiguous():
+        return None
+    return packed.panels(linear.weight, (linear.weight,))
+
+
+def _gate_up(mlp: GatedMLP) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the fused gate|up weight, its panel copy) as the MLP's FusedProjections would use them, or None."""
+    group = mlp.gate_up
+    block = getattr(group, "block", None)
+    if block is None or mlp.glu is not glu_c or any(m.linear is not linear_c for m in group.members) or group.widths != [mlp.intermediate] * 2:
+        return None
+    weights = [m.weight for m in group.members]
+    fused = block.rows(weights)
+    if fused is None or not fused.is_contiguous():
+        return None
+    panels = block.packed.panels(fused, weights)
+    return None if panels is None else (fused, panels)

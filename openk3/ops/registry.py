@@ -178,6 +178,7 @@ def registry() -> OpRegistry:
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
     from openk3.ops.kda.chunk_c import kda_chunk_c, kda_mixed_c
     from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
+    from openk3.ops.kda.layer_c import kda_layer_decode_c, kda_layer_decode_reference
     from openk3.ops.kda.mixed import kda_mixed
     from openk3.ops.kda.naive import kda_recurrent
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
@@ -262,6 +263,9 @@ def registry() -> OpRegistry:
     r.register("kda_decode", "fused", decode_step.kda_decode_step_fused, "the whole step after the projections in one C call", backend="c")
     r.register("kda_decode", "fla", decode_step.kda_decode_step_fla, "fla's fused_recurrent_kda over one-token sequences", backend="cuda", requires=FLA)
     r.register_auto("kda_decode", kda_decode_rule)
+    r.register("kda_layer_decode", "naive", kda_layer_decode_reference, "projections, the decode step's definition, o_proj", differentiable=True)
+    r.register("kda_layer_decode", "fast", kda_layer_decode_c, "projections, decode step and o_proj in one C call", backend="c")
+    r.register_auto("kda_layer_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_route", "naive", sigmoid_topk_route, "sigmoid, biased top-k, renormalise in torch ops", differentiable=True)
     r.register("moe_route", "fast", sigmoid_topk_route_c, "the steps after the logits in one C loop", backend="c")

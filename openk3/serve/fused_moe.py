@@ -19,16 +19,15 @@ from typing import cast
 
 import torch
 
-from openk3.model.layers import GatedMLP, Linear
 from openk3.model.moe import LatentMoE, LocalExperts, PackedExperts
 from openk3.ops.glu_c import glu_c
-from openk3.ops.linear import PackedWeight, linear_c
 from openk3.ops.moe.block_c import LatentBlockWeights
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.packed_c import packed_c_fits
 from openk3.ops.norm import rms_norm_c
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import C_LOOP_MAX_PAIRS_PER_EXPERT, PANEL_ROWS
+from openk3.serve.panel_copies import group_panels, linear_panels
 
 
 class ServedLatentMoE(LatentMoE):
@@ -66,8 +65,8 @@ class ServedLatentMoE(LatentMoE):
         if not isinstance(bank, PackedMXFP4ExpertBank) or not packed_c_fits(x_TD, bank, self.expert_act) or (norm is not None and norm.norm is not rms_norm_c):
             return None
         down, up = self.routed_expert_down_proj, self.routed_expert_up_proj
-        gate_up = _gate_up(shared)
-        panels = (_panels(down), _panels(up), gate_up[1] if gate_up is not None else None, _panels(shared.down_proj))
+        gate_up = group_panels(shared.gate_up) if shared.glu is glu_c and shared.gate_up.widths == [shared.intermediate] * 2 else None
+        panels = (linear_panels(down), linear_panels(up), gate_up[1] if gate_up is not None else None, linear_panels(shared.down_proj))
         if gate_up is None or any(p is None for p in panels):
             return None
         return LatentBlockWeights(
@@ -75,25 +74,3 @@ class ServedLatentMoE(LatentMoE):
             up.weight, gate_up[0], shared.act, shared.situ_beta, shared.situ_linear_beta, shared.down_proj.weight,
             cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], panels),
         )  # fmt: skip
-
-
-def _panels(linear: Linear) -> torch.Tensor | None:
-    """The panel copy a PackedLinear's own forward would read, or None where its forward takes another form."""
-    packed = getattr(linear, "packed", None)
-    if not isinstance(packed, PackedWeight) or linear.linear is not linear_c or linear.bias is not None or not linear.weight.is_contiguous():
-        return None
-    return packed.panels(linear.weight, (linear.weight,))
-
-
-def _gate_up(mlp: GatedMLP) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the fused gate|up weight, its panel copy) as the MLP's FusedProjections would use them, or None."""
-    group = mlp.gate_up
-    block = getattr(group, "block", None)
-    if block is None or mlp.glu is not glu_c or any(m.linear is not linear_c for m in group.members) or group.widths != [mlp.intermediate] * 2:
-        return None
-    weights = [m.weight for m in group.members]
-    fused = block.rows(weights)
-    if fused is None or not fused.is_contiguous():
-        return None
-    panels = block.packed.panels(fused, weights)
-    return None if panels is None else (fused, panels)

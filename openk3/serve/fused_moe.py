@@ -27,7 +27,7 @@ from openk3.ops.moe.packed_c import packed_c_fits
 from openk3.ops.norm import rms_norm_c
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import C_LOOP_MAX_PAIRS_PER_EXPERT, PANEL_ROWS
-from openk3.serve.panel_copies import group_panels, linear_panels
+from openk3.serve.panel_copies import group_panels, hooked, linear_panels
 
 
 class ServedLatentMoE(LatentMoE):
@@ -63,6 +63,8 @@ class ServedLatentMoE(LatentMoE):
         bank = experts.bank(backend.decode)
         norm = self.routed_expert_norm
         if not isinstance(bank, PackedMXFP4ExpertBank) or not packed_c_fits(x_TD, bank, self.expert_act) or (norm is not None and norm.norm is not rms_norm_c):
+            return None
+        if hooked(shared, *(() if norm is None else (norm,))):  # modules the one call would not call
             return None
         down, up = self.routed_expert_down_proj, self.routed_expert_up_proj
         gate_up = group_panels(shared.gate_up) if shared.glu is glu_c and shared.gate_up.widths == [shared.intermediate] * 2 else None

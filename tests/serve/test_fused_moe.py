@@ -1,7 +1,8 @@
 """The served latent MoE layer (serve/fused_moe.py): on CPU with packed weights and the C kernels, a decode-sized step runs
 the layer after its router as one C call, and its output equals the layer's own forward bit for bit -- for one row, a few
 and PANEL_ROWS, after weight writes (the panel copies follow them) and in the whole model's logits; wherever the separate
-calls would run other kernels (more rows, autograd, another expert backend, dense experts) the layer's own forward runs."""
+calls would run other kernels (more rows, autograd, another expert backend, dense experts) or a hook would be skipped, the
+layer's own forward runs."""
 
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ def test_other_steps_run_the_layers_own_forward() -> None:
     with torch.no_grad():
         layer.backend = LocalExperts("naive")  # the experts' definition named: the one call would not reproduce it
         assert layer.block_weights(rows(4, seed=2)) is None
+        layer.backend = LocalExperts()
+        assert layer.block_weights(rows(4, seed=2)) is not None
+        handle = layer.routed_expert_up_proj.register_forward_hook(lambda m, args, out: None)  # a hook the one call would skip
+        assert layer.block_weights(rows(4, seed=2)) is None
+        handle.remove()
     dense = build(debug())
     prepare_for_serving(dense, CPU, pack_cpu_weights=True)
     with torch.no_grad():

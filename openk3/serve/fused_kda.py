@@ -15,14 +15,16 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
+from torch import nn
 
 from openk3.model.batch import ForwardBatch
 from openk3.model.kda import KDALayerCache, KimiDeltaAttention
+from openk3.model.layers import ProjectionGroup, StackedWeights
 from openk3.ops.kda.decode_step import KDASlots, kda_decode_step_fused
 from openk3.ops.kda.layer_c import KDALayerDecodeWeights
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import PANEL_ROWS
-from openk3.serve.panel_copies import group_panels, linear_panels
+from openk3.serve.panel_copies import group_panels, hooked, linear_panels, tensor_stamp
 
 
 class ServedKDA(KimiDeltaAttention):
@@ -44,10 +46,38 @@ class ServedKDA(KimiDeltaAttention):
         return self.layer_decode(x_TD, weights, slots)
 
     def decode_weights(self, x_TD: torch.Tensor) -> KDALayerDecodeWeights | None:
-        """The token's weights with their panel copies when the one call gives what the separate calls would, else None."""
+        """The token's weights with their panel copies when the one call gives what the separate calls would, else None.
+        Found once and kept while `_stamp` -- the ops chosen, the submodules and every weight's identity, address and
+        version -- stays the same (finding them costs ~40 us per layer and step, about what the one call saves)."""
         rows = x_TD.shape[0] if x_TD.dim() == 2 else 0
         if not 1 <= rows <= PANEL_ROWS or torch.is_grad_enabled() or x_TD.dtype != torch.float32 or not self.full_rank_output_gate:
             return None
+        mods = self._modules
+        if hooked(mods["in_proj"], mods["f_b_proj"], mods["o_proj"]):  # type: ignore[arg-type]
+            return None
+        stamp, tensors = self._stamp()
+        held = self.__dict__.get("_held")
+        if held is not None and stamp is not None and held[0] == stamp:
+            return held[1]
+        weights = self._find_weights()
+        # the tensors are held with the stamp, so that no new tensor can take their addresses while it is kept
+        self._held = (stamp, weights, tensors) if stamp is not None and weights is not None else None
+        return weights
+
+    def _stamp(self) -> tuple[tuple | None, list[torch.Tensor]]:
+        """(what the found weights depend on: the submodules, the ops they chose, each weight's identity, address and
+        version; None for inference tensors), the weights."""
+        mods = self._modules
+        in_proj, f_b, o_proj, conv, o_norm = (cast(nn.Module, mods[n]) for n in ("in_proj", "f_b_proj", "o_proj", "conv_weights", "o_norm"))
+        members: list[nn.Module] = [*cast(ProjectionGroup, in_proj).members, f_b, o_proj, *cast(StackedWeights, conv).members, o_norm]
+        tensors = [cast(torch.Tensor, m._parameters["weight"]) for m in members] + [self.A_log, self.dt_bias]
+        stamp_of = tensor_stamp(tensors)
+        if stamp_of is None:
+            return None, tensors
+        ops = tuple(m.__dict__.get("linear") for m in members) + (self.kda_decode, o_norm.__dict__.get("norm"))
+        return (in_proj, f_b, o_proj, conv, o_norm, ops, stamp_of), tensors
+
+    def _find_weights(self) -> KDALayerDecodeWeights | None:
         if self.kda_decode is not kda_decode_step_fused or self.in_proj.pieces != (3, 1, 1, 1):
             return None
         fused = group_panels(self.in_proj)

@@ -6,6 +6,8 @@ forward hooks (its own or global ones) gives none: the one call would skip them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -41,3 +43,13 @@ def group_panels(group: ProjectionGroup) -> tuple[torch.Tensor, torch.Tensor] | 
         return None
     panels = block.packed.panels(fused, weights)
     return None if panels is None else (fused, panels)
+
+
+def tensor_stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], ...] | None:
+    """(identity, address, version counter) of each tensor: what a value derived from them is valid for (any in-place write
+    bumps the counter; `.to()`, `p.data = ...` or a new parameter changes the address or the identity); None for inference
+    tensors, which have no counter (nothing derived from them may be kept)."""
+    try:
+        return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    except RuntimeError:
+        return None

@@ -1,7 +1,7 @@
 """The served KDA layer (serve/fused_kda.py) beside the served MoE layer (serve/fused_moe.py): an engine on CPU with packed
 weights runs each KDA layer's decode token and each latent MoE layer's decode step as one C call, and gives the same
-tokens and logprobs as the same engine with the layers' own forwards; prefill steps and other ops run the layer's own
-forward."""
+tokens and logprobs as the same engine with the layers' own forwards, also after in-place weight writes (the weights the
+one calls keep are checked against the parameters' versions); prefill steps and other ops run the layer's own forward."""
 
 from __future__ import annotations
 
@@ -54,10 +54,19 @@ def test_one_call_layers_give_the_engines_own_tokens_and_logprobs() -> None:
             m.layer_decode = counted(m.layer_decode, calls)
         fused = run(llm)
         assert len(calls) >= len(kda) * (TOKENS - 1)  # every decode step of every KDA layer
+        with torch.no_grad():  # in-place writes: the weights the one calls found before must not be used again
+            for m in kda:
+                m.o_proj.weight.mul_(1.5)
+                m.q_proj.weight.mul_(0.5)
+                m.A_log.add_(0.25)
+            for layer in moe:
+                layer.routed_expert_up_proj.weight.mul_(1.5)
+        written = run(llm)
+        assert written != fused
         for m in kda:
             m.__class__ = KimiDeltaAttention  # type: ignore[assignment]
         for layer in moe:
             layer.__class__ = LatentMoE  # type: ignore[assignment]
-        assert run(llm) == fused
+        assert run(llm) == written
     finally:
         llm.close()

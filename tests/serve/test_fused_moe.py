@@ -12,6 +12,7 @@ import torch
 from openk3.config import debug
 from openk3.model.moe import LatentMoE, LocalExperts
 from openk3.ops.cpu.build import kernels_available
+from openk3.ops.registry import OpTarget
 from openk3.ops.thresholds import PANEL_ROWS
 from openk3.serve.fused_moe import ServedLatentMoE
 from openk3.serve.prepare import prepare_for_serving
@@ -84,6 +85,10 @@ def test_other_steps_run_the_layers_own_forward() -> None:
         layer.backend = LocalExperts("naive")  # the experts' definition named: the one call would not reproduce it
         assert layer.block_weights(rows(4, seed=2)) is None
         layer.backend = LocalExperts()
+        assert layer.block_weights(rows(4, seed=2)) is not None
+        layer.routed_expert_down_proj.select(OpTarget(), "naive")  # F.linear named for one projection
+        assert layer.block_weights(rows(4, seed=2)) is None
+        layer.routed_expert_down_proj.select(OpTarget())
         assert layer.block_weights(rows(4, seed=2)) is not None
         handle = layer.routed_expert_up_proj.register_forward_hook(lambda m, args, out: None)  # a hook the one call would skip
         assert layer.block_weights(rows(4, seed=2)) is None

@@ -185,6 +185,7 @@ def registry() -> OpRegistry:
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
     from openk3.ops.mla.blockwise import mla_blockwise, mla_expanded_or_blockwise
     from openk3.ops.mla.decode_cpu import latent_attention_c
+    from openk3.ops.mla.inputs_c import mla_decode_inputs_c, mla_decode_inputs_reference
     from openk3.ops.mla.latent_flash import mla_latent_flash
     from openk3.ops.mla.naive import mla_expanded
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
@@ -255,6 +256,9 @@ def registry() -> OpRegistry:
     triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
     r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda", requires=TRITON)
     r.register_auto("mla_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
+    r.register("mla_decode_inputs", "naive", mla_decode_inputs_reference, "projections, norms, latent write in torch ops", differentiable=True)
+    r.register("mla_decode_inputs", "fast", mla_decode_inputs_c, "projections, norms and latent write in one C call", backend="c")
+    r.register_auto("mla_decode_inputs", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     # a layer's decode step from its projections on (ops/kda/decode_step.py); "auto" pairs it with the prefill (kda_decode_rule)
     naive_step = decode_step.kda_decode_step_naive

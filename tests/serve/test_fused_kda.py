@@ -1,5 +1,6 @@
-"""The served KDA layer (serve/fused_kda.py) beside the served MoE layer (serve/fused_moe.py): an engine on CPU with packed
-weights runs each KDA layer's decode token and each latent MoE layer's decode step as one C call, and gives the same
+"""The served KDA layer (serve/fused_kda.py) beside the served MoE and MLA layers (serve/fused_moe.py, serve/fused_mla.py): an
+engine on CPU with packed weights runs each KDA layer's decode token, each latent MoE layer's decode step and each MLA
+layer's decode inputs as one C call, and gives the same
 tokens and logprobs as the same engine with the layers' own forwards, also after in-place weight writes (the weights the
 one calls keep are checked against the parameters' versions); prefill steps and other ops run the layer's own forward."""
 
@@ -14,9 +15,11 @@ import torch
 from openk3.config import debug
 from openk3.llm import LLM
 from openk3.model.kda import KimiDeltaAttention
+from openk3.model.mla import GatedMLA
 from openk3.model.moe import LatentMoE
 from openk3.ops.cpu.build import kernels_available
 from openk3.serve.fused_kda import ServedKDA
+from openk3.serve.fused_mla import ServedMLA
 from openk3.serve.fused_moe import ServedLatentMoE
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.tokenizer import ByteTokenizer
@@ -48,7 +51,9 @@ def test_one_call_layers_give_the_engines_own_tokens_and_logprobs() -> None:
         served = cast(torch.nn.Module, llm.engine.runner.model)
         kda = [cast(ServedKDA, m) for m in served.modules() if isinstance(m, KimiDeltaAttention)]
         moe = [m for m in served.modules() if isinstance(m, LatentMoE)]
-        assert kda and moe and all(type(m) is ServedKDA for m in kda) and all(type(m) is ServedLatentMoE for m in moe)
+        mla = [m for m in served.modules() if isinstance(m, GatedMLA)]
+        assert kda and moe and mla and all(type(m) is ServedKDA for m in kda) and all(type(m) is ServedLatentMoE for m in moe)
+        assert all(type(m) is ServedMLA for m in mla)
         calls: list[int] = []
         for m in kda:
             m.layer_decode = counted(m.layer_decode, calls)
@@ -61,12 +66,17 @@ def test_one_call_layers_give_the_engines_own_tokens_and_logprobs() -> None:
                 m.A_log.add_(0.25)
             for layer in moe:
                 layer.routed_expert_up_proj.weight.mul_(1.5)
+            for attn in mla:
+                attn.q_b_proj.weight.mul_(1.5)
+                attn.kv_a_layernorm.weight.mul_(0.5)
         written = run(llm)
         assert written != fused
         for m in kda:
             m.__class__ = KimiDeltaAttention  # type: ignore[assignment]
         for layer in moe:
             layer.__class__ = LatentMoE  # type: ignore[assignment]
+        for attn in mla:
+            attn.__class__ = GatedMLA  # type: ignore[assignment]
         assert run(llm) == written
     finally:
         llm.close()

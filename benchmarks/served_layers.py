@@ -1,15 +1,16 @@
 """The served one-call layers against the layers' own forwards, in one process: decode steps of the demo model, alternating.
 
-    python benchmarks/served_layers.py [--batches 1,16] [--rounds 25] [--steps 4] [--layers both,moe,kda]
+    python benchmarks/served_layers.py [--batches 1,16] [--rounds 25] [--steps 4] [--layers all,moe,kda,mla]
 
-On CPU with packed weights the serving layout turns every latent MoE layer into a ServedLatentMoE (serve/fused_moe.py) and
-every KDA layer into a ServedKDA (serve/fused_kda.py), whose decode steps run as one C call each. Here one engine decodes a
+On CPU with packed weights the serving layout turns every latent MoE layer into a ServedLatentMoE (serve/fused_moe.py),
+every KDA layer into a ServedKDA (serve/fused_kda.py) and every MLA layer into a ServedMLA (serve/fused_mla.py), whose
+decode steps run one C call each where the layer's own forward runs ~10 (the MLA layer: for its inputs). Here one engine decodes a
 batch of greedy requests while the layers' classes are switched every `--steps` steps between the served ones ("one call")
-and the model's own (LatentMoE, KimiDeltaAttention: "own forward"), order alternating per round, one untimed step after each
+and the model's own (LatentMoE, KimiDeltaAttention, GatedMLA: "own forward"), order alternating per round, one untimed step after each
 switch; times are this process's CPU time at one thread (`time.process_time`: what the other processes of a shared machine
 take is left out). Per-round ratio = own / one call. The greedy tokens of both arms are the same by construction (one
 sequence of steps); the one-call paths' exactness is tested bit for bit in tests/serve/test_fused_moe.py and
-tests/serve/test_fused_kda.py, and benchmarks/roofline.py prints a token digest per run.
+tests/serve/test_fused_kda.py (all three), and benchmarks/roofline.py prints a token digest per run.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per arm and round")
-    ap.add_argument("--layers", default="both,moe,kda", help="which layers switch: both, moe (MoE only), kda (KDA only)")
+    ap.add_argument("--layers", default="all,moe,kda,mla", help="which layers switch: all, moe, kda or mla (that kind only)")
     ap.add_argument("--prompt", type=int, default=64)
     args = ap.parse_args()
     from openk3 import LLM
     from openk3.model.kda import KimiDeltaAttention
+    from openk3.model.mla import GatedMLA
     from openk3.model.moe import LatentMoE
     from openk3.serve.cpu_heap import keep_heap_for_reuse
     from openk3.serve.sampling import SamplingParams
@@ -64,9 +66,10 @@ def main() -> int:
         llm = LLM("tiny", max_num_seqs=batch)
         engine = llm.engine
         model = engine.runner.model
-        layers = [m for m in model.modules() if isinstance(m, LatentMoE | KimiDeltaAttention)]
+        kinds_of = {"moe": LatentMoE, "kda": KimiDeltaAttention, "mla": GatedMLA}
+        layers = [m for m in model.modules() if isinstance(m, LatentMoE | KimiDeltaAttention | GatedMLA)]
         served: dict[int, type] = {id(m): type(m) for m in layers}
-        own: dict[int, type] = {id(m): LatentMoE if isinstance(m, LatentMoE) else KimiDeltaAttention for m in layers}
+        own: dict[int, type] = {id(m): next(k for k in kinds_of.values() if isinstance(m, k)) for m in layers}
         if served == own:
             raise SystemExit("the engine's layers are not the served ones (no C kernels, or pack_cpu_weights off): nothing to compare")
         gen = torch.Generator().manual_seed(1)
@@ -77,7 +80,7 @@ def main() -> int:
             engine.step()
 
         for which in args.layers.split(","):
-            kinds = {"both": (LatentMoE, KimiDeltaAttention), "moe": (LatentMoE,), "kda": (KimiDeltaAttention,)}[which]
+            kinds = tuple(kinds_of.values()) if which == "all" else (kinds_of[which],)
             one = {k: (v if own[k] in kinds else own[k]) for k, v in served.items()}
             a, b = [], []
             for r in range(args.rounds):

@@ -184,17 +184,20 @@ def registry() -> OpRegistry:
     from openk3.ops.kda.chunk_autograd import kda_chunk_autograd
     from openk3.ops.kda.chunk_c import kda_chunk_c, kda_mixed_c
     from openk3.ops.kda.fla_kernels import kda_chunk_fla, kda_recurrent_fla
+    from openk3.ops.kda.layer_c import kda_layer_decode_c, kda_layer_decode_reference
     from openk3.ops.kda.mixed import kda_mixed
     from openk3.ops.kda.naive import kda_recurrent
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
     from openk3.ops.mla.blockwise import mla_blockwise, mla_expanded_or_blockwise
     from openk3.ops.mla.decode_cpu import latent_attention_c
+    from openk3.ops.mla.inputs_c import mla_decode_inputs_c, mla_decode_inputs_reference
     from openk3.ops.mla.latent_flash import mla_latent_flash
     from openk3.ops.mla.naive import mla_expanded
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
     from openk3.ops.moe import moe_experts_sized
     from openk3.ops.moe.batched import moe_experts_batched
+    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference
     from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
@@ -261,6 +264,9 @@ def registry() -> OpRegistry:
     triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
     r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda", requires=TRITON)
     r.register_auto("mla_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
+    r.register("mla_decode_inputs", "naive", mla_decode_inputs_reference, "projections, norms, latent write in torch ops", differentiable=True)
+    r.register("mla_decode_inputs", "fast", mla_decode_inputs_c, "projections, norms and latent write in one C call", backend="c")
+    r.register_auto("mla_decode_inputs", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     # a layer's decode step from its projections on (ops/kda/decode_step.py); "auto" pairs it with the prefill (kda_decode_rule)
     naive_step = decode_step.kda_decode_step_naive
@@ -269,10 +275,17 @@ def registry() -> OpRegistry:
     r.register("kda_decode", "fused", decode_step.kda_decode_step_fused, "the whole step after the projections in one C call", backend="c")
     r.register("kda_decode", "fla", decode_step.kda_decode_step_fla, "fla's fused_recurrent_kda over one-token sequences", backend="cuda", requires=FLA)
     r.register_auto("kda_decode", kda_decode_rule)
+    r.register("kda_layer_decode", "naive", kda_layer_decode_reference, "projections, the decode step's definition, o_proj", differentiable=True)
+    r.register("kda_layer_decode", "fast", kda_layer_decode_c, "projections, decode step and o_proj in one C call", backend="c")
+    r.register_auto("kda_layer_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_route", "naive", sigmoid_topk_route, "sigmoid, biased top-k, renormalise in torch ops", differentiable=True)
     r.register("moe_route", "fast", sigmoid_topk_route_c, "the steps after the logits in one C loop", backend="c")
     r.register_auto("moe_route", lambda t, _: "fast" if "c" in t.backends() else "naive")
+
+    r.register("moe_latent_block", "naive", moe_latent_block_reference, "latent MoE after the router in torch ops (the definition)", differentiable=True)
+    r.register("moe_latent_block", "fast", moe_latent_block_c, "projections, experts, norm and shared experts in one C call", backend="c")
+    r.register_auto("moe_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_experts", "naive", moe_experts_naive, "per-token, per-expert loop (the definition)", differentiable=True)
     r.register("moe_experts", "batched", moe_experts_batched, "all experts as one padded batch (dense banks)", differentiable=True)

@@ -10,7 +10,10 @@ model's own OpChoice, and, by swapping the model's attach points for serving mod
 - on CPU with `pack_cpu_weights`: every fused block and every other bias-free Linear also keeps oneDNN's blocked copy of
   its weight, used above ops/linear.KERNEL_ROWS rows, and the C kernel's panel copy, used up to them (ops/linear.py
   PackedWeight: each made on first use at its row counts, checked against the weights on every use). One or two more
-  copies of those weights: for a model only the engine writes to.
+  copies of those weights: for a model only the engine writes to. Where the C kernels run, every LatentMoE also becomes a
+  ServedLatentMoE (serve/fused_moe.py): at decode sizes the layer after its router is one C call over those panel copies;
+  every KimiDeltaAttention a ServedKDA (serve/fused_kda.py): a decode token from the layer's input to o_proj in one; and
+  every GatedMLA a ServedMLA (serve/fused_mla.py): a decode step's projections, norms and latent write in one.
 
 Idempotent: a second call ties again whatever a `.to()`, cast_model or `p.data = ...` moved out of its block (until then
 the group falls back to one matmul per member: slower, never wrong). Parameter names, identities and state_dict keys do
@@ -25,11 +28,17 @@ from typing import cast
 import torch
 from torch import nn
 
+from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import Linear, ProjectionGroup, StackedWeights
+from openk3.model.mla import GatedMLA
 from openk3.model.model import K3ForCausalLM
+from openk3.model.moe import LatentMoE
 from openk3.ops.linear import PackedWeight
 from openk3.ops.registry import OpTarget
 from openk3.serve.fused import FusedRows
+from openk3.serve.fused_kda import ServedKDA
+from openk3.serve.fused_mla import ServedMLA
+from openk3.serve.fused_moe import ServedLatentMoE
 from openk3.serve.op_names import select_named_ops
 
 
@@ -140,3 +149,11 @@ def prepare_for_serving(model: nn.Module, device: torch.device, pack_cpu_weights
     for child in list(model.modules()):
         if type(child) is Linear and child.bias is None and id(child) not in in_groups:
             PackedLinear.from_linear(child)
+    if "c" in target.backends():
+        for child in list(model.modules()):
+            if type(child) is LatentMoE:
+                ServedLatentMoE.from_moe(child, target)
+            elif type(child) is KimiDeltaAttention:
+                ServedKDA.from_layer(child, target)
+            elif type(child) is GatedMLA:
+                ServedMLA.from_layer(child, target)

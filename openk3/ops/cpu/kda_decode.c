@@ -12,9 +12,11 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fastmath.h"
+#include "panels.h"
 
 #define MAX_D 512
 
@@ -119,4 +121,27 @@ int openk3_kda_decode_step(
         }
     }
     return 0;
+}
+
+/* A KDA layer's decode token with a full-rank output gate, from the layer's input to its output projection, in one call
+ * (ops/kda/layer_c.py): the input projections q | k | v | f_a | g | b from their fused panel copy (panels.h), f_b, the step
+ * above, o_proj -- the code and order of the separate calls, so the same bits, without their Python and torch dispatch.
+ * Dm model width; in_p the panels of the fused [3P + D + P + H, Dm] weight, fb_p of f_b [P, D], o_p of o_proj [Dm, P].
+ * Returns openk3_kda_decode_step's status, or 2 when scratch memory cannot be had. */
+int openk3_kda_layer_decode(int64_t N, int64_t Dm, int64_t H, int64_t D, int64_t W, const float *x, int64_t x_stride, const float *in_p,
+                            const float *fb_p, const float *conv_w, float *conv_pool, const int64_t *slots, const uint8_t *fresh,
+                            const float *A_log, const float *dt_bias, float *state_pool, int gate_kind, float lower_bound, float scale,
+                            const float *norm_w, float norm_eps, const float *o_p, float *y, int num_threads) {
+    const int64_t P = H * D, width = 3 * P + D + P + H;
+    float *proj = malloc(sizeof(float) * (size_t)(N * (width + 2 * P)));
+    if (proj == NULL) return 2;
+    float *f = proj + N * width, *o = f + N * P;
+    linear_panels(N, width, Dm, x, x_stride, in_p, proj, width, num_threads);
+    linear_panels(N, P, D, proj + 3 * P, width, fb_p, f, P, num_threads);
+    const int status = openk3_kda_decode_step(N, H, D, W, proj, width, conv_w, conv_pool, slots, fresh, f, P, A_log, dt_bias,
+                                              proj + 3 * P + D + P, width, state_pool, gate_kind, lower_bound, scale, norm_w, norm_eps,
+                                              proj + 3 * P + D, width, o, num_threads);
+    if (status == 0) linear_panels(N, Dm, P, o, P, o_p, y, Dm, num_threads);
+    free(proj);
+    return status;
 }

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "panels.h"
+#include "rms_norm.h"
 #include "fastmath.h"
 #include "rows_gemm.h"
 
@@ -129,5 +131,30 @@ int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_
             }
         free(scratch);
     }
+    return 0;
+}
+
+/* An MLA layer's decode inputs with a query LoRA (ops/mla/inputs_c.py), in one call: the fused input projection
+ * q_a | kv_a | g from its panel copy into proj [T, W] (W = Qa + Lr + Dr + G), q = q_b(norm(q_a)) into q [T, Q], and each
+ * token's latent [norm(c_kv) | k_pe] written into row rows[t] of the pool seen as [pool_rows, Lr + Dr] -- the code of the
+ * separate calls (panels.h, rms_norm.h, a row copy), so the same bits. Returns -1 (nothing written) when a row id lies
+ * outside 0..pool_rows-1, 1 when scratch memory cannot be had. */
+int openk3_mla_decode_inputs(int64_t T, int64_t Dm, const float *x, int64_t x_stride, const float *in_p, int64_t Qa, int64_t Lr, int64_t Dr,
+                             int64_t G, const float *qa_norm_w, float qa_eps, const float *qb_p, int64_t Q, const float *kv_norm_w, float kv_eps,
+                             float *pool, int64_t pool_rows, const int64_t *rows, float *proj, float *q, int num_threads) {
+    const int64_t W = Qa + Lr + Dr + G, R = Lr + Dr;
+    for (int64_t t = 0; t < T; t++)
+        if (rows[t] < 0 || rows[t] >= pool_rows) return -1;
+    float *qa = malloc(sizeof(float) * (size_t)(T * Qa));
+    if (qa == NULL) return 1;
+    linear_panels(T, W, Dm, x, x_stride, in_p, proj, W, num_threads);
+    rms_norm_rows(T, Qa, proj, W, qa_norm_w, qa_eps, qa);
+    linear_panels(T, Q, Qa, qa, Qa, qb_p, q, Q, num_threads);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = pool + rows[t] * R;
+        rms_norm_rows(1, Lr, proj + t * W + Qa, W, kv_norm_w, kv_eps, row);
+        memcpy(row + Lr, proj + t * W + Qa + Lr, sizeof(float) * (size_t)Dr);
+    }
+    free(qa);
     return 0;
 }

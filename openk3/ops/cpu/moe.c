@@ -14,6 +14,8 @@
 #include "fastmath.h"
 #include "glu.h"
 #include "mxfp4_rows.h"
+#include "panels.h"
+#include "rms_norm.h"
 #include "rows_gemm.h"
 
 /* scores [T, E]: router logits in, sigmoid scores out. idx/weight [T, k]: the k largest scores + bias, largest first
@@ -179,4 +181,37 @@ int openk3_moe_packed_pairs(int64_t T, int64_t k, int64_t E, int64_t D, int64_t 
     free(block);
     free(counts);
     return failed;
+}
+
+/* A latent MoE block's decode step after its router (ops/moe/block_c.py), in one call: y [T, D] =
+ * up(norm(experts(down(x)))) + shared_down(glu(gate_up(x))), every projection from its panel copy (panels.h), the routed
+ * experts by openk3_moe_packed_pairs, the norm by rms_norm.h and the activation by glu.h -- the code the separate calls
+ * run, in the same order per value, so the same bits, without their dozen torch allocations and Python calls per layer.
+ * L latent width, I expert width, S shared-expert width (gate | up side by side in gate_up_p); norm_w NULL: no latent
+ * norm. Returns openk3_moe_packed_pairs's status (0, -1 for an expert id outside 0..E-1, 1 when memory cannot be had). */
+int openk3_moe_latent_block(int64_t T, int64_t D, int64_t L, int64_t I, int64_t S, int64_t E, int64_t k, const float *x, int64_t x_stride,
+                            const int64_t *idx, const float *weight, const float *down_p, const uint8_t *w1p, const uint8_t *w1s,
+                            const uint8_t *w3p, const uint8_t *w3s, const uint8_t *w2p, const uint8_t *w2s, int act, float beta,
+                            float linear_beta, const float *norm_w, float eps, const float *up_p, const float *gate_up_p, int shared_act,
+                            float shared_beta, float shared_linear_beta, const float *shared_down_p, float *y, int num_threads) {
+    float *scratch = malloc(sizeof(float) * (size_t)(T * (3 * L + 3 * S + D)));
+    if (scratch == NULL) return 1;
+    float *z = scratch, *routed = z + T * L, *normed = routed + T * L, *gate_up = normed + T * L, *h = gate_up + T * 2 * S;
+    float *shared = h + T * S;
+    linear_panels(T, L, D, x, x_stride, down_p, z, L, num_threads);
+    const int status = openk3_moe_packed_pairs(T, k, E, L, I, z, L, idx, weight, w1p, w1s, w3p, w3s, w2p, w2s, act, beta, linear_beta, routed,
+                                               num_threads);
+    if (status) {
+        free(scratch);
+        return status;
+    }
+    if (norm_w != NULL) rms_norm_rows(T, L, routed, L, norm_w, eps, normed);
+    linear_panels(T, D, L, norm_w != NULL ? normed : routed, L, up_p, y, D, num_threads);
+    linear_panels(T, 2 * S, D, x, x_stride, gate_up_p, gate_up, 2 * S, num_threads);
+    for (int64_t t = 0; t < T; t++)
+        glu_values(S, shared_act, shared_beta, shared_linear_beta, gate_up + t * 2 * S, gate_up + t * 2 * S + S, h + t * S);
+    linear_panels(T, D, S, h, S, shared_down_p, shared, D, num_threads);
+    for (int64_t i = 0; i < T * D; i++) y[i] += shared[i];
+    free(scratch);
+    return 0;
 }

@@ -138,10 +138,12 @@ class ParallelConfig:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
         tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
-        if tiers and self.decode_cp:
+        if self.decode_cp and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
+            # as with TP below: each CP rank holds its own share of the MLA pages, so it keeps its own share of every tier
+            # entry (serve/cache/tier_mirror.py), in RAM
             raise ValueError(
-                f"cpu_offload_bytes / disk_offload_dir with {ranks}, decode_cp=True: the host and disk prefix tiers are not supported "
-                "with decode context parallelism yet: each CP rank holds its own share of the MLA pages, which rank 0's tier entries lack"
+                f"disk_offload_dir with {ranks}, decode_cp=True: the disk prefix tier is not supported with decode context "
+                "parallelism yet (each CP rank would hold its share of the disk tier in memory); the host tier (cpu_offload_bytes) is (docs/parallel.md)"
             )
         if self.tp > 1 and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
             # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own): each TP rank keeps its own shard

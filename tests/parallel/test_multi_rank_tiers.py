@@ -1,9 +1,9 @@
 """Host and disk prefix tiers on multi-rank engines. Ranks holding replicas of rank 0's pools (`--cp N`, `--ep N` with
 tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD).
-Ranks holding TP shards (`--tp N`): each keeps its own shard of rank 0's host tier (serve/cache/tier_mirror.py), packed,
-loaded and dropped as rank 0's prefix cache logs it (step_channel MIRROR). Either way prompts that hit prefixes evicted to
-the tier give one process's tokens, its hit counts and its logprobs. Refused by name: the disk tier with TP, and any tier
-with decode CP (its ranks hold shards of the pages)."""
+Ranks holding shards (`--tp N`: of the heads; `--cp N --dcp`: of the MLA pages): each keeps its own shard of rank 0's host
+tier (serve/cache/tier_mirror.py), packed, loaded and dropped as rank 0's prefix cache logs it (step_channel MIRROR). Either
+way prompts that hit prefixes evicted to the tier give one process's tokens, its hit counts and its logprobs. Refused by
+name: the disk tier with TP or decode CP (each rank would hold its shard of it in RAM)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[TierKind, dict
         (dict(ep=2), TierKind.HOST),
         (dict(tp=2), TierKind.HOST),
         (dict(tp=2, ep=2), TierKind.HOST),
+        (dict(cp=2, decode_cp=True, cp_min_tokens=32), TierKind.HOST),
     ],
 )
 def test_tier_hits_on_multi_rank_engines_give_one_process_results(one_process, tmp_path: Path, layout: dict[str, Any], kind: TierKind) -> None:
@@ -82,5 +83,6 @@ def test_what_the_tiers_are_refused_with() -> None:
     for sharded in (ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2), ParallelConfig(dp=2, tp=2, ep=4)):
         with pytest.raises(ValueError, match="disk prefix tier is not supported with tensor parallelism yet"):
             sharded.check_engine(disk)
-    with pytest.raises(ValueError, match="not supported with decode context parallelism yet"):
-        ParallelConfig(cp=2, decode_cp=True).check_engine(host)
+    ParallelConfig(cp=2, decode_cp=True).check_engine(host)
+    with pytest.raises(ValueError, match="disk prefix tier is not supported with decode context parallelism yet"):
+        ParallelConfig(cp=2, decode_cp=True).check_engine(disk)

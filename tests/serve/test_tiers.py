@@ -42,6 +42,26 @@ def test_pack_unpack_roundtrip_across_page_sizes() -> None:
         unpack(buf[:-1], dst, 2, [3, 0], 10)
 
 
+@pytest.mark.parametrize("shards", [2, 3])
+def test_pack_unpack_of_a_decode_cp_share(shards: int) -> None:
+    """Pools holding a rank's interleaved share (latent_shards = W: page_size / W rows per page): a buffer carries the first
+    ceil(p / W) rows of the share -- every rank's buffer the same size, rank 0's rows exactly -- and unpacking into other
+    pages gives them back."""
+    g = torch.Generator().manual_seed(shards)
+    page_size, num_tokens = 4 * shards, 4 * shards + 5  # a partly filled second page
+    src = CacheTensors.allocate(debug(), num_slots=2, num_pages=6, page_size=page_size, latent_shards=shards)
+    for t in src.pools():
+        t.copy_(torch.randn(t.shape, generator=g))
+    buf = pack(src, slot=1, page_ids=[5, 2], num_tokens=num_tokens)
+    per_rank = -(-num_tokens // shards)
+    assert buf.numel() == buffer_nbytes(src, num_tokens) == buffer_nbytes(src, 0) + per_rank * sum(p.shape[-1] * p.element_size() for p in src.mla_latent)
+    dst = CacheTensors.allocate(debug(), num_slots=3, num_pages=4, page_size=page_size, latent_shards=shards)
+    unpack(buf, dst, slot=2, page_ids=[3, 0], num_tokens=num_tokens)
+    assert per_rank == len(range(0, num_tokens, shards))  # rank 0 holds the most: every other rank's rows are a prefix of these
+    for a, b in zip(src.mla_latent, dst.mla_latent, strict=True):  # a share is a paged sequence over the same pages
+        assert torch.equal(torch.cat([b[3], b[0]])[:per_rank], torch.cat([a[5], a[2]])[:per_rank])
+
+
 def test_host_tier_lru_within_budget() -> None:
     host = HostTier(capacity_bytes=250)
     a, b, c = entry([1] * 5), entry([2] * 5), entry([3] * 5)

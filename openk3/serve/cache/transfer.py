@@ -4,6 +4,9 @@ Legend: S state slots, NP pages, PS tokens per page, R latent width, p tokens of
 A buffer is flat uint8: every KDA layer's recurrent state [H, K, V] fp32, then every conv window [C, W-1], then every MLA
 layer's latents of the prefix's p tokens [p, R] (per token, so a buffer does not depend on the page size). One copy moves a
 prefix's pages and its KDA snapshot together, which is what makes a tier hit all-or-nothing.
+With decode context parallelism (CacheTensors.latent_shards = W) a rank's pages hold its interleaved share, PS / W rows per
+page, and its buffer the first ceil(p / W) rows of that share: what rank 0 holds, and the same size on every rank (a rank
+holding fewer packs a row it never reads, and writes it back where it came from).
 """
 
 from __future__ import annotations
@@ -49,24 +52,31 @@ def copy_page(tensors: CacheTensors, src: int, dst: int) -> int:
     return moved
 
 
-def _token_rows(page_ids: Sequence[int], num_tokens: int, page_size: int, device: torch.device) -> torch.Tensor:
-    """Row of each of the first num_tokens positions in a pool viewed as [NP * PS, R]."""
-    pos = torch.arange(num_tokens, device=device)
+def _token_rows(page_ids: Sequence[int], num_rows: int, rows_per_page: int, device: torch.device) -> torch.Tensor:
+    """Row of each of the first num_rows rows of the pages in a pool viewed as [NP * rows_per_page, R]."""
+    pos = torch.arange(num_rows, device=device)
     pages = torch.tensor(list(page_ids), dtype=torch.int64, device=device)
-    return pages[pos // page_size] * page_size + pos % page_size
+    return pages[pos // rows_per_page] * rows_per_page + pos % rows_per_page
+
+
+def latent_rows_of(tensors: CacheTensors, num_tokens: int) -> tuple[int, int]:
+    """(rows a buffer carries for the first num_tokens positions, rows per page) of these pools: the tokens themselves, or
+    with decode context parallelism the first ceil(num_tokens / W) rows of the share (module docstring)."""
+    shards = tensors.latent_shards
+    return -(-num_tokens // shards), tensors.page_size // shards
 
 
 def buffer_nbytes(tensors: CacheTensors, num_tokens: int) -> int:
     state = sum(p[0].numel() * p.element_size() for p in (*tensors.kda_state, *tensors.conv_state))
     latent = sum(p.shape[-1] * p.element_size() for p in tensors.mla_latent)
-    return state + num_tokens * latent
+    return state + latent_rows_of(tensors, num_tokens)[0] * latent
 
 
 def pack(tensors: CacheTensors, slot: int, page_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
     """The prefix's snapshot (slot) and its first num_tokens latents (page_ids) as one contiguous host buffer."""
     parts = [pool[slot].reshape(-1).contiguous().view(torch.uint8) for pool in (*tensors.kda_state, *tensors.conv_state)]
     if tensors.mla_latent:
-        rows = _token_rows(page_ids, num_tokens, tensors.page_size, tensors.mla_latent[0].device)
+        rows = _token_rows(page_ids, *latent_rows_of(tensors, num_tokens), tensors.mla_latent[0].device)
         for pool in tensors.mla_latent:
             flat = pool.view(-1, pool.shape[-1])
             parts.append(flat.index_select(0, rows).reshape(-1).contiguous().view(torch.uint8))
@@ -110,11 +120,12 @@ def unpack(buffer: torch.Tensor, tensors: CacheTensors, slot: int, page_ids: Seq
             pool[slot].copy_(buffer[off : off + n].to(pool.device).view(pool.dtype).view(pool[slot].shape))
             off += n
         if tensors.mla_latent:
-            rows = _token_rows(page_ids, num_tokens, tensors.page_size, tensors.mla_latent[0].device)
+            num_rows, per_page = latent_rows_of(tensors, num_tokens)
+            rows = _token_rows(page_ids, num_rows, per_page, tensors.mla_latent[0].device)
             for pool in tensors.mla_latent:
                 width = pool.shape[-1]
-                n = num_tokens * width * pool.element_size()
-                data = buffer[off : off + n].to(pool.device).view(pool.dtype).view(num_tokens, width)
+                n = num_rows * width * pool.element_size()
+                data = buffer[off : off + n].to(pool.device).view(pool.dtype).view(num_rows, width)
                 pool.view(-1, width).index_copy_(0, rows, data)
                 off += n
     if tensors.copy_log is not None:  # replicas replay the same load (driver.py sends the buffer), shards their own entry

@@ -19,13 +19,16 @@
   users see are stretched by the prefill share. The validation prices TensorRT-LLM's runs as the engine steps them,
   decode rows and prompt chunks in one mixed step (`continuous.py`); plans do not use it yet.
 
-The host gap models what TensorRT-LLM's and vLLM's engines do on the host every iteration -- schedule the next batch,
-check stop criteria, update responses, prepare the inputs -- where their overlap schedulers leave it exposed
-(TensorRT-LLM, nvidia.github.io/TensorRT-LLM/features/overlap-scheduler.html: step n+1's GPU work is launched before step n's stop checks
-and response updates, which then run concurrently; vLLM's v0.6.0 performance update, blog.vllm.ai/2024/09/05/
-perf-update.html: scheduling and input preparation each step left an H100 idle for much of a Llama 3 8B decode step
-until they were overlapped; SGLang v0.4's overlap scheduler, lmsys.org/blog/2024-12-04-sglang-v0-4). What is left
-grows with the requests in the step (per-request bookkeeping), hence a fixed part plus a part per sequence.
+The host gap stands for the per-iteration time outside the priced kernels. Its origin is the engines' per-step
+scheduler work -- schedule the next batch, check stop criteria, update responses, prepare the inputs -- which their
+overlap schedulers now run while the GPU executes the previous step (TensorRT-LLM, nvidia.github.io/TensorRT-LLM/
+features/overlap-scheduler.html: step n+1 is launched before step n's stop checks and response updates; vLLM's v0.6.0
+performance update, blog.vllm.ai/2024/09/05/perf-update.html: scheduling and input preparation left an H100 idle for
+much of a Llama 3 8B step until they were overlapped; SGLang v0.4's overlap scheduler, lmsys.org/blog/
+2024-12-04-sglang-v0-4). With that overlap on, pricing the step as max(device, host) leaves the kernels alone and
+misses the tuned rows by 17% (issue 37 round seven), so the gap stays additive: it is the host work the overlap does
+not hide plus device time per step and per sequence the kernel model lacks (sampling, attention-DP padding, the MoE
+all-gather's chunking), not host time alone -- a fixed part plus a part per sequence in the step.
 
 The host-gap defaults (2 ms + 20 us per sequence in the step) are the one set of numbers in the step model chosen
 against end-to-end runs: a grid over {0, 1, 2, 5, 7.5, 10, 15} ms x {0, 5, 10, 20, 40, 80} us minimising the median

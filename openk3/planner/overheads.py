@@ -19,19 +19,29 @@
   users see are stretched by the prefill share. The validation prices TensorRT-LLM's runs as the engine steps them,
   decode rows and prompt chunks in one mixed step (`continuous.py`); plans do not use it yet.
 
-The host-gap defaults (1 ms + 20 us per sequence in the step) are the one set of numbers in the step model chosen
+The host gap stands for the per-iteration time outside the priced kernels. Its origin is the engines' per-step
+scheduler work -- schedule the next batch, check stop criteria, update responses, prepare the inputs -- which their
+overlap schedulers now run while the GPU executes the previous step (TensorRT-LLM, nvidia.github.io/TensorRT-LLM/
+features/overlap-scheduler.html: step n+1 is launched before step n's stop checks and response updates; vLLM's v0.6.0
+performance update, blog.vllm.ai/2024/09/05/perf-update.html: scheduling and input preparation left an H100 idle for
+much of a Llama 3 8B step until they were overlapped; SGLang v0.4's overlap scheduler, lmsys.org/blog/
+2024-12-04-sglang-v0-4). With that overlap on, pricing the step as max(device, host) leaves the kernels alone and
+misses the tuned rows by 17% (issue 37 round seven), so the gap stays additive: it is the host work the overlap does
+not hide plus device time per step and per sequence the kernel model lacks (sampling, attention-DP padding, the MoE
+all-gather's chunking), not host time alone -- a fixed part plus a part per sequence in the step.
+
+The host-gap defaults (2 ms + 20 us per sequence in the step) are the one set of numbers in the step model chosen
 against end-to-end runs: a grid over {0, 1, 2, 5, 7.5, 10, 15} ms x {0, 5, 10, 20, 40, 80} us minimising the median
 |error| of the tuned rows of `validation_agg.py` (TensorRT-LLM's 1000/1000 and 1024/1024 runs, at trtllm-bench's own
 batch and token budget), no held-out row in the fit, with the fixed part at most 2 ms: published batch-1 decode steps
 are that short (SGLang, GPT-OSS-120B on B200, 2.41 ms TPOT at concurrency 1; gist.github.com/BenHamm/
-78563d0d0a08d7cb61b4737392633384). The tuned rows alone form a ridge (5 ms + 5 us fits them 1.7 points better) because
-their batches are all large; the batch-1 bound picks the point on it. Until issue 37 round three the gap was 2 ms +
-40 us: the per-sequence part stood in for decode attention, which the per-operator table priced by the product batch x
-context; priced by (heads, batch, context) it needs half of that. Round four (mixed steps, finite runs, no load
-balancer, the Qwen3 checkpoints' FP8 KV) left it as fitted; the tuned rows' median |error| was 5% with it. Round seven
-(each run on its engine's own graphs, `engine`, the CUTLASS MoE's all-gather exchange, two kernels' own curves) left
-it too: the tuned rows are at 10% with it; the grid's best on them is now 2 ms + 20 us (8.8%), not applied because it
-re-prices every plan (benchmarks/results/planner.md, round seven).
+78563d0d0a08d7cb61b4737392633384). The tuned rows alone form a ridge (10 ms + 10 us fits them 1.6 points better)
+because their batches are all large; the batch-1 bound picks the point on it. History: 2 ms + 40 us until issue 37
+round three (the per-sequence part stood in for decode attention, which the per-operator table priced by the product
+batch x context; priced by (heads, batch, context) it needs half of that), then 1 ms + 20 us; round seven (each run on
+its engine's own graphs, `engine`, the CUTLASS MoE's all-gather exchange, two kernels' own curves) moved the grid's
+best on the tuned rows to 2 ms + 20 us (8.8% against 10.0%), applied in round nine (benchmarks/results/planner.md,
+"Round nine"; `benchmarks/planner_host_gap.py` prints the grid).
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ def sglang_graph_sizes(max_bs: int = 512) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Overheads:
-    host_gap_s: float = 1.0e-3
+    host_gap_s: float = 2.0e-3
     host_gap_per_seq_s: float = 20.0e-6
     graph_sizes: tuple[int, ...] = TRTLLM_GRAPH_SIZES  # empty: no CUDA graphs, no padding
 

@@ -150,23 +150,23 @@ CASES: tuple[Case, ...] = (
     Case("Kimi K2, 96 decode H200, EP96 + 96 redundant", LMSYS_K2, "decode tok/s/GPU", 384_000 / 96, Split.TUNED, Phase.DECODE,
          "480 requests per GPU (the post's decode batch size; 256 assumed until round eight: -28%) at 2,000 + 100 tokens; DeepEP "
          "low-latency a2a", _k2_h200,
-         "interconnect-bound: 88 of 95 peers behind a 50 GB/s NIC (85 ms of the 160 ms step is exposed all-to-all)"),
+         "interconnect-bound: 88 of 95 peers behind a 50 GB/s NIC (85 ms of the 161 ms step is exposed all-to-all)"),
     Case("DeepSeek-V3, GB200 NVL72, EP48 (part I)", LMSYS_GB200_1, "decode tok/s/GPU", 7583, Split.TUNED, Phase.DECODE,
          "768 tokens/rank (its script), 32 redundant experts", _ds_gb200_decode(FP8),
          "on its script's one graph (--cuda-graph-bs 768, no padding; to TensorRT-LLM's 1,024 until round eight: -20%) the measured "
-         "Blackwell FP8 grouped-GEMM curve puts the experts at 39 of the 100 ms step and the host gap (fitted on TensorRT-LLM rows, "
-         "20 us per sequence) at 16 ms for 768 sequences; the flat factors: +55%, MLA attention at 30%"),
+         "Blackwell FP8 grouped-GEMM curve puts the experts at 39 of the 101 ms step and the host gap (fitted on TensorRT-LLM rows, "
+         "2 ms + 20 us per sequence) at 17 ms for 768 sequences; the flat factors: +55%, MLA attention at 30%"),
     Case("DeepEP LL dispatch, EP8", DEEPEP, "us", 77, Split.TUNED, Phase.COMM, "-", _deepep(8, "dispatch"),
          "the link efficiencies were read off DeepEP's bandwidth tables"),
     Case("DeepEP LL combine, EP64", DEEPEP, "us", 314, Split.TUNED, Phase.COMM, "-", _deepep(64, "combine")),
     Case("DeepSeek-V3, GB200 NVL72 decode, BF16 attn + FP8 MoE", LMSYS_GB200_2, "decode tok/s/GPU", 9087, Split.HELD_OUT, Phase.DECODE,
          "the part I set-up (EP48, 768 tokens/rank)", _ds_gb200_decode(FP8),
-         "the part I step (100 ms); the same software a month later runs it 20% faster than part I, and the model has no version"),
+         "the part I step (101 ms); the same software a month later runs it 20% faster than part I, and the model has no version"),
     Case("DeepSeek-V3, GB200 NVL72 decode, FP8 attn + NVFP4 MoE", LMSYS_GB200_2, "decode tok/s/GPU", 13386, Split.HELD_OUT, Phase.DECODE,
          "EP48, 1,408 sequences per rank (the post: batches chosen to fill the KV cache, '1408 for 2k ISL'; a bf16 cache holds "
          "at most 908 here, so the BF16 row keeps part I's 768); FP8 KV and attention math", _ds_gb200_decode(FP8_ATTN_NVFP4, 1408),
-         "FP8 attention and NVFP4 experts at 1,408 sequences: a 112 ms step (29 ms of it the host gap at 20 us per sequence), x1.64 "
-         "the BF16 row's tok/s/GPU in the model, x1.47 published; at part I's 768: -9%"),
+         "FP8 attention and NVFP4 experts at 1,408 sequences: a 113 ms step (30 ms of it the host gap, 2 ms + 20 us per sequence), x1.64 "
+         "the BF16 row's tok/s/GPU in the model, x1.47 published; at part I's 768: -11%"),
     Case("DeepSeek-V3, GB200 NVL72 prefill, BF16 attn + FP8 MoE", LMSYS_GB200_2, "prefill tok/s/GPU", 18471, Split.HELD_OUT, Phase.PREFILL,
          "a prefill group of 2 nodes = 8 GPUs (its reproduction scripts), EP8, 2,000-token prompts packed into 8K chunks (the post "
          "says 4 ranks per instance here and 2 for the NVFP4 row, with weights offloaded to host memory, which the planner cannot hold)",
@@ -179,7 +179,7 @@ CASES: tuple[Case, ...] = (
          "9 decode nodes, EP72, 256 sequences per GPU at a 2,000-token KV cache (the post's profile table; its reproduction's decode "
          "command: --cuda-graph-bs 256, two-batch overlap), 32 redundant experts (288 slots)", _ds_h100_decode,
          "interconnect and experts: 31 ms of exposed DeepEP low-latency all-to-all over 8 x 50 GB/s NICs per node and 18 ms of experts "
-         "on the Hopper FP8 grouped-GEMM curve, of a 90 ms step; until round eight the HBM-limited batch (300, padded to 384): -16%"),
+         "on the Hopper FP8 grouped-GEMM curve, of a 91 ms step; until round eight the HBM-limited batch (300, padded to 384): -16%"),
     Case("DeepSeek-V3, 32 prefill H100 (4 nodes), EP32", LMSYS_H100, "prefill tok/s/GPU", 52_300 / 8, Split.HELD_OUT, Phase.PREFILL,
          "4 prefill nodes (the post: 4 x 8 H100, EP32), 32 redundant experts, 2,000-token prompts", _ds_h100_prefill,
          "DeepEP normal dispatch in prefill (the post, 'Expert Parallelism with DeepEP'): a token crosses the NIC once per destination "
@@ -191,7 +191,7 @@ CASES: tuple[Case, ...] = (
          _r1_gb300_long_decode,
          "the post's TPS/User at its no-MTP peak (23; 'nearly doubles from 23 to 43' with MTP at peak TPS/GPU); until round eight the "
          "row compared a decode GPU's rate with the peak's 226.2 TPS/GPU, which counts the prefill GPUs too (226 and 23 tok/s/user "
-         "at 36 requests per decode GPU hold together only if decode GPUs are about 27% of the deployment): +116%. A 53 ms step, of "
+         "at 36 requests per decode GPU hold together only if decode GPUs are about 27% of the deployment): +116%. A 54 ms step, of "
          "which 36 ms is MLA attention over 132K FP8-cached tokens on the FP8-cache curve"),
     Case("DeepSeek-R1 NVFP4, GB300, 128K prompt with PP", LMSYS_GB300, "TTFT s", 8.6, Split.HELD_OUT, Phase.PREFILL, "-", None,
          "no prediction: the PP degree and GPUs of the prefill instance are not in the excerpt found in the offline corpus"),

@@ -94,9 +94,9 @@ def test_kernels_default_to_measured_and_flat_stays_selectable() -> None:
 def test_report_names_the_kernel_model(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--context", "8k", "--accelerators", "72", "--tp", "1", *FAST]
     assert main(args) == 0
-    assert "inputs: kernels measured (1 ms + 20 us/sequence host gap per step)" in capsys.readouterr().out
+    assert "inputs: kernels measured (2 ms + 20 us/sequence host gap per step)" in capsys.readouterr().out
     assert main([*args, "--kernels", "flat"]) == 0
     assert "inputs: kernels flat, efficiency hbm 0.8" in capsys.readouterr().out
     assert main([*args, "--json"]) == 0
     eff = json.loads(capsys.readouterr().out)["inputs"]["efficiency"]
-    assert eff["kernels"] == "measured" and eff["overheads"]["host_gap_s"] == 1e-3
+    assert eff["kernels"] == "measured" and eff["overheads"]["host_gap_s"] == 2e-3

@@ -103,9 +103,13 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_text_report_shows_the_disaggregated_plan_when_no_aggregated_one_exists() -> None:
-    """1M prompts at 20 tok/s/user: no aggregated layout meets the SLO once prefill interleaves with decode, yet a
-    prefill pool with PP/CP and a decode pool do; the text report says both (the JSON always carried it)."""
-    plan = make_plan(_req(1_000_000, 2048, 0.05, user=20, ttft=60, max_pp=8, max_cp=16))
+    """1M prompts at 22 tok/s/user: no aggregated layout meets the SLO once prefill interleaves with decode (the fastest,
+    64 acc TP8 x DP8 with PP2 prefill at one sequence per group, gives its users 21.5 tok/s), yet a prefill pool with
+    PP/CP and a decode pool do (23.9); the text report says both (the JSON always carried it). Until the host gap's
+    fixed part went from 1 to 2 ms (issue 37 round nine) this held at 20 tok/s (the fastest aggregated candidate then
+    reached 19.1); with the slower step that replica serves just under 0.05 requests/s, so the rate takes two of
+    them, each half loaded, and their users see 21.5."""
+    plan = make_plan(_req(1_000_000, 2048, 0.05, user=22, ttft=60, max_pp=8, max_cp=16))
     assert plan.problem is not None and plan.disagg is not None and plan.disagg.disaggregated is not None
     text = render_text(plan)
     assert "no plan:" in text and "disaggregated " in text and "no aggregated layout meets the SLO" in text

@@ -42,7 +42,7 @@ def test_speculation_pays_when_accepted_and_costs_when_rejected() -> None:
     step = speculative_step(_ds(SpecDecoding(3, (0, 0, 0, 1))))
     assert step is not None and step.tokens_per_iteration == 4 and step.draft_s > 0
     # on the roofline, batches with compute-bound parts gain less from the same acceptance (flat factors: the measured
-    # model's host gap, 1 ms + 20 us per sequence, is paid once per iteration, which at 512 sequences is 11 ms a step
+    # model's host gap, 2 ms + 20 us per sequence, is paid once per iteration, which at 512 sequences is 12 ms a step
     # that speculation spreads over 4 tokens, and there the larger batch gains more)
     flat = Efficiency.flat()
     small_flat = evaluate(_ds(SpecDecoding(3, (0, 0, 0, 1)), eff=flat)).per_user_tok_s / evaluate(_ds(None, eff=flat)).per_user_tok_s
@@ -79,9 +79,12 @@ def test_cli_needs_both_spec_flags() -> None:
 
 
 def test_mtp_batch_one_rows_as_docs_report() -> None:
-    """docs/planner.md: TensorRT-LLM's DeepSeek-R1 batch-1 MTP3 rows (held out), measured kernels (default) and flat."""
+    """docs/planner.md: TensorRT-LLM's DeepSeek-R1 batch-1 MTP3 rows (held out), measured kernels (default) and flat.
+    An iteration (3 drafts + verify at batch 1) pays the host gap once: 2.02 ms since round nine against 1.02 ms, so
+    the B200 iteration is 11.7 ms against 10.7 (297.7 -> 272.3 tok/s/user at 3.19 tokens per iteration: +8% -> -1%)
+    and the H200 one 16.6 against 15.6 (204.7 -> 192.4: +29% -> +22%)."""
     rows = {c.name: c for c in BLOG_CASES if c.phase == Phase.DECODE}
     b200, h200 = rows["DeepSeek-R1 FP4, 8 B200, batch 1, MTP3"], rows["DeepSeek-R1 FP8, 8 H200, batch 1, MTP3"]
     flat = Efficiency.flat()
-    assert b200.error() == pytest.approx(0.08, abs=0.03) and h200.error() == pytest.approx(0.30, abs=0.03)
+    assert b200.error() == pytest.approx(-0.01, abs=0.03) and h200.error() == pytest.approx(0.22, abs=0.03)
     assert b200.error(flat) == pytest.approx(0.65, abs=0.03) and h200.error(flat) == pytest.approx(0.85, abs=0.03)

@@ -137,7 +137,6 @@ class ParallelConfig:
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
-        tiers = engine.enable_prefix_caching and (engine.cpu_offload_bytes or engine.disk_offload_dir is not None)
         if self.decode_cp and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
             # as with TP below: each CP rank holds its own share of the MLA pages, so it keeps its own share of every tier
             # entry (serve/cache/tier_mirror.py), in RAM

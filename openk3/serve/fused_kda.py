@@ -24,7 +24,7 @@ from openk3.ops.kda.decode_step import KDASlots, kda_decode_step_fused
 from openk3.ops.kda.layer_c import KDALayerDecodeWeights
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import PANEL_ROWS
-from openk3.serve.panel_copies import group_panels, hooked, linear_panels, tensor_stamp
+from openk3.serve.panel_copies import group_panels, hooked, kept, linear_panels, tensor_stamp
 
 
 class ServedKDA(KimiDeltaAttention):
@@ -55,14 +55,7 @@ class ServedKDA(KimiDeltaAttention):
         mods = self._modules
         if hooked(mods["in_proj"], mods["f_b_proj"], mods["o_proj"]):  # type: ignore[arg-type]
             return None
-        stamp, tensors = self._stamp()
-        held = self.__dict__.get("_held")
-        if held is not None and stamp is not None and held[0] == stamp:
-            return held[1]
-        weights = self._find_weights()
-        # the tensors are held with the stamp, so that no new tensor can take their addresses while it is kept
-        self._held = (stamp, weights, tensors) if stamp is not None and weights is not None else None
-        return weights
+        return kept(self, *self._stamp(), self._find_weights)
 
     def _stamp(self) -> tuple[tuple | None, list[torch.Tensor]]:
         """(what the found weights depend on: the submodules, the ops they chose, each weight's identity, address and

@@ -24,7 +24,7 @@ from openk3.ops.mla.inputs_c import MLAInputWeights
 from openk3.ops.norm import rms_norm_c
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import PANEL_ROWS
-from openk3.serve.panel_copies import group_panels, hooked, linear_panels, tensor_stamp
+from openk3.serve.panel_copies import group_panels, hooked, kept, linear_panels, tensor_stamp
 
 
 class ServedMLA(GatedMLA):
@@ -62,13 +62,7 @@ class ServedMLA(GatedMLA):
         mods = self._modules
         if hooked(*(cast(nn.Module, mods[n]) for n in ("in_proj", "q_b_proj", "q_a_layernorm", "kv_a_layernorm"))):
             return None
-        stamp, tensors = self._stamp()
-        held = self.__dict__.get("_held")
-        if held is not None and stamp is not None and held[0] == stamp:
-            return held[1]
-        weights = self._find_weights()
-        self._held = (stamp, weights, tensors) if stamp is not None and weights is not None else None
-        return weights
+        return kept(self, *self._stamp(), self._find_weights)
 
     def _stamp(self) -> tuple[tuple | None, list[torch.Tensor]]:
         mods = self._modules

@@ -29,7 +29,7 @@ from openk3.ops.moe.packed_c import packed_c_fits
 from openk3.ops.norm import rms_norm_c
 from openk3.ops.registry import OpTarget, registry
 from openk3.ops.thresholds import C_LOOP_MAX_PAIRS_PER_EXPERT, PANEL_ROWS
-from openk3.serve.panel_copies import group_panels, hooked, linear_panels, tensor_stamp
+from openk3.serve.panel_copies import group_panels, hooked, kept, linear_panels, tensor_stamp
 
 
 class ServedLatentMoE(LatentMoE):
@@ -68,14 +68,7 @@ class ServedLatentMoE(LatentMoE):
             return None
         if hooked(cast(nn.Module, shared._modules["gate_up"]), cast(nn.Module, shared._modules["down_proj"])):
             return None
-        stamp, tensors = self._stamp()
-        held = self.__dict__.get("_held")
-        if held is not None and stamp is not None and held[0] == stamp:
-            return held[1]
-        weights = self._find_weights(x_TD)
-        # the tensors are held with the stamp, so that no new tensor can take their addresses while it is kept
-        self._held = (stamp, weights, tensors) if stamp is not None and weights is not None else None
-        return weights
+        return kept(self, *self._stamp(), lambda: self._find_weights(x_TD))
 
     def _stamp(self) -> tuple[tuple | None, list[torch.Tensor]]:
         """(what the found weights depend on; None for inference tensors), the tensors it stamps."""

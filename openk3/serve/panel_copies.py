@@ -2,11 +2,13 @@
 the serving forms that chain several projections in one C call (serve/fused_moe.py, serve/fused_kda.py): each is handed
 out only where the projection's own forward would take the C panel kernel, so the one call computes what the separate
 calls would. Asking goes through PackedWeight, which checks the copy against the weights on every use. A module with
-forward hooks (its own or global ones) gives none: the one call would skip them."""
+forward hooks (its own or global ones) gives none: the one call would skip them. What a served layer finds is kept on
+it while what it depends on stays the same (`kept`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -14,6 +16,8 @@ from torch.nn.modules import module as torch_module
 
 from openk3.model.layers import Linear, ProjectionGroup
 from openk3.ops.linear import PackedWeight, linear_c
+
+W = TypeVar("W")
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -53,3 +57,15 @@ def tensor_stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int],
         return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
     except RuntimeError:
         return None
+
+
+def kept(module: nn.Module, stamp: tuple | None, tensors: list[torch.Tensor], find: Callable[[], W | None]) -> W | None:
+    """What `find` gives for `module` (a served layer's weights with their panel copies), found once and kept on the module
+    while `stamp` (what they depend on: tensor_stamp and the modules and ops chosen) stays the same; None stamps (inference
+    tensors) keep nothing. The tensors are held with it, so that no new tensor can take their addresses meanwhile."""
+    held = module.__dict__.get("_held")
+    if held is not None and stamp is not None and held[0] == stamp:
+        return held[1]
+    found = find()
+    module.__dict__["_held"] = (stamp, found, tensors) if stamp is not None and found is not None else None
+    return found

@@ -6,7 +6,7 @@ layer's latents of the prefix's p tokens [p, R] (per token, so a buffer does not
 prefix's pages and its KDA snapshot together, which is what makes a tier hit all-or-nothing.
 With decode context parallelism (CacheTensors.latent_shards = W) a rank's pages hold its interleaved share, PS / W rows per
 page, and its buffer the first ceil(p / W) rows of that share: what rank 0 holds, and the same size on every rank (a rank
-holding fewer packs a row it never reads, and writes it back where it came from).
+holding fewer packs one row it never reads, and unpacks it past the rows it reads).
 """
 
 from __future__ import annotations

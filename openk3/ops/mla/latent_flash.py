@@ -5,7 +5,7 @@ chunk). In the absorbed form (absorbed.py) every head attends the same rows [c |
 and takes values c from those rows: multi-query attention with one key/value "head" of width R. So the keys and values
 are the latents themselves (the cache's own bytes, read once), and the work splits in two flash calls:
 - the cached prefix, keys 0 .. off - 1, is seen by every query of the chunk: the H heads fold into H x t query rows of a
-  single head, with no mask;
+  single head, with no mask (in key blocks of PREFIX_KEYS_PER_CALL: the kernel packs a half-precision call's keys whole);
 - the chunk's own keys off .. off + t - 1 are the usual causal triangle (t x t per head).
 torch's CPU flash kernel tiles both (its working memory is per thread and fixed) and returns each row's log-sum-exp, and
 the two partial softmaxes merge exactly by it. The values are the whole rows (the kernel wants one head size for Q, K and
@@ -22,6 +22,10 @@ from openk3.ops.cpu import require_cpu_inference
 # torch's CPU flash attention with its log-sum-exp, the kernel F.scaled_dot_product_attention runs on CPU (public since
 # torch 2.3 as an aten op; the public function drops the log-sum-exp that merging two key ranges needs)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# The cached prefix's keys per flash call. torch's CPU kernel packs the K and V of a bf16/fp16 call whole (for its AMX
+# tiles: 392 MB more for 1M rows of R = 96 in bf16; an fp32 call takes 8 MB), so the prefix goes in key blocks whose
+# partial softmaxes merge by their log-sum-exps like the two ranges: ~24 MB packed per call in bf16 at 64k keys.
+PREFIX_KEYS_PER_CALL = 1 << 16
 
 
 def latent_rows(c_kv_sL: torch.Tensor, k_pe_sR: torch.Tensor) -> torch.Tensor:
@@ -65,11 +69,15 @@ def mla_latent_flash(
     u_HtR, lse_Ht = _flash_cpu(q_HtR[None], own_HtR[None], own_HtR[None], is_causal=True, scale=scale)
     u_HtR, lse_Ht = u_HtR[0], lse_Ht[0]
     if q_offset > 0:
-        prefix = rows_sR[None, None, :q_offset]
-        u_pre, lse_pre = _flash_cpu(q_HtR.reshape(1, 1, h * t, -1), prefix, prefix, scale=scale)
-        lse_pre = lse_pre.view(h, t)
-        lse_all = torch.logaddexp(lse_Ht, lse_pre)
-        u_HtR = u_HtR * torch.exp(lse_Ht - lse_all)[..., None] + u_pre.view(h, t, -1) * torch.exp(lse_pre - lse_all)[..., None]
-        u_HtR = u_HtR.to(dtype)  # the weights are fp32 (the log-sum-exps), so a half-precision chunk merged in fp32
+        q_fold = q_HtR.reshape(1, 1, h * t, -1)
+        u_all, lse_all = u_HtR.float(), lse_Ht  # merged in fp32: the weights are the fp32 log-sum-exps
+        for lo in range(0, q_offset, PREFIX_KEYS_PER_CALL):
+            keys = rows_sR[None, None, lo : min(lo + PREFIX_KEYS_PER_CALL, q_offset)]
+            u_part, lse_part = _flash_cpu(q_fold, keys, keys, scale=scale)
+            lse_part = lse_part.view(h, t)
+            lse_new = torch.logaddexp(lse_all, lse_part)
+            u_all = u_all * torch.exp(lse_all - lse_new)[..., None] + u_part.view(h, t, -1) * torch.exp(lse_part - lse_new)[..., None]
+            lse_all = lse_new
+        u_HtR = u_all.to(dtype)
     out_HtD = torch.matmul(u_HtR[..., :lr], w_uv_HDL.to(dtype).transpose(1, 2))
     return out_HtD.transpose(0, 1)

@@ -16,7 +16,8 @@ is rank 0 and drives, N - 1 spawned workers hold the other shards (openk3.parall
 it (openk3.parallel.dp). `cp=C` (with `tp=T`, and `ep=1` or `ep=C*T`) splits long prefill steps by position over C
 groups of T ranks (openk3.parallel.cp). Call close() (or use `with LLM(...) as llm:`) to stop them and leave the process group. Prefix
 caching works on every layout (rank 0's slot and page copies are replayed on the other ranks; with dp > 1 each rank's
-engine owns its cache), its host and disk tiers only on one rank or with dp > 1; the ranks do not pack their projections
+engine owns its cache), and so do its host and disk tiers (ranks holding shards mirror rank 0's tiers: serve/cache/
+tier_mirror.py); the ranks do not pack their projections
 for CPU (pack_cpu_weights applies to a single-process engine).
 
 `export_eplb_stats=PATH` counts the routing entries per expert of every MoE layer over every step (rank 0's model, which

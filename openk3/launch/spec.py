@@ -36,4 +36,4 @@ class EngineSpec:
     def rank_spec(self, collect_stats: bool) -> RankModelSpec:
         """What every rank of a multi-rank layout builds its part of the model from (the same on every rank)."""
         e = self.engine
-        return RankModelSpec.of(self.model, self.parallel, e.torch_dtype, e.seed, collect_stats, ops=e.ops)
+        return RankModelSpec.of(self.model, self.parallel, e.torch_dtype, e.seed, collect_stats, ops=e.ops, disk_dir=e.disk_offload_dir)

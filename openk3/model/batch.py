@@ -230,15 +230,28 @@ class MirrorLoad:
 
 
 @dataclass(frozen=True)
+class MirrorSpill:
+    """Rank 0's host tier overflowed its entry `key` to its disk tier: a sharded rank writes its own buffer of that key to a
+    disk tier of its own (tier_mirror.py), under the same anchor and tail (the record's header carries them)."""
+
+    key: bytes
+    anchor: bytes
+    tail: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class MirrorDrop:
-    """Rank 0's host tier let the entry `key` go: a sharded rank drops its buffer too (after the copies before the next
+    """Rank 0's tiers let the entry `key` go: a sharded rank drops its buffer (or its file) too (after the copies before the next
     step, which may still load it: rank 0 fetched the buffer before the eviction that dropped it)."""
 
     key: bytes
 
 
+# what a rank holding shards repeats of rank 0's tiers (serve/cache/tier_mirror.py)
+MirrorOp = MirrorPack | MirrorLoad | MirrorSpill | MirrorDrop
 # (kind, src, dst) of a slot or page copy, a tier load with its buffer (replica ranks), or a mirror op (sharded ranks)
-CopyEntry = tuple[int, int, int] | TierLoad | MirrorPack | MirrorLoad | MirrorDrop
+CopyEntry = tuple[int, int, int] | TierLoad | MirrorOp
 
 
 @dataclass

@@ -137,22 +137,6 @@ class ParallelConfig:
     def check_engine(self, engine: EngineConfig) -> None:
         """Refuse, on every rank alike and before any rank joins a group, what expert-parallel serving cannot do."""
         ranks = ", ".join([f"dp={self.dp}"] * (self.dp > 1) + [f"tp={self.tp}"] * (self.tp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}"])
-        if self.decode_cp and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
-            # as with TP below: each CP rank holds its own share of the MLA pages, so it keeps its own share of every tier
-            # entry (serve/cache/tier_mirror.py), in RAM
-            raise ValueError(
-                f"disk_offload_dir with {ranks}, decode_cp=True: the disk prefix tier is not supported with decode context "
-                "parallelism yet (each CP rank would hold its share of the disk tier in memory); the host tier (cpu_offload_bytes) is (docs/parallel.md)"
-            )
-        if self.tp > 1 and engine.enable_prefix_caching and engine.disk_offload_dir is not None:
-            # a tier buffer holds rank 0's pools only (a TP rank's KDA heads are its own): each TP rank keeps its own shard
-            # of every host tier entry in its RAM (serve/cache/tier_mirror.py); a disk tier would have each rank hold its
-            # shard of the whole disk budget in RAM. Without TP (--cp, --ep, --dp) every rank that mirrors an engine holds
-            # its contents, and the driver replays tier loads with their buffers (serving/driver.py).
-            raise ValueError(
-                f"disk_offload_dir with {ranks}: the disk prefix tier is not supported with tensor parallelism yet (each TP rank "
-                "would hold its shard of the disk tier in memory); the host tier (cpu_offload_bytes) is (docs/parallel.md)"
-            )
         if self.decode_cp and engine.page_size % self.cp:
             raise ValueError(
                 f"page_size={engine.page_size} with cp={self.cp}, decode_cp=True: each CP rank holds page_size / cp rows of every "

@@ -190,9 +190,6 @@ def test_ep_refuses_early() -> None:
     with pytest.raises(ValueError, match="device='cuda:1' with ep=2: .*name no index"):  # the same check as LLM's, before any rank starts
         server_configs(args)
     server_configs(build_parser().parse_args(["serve", "--ep", "1", "--device", "cuda:1"]))
-    # device prefix caching and the tiers run with ep=2 (test_tensor_parallel, test_multi_rank_tiers); the disk tier with TP does not
-    with pytest.raises(ValueError, match="disk_offload_dir with tp=2, ep=2: the disk prefix tier is not supported"):
-        LLM("debug", ep=2, tp=2, enable_prefix_caching=True, disk_offload_dir="/tmp/openk3-never-made")
 
 
 def _die_before_starting_the_rank(report: Connection) -> None:

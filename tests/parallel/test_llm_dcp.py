@@ -117,8 +117,7 @@ def test_decode_cp_settings_are_checked_by_name() -> None:
     ParallelConfig(cp=3, decode_cp=True).check_engine(EngineConfig(page_size=12))
     ParallelConfig(cp=2, decode_cp=True).check_engine(EngineConfig(enable_prefix_caching=True))
     ParallelConfig(cp=2, decode_cp=True).check_engine(EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20))
-    with pytest.raises(ValueError, match="disk prefix tier is not supported with decode context parallelism"):
-        ParallelConfig(cp=2, decode_cp=True).check_engine(EngineConfig(enable_prefix_caching=True, disk_offload_dir="/tmp/openk3-never-made"))
+    ParallelConfig(cp=2, decode_cp=True).check_engine(EngineConfig(enable_prefix_caching=True, disk_offload_dir="/tmp/openk3-never-made"))
     with pytest.raises(ValueError, match="speculative decoding runs in a single-process engine only"):
         ParallelConfig(cp=2, decode_cp=True).check_engine(EngineConfig(speculative_method="mtp"))
     with pytest.raises(ValueError, match="must be a multiple of latent_shards=3"):

@@ -1,9 +1,9 @@
 """Host and disk prefix tiers on multi-rank engines. Ranks holding replicas of rank 0's pools (`--cp N`, `--ep N` with
 tp = 1): a tier load into rank 0's pools goes to the workers with its buffer (serving/driver.py, step_channel LOAD).
 Ranks holding shards (`--tp N`: of the heads; `--cp N --dcp`: of the MLA pages): each keeps its own shard of rank 0's host
-tier (serve/cache/tier_mirror.py), packed, loaded and dropped as rank 0's prefix cache logs it (step_channel MIRROR). Either
-way prompts that hit prefixes evicted to the tier give one process's tokens, its hit counts and its logprobs. Refused by
-name: the disk tier with TP or decode CP (each rank would hold its shard of it in RAM)."""
+tier (serve/cache/tier_mirror.py), packed, spilled to files of its own, loaded and dropped as rank 0's prefix cache logs it
+(step_channel MIRROR). Either way prompts that hit prefixes evicted to the tier give one process's tokens, its hit counts
+and its logprobs."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[TierKind, dict
         (dict(ep=2), TierKind.HOST),
         (dict(tp=2), TierKind.HOST),
         (dict(tp=2, ep=2), TierKind.HOST),
+        (dict(tp=2), TierKind.DISK),
         (dict(cp=2, decode_cp=True, cp_min_tokens=32), TierKind.HOST),
+        (dict(cp=2, decode_cp=True, cp_min_tokens=32), TierKind.DISK),
     ],
 )
 def test_tier_hits_on_multi_rank_engines_give_one_process_results(one_process, tmp_path: Path, layout: dict[str, Any], kind: TierKind) -> None:
@@ -68,21 +70,16 @@ def test_tier_hits_on_multi_rank_engines_give_one_process_results(one_process, t
     want = one_process[kind]
     assert want["tier_hits"] > 0, "the one-process oracle loads from the tier"
     got = rounds(LLM("tiny", **layout, **TIGHT, **tiers(tmp_path, kind)), kind)
+    assert list(tmp_path.iterdir()) == [], "every rank removed its disk tier folder on close"
     assert got["tier_hits"] == want["tier_hits"] and got["hits"] == want["hits"]
     assert got["tokens"] == want["tokens"]
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
-def test_what_the_tiers_are_refused_with() -> None:
+def test_every_layout_takes_both_tiers() -> None:
     host = EngineConfig(enable_prefix_caching=True, cpu_offload_bytes=1 << 20)
     disk = EngineConfig(enable_prefix_caching=True, disk_offload_dir="/tmp/openk3-never-made")
-    for layout in (ParallelConfig(cp=2), ParallelConfig(ep=2), ParallelConfig(cp=2, ep=2), ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2)):
+    layouts = (ParallelConfig(cp=2), ParallelConfig(ep=2), ParallelConfig(cp=2, ep=2), ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2))
+    for layout in (*layouts, ParallelConfig(dp=2, tp=2, ep=4), ParallelConfig(cp=2, decode_cp=True)):
         layout.check_engine(host)
-    for replicas in (ParallelConfig(cp=2), ParallelConfig(ep=2)):
-        replicas.check_engine(disk)
-    for sharded in (ParallelConfig(tp=2), ParallelConfig(cp=2, tp=2), ParallelConfig(dp=2, tp=2, ep=4)):
-        with pytest.raises(ValueError, match="disk prefix tier is not supported with tensor parallelism yet"):
-            sharded.check_engine(disk)
-    ParallelConfig(cp=2, decode_cp=True).check_engine(host)
-    with pytest.raises(ValueError, match="disk prefix tier is not supported with decode context parallelism yet"):
-        ParallelConfig(cp=2, decode_cp=True).check_engine(disk)
+        layout.check_engine(disk)

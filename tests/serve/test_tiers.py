@@ -7,10 +7,11 @@ import torch
 
 from openk3.config import debug
 from openk3.model.batch import CacheTensors
+from openk3.serve.cache import tier_record
 from openk3.serve.cache.disk_tier import DiskTier
 from openk3.serve.cache.hashing import chain_keys, snapshot_key
 from openk3.serve.cache.tier_types import TierEntry, TierKind
-from openk3.serve.cache.tiers import HostTier, TierStack
+from openk3.serve.cache.tiers import HostTier, TierMoves, TierStack
 from openk3.serve.cache.transfer import buffer_nbytes, pack, unpack
 
 SALT = b"salt"
@@ -115,15 +116,56 @@ def test_disk_tier_roundtrip_checksum_and_budget(tmp_path) -> None:
     assert not os.path.exists(disk.dir) and os.path.isdir(tmp_path)
 
 
+def test_the_disk_budget_is_kept_at_put_and_names_what_it_let_go(tmp_path) -> None:
+    a, b, c = (entry([i] * 6, nbytes=1000, fill=i) for i in (1, 2, 3))
+    size = tier_record.overhead_bytes(a) + a.nbytes
+    assert size == len(tier_record.encode(a))
+    disk = DiskTier(str(tmp_path), capacity_bytes=2 * size)
+    assert disk.put(a) == [] and disk.put(b) == [] and disk.put(a) == []  # a held already: nothing moves
+    assert disk.put(c) == [a.key]  # at once, written or not: the caller's thread learns what left
+    assert a.key not in disk and disk.used_bytes == 2 * size
+    disk.drop(b.key)
+    disk.flush()
+    assert os.listdir(disk.dir) == [os.path.basename(disk.path_of(c.key))], "a let-go entry's queued write is skipped"
+    assert disk.put(entry([4] * 6, nbytes=3 * size)) == [entry([4] * 6).key]  # can never fit
+    disk.close()
+
+
+def test_a_disk_tier_without_budget_keeps_all_until_dropped(tmp_path) -> None:
+    disk = DiskTier(str(tmp_path), capacity_bytes=None)
+    entries = [entry([i] * 6, nbytes=1000, fill=i) for i in range(5)]
+    assert all(disk.put(e) == [] for e in entries)
+    disk.flush()
+    assert len(os.listdir(disk.dir)) == 5 and disk.stats().capacity_bytes == 0
+    disk.drop(entries[0].key)
+    assert len(os.listdir(disk.dir)) == 4 and disk.load(entries[0].key) is None
+    loaded = disk.load(entries[4].key)
+    assert loaded is not None and torch.equal(loaded, entries[4].buffer)
+    disk.close()
+
+
 def test_stack_sends_host_overflow_to_disk(tmp_path) -> None:
     stack = TierStack(HostTier(150), DiskTier(str(tmp_path), 10**6))
     a, b = entry([1] * 5), entry([2] * 5)
-    stack.offload(a)
-    stack.offload(b)  # a no longer fits in the host tier: it moves to disk
+    assert stack.offload(a) == TierMoves()
+    assert stack.offload(b) == TierMoves(spilled=[a])  # a no longer fits in the host tier: it moves to disk
     stack.flush()
     assert stack.host is not None and stack.disk is not None
     assert a.key not in stack.host and a.key in stack.disk and b.key in stack.host
     loaded = stack.load(TierKind.DISK, a.key)
     assert loaded is not None and torch.equal(loaded, a.buffer)
     assert stack.load(TierKind.HOST, a.key) is None
+    stack.close()
+
+
+def test_what_leaves_the_stack_is_named(tmp_path) -> None:
+    a, b, c = entry([1] * 5), entry([2] * 5), entry([3] * 5)
+    host_only = TierStack(HostTier(150), None)
+    host_only.offload(a)
+    assert host_only.offload(b) == TierMoves(gone=[a.key])
+    record = tier_record.overhead_bytes(a) + a.nbytes
+    stack = TierStack(HostTier(150), DiskTier(str(tmp_path), record))  # room for one file
+    stack.offload(a)
+    stack.offload(b)
+    assert stack.offload(c) == TierMoves(spilled=[b], gone=[a.key])
     stack.close()

@@ -100,7 +100,7 @@ def run_dp_worker_rank(world: ParallelContext, spec: RankModelSpec, config: Engi
             raise
         if any(channel.report_ready(None)):
             return 0
-        return _beating(heartbeat, lambda: run_worker(model, channel, world.device, getattr(backend, "inner", None)))
+        return _beating(heartbeat, lambda: run_worker(model, channel, world.device, getattr(backend, "inner", None), spec.disk_dir))
     leader = _Leader(groups, spec, config, None)
     if any(leader.dp_channel.report_ready(leader.error)):
         leader.close()

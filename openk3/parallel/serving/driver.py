@@ -15,8 +15,8 @@ every worker replays on its own pools, so the same slot and page ids hold the sa
 and disk tier loads write rank 0's pools from rank 0's buffers: where the workers' pools are replicas of rank 0's
 (`replicas`: no TP shard, as with --cp or --ep over TP groups of one) each load goes in the log with its buffer and the
 workers unpack it too. Where the workers hold TP shards, rank 0's prefix cache logs what its host tier does instead
-(offloads, loads, drops), and each worker repeats it on its own pools and TierMirror (serve/cache/tier_mirror.py); the
-disk tier is refused there.
+(offloads, spills to disk, loads, drops), and each worker repeats it on its own pools and TierMirror
+(serve/cache/tier_mirror.py), whose disk entries are files of its own under the same disk_offload_dir.
 """
 
 from __future__ import annotations
@@ -169,11 +169,20 @@ class EPDriver:
                     self.channel.send_stop()
 
 
-def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device | str, stats: StatsSource | None = None) -> int:
+def run_worker(model: ForwardModel, channel: StepChannel, device: torch.device | str, stats: StatsSource | None = None, disk_dir: str | None = None) -> int:
     """A worker rank's loop until rank 0 sends STOP; returns the number of steps run. Cache pools are allocated when rank 0
-    announces their shapes; stats (when the backend collects them) are drained and dropped, rank 0 reports them."""
+    announces their shapes; stats (when the backend collects them) are drained and dropped, rank 0 reports them.
+    `disk_dir`: the engine's disk_offload_dir, where this rank keeps its shards of rank 0's disk tier entries."""
+    # rank 0's tiers, in this rank's own shards (used when rank 0 has any and this rank's pools are shards)
+    mirror = TierMirror(disk_dir)
+    try:
+        return _worker_loop(model, channel, device, stats, mirror)
+    finally:
+        mirror.close()
+
+
+def _worker_loop(model: ForwardModel, channel: StepChannel, device: torch.device | str, stats: StatsSource | None, mirror: TierMirror) -> int:
     cache: CacheTensors | None = None
-    mirror = TierMirror()  # rank 0's host tier, in this rank's own shards (used when rank 0 has one and this rank's pools are shards)
     steps = 0
     while True:
         message = channel.receive(device)

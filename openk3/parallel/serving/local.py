@@ -81,7 +81,8 @@ class LocalEP:
         port = free_port()
         if config.dp > 1 and (engine is None or tokenizer is None):
             raise ValueError("LocalEP: data-parallel attention (dp > 1) runs an engine on every rank: give its EngineConfig and rank 0's tokenizer")
-        spec = RankModelSpec.of(source, config, dtype, seed, collect_stats=False, ops=engine.ops if engine is not None else None)
+        ops, disk_dir = (engine.ops, engine.disk_offload_dir) if engine is not None else (None, None)
+        spec = RankModelSpec.of(source, config, dtype, seed, collect_stats=False, ops=ops, disk_dir=disk_dir)
         worker_engine = engine if config.dp > 1 else None
         spawn = mp.get_context("spawn")
         pipes = [spawn.Pipe(duplex=False) for _ in range(1, world)]

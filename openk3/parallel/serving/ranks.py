@@ -58,9 +58,12 @@ class RankModelSpec:
     cp_min_tokens: int = 256
     kda_cp: str = "sequential"  # ParallelConfig.kda_cp: "scan" runs every CP rank's KDA recurrence at once (cp/kda_scan.py)
     decode_cp: bool = False  # cp > 1: every rank's MLA pages hold its share of the latents (cp/sharded_mla.py)
+    disk_dir: str | None = None  # EngineConfig.disk_offload_dir: a worker holding shards keeps its share of the disk tier there
 
     @classmethod
-    def of(cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None) -> RankModelSpec:
+    def of(
+        cls, source: ModelSource, parallel: ParallelConfig, dtype: torch.dtype, seed: int, collect_stats: bool, *, ops: str | None, disk_dir: str | None = None
+    ) -> RankModelSpec:
         """The spec of a layout as ParallelConfig declares it, with the engine's named ops (every entry point builds it here,
         so none drops a setting; the driver's engine runs the model as its ranks prepared it)."""
         return cls(
@@ -80,6 +83,7 @@ class RankModelSpec:
             cp_min_tokens=parallel.cp_min_tokens,
             kda_cp=parallel.kda_cp,
             decode_cp=parallel.decode_cp,
+            disk_dir=disk_dir,
         )
 
 
@@ -151,7 +155,7 @@ def run_worker_rank(ctx: ParallelContext, spec: RankModelSpec) -> int:
         return 0
     heartbeat.on_lost(exit_worker)  # this rank's main thread may be stuck in a collective with the lost rank
     heartbeat.start()
-    steps = run_worker(_step_model(spec, model, groups), channel, ctx.device, backend)
+    steps = run_worker(_step_model(spec, model, groups), channel, ctx.device, backend, spec.disk_dir)
     heartbeat.stop()  # rank 0 stopped every heartbeat before its STOP: this returns within a round
     return steps
 

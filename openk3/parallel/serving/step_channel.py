@@ -19,8 +19,9 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
            or disk tier load into rank 0's pools, sent in its place among the copies when the workers' pools are replicas
            of rank 0's (no TP shard of their own: CacheTensors.mirrors_replicate), which unpack the same buffer
     MIRROR a=op (1 pack, 2 load, 3 drop), b=slot, c=number of pages, d=tokens, e=key bytes; payload the key's bytes (one
-           int64 each), then pages[c]: what rank 0's host tier did, for workers whose pools are TP shards, which repeat
-           it on their own pools and tier mirror (serve/cache/tier_mirror.py)
+           int64 each), then pages[c]: what rank 0's tiers did, for workers whose pools are shards (TP, decode CP), which
+           repeat it on their own pools and tier mirror (serve/cache/tier_mirror.py). Op 4 (spill: the entry went from
+           the host tier to disk): b=anchor bytes, c=anchor bytes + tail tokens, d=tokens; payload key, anchor, tail
     STOP   no payload; a barrier, then the worker leaves its loop
   payload  input_ids[T] positions[T] cu_seqlens[N+1] context_lens[N] state_slots[N] page_table[N*P] logits_indices[M]
            state_cuts[h, 3] (seq, offset, slot)
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import ModelConfig
-from openk3.model.batch import CacheTensors, CopyEntry, ForwardBatch, HostFacts, MirrorDrop, MirrorLoad, MirrorPack, StateCut, TierLoad
+from openk3.model.batch import CacheTensors, CopyEntry, ForwardBatch, HostFacts, MirrorDrop, MirrorLoad, MirrorPack, MirrorSpill, StateCut, TierLoad
 from openk3.parallel.group import ParallelContext
 
 HEADER = 9
@@ -175,6 +176,9 @@ class StepChannel:
                 dist.broadcast(entry.buffer.contiguous(), self.src, group=self.group)
             elif isinstance(entry, MirrorDrop):
                 self._send([MessageKind.MIRROR, 3, -1, 0, 0, len(entry.key)], torch.tensor(list(entry.key), dtype=torch.int64))
+            elif isinstance(entry, MirrorSpill):
+                words = torch.tensor([*entry.key, *entry.anchor, *entry.tail], dtype=torch.int64)
+                self._send([MessageKind.MIRROR, 4, len(entry.anchor), len(entry.anchor) + len(entry.tail), entry.num_tokens, len(entry.key)], words)
             elif isinstance(entry, MirrorPack | MirrorLoad):
                 op = 1 if isinstance(entry, MirrorPack) else 2
                 mirrored = torch.tensor([*entry.key, *entry.page_ids], dtype=torch.int64)
@@ -221,6 +225,8 @@ class StepChannel:
             key, mirrored_pages = bytes(values[:e]), tuple(values[e:])
             if a == 3:
                 return CopyLog([MirrorDrop(key)])
+            if a == 4:  # the words after the key: the anchor's b bytes, then the tail's tokens
+                return CopyLog([MirrorSpill(key, bytes(values[e : e + b]), tuple(values[e + b :]), d)])
             if a not in (1, 2):
                 raise RuntimeError(f"StepChannel: mirror op {a} (driver and worker run different openk3 versions?)")
             return CopyLog([(MirrorPack if a == 1 else MirrorLoad)(key, b, mirrored_pages, d)])

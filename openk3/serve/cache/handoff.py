@@ -49,7 +49,7 @@ def export_entry(cache: CacheManager, tokens: Sequence[int]) -> TierEntry | None
     tiers = prefix.tiers
     if tiers is not None and tiers.contains(key):
         for kind in (TierKind.HOST, TierKind.DISK):
-            buf = tiers.load(kind, key)  # a disk load verifies the file's checksum: a corrupted file is not exported
+            buf = prefix.load_from_tier(kind, key)  # a disk load verifies the file's checksum: a corrupted file is not exported
             if buf is not None:
                 return TierEntry(key, anchor, tail, len(tokens), buf)
     return inbox.get(key)

@@ -213,7 +213,7 @@ class CacheManager:
             e = self.inbox.get(match.key)  # left in place until allocate_prefixed succeeds: admission may fail this step
             return match.fallback if e is None else replace(match, buffer=e.buffer)
         assert self.prefix is not None and self.prefix.tiers is not None and match.key is not None and match.fallback is not None
-        buf = self.prefix.tiers.load(match.tier, match.key)
+        buf = self.prefix.load_from_tier(match.tier, match.key)
         return match.fallback if buf is None else replace(match, buffer=buf)
 
     def allocate_prefixed(self, req_id: str, tokens: list[int], match: PrefixMatch, num_tokens: int, cache_salt: str | None = None) -> bool:
@@ -244,8 +244,8 @@ class CacheManager:
                 self.block_pool.free([match.tail_page])
         elif match.tier is not None:
             assert match.buffer is not None
-            # a host tier entry is one that ranks holding shards of these pools mirror (tier_mirror.py), by its key
-            unpack(match.buffer, self.tensors, slot, pages, p, key=match.key if match.tier == TierKind.HOST else None)
+            # a host or disk tier entry is one that ranks holding shards of these pools mirror (tier_mirror.py), by its key
+            unpack(match.buffer, self.tensors, slot, pages, p, key=match.key if match.tier in (TierKind.HOST, TierKind.DISK) else None)
         self._slots[req_id], self._pages[req_id] = slot, pages
         if match.tier not in (None, TierKind.DEVICE):
             prefix.insert(tokens[:p], pages, slot, request_salt(prefix.salt, cache_salt))

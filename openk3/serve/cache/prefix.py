@@ -32,7 +32,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from openk3.model.batch import CacheTensors, MirrorDrop, MirrorPack
+import torch
+
+from openk3.model.batch import CacheTensors, MirrorDrop, MirrorPack, MirrorSpill
 from openk3.serve.cache.block_pool import BlockPool
 from openk3.serve.cache.hashing import chain_keys, page_key, snapshot_key
 from openk3.serve.cache.prefix_types import PrefixCacheConfig, PrefixCounters, PrefixMatch
@@ -160,6 +162,17 @@ class PrefixCache:
         snap = None if node is None else node.snapshots.get(tuple(tokens[k * self.page_size :]))
         return None if snap is None else self._pack(snap)
 
+    def load_from_tier(self, tier: TierKind, key: bytes) -> torch.Tensor | None:
+        """A host or disk entry's buffer; None when it is gone, or when its file failed its checksum: the disk tier deleted
+        it then, and the ranks mirroring the tiers drop theirs too."""
+        assert self.tiers is not None
+        held = self.tiers.contains(key)
+        buf = self.tiers.load(tier, key)
+        log = self.tensors.copy_log if not self.tensors.mirrors_replicate else None
+        if buf is None and held and log is not None and not self.tiers.contains(key):
+            log.append(MirrorDrop(key))
+        return buf
+
     def _entry_pages(self, snap: _Snapshot) -> list[int]:
         return self._path_pages(snap.node) + ([snap.tail_page] if snap.tail_page is not None else [])
 
@@ -284,9 +297,10 @@ class PrefixCache:
             log = self.tensors.copy_log if not self.tensors.mirrors_replicate else None
             if log is not None:  # ranks holding shards pack theirs under the same key (transfer.py, driver.py)
                 log.append(MirrorPack(entry.key, snap.slot, tuple(self._entry_pages(snap)), snap.num_tokens))
-            gone = self.tiers.offload(entry)
+            moves = self.tiers.offload(entry)
             if log is not None:
-                log.extend(MirrorDrop(e.key) for e in gone)
+                log.extend(MirrorSpill(e.key, e.anchor, e.tail, e.num_tokens) for e in moves.spilled)
+                log.extend(MirrorDrop(key) for key in moves.gone)
         del snap.node.snapshots[snap.tail]
         del self._lru[snap.key]
         self._free_slots.append(snap.slot)

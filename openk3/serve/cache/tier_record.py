@@ -30,14 +30,14 @@ class TierRecordError(ValueError):
     """A prefix record that is malformed, corrupted, or made for a different cache than the one reading it."""
 
 
-def _header(e: TierEntry, payload: bytes) -> bytes:
+def _header(e: TierEntry, nbytes: int, sha256: str) -> bytes:
     fields = {
         "key": e.key.hex(),
         "anchor": e.anchor.hex(),
         "tail": list(e.tail),
         "num_tokens": e.num_tokens,
-        "nbytes": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
+        "nbytes": nbytes,
+        "sha256": sha256,
     }
     return json.dumps(fields).encode()
 
@@ -46,13 +46,14 @@ def encode(e: TierEntry) -> bytes:
     if e.buffer.dtype != torch.uint8 or e.buffer.dim() != 1 or e.buffer.device.type != "cpu":
         raise ValueError(f"tier_record.encode: the buffer must be flat uint8 on the host (got {e.buffer.dtype} {tuple(e.buffer.shape)} on {e.buffer.device})")
     payload = e.buffer.contiguous().numpy().tobytes()
-    header = _header(e, payload)
+    header = _header(e, len(payload), hashlib.sha256(payload).hexdigest())
     return MAGIC + len(header).to_bytes(LENGTH_BYTES, "little") + header + payload
 
 
 def overhead_bytes(e: TierEntry) -> int:
     """Bytes of a record beyond its payload (magic, length, JSON header): about 240, plus up to 5 per tail token."""
-    return len(MAGIC) + LENGTH_BYTES + len(_header(e, b"\0" * e.nbytes))
+    # the digest's hex is 64 characters whatever the payload: no need to hash it (the disk tier sizes every put by this)
+    return len(MAGIC) + LENGTH_BYTES + len(_header(e, e.nbytes, "0" * 64))
 
 
 def _field(header: dict[str, Any], name: str, kind: type) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +72,15 @@ class HostTier:
         return TierStats(TierKind.HOST, self.used_bytes, self.capacity_bytes, len(self.entries), c.bytes_in, c.bytes_out, c.hits)
 
 
+@dataclass
+class TierMoves:
+    """What an offload did beyond storing its entry, for the ranks that mirror this stack (prefix.py logs it for them):
+    the entries the host tier's overflow sent to disk, in order, then the keys that left the stack altogether."""
+
+    spilled: list[TierEntry] = field(default_factory=list)
+    gone: list[bytes] = field(default_factory=list)
+
+
 class TierStack:
     """Host then disk; either may be absent."""
 
@@ -78,15 +88,17 @@ class TierStack:
         self.host = host
         self.disk = disk
 
-    def offload(self, e: TierEntry) -> list[TierEntry]:
-        """Store e; returns the entries that left the stack altogether (the host tier's overflow when there is no disk
-        tier: e itself when it can never fit), which ranks mirroring the host tier drop too (prefix.py)."""
+    def offload(self, e: TierEntry) -> TierMoves:
+        """Store e (in the host tier, or straight to disk without one); returns what moved: the host tier's overflow goes
+        to disk, and what neither keeps (the overflow without a disk tier, the disk budget's LRU files) is gone."""
         overflow = self.host.put(e) if self.host is not None else [e]
         if self.disk is None:
-            return overflow
+            return TierMoves(gone=[old.key for old in overflow])
+        moves = TierMoves()
         for old in overflow:
-            self.disk.put(old)
-        return []
+            moves.spilled.append(old)
+            moves.gone.extend(self.disk.put(old))
+        return moves
 
     def contains(self, key: bytes) -> bool:
         return (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk)

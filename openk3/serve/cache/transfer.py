@@ -16,13 +16,13 @@ from typing import Protocol
 
 import torch
 
-from openk3.model.batch import CacheTensors, CopyEntry, MirrorDrop, MirrorLoad, MirrorPack, TierLoad
+from openk3.model.batch import CacheTensors, CopyEntry, MirrorDrop, MirrorLoad, MirrorOp, MirrorPack, MirrorSpill, TierLoad
 
 
 class MirrorStore(Protocol):
     """Where a rank holding shards repeats rank 0's host tier ops (tier_mirror.TierMirror)."""
 
-    def apply(self, tensors: CacheTensors, op: MirrorPack | MirrorLoad | MirrorDrop) -> None: ...
+    def apply(self, tensors: CacheTensors, op: MirrorOp) -> None: ...
 
 
 COPY_SLOT, COPY_PAGE = 1, 2  # the kinds of CacheTensors.copy_log entries
@@ -90,7 +90,7 @@ def replay(tensors: CacheTensors, copies: Sequence[CopyEntry], mirror: MirrorSto
         if isinstance(entry, TierLoad):
             unpack(entry.buffer, tensors, entry.slot, entry.page_ids, entry.num_tokens)
             continue
-        if isinstance(entry, MirrorPack | MirrorLoad | MirrorDrop):
+        if isinstance(entry, MirrorPack | MirrorLoad | MirrorSpill | MirrorDrop):
             if mirror is None:
                 raise ValueError(f"replay: a tier mirror op ({type(entry).__name__}) for pools without a tier mirror")
             mirror.apply(tensors, entry)

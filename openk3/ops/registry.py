@@ -8,6 +8,7 @@ A backend is where an entry runs. The same name may be registered for several; a
 (OpTarget.backends), so a faster backend plugs in as entries of its own and no op asks "is my kernel there?" per call:
 - "c": the C kernels of ops/cpu (CPU, fp32, inference), offered only where every one of them builds and loads;
 - "cpu": torch's CPU-only forms (oneDNN's blocked weights, weight-first products; CPU, fp32, inference);
+- "c_bf16": the C kernels of ops/cpu that read a bf16 cache (CPU, bf16, inference), where the C kernels build: MLA decode;
 - "cpu_half": torch's CPU-only forms that take bf16 and fp16 (CPU, bf16/fp16, inference): the MLA latent prefill;
 - a device type ("cuda", ...): that device's kernels (Triton, fla), offered on that device;
 - "any": plain torch ops, on every device and dtype, the only backend training gets on CPU.
@@ -55,6 +56,8 @@ class OpTarget:
             return (self.device, ANY)
         if self.training:
             return (ANY,)
+        if self.dtype == torch.bfloat16 and self.c_kernels and kernels_available():
+            return ("c_bf16", "cpu_half", ANY)
         if self.dtype in HALF_DTYPES:
             return ("cpu_half", ANY)
         if self.dtype != torch.float32:
@@ -190,7 +193,7 @@ def registry() -> OpRegistry:
     from openk3.ops.linear import linear_c, linear_cpu, linear_torch
     from openk3.ops.mla.absorbed import mla_absorbed, mla_decode_paged
     from openk3.ops.mla.blockwise import mla_blockwise, mla_expanded_or_blockwise
-    from openk3.ops.mla.decode_cpu import latent_attention_c
+    from openk3.ops.mla.decode_cpu import latent_attention_c, latent_attention_c_bf16
     from openk3.ops.mla.inputs_c import mla_decode_inputs_c, mla_decode_inputs_reference
     from openk3.ops.mla.latent_flash import mla_latent_flash
     from openk3.ops.mla.naive import mla_expanded
@@ -263,7 +266,9 @@ def registry() -> OpRegistry:
     # hardware run has passed
     triton_decode = partial(mla_decode_paged, latent_attention=latent_attention_triton)
     r.register("mla_decode", "triton", triton_decode, "the latent attention as a paged Triton kernel", backend="cuda", requires=TRITON)
-    r.register_auto("mla_decode", lambda t, _: "fast" if "c" in t.backends() else "naive")
+    bf16_decode = partial(mla_decode_paged, latent_attention=latent_attention_c_bf16)
+    r.register("mla_decode", "fast", bf16_decode, "the latent attention in one C call over the bf16 pages (fp32 inside)", backend="c_bf16")
+    r.register_auto("mla_decode", lambda t, _: "fast" if {"c", "c_bf16"} & set(t.backends()) else "naive")
     r.register("mla_decode_inputs", "naive", mla_decode_inputs_reference, "projections, norms, latent write in torch ops", differentiable=True)
     r.register("mla_decode_inputs", "fast", mla_decode_inputs_c, "projections, norms and latent write in one C call", backend="c")
     r.register_auto("mla_decode_inputs", lambda t, _: "fast" if "c" in t.backends() else "naive")

@@ -9,7 +9,7 @@ import torch
 
 from openk3.ops.cpu.build import kernels_available
 from openk3.ops.mla import decode_cpu, mla_absorbed, mla_decode_paged, mla_expanded, mla_expanded_sdpa, split_kv_b
-from openk3.ops.registry import OpTarget, op
+from openk3.ops.registry import OpTarget, op, registry
 
 H, DN, DR, DV, LR = 3, 16, 8, 12, 20
 
@@ -129,6 +129,41 @@ def test_paged_decode_kernel_equals_torch_ops(mla_kernel: None, monkeypatch: pyt
         torch.set_num_threads(before)
     error = lambda out: float((out.double() - exact).abs().max() / exact.abs().max())  # noqa: E731
     assert error(got) < max(2 * error(torch_fp32), 1e-6), (error(got), error(torch_fp32))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("lens", [[700], [3, 64, 65, 130], [1, 3, 2000]])
+def test_the_bf16_pool_kernel_equals_the_fp32_kernel_on_the_widened_pool(
+    mla_kernel: None, monkeypatch: pytest.MonkeyPatch, lens: list[int], threads: int
+) -> None:
+    """A bf16 model's cache read by the "c_bf16" entry: each row widened exactly, then the fp32 code -- so the same bits as
+    the fp32 kernel over pool.float(), with sequences cut into parts for the threads as there."""
+    page_size, n = 16, len(lens)
+    g = torch.Generator().manual_seed(7 + sum(lens))
+    widest = max((length + page_size - 1) // page_size for length in lens)
+    pool = (torch.randn(n * widest + 3, page_size, LR + DR, generator=g) * 3).bfloat16()
+    page_table = torch.randperm(pool.shape[0], generator=g)[: n * widest].view(n, widest)
+    q = torch.randn(n, H, LR + DR, generator=g)
+    kv_lens = torch.tensor(lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got = decode_cpu.latent_attention_c_bf16(q, pool, page_table, kv_lens, LR)
+            want = decode_cpu.latent_attention_c(q, pool.float(), page_table, kv_lens, LR)
+            torch_form = decode_cpu.latent_attention_torch(q, pool, page_table, kv_lens, LR)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    torch.testing.assert_close(got, torch_form, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match=r"mla decode: .*one of \['torch.bfloat16'\]"):  # an fp32 pool was chosen for "c"
+        decode_cpu.latent_attention_c_bf16(q, pool.float(), page_table, kv_lens, LR)
+
+
+def test_a_bf16_model_decodes_mla_through_the_bf16_kernel(mla_kernel: None) -> None:
+    entry = registry().entry("mla_decode", "auto", OpTarget(dtype=torch.bfloat16))[1]
+    assert entry.backend == "c_bf16"
+    assert registry().entry("mla_decode", "auto", OpTarget(dtype=torch.float16))[1].backend == "any"
 
 
 def test_paged_decode_kernel_refuses_lengths_and_pages_out_of_range(mla_kernel: None) -> None:

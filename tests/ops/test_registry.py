@@ -45,11 +45,13 @@ def test_the_backends_a_target_offers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert OpTarget().backends() == ("c", "cpu", "any")
     assert OpTarget(c_kernels=False).backends() == ("cpu", "any")
     assert OpTarget(training=True).backends() == ("any",)
-    assert OpTarget(dtype=torch.bfloat16).backends() == ("cpu_half", "any")
+    assert OpTarget(dtype=torch.bfloat16).backends() == ("c_bf16", "cpu_half", "any")
+    assert OpTarget(dtype=torch.float16).backends() == ("cpu_half", "any")
     assert OpTarget(dtype=torch.float64).backends() == ("any",)
     assert OpTarget("cuda").backends() == ("cuda", "any")
     monkeypatch.setattr(build, "kernels_available", lambda: False)  # no compiler, or OPENK3_CPU_KERNELS=0
     assert OpTarget().backends() == ("cpu", "any")
+    assert OpTarget(dtype=torch.bfloat16).backends() == ("cpu_half", "any")
     assert registry().entry("rms_norm", "auto")[1].backend == "any"
     assert registry().entry("linear", "auto")[1].backend == "cpu"
 

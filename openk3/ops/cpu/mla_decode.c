@@ -12,6 +12,10 @@
  *
  * Why: the torch path gathers every page of every sequence into a new tensor and runs four batched ops over it; at 2k
  * tokens of context that copy and the padded scores are most of an MLA layer's decode time.
+ *
+ * A bf16 pool (openk3_mla_decode_latent_bf16, a bf16 model's cache) is read the same way: each page's rows are widened to
+ * fp32 into a per-task buffer (a bf16 value is the top half of the fp32 one, so the widening is exact) and everything after
+ * is the fp32 code, so the bf16 kernel equals the fp32 kernel run on the pool cast to fp32, bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,8 +31,32 @@
 #define MAX_PAGE 64 /* PS; the engine's default is 16 */
 #define MIN_PAGES_PER_PART 4
 
+/* The pool as the kernel reads it: fp32 rows where they lie, or bf16 rows widened into `wide` (PS x R floats) a page at a time. */
+typedef struct {
+    const float *f32;
+    const uint16_t *bf16;
+    float *wide;
+} pool_view;
+
+static const float *page_rows(pool_view pool, int64_t first_row, int64_t rows, int64_t R) {
+    if (pool.f32 != NULL) return pool.f32 + first_row * R;
+    const uint16_t *src = pool.bf16 + first_row * R;
+#pragma omp simd
+    for (int64_t i = 0; i < rows * R; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(pool.wide + i, &bits, sizeof bits);
+    }
+    return pool.wide;
+}
+
+static void prefetch_page(pool_view pool, int64_t first_row, int64_t rows, int64_t R) {
+    const size_t elem = pool.f32 != NULL ? sizeof(float) : sizeof(uint16_t);
+    const char *base = pool.f32 != NULL ? (const char *)(pool.f32 + first_row * R) : (const char *)(pool.bf16 + first_row * R);
+    for (size_t o = 0; o < (size_t)(rows * R) * elem; o += 64) __builtin_prefetch(base + o, 0, 2);
+}
+
 /* Online softmax over the rows [first, last) of sequence n: best/total [H], acc [H, Lr] (overwritten). */
-static void attend_rows(int64_t H, int64_t R, int64_t Lr, int64_t PS, const float *q, const float *pool, const int64_t *pages, int64_t first,
+static void attend_rows(int64_t H, int64_t R, int64_t Lr, int64_t PS, const float *q, pool_view pool, const int64_t *pages, int64_t first,
                         int64_t last, float *best, float *total, float *acc) {
     float score[MAX_HEADS * MAX_PAGE];
     for (int64_t h = 0; h < H; h++) {
@@ -38,11 +66,8 @@ static void attend_rows(int64_t H, int64_t R, int64_t Lr, int64_t PS, const floa
     memset(acc, 0, (size_t)(H * Lr) * sizeof(float));
     for (int64_t start = first; start < last; start += PS - start % PS) {
         const int64_t p = start / PS, off = start % PS, rows = (last - start < PS - off) ? last - start : PS - off;
-        const float *page = pool + (pages[p] * PS + off) * R;
-        if (start + rows < last) { /* the next page, usually elsewhere in the pool, into L2 */
-            const float *next = pool + pages[p + 1] * PS * R;
-            for (int64_t o = 0; o < PS * R; o += 16) __builtin_prefetch(next + o, 0, 2);
-        }
+        const float *page = page_rows(pool, pages[p] * PS + off, rows, R);
+        if (start + rows < last) prefetch_page(pool, pages[p + 1] * PS, PS, R); /* the next page, usually elsewhere in the pool, into L2 */
         rows_times_weight_t(H, rows, R, q, R, page, R, score, rows); /* score[h, j] = q_h . row_j */
         for (int64_t h = 0; h < H; h++) {
             float *s = score + h * rows, *uh = acc + h * Lr;
@@ -68,10 +93,10 @@ static void attend_rows(int64_t H, int64_t R, int64_t Lr, int64_t PS, const floa
 }
 
 /* Returns 0, or 1 when a sequence's length or page ids are out of range, the sizes exceed what the kernel holds, or the
- * scratch cannot be allocated (nothing is then trusted). */
-int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_t NP, int64_t PS, int64_t P, const float *q,
-                             const float *pool, const int64_t *page_table, int64_t table_stride, const int64_t *kv_lens, float *u,
-                             int num_threads) {
+ * scratch cannot be allocated (nothing is then trusted). Exactly one of pool_f32 and pool_bf16 is given. */
+static int decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_t NP, int64_t PS, int64_t P, const float *q, const float *pool_f32,
+                         const uint16_t *pool_bf16, const int64_t *page_table, int64_t table_stride, const int64_t *kv_lens, float *u,
+                         int num_threads) {
     if (H < 1 || H > MAX_HEADS || PS < 1 || PS > MAX_PAGE || Lr > R || Lr < 1) return 1;
     if (N <= 0) return 0;
     int64_t longest = 0;
@@ -92,8 +117,15 @@ int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_
     /* per (sequence, part): H maxima, H sums, H x Lr row sums */
     float *scratch = parts > 1 ? malloc(sizeof(float) * (size_t)(N * parts * H * (Lr + 2))) : NULL;
     if (parts > 1 && scratch == NULL) return 1;
+    /* bf16: one widened page per task, PS x R floats each */
+    float *wide = pool_bf16 != NULL ? malloc(sizeof(float) * (size_t)(N * parts * PS * R)) : NULL;
+    if (pool_bf16 != NULL && wide == NULL) {
+        free(scratch);
+        return 1;
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (N * parts > 1 && num_threads > 1)
     for (int64_t task = 0; task < N * parts; task++) {
+        const pool_view pool = {pool_f32, pool_bf16, wide != NULL ? wide + task * PS * R : NULL};
         const int64_t n = task / parts, part = task % parts, len = kv_lens[n];
         const int64_t span = (len + parts - 1) / parts, first = part * span, last = first + span < len ? first + span : len;
         float best[MAX_HEADS], total[MAX_HEADS];
@@ -131,7 +163,21 @@ int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_
             }
         free(scratch);
     }
+    free(wide);
     return 0;
+}
+
+int openk3_mla_decode_latent(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_t NP, int64_t PS, int64_t P, const float *q,
+                             const float *pool, const int64_t *page_table, int64_t table_stride, const int64_t *kv_lens, float *u,
+                             int num_threads) {
+    return decode_latent(N, H, R, Lr, NP, PS, P, q, pool, NULL, page_table, table_stride, kv_lens, u, num_threads);
+}
+
+/* The same over a bf16 pool (its raw 16-bit values); q and u stay fp32. */
+int openk3_mla_decode_latent_bf16(int64_t N, int64_t H, int64_t R, int64_t Lr, int64_t NP, int64_t PS, int64_t P, const float *q,
+                                  const uint16_t *pool, const int64_t *page_table, int64_t table_stride, const int64_t *kv_lens, float *u,
+                                  int num_threads) {
+    return decode_latent(N, H, R, Lr, NP, PS, P, q, NULL, pool, page_table, table_stride, kv_lens, u, num_threads);
 }
 
 /* An MLA layer's decode inputs with a query LoRA (ops/mla/inputs_c.py), in one call: the fused input projection

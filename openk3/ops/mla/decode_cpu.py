@@ -1,5 +1,6 @@
 """The latent attention of MLA decode over the paged latents: in torch ops, and on CPU in one call of the C kernel of
-ops/cpu/mla_decode.c (the "c" backend's "mla_decode", ops/registry.py), tested against the torch form.
+ops/cpu/mla_decode.c (the "c" backend's "mla_decode", ops/registry.py; over a bf16 cache the "c_bf16" backend's), tested
+against the torch form.
 
 Legend: N sequences, H heads, R = Lr + Dr latent row width, Lr kv_lora_rank, NP pages, PS rows per page, P page-table width.
 """
@@ -12,17 +13,17 @@ from typing import Any
 
 import torch
 
-from openk3.ops.cpu import require_inference
+from openk3.ops.cpu import require_cpu_inference, require_inference
 from openk3.ops.cpu.build import kernel
 
 MAX_HEADS, MAX_PAGE = 128, 64  # mla_decode.c keeps a page's scores and each head's running max and sum on the stack
 
 
 @functools.cache
-def _kernel() -> Any:
+def _kernel(bf16: bool) -> Any:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-    return kernel("mla_decode.c", "openk3_mla_decode_latent", argtypes, ctypes.c_int)
+    return kernel("mla_decode.c", "openk3_mla_decode_latent_bf16" if bf16 else "openk3_mla_decode_latent", argtypes, ctypes.c_int)
 
 
 def latent_attention_c(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor:
@@ -32,6 +33,21 @@ def latent_attention_c(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_tabl
     form would return NaN for an empty sequence, attend every slot of an over-long one, or fail in index_select). More
     than MAX_HEADS heads or pages of more than MAX_PAGE rows are beyond the kernel's stack buffers: the torch form runs."""
     require_inference("mla decode", q_NHR, latent_pool)
+    return _latent_attention(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr, bf16=False)
+
+
+def latent_attention_c_bf16(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int) -> torch.Tensor:
+    """latent_attention_c over a bf16 pool, a bf16 model's cache (the "c_bf16" backend): the kernel widens each page's rows
+    to fp32 (exact: a bf16 value is the top half of its fp32 one) and runs the fp32 code on them, so u [N, H, Lr] (fp32,
+    like q) equals latent_attention_c on the pool cast to fp32, without that cast's copy of the whole context."""
+    require_cpu_inference("mla decode", (torch.bfloat16,), latent_pool)
+    require_inference("mla decode", q_NHR)
+    return _latent_attention(q_NHR, latent_pool, page_table_NP, kv_lens_N, lr, bf16=True)
+
+
+def _latent_attention(
+    q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_table_NP: torch.Tensor, kv_lens_N: torch.Tensor, lr: int, bf16: bool
+) -> torch.Tensor:
     n, h, r = q_NHR.shape
     pool_ok = latent_pool.dim() == 3 and latent_pool.shape[2] == r and 1 <= lr <= r
     if not pool_ok or page_table_NP.dim() != 2 or page_table_NP.shape[0] != n or kv_lens_N.shape != (n,):
@@ -49,7 +65,7 @@ def latent_attention_c(q_NHR: torch.Tensor, latent_pool: torch.Tensor, page_tabl
     u = q_NHR.new_empty(n, h, lr)
     if n == 0:
         return u
-    failed = _kernel()(
+    failed = _kernel(bf16)(
         n, h, r, lr, num_pages, page_size, table.shape[1], q_NHR.data_ptr(), latent_pool.data_ptr(), table.data_ptr(),
         table.stride(0), lens.data_ptr(), u.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -205,7 +205,10 @@ def _step(
     )
     exposed = comm - overlap * min(comm, local)
     host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
-    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.step_overheads.host_gap(host_seqs))
+    overhead = eff.step_overheads.host_gap(host_seqs)
+    if chunk is not None:  # a mixed step runs eager: captured graphs hold decode-only batches
+        overhead += eff.step_overheads.eager_s_per_layer * config.num_hidden_layers
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, overhead)
 
 
 def decode_step(sc: Scenario) -> StepTime:

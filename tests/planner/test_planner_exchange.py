@@ -104,3 +104,15 @@ def test_flow_bytes_follow_domain_forwarding() -> None:
     fwd_up, fwd_out = a2a_bytes(sc.with_(comm=CommParams(forward_by_domain=True)), 64.0, 1.0)
     assert up + out == pytest.approx(fwd_up)  # every rank copy still crosses NVLink somewhere
     assert fwd_out / out == pytest.approx(remote_domains_per_token(deepseek_v3(), 32, 8) / (copies_per_token(deepseek_v3(), 32, True)[0] * 24 / 31))
+
+
+def test_flow_bytes_follow_the_allgather_exchange() -> None:
+    """`traffic.a2a_bytes` with `Exchange.ALLGATHER` (issue 37 round ten; it counted the all-to-all's copies until then):
+    the other ranks' tokens in and this rank's out to each, in the gather and the reduce-scatter, whatever the routing."""
+    cfg, tokens = deepseek_v3(), 384.0
+    sc = Scenario(cfg, FP8, Layout(8, tp=1), Workload(context=2000, concurrency=8 * 384), B200, comm=CommParams(exchange=Exchange.ALLGATHER))
+    per_copy = dispatch_bytes_per_copy(cfg, FP8) + combine_bytes_per_copy(cfg, FP8)
+    assert a2a_bytes(sc, tokens, 1.3) == (pytest.approx(2 * 7 * tokens * per_copy), 0.0)  # one node: all NVLink, no imbalance term
+    up, out = a2a_bytes(sc.with_(layout=Layout(16, tp=1), system=H100), tokens, 1.0)
+    assert out == pytest.approx(2 * 15 * tokens * per_copy * 8 / 15) and up == pytest.approx(2 * 15 * tokens * per_copy * 7 / 15)
+    assert a2a_bytes(sc, tokens, 1.0)[0] > a2a_bytes(sc.with_(comm=CommParams()), tokens, 1.0)[0]  # the whole batch, not its copies

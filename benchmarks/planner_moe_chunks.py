@@ -6,9 +6,10 @@ TensorRT-LLM's CUTLASS fused MoE under attention DP all-gathers every rank's tok
 ceil(gathered tokens / `moe_max_num_tokens`) chunks, each gathered, run through the experts and reduce-scattered on its
 own (tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py, `forward`: `num_chunks`). The default of
 `moe_max_num_tokens` differs between versions of that file: `max_num_tokens` x the DP size in some (NVIDIA/TensorRT-LLM
-at 000a01de66f0; later ones set it in `ModelConfig.__post_init__`), so a step never chunks; the per-rank
-`max_num_tokens` itself in another stored version (`self.moe_max_num_tokens = model_config.moe_max_num_tokens or
-model_config.max_num_tokens`, beside the MNNVL/DeepEP all-to-all selection), so a DEP8 decode step of 384 rows per rank
+at 000a01de66f0; later ones set it in `ModelConfig.__post_init__`), so a step never chunks; another stored
+version falls back to the per-rank `max_num_tokens` when the model config carries none (`self.moe_max_num_tokens =
+model_config.moe_max_num_tokens or model_config.max_num_tokens`, beside the MNNVL/DeepEP all-to-all selection; whether
+its runtime passed a value was not found), so a DEP8 decode step of 384 rows per rank
 with a 1,536-token budget runs in 2 chunks and reads the experts' weights twice. Which rule the R1 blog's commit
 (b6261862419c) ran was not found offline, so `CommParams.moe_chunk_tokens` is off by default; this prints what the rule
 would make of the blog's two DEP8 rows the planner prices (the 896-sequence row does not fit the planner's HBM fill).

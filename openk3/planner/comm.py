@@ -57,6 +57,9 @@ class CommParams:
     dedup: bool = True
     exchange: Exchange = Exchange.ALL_TO_ALL
     forward_by_domain: bool = False
+    # with `Exchange.ALLGATHER`: the MoE runs the gathered tokens in chunks of at most this many, each chunk gathered,
+    # run through the experts (their weights read again) and reduce-scattered on its own; None: one chunk
+    moe_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("scale_up_efficiency", "scale_out_efficiency"):
@@ -67,6 +70,10 @@ class CommParams:
                 fail("CommParams", name, getattr(self, name), "seconds >= 0")
         if not isinstance(self.exchange, Exchange):
             fail("CommParams", "exchange", self.exchange, f"one of {[e.value for e in Exchange]}")
+        if self.moe_chunk_tokens is not None and self.moe_chunk_tokens < 1:
+            fail("CommParams", "moe_chunk_tokens", self.moe_chunk_tokens, "None or tokens >= 1")
+        if self.moe_chunk_tokens is not None and self.exchange != Exchange.ALLGATHER:
+            fail("CommParams", "moe_chunk_tokens", self.moe_chunk_tokens, f"None unless exchange is {Exchange.ALLGATHER.value!r}")
         if self.forward_by_domain and not self.dedup:
             fail("CommParams", "forward_by_domain", self.forward_by_domain, "False when dedup is False (one copy per expert goes direct)")
 
@@ -178,6 +185,14 @@ def a2a_layer_time(
     return A2ATime(dispatch_s=dispatch, combine_s=combine, scale_out_fraction=fraction_out)
 
 
+def moe_chunks(comm: CommParams, gathered_tokens: float) -> int:
+    """Chunks an all-gather MoE layer runs `gathered_tokens` (every rank's tokens) in: ceil(tokens / `moe_chunk_tokens`),
+    at least one; one without a chunk size or with the all-to-all."""
+    if comm.moe_chunk_tokens is None or comm.exchange != Exchange.ALLGATHER or gathered_tokens <= 0:
+        return 1
+    return max(1, math.ceil(gathered_tokens / comm.moe_chunk_tokens - 1e-9))
+
+
 def allgather_layer_time(config: ModelConfig, quant: Quantisation, ranks: int, system: System, comm: CommParams, tokens_per_rank: float) -> A2ATime:
     """All-gather of every rank's dispatch-width tokens, then reduce-scatter of the bf16 results (`Exchange.ALLGATHER`):
     each rank receives (and in the reduce-scatter sends) the other ranks' (ranks - 1) x tokens_per_rank rows, whatever the
@@ -188,8 +203,9 @@ def allgather_layer_time(config: ModelConfig, quant: Quantisation, ranks: int, s
     fraction_out = (ranks - domain) / (ranks - 1)
     rows = (ranks - 1) * tokens_per_rank
     d_b, c_b = dispatch_bytes_per_copy(config, quant), combine_bytes_per_copy(config, quant)
-    gather = _phase(rows * d_b, rows * d_b, comm.dispatch_floor_s, fraction_out, system, comm)
-    scatter = _phase(rows * c_b, rows * c_b, comm.combine_floor_s, fraction_out, system, comm)
+    chunks = moe_chunks(comm, ranks * tokens_per_rank)  # each chunk its own collectives: the floors once per chunk
+    gather = _phase(rows * d_b, rows * d_b, chunks * comm.dispatch_floor_s, fraction_out, system, comm)
+    scatter = _phase(rows * c_b, rows * c_b, chunks * comm.combine_floor_s, fraction_out, system, comm)
     return A2ATime(dispatch_s=gather, combine_s=scatter, scale_out_fraction=fraction_out)
 
 

@@ -30,6 +30,16 @@ misses the tuned rows by 17% (issue 37 round seven), so the gap stays additive: 
 not hide plus device time per step and per sequence the kernel model lacks (sampling, attention-DP padding, the MoE
 all-gather's chunking), not host time alone -- a fixed part plus a part per sequence in the step.
 
+Eager mixed steps (`eager_s_per_layer`, off by default): TensorRT-LLM captures decode-only batches, so a step that
+carries a prompt chunk launches its kernels one by one; the option charges such a step a launch cost per layer. The one
+published figure is TensorRT-LLM's ablation on DeepSeek-R1 (B200, attention DP 8, 1K/2K: CUDA graphs "22% E2E
+performance impact for throughput scenarios", docs/source/blogs/tech_blog/blog3_Optimizing_DeepSeek_R1_Throughput_on_
+NVIDIA_Blackwell_GPUs.md), 0.225 ms per layer against the planner's graphed step there. Charged to every mixed step it
+takes the new held-out rows beyond 35% from 6 to 2, but the medians rise (held-out 11.1% -> 12.3%, new held-out 11.8%
+-> 13.2%; 14.6% and 14.9% with the host gap refitted on the tuned rows), so it stays off (issue 37 round ten,
+`benchmarks/planner_eager.py`): one model's per-layer cost does not carry to models with fewer kernels per layer, and
+launches overlap a long step's kernels.
+
 The host-gap defaults (2 ms + 20 us per sequence in the step) are the one set of numbers in the step model chosen
 against end-to-end runs: a grid over {0, 1, 2, 5, 7.5, 10, 15} ms x {0, 5, 10, 20, 40, 80} us minimising the median
 |error| of the tuned rows of `validation_agg.py` (TensorRT-LLM's 1000/1000 and 1024/1024 runs, at trtllm-bench's own
@@ -70,9 +80,10 @@ class Overheads:
     host_gap_s: float = 2.0e-3
     host_gap_per_seq_s: float = 20.0e-6
     graph_sizes: tuple[int, ...] = TRTLLM_GRAPH_SIZES  # empty: no CUDA graphs, no padding
+    eager_s_per_layer: float = 0.0  # launch time a step that runs outside a captured graph adds per layer
 
     def __post_init__(self) -> None:
-        for name in ("host_gap_s", "host_gap_per_seq_s"):
+        for name in ("host_gap_s", "host_gap_per_seq_s", "eager_s_per_layer"):
             if not getattr(self, name) >= 0:
                 fail("Overheads", name, getattr(self, name), "seconds >= 0")
         if list(self.graph_sizes) != sorted(set(self.graph_sizes)) or any(s < 1 for s in self.graph_sizes):
@@ -80,7 +91,7 @@ class Overheads:
 
     @classmethod
     def none(cls) -> Overheads:
-        return cls(host_gap_s=0.0, host_gap_per_seq_s=0.0, graph_sizes=())
+        return cls(host_gap_s=0.0, host_gap_per_seq_s=0.0, graph_sizes=(), eager_s_per_layer=0.0)
 
     def padded_batch(self, seqs: float) -> float:
         """The batch a decode step's kernels run at: the smallest captured size >= seqs, or seqs past the largest."""

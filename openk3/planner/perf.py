@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from openk3.config import LayerKind, ModelConfig
 from openk3.planner.attention import attention_shape
 from openk3.planner.balance import BalanceParams, moonep_prefetch_experts, rank_imbalance
-from openk3.planner.comm import CommParams, Exchange, a2a_layer_time, allgather_layer_time, allreduce_time, prefetch_time
+from openk3.planner.comm import CommParams, Exchange, a2a_layer_time, allgather_layer_time, allreduce_time, moe_chunks, prefetch_time
 from openk3.planner.efficiency import Efficiency
 from openk3.planner.energy import PowerParams, step_power_w
 from openk3.planner.hardware import System
@@ -153,9 +153,10 @@ def _step(
     p_hit = 1 - (1 - k / config.moe.num_experts) ** tokens_per_replica
     slots = experts_per_rank(config, layout)
     experts_hit = slots * min(1.0, p_hit * imbalance)
-    expert_read = moe_layers * experts_hit * expert_bytes(config, quant)
+    chunks = moe_chunks(sc.comm, total_tokens)  # each chunk of the gathered tokens reads the experts' weights again
+    expert_read = chunks * moe_layers * experts_hit * expert_bytes(config, quant)
     expert_flops = moe_layers * 2 * config.routed_expert_params() * assignments_per_rank * imbalance
-    moe_eff = curves.moe(quant.expert_compute, assignments_per_rank * imbalance / max(experts_hit, 1e-9)) if curves else None
+    moe_eff = curves.moe(quant.expert_compute, assignments_per_rank * imbalance / chunks / max(experts_hit, 1e-9)) if curves else None
     experts = _component("experts", expert_read, expert_flops, acc.flops(quant.expert_compute), eff.gemm, sc, moe_eff)
 
     attn = attention_shape(config)
@@ -205,7 +206,10 @@ def _step(
     )
     exposed = comm - overlap * min(comm, local)
     host_seqs = real_seqs + (chunk.prompts if chunk else 0.0)
-    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, eff.step_overheads.host_gap(host_seqs))
+    overhead = eff.step_overheads.host_gap(host_seqs)
+    if chunk is not None:  # a mixed step runs eager: captured graphs hold decode-only batches
+        overhead += eff.step_overheads.eager_s_per_layer * config.num_hidden_layers
+    return StepTime(components, comm, exposed, imbalance, real_seqs if decode else tokens_per_group, overhead)
 
 
 def decode_step(sc: Scenario) -> StepTime:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from openk3.planner.agent import TaskCost, task_cost
 from openk3.planner.disagg import Comparison, compare
+from openk3.planner.fleet import Fleet, best_fleet, slo_rate
 from openk3.planner.inputs import Balance, Layout, Workload
 from openk3.planner.memory import MemoryBreakdown, WeightBytes, cache_spec, max_concurrency, min_accelerators, weight_bytes
 from openk3.planner.pareto import FrontRow, pareto_rows
@@ -51,6 +52,8 @@ class Plan:
     disagg: Comparison | None = None  # with `disaggregate`: best xPyD vs best aggregated under the same SLO and rate
     agent: TaskCost | None = None  # with an agent task: its $ and accelerator-seconds on the headline's replica
     queue: tuple[QueueStats, SLOPercentile] | None = None  # with --rate: simulated TTFT/TPOT percentiles and the one the SLO meets
+    fleet: Fleet | None = None  # with --rate: the fleet of fewest accelerators, a remainder replica of a smaller layout allowed
+    headline_slo_rps: float | None = None  # with --rate: the most requests/s one headline replica serves within the SLO
 
     @property
     def metrics(self) -> Metrics | None:
@@ -152,6 +155,11 @@ def make_plan(req: PlanRequest) -> Plan:
     traffic: Traffic | None = None
     agent: TaskCost | None = None
     queue: tuple[QueueStats, SLOPercentile] | None = None
+    fleet: Fleet | None = None
+    headline_slo_rps: float | None = None
+    if choice is not None and req.requests is not None and req.requests.rate is not None:
+        fleet = best_fleet(result.candidates, req.slo, req.requests.rate)
+        headline_slo_rps = slo_rate(choice, req.slo)
     if choice is not None and layout is not None:
         engine = req.efficiency.capturing(choice.seqs_per_group)  # as the search priced it: a graph at the planned batch
         sc = Scenario(req.config, req.quant, layout, workload, req.system, engine, req.comm, req.balance_params, req.fill, req.power, req.spec)
@@ -183,6 +191,8 @@ def make_plan(req: PlanRequest) -> Plan:
         traffic=traffic,
         agent=agent,
         queue=queue,
+        fleet=fleet,
+        headline_slo_rps=headline_slo_rps,
         front=pareto_rows(full.candidates),
         disagg=compare(req) if req.disaggregate else None,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from openk3.planner.agent import describe_cost
 from openk3.planner.attention import attention_shape
 from openk3.planner.dtypes import describe as describe_quant
+from openk3.planner.fleet import describe as describe_fleet
 from openk3.planner.pareto import front
 from openk3.planner.plan import Plan, ranking_rule, request_rank
 from openk3.planner.plot import PlotUnavailable, write_plot
@@ -221,6 +222,9 @@ def render_text(plan: Plan) -> str:
     )
     if plan.demand is not None:
         out.extend(describe_demand(plan.demand, _price_note(plan)))
+    if plan.choice is not None and plan.headline_slo_rps is not None and plan.demand is not None and plan.demand.accelerators is not None:
+        price = plan.request.system.price_per_hour
+        out.extend(describe_fleet(plan.fleet, plan.choice, plan.headline_slo_rps, plan.demand.accelerators, price, _price_note(plan)))
     if plan.queue is not None and plan.demand is not None and plan.demand.replicas is not None:
         out.extend(describe_queue(*plan.queue, plan.demand.replicas))
     if plan.agent is not None and plan.layout is not None:

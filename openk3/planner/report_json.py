@@ -68,6 +68,23 @@ def _demand(plan: Plan) -> dict[str, Any] | None:
     return out | {"accelerators": d.accelerators, "decode_context": d.mix.decode_context, "ttft_prompt": d.mix.ttft_prompt}
 
 
+def _fleet(plan: Plan) -> dict[str, Any] | None:
+    f = plan.fleet
+    if f is None:
+        return None
+    parts = [
+        {
+            "candidate": _candidate_json(p.candidate, plan),
+            "replicas": p.replicas,
+            "served_rps": p.served_rps,
+            "slo_rps": p.slo_rps,
+            "user_tok_s": p.user_tok_s(),
+        }
+        for p in f.parts
+    ]
+    return {"accelerators": f.accelerators, "usd_per_request": f.usd_per_request(plan.request.system.price_per_hour), "parts": parts}
+
+
 def _figures(obj: Any, skip: tuple[str, ...]) -> dict[str, Any]:
     sources = getattr(obj, "sources", {})
     out: dict[str, Any] = {}
@@ -213,6 +230,8 @@ def render_json(plan: Plan) -> dict[str, Any]:
             "rate": req.requests.rate,
             "ranking": ranking_rule(req.requests.rate),
             "demand": _demand(plan),
+            "headline_slo_rps": plan.headline_slo_rps,
+            "fleet": _fleet(plan),
         }
     if plan.queue is not None:
         stats, met = plan.queue

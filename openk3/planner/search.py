@@ -65,6 +65,7 @@ class Candidate:
     # (workload.decode_stretch); 1.0 when no workload is given, or for a decode pool that never prefills
     stretch: float = 1.0
     busy_s: float | None = None  # with a workload: replica-seconds per request (its prefill + its decode steps)
+    prefill_busy_s: float | None = None  # with a workload: the prefill part of `busy_s`
 
     @property
     def user_tok_s(self) -> float:
@@ -229,7 +230,7 @@ def search(
                 miss.append(f"{user:.1f} tok/s/user{seen} < {slo.min_user_tok_s:g}")
             if m.ttft_s > slo.max_ttft_s:
                 miss.append(f"TTFT {m.ttft_s:.2f}s > {slo.max_ttft_s:g}s")
-            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp, stretch, busy)
+            return Candidate(layout, b, total, m, not miss, "; ".join(miss), cap, lp, stretch, busy, prefill_busy if busy is not None else None)
 
         if concurrency is not None:
             b = -(-concurrency // layout.dp)

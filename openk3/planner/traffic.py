@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openk3.planner.balance import moonep_prefetch_experts
-from openk3.planner.comm import combine_bytes_per_copy, copies_per_token, dispatch_bytes_per_copy, remote_domains_per_token
+from openk3.planner.comm import Exchange, combine_bytes_per_copy, copies_per_token, dispatch_bytes_per_copy, remote_domains_per_token
 from openk3.planner.inputs import Balance
 from openk3.planner.memory import expert_bytes, num_moe_layers
 from openk3.planner.perf import Scenario, StepTime, decode_step
@@ -47,13 +47,19 @@ class Traffic:
 
 
 def a2a_bytes(sc: Scenario, tokens_per_rank: float, imbalance: float) -> tuple[float, float]:
-    """(scale-up, scale-out) bytes sent + received by the busiest rank for one MoE layer."""
+    """(scale-up, scale-out) bytes sent + received by the busiest rank for one MoE layer. With the all-gather exchange
+    (`Exchange.ALLGATHER`) every other rank's tokens come in and this rank's go out to each of them, in the gather and
+    again in the reduce-scatter, whatever the routing (as `comm.allgather_layer_time` prices them)."""
     ranks = sc.layout.ep_size
     if ranks <= 1 or tokens_per_rank <= 0:
         return 0.0, 0.0
-    remote, _ = copies_per_token(sc.config, ranks, sc.comm.dedup)
     domain = min(sc.system.scale_up_domain, ranks)
     per_copy = dispatch_bytes_per_copy(sc.config, sc.quant) + combine_bytes_per_copy(sc.config, sc.quant)
+    if sc.comm.exchange == Exchange.ALLGATHER:
+        gathered = 2 * (ranks - 1) * tokens_per_rank * per_copy  # sent and received, gather and reduce-scatter
+        fraction_out = (ranks - domain) / (ranks - 1)
+        return gathered * (1 - fraction_out), gathered * fraction_out
+    remote, _ = copies_per_token(sc.config, ranks, sc.comm.dedup)
     both_ways = (1 + imbalance) * tokens_per_rank * per_copy  # dispatch out + in, combine back out + in, per copy
     if sc.comm.forward_by_domain and ranks > domain:  # one NIC copy per remote domain; NVLink carries every rank copy
         return both_ways * remote, both_ways * remote_domains_per_token(sc.config, ranks, domain)

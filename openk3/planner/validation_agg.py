@@ -80,11 +80,13 @@ def aggregated_tok_s_per_gpu(
     bench: Counting | None = None,
     balance: Balance = Balance.NONE,
     requests: int | None = None,
+    chunk_moe: bool = False,
 ) -> float:
     """Output tokens/s per GPU of one DEP`gpus` instance serving only `isl`/`osl` requests at full load: the KV-cache
     limit for whole requests, or `seqs_per_gpu` where the run fixed its batch (which must fit), with `max_tokens` per
     step per rank. `bench`: the run left its batch and token budget to trtllm-bench's heuristic (`bench_setup.py`),
-    which then sets both (`max_tokens` is not used)."""
+    which then sets both (`max_tokens` is not used). `chunk_moe`: the MoE runs the gathered tokens in chunks of the
+    per-rank token budget (`CommParams.moe_chunk_tokens`; off by default, see benchmarks/planner_moe_chunks.py)."""
     sys = load_catalogue().system(system)
     layout = Layout(gpus, tp=1, balance=balance)
     mix = RequestMix(((isl, osl),))
@@ -100,7 +102,8 @@ def aggregated_tok_s_per_gpu(
     workload = Workload(context=mix.decode_context, concurrency=seqs, prompt=isl)
     eff = efficiency or Efficiency()
     eff = replace(eff, overheads=eff.step_overheads.engine(max_batch, max_tokens))  # the graphs this engine captures
-    sc = Scenario(config, quant, layout, workload, sys, eff, comm=TRTLLM_EXCHANGE)
+    comm = replace(TRTLLM_EXCHANGE, moe_chunk_tokens=max_tokens) if chunk_moe else TRTLLM_EXCHANGE
+    sc = Scenario(config, quant, layout, workload, sys, eff, comm=comm)
     if requests is None:
         return steady_state(sc, isl, osl, max_tokens).output_tok_s / gpus
     return finite_run(sc, isl, osl, max_tokens, requests).output_tok_s / gpus

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from openk3.config import k3
@@ -9,6 +11,7 @@ from openk3.planner.continuous import _prefill, finite_run, steady_state
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
 from openk3.planner.models import qwen3_30b_a3b
+from openk3.planner.overheads import Overheads
 from openk3.planner.perf import Efficiency, Scenario, batch_step, evaluate, prefill_step
 from openk3.planner.steps import PrefillChunk
 from openk3.planner.validation_agg import QWEN_FP4
@@ -43,6 +46,20 @@ def test_a_mixed_step_runs_eager_at_its_real_batch() -> None:
     sc = _sc(300, eff=Efficiency.measured())  # captured graphs: 256, 384; a decode step of 300 runs padded to 384
     chunk = PrefillChunk(tokens=1, prompts=1, mean_keys=1, prompt_tokens=1)
     assert _by_name(batch_step(sc, 300))["attention"].bytes == pytest.approx(384 / 300 * _by_name(batch_step(sc, 300, chunk))["attention"].bytes)  # type: ignore[attr-defined]
+
+
+def test_the_eager_launch_cost_is_charged_to_mixed_steps_only() -> None:
+    """`Overheads.eager_s_per_layer` (off by default; benchmarks/planner_eager.py tries it): a mixed step runs outside the
+    captured graphs and pays it once per layer; a decode step replays a graph and does not."""
+    base = Efficiency.measured()
+    eager = replace(base, overheads=replace(base.step_overheads, eager_s_per_layer=1e-4))
+    chunk = PrefillChunk(tokens=500, prompts=1, mean_keys=250.5, prompt_tokens=1000)
+    layers = qwen3_30b_a3b().num_hidden_layers
+    assert base.step_overheads.eager_s_per_layer == 0.0
+    assert batch_step(_sc(256, eff=eager), 256, chunk).total_s == pytest.approx(batch_step(_sc(256, eff=base), 256, chunk).total_s + layers * 1e-4)
+    assert batch_step(_sc(256, eff=eager), 256).total_s == batch_step(_sc(256, eff=base), 256).total_s
+    with pytest.raises(ValueError, match="eager_s_per_layer"):
+        Overheads(eager_s_per_layer=-1.0)
 
 
 def test_steady_state_holds_littles_law_slots_and_budget() -> None:

@@ -15,6 +15,7 @@ from openk3.planner.comm import (
     combine_bytes_per_copy,
     copies_per_token,
     dispatch_bytes_per_copy,
+    moe_chunks,
     remote_domains_per_token,
 )
 from openk3.planner.models import deepseek_v3
@@ -52,6 +53,27 @@ def test_exchange_is_checked() -> None:
         CommParams(exchange="allgather")  # type: ignore[arg-type]
 
 
+def test_moe_chunks_read_the_experts_again_and_pay_the_floors_per_chunk() -> None:
+    """`CommParams.moe_chunk_tokens` (off by default; benchmarks/planner_moe_chunks.py): TensorRT-LLM's CUTLASS MoE runs
+    the gathered tokens in ceil(tokens / chunk) chunks, each through the experts and its own collectives."""
+    gather = CommParams(exchange=Exchange.ALLGATHER)
+    chunked = CommParams(exchange=Exchange.ALLGATHER, moe_chunk_tokens=1536)
+    assert [moe_chunks(chunked, t) for t in (1.0, 1536.0, 1537.0, 8 * 384.0)] == [1, 1, 2, 2]
+    assert moe_chunks(gather, 1e6) == 1 and moe_chunks(CommParams(), 1e6) == 1
+    cfg, tokens = deepseek_v3(), 384.0
+    one, two = allgather_layer_time(cfg, FP8, 8, B200, gather, tokens), allgather_layer_time(cfg, FP8, 8, B200, chunked, tokens)
+    assert two.dispatch_s - one.dispatch_s == pytest.approx(gather.dispatch_floor_s)  # the bytes are the same, split
+    assert two.combine_s - one.combine_s == pytest.approx(gather.combine_floor_s)
+    sc = Scenario(cfg, FP8, Layout(8, tp=1), Workload(context=2000, concurrency=8 * 384), B200, comm=gather)
+    e1 = {c.name: c for c in decode_step(sc).components}["experts"]
+    e2 = {c.name: c for c in decode_step(sc.with_(comm=chunked)).components}["experts"]
+    assert e2.bytes == pytest.approx(2 * e1.bytes) and e2.flops == pytest.approx(e1.flops)  # weights twice, work once
+    with pytest.raises(ValueError, match="moe_chunk_tokens"):
+        CommParams(moe_chunk_tokens=1536)  # the all-to-all does not chunk this way
+    with pytest.raises(ValueError, match="moe_chunk_tokens"):
+        CommParams(exchange=Exchange.ALLGATHER, moe_chunk_tokens=0)
+
+
 H100 = load_catalogue().system("hgx-h100")
 
 
@@ -82,3 +104,15 @@ def test_flow_bytes_follow_domain_forwarding() -> None:
     fwd_up, fwd_out = a2a_bytes(sc.with_(comm=CommParams(forward_by_domain=True)), 64.0, 1.0)
     assert up + out == pytest.approx(fwd_up)  # every rank copy still crosses NVLink somewhere
     assert fwd_out / out == pytest.approx(remote_domains_per_token(deepseek_v3(), 32, 8) / (copies_per_token(deepseek_v3(), 32, True)[0] * 24 / 31))
+
+
+def test_flow_bytes_follow_the_allgather_exchange() -> None:
+    """`traffic.a2a_bytes` with `Exchange.ALLGATHER` (issue 37 round ten; it counted the all-to-all's copies until then):
+    the other ranks' tokens in and this rank's out to each, in the gather and the reduce-scatter, whatever the routing."""
+    cfg, tokens = deepseek_v3(), 384.0
+    sc = Scenario(cfg, FP8, Layout(8, tp=1), Workload(context=2000, concurrency=8 * 384), B200, comm=CommParams(exchange=Exchange.ALLGATHER))
+    per_copy = dispatch_bytes_per_copy(cfg, FP8) + combine_bytes_per_copy(cfg, FP8)
+    assert a2a_bytes(sc, tokens, 1.3) == (pytest.approx(2 * 7 * tokens * per_copy), 0.0)  # one node: all NVLink, no imbalance term
+    up, out = a2a_bytes(sc.with_(layout=Layout(16, tp=1), system=H100), tokens, 1.0)
+    assert out == pytest.approx(2 * 15 * tokens * per_copy * 8 / 15) and up == pytest.approx(2 * 15 * tokens * per_copy * 7 / 15)
+    assert a2a_bytes(sc, tokens, 1.0)[0] > a2a_bytes(sc.with_(comm=CommParams()), tokens, 1.0)[0]  # the whole batch, not its copies

@@ -149,10 +149,11 @@ class ParallelConfig:
             # the draft and its cache live beside a single-process engine (serve/draft.py, mtp_draft.py); ranks have no draft side
             method = engine.speculative
             raise ValueError(f"speculative_method={method!r} with {ranks}: speculative decoding runs in a single-process engine only (docs/serving.md)")
-        if self.world_size > 1 and engine.fp8_latent:
-            # the worker ranks allocate their pools from the step channel's description (step_channel.py), which has no format
+        if self.decode_cp and engine.fp8_latent:
+            # each rank attends over its share of the pages and merges by LSE (cp/sharded_mla.py), reading plain rows only
             raise ValueError(
-                f"kv_cache_dtype={engine.kv_cache_dtype!r} with {ranks}: the FP8 latent cache runs in a single-process engine only (docs/serving.md)"
+                f"kv_cache_dtype={engine.kv_cache_dtype!r} with {ranks}, decode_cp=True: the FP8 latent cache is not supported with "
+                "decode context parallelism (its ranks read their share of the pages unpacked); it runs with --tp, --ep, --cp and --dp (docs/parallel.md)"
             )
         if self.world_size > 1 and engine.cuda_graphs:
             # a multi-rank step is the driver's broadcast plus collectives whose split sizes are read on the host

@@ -12,7 +12,8 @@ int64 payload holding the batch's tensors end to end, so a step costs two broadc
            f=any_fresh (-1: none given), g=first slot of a consecutive range (-1: not consecutive, -2: none given),
            h=the number of state cuts (prefix-cache snapshots inside the step)
     CACHE  a=num_slots, b=num_pages, c=page_size, d=dtype index, e=elements of all pools (a check of the layout),
-           f=latent_shards (decode context parallelism: each rank's pages hold page_size / f rows, its share)
+           f=latent_shards (decode context parallelism: each rank's pages hold page_size / f rows, its share), g=1 for an
+           FP8 latent cache (the MLA pages hold packed e4m3 rows: kv_cache_dtype="fp8")
     COPIES a=n; payload [n, 3] (kind, src, dst): the slot and page copies rank 0's prefix cache made since the last step
            (CacheTensors.copy_log), which every worker replays on its own pools before the next STEP
     LOAD   a=slot, b=number of pages, c=tokens, d=buffer bytes; payloads pages[b] (int64), then the buffer (uint8): a host
@@ -79,16 +80,20 @@ class CacheShape(NamedTuple):
     dtype: torch.dtype
     elements: int  # of all pools together
     latent_shards: int = 1
+    fp8_latent: bool = False  # the MLA pages hold packed e4m3 rows (ops/mla/fp8_latent.py): uint8 pools
 
     @classmethod
     def of(cls, cache: CacheTensors) -> CacheShape:
         pools = cache.conv_state or cache.mla_latent
         dtype = pools[0].dtype if pools else torch.float32
-        return cls(cache.num_slots, cache.num_pages, cache.page_size, dtype, pool_elements(cache), cache.latent_shards)
+        fp8 = bool(cache.mla_latent) and cache.mla_latent[0].dtype == torch.uint8
+        return cls(cache.num_slots, cache.num_pages, cache.page_size, dtype, pool_elements(cache), cache.latent_shards, fp8)
 
     def allocate(self, config: ModelConfig, device: torch.device | str) -> CacheTensors:
         """Pools of the announced shapes; a worker whose config lays them out differently from rank 0's is refused."""
-        cache = CacheTensors.allocate(config, self.num_slots, self.num_pages, self.page_size, self.dtype, device, latent_shards=self.latent_shards)
+        cache = CacheTensors.allocate(
+            config, self.num_slots, self.num_pages, self.page_size, self.dtype, device, fp8_latent=self.fp8_latent, latent_shards=self.latent_shards
+        )
         if pool_elements(cache) != self.elements:
             raise RuntimeError(f"expert-parallel worker: its cache pools hold {pool_elements(cache)} elements, rank 0's {self.elements}: different models")
         return cache
@@ -125,7 +130,8 @@ class StepChannel:
         if shape.dtype not in CACHE_DTYPES:
             raise ValueError(f"StepChannel: cache dtype {shape.dtype} is not one of {CACHE_DTYPES}")
         index = CACHE_DTYPES.index(shape.dtype)
-        self._send([MessageKind.CACHE, shape.num_slots, shape.num_pages, shape.page_size, index, shape.elements, shape.latent_shards])
+        header = [MessageKind.CACHE, shape.num_slots, shape.num_pages, shape.page_size, index, shape.elements, shape.latent_shards, int(shape.fp8_latent)]
+        self._send(header)
 
     @staticmethod
     def encode_step(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
@@ -213,7 +219,7 @@ class StepChannel:
         if kind == MessageKind.CACHE:
             if not 0 <= d < len(CACHE_DTYPES):
                 raise RuntimeError(f"StepChannel: cache dtype index {d} outside 0..{len(CACHE_DTYPES) - 1}")
-            return CacheShape(a, b, c, CACHE_DTYPES[d], e, f)
+            return CacheShape(a, b, c, CACHE_DTYPES[d], e, f, bool(g))
         if kind == MessageKind.COPIES:
             flat = torch.empty(3 * a, dtype=torch.int64)
             dist.broadcast(flat, self.src, group=self.group)

@@ -1,8 +1,9 @@
 """The FP8 latent cache (`kv_cache_dtype="fp8"`) on multi-rank engines: rank 0 announces the packed page format with the
 pools' shapes (step_channel CACHE), every worker allocates uint8 pages of the same rows, and the prefix cache's page copies
-replay on them. `LLM("tiny", kv_cache_dtype="fp8")` over TP, EP and CP ranks gives one process's tokens, hit counts and
-logprobs with prefix caching on (test_llm_cp_prefix's sends: repeats and extensions hit their snapshots). Refused by name:
-fp8 with decode context parallelism (its ranks read their share of the pages unpacked)."""
+replay on them; under --dp each rank's engine allocates its own. `LLM("tiny", kv_cache_dtype="fp8")` over TP, EP, CP and
+DP ranks gives one process's tokens, hit counts and logprobs with prefix caching on (test_llm_cp_prefix's sends: repeats
+and extensions hit their snapshots). Refused by name: fp8 with decode context parallelism (its ranks read their share of
+the pages unpacked)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def one_process() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(ep=2), dict(cp=2, cp_min_tokens=32)], ids=["tp2", "ep2", "cp2"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(ep=2), dict(cp=2, cp_min_tokens=32), dict(dp=2, ep=2)], ids=["tp2", "ep2", "cp2", "dp2"])
 def test_fp8_pages_on_multi_rank_engines_give_one_process_results(one_process: dict[str, Any], layout: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     want = one_process

@@ -176,6 +176,7 @@ def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
     from openk3.ops.activation import glu
+    from openk3.ops.argmax_c import argmax_rows, argmax_rows_c
     from openk3.ops.attn_res import OneShotStream, TwoPhaseStream, attn_res_sized
     from openk3.ops.attn_res.mix_c import attn_res_sized_c
     from openk3.ops.glu_c import glu_c
@@ -228,6 +229,10 @@ def registry() -> OpRegistry:
     r.register("glu", "naive", glu, "SiLU / SiTU gate times up in torch ops (the definition)", differentiable=True)
     r.register("glu", "fast", glu_c, "one C loop over the rows", backend="c")
     r.register_auto("glu", lambda t, _: "fast" if "c" in t.backends() else "naive")
+
+    r.register("argmax_rows", "naive", argmax_rows, "torch.argmax over each row (the definition)")
+    r.register("argmax_rows", "fast", argmax_rows_c, "one C loop over the rows, torch.argmax's tie and NaN rules", backend="c")
+    r.register_auto("argmax_rows", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("kda_prefill", "naive", kda_recurrent, "the per-token recurrence (the definition)", differentiable=True)
     r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)", chunked=True)

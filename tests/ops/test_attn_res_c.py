@@ -87,9 +87,12 @@ def test_stream_reads_equal_attn_res_c_bit_for_bit() -> None:
     embed = torch.randn(4, 32, generator=g)
     mixers = [MixQuery(i, torch.randn(32, generator=g), torch.rand(32, generator=g) + 0.5, 1e-6) for i in range(7)]
     for strided in (False, True):
-        stream, blocks, partial = OneShotStreamC(embed), [], embed
+        stream = OneShotStreamC(embed)
+        blocks: list[torch.Tensor] = []
+        partial: torch.Tensor | None = embed
         for i, mixer in enumerate(mixers):
             if i % 2 == 0:
+                assert partial is not None
                 stream.start_block(mixers)
                 blocks, partial = [*blocks, partial], None
             sources = blocks if partial is None else [*blocks, partial]

@@ -198,7 +198,7 @@ def registry() -> OpRegistry:
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
     from openk3.ops.moe import moe_experts_sized
     from openk3.ops.moe.batched import moe_experts_batched
-    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference
+    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference, moe_routed_latent_block_c, moe_routed_latent_block_reference
     from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
@@ -291,6 +291,9 @@ def registry() -> OpRegistry:
     r.register("moe_latent_block", "naive", moe_latent_block_reference, "latent MoE after the router in torch ops (the definition)", differentiable=True)
     r.register("moe_latent_block", "fast", moe_latent_block_c, "projections, experts, norm and shared experts in one C call", backend="c")
     r.register_auto("moe_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
+    r.register("moe_routed_latent_block", "naive", moe_routed_latent_block_reference, "the router in torch ops, then moe_latent_block's definition")
+    r.register("moe_routed_latent_block", "fast", moe_routed_latent_block_c, "the top-k after the router's logits and the block in one C call", backend="c")
+    r.register_auto("moe_routed_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_experts", "naive", moe_experts_naive, "per-token, per-expert loop (the definition)", differentiable=True)
     r.register("moe_experts", "batched", moe_experts_batched, "all experts as one padded batch (dense banks)", differentiable=True)

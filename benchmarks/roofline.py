@@ -6,8 +6,8 @@
    at the engine's thread count; the best of several runs. The roofline uses the read figure.
 2. Bytes a decode step of B sequences at context L must move, counted from the model the engine runs:
    - weights: every parameter except the embedding (B rows of it are read) and the routed experts; the LM head is included;
-   - routed experts: the distinct experts the step's routing picked, per MoE layer (recorded from each layer's router
-     during the timed steps), times one expert's resident bytes (packed MXFP4 where the model keeps them so);
+   - routed experts: the distinct experts the step's routing picked, per MoE layer (each layer's inputs recorded during
+     the timed steps, routed again after them), times one expert's resident bytes (packed MXFP4 where the model keeps them so);
    - MLA: the latent pages of the context, each token's cached latent (kv_lora_rank + rope dims) per MLA layer;
    - KDA: each sequence's recurrent state and conv window per KDA layer, read and written back (2x).
    Activations are left out (a few hundred KiB at these widths).
@@ -95,25 +95,29 @@ def step_fmas(model: torch.nn.Module, batch: int) -> int:
 
 
 class RoutingCount:
-    """Wraps each MoE layer's `route` to record the distinct experts of every call (one call per layer per step)."""
+    """Records each MoE layer's input during the timed steps (a forward pre-hook on the layer: one call per layer per step),
+    and routes them again afterwards to count the distinct experts of every call. Not a wrapper around `route`: a served
+    layer runs its router inside its one C call only when nothing wraps it (serve/fused_moe.py)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from openk3.model.moe import LatentMoE
 
         self.layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
-        self.distinct: list[int] = []
+        self.inputs: list[tuple[Any, torch.Tensor]] = []
         self.on = False
         for layer in self.layers:
-            layer.route = self._wrap(layer.route)  # type: ignore[method-assign]
+            layer.register_forward_pre_hook(self._record)
 
-    def _wrap(self, route: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-        def recorded(x_TD: torch.Tensor) -> Any:
-            out = route(x_TD)
-            if self.on:
-                self.distinct.append(int(out.topk_idx.unique().numel()))
-            return out
+    def _record(self, layer: Any, args: tuple[Any, ...]) -> None:
+        if self.on:
+            self.inputs.append((layer, args[0]))
 
-        return recorded
+    def distinct(self) -> list[int]:
+        """The distinct experts of each recorded call (the inputs are then released)."""
+        with torch.no_grad():
+            counts = [int(layer.route(x).topk_idx.unique().numel()) for layer, x in self.inputs]
+        self.inputs.clear()
+        return counts
 
     def expert_bytes(self) -> int:
         """Resident bytes of one routed expert (all layers alike)."""
@@ -202,7 +206,7 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
         step()
     step_times: list[float] = []
     fwd_times.clear()
-    counter.distinct.clear()
+    counter.inputs.clear()
     counter.on = True
     for _ in range(steps):
         t = clock()
@@ -213,7 +217,7 @@ def run(llm: Any, batch: int, prompt: int, steps: int, warm: int, seed: int, tag
         step()
     runner._forward = forward
     mla, kda = cache_bytes(runner.cache.tensors, batch, prompt + warm + steps // 2)
-    experts = statistics.mean(counter.distinct) * len(counter.layers) if counter.layers else 0.0
+    experts = statistics.mean(counter.distinct()) * len(counter.layers) if counter.layers else 0.0
     digest = hashlib.sha256(str([tokens[r] for r in ids]).encode()).hexdigest()[:12]
     return {
         "step": step_times,

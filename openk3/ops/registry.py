@@ -179,6 +179,7 @@ def mla_prefill_rule(target: OpTarget, _: OpUse) -> str:
 def registry() -> OpRegistry:
     """The built-in implementations (made once per process, on first use: importing the ops here keeps ops/ acyclic)."""
     from openk3.ops.activation import glu
+    from openk3.ops.argmax_c import argmax_rows, argmax_rows_c
     from openk3.ops.attn_res import OneShotStream, TwoPhaseStream, attn_res_sized
     from openk3.ops.attn_res.mix_c import attn_res_sized_c
     from openk3.ops.glu_c import glu_c
@@ -200,7 +201,7 @@ def registry() -> OpRegistry:
     from openk3.ops.mla.sdpa import mla_expanded_sdpa
     from openk3.ops.moe import moe_experts_sized
     from openk3.ops.moe.batched import moe_experts_batched
-    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference
+    from openk3.ops.moe.block_c import moe_latent_block_c, moe_latent_block_reference, moe_routed_latent_block_c, moe_routed_latent_block_reference
     from openk3.ops.moe.cpu_pairs import moe_experts_batched_c
     from openk3.ops.moe.grouped import moe_experts_grouped
     from openk3.ops.moe.naive import moe_experts_naive
@@ -231,6 +232,10 @@ def registry() -> OpRegistry:
     r.register("glu", "naive", glu, "SiLU / SiTU gate times up in torch ops (the definition)", differentiable=True)
     r.register("glu", "fast", glu_c, "one C loop over the rows", backend="c")
     r.register_auto("glu", lambda t, _: "fast" if "c" in t.backends() else "naive")
+
+    r.register("argmax_rows", "naive", argmax_rows, "torch.argmax over each row (the definition)")
+    r.register("argmax_rows", "fast", argmax_rows_c, "one C loop over the rows, torch.argmax's tie and NaN rules", backend="c")
+    r.register_auto("argmax_rows", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("kda_prefill", "naive", kda_recurrent, "the per-token recurrence (the definition)", differentiable=True)
     r.register("kda_prefill", "fast", kda_chunk, "chunkwise WY form, buffers updated in place (inference)", chunked=True)
@@ -291,6 +296,9 @@ def registry() -> OpRegistry:
     r.register("moe_latent_block", "naive", moe_latent_block_reference, "latent MoE after the router in torch ops (the definition)", differentiable=True)
     r.register("moe_latent_block", "fast", moe_latent_block_c, "projections, experts, norm and shared experts in one C call", backend="c")
     r.register_auto("moe_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
+    r.register("moe_routed_latent_block", "naive", moe_routed_latent_block_reference, "the router in torch ops, then moe_latent_block's definition")
+    r.register("moe_routed_latent_block", "fast", moe_routed_latent_block_c, "the top-k after the router's logits and the block in one C call", backend="c")
+    r.register_auto("moe_routed_latent_block", lambda t, _: "fast" if "c" in t.backends() else "naive")
 
     r.register("moe_experts", "naive", moe_experts_naive, "per-token, per-expert loop (the definition)", differentiable=True)
     r.register("moe_experts", "batched", moe_experts_batched, "all experts as one padded batch (dense banks)", differentiable=True)

@@ -16,11 +16,12 @@ Legend: M rows (requests sampling this step), V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from openk3.ops.registry import OpTarget, registry
 from openk3.serve.request import TokenLogprobs
 from openk3.serve.sampling import SamplingParams
 from openk3.serve.structured.matchers import GrammarStates
@@ -129,6 +130,8 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without their own seed, on the logits' device
         self.grammars = GrammarStates()  # per-request grammar matchers, kept by the rows' request ids
+        # the greedy rows' argmax (ops/argmax_c.py: torch.argmax's tie and NaN rules on every form); the logits are fp32
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = registry().get("argmax_rows", "auto", OpTarget(torch.device(device).type))
 
     def __call__(self, logits_MV: torch.Tensor, rows: Sequence[SamplingRow], verifying: Sequence[SamplingRow] = ()) -> SamplerOutput:
         """Tokens (and asked-for logprobs) for `rows`; `verifying`: the rows that verify drafts in the same step
@@ -163,7 +166,7 @@ class Sampler:
             logits_MV = logits_MV.clone()
             logits_MV[pen] = apply_penalties(logits_MV[pen], [rows[i] for i in pen])
 
-        tokens = logits_MV.argmax(-1)
+        tokens = self.argmax(logits_MV)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
             sub = logits_MV[rand] / torch.tensor([rows[i].params.temperature for i in rand], device=device)[:, None]

@@ -78,3 +78,28 @@ def test_auto_takes_it_for_decode_sized_steps() -> None:
     assert isinstance(stream(torch.zeros(TWO_PHASE_MIN_TOKENS, 8)), TwoPhaseStream)
     torch_only = op("attn_res", "auto", OpTarget(c_kernels=False))
     assert type(torch_only(torch.zeros(16, 8))) is OneShotStream
+
+
+def test_stream_reads_equal_attn_res_c_bit_for_bit() -> None:
+    """The stream's direct kernel calls (kept addresses) read what attn_res_c reads from the same sources, and a stream
+    whose partial sum is not a plain row block (a column stride of 2 here) takes attn_res_c itself."""
+    g = torch.Generator().manual_seed(6)
+    embed = torch.randn(4, 32, generator=g)
+    mixers = [MixQuery(i, torch.randn(32, generator=g), torch.rand(32, generator=g) + 0.5, 1e-6) for i in range(7)]
+    for strided in (False, True):
+        stream = OneShotStreamC(embed)
+        blocks: list[torch.Tensor] = []
+        partial: torch.Tensor | None = embed
+        for i, mixer in enumerate(mixers):
+            if i % 2 == 0:
+                assert partial is not None
+                stream.start_block(mixers)
+                blocks, partial = [*blocks, partial], None
+            sources = blocks if partial is None else [*blocks, partial]
+            got = stream.read(mixer)
+            want = sources[0] if len(sources) == 1 else attn_res_c(sources, mixer.query_D, mixer.norm_weight_D, mixer.eps)
+            assert torch.equal(got, want)
+            out = torch.randn(4, 64, generator=g)[:, :: 2 if strided and i == 2 else 1][:, :32]
+            stream.add(out)
+            partial = out if partial is None else partial + out
+        assert stream._plain is not strided

@@ -1,7 +1,8 @@
 """The latent MoE block after its router in one C call (ops/moe/block_c.py, ops/cpu/moe.c openk3_moe_latent_block): equal to
 the definition's torch ops up to fp32 rounding, and bit for bit to the separate C calls it replaces (panel products,
 packed expert loop, RMSNorm, GLU), with and without the latent norm, for both activations; "auto" takes it on the "c"
-backend and the definition elsewhere."""
+backend and the definition elsewhere. With the router's top-k in the call ("moe_routed_latent_block"): bit for bit the
+C router (sigmoid_topk_route_c) followed by the block, with and without a bias, renormalised or not."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ from openk3.ops.activation import glu
 from openk3.ops.cpu.build import kernels_available
 from openk3.ops.glu_c import glu_c
 from openk3.ops.linear import pack_panels
-from openk3.ops.moe.block_c import LatentBlockWeights, moe_latent_block_c, moe_latent_block_reference
+from openk3.ops.moe.block_c import (
+    LatentBlockWeights,
+    moe_latent_block_c,
+    moe_latent_block_reference,
+    moe_routed_latent_block_c,
+    moe_routed_latent_block_reference,
+)
 from openk3.ops.moe.packed_bank import PackedMXFP4ExpertBank
 from openk3.ops.moe.packed_c import moe_experts_packed_c
+from openk3.ops.moe.router import sigmoid_topk_route_c
 from openk3.ops.norm import rms_norm_c
 from openk3.ops.registry import CPU_INFERENCE, OpTarget, registry
 
@@ -81,3 +89,30 @@ def test_refusals_and_the_auto_rule() -> None:
         moe_latent_block_c(torch.randn(3, D + 1), idx, weight, w)
     assert registry().get("moe_latent_block", "auto", CPU_INFERENCE) is moe_latent_block_c
     assert registry().get("moe_latent_block", "auto", OpTarget(c_kernels=False)) is moe_latent_block_reference
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t", [1, 16])
+def test_routed_block_equals_the_c_router_then_the_block_bit_for_bit(bias: bool, renormalize: bool, t: int) -> None:
+    w = block(Activation.SITU, True, seed=t + 5)
+    g = torch.Generator().manual_seed(t + 6)
+    x = torch.randn(t, D, generator=g)
+    router, bias_E = torch.randn(E, D, generator=g) / D**0.5, torch.randn(E, generator=g) * 0.1 if bias else None
+    routing = sigmoid_topk_route_c(x, router, bias_E, K, renormalize, 2.5)
+    got = moe_routed_latent_block_c(x, router, bias_E, K, renormalize, 2.5, w)
+    assert torch.equal(got, moe_latent_block_c(x, routing.topk_idx, routing.topk_weight, w))
+    torch.testing.assert_close(got, moe_routed_latent_block_reference(x, router, bias_E, K, renormalize, 2.5, w), rtol=1e-4, atol=1e-4)
+
+
+def test_routed_block_refusals_and_the_auto_rule() -> None:
+    w = block(Activation.SITU, True, seed=0)
+    x, router = torch.randn(3, D), torch.randn(E, D)
+    with pytest.raises(ValueError, match="a router of 9 experts"):
+        moe_routed_latent_block_c(x, torch.randn(E + 1, D), None, K, True, 1.0, w)
+    with pytest.raises(ValueError, match="k=0"):
+        moe_routed_latent_block_c(x, router, None, 0, True, 1.0, w)
+    with pytest.raises(ValueError, match="no panel copies"):
+        moe_routed_latent_block_c(x, router, None, K, True, 1.0, w._replace(panels=None))
+    assert registry().get("moe_routed_latent_block", "auto", CPU_INFERENCE) is moe_routed_latent_block_c
+    assert registry().get("moe_routed_latent_block", "auto", OpTarget(c_kernels=False)) is moe_routed_latent_block_reference

@@ -97,3 +97,33 @@ def test_other_steps_run_the_layers_own_forward() -> None:
     prepare_for_serving(dense, CPU, pack_cpu_weights=True)
     with torch.no_grad():
         assert all(m.block_weights(rows(4, seed=2)) is None for m in served_layers(dense))  # dense experts: not the packed loop
+
+
+def test_the_router_runs_in_the_call_unless_something_wraps_it() -> None:
+    """The router's top-k runs inside the one call ("moe_routed_latent_block") while the layer routes with the C router as
+    chosen; a `route` set on the layer (a benchmark's recorder) or another router function on the gate (routing replay)
+    is called instead, and the block runs on what it returns. The output is the layer's own forward's in every case."""
+    model = served_model()
+    layer = served_layers(model)[0]
+    x = rows(16, seed=4)
+    calls: list[str] = []
+    routed, own_route = layer.routed_block, layer.route
+
+    def counted_block(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("routed block")
+        return routed(*args, **kwargs)
+
+    def wrapped_route(x_TD):  # type: ignore[no-untyped-def]
+        calls.append("route")
+        return own_route(x_TD)
+
+    with torch.no_grad():
+        want = LatentMoE.forward(layer, x)
+        layer.routed_block = counted_block
+        assert torch.equal(layer(x), want) and calls == ["routed block"]
+        layer.route = wrapped_route  # type: ignore[method-assign]
+        assert torch.equal(layer(x), want) and calls == ["routed block", "route"]
+        del layer.route
+        chosen = layer.gate.route
+        layer.gate.route = lambda *args: chosen(*args)
+        assert torch.equal(layer(x), want) and calls == ["routed block", "route"]

@@ -71,7 +71,7 @@ def _cpu_flags() -> str:
 
 
 # every library the "c" backend's entries call
-SOURCES = ("norm.c", "linear.c", "moe.c", "mla_decode.c", "kda_decode.c", "kda_chunk.c", "mxfp4.c", "attn_res.c", "glu.c")
+SOURCES = ("norm.c", "linear.c", "moe.c", "mla_decode.c", "kda_decode.c", "kda_chunk.c", "mxfp4.c", "attn_res.c", "glu.c", "argmax.c")
 
 
 @cache

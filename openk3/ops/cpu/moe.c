@@ -215,3 +215,27 @@ int openk3_moe_latent_block(int64_t T, int64_t D, int64_t L, int64_t I, int64_t 
     free(scratch);
     return 0;
 }
+
+/* The router's top-k after its logits (openk3_moe_route, the logits [T, E] turned into scores in place), then the block
+ * (openk3_moe_latent_block) on the ids and weights it chose: one call for the MoE layer after the router's product
+ * (ops/moe/block_c.py moe_routed_latent_block_c). Returns openk3_moe_latent_block's status; 1 also when the ids and weights
+ * cannot be allocated. k <= 64 is checked by the caller. */
+int openk3_moe_routed_latent_block(int64_t T, int64_t D, int64_t L, int64_t I, int64_t S, int64_t E, int64_t k, const float *x,
+                                   int64_t x_stride, float *logits, const float *bias, int renormalize, float scaling, const float *down_p,
+                                   const uint8_t *w1p, const uint8_t *w1s, const uint8_t *w3p, const uint8_t *w3s, const uint8_t *w2p,
+                                   const uint8_t *w2s, int act, float beta, float linear_beta, const float *norm_w, float eps,
+                                   const float *up_p, const float *gate_up_p, int shared_act, float shared_beta, float shared_linear_beta,
+                                   const float *shared_down_p, float *y, int num_threads) {
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(T * k));
+    float *weight = malloc(sizeof(float) * (size_t)(T * k));
+    int status = 1;
+    if (idx != NULL && weight != NULL) {
+        openk3_moe_route(T, E, k, logits, bias, renormalize, scaling, idx, weight);
+        status = openk3_moe_latent_block(T, D, L, I, S, E, k, x, x_stride, idx, weight, down_p, w1p, w1s, w3p, w3s, w2p, w2s, act, beta,
+                                         linear_beta, norm_w, eps, up_p, gate_up_p, shared_act, shared_beta, shared_linear_beta,
+                                         shared_down_p, y, num_threads);
+    }
+    free(idx);
+    free(weight);
+    return status;
+}

@@ -118,6 +118,7 @@ class ServerMetrics:
             )
         }
         self.checksum_failures = counter("cache_disk_checksum_failures", "Disk-tier loads refused by their checksum").labels(**label)
+        self.write_failures = counter("cache_disk_write_failures", "Disk-tier files that could not be written (the entries were let go)").labels(**label)
         self.inbox_dropped = counter("cache_inbox_dropped", "Imported prefix records let go unused (aged out or refused at lookup)").labels(**label)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**label)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**label)
@@ -241,6 +242,8 @@ class ServerMetrics:
                     totals.append((self.tier_counters[(name, kind)], f"{name}_{kind}", total))
                 if t.checksum_failures:
                     totals.append((self.checksum_failures, "checksum_failures", t.checksum_failures))
+                if t.write_failures:
+                    totals.append((self.write_failures, "write_failures", t.write_failures))
                 if t.tier is TierKind.INBOX and t.dropped:
                     totals.append((self.inbox_dropped, "inbox_dropped", t.dropped))
         for counter, name, total in totals:

@@ -131,6 +131,28 @@ def test_the_disk_budget_is_kept_at_put_and_names_what_it_let_go(tmp_path) -> No
     disk.close()
 
 
+def test_a_failed_write_lets_the_entry_go_and_the_writer_lives_on(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from openk3.serve.cache import disk_tier
+
+    disk = DiskTier(str(tmp_path), capacity_bytes=10**6)
+    a, b = entry([1] * 6, nbytes=1000, fill=1), entry([2] * 6, nbytes=1000, fill=2)
+
+    def full_disk(path: str, mode: str):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_tier, "open", full_disk, raising=False)
+    disk.put(a)
+    disk.flush()
+    assert a.key not in disk and disk.used_bytes == 0 and disk.load(a.key) is None
+    assert disk.stats().write_failures == 1 and os.listdir(disk.dir) == []
+    monkeypatch.undo()
+    disk.put(b)
+    disk.flush()
+    loaded = disk.load(b.key)
+    assert loaded is not None and torch.equal(loaded, b.buffer)
+    disk.close()
+
+
 def test_a_disk_tier_without_budget_keeps_all_until_dropped(tmp_path) -> None:
     disk = DiskTier(str(tmp_path), capacity_bytes=None)
     entries = [entry([i] * 6, nbytes=1000, fill=i) for i in range(5)]

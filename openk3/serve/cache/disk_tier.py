@@ -12,6 +12,7 @@ Threading: the engine thread calls put/load/drop/deepest; the writer thread writ
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -27,6 +28,8 @@ import torch
 from openk3.serve.cache import tier_record
 from openk3.serve.cache.tier_record import TierRecordError
 from openk3.serve.cache.tier_types import AnchorIndex, Counters, TierEntry, TierKind, TierStats
+
+log = logging.getLogger("openk3.serve")
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,18 @@ class DiskTier:
         record = tier_record.encode(e)
         path = self.path_of(e.key)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(record)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(record)
+        except OSError as err:  # a full or failing disk: the entry is let go (a later hit recomputes), the writer lives on
+            log.warning("disk prefix tier: writing %s failed (%s); the entry is dropped", tmp, err)
+            with self._lock:
+                self.counters.write_failures += 1
+                if self.pending.get(e.key) is e:
+                    self._forget(e.key, self.files.pop(e.key))
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            return
         with self._lock:
             if self.pending.get(e.key) is e:
                 os.replace(tmp, path)
@@ -180,4 +193,6 @@ class DiskTier:
         c = self.counters
         with self._lock:
             used, n = self.used_bytes, len(self.files)
-        return TierStats(TierKind.DISK, used, self.capacity_bytes or 0, n, c.bytes_in, c.bytes_out, c.hits, c.checksum_failures)
+        return TierStats(
+            TierKind.DISK, used, self.capacity_bytes or 0, n, c.bytes_in, c.bytes_out, c.hits, c.checksum_failures, write_failures=c.write_failures
+        )

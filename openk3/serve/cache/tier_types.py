@@ -41,6 +41,7 @@ class TierStats:
     hits: int
     checksum_failures: int = 0
     dropped: int = 0  # the inbox's records let go unused (aged out, or refused at lookup): hand-offs that were wasted
+    write_failures: int = 0  # disk tier files that could not be written (a full or failing disk): those entries were let go
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Counters:
     bytes_out: int = 0
     hits: int = 0
     checksum_failures: int = 0
+    write_failures: int = 0  # disk tier files that could not be written (the entry was let go)
 
 
 @dataclass

@@ -58,7 +58,9 @@ class CommParams:
     exchange: Exchange = Exchange.ALL_TO_ALL
     forward_by_domain: bool = False
     # with `Exchange.ALLGATHER`: the MoE runs the gathered tokens in chunks of at most this many, each chunk gathered,
-    # run through the experts (their weights read again) and reduce-scattered on its own; None: one chunk
+    # run through the experts (their weights read again) and reduce-scattered on its own; None: one chunk -- what every
+    # validation row runs, since TensorRT-LLM's CUTLASS MoE defaults to max_num_tokens x the DP ranks (the gathered
+    # budget) in every stored version, the R1 blog's release-0.20 commit included (benchmarks/planner_moe_chunks.py)
     moe_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:

@@ -205,6 +205,27 @@ def max_concurrency(
     return int(free // per_seq) * layout.dp
 
 
+def max_concurrency_after_weights(
+    config: ModelConfig, quant: Quantisation, layout: Layout, context: int, system: System, fraction: float, step_tokens: int
+) -> int:
+    """Most sequences of `context` tokens whose cache fits in `fraction` of the memory left after the weights and the
+    activations of one step of `step_tokens` tokens per rank: how TensorRT-LLM's PyTorch runtime sizes its KV cache
+    (`kv_cache_free_gpu_mem_fraction`; tensorrt_llm/_torch/pyexecutor/_util.py: available KV memory = (device memory -
+    the peak of a dry run at max_num_tokens, weights included) x fraction), where `max_concurrency` fills a fraction
+    of the whole HBM. The CUDA context and the graphs' pools are not counted (the catalogue's usable HBM stands for the
+    device memory)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} is invalid: expected a fraction of the free memory in (0, 1]")
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens={step_tokens!r} is invalid: expected >= 1 token per step")
+    routed, trunk, prefetch = _fixed_bytes(config, quant, layout)
+    mla, kda, ws, comm = _per_sequence_bytes(config, quant, layout, context)
+    free = system.accelerator.usable_hbm - routed - trunk - prefetch - step_tokens * (ws + comm)
+    if free <= 0:
+        return 0
+    return int(fraction * free // (mla + kda)) * layout.dp
+
+
 def tp_problem(config: ModelConfig, tp: int) -> str | None:
     """Why `tp` cannot shard this model's attention (None when it can): TP splits MLA (or GQA) and KDA heads."""
     return attention_tp_problem(config, tp)

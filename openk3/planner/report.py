@@ -21,6 +21,7 @@ from openk3.planner.report_json import render_json
 from openk3.planner.runtime import support
 from openk3.planner.search import Candidate
 from openk3.planner.workload import describe as describe_demand
+from openk3.planner.workload import replicas_for
 
 __all__ = ["PlotUnavailable", "render_json", "render_text", "write_plot"]
 
@@ -158,7 +159,17 @@ def _user_speed(c: Candidate, plan: Plan) -> str:
 
 
 def _cap_note(plan: Plan) -> str:
-    cap = plan.choice.batch_cap if plan.choice else ""
+    c = plan.choice
+    cap = c.batch_cap if c else ""
+    rate = plan.request.requests.rate if plan.request.requests is not None else None
+    if c is not None and cap == "replicas" and rate is not None and c.busy_s is not None:
+        n = replicas_for(rate, c.busy_s)
+        fewer = (
+            f"1 replica carry {rate:g} requests/s instead of 2, and at that load its"
+            if n == 2
+            else f"{n - 1} replicas carry {rate:g} requests/s instead of {n}, and at that share their"
+        )
+        return f"; batch stops at the fleet's step: one more sequence per group lets {fewer} users miss the per-user SLO (the batch's own speed would meet it)"
     return {"memory": "; batch capped by HBM capacity", "SLO": "; batch capped by the SLO (one more sequence per group misses it)"}.get(cap, "")
 
 

@@ -32,7 +32,7 @@ from openk3.planner.perf import Efficiency, Metrics, Scenario, evaluate
 from openk3.planner.placement import tp_placement_problem
 from openk3.planner.pp_cp import KDASplit, LongPrefill, fix_ttft, with_long_prefill
 from openk3.planner.speculative import SpecDecoding
-from openk3.planner.workload import RequestMix, decode_stretch, mean_prefill_busy
+from openk3.planner.workload import RequestMix, decode_stretch, mean_prefill_busy, replicas_for
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,10 @@ class Candidate:
     metrics: Metrics
     meets_slo: bool
     miss: str  # why it misses the SLO ("" when it meets it)
-    batch_cap: str = ""  # what sets the batch: "memory" (the HBM limit), "SLO" (one more sequence misses it), "fixed" (asked for)
+    # what sets the batch: "memory" (the HBM limit), "SLO" (one more sequence misses it), "replicas" (one more sequence
+    # lets one replica fewer carry the rate, and the extra rate each then serves makes its users miss the SLO: the
+    # fleet's edge, not the batch's own speed), "fixed" (asked for)
+    batch_cap: str = ""
     long_prefill: LongPrefill | None = None  # PP/CP for the prompt, when the search needed them for the TTFT SLO
     # wall time per decode step / the step itself: the prefill a workload's requests bring interleaves with decode
     # (workload.decode_stretch); 1.0 when no workload is given, or for a decode pool that never prefills
@@ -151,24 +154,41 @@ def candidate_layouts(config: ModelConfig, system: System, space: SearchSpace) -
                     yield Layout(num_accelerators=n, tp=tp, redundant_experts=r, balance=balance)
 
 
-def _refine(limit: int, grid: dict[int, Candidate], make: Callable[[int], Candidate]) -> Candidate | None:
+def _refine(limit: int, grid: dict[int, Candidate], make: Callable[[int], Candidate], why: Callable[[Candidate, Candidate], str]) -> Candidate | None:
     """The largest batch meeting the SLO between the largest feasible grid point and the next one (bisection: the SLO
-    terms only get worse as the batch grows)."""
+    terms only get worse as the batch grows), its `batch_cap` set by `why(it, the batch one above it)`."""
     ok = [b for b, c in grid.items() if c.meets_slo]
     if not ok:
         return None
     lo = max(ok)
     above = [b for b in grid if b > lo]
     hi = min(above) if above else limit + 1
-    best = None
+    best, miss = None, grid.get(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         c = make(mid)
         if c.meets_slo:
             lo, best = mid, c
         else:
-            hi = mid
-    return replace(best, batch_cap="SLO") if best is not None else None
+            hi, miss = mid, c
+    if best is None:
+        return None
+    return replace(best, batch_cap=why(best, miss) if miss is not None else "SLO")
+
+
+def cap_reason(slo: SLO, rate: float | None) -> Callable[[Candidate, Candidate], str]:
+    """Why the batch stops at `ok` when `one_more` (the next batch) misses the SLO: "replicas" when a rate is given,
+    `one_more`'s replica carries enough of it that the rate needs one replica fewer, and `one_more` misses only the
+    per-user speed, which it would meet at `ok`'s share of the rate; "SLO" otherwise (the batch's own speed or TTFT)."""
+
+    def why(ok: Candidate, one_more: Candidate) -> str:
+        if rate is None or ok.busy_s is None or one_more.busy_s is None:
+            return "SLO"
+        fewer = replicas_for(rate, one_more.busy_s) < replicas_for(rate, ok.busy_s)
+        at_ok_share = one_more.metrics.per_user_tok_s / ok.stretch >= slo.min_user_tok_s and one_more.metrics.ttft_s <= slo.max_ttft_s
+        return "replicas" if fewer and at_ok_share else "SLO"
+
+    return why
 
 
 def search(
@@ -241,7 +261,8 @@ def search(
             continue
         grid = {b: make(b) for b in batch_grid(limit, space.max_seqs_per_group)}
         out.extend(grid.values())
-        refined = _refine(min(limit, space.max_seqs_per_group), grid, make) if slo.binds else None
+        why = cap_reason(slo, mix.rate if mix is not None else None)
+        refined = _refine(min(limit, space.max_seqs_per_group), grid, make, why) if slo.binds else None
         if refined is not None:
             out.append(refined)
     return SearchResult(tuple(out))

@@ -9,14 +9,16 @@ from dataclasses import replace
 import pytest
 
 from openk3.config import k3
+from openk3.planner.dtypes import with_dtypes
 from openk3.planner.hardware import load_catalogue
 from openk3.planner.inputs import Balance, Layout, Quantisation, Workload
+from openk3.planner.models import qwen3_235b
 from openk3.planner.overheads import TRTLLM_GRAPH_SIZES, Overheads
 from openk3.planner.perf import Efficiency, Scenario, evaluate
 from openk3.planner.plan import PlanRequest, make_plan, ranking_rule, request_rank
 from openk3.planner.report import render_json, render_text
 from openk3.planner.search import SLO, Candidate, SearchSpace, search
-from openk3.planner.workload import RequestMix
+from openk3.planner.workload import RequestMix, replicas_for
 
 CAT = load_catalogue()
 GB300 = CAT.system("gb300-nvl72")
@@ -104,3 +106,41 @@ def test_the_headline_is_the_cheapest_fleet_and_the_report_says_the_rule() -> No
     assert ranking_rule(23.0) in text and "ceil(rate / per-replica rate)" in text
     assert render_json(plan)["workload"]["ranking"] == ranking_rule(23.0)
     assert ranking_rule(None) == "cheapest per request at full utilisation first"
+
+
+def _qwen_at_rate(rate: float, concurrency: int | None = None) -> tuple[Candidate, ...]:
+    """Qwen3-235B FP8 on 8 H200s, TP2 x DP4 with 8 redundant experts: the docs' rate example's headline layout."""
+    mix = RequestMix(((4096, 1024),), rate=rate)
+    quant = with_dtypes(Quantisation.named("fp8"), kv="fp8")
+    space = SearchSpace(sizes=(8,), tps=(2,), balances=(Balance.EPLB,), redundant=(8,))
+    h200 = CAT.system("hgx-h200")
+    slo = SLO(min_user_tok_s=30, max_ttft_s=2)
+    return search(qwen3_235b(), quant, h200, mix.decode_context, slo, mix.ttft_prompt, space, concurrency=concurrency, mix=mix).candidates
+
+
+def test_a_batch_that_stops_where_the_fleet_steps_says_so() -> None:
+    """At 10 requests/s one more sequence per group lifts the replica past 10 requests/s: one replica then carries all
+    of them and the prefill it interleaves slows its users below 30 tok/s, though the batch's own decode steps would meet
+    30 at the two-replica share. The cap is the fleet's step ("replicas"), not the batch's speed ("SLO")."""
+    best = max((c for c in _qwen_at_rate(10.0) if c.meets_slo), key=lambda c: c.seqs_per_group)
+    assert best.batch_cap == "replicas" and best.busy_s is not None
+    (one_more,) = _qwen_at_rate(10.0, concurrency=(best.seqs_per_group + 1) * best.layout.dp)
+    assert one_more.busy_s is not None and not one_more.meets_slo
+    assert replicas_for(10.0, best.busy_s) == 2 and replicas_for(10.0, one_more.busy_s) == 1
+    assert one_more.metrics.per_user_tok_s / best.stretch >= 30 > one_more.user_tok_s
+    # at a rate no batch of this layout serves on one replica, the largest batch stops at its own speed
+    slow = max((c for c in _qwen_at_rate(25.0) if c.meets_slo), key=lambda c: c.seqs_per_group)
+    assert slow.batch_cap == "SLO"
+    (above,) = _qwen_at_rate(25.0, concurrency=(slow.seqs_per_group + 1) * slow.layout.dp)
+    assert above.busy_s is not None and slow.busy_s is not None and replicas_for(25.0, above.busy_s) == replicas_for(25.0, slow.busy_s)
+
+
+def test_the_report_names_the_fleets_step() -> None:
+    mix = RequestMix(((4096, 1024),), rate=10.0)
+    req = PlanRequest(
+        config=qwen3_235b(), quant=with_dtypes(Quantisation.named("fp8"), kv="fp8"), system=CAT.system("hgx-h200"),
+        context=mix.decode_context, prompt=mix.ttft_prompt, slo=SLO(min_user_tok_s=30, max_ttft_s=2),
+        space=SearchSpace(sizes=(8,), tps=(2,), balances=(Balance.EPLB,), redundant=(8,)), requests=mix,
+    )  # fmt: skip
+    text = render_text(make_plan(req))
+    assert "batch stops at the fleet's step: one more sequence per group lets 1 replica carry 10 requests/s instead of 2" in text

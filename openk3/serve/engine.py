@@ -23,14 +23,12 @@ from openk3.model.model import K3ForCausalLM
 from openk3.model.mtp import MTPLayer
 from openk3.serve.cache import handoff
 from openk3.serve.cache.hashing import model_salt
-from openk3.serve.cache.manager import CacheManager, cache_spec
-from openk3.serve.cache.prefix import PrefixCacheConfig
 from openk3.serve.cache.stats import prefix_cache_stats
 from openk3.serve.config import EngineConfig
-from openk3.serve.draft import DraftProposer
 from openk3.serve.eagle3_draft import Eagle3Proposer
 from openk3.serve.encoder_cache import EncoderCache
 from openk3.serve.engine_api import EngineStats
+from openk3.serve.engine_setup import build_cache, build_proposer, check_drafts
 from openk3.serve.graphs import CudaGraphCapture, DecodeGraphs
 from openk3.serve.media_prompt import ImageSpan
 from openk3.serve.mtp_draft import MTPProposer
@@ -80,47 +78,9 @@ class LLMEngine:
         self.device = p.device if p is not None else torch.device("cpu")
         cache_dtype = self.config.cache_dtype or (p.dtype if p is not None else torch.float32)
         cfg = self.config
-        snapshot_slots = cfg.snapshot_slots(cache_spec(self.model_config, cfg.page_size, cache_dtype, cfg.fp8_latent).kda.bytes_per_sequence)
-        # a speculating engine keeps the KDA state after each of k verified positions per sequence (serve/spec_states.py)
         self._spec = speculative or SpeculativeConfig()
-        drafts = [d for d in (draft_model, mtp_layer, eagle3_head) if d is not None]
-        spec_k = self._spec.num_speculative_tokens if drafts else 0
-        verify_slots = cfg.max_num_seqs * spec_k
-        num_pages = cfg.num_pages or CacheManager.num_pages_for_memory(
-            self.model_config,
-            cfg.cache_memory_bytes,
-            cfg.page_size,
-            cfg.max_num_seqs + snapshot_slots + verify_slots,
-            cache_dtype,
-            cfg.fp8_latent,
-            latent_shards,
-        )
-        prefix = None
-        if cfg.enable_prefix_caching:
-            prefix = PrefixCacheConfig(
-                match_unit=cfg.prefix_match_unit,
-                snapshot_interval=cfg.prefix_snapshot_interval,
-                prompt_snapshots=cfg.prefix_prompt_snapshots,
-                shared_prefill=cfg.prefix_shared_prefill,
-                num_snapshot_slots=snapshot_slots,
-                salt=model_salt(self.model_config, model if isinstance(model, torch.nn.Module) else None, cache_dtype, cfg.fp8_latent),
-                host_bytes=cfg.cpu_offload_bytes,
-                disk_dir=cfg.disk_offload_dir,
-                disk_bytes=cfg.disk_offload_bytes,
-            )
-        self.cache = CacheManager(
-            self.model_config,
-            num_pages,
-            cfg.page_size,
-            cfg.max_num_seqs,
-            dtype=cache_dtype,
-            device=self.device,
-            prefix=prefix,
-            scratch=cfg.cuda_graphs,
-            fp8_latent=cfg.fp8_latent,
-            verify_slots=verify_slots,
-            latent_shards=latent_shards,
-        )
+        speculating = check_drafts(cfg, draft_model, mtp_layer, eagle3_head)
+        self.cache, num_pages = build_cache(model, cfg, cache_dtype, self.device, self._spec.num_speculative_tokens if speculating else 0, latent_shards)
         capacity = num_pages * cfg.page_size
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
@@ -140,25 +100,7 @@ class LLMEngine:
             self.scheduler.encoder_cost = self.encoder_cache.cost
         self._cache_dtype = cache_dtype
         self.weight_version = 0  # weights_changed() counts the in-place updates (parallel/weight_update.py)
-        self.proposer: DraftProposer | MTPProposer | Eagle3Proposer | None = None
-        if len(drafts) > 1:
-            raise ValueError("more than one of a draft model, an MTP layer and an EAGLE-3 head were given: speculative decoding takes one draft")
-        if drafts and cfg.cuda_graphs:
-            raise ValueError("speculative decoding with EngineConfig.cuda_graphs=True is not supported yet (issue 39)")
-        if mtp_layer is not None:
-            self.proposer = MTPProposer(mtp_layer, self._spec.num_speculative_tokens, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
-            self.runner.keep_hidden = True
-        if eagle3_head is not None:
-            if not isinstance(model, K3ForCausalLM):
-                raise ValueError("an EAGLE-3 head reads the target's layer hidden states: the target must be a single-process K3ForCausalLM")
-            self.proposer = Eagle3Proposer(eagle3_head, self._spec.num_speculative_tokens, cfg.seed)
-            self.runner.keep_hidden = True
-            self.runner.aux_layers = eagle3_head.config.aux_layer_ids
-        if draft_model is not None:
-            if draft_model.config.vocab_size != self.model_config.vocab_size:
-                v, t = draft_model.config.vocab_size, self.model_config.vocab_size
-                raise ValueError(f"draft model vocab_size={v} differs from the target's {t}: a draft must share the tokenizer")
-            self.proposer = DraftProposer(draft_model, self._spec.num_speculative_tokens, cfg.max_num_seqs, self.max_model_len, cfg.page_size, cfg.seed)
+        self.proposer = build_proposer(model, cfg, self._spec.num_speculative_tokens, self.max_model_len, self.runner, draft_model, mtp_layer, eagle3_head)
         if cfg.cuda_graphs:
             capture = CudaGraphCapture(self.device)
             max_batch = cfg.cuda_graph_max_batch or cfg.max_num_seqs

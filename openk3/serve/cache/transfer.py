@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from openk3.model.batch import CacheTensors, CopyEntry, MirrorDrop, MirrorLoad, MirrorOp, MirrorPack, MirrorSpill, TierLoad
+from openk3.model.batch import CacheTensors, CopyEntry, MirrorLoad, MirrorOp, TierLoad
 
 
 class MirrorStore(Protocol):
@@ -90,7 +90,7 @@ def replay(tensors: CacheTensors, copies: Sequence[CopyEntry], mirror: MirrorSto
         if isinstance(entry, TierLoad):
             unpack(entry.buffer, tensors, entry.slot, entry.page_ids, entry.num_tokens)
             continue
-        if isinstance(entry, MirrorPack | MirrorLoad | MirrorSpill | MirrorDrop):
+        if isinstance(entry, MirrorOp):
             if mirror is None:
                 raise ValueError(f"replay: a tier mirror op ({type(entry).__name__}) for pools without a tier mirror")
             mirror.apply(tensors, entry)
